@@ -1,0 +1,36 @@
+"""Lightning-indexer scoring and top-k selection (reference).
+
+``score(t, n) = Σ_h w[t,h] · ReLU(q[t,h] · k[n])`` over the compressed indexer keys; an
+entry is visible to query position ``t`` only if ``n < (t + 1) // ratio``. The top-k is
+deterministic: higher score first, ties broken by the lower entry index, so every
+implementation (and every chunk schedule) selects the same set. Slots beyond the visible
+count are −1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def indexer_scores_ref(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """q ``[T, nH, dI]``, k ``[N, dI]``, w ``[T, nH]`` (already scaled) → ``[T, N]`` fp32."""
+    s = torch.einsum("thd,nd->thn", q.to(torch.float32), k.to(torch.float32)).relu_()
+    return torch.einsum("thn,th->tn", s, w.to(torch.float32))
+
+
+def indexer_topk_ref(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor,
+                     ratio: int, topk: int) -> torch.Tensor:
+    """Selected entry ids ``[T, topk]`` int64, −1 where fewer than ``topk`` are visible."""
+    T, N = q.shape[0], k.shape[0]
+    out = torch.full((T, topk), -1, dtype=torch.int64, device=q.device)
+    if N == 0:
+        return out
+    s = indexer_scores_ref(q, k, w)
+    visible = torch.arange(N, device=q.device).view(1, N) < ((positions.view(T, 1) + 1) // ratio)
+    s = s.masked_fill(~visible, float("-inf"))
+    # NOTE: stable descending sort = ties keep ascending index order, which is the tie-break rule.
+    order = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :topk]
+    kk = order.shape[1]
+    picked_visible = torch.gather(visible, 1, order)
+    out[:, :kk] = torch.where(picked_visible, order, torch.full_like(order, -1))
+    return out

@@ -1,0 +1,18 @@
+"""Version numbers that gate sharing of cached state and of messages.
+
+Bump ``CACHE_FORMAT_VERSION`` whenever the bytes a form stores change meaning (layout,
+dtype, what a tail snapshot holds); bump ``KERNEL_ABI_VERSION`` whenever a kernel reads
+those bytes differently. Both enter the namespace hash, so blocks written under an old
+version can never match a request served by a new one.
+"""
+
+from typing import Final
+
+#: Version of every NATS message schema and event payload (``shared.messages``).
+SCHEMA_VERSION: Final = 1
+#: Layout of cached bytes in pools, host memory and offload files.
+CACHE_FORMAT_VERSION: Final = 1
+#: What the kernels expect of the bytes they read (strides, scales, quantisation).
+KERNEL_ABI_VERSION: Final = 1
+#: Header version of offload files on the shared disk tier.
+OFFLOAD_FILE_VERSION: Final = 1
