@@ -1,0 +1,1 @@
+"""The coordinator: the single authority on cache-block state, backed by an append-only log."""

@@ -1,0 +1,279 @@
+"""Configuration: one YAML file plus ``KVL_*`` environment overrides, validated at load.
+
+Overrides name a key path with ``__`` between levels, e.g. ``KVL_CACHE__BLOCK_SIZE=32`` or
+``KVL_CACHE__HIT_VALIDATION__CHECK_TAIL=false``; values are parsed as YAML scalars. Two
+short forms exist for the URLs operators set most: ``KVL_DATABASE_URL``, ``KVL_NATS_URL``.
+
+Every error names the key (``cache.block_size``) and what is allowed. An unknown key is an
+error, not a silently ignored typo.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+
+Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+PosInt = Annotated[int, msgspec.Meta(gt=0)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the key and what is allowed."""
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class HitValidation(_Section):
+    """Which forms' reused replicas are validated before a kernel reads them."""
+    check_compressed: bool = True
+    check_tail: bool = True
+    check_swa: bool = True
+    check_indexer: bool = True
+    check_offload: bool = True
+    #: The four layers, each switchable: presence, kernel ABI, form intersection, integrity.
+    layers: list[Literal["presence", "abi", "intersection", "integrity"]] = msgspec.field(
+        default_factory=lambda: ["presence", "abi", "intersection", "integrity"])
+
+
+class CacheConfig(_Section):
+    block_size: Annotated[int, msgspec.Meta(gt=0, le=4096)] = 16
+    compressed_pool_limit: Fraction = 0.7
+    tail_pool_limit: Fraction = 0.1
+    swa_pool_limit: Fraction = 0.1
+    offload_pool_limit: Fraction = 0.1
+    offload_dir: str = ""
+    #: Host-memory tier size in bytes (0 = no host tier).
+    host_tier_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * 2**20
+    hit_validation: HitValidation = msgspec.field(default_factory=HitValidation)
+    on_invalid: Literal["refill", "error"] = "refill"
+    #: Prefill chunk length in blocks (the exactness rule keeps chunks block-aligned).
+    chunk_blocks: PosInt = 4
+
+
+class ServiceConfig(_Section):
+    max_concurrency: PosInt = 32
+    max_context_length: PosInt = 8192
+    cache_reserve_ratio: Fraction = 0.7
+    batch_window_ms: Annotated[int, msgspec.Meta(ge=0)] = 20
+    request_timeout_ms: PosInt = 60000
+    queue_size: Annotated[int, msgspec.Meta(ge=0)] = 256
+    queue_timeout_ms: PosInt = 30000
+    max_body_bytes: PosInt = 4 * 2**20
+
+
+class DatabaseConfig(_Section):
+    #: ``postgresql+asyncpg://…``; empty = start an embedded PostgreSQL (pgserver).
+    url: str = ""
+    pool_size: PosInt = 5
+    connect_timeout_ms: PosInt = 3000
+
+
+class NatsConfig(_Section):
+    #: ``nats://host:port``; empty = start an embedded nats-server with JetStream.
+    url: str = ""
+    subject_prefix: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")] = "kvl"
+    request_timeout_ms: PosInt = 2000
+    #: JetStream duplicate window: redeliveries inside it are dropped by the broker too.
+    duplicate_window_s: PosInt = 120
+    stream_max_age_s: PosInt = 7 * 86400
+
+
+class CoordinatorConfig(_Section):
+    host: str = "127.0.0.1"
+    port: Port = 8321
+    #: Bearer token for the admin REST API; empty = read KVL_ADMIN_TOKEN, else no auth on loopback only.
+    admin_token: str = ""
+    lease_ttl_ms: PosInt = 30000
+    heartbeat_interval_ms: PosInt = 1000
+    #: Heartbeats missed before a worker is declared lost (its replicas LOST, leases released).
+    missed_heartbeats: PosInt = 5
+    commit_batch_ms: Annotated[int, msgspec.Meta(ge=0)] = 2
+    commit_batch_max: PosInt = 2000
+    snapshot_every_events: PosInt = 100_000
+    #: Per-tenant cap on READY+ALLOCATED replicas across all workers (0 = unlimited).
+    tenant_quota_replicas: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class WorkerConfig(_Section):
+    worker_id: str = ""
+    host: str = "127.0.0.1"
+    port: Port = 8400
+    #: ``cpu``, ``cuda``, ``cuda:N``.
+    device: str = "cpu"
+    #: Directory with config.json + *.safetensors (+ tokenizer.json); empty = tiny seeded model.
+    model_dir: str = ""
+    #: Memory the pools may take in bytes; cache_reserve_ratio of it goes to cached forms.
+    pool_bytes: PosInt = 64 * 2**20
+    outbox_max: PosInt = 100_000
+    outbox_resend_ms: PosInt = 2000
+
+
+class ApiKey(_Section):
+    #: sha256 hex of the key; keys are never stored in clear.
+    key_sha256: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+    tenant: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_\-]{1,64}$")]
+    max_concurrency: Annotated[int, msgspec.Meta(ge=0)] = 0
+    cache_quota_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class AuthConfig(_Section):
+    #: No keys configured and ``required`` false = every request is tenant ``default``.
+    required: bool = False
+    keys: list[ApiKey] = []
+    #: A YAML file with a ``keys:`` list of the same shape (merged with ``keys``).
+    keys_file: str = ""
+    #: Secret from which each tenant's hash salt is derived; empty = per-state-dir random.
+    salt_secret: str = ""
+
+
+class LoggingConfig(_Section):
+    format: Literal["json", "console", "auto"] = "auto"
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class Config(_Section):
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    service: ServiceConfig = msgspec.field(default_factory=ServiceConfig)
+    database: DatabaseConfig = msgspec.field(default_factory=DatabaseConfig)
+    nats: NatsConfig = msgspec.field(default_factory=NatsConfig)
+    coordinator: CoordinatorConfig = msgspec.field(default_factory=CoordinatorConfig)
+    worker: WorkerConfig = msgspec.field(default_factory=WorkerConfig)
+    auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    #: Where embedded services and local state live.
+    state_dir: str = ".kvl-state"
+
+
+_AT = re.compile(r" - at `\$((?:\.[A-Za-z0-9_]+|\[\d+\])*)`$")
+_UNKNOWN = re.compile(r"Object contains unknown field `([^`]+)`")
+
+
+def _section_at(path: list[str]) -> type[msgspec.Struct] | None:
+    t: Any = Config
+    for p in path:
+        if p.startswith("["):
+            return None
+        fields = {f.name: f.type for f in msgspec.structs.fields(t)}
+        if p not in fields:
+            return None
+        t = fields[p]
+        if not (isinstance(t, type) and issubclass(t, msgspec.Struct)):
+            return None
+    return t
+
+
+def _explain(err: msgspec.ValidationError) -> ConfigError:
+    msg = str(err)
+    m = _AT.search(msg)
+    path = [p for p in re.split(r"\.|(?=\[)", m.group(1)) if p] if m else []
+    detail = _AT.sub("", msg)
+    u = _UNKNOWN.search(detail)
+    if u:
+        section = _section_at(path)
+        allowed = sorted(f.name for f in msgspec.structs.fields(section)) if section else []
+        key = ".".join([*path, u.group(1)]).replace(".[", "[")
+        return ConfigError(f"config key {key}: unknown key; allowed here: {', '.join(allowed)}")
+    key = ".".join(path).replace(".[", "[") or "(top level)"
+    if "Invalid enum value" in detail and path:
+        section = _section_at(path[:-1])
+        ftype = {f.name: f.type for f in msgspec.structs.fields(section)}.get(path[-1]) if section else None
+        if ftype is not None and typing.get_origin(ftype) is Literal:
+            detail += f"; allowed: {', '.join(map(str, typing.get_args(ftype)))}"
+    return ConfigError(f"config key {key}: {detail}")
+
+
+def _set_path(doc: dict[str, Any], path: list[str], value: Any, env_name: str) -> None:
+    cur = doc
+    for p in path[:-1]:
+        nxt = cur.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{env_name}: {'.'.join(path[:-1])} is not a section")
+        cur = nxt
+    cur[path[-1]] = value
+
+
+def apply_env(doc: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    for name, raw in sorted(env.items()):
+        if not name.startswith("KVL_"):
+            continue
+        if name == "KVL_DATABASE_URL":
+            path = ["database", "url"]
+        elif name == "KVL_NATS_URL":
+            path = ["nats", "url"]
+        elif "__" in name:
+            path = [p.lower() for p in name[4:].split("__")]
+        else:
+            continue  # other KVL_* variables (KVL_TEST_*, KVL_ADMIN_TOKEN, …) are not config keys
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{name}: value is not a YAML scalar: {e}") from e
+        if name.endswith("URL") or path[-1] in ("url", "admin_token", "salt_secret", "offload_dir"):
+            value = raw  # never reinterpret strings such as URLs or secrets
+        _set_path(doc, path, value, name)
+    return doc
+
+
+def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> Config:
+    """Read ``path`` (or ``$KVL_CONFIG``; none = defaults), apply env overrides, validate."""
+    env = os.environ if env is None else env
+    path = path or env.get("KVL_CONFIG") or None
+    doc: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {p}: {e.strerror}") from e
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p}: the top level must be a mapping of sections")
+        doc = loaded
+    doc = apply_env(doc, env)
+    for dotted, value in (overrides or {}).items():
+        _set_path(doc, dotted.split("."), value, dotted)
+    return parse_config(doc)
+
+
+def parse_config(doc: Mapping[str, Any]) -> Config:
+    try:
+        cfg = msgspec.convert(dict(doc), Config)
+    except msgspec.ValidationError as e:
+        raise _explain(e) from None
+    _cross_check(cfg)
+    return cfg
+
+
+def _cross_check(cfg: Config) -> None:
+    c = cfg.cache
+    total = c.compressed_pool_limit + c.tail_pool_limit + c.swa_pool_limit + c.offload_pool_limit
+    if total > 1.0 + 1e-9:
+        raise ConfigError(
+            "config keys cache.*_pool_limit: compressed + tail + swa + offload limits sum to "
+            f"{total:.3f}; they are fractions of one pool budget and may sum to at most 1.0")
+    if cfg.service.max_context_length % 1 or cfg.service.max_context_length < c.block_size:
+        raise ConfigError(f"config key service.max_context_length: must be ≥ cache.block_size ({c.block_size})")
+    if cfg.database.url and not cfg.database.url.startswith(("postgresql", "postgres")):
+        raise ConfigError("config key database.url: expected a postgresql:// or postgresql+asyncpg:// URL")
+    if cfg.nats.url and not cfg.nats.url.startswith(("nats://", "tls://", "ws://", "wss://")):
+        raise ConfigError("config key nats.url: expected a nats:// URL")
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return msgspec.to_builtins(cfg)

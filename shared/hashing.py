@@ -1,0 +1,89 @@
+"""Block identity: chained 128-bit hashes, salted per tenant, scoped per namespace.
+
+``h_i = H(h_{i-1} ‖ namespace ‖ tenant_salt ‖ tokens_i ‖ extra_keys_i)``
+
+* BLAKE2b with a 16-byte digest, not Python's ``hash()`` (randomised per process) and not a
+  non-cryptographic hash: a tenant who could craft two prefixes with one hash would be
+  served the other prefix's cache — a wrong answer. (vLLM moved its prefix hash to SHA-256
+  for the same reason.) Cache *content* checksums, where the threat is corruption, not an
+  adversary, use xxh3 (see ``checksum``).
+* Every field is length-prefixed and tokens are packed as little-endian uint32, so the
+  encoding is unambiguous and identical on every machine.
+* The namespace binds the model id, a digest of the loaded weights, the cache format
+  version and the kernel ABI: two workers share a block only if they would compute the
+  same bits for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
+
+import xxhash
+
+from shared.ids import ROOT_HASH, BlockHash, Namespace
+from shared.versions import CACHE_FORMAT_VERSION, KERNEL_ABI_VERSION
+
+_DOMAIN_BLOCK = b"kvl.block.v1"
+_DOMAIN_NS = b"kvl.namespace.v1"
+_MAX_TOKEN = 2**32 - 1
+
+
+def _field(b: bytes) -> bytes:
+    return struct.pack("<I", len(b)) + b
+
+
+def namespace_hash(model_id: str, weights_digest: str, *,
+                   cache_format_version: int = CACHE_FORMAT_VERSION,
+                   kernel_abi_version: int = KERNEL_ABI_VERSION) -> Namespace:
+    """Hash of everything that decides whether two workers compute the same cache bits."""
+    h = hashlib.blake2b(digest_size=16, person=b"kvl-namespace")
+    h.update(_DOMAIN_NS)
+    for part in (model_id.encode(), weights_digest.encode(),
+                 struct.pack("<II", cache_format_version, kernel_abi_version)):
+        h.update(_field(part))
+    return Namespace(h.hexdigest())
+
+
+def block_hash(parent: BlockHash, tokens: Sequence[int], namespace: Namespace,
+               tenant_salt: bytes, extra_keys: Sequence[str] = ()) -> BlockHash:
+    """Hash of one block given its parent's hash (``ROOT_HASH`` for the first block)."""
+    if len(parent) != 32:
+        raise ValueError(f"parent hash must be 32 hex characters, got {len(parent)}")
+    for t in tokens:
+        if not 0 <= t <= _MAX_TOKEN:
+            raise ValueError(f"token id {t} outside 0..{_MAX_TOKEN}")
+    h = hashlib.blake2b(digest_size=16, person=b"kvl-block")
+    h.update(_DOMAIN_BLOCK)
+    h.update(_field(bytes.fromhex(parent)))
+    h.update(_field(bytes.fromhex(namespace)))
+    h.update(_field(tenant_salt))
+    h.update(_field(struct.pack(f"<{len(tokens)}I", *tokens)))
+    h.update(struct.pack("<I", len(extra_keys)))
+    for k in extra_keys:
+        h.update(_field(k.encode()))
+    return BlockHash(h.hexdigest())
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int, namespace: Namespace,
+                 tenant_salt: bytes, extra_keys: Iterable[Sequence[str]] | None = None) -> list[BlockHash]:
+    """Hashes of every *whole* block of ``tokens`` (a trailing partial block has none).
+
+    ``extra_keys`` optionally gives per-block keys (e.g. image hashes overlapping the block).
+    """
+    if block_size <= 0:
+        raise ValueError("block_size must be > 0")
+    extras = list(extra_keys) if extra_keys is not None else []
+    out: list[BlockHash] = []
+    parent = ROOT_HASH
+    for i in range(len(tokens) // block_size):
+        ek = extras[i] if i < len(extras) else ()
+        parent = block_hash(parent, tokens[i * block_size:(i + 1) * block_size], namespace, tenant_salt, ek)
+        out.append(parent)
+    return out
+
+
+def checksum(data: bytes | memoryview) -> str:
+    """Integrity checksum of cached bytes (xxh3-128 hex): detects corruption, fast."""
+    return xxhash.xxh3_128_hexdigest(data)

@@ -1,0 +1,67 @@
+"""structlog setup: JSON lines by default, readable on a terminal, and never any content.
+
+The redaction processor removes prompt text, token ids and cache contents from every event
+before it is rendered, whatever a caller passed: keys that name such content are replaced
+by ``"<redacted>"`` and any string longer than ``MAX_FIELD_CHARS`` is cut to its length.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import MutableMapping
+from typing import Any
+
+import structlog
+
+#: Keys whose values are content, never to be logged.
+REDACTED_KEYS = frozenset({
+    "prompt", "prompts", "text", "content", "messages", "completion", "choices", "tokens",
+    "token_ids", "input_ids", "output_ids", "logits", "kv", "tensor", "payload", "data",
+    "body", "stop", "api_key", "authorization", "salt", "tenant_salt",
+})
+MAX_FIELD_CHARS = 512
+
+
+def redact_content(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    for key in list(event.keys()):
+        if key in ("event", "level", "timestamp", "logger", "exception"):
+            continue
+        value = event[key]
+        if key.lower() in REDACTED_KEYS:
+            event[key] = "<redacted>"
+        elif isinstance(value, (list, tuple)) and len(value) > 16:
+            event[key] = f"<{type(value).__name__} of {len(value)} items>"
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            event[key] = f"<{len(value)} bytes>"
+        elif isinstance(value, str) and len(value) > MAX_FIELD_CHARS:
+            event[key] = f"<{len(value)} chars>"
+        elif type(value).__name__ == "Tensor":
+            event[key] = "<tensor>"
+    return event
+
+
+def configure_logging(fmt: str = "auto", level: str = "info", stream: Any = None) -> None:
+    """Configure structlog for the process. ``fmt``: json | console | auto (console on a TTY)."""
+    stream = stream or sys.stderr
+    if fmt == "auto":
+        fmt = "console" if getattr(stream, "isatty", lambda: False)() else "json"
+    renderer: Any = (structlog.dev.ConsoleRenderer(colors=False) if fmt == "console"
+                     else structlog.processors.JSONRenderer())
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            redact_content,
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        cache_logger_on_first_use=False,
+    )
+
+
+def get_logger(name: str) -> Any:
+    return structlog.get_logger(name)

@@ -1,0 +1,279 @@
+"""Every message between workers and the coordinator: versioned, frozen msgspec structs.
+
+One tagged union (``type`` field) covers NATS request/reply bodies, JetStream transition
+events and control messages; the same structs are the payload stored in the event log.
+Wire format is JSON (readable with ``nats sub``; the log stores it as JSONB).
+
+Decoding is two-phase: an envelope (``type``, ``v``) is read first so that an unknown type
+or an unsupported schema version gets a clear :class:`MessageError` naming what was
+received and what is accepted, instead of a confusing field error.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+
+from shared.forms import FormCatalogue
+from shared.ids import BlockHash, Epoch, Generation, LeaseId, Namespace, Seq, TenantId, WorkerId
+from shared.versions import SCHEMA_VERSION
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Pos = Annotated[int, msgspec.Meta(gt=0)]
+Hex32 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$")]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
+
+
+class ReplicaState(enum.StrEnum):
+    ALLOCATED = "ALLOCATED"
+    READY = "READY"
+    EVICTED = "EVICTED"
+    INVALID = "INVALID"
+    LOST = "LOST"
+
+
+class ErrorCode(enum.StrEnum):
+    UNAVAILABLE = "unavailable"        # the log (PostgreSQL) cannot be written right now
+    OVER_CAPACITY = "over_capacity"    # pool or tenant quota full and nothing evictable
+    FENCED = "fenced"                  # the caller's epoch or the replica's generation is stale
+    INVALID = "invalid"                # the message itself is malformed or illegal
+    NOT_FOUND = "not_found"            # unknown lease, worker or block
+    NOT_LEADER = "not_leader"          # this coordinator is a standby
+
+
+class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type", kw_only=True):
+    v: int = SCHEMA_VERSION
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+# --- registration and liveness -------------------------------------------------------
+
+class WorkerRegister(_Msg, tag="worker.register", kw_only=True):
+    worker_id: Name
+    namespace: Hex32
+    catalogue: FormCatalogue
+    #: Pool slots per form (one slot holds one block of that form).
+    pool_slots: dict[str, NonNeg] = {}
+    #: Where the worker serves (for operators), e.g. ``http://127.0.0.1:8400``.
+    endpoint: str = ""
+
+
+class RegisterReply(_Msg, tag="worker.registered", kw_only=True):
+    worker_id: Name
+    epoch: Pos
+    heartbeat_interval_ms: Pos = 1000
+    lease_ttl_ms: Pos = 30000
+
+
+class Heartbeat(_Msg, tag="worker.heartbeat", kw_only=True):
+    worker_id: Name
+    epoch: Pos
+    #: Replicas per form the worker holds READY (for drift hints; the log is authoritative).
+    ready: dict[str, NonNeg] = {}
+
+
+class HeartbeatReply(_Msg, tag="worker.heartbeat.ok", kw_only=True):
+    #: Highest transition seq of this worker epoch committed to the log (commit watermark).
+    committed_seq: NonNeg
+
+
+# --- leases --------------------------------------------------------------------------
+
+class ReplicaRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A READY replica a read lease pins: where it is and which generation to expect."""
+
+    block_hash: Hex32
+    form: Name
+    location: str
+    generation: NonNeg
+    checksum: str = ""
+
+
+class LeaseAcquire(_Msg, tag="lease.acquire", kw_only=True):
+    worker_id: Name
+    epoch: Pos
+    request_id: Name = "r"
+    namespace: Hex32
+    tenant: Name = TenantId("default")
+    #: Chained hashes of the request's whole blocks, in order.
+    block_hashes: list[Hex32] = []
+    #: Forms the worker will write for blocks it computes (must be declared by its catalogue).
+    write_forms: list[Name] = []
+    #: Allow reuse (False = a cache-disabled request: no read lease, only writes if any).
+    reuse: bool = True
+    ttl_ms: Pos = 30000
+
+
+class LeaseGrant(_Msg, tag="lease.granted", kw_only=True):
+    lease_id: Name
+    expires_at_ms: NonNeg = 0
+    #: Longest usable prefix, in blocks; 0 = nothing reusable.
+    usable_blocks: NonNeg = 0
+    #: Replicas pinned for reading (every form needed for the usable prefix).
+    read: list[ReplicaRef] = []
+    #: Blocks (by index into the request's block_hashes) the worker may fill, per form.
+    write: dict[str, list[NonNeg]] = {}
+    #: Replicas the worker must drop before filling (LRU victims, already EVICTED in the log).
+    evict: list[ReplicaRef] = []
+    #: Why each longer boundary was rejected, longest first (for metrics and debugging).
+    rejected: list[str] = []
+
+
+class LeaseRenew(_Msg, tag="lease.renew", kw_only=True):
+    worker_id: Name
+    epoch: Pos
+    lease_id: Name
+    ttl_ms: Pos = 30000
+
+
+class LeaseRenewed(_Msg, tag="lease.renewed", kw_only=True):
+    lease_id: Name
+    expires_at_ms: NonNeg = 0
+
+
+class LeaseRelease(_Msg, tag="lease.release", kw_only=True):
+    worker_id: Name
+    epoch: Pos
+    lease_id: Name
+
+
+class LeaseReleased(_Msg, tag="lease.released", kw_only=True):
+    lease_id: Name
+
+
+class ErrorReply(_Msg, tag="error", kw_only=True):
+    code: ErrorCode = ErrorCode.INVALID
+    message: str = ""
+    retry_after_ms: NonNeg = 0
+
+
+# --- state transitions (JetStream) ---------------------------------------------------
+
+class TransitionEvent(_Msg, tag="transition", kw_only=True):
+    """One replica state change, as a worker publishes it and as the log stores it.
+
+    A superset of the fields public KV-event streams carry (event id, tenant, medium,
+    block size, parent hash, block hashes, model name).
+    """
+
+    worker_id: Name
+    epoch: Pos
+    seq: Pos
+    namespace: Hex32
+    tenant: Name = TenantId("default")
+    block_hash: Hex32
+    parent_hash: Hex32
+    token_start: NonNeg = 0
+    token_end: NonNeg = 0
+    form: Name = "compressed"
+    #: ``gpu:<worker>``, ``host:<node>`` or ``disk`` (the "medium" of other event streams).
+    location: str = ""
+    from_state: ReplicaState | None = None
+    to_state: ReplicaState = ReplicaState.READY
+    generation: NonNeg = Generation(0)
+    checksum: str = ""
+    lease_id: str = ""
+    reason: str = ""
+    block_size: Pos = 16
+    model_name: str = ""
+    ts_ms: NonNeg = 0
+
+    @property
+    def source_id(self) -> str:
+        """``<worker>.<epoch>.<seq>``: the Nats-Msg-Id and the log's unique source key."""
+        return f"{self.worker_id}.{self.epoch}.{self.seq}"
+
+
+class CommitWatermark(_Msg, tag="watermark", kw_only=True):
+    """Published by the coordinator after each commit: seqs ≤ ``seq`` of this epoch are durable."""
+
+    worker_id: Name
+    epoch: Pos
+    seq: NonNeg
+
+
+# --- audit and control ---------------------------------------------------------------
+
+class InventoryRequest(_Msg, tag="inventory.request", kw_only=True):
+    request_id: Name = "audit"
+
+
+class InventoryItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    block_hash: Hex32
+    form: Name
+    location: str
+    generation: NonNeg
+    state: ReplicaState
+
+
+class InventoryReply(_Msg, tag="inventory.reply", kw_only=True):
+    worker_id: Name
+    epoch: Pos
+    items: list[InventoryItem] = []
+
+
+class Control(_Msg, tag="control", kw_only=True):
+    action: Literal["evict", "drain", "invalidate_namespace", "invalidate_block"] = "drain"
+    namespace: str = ""
+    block_hash: str = ""
+    reason: str = ""
+
+
+class ControlAck(_Msg, tag="control.ack", kw_only=True):
+    worker_id: Name
+    affected: NonNeg = 0
+
+
+Message = Union[
+    WorkerRegister, RegisterReply, Heartbeat, HeartbeatReply,
+    LeaseAcquire, LeaseGrant, LeaseRenew, LeaseRenewed, LeaseRelease, LeaseReleased, ErrorReply,
+    TransitionEvent, CommitWatermark,
+    InventoryRequest, InventoryReply, Control, ControlAck,
+]
+MESSAGE_TYPES: dict[str, type[_Msg]] = {
+    t.__struct_config__.tag: t for t in Message.__args__  # type: ignore[attr-defined]
+}
+
+
+class MessageError(ValueError):
+    """A message that cannot be accepted: malformed, unknown type or unsupported version."""
+
+
+class _Envelope(msgspec.Struct):
+    type: str = ""
+    v: int = -1
+
+
+_envelope = msgspec.json.Decoder(_Envelope)
+_decoder = msgspec.json.Decoder(Message)
+_encoder = msgspec.json.Encoder()
+
+
+def encode(msg: _Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes | memoryview | str, expect: type[_Msg] | tuple[type[_Msg], ...] | None = None) -> Any:
+    """Decode and validate one message; ``expect`` restricts the accepted types."""
+    try:
+        env = _envelope.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise MessageError(f"not a kvledger message (expected a JSON object with 'type' and 'v'): {e}") from e
+    if env.type not in MESSAGE_TYPES:
+        raise MessageError(f"unknown message type {env.type!r}; known: {sorted(MESSAGE_TYPES)}")
+    if env.v != SCHEMA_VERSION:
+        raise MessageError(f"message {env.type!r} has schema version {env.v}; this build speaks v{SCHEMA_VERSION}")
+    try:
+        msg = _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise MessageError(f"invalid {env.type!r} message: {e}") from e
+    if expect is not None and not isinstance(msg, expect):
+        names = [t.__struct_config__.tag for t in (expect if isinstance(expect, tuple) else (expect,))]
+        raise MessageError(f"expected a message of type {names}, got {env.type!r}")
+    return msg

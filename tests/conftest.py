@@ -1,0 +1,100 @@
+"""Fixtures backed by real servers.
+
+``KVL_TEST_DATABASE_URL`` / ``KVL_TEST_NATS_URL`` name servers to use (this machine runs
+both); otherwise one embedded PostgreSQL and one embedded nats-server are started for the
+session. Each test then gets its own database and its own NATS subject prefix (hence its
+own JetStream stream), so tests never see each other's state and can run in parallel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import asyncpg
+import nats
+import pytest
+
+from shared.embedded import Services, start_services
+from shared.subjects import Subjects
+
+
+@pytest.fixture(scope="session")
+def services() -> Iterator[Services]:
+    state = tempfile.mkdtemp(prefix="kvl-test-services-")
+    svc = start_services(os.environ.get("KVL_TEST_DATABASE_URL", ""),
+                         os.environ.get("KVL_TEST_NATS_URL", ""), state)
+    try:
+        yield svc
+    finally:
+        svc.stop()
+
+
+def _admin_dsn(url: str) -> str:
+    return url.replace("postgresql+asyncpg://", "postgresql://")
+
+
+def _with_db(url: str, db: str) -> str:
+    base, _, _ = url.rpartition("/")
+    return f"{base}/{db}"
+
+
+@pytest.fixture
+def database_url(services: Services) -> Iterator[str]:
+    """A fresh, empty database for this test (dropped afterwards)."""
+    name = f"kvl_t_{uuid.uuid4().hex[:12]}"
+
+    async def create() -> None:
+        conn = await asyncpg.connect(_admin_dsn(services.database_url))
+        try:
+            await conn.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await conn.close()
+
+    async def drop() -> None:
+        conn = await asyncpg.connect(_admin_dsn(services.database_url))
+        try:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await conn.close()
+
+    asyncio.run(create())
+    try:
+        yield _with_db(_admin_dsn(services.database_url), name)
+    finally:
+        asyncio.run(drop())
+
+
+@pytest.fixture
+def nats_url(services: Services) -> str:
+    return services.nats_url
+
+
+@pytest.fixture
+def subjects(services: Services) -> Iterator[Subjects]:
+    """A unique subject prefix (and JetStream stream) for this test; the stream is deleted after."""
+    subj = Subjects(prefix=f"kvlt{uuid.uuid4().hex[:10]}")
+    yield subj
+
+    async def cleanup() -> None:
+        nc = await nats.connect(services.nats_url)
+        try:
+            js = nc.jetstream()
+            try:
+                await js.delete_stream(subj.stream_name)
+            except Exception:  # noqa: BLE001 - the test may never have created it
+                pass
+        finally:
+            await nc.drain()
+
+    asyncio.run(cleanup())
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[nats.NATS]:
+    conn = await nats.connect(nats_url)
+    yield conn
+    await conn.drain()

@@ -1,0 +1,128 @@
+"""Configuration: every documented key parses; bad values fail naming the key."""
+
+from pathlib import Path
+
+import pytest
+
+from shared.config import ConfigError, load_config, parse_config
+
+FULL = {
+    "cache": {
+        "block_size": 32, "compressed_pool_limit": 0.6, "tail_pool_limit": 0.1, "swa_pool_limit": 0.2,
+        "offload_pool_limit": 0.1, "offload_dir": "/data/cache_offload",
+        "hit_validation": {"check_compressed": False, "check_tail": True, "check_swa": False,
+                           "check_indexer": True, "check_offload": False},
+        "on_invalid": "error",
+    },
+    "service": {"max_concurrency": 8, "max_context_length": 4096, "cache_reserve_ratio": 0.5,
+                "batch_window_ms": 5, "request_timeout_ms": 1000},
+    "database": {"url": "postgresql://u@h/db"},
+    "nats": {"url": "nats://h:4222", "subject_prefix": "prod.kvl"},
+    "coordinator": {"host": "0.0.0.0", "port": 9000, "admin_token": "s3cret"},
+    "worker": {"host": "0.0.0.0", "port": 9100},
+    "auth": {"required": True, "keys": [{"key_sha256": "a" * 64, "tenant": "acme"}]},
+}
+
+
+def test_every_operator_key_parsed() -> None:
+    cfg = parse_config(FULL)
+    c = cfg.cache
+    assert (c.block_size, c.compressed_pool_limit, c.tail_pool_limit, c.swa_pool_limit, c.offload_pool_limit) == (
+        32, 0.6, 0.1, 0.2, 0.1)
+    assert c.offload_dir == "/data/cache_offload" and c.on_invalid == "error"
+    hv = c.hit_validation
+    assert (hv.check_compressed, hv.check_tail, hv.check_swa, hv.check_indexer, hv.check_offload) == (
+        False, True, False, True, False)
+    s = cfg.service
+    assert (s.max_concurrency, s.max_context_length, s.cache_reserve_ratio, s.batch_window_ms,
+            s.request_timeout_ms) == (8, 4096, 0.5, 5, 1000)
+    assert cfg.database.url == "postgresql://u@h/db" and cfg.nats.url == "nats://h:4222"
+    assert cfg.nats.subject_prefix == "prod.kvl"
+    assert (cfg.coordinator.host, cfg.coordinator.port, cfg.coordinator.admin_token) == ("0.0.0.0", 9000, "s3cret")
+    assert (cfg.worker.host, cfg.worker.port) == ("0.0.0.0", 9100)
+    assert cfg.auth.required and cfg.auth.keys[0].tenant == "acme"
+
+
+def test_defaults_are_valid() -> None:
+    cfg = load_config(env={})
+    assert cfg.cache.block_size == 16 and cfg.cache.on_invalid == "refill"
+
+
+@pytest.mark.parametrize(("doc", "key", "allowed"), [
+    ({"cache": {"block_size": 0}}, "cache.block_size", ">= 1"),
+    ({"cache": {"block_size": "big"}}, "cache.block_size", "int"),
+    ({"cache": {"compressed_pool_limit": 1.5}}, "cache.compressed_pool_limit", "<= 1.0"),
+    ({"cache": {"tail_pool_limit": -0.1}}, "cache.tail_pool_limit", ">= 0.0"),
+    ({"cache": {"swa_pool_limit": "x"}}, "cache.swa_pool_limit", "float"),
+    ({"cache": {"offload_pool_limit": 2}}, "cache.offload_pool_limit", "<= 1.0"),
+    ({"cache": {"offload_dir": 3}}, "cache.offload_dir", "str"),
+    ({"cache": {"hit_validation": {"check_compressed": "yes"}}}, "cache.hit_validation.check_compressed", "bool"),
+    ({"cache": {"hit_validation": {"check_tail": 1}}}, "cache.hit_validation.check_tail", "bool"),
+    ({"cache": {"hit_validation": {"check_swa": None}}}, "cache.hit_validation.check_swa", "bool"),
+    ({"cache": {"hit_validation": {"check_indexer": []}}}, "cache.hit_validation.check_indexer", "bool"),
+    ({"cache": {"hit_validation": {"check_offload": {}}}}, "cache.hit_validation.check_offload", "bool"),
+    ({"cache": {"hit_validation": {"check_everything": True}}}, "cache.hit_validation.check_everything",
+     "check_compressed"),
+    ({"cache": {"on_invalid": "ignore"}}, "cache.on_invalid", "refill, error"),
+    ({"service": {"max_concurrency": 0}}, "service.max_concurrency", ">= 1"),
+    ({"service": {"max_context_length": -5}}, "service.max_context_length", ">= 1"),
+    ({"service": {"cache_reserve_ratio": 1.1}}, "service.cache_reserve_ratio", "<= 1.0"),
+    ({"service": {"batch_window_ms": -1}}, "service.batch_window_ms", ">= 0"),
+    ({"service": {"request_timeout_ms": "soon"}}, "service.request_timeout_ms", "int"),
+    ({"database": {"url": "mysql://x"}}, "database.url", "postgresql"),
+    ({"nats": {"url": "http://x"}}, "nats.url", "nats://"),
+    ({"nats": {"subject_prefix": "a b"}}, "nats.subject_prefix", "regex"),
+    ({"coordinator": {"port": 70000}}, "coordinator.port", "<= 65535"),
+    ({"worker": {"port": "x"}}, "worker.port", "int"),
+    ({"auth": {"keys": [{"key_sha256": "nothex", "tenant": "a"}]}}, "auth.keys[0].key_sha256", "regex"),
+    ({"cache": {"block_sise": 16}}, "cache.block_sise", "block_size"),
+    ({"caches": {}}, "caches", "cache"),
+])
+def test_bad_values_name_the_key(doc: dict, key: str, allowed: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_config(doc)
+    msg = str(e.value)
+    assert key in msg and allowed in msg, msg
+
+
+def test_pool_limits_must_fit_one_budget() -> None:
+    with pytest.raises(ConfigError, match="sum to 1.300"):
+        parse_config({"cache": {"compressed_pool_limit": 1.0, "tail_pool_limit": 0.1, "swa_pool_limit": 0.1,
+                                "offload_pool_limit": 0.1}})
+
+
+def test_env_overrides(tmp_path: Path) -> None:
+    f = tmp_path / "kvl.yaml"
+    f.write_text("cache:\n  block_size: 32\nservice:\n  max_concurrency: 4\n")
+    cfg = load_config(f, env={"KVL_CACHE__BLOCK_SIZE": "64", "KVL_CACHE__HIT_VALIDATION__CHECK_TAIL": "false",
+                              "KVL_DATABASE_URL": "postgresql://a@b/c", "KVL_NATS__SUBJECT_PREFIX": "x",
+                              "KVL_TEST_DATABASE_URL": "ignored"})
+    assert cfg.cache.block_size == 64 and cfg.cache.hit_validation.check_tail is False
+    assert cfg.service.max_concurrency == 4 and cfg.database.url == "postgresql://a@b/c"
+    assert cfg.nats.subject_prefix == "x"
+
+
+def test_bad_env_override_names_variable_key() -> None:
+    with pytest.raises(ConfigError, match="cache.block_size"):
+        load_config(env={"KVL_CACHE__BLOCK_SIZE": "lots"})
+    with pytest.raises(ConfigError, match="cache.nonsense"):
+        load_config(env={"KVL_CACHE__NONSENSE": "1"})
+
+
+def test_file_errors_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml", env={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cache: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad, env={})
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(lst, env={})
+
+
+def test_example_config_is_valid() -> None:
+    example = Path(__file__).parents[2] / "kvledger.example.yaml"
+    cfg = load_config(example, env={})
+    assert cfg.cache.block_size == 16

@@ -1,0 +1,95 @@
+"""Block identity: frozen vectors, and every input that must change the hash does."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shared.hashing import block_hash, chain_hashes, checksum, namespace_hash
+from shared.ids import ROOT_HASH
+
+VECTORS = json.loads((Path(__file__).parents[2] / "shared/testdata/hash_vectors.json").read_text())
+
+
+def test_namespace_vector() -> None:
+    v = VECTORS["namespace"]
+    assert namespace_hash(v["model_id"], v["weights_digest"], cache_format_version=v["cache_format_version"],
+                          kernel_abi_version=v["kernel_abi_version"]) == v["hash"]
+
+
+@pytest.mark.parametrize("case", VECTORS["blocks"], ids=lambda c: c["hash"][:8])
+def test_block_vectors(case: dict) -> None:
+    got = block_hash(case["parent"], case["tokens"], case["namespace"], bytes.fromhex(case["tenant_salt_hex"]),
+                     case["extra_keys"])
+    assert got == case["hash"]
+
+
+def test_chain_vector() -> None:
+    c = VECTORS["chain"]
+    assert chain_hashes(c["tokens"], c["block_size"], c["namespace"], bytes.fromhex(c["tenant_salt_hex"])) == c["hashes"]
+
+
+def test_checksum_vector() -> None:
+    c = VECTORS["checksum"]
+    assert checksum(bytes.fromhex(c["data_hex"])) == c["xxh3_128"]
+
+
+NS = namespace_hash("m", "w" * 8)
+TOKENS = list(range(100))
+
+
+def test_tenant_salt_changes_every_hash() -> None:
+    a = chain_hashes(TOKENS, 16, NS, b"tenant-a")
+    b = chain_hashes(TOKENS, 16, NS, b"tenant-b")
+    assert len(a) == 6 and all(x != y for x, y in zip(a, b, strict=True))
+
+
+def test_namespace_changes_every_hash() -> None:
+    other = namespace_hash("m", "w" * 8, cache_format_version=2)
+    a = chain_hashes(TOKENS, 16, NS, b"s")
+    b = chain_hashes(TOKENS, 16, other, b"s")
+    assert all(x != y for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("field", ["model_id", "weights", "format", "abi"])
+def test_namespace_depends_on_each_part(field: str) -> None:
+    base = dict(model_id="m", weights_digest="w", cache_format_version=1, kernel_abi_version=1)
+    changed = dict(base)
+    key = {"model_id": "model_id", "weights": "weights_digest", "format": "cache_format_version",
+           "abi": "kernel_abi_version"}[field]
+    changed[key] = "x" if isinstance(base[key], str) else 2
+    mk = lambda d: namespace_hash(d["model_id"], d["weights_digest"], cache_format_version=d["cache_format_version"],  # noqa: E731
+                                  kernel_abi_version=d["kernel_abi_version"])
+    assert mk(base) != mk(changed)
+
+
+def test_chain_is_prefix_stable_and_order_sensitive() -> None:
+    full = chain_hashes(TOKENS, 16, NS, b"s")
+    assert chain_hashes(TOKENS[:40], 16, NS, b"s") == full[:2]  # a partial block gets no hash
+    swapped = TOKENS[:16] + TOKENS[17:18] + TOKENS[16:17] + TOKENS[18:]
+    assert chain_hashes(swapped, 16, NS, b"s")[0] == full[0]
+    assert chain_hashes(swapped, 16, NS, b"s")[1] != full[1]
+    # a change in block 0 changes every later block (chaining)
+    assert all(x != y for x, y in zip(chain_hashes([7] + TOKENS[1:], 16, NS, b"s"), full, strict=True))
+
+
+def test_extra_keys_change_the_hash() -> None:
+    t = TOKENS[:16]
+    assert block_hash(ROOT_HASH, t, NS, b"", ["img:1"]) != block_hash(ROOT_HASH, t, NS, b"", ["img:2"])
+    assert block_hash(ROOT_HASH, t, NS, b"", []) != block_hash(ROOT_HASH, t, NS, b"", [""])
+
+
+def test_encoding_is_unambiguous() -> None:
+    # length prefixes: moving a byte between salt and extra key must not collide
+    assert block_hash(ROOT_HASH, [1], NS, b"ab", ["c"]) != block_hash(ROOT_HASH, [1], NS, b"a", ["bc"])
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32])
+def test_token_range_checked(bad: int) -> None:
+    with pytest.raises(ValueError, match="token id"):
+        block_hash(ROOT_HASH, [bad], NS, b"")
+
+
+def test_bad_parent_rejected() -> None:
+    with pytest.raises(ValueError, match="parent hash"):
+        block_hash("abc", [1], NS, b"")  # type: ignore[arg-type]

@@ -1,0 +1,105 @@
+"""Message schemas: every type round-trips; bad input is rejected with a clear error."""
+
+import msgspec
+import pytest
+
+from shared.forms import FormCatalogue, FormScope, FormSpec
+from shared.messages import (
+    MESSAGE_TYPES, CommitWatermark, Control, ControlAck, ErrorCode, ErrorReply, Heartbeat, HeartbeatReply,
+    InventoryItem, InventoryReply, InventoryRequest, LeaseAcquire, LeaseGrant, LeaseRelease, LeaseReleased,
+    LeaseRenew, LeaseRenewed, MessageError, RegisterReply, ReplicaRef, ReplicaState, TransitionEvent,
+    WorkerRegister, decode, encode,
+)
+
+H = "ab" * 16
+CAT = FormCatalogue(model_id="m", block_size=16, forms=(
+    FormSpec(name="compressed", scope=FormScope.FULL_HISTORY, bytes_per_block=512, dtype="float32"),
+    FormSpec(name="swa", scope=FormScope.WINDOW, bytes_per_block=256, dtype="float32", window_tokens=31),
+))
+REF = ReplicaRef(block_hash=H, form="swa", location="gpu:w1", generation=3, checksum="c")
+
+SAMPLES = [
+    WorkerRegister(worker_id="w1", namespace=H, catalogue=CAT, pool_slots={"swa": 10}, endpoint="http://x"),
+    RegisterReply(worker_id="w1", epoch=2),
+    Heartbeat(worker_id="w1", epoch=2, ready={"swa": 1}),
+    HeartbeatReply(committed_seq=7),
+    LeaseAcquire(worker_id="w1", epoch=2, namespace=H, tenant="t", block_hashes=[H, H], write_forms=["swa"]),
+    LeaseGrant(lease_id="l1", expires_at_ms=5, usable_blocks=1, read=[REF], write={"swa": [1]}, evict=[REF],
+               rejected=["block 2: swa not READY"]),
+    LeaseRenew(worker_id="w1", epoch=2, lease_id="l1"),
+    LeaseRenewed(lease_id="l1", expires_at_ms=9),
+    LeaseRelease(worker_id="w1", epoch=2, lease_id="l1"),
+    LeaseReleased(lease_id="l1"),
+    ErrorReply(code=ErrorCode.UNAVAILABLE, message="db down", retry_after_ms=100),
+    TransitionEvent(worker_id="w1", epoch=2, seq=1, namespace=H, tenant="t", block_hash=H, parent_hash="0" * 32,
+                    token_start=0, token_end=16, form="swa", location="gpu:w1", from_state=ReplicaState.ALLOCATED,
+                    to_state=ReplicaState.READY, generation=3, checksum="c", lease_id="l1", reason="commit"),
+    CommitWatermark(worker_id="w1", epoch=2, seq=9),
+    InventoryRequest(request_id="a1"),
+    InventoryReply(worker_id="w1", epoch=2, items=[InventoryItem(block_hash=H, form="swa", location="gpu:w1",
+                                                                 generation=3, state=ReplicaState.READY)]),
+    Control(action="invalidate_namespace", namespace=H, reason="upgrade"),
+    ControlAck(worker_id="w1", affected=3),
+]
+
+
+def test_every_message_type_has_a_sample() -> None:
+    assert {type(m) for m in SAMPLES} == set(MESSAGE_TYPES.values())
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: object) -> None:
+    data = encode(msg)  # type: ignore[arg-type]
+    assert decode(data) == msg
+    assert decode(data, expect=type(msg)) == msg  # type: ignore[arg-type]
+
+
+def test_transition_source_id() -> None:
+    ev = next(m for m in SAMPLES if isinstance(m, TransitionEvent))
+    assert ev.source_id == "w1.2.1"
+
+
+@pytest.mark.parametrize(("data", "needle"), [
+    (b'{"type":"lease.steal","v":1}', "unknown message type 'lease.steal'"),
+    (b'{"type":"lease.acquire","v":99}', "schema version 99"),
+    (b'{"type":"lease.acquire"}', "schema version -1"),
+    (b"\xff\x00garbage", "not a kvledger message"),
+    (b"[1,2]", "not a kvledger message"),
+    (b'{"type":"lease.acquire","v":1,"worker_id":"w","epoch":0,"namespace":"' + H.encode() + b'"}', "epoch"),
+    (b'{"type":"lease.acquire","v":1,"worker_id":"w","epoch":1,"namespace":"XYZ"}', "namespace"),
+    (b'{"type":"lease.release","v":1,"worker_id":"w","epoch":1,"lease_id":"l","extra":1}', "unknown field `extra`"),
+    (b'{"type":"transition","v":1,"worker_id":"w","epoch":1,"seq":1,"namespace":"' + H.encode()
+     + b'","block_hash":"' + H.encode() + b'","parent_hash":"' + H.encode() + b'","to_state":"GONE"}', "to_state"),
+])
+def test_bad_messages_rejected_with_clear_error(data: bytes, needle: str) -> None:
+    with pytest.raises(MessageError, match=needle.replace("(", r"\(").replace("[", r"\[")):
+        decode(data)
+
+
+def test_expect_restricts_type() -> None:
+    with pytest.raises(MessageError, match="expected a message of type"):
+        decode(encode(LeaseReleased(lease_id="x")), expect=LeaseAcquire)
+
+
+def test_messages_are_frozen() -> None:
+    with pytest.raises(AttributeError):
+        SAMPLES[1].epoch = 3  # type: ignore[misc]
+
+
+def test_form_catalogue_validation() -> None:
+    with pytest.raises(ValueError, match="window_tokens"):
+        FormSpec(name="swa", scope=FormScope.WINDOW, bytes_per_block=1, dtype="float32")
+    with pytest.raises(ValueError, match="duplicate"):
+        FormCatalogue(model_id="m", block_size=16, forms=(CAT.forms[0], CAT.forms[0]))
+    with pytest.raises(KeyError, match="not declared"):
+        CAT.get("tail")
+    assert CAT.window_blocks(CAT.get("swa")) == 2
+
+
+def test_spec_digest_tracks_meaning() -> None:
+    base = FormSpec(name="tail", scope=FormScope.RESUME_POINT, bytes_per_block=64, dtype="float32",
+                    params={"ratio": 4})
+    assert base.spec_digest == msgspec.json.decode(msgspec.json.encode(base), type=FormSpec).spec_digest
+    for change in (dict(dtype="bfloat16"), dict(layout_version=2), dict(params={"ratio": 16}),
+                   dict(bytes_per_block=128)):
+        assert msgspec.structs.replace(base, **change).spec_digest != base.spec_digest
