@@ -1,0 +1,131 @@
+"""Per-form paged pools: allocated once, never reallocated (static topology).
+
+Each declared form gets one pool: a ``[slots, bytes_per_block]`` uint8 tensor on the
+worker's device (host memory on CPU), a generation counter per slot and a slot table.
+A block's payload for a form is stored as raw bytes in one slot; readers view it back with
+the shape and dtype the model declares. Slots are recycled, storage never is: kernels and
+CUDA graphs may hold the storage address for the worker's lifetime.
+
+The generation of a slot is bumped on every (re)allocation. A read lease carries the
+generation the coordinator recorded at commit; the worker checks it before a kernel reads
+the slot, so a slot recycled in between can never be mistaken for the leased block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.forms import FormCatalogue, FormSpec
+
+
+class PoolExhausted(Exception):
+    """No free slot in a form's pool."""
+
+
+@dataclass
+class SlotInfo:
+    block_hash: str
+    generation: int
+    ready: bool = False
+    checksum: str = ""
+
+
+@dataclass
+class FormPool:
+    spec: FormSpec
+    slots: int
+    device: torch.device
+    storage: torch.Tensor = field(init=False, repr=False)
+    generations: list[int] = field(init=False, repr=False)
+    table: dict[int, SlotInfo] = field(init=False, repr=False)
+    by_hash: dict[str, int] = field(init=False, repr=False)
+    _free: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        pin = self.device.type == "cpu" and torch.cuda.is_available()
+        self.storage = torch.zeros((self.slots, self.spec.bytes_per_block), dtype=torch.uint8,
+                                   device=self.device, pin_memory=pin)
+        self.generations = [0] * self.slots
+        self.table = {}
+        self.by_hash = {}
+        self._free = list(range(self.slots - 1, -1, -1))
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def used(self) -> int:
+        return self.slots - len(self._free)
+
+    def data_ptr(self) -> int:
+        return self.storage.data_ptr()
+
+    def allocate(self, block_hash: str) -> tuple[int, int]:
+        """Take a free slot for ``block_hash``; returns (slot, new generation)."""
+        if block_hash in self.by_hash:
+            raise ValueError(f"block {block_hash[:12]}… already has a slot in pool {self.name}")
+        if not self._free:
+            raise PoolExhausted(f"pool {self.name}: all {self.slots} slots in use")
+        slot = self._free.pop()
+        self.generations[slot] += 1
+        gen = self.generations[slot]
+        self.table[slot] = SlotInfo(block_hash, gen)
+        self.by_hash[block_hash] = slot
+        return slot, gen
+
+    def write(self, slot: int, payload: torch.Tensor) -> None:
+        flat = payload.detach().contiguous().view(torch.uint8).reshape(-1)
+        if flat.numel() != self.spec.bytes_per_block:
+            raise ValueError(f"pool {self.name}: payload is {flat.numel()} bytes, a slot holds "
+                             f"{self.spec.bytes_per_block}")
+        self.storage[slot].copy_(flat)  # in place: storage address unchanged
+
+    def view(self, slot: int) -> torch.Tensor:
+        return self.storage[slot]
+
+    def free(self, slot: int) -> None:
+        info = self.table.pop(slot, None)
+        if info is None:
+            return
+        self.by_hash.pop(info.block_hash, None)
+        self._free.append(slot)
+
+    def lookup(self, block_hash: str) -> tuple[int, SlotInfo] | None:
+        slot = self.by_hash.get(block_hash)
+        return None if slot is None else (slot, self.table[slot])
+
+
+def slots_per_form(catalogue: FormCatalogue, pool_bytes: int, reserve_ratio: float,
+                   limits: dict[str, float]) -> dict[str, int]:
+    """Slots each form gets from the budget: ``pool_bytes × reserve_ratio × limit(form)``.
+
+    A form without its own ``<form>_pool_limit`` key (e.g. ``indexer``) shares the
+    ``compressed`` limit: both are full-history forms and grow together.
+    """
+    budget = pool_bytes * reserve_ratio
+    out = {}
+    for f in catalogue.forms:
+        frac = limits.get(f.name, limits.get("compressed", 0.0))
+        out[f.name] = max(0, int(budget * frac // f.bytes_per_block))
+    return out
+
+
+@dataclass
+class PoolSet:
+    pools: dict[str, FormPool]
+
+    @classmethod
+    def allocate(cls, catalogue: FormCatalogue, slots: dict[str, int], device: torch.device) -> "PoolSet":
+        return cls({f.name: FormPool(f, slots[f.name], device) for f in catalogue.forms})
+
+    def __getitem__(self, form: str) -> FormPool:
+        return self.pools[form]
+
+    def addresses(self) -> dict[str, int]:
+        return {n: p.data_ptr() for n, p in self.pools.items()}
+
+    def usage(self) -> dict[str, tuple[int, int]]:
+        return {n: (p.used, p.slots) for n, p in self.pools.items()}
