@@ -76,3 +76,20 @@ def test_pool_storage_is_static_and_generations_fence() -> None:
     with pytest.raises(ValueError, match="bytes"):
         p.write(s3, torch.zeros(3))
     assert ps.addresses() == addrs
+
+
+def test_host_tier_lru_and_integrity() -> None:
+    from shared.hashing import checksum
+    from worker.cache.host_tier import HostTier, HostTierCorrupt
+
+    tier = HostTier(capacity_bytes=100)
+    x = torch.arange(10, dtype=torch.float32)  # 40 bytes
+    d = checksum(x.numpy().tobytes())
+    assert tier.put("a", "f", x, d) == [] and tier.put("b", "f", x, d) == []
+    assert tier.get("a", "f") is not None  # touch a: b is now the oldest
+    assert tier.put("c", "f", x, d) == [("b", "f")] and tier.used_bytes == 80
+    assert torch.equal(tier.get("c", "f").view(torch.float32), x)
+    tier.get("c", "f")[0] ^= 1  # corrupt host memory in place
+    with pytest.raises(HostTierCorrupt):
+        tier.get("c", "f")
+    assert tier.get("c", "f") is None and tier.put("big", "f", torch.zeros(100), d) == []
