@@ -1,0 +1,1 @@
+"""The stateless worker: model, kernels glue and (later) the inference endpoint."""

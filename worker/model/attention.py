@@ -1,0 +1,112 @@
+"""One hybrid-attention layer: sliding window, plus CSA or HCA compressed history.
+
+Per token (research note §1.2–1.4):
+
+    qr = RMSNorm(W_qa x);  q = rms(W_qb qr) per head;  kv = RMSNorm(W_kv x)     (one K=V head)
+    RoPE (interleaved, trailing rope dims) on q and kv at the token's position
+
+Keys of query ``t``: the window rows ``[t - W + 1, t]`` and the compressed entries it may
+use — all visible ones (``w < (t + 1) // m``) for HCA, the indexer's top-k for CSA. One
+softmax over them with the per-head sink in the denominator
+(:func:`kernels.sparse_attention.sparse_attn`); the output's rope dims are rotated back
+at ``t`` (V carries the keys' rotation), then the grouped low-rank output projection.
+
+Sliding-only layers use the "main" rotary table, CSA/HCA layers the "compress" table for
+every rotation they do.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.rope import apply_rope
+from kernels.sparse_attention import sparse_attn
+from worker.model.compressor import Compressor
+from worker.model.config import ModelConfig
+from worker.model.indexer import Indexer
+from worker.model.norms import RMSNorm, rms_normalize
+from worker.model.rope import RopeTables, table_for
+from worker.model.state import IDX, MAIN, RequestState, Span
+
+
+class GroupedLinear(nn.Module):
+    """Block-diagonal projection: group ``g`` of the heads' output → ``o_lora_rank`` dims.
+
+    The weight is stored as HF's ``o_a_proj.weight``: ``[groups * out, in_per_group]``.
+    """
+
+    def __init__(self, in_per_group: int, out_per_group: int, groups: int) -> None:
+        super().__init__()
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(groups * out_per_group, in_per_group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[T, groups, in_per_group]`` → ``[T, groups * out_per_group]``."""
+        w = self.weight.view(self.groups, -1, x.shape[-1])                # [G, out, in]
+        y = torch.bmm(x.transpose(0, 1), w.transpose(1, 2))              # [G, T, out]
+        return y.transpose(0, 1).reshape(x.shape[0], -1)
+
+
+class Attention(nn.Module):
+    """Weights and forward of one attention layer; names follow the HF checkpoint."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.ratio = cfg.compress_ratios[layer]
+        self.table = table_for(cfg, layer)
+        H, D = cfg.num_attention_heads, cfg.head_dim
+        eps = cfg.rms_norm_eps
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * D, bias=False)
+        self.kv_proj = nn.Linear(cfg.hidden_size, D, bias=False)
+        self.kv_norm = RMSNorm(D, eps)
+        self.o_a_proj = GroupedLinear(H * D // cfg.o_groups, cfg.o_lora_rank, cfg.o_groups)
+        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(H))
+        self.compressor: Compressor | None = None
+        if self.ratio:
+            csa = cfg.is_csa(layer)
+            self.compressor = Compressor(cfg.hidden_size, D, self.ratio, overlap=csa, eps=eps)
+            if csa:
+                self.compressor.indexer = Indexer(cfg)
+        self.scale = D ** -0.5
+
+    def forward(self, x: torch.Tensor, span: Span, state: RequestState, rope: RopeTables) -> torch.Tensor:
+        """x ``[T, hidden]`` (the normed attention input) → ``[T, hidden]``."""
+        cfg, T = self.cfg, span.length
+        H, D, W = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+        cos, sin = rope.span(self.table, span.start, span.end)
+        qr = self.q_a_norm(self.q_a_proj(x))
+        q = rms_normalize(self.q_b_proj(qr).view(T, H, D), cfg.rms_norm_eps)
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        state.write_swa(self.layer, span.start, kv)
+
+        # Window keys: positions [t - W + 1, t], read from [lo, e); -1 before position 0.
+        lo = max(0, span.start - W + 1)
+        window = state.window_rows(self.layer, lo, span.end)
+        pos = span.positions.unsqueeze(1) - (W - 1) + torch.arange(W, device=x.device)  # [T, W]
+        idx = torch.where(pos >= 0, pos - lo, torch.full_like(pos, -1))
+        keys = window
+        if self.compressor is not None:
+            comp = self.compressor
+            n = comp.run(x, span, state.compressor(self.layer, MAIN), rope, state.block_size)
+            entries = state.compressor(self.layer, MAIN).entries(n)
+            if comp.overlap:
+                picked = comp.indexer.select(x, qr, span, state.compressor(self.layer, IDX), rope,
+                                             state.block_size)
+            else:
+                ids = torch.arange(n, device=x.device).expand(T, n)
+                visible = ids < ((span.positions + 1) // self.ratio).unsqueeze(1)
+                picked = torch.where(visible, ids, torch.full_like(ids, -1))
+            off = window.shape[0]
+            idx = torch.cat([idx, torch.where(picked >= 0, picked + off, picked)], 1)
+            keys = torch.cat([window, entries], 0)
+
+        o = sparse_attn(q, keys, idx, self.sinks, self.scale)                 # [T, H, D]
+        o = apply_rope(o, cos, sin, inverse=True)
+        o = self.o_a_proj(o.reshape(T, cfg.o_groups, -1))
+        return self.o_b_proj(o)

@@ -1,0 +1,131 @@
+"""The model's cache forms: what one block of cached state holds, byte for byte.
+
+A block of ``block_size`` tokens leaves one fixed-shape float32 tensor per form:
+
+``compressed`` (full history)
+    the compressed entries emitted inside the block, ``[rows, head_dim]``: for each CSA/HCA
+    layer in layer order, ``block_size / ratio`` entries (its ratio divides the block size,
+    so every window that closes in the block lies wholly in it).
+``indexer`` (full history; only when there are CSA layers)
+    the CSA indexer keys emitted inside the block, ``[rows, index_head_dim]``, same order.
+``tail`` (resume point; only when there are CSA layers)
+    the compressor state at the block's *end* boundary. Because every ratio divides the
+    block size, no window is open at a boundary: HCA compressors and the CSA "current
+    window" are empty there, and what a resume needs is exactly the CSA overlap halo — the
+    a-halves ``(c^a_j, z^a_j + B^a[j mod m])`` of the last closed window, for the main and the
+    indexer compressor. Shape ``[n_csa, 2 (kv, score), ratio, head_dim + index_head_dim]``:
+    the main halo in the first ``head_dim`` columns, the indexer halo after it.
+``swa`` (window of ``sliding_window - 1`` tokens)
+    every layer's raw K=V rows (after ``kv_norm`` and RoPE) of the block's tokens,
+    ``[layers, block_size, head_dim]``. A query attends to itself and the ``W - 1`` rows
+    before it, so a resume at ``p`` needs the rows of ``[p - W + 1, p)``.
+
+``params`` carry ratios, widths, layers and the rotary description, so a change to any of
+them changes ``spec_digest`` and stored state is rejected instead of misread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.forms import FormCatalogue, FormScope, FormSpec
+from worker.model.config import ModelConfig, check_block_size
+
+#: Byte layout version of every form defined here; bump with any layout change.
+LAYOUT_VERSION = 1
+#: Storage dtype of every form (the tiny model runs in float32 end to end).
+STATE_DTYPE = torch.float32
+
+COMPRESSED, INDEXER, TAIL, SWA = "compressed", "indexer", "tail", "swa"
+
+
+@dataclass(frozen=True, slots=True)
+class FormLayout:
+    """A declared form plus the tensor shape and dtype of one block's payload."""
+
+    spec: FormSpec
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def _csv(xs) -> str:
+    return ",".join(str(x) for x in xs)
+
+
+def _rope_desc(cfg: ModelConfig) -> str:
+    y = cfg.compress_rope_scaling
+    yarn = "none" if y is None else f"yarn:{y.factor}/{y.original_max_position_embeddings}/{y.beta_fast}/{y.beta_slow}"
+    return f"interleaved:{cfg.qk_rope_head_dim}:main={cfg.rope_theta}:compress={cfg.compress_rope_theta}:{yarn}"
+
+
+def form_layouts(cfg: ModelConfig, block_size: int) -> dict[str, FormLayout]:
+    """Every form this model keeps at ``block_size``, with its payload shape; in catalogue order."""
+    check_block_size(cfg, block_size)
+    dtype_name = str(STATE_DTYPE).removeprefix("torch.")
+    out: dict[str, FormLayout] = {}
+
+    def add(name: str, scope: FormScope, shape: tuple[int, ...], params: dict, window_tokens: int = 0) -> None:
+        nbytes = 1
+        for d in shape:
+            nbytes *= d
+        nbytes *= torch.empty((), dtype=STATE_DTYPE).element_size()
+        spec = FormSpec(name=name, scope=scope, bytes_per_block=nbytes, dtype=dtype_name,
+                        layout_version=LAYOUT_VERSION, window_tokens=window_tokens,
+                        params={"block_size": block_size, "shape": _csv(shape), **params})
+        out[name] = FormLayout(spec=spec, shape=shape, dtype=STATE_DTYPE)
+
+    comp = cfg.compressed_layers
+    if comp:
+        rows = sum(block_size // cfg.compress_ratios[i] for i in comp)
+        add(COMPRESSED, FormScope.FULL_HISTORY, (rows, cfg.head_dim),
+            {"layers": _csv(comp), "ratios": _csv(cfg.compress_ratios[i] for i in comp),
+             "csa_ratio": cfg.csa_ratio, "width": cfg.head_dim, "rope": _rope_desc(cfg)})
+    csa = cfg.csa_layers
+    if csa:
+        m = cfg.csa_ratio
+        add(INDEXER, FormScope.FULL_HISTORY, (len(csa) * (block_size // m), cfg.index_head_dim),
+            {"layers": _csv(csa), "ratio": m, "width": cfg.index_head_dim, "rope": _rope_desc(cfg)})
+        add(TAIL, FormScope.RESUME_POINT, (len(csa), 2, m, cfg.head_dim + cfg.index_head_dim),
+            {"layers": _csv(csa), "ratio": m, "content": "csa_overlap_halo", "main_width": cfg.head_dim,
+             "indexer_width": cfg.index_head_dim})
+    add(SWA, FormScope.WINDOW, (cfg.num_hidden_layers, block_size, cfg.head_dim),
+        {"layers": cfg.num_hidden_layers, "sliding_window": cfg.sliding_window, "width": cfg.head_dim,
+         "ratios": _csv(cfg.compress_ratios), "rope": _rope_desc(cfg)},
+        window_tokens=swa_window_tokens(cfg))
+    return out
+
+
+def swa_window_tokens(cfg: ModelConfig) -> int:
+    """Past rows a resume needs: the window includes the query itself, so ``W - 1``."""
+    return max(cfg.sliding_window - 1, 1)
+
+
+def declare_forms(cfg: ModelConfig, block_size: int) -> FormCatalogue:
+    """The catalogue this model declares to the coordinator (see module docstring)."""
+    layouts = form_layouts(cfg, block_size)
+    return FormCatalogue(model_id=cfg.model_id, block_size=block_size,
+                         forms=tuple(layout.spec for layout in layouts.values()))
+
+
+def describe_mismatch(expected: FormSpec, got: FormSpec) -> str:
+    """Human-readable list of what differs between two specs of the same form."""
+    diffs = []
+    for field in ("scope", "dtype", "layout_version", "bytes_per_block", "window_tokens"):
+        a, b = getattr(got, field), getattr(expected, field)
+        if a != b:
+            diffs.append(f"{field} {a} (stored) != {b} (expected)")
+    keys = sorted(set(got.params) | set(expected.params))
+    for k in keys:
+        a, b = got.params.get(k), expected.params.get(k)
+        if a != b:
+            diffs.append(f"{k} {a} (stored) != {b} (expected)")
+    return "; ".join(diffs) or "specs differ"

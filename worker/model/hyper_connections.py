@@ -1,0 +1,70 @@
+"""Manifold-constrained hyper-connections (mHC): the residual is ``hc_mult`` streams.
+
+Before each sub-block (attention, MoE) a small projection of the RMS-normalised, flattened
+streams gives three mixings:
+
+* ``pre``  ``[n]``   — sigmoid + eps: collapses the streams into the sub-block's input;
+* ``post`` ``[n]``   — 2·sigmoid: spreads the sub-block's output over the streams;
+* ``comb`` ``[n, n]`` — row softmax + eps, then Sinkhorn normalisation (columns first, then
+  ``iters − 1`` rounds of rows and columns) towards a doubly-stochastic matrix.
+
+New streams: ``y_j = post_j · f(input) + Σ_i comb[i, j] · x_i`` — ``comb`` enters transposed
+(it is not symmetric). The final head uses ``pre`` only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.model.norms import rms_normalize
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, hidden: int, n: int, iters: int, eps: float, norm_eps: float) -> None:
+        super().__init__()
+        self.n, self.iters, self.eps, self.norm_eps = n, iters, eps, norm_eps
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * hidden))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n))
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams ``[T, n, hidden]`` → (post ``[T, n]``, comb ``[T, n, n]``, collapsed ``[T, hidden]``)."""
+        n = self.n
+        mixes = F.linear(rms_normalize(streams.flatten(1).float(), self.norm_eps), self.fn.float())
+        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        s_pre, s_post, s_comb = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * s_post + post_b)
+        comb = torch.softmax(comb_w.view(-1, n, n) * s_comb + comb_b.view(n, n), dim=-1) + self.eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+    @staticmethod
+    def merge(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """New streams from the old ones and the sub-block output ``out`` ``[T, hidden]``."""
+        dtype = streams.dtype
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2),
+                                                                              streams)
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the streams before the last norm and the LM head."""
+
+    def __init__(self, hidden: int, n: int, eps: float, norm_eps: float) -> None:
+        super().__init__()
+        self.eps, self.norm_eps = eps, norm_eps
+        self.hc_fn = nn.Parameter(torch.empty(n, n * hidden))
+        self.hc_base = nn.Parameter(torch.zeros(n))
+        self.hc_scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        mixes = F.linear(rms_normalize(streams.flatten(1).float(), self.norm_eps), self.hc_fn.float())
+        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

@@ -1,0 +1,51 @@
+"""The lightning indexer of CSA layers (research note §3).
+
+It owns a second overlapping compressor at ``index_head_dim`` whose entries are the
+indexer keys, and scores each query against every visible key:
+
+    score(t, w) = Σ_h w_t[h] · ReLU(q_t[h] · K_w),   q_t = RoPE(W_q qr_t),  w_t = W_w x_t / √(d_I n_I)
+
+then keeps the top ``index_topk`` visible entries (``w < (t + 1) // m``), −1 where fewer are
+visible. Scoring and selection are :func:`kernels.indexer.indexer_topk`, whose tie-break
+(lower entry index first) makes every chunk schedule select the same set.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.indexer import indexer_topk
+from kernels.rope import apply_rope
+from worker.model.compressor import Compressor
+from worker.model.config import ModelConfig
+from worker.model.rope import RopeTables
+from worker.model.state import CompressorSlot, Span
+
+
+class IndexerScorer(nn.Module):
+    """Per-head query weights ``w_t`` (HF name ``scorer.weights_proj``)."""
+
+    def __init__(self, hidden: int, n_heads: int) -> None:
+        super().__init__()
+        self.weights_proj = nn.Linear(hidden, n_heads, bias=False)
+
+
+class Indexer(Compressor):
+    """Indexer-key compressor plus the query side of the indexer."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg.hidden_size, cfg.index_head_dim, cfg.csa_ratio, overlap=True, eps=cfg.rms_norm_eps)
+        self.n_heads, self.topk = cfg.index_n_heads, cfg.index_topk
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
+        self.scorer = IndexerScorer(cfg.hidden_size, cfg.index_n_heads)
+        self.weight_scale = (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
+
+    def select(self, x: torch.Tensor, qr: torch.Tensor, span: Span, slot: CompressorSlot,
+               rope: RopeTables, block_size: int) -> torch.Tensor:
+        """Emit this span's indexer keys, then pick entries per query: ``[T, index_topk]`` int64."""
+        n = self.run(x, span, slot, rope, block_size)
+        cos, sin = rope.span("compress", span.start, span.end)
+        q = apply_rope(self.q_b_proj(qr).view(span.length, self.n_heads, self.width), cos, sin)
+        w = self.scorer.weights_proj(x) * self.weight_scale
+        return indexer_topk(q, slot.entries(n), w, span.positions, self.ratio, self.topk)

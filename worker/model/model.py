@@ -1,0 +1,153 @@
+"""The DeepSeek-V4-style hybrid-attention language model and its prefill/decode schedule.
+
+Structure (parameter names follow the Hugging Face checkpoint): token embedding repeated
+into ``hc_mult`` residual streams; per layer an mHC-wrapped attention (sliding window +
+CSA or HCA, ``worker.model.attention``) and an mHC-wrapped MoE; then the hyper-head
+collapse, RMSNorm and the LM head. The model keeps no per-request state of its own: all of
+it lives in a :class:`worker.model.state.RequestState`, which the model touches only
+through that object's methods.
+
+Exactness rule (enforced by :meth:`HybridAttentionLM.prefill`)
+--------------------------------------------------------------
+Prefill computes in *units* anchored on a fixed grid of block boundaries: with
+``chunk_blocks = k`` a unit covers ``[j·k·B, (j+1)·k·B)`` (``B`` = block size), except that a
+run resumed off the grid first runs up to the next grid point, and a trailing partial block
+is its own final unit. Each unit is one call of :meth:`HybridAttentionLM.extend`, whose
+operations depend only on the state at the unit's start and the unit's tokens.
+
+With the default ``chunk_blocks = 1`` every block boundary is on the grid, so a request
+resumed from a cached boundary performs exactly the operations a cold run performs from
+there, and its logits are bit-identical *by construction* — no batch-invariance of the
+matmuls is assumed. A larger ``chunk_blocks`` runs fewer, longer units; it is still exact
+when resumed on its grid, and off the grid only if every op gives the same bits for a row
+whatever the number of rows (tests/model/test_resume.py measures this on the machine it
+runs on). Only blocks computed by block-aligned units are exportable (see
+``worker.model.state``); decode steps never produce exportable blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from worker.model.attention import Attention
+from worker.model.config import ModelConfig
+from worker.model.hyper_connections import HyperConnection, HyperHead
+from worker.model.moe import MoE
+from worker.model.norms import RMSNorm
+from worker.model.rope import RopeTables
+from worker.model.state import RequestState
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MoE(cfg, layer)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.attn_hc = HyperConnection(cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+        self.ffn_hc = HyperConnection(cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+
+    def forward(self, streams, token_ids, span, state, rope):
+        post, comb, x = self.attn_hc(streams)
+        streams = HyperConnection.merge(streams, post, comb,
+                                        self.self_attn(self.input_layernorm(x), span, state, rope))
+        post, comb, x = self.ffn_hc(streams)
+        return HyperConnection.merge(streams, post, comb, self.mlp(self.post_attention_layernorm(x), token_ids))
+
+
+class Backbone(nn.Module):
+    """HF ``model.*``: embeddings, layers, final hyper-head and norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(cfg.hidden_size, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps)
+
+
+class HybridAttentionLM(nn.Module):
+    """The language model. Build initialised weights with :func:`worker.model.weights.build_model`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RopeTables(cfg, cfg.max_position_embeddings)
+
+    def _apply(self, fn, *args, **kwargs):
+        # Keep the rotary tables on the parameters' device (they are plain tensors, not
+        # buffers, so they stay out of the state dict and the weights digest).
+        out = super()._apply(fn, *args, **kwargs)
+        self.rope = RopeTables(self.cfg, self.cfg.max_position_embeddings, device=self.lm_head.weight.device)
+        return out
+
+    def new_state(self, block_size: int, capacity: int | None = None) -> RequestState:
+        """A fresh per-request state on this model's device."""
+        return RequestState(self.cfg, block_size, capacity, device=self.lm_head.weight.device)
+
+    @torch.no_grad()
+    def extend(self, tokens: torch.Tensor | Sequence[int], state: RequestState, *,
+               logits: str = "all") -> torch.Tensor:
+        """Run ``tokens`` as ONE unit at the state's position and advance the state.
+
+        Any length is valid (tests use it for arbitrary chunkings). The blocks it completes
+        are exportable only if it starts and ends on block boundaries. Returns logits
+        ``[T, vocab]`` (``logits="all"``) or ``[vocab]`` for the last token (``"last"``).
+        """
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.lm_head.weight.device).reshape(-1)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        span = state.span(ids.numel())
+        x = self.model.embed_tokens(ids)
+        streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for layer in self.model.layers:
+            streams = layer(streams, ids, span, state, self.rope)
+        state.commit(span)
+        if logits == "last":
+            streams = streams[-1:]
+        elif logits != "all":
+            raise ValueError(f"logits={logits!r}: use 'all' or 'last'")
+        out = self.lm_head(self.model.norm(self.model.hc_head(streams)))
+        return out[0] if logits == "last" else out
+
+    def prefill(self, tokens: torch.Tensor | Sequence[int], state: RequestState, *, chunk_blocks: int = 1,
+                logits: str = "all") -> torch.Tensor:
+        """Prefill ``tokens`` from the state's position (a block boundary) in grid-anchored units.
+
+        See the module docstring for the exactness rule this schedule enforces.
+        """
+        if chunk_blocks < 1:
+            raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
+        bs = state.block_size
+        if state.pos % bs:
+            raise ValueError(f"prefill must start on a block boundary; the state is at {state.pos} "
+                             f"(block size {bs}) — continue with decode_step or extend")
+        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        if ids.numel() == 0:
+            raise ValueError("prefill needs at least one token")
+        unit = chunk_blocks * bs
+        start, end = state.pos, state.pos + ids.numel()
+        full_end = end - end % bs
+        outs = []
+        s = start
+        while s < full_end:
+            e = min((s // unit + 1) * unit, full_end)      # next grid point, or the last full block
+            outs.append(self.extend(ids[s - start:e - start], state, logits=logits))
+            s = e
+        if s < end:
+            # NOTE: the trailing partial block is a unit of its own and is never exportable.
+            outs.append(self.extend(ids[s - start:], state, logits=logits))
+        if logits == "last":
+            return outs[-1]
+        return torch.cat(outs, 0)
+
+    def decode_step(self, token: int | torch.Tensor, state: RequestState) -> torch.Tensor:
+        """One token at the state's position; returns its logits ``[vocab]``."""
+        return self.extend([int(token)], state, logits="last")

@@ -1,0 +1,153 @@
+"""Weights: deterministic seeded initialisation, safetensors load/save, the weights digest.
+
+Tensor names are the Hugging Face ``DeepseekV4ForCausalLM`` checkpoint names
+(``model.layers.3.self_attn.compressor.kv_proj.weight``, ``model.layers.0.mlp.gate.tid2eid``,
+…), because the modules are named after them; the persistent buffers ``tid2eid`` and
+``e_score_correction_bias`` are part of the checkpoint like the parameters.
+
+Initialisation draws every tensor from its own generator seeded by blake2b(seed, name),
+so a tensor's values do not depend on which other tensors exist or their order. Scales
+keep activations of order one so every path (clamps, sinks, biases) matters, and the
+tensors Hugging Face initialises to zero or one (``sinks``, ``position_bias``, mHC
+``base``/``scale``, ``e_score_correction_bias``, norm weights) are perturbed so that a
+parity test exercises them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from worker.model.config import ModelConfig
+from worker.model.model import HybridAttentionLM
+
+
+class WeightsError(ValueError):
+    """A checkpoint does not fit the model: names, shapes or dtypes differ."""
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+
+
+def _init_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    leaf = name.rsplit(".", 1)[-1]
+
+    def normal(std: float, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(t.shape, generator=g, dtype=torch.float32) * std + mean
+
+    if leaf == "tid2eid":
+        V, k = t.shape
+        return torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:k] for _ in range(V)])
+    if name.endswith("embed_tokens.weight"):
+        return normal(1.0)
+    if leaf == "sinks":
+        return normal(1.0)
+    if leaf == "position_bias":
+        return normal(0.5)
+    if leaf in ("base", "hc_base"):
+        return normal(0.5)
+    if leaf in ("scale", "hc_scale"):
+        return normal(0.1, 1.0)
+    if leaf == "e_score_correction_bias":
+        return normal(0.1)
+    if "norm" in name.rsplit(".", 2)[-2] and leaf == "weight":
+        return normal(0.1, 1.0)
+    if leaf in ("gate_up_proj", "down_proj") and t.dim() == 3:  # stacked expert weights
+        return normal(1.0 / math.sqrt(t.shape[-1]))
+    if t.dim() == 2:  # linear weights (incl. mHC fn, grouped o_a_proj): fan-in scaling
+        return normal(1.0 / math.sqrt(t.shape[-1]))
+    raise AssertionError(f"no init rule for {name} {tuple(t.shape)}")
+
+
+@torch.no_grad()
+def init_weights(model: HybridAttentionLM, seed: int = 0) -> HybridAttentionLM:
+    """Fill every checkpoint tensor of ``model`` deterministically from ``seed``."""
+    for name, t in model.state_dict().items():
+        t.copy_(_init_tensor(model.cfg, name, t, _generator(seed, name)).to(t.dtype))
+    return model
+
+
+def build_model(cfg: ModelConfig | None = None, seed: int = 0) -> HybridAttentionLM:
+    """A model with seeded weights, float32, in eval mode."""
+    model = HybridAttentionLM(cfg or ModelConfig())
+    return init_weights(model, seed).eval()
+
+
+def save_safetensors(model: HybridAttentionLM, path: str | Path) -> None:
+    """Write every checkpoint tensor under its HF name."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(tensors, str(path), metadata={"format": "pt", "model_id": model.cfg.model_id})
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise WeightsError(f"{path}: no *.safetensors files in this directory")
+        return files
+    if not path.exists():
+        raise WeightsError(f"{path}: no such file")
+    return [path]
+
+
+@torch.no_grad()
+def load_safetensors(model: HybridAttentionLM, path: str | Path, *,
+                     ignore_prefixes: tuple[str, ...] = ("mtp.",)) -> HybridAttentionLM:
+    """Load a checkpoint (one file or a directory of shards) in HF naming into ``model``.
+
+    Every model tensor must be present with the same shape; a tensor the model does not
+    have is an error (except names under ``ignore_prefixes``: multi-token-prediction
+    layers, which this model does not instantiate). Floating tensors are cast to the
+    model's dtype; an integer tensor must stay integer and vice versa.
+    """
+    expected = model.state_dict()
+    found: dict[str, tuple[Path, str]] = {}
+    for f in _files(Path(path)):
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for key in h.keys():
+                    if key in found:
+                        raise WeightsError(f"tensor {key} appears in both {found[key][0].name} and {f.name}")
+                    found[key] = (f, key)
+        except WeightsError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for a damaged header
+            raise WeightsError(f"{f}: not a readable safetensors file ({e})") from e
+    extra = sorted(k for k in found if k not in expected and not k.startswith(ignore_prefixes))
+    missing = sorted(k for k in expected if k not in found)
+    if missing or extra:
+        raise WeightsError(f"checkpoint does not match the model: missing {missing[:8]}"
+                           f"{' …' if len(missing) > 8 else ''} ({len(missing)}), unexpected {extra[:8]}"
+                           f"{' …' if len(extra) > 8 else ''} ({len(extra)})")
+    for key, target in expected.items():
+        f, _ = found[key]
+        with safe_open(str(f), framework="pt") as h:
+            t = h.get_tensor(key)
+        if tuple(t.shape) != tuple(target.shape):
+            raise WeightsError(f"tensor {key}: shape {tuple(t.shape)} in the checkpoint, the model needs "
+                               f"{tuple(target.shape)}")
+        if t.dtype.is_floating_point != target.dtype.is_floating_point:
+            raise WeightsError(f"tensor {key}: dtype {t.dtype} in the checkpoint, the model needs {target.dtype}")
+        target.copy_(t.to(target.dtype))
+    return model
+
+
+def weights_digest(model: HybridAttentionLM) -> str:
+    """32-hex blake2b over every checkpoint tensor's name, shape, dtype and bytes, sorted by name.
+
+    It enters the cache namespace: cached state of one set of weights never matches another.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().contiguous().cpu()
+        h.update(name.encode() + b"\0")
+        h.update(repr(tuple(t.shape)).encode() + b"\0" + str(t.dtype).encode() + b"\0")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
