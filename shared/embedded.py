@@ -102,11 +102,13 @@ class EmbeddedPostgres:
                 subprocess.run(["useradd", "--system", "--user-group", "--no-create-home", PG_SYSTEM_USER],
                                check=True, capture_output=True)
                 pw = pwd.getpwnam(PG_SYSTEM_USER)
-            # The unprivileged user must be able to reach the data directory.
-            for parent in reversed(self.data_dir.resolve().parents):
-                mode = parent.stat().st_mode
-                if not mode & 0o001:
-                    parent.chmod(mode | 0o011)
+            # The unprivileged user must be able to reach the data directory and the binaries
+            # (pgserver does the same as root): grant traversal (o+x) only, not listing.
+            for target in (self.data_dir.resolve(), self.bin_dir().resolve()):
+                for parent in reversed(target.parents):
+                    mode = parent.stat().st_mode
+                    if not mode & 0o001:
+                        parent.chmod(mode | 0o001)
             os.chown(self.data_dir, pw.pw_uid, pw.pw_gid)
         pgdata = self.data_dir / "pgdata"
         if not (pgdata / "PG_VERSION").exists():
