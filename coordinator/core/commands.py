@@ -1,0 +1,439 @@
+"""Decisions: ``(state, message, now_ms) → (reply, events)``, never mutating the state.
+
+The shell's loop around every command is::
+
+    reply, events = command(state, msg, now_ms, ...)
+    append(events)            # durably, in order (group commit)
+    for e in events: apply(state, e)
+    send(reply)               # NOTE: only after the append: a reply never precedes its event
+
+A command validates what the caller asked and answers with a typed reply: the request
+messages of :mod:`shared.messages` get a reply message (``ErrorReply`` with a code for what
+cannot be granted); worker transitions get no reply, only events (rejections are recorded,
+never raised); operator commands (invalidate, drain, evict) raise a :class:`CoreError`
+subclass for impossible requests. Time is the ``now_ms`` argument; ids are the caller's.
+
+Between a command and the ``apply`` of its events the shell must not run another command
+on the same state (events are decided against the state they were computed from).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from typing import Any
+
+from coordinator.core import events as ev
+from coordinator.core.lifecycle import (
+    ALLOCATED, LIVE, READY, WORKER_KINDS, IllegalTransition, kind_of, step,
+)
+from coordinator.core.prefix import longest_usable_prefix
+from coordinator.core.state import Lease, LedgerState, Replica, ReplicaKey, WorkerRecord
+from shared import messages as m
+from shared.ids import ROOT_HASH
+
+Events = list[Any]
+
+#: How long a worker refused for capacity should wait before asking again.
+RETRY_AFTER_MS = 100
+
+
+class CoreError(ValueError):
+    """An operator command asked for something impossible; the message says what and why."""
+
+
+class UnknownWorker(CoreError):
+    pass
+
+
+class UnknownReplica(CoreError):
+    pass
+
+
+class ReplicaPinned(CoreError):
+    pass
+
+
+class UnknownScope(CoreError):
+    pass
+
+
+def _error(code: m.ErrorCode, message: str, retry_after_ms: int = 0) -> m.ErrorReply:
+    return m.ErrorReply(code=code, message=message, retry_after_ms=retry_after_ms)
+
+
+def readable_locations(w: WorkerRecord) -> tuple[str, ...]:
+    """Where ``w`` can read replicas from, fastest first: its GPU, its node's host tier, disk."""
+    return (w.gpu, w.host, "disk")
+
+
+def _ref(r: Replica) -> m.ReplicaRef:
+    return m.ReplicaRef(block_hash=r.block_hash, form=r.form, location=r.location,
+                        generation=r.generation, checksum=r.checksum)
+
+
+def _live_worker(state: LedgerState, worker_id: str, epoch: int) -> WorkerRecord | m.ErrorReply:
+    """The worker if ``epoch`` is its live epoch, else the ErrorReply to send."""
+    w = state.workers.get(worker_id)
+    if w is None:
+        return _error(m.ErrorCode.NOT_FOUND, f"worker {worker_id} is not registered; register first")
+    if epoch != w.epoch or not w.alive:
+        state_word = "current" if w.alive else "lost"
+        return _error(m.ErrorCode.FENCED, f"worker {worker_id} epoch {epoch} is fenced "
+                      f"(latest epoch {w.epoch}, {state_word}); re-register for a new epoch")
+    return w
+
+
+# --- workers -----------------------------------------------------------------------------
+
+def _lose(state: LedgerState, w: WorkerRecord, reason: str, now_ms: int) -> ev.WorkerLost:
+    """Fence ``w``'s current epoch: its leases end, its GPU/host replicas (and any ALLOCATED) are LOST."""
+    lost = sorted(k for k in w.live
+                  if state.replicas[k].state is ALLOCATED or not k[2] == "disk")
+    return ev.WorkerLost(worker_id=w.worker_id, epoch=w.epoch, reason=reason, lost=lost,
+                         released=sorted(w.leases), at_ms=now_ms)
+
+
+def register_worker(state: LedgerState, msg: m.WorkerRegister,
+                    now_ms: int) -> tuple[m.RegisterReply | m.ErrorReply, Events]:
+    """A new epoch for ``msg.worker_id`` (previous + 1); the previous epoch, if live, is fenced."""
+    declared = msg.catalogue.names
+    for form in msg.pool_slots:
+        if form not in declared:
+            return _error(m.ErrorCode.INVALID, f"pool_slots names form {form!r}, which the catalogue does not "
+                          f"declare; declared: {list(declared)}"), []
+    events: Events = []
+    old = state.workers.get(msg.worker_id)
+    epoch = 1
+    if old is not None:
+        epoch = old.epoch + 1
+        if old.alive:
+            events.append(_lose(state, old, f"superseded by epoch {epoch}", now_ms))
+    events.append(ev.WorkerRegistered(
+        worker_id=msg.worker_id, epoch=epoch, namespace=msg.namespace, catalogue=msg.catalogue,
+        pool_slots=dict(msg.pool_slots), endpoint=msg.endpoint, at_ms=now_ms))
+    p = state.params
+    return m.RegisterReply(worker_id=msg.worker_id, epoch=epoch, heartbeat_interval_ms=p.heartbeat_interval_ms,
+                           lease_ttl_ms=p.lease_ttl_ms), events
+
+
+def heartbeat(state: LedgerState, msg: m.Heartbeat,
+              now_ms: int) -> tuple[m.HeartbeatReply | m.ErrorReply, Events]:
+    """Liveness, answered with the epoch's commit watermark (what the worker may drop from its outbox)."""
+    w = _live_worker(state, msg.worker_id, msg.epoch)
+    if isinstance(w, m.ErrorReply):
+        return w, []
+    return (m.HeartbeatReply(committed_seq=state.committed_seq(w.worker_id, w.epoch)),
+            [ev.WorkerHeartbeat(worker_id=w.worker_id, epoch=w.epoch, at_ms=now_ms)])
+
+
+def drain_worker(state: LedgerState, worker_id: str, now_ms: int = 0, reason: str = "") -> Events:
+    """Stop granting writes to ``worker_id`` (reads still allowed). No-op if lost or already draining."""
+    w = state.workers.get(worker_id)
+    if w is None:
+        raise UnknownWorker(f"worker {worker_id} is not registered; known: {sorted(state.workers)}")
+    if not w.alive or w.draining:
+        return []
+    return [ev.WorkerDraining(worker_id=worker_id, epoch=w.epoch, reason=reason, at_ms=now_ms)]
+
+
+def resume(state: LedgerState, now_ms: int) -> Events:
+    """A coordinator took over: liveness clocks restart now (see ``CoordinatorResumed``)."""
+    return [ev.CoordinatorResumed(at_ms=now_ms)]
+
+
+# --- leases ------------------------------------------------------------------------------
+
+def _lru_victims(state: LedgerState, pool: dict[ReplicaKey, None], count: int,
+                 exclude: set[ReplicaKey]) -> list[Replica]:
+    replicas = state.replicas
+    candidates = (r for k in pool if (r := replicas[k]).state is READY and not r.pins and k not in exclude)
+    return heapq.nsmallest(count, candidates, key=lambda r: (r.last_used_ms, r.block_hash))
+
+
+def acquire_lease(state: LedgerState, msg: m.LeaseAcquire, now_ms: int,
+                  lease_id: str) -> tuple[m.LeaseGrant | m.ErrorReply, Events]:
+    """Read pins for the longest usable prefix plus write reservations for what must be filled.
+
+    Writes, per form, are the request's blocks with no live replica of that form on the
+    worker's GPU: blocks past the usable prefix (to be computed) and prefix blocks pinned
+    from host/disk (to be reloaded). When the pool is full, LRU unpinned READY replicas of
+    that (worker, form) are evicted; when even that is not enough (everything pinned) or
+    the tenant quota is reached, fewer writes are granted — the earliest blocks first.
+    """
+    w = _live_worker(state, msg.worker_id, msg.epoch)
+    if isinstance(w, m.ErrorReply):
+        return w, []
+    if msg.namespace != w.namespace:
+        return _error(m.ErrorCode.INVALID, f"namespace {msg.namespace} is not worker {w.worker_id}'s "
+                      f"namespace {w.namespace}"), []
+    declared = w.catalogue.names
+    for form in msg.write_forms:
+        if form not in declared:
+            return _error(m.ErrorCode.INVALID, f"write form {form!r} is not declared by worker "
+                          f"{w.worker_id}'s catalogue; declared: {list(declared)}"), []
+    if len(set(msg.write_forms)) != len(msg.write_forms):
+        return _error(m.ErrorCode.INVALID, f"write_forms lists a form twice: {msg.write_forms}"), []
+    if lease_id in state.leases:
+        return _error(m.ErrorCode.INVALID, f"lease id {lease_id} is already live"), []
+    p = state.params
+    hashes = msg.block_hashes
+    n = len(hashes)
+
+    usable, pin_keys, rejected = 0, [], []
+    if msg.reuse and n:
+        res = longest_usable_prefix(state, w.catalogue, hashes, readable_locations(w), p.max_rejected_reasons)
+        usable, pin_keys, rejected = res.usable_blocks, res.replicas_to_pin, res.rejected
+    pinned = set(pin_keys)
+    pinned_by_block_form = {(k[0], k[1]): k[2] for k in pin_keys}
+
+    gpu = w.gpu
+    replicas = state.replicas
+    quota = p.tenant_quota_replicas
+    tenant_free = quota - state.tenant_used.get(msg.tenant, 0) if quota else n * len(msg.write_forms)
+    victims: list[Replica] = []
+    write: dict[str, list[int]] = {}
+    wanted = 0
+    if not w.draining:
+        for form in msg.write_forms:
+            need: list[int] = []
+            for i in range(n):
+                if i < usable and pinned_by_block_form.get((hashes[i], form), gpu) == gpu:
+                    continue  # read from the GPU (or not needed for the resume): nothing to fill
+                r = replicas.get((hashes[i], form, gpu))
+                if r is None or r.state not in LIVE:
+                    need.append(i)
+            if not need:
+                continue
+            wanted += len(need)
+            k = min(len(need), max(0, tenant_free))
+            pool = state.pools.get((w.worker_id, form), {})
+            free = max(0, w.pool_slots.get(form, 0) - len(pool))
+            if k > free:
+                chosen = _lru_victims(state, pool, k - free, pinned)
+                victims.extend(chosen)
+                for v in chosen:
+                    if v.tenant == msg.tenant:
+                        tenant_free += 1
+                k = free + len(chosen)
+            if k:
+                write[form] = need[:k]
+                tenant_free -= k
+
+    if wanted and not write and not usable:
+        why = "worker is draining" if w.draining else "pool full of pinned replicas or tenant quota reached"
+        return _error(m.ErrorCode.OVER_CAPACITY, f"no cache capacity for this request ({why}); "
+                      "serve it by recomputation", RETRY_AFTER_MS), []
+
+    expires = now_ms + min(msg.ttl_ms, p.lease_ttl_ms)
+    reads = [_ref(replicas[k]) for k in pin_keys]
+    events: Events = [ev.ReplicaEvicted(block_hash=v.block_hash, form=v.form, location=v.location,
+                                        generation=v.generation, reason="lru", lease_id=lease_id, at_ms=now_ms)
+                      for v in victims]
+    events.append(ev.LeaseGranted(
+        lease_id=lease_id, worker_id=w.worker_id, epoch=w.epoch, tenant=msg.tenant, namespace=msg.namespace,
+        request_id=msg.request_id, block_hashes=list(hashes), usable_blocks=usable, read=reads, write=write,
+        expires_at_ms=expires, at_ms=now_ms))
+    bs = w.catalogue.block_size
+    for form, idx in write.items():
+        for i in idx:
+            events.append(ev.ReplicaAllocated(
+                block_hash=hashes[i], form=form, location=gpu, lease_id=lease_id, worker_id=w.worker_id,
+                epoch=w.epoch, tenant=msg.tenant, namespace=msg.namespace,
+                parent_hash=hashes[i - 1] if i else ROOT_HASH, token_start=i * bs, token_end=(i + 1) * bs,
+                at_ms=now_ms))
+    grant = m.LeaseGrant(lease_id=lease_id, expires_at_ms=expires, usable_blocks=usable, read=reads,
+                         write=write, evict=[_ref(v) for v in victims], rejected=rejected)
+    return grant, events
+
+
+def _lease_of(state: LedgerState, worker_id: str, epoch: int, lease_id: str) -> Lease | m.ErrorReply:
+    lease = state.leases.get(lease_id)
+    if lease is None:
+        return _error(m.ErrorCode.NOT_FOUND, f"lease {lease_id} is not live (released, expired or never granted)")
+    if lease.worker_id != worker_id:
+        return _error(m.ErrorCode.INVALID, f"lease {lease_id} belongs to worker {lease.worker_id}, not {worker_id}")
+    if lease.epoch != epoch:
+        return _error(m.ErrorCode.FENCED, f"lease {lease_id} belongs to epoch {lease.epoch}, not {epoch}")
+    return lease
+
+
+def lease_deadline(state: LedgerState, lease: Lease) -> int:
+    """When ``lease`` expires; after a takeover, holders get a heartbeat timeout to renew."""
+    return max(lease.expires_at_ms, state.resumed_at_ms + state.params.heartbeat_timeout_ms)
+
+
+def renew_lease(state: LedgerState, msg: m.LeaseRenew,
+                now_ms: int) -> tuple[m.LeaseRenewed | m.ErrorReply, Events]:
+    lease = _lease_of(state, msg.worker_id, msg.epoch, msg.lease_id)
+    if isinstance(lease, m.ErrorReply):
+        return lease, []
+    deadline = lease_deadline(state, lease)
+    if now_ms >= deadline:
+        return _error(m.ErrorCode.NOT_FOUND, f"lease {msg.lease_id} expired at {deadline} ms"), []
+    expires = now_ms + min(msg.ttl_ms, state.params.lease_ttl_ms)
+    return (m.LeaseRenewed(lease_id=msg.lease_id, expires_at_ms=expires),
+            [ev.LeaseRenewed(lease_id=msg.lease_id, expires_at_ms=expires, at_ms=now_ms)])
+
+
+def _aborts(state: LedgerState, lease: Lease, now_ms: int) -> Events:
+    """``ReplicaEvicted(abort)`` for the lease's writes that were never committed."""
+    out: Events = []
+    for key in lease.write_keys(f"gpu:{lease.worker_id}"):
+        r = state.replicas.get(key)
+        if r is not None and r.state is ALLOCATED and r.lease_id == lease.lease_id:
+            out.append(ev.ReplicaEvicted(block_hash=key[0], form=key[1], location=key[2], generation=r.generation,
+                                         reason="abort", lease_id=lease.lease_id, at_ms=now_ms))
+    return out
+
+
+def release_lease(state: LedgerState, msg: m.LeaseRelease,
+                  now_ms: int) -> tuple[m.LeaseReleased | m.ErrorReply, Events]:
+    """Unpin the reads; writes never committed are aborted (EVICTED, reason abort)."""
+    lease = _lease_of(state, msg.worker_id, msg.epoch, msg.lease_id)
+    if isinstance(lease, m.ErrorReply):
+        return lease, []
+    events = _aborts(state, lease, now_ms)
+    events.append(ev.LeaseReleased(lease_id=lease.lease_id, at_ms=now_ms))
+    return m.LeaseReleased(lease_id=lease.lease_id), events
+
+
+def expire(state: LedgerState, now_ms: int) -> Events:
+    """Workers silent past ``missed_heartbeats × interval`` are lost; leases past their TTL end."""
+    p = state.params
+    floor = state.resumed_at_ms
+    events: Events = []
+    lost: set[str] = set()
+    for wid in sorted(state.workers):
+        w = state.workers[wid]
+        if w.alive and now_ms - max(w.last_heartbeat_ms, floor) > p.heartbeat_timeout_ms:
+            events.append(_lose(state, w, f"no heartbeat for {now_ms - w.last_heartbeat_ms} ms "
+                                          f"(limit {p.heartbeat_timeout_ms} ms)", now_ms))
+            lost.add(wid)
+    for lid in sorted(state.leases):
+        lease = state.leases[lid]
+        if lease.worker_id not in lost and now_ms >= lease_deadline(state, lease):
+            events.extend(_aborts(state, lease, now_ms))
+            events.append(ev.LeaseExpired(lease_id=lid, at_ms=now_ms))
+    return events
+
+
+# --- transitions -------------------------------------------------------------------------
+
+def _judge(state: LedgerState, t: m.TransitionEvent) -> tuple[str, str]:
+    """``(kind, "")`` if the transition is legal now, else ``("", reason)``."""
+    w = state.workers.get(t.worker_id)
+    if w is None:
+        return "", f"worker {t.worker_id} is not registered"
+    if w.is_fenced(t.epoch):
+        return "", f"epoch {t.epoch} of worker {t.worker_id} is fenced (latest epoch {w.epoch})"
+    if t.epoch > w.epoch:
+        return "", f"epoch {t.epoch} of worker {t.worker_id} was never registered (latest {w.epoch})"
+    if t.namespace != w.namespace:
+        return "", f"namespace {t.namespace} is not the worker's namespace {w.namespace}"
+    if t.form not in w.catalogue.names:
+        return "", f"form {t.form!r} is not declared; declared: {list(w.catalogue.names)}"
+    loc = t.location
+    if loc.startswith("gpu:"):
+        if loc != w.gpu:
+            return "", f"worker {t.worker_id} cannot change replicas at {loc}"
+    elif not (loc.startswith("host:") and len(loc) > 5) and loc != "disk":
+        return "", f"location {loc!r}: expected gpu:<worker>, host:<node> or disk"
+    kind = kind_of(t.from_state, t.to_state)
+    if kind is None or kind not in WORKER_KINDS:
+        frm = t.from_state.value if t.from_state else "absent"
+        return "", f"a worker cannot move a replica from {frm} to {t.to_state.value}"
+    key = (t.block_hash, t.form, loc)
+    r = state.replicas.get(key)
+    cur = r.state if r is not None else None
+    if kind == "offload":
+        if cur in LIVE:
+            return "", f"replica {key} already exists ({cur})"
+    elif cur != t.from_state:
+        return "", f"stale: replica {key} is {cur.value if cur else 'absent'}, not {t.from_state}"
+    try:
+        step(cur, kind, key)
+    except IllegalTransition as e:
+        return "", str(e)
+    holder = r is not None and r.owner == t.worker_id and r.owner_epoch == t.epoch
+    if kind in ("commit", "abort") or (kind == "invalidate" and cur is ALLOCATED):
+        assert r is not None
+        if not holder:
+            return "", f"only the lease holder {r.owner}.{r.owner_epoch} may {kind} replica {key}"
+        if t.lease_id and t.lease_id != r.lease_id:
+            return "", f"replica {key} was allocated to lease {r.lease_id}, not {t.lease_id}"
+        if kind == "commit":
+            if not t.checksum:
+                return "", f"commit of {key} carries no checksum"
+            if t.tenant != r.tenant:
+                return "", f"replica {key} belongs to tenant {r.tenant}, not {t.tenant}"
+    elif kind in ("evict", "invalidate"):
+        assert r is not None
+        if t.generation != r.generation:
+            return "", f"stale generation {t.generation} for {key} (current {r.generation})"
+        if kind == "evict" and r.pins:
+            return "", f"replica {key} is pinned by {r.pins} live lease(s); it cannot be evicted"
+    elif kind == "offload":
+        if loc.startswith("gpu:"):
+            return "", "an offload copies to host:<node> or disk; a GPU copy needs a write lease"
+        if not t.checksum:
+            return "", f"offload of {key} carries no checksum"
+        for form, src_loc in state.by_block.get(t.block_hash, ()):
+            if form == t.form and src_loc != loc:
+                src = state.replicas[(t.block_hash, form, src_loc)]
+                if src.state is READY and src.checksum == t.checksum:
+                    break
+        else:
+            return "", f"no READY replica of block {t.block_hash} form {t.form} with checksum {t.checksum} to copy"
+    return kind, ""
+
+
+def ingest_transition(state: LedgerState, t: m.TransitionEvent, now_ms: int | None = None) -> Events:
+    """Judge one worker transition: ``[TransitionApplied]``, ``[TransitionRejected]``, or ``[]``.
+
+    ``[]`` means the source id (``worker.epoch.seq``) is already in the ledger — a redelivery,
+    harmless. Never raises for bad input: a rejection is recorded with its reason, so the
+    worker's outbox can drop it (the watermark covers it) and an operator can see why.
+    ``now_ms`` defaults to the worker's ``ts_ms``.
+    """
+    wm = state.watermarks.get((t.worker_id, t.epoch))
+    if wm is not None and wm.has(t.seq):
+        return []
+    at = t.ts_ms if now_ms is None else now_ms
+    kind, reason = _judge(state, t)
+    if kind:
+        return [ev.TransitionApplied(transition=t, kind=kind, at_ms=at)]
+    return [ev.TransitionRejected(transition=t, reason=reason, at_ms=at)]
+
+
+# --- operator commands -------------------------------------------------------------------
+
+def invalidate(state: LedgerState, scope: str, value: str, reason: str, now_ms: int = 0) -> Events:
+    """Every live replica in ``scope`` (``namespace`` | ``worker`` | ``block``) becomes INVALID."""
+    if scope == "namespace":
+        affected = sorted(k for k, r in state.replicas.items() if r.namespace == value and r.state in LIVE)
+    elif scope == "worker":
+        w = state.workers.get(value)
+        if w is None:
+            raise UnknownWorker(f"worker {value} is not registered; known: {sorted(state.workers)}")
+        affected = sorted(w.live)
+    elif scope == "block":
+        affected = sorted(k for f, loc in state.by_block.get(value, ())
+                          if state.replicas[(k := (value, f, loc))].state in LIVE)
+    else:
+        raise UnknownScope(f"invalidation scope {scope!r}; allowed: namespace, worker, block")
+    return [ev.Invalidated(scope=scope, value=value, reason=reason, affected=affected, at_ms=now_ms)]  # type: ignore[arg-type]
+
+
+def evict_replica(state: LedgerState, key: Sequence[str], now_ms: int = 0) -> Events:
+    """Operator eviction of one unpinned replica (READY, or an ALLOCATED write, which aborts)."""
+    k = (key[0], key[1], key[2])
+    r = state.replicas.get(k)
+    if r is None:
+        raise UnknownReplica(f"no replica {k}")
+    if r.state not in LIVE:
+        raise IllegalTransition(r.state, "evict", k)
+    if r.pins:
+        raise ReplicaPinned(f"replica {k} is pinned by {r.pins} live lease(s); release them first")
+    return [ev.ReplicaEvicted(block_hash=k[0], form=k[1], location=k[2], generation=r.generation,
+                              reason="control", at_ms=now_ms)]

@@ -1,0 +1,270 @@
+"""The coordinator's ledger events: small frozen, versioned facts, one tagged union.
+
+Every change to cache-block state is one of these, appended to the log before anyone is
+told about it; the state is ``fold(apply, events)`` (:mod:`coordinator.core.state`).
+An event records a *decision already taken* — it carries everything the fold needs (the
+replicas a worker loss affected, the victims an eviction chose), so replay never has to
+decide anything again and never reads a clock.
+
+Wire format is JSON (the log stores it as JSONB). ``decode_event`` rejects an unknown
+``type`` or an unsupported ``v`` with an :class:`EventDecodeError` naming what was received
+and what is accepted.
+
+Replica keys travel as ``[block_hash, form, location]`` arrays (``RKey``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final, Literal, Union
+
+import msgspec
+
+from shared.forms import FormCatalogue
+from shared.messages import ReplicaRef, TransitionEvent
+
+#: Version of the ledger event schema; bump when a field changes meaning.
+EVENT_SCHEMA_VERSION: Final = 1
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+#: ``(block_hash, form, location)``: a replica's identity.
+RKey = tuple[str, str, str]
+
+
+class _Event(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type", kw_only=True):
+    v: int = EVENT_SCHEMA_VERSION
+    #: Coordinator time (ms) at which the decision was taken; the fold's only clock.
+    at_ms: NonNeg = 0
+
+
+# --- workers ---------------------------------------------------------------------------
+
+class WorkerRegistered(_Event, tag="worker.registered", kw_only=True):
+    """A worker (re)registered and got ``epoch``; any older epoch was fenced just before."""
+
+    worker_id: str
+    epoch: int
+    namespace: str
+    catalogue: FormCatalogue
+    pool_slots: dict[str, NonNeg] = {}
+    endpoint: str = ""
+    #: The host tier this worker reads and writes (``host:<node>``).
+    node: str = ""
+
+
+class WorkerHeartbeat(_Event, tag="worker.heartbeat", kw_only=True):
+    worker_id: str
+    epoch: int
+
+
+class WorkerDraining(_Event, tag="worker.draining", kw_only=True):
+    """The worker gets no new write grants from now on (reads still allowed)."""
+
+    worker_id: str
+    epoch: int
+    reason: str = ""
+
+
+class WorkerLost(_Event, tag="worker.lost", kw_only=True):
+    """``epoch`` of the worker is fenced: listed replicas become LOST, listed leases end."""
+
+    worker_id: str
+    epoch: int
+    reason: str = ""
+    #: Replicas that become LOST (ALLOCATED anywhere; READY at gpu:/host:). Disk READY survive.
+    lost: list[RKey] = []
+    #: Leases of that epoch, released without aborting (their ALLOCATED replicas are in ``lost``).
+    released: list[str] = []
+
+
+# --- leases ----------------------------------------------------------------------------
+
+class LeaseGranted(_Event, tag="lease.granted", kw_only=True):
+    """A lease: pins ``read`` replicas; its write replicas follow as ``ReplicaAllocated``."""
+
+    lease_id: str
+    worker_id: str
+    epoch: int
+    tenant: str
+    namespace: str
+    request_id: str = ""
+    block_hashes: list[str] = []
+    usable_blocks: NonNeg = 0
+    read: list[ReplicaRef] = []
+    #: Block indices (into ``block_hashes``) the worker may fill, per form.
+    write: dict[str, list[NonNeg]] = {}
+    expires_at_ms: NonNeg = 0
+
+
+class LeaseRenewed(_Event, tag="lease.renewed", kw_only=True):
+    lease_id: str
+    expires_at_ms: NonNeg
+
+
+class LeaseReleased(_Event, tag="lease.released", kw_only=True):
+    """The holder released the lease: pins dropped (its unfilled writes were aborted first)."""
+
+    lease_id: str
+
+
+class LeaseExpired(_Event, tag="lease.expired", kw_only=True):
+    """The lease passed its TTL: as ``LeaseReleased``, decided by the clock."""
+
+    lease_id: str
+
+
+# --- replicas --------------------------------------------------------------------------
+
+class ReplicaAllocated(_Event, tag="replica.allocated", kw_only=True):
+    """A write grant reserved a pool slot: the replica is ALLOCATED at ``location``."""
+
+    block_hash: str
+    form: str
+    location: str
+    lease_id: str
+    worker_id: str
+    epoch: int
+    tenant: str
+    namespace: str
+    parent_hash: str
+    token_start: NonNeg
+    token_end: NonNeg
+
+
+class ReplicaEvicted(_Event, tag="replica.evicted", kw_only=True):
+    """The coordinator evicted a replica: an LRU victim of a grant, an abort, or control."""
+
+    block_hash: str
+    form: str
+    location: str
+    generation: NonNeg = 0
+    reason: Literal["lru", "abort", "control"] = "lru"
+    #: The lease whose grant chose the victim (lru) or whose end aborted the write (abort).
+    lease_id: str = ""
+
+
+class TransitionApplied(_Event, tag="transition.applied", kw_only=True):
+    """A worker's transition, accepted into the ledger (its ``kind`` per the life cycle)."""
+
+    transition: TransitionEvent
+    kind: str
+
+    @property
+    def source_id(self) -> str:
+        return self.transition.source_id
+
+
+class TransitionRejected(_Event, tag="transition.rejected", kw_only=True):
+    """A worker's transition, recorded but refused: it changes no replica."""
+
+    transition: TransitionEvent
+    reason: str
+
+    @property
+    def source_id(self) -> str:
+        return self.transition.source_id
+
+
+class Invalidated(_Event, tag="invalidated", kw_only=True):
+    """An operator (or control) invalidated every live replica in a scope."""
+
+    scope: Literal["namespace", "worker", "block"]
+    value: str
+    reason: str = ""
+    affected: list[RKey] = []
+
+
+class CoordinatorResumed(_Event, tag="coordinator.resumed", kw_only=True):
+    """A coordinator took over the log: liveness clocks restart from ``at_ms``.
+
+    NOTE: without it, the first expiry after a long outage would declare every worker lost
+    and every lease expired merely because the coordinator itself was away.
+    """
+
+
+LedgerEvent = Union[
+    WorkerRegistered, WorkerHeartbeat, WorkerDraining, WorkerLost,
+    LeaseGranted, LeaseRenewed, LeaseReleased, LeaseExpired,
+    ReplicaAllocated, ReplicaEvicted,
+    TransitionApplied, TransitionRejected, Invalidated, CoordinatorResumed,
+]
+EVENT_TYPES: Final[dict[str, type[_Event]]] = {
+    t.__struct_config__.tag: t for t in LedgerEvent.__args__  # type: ignore[attr-defined]
+}
+
+
+class EventDecodeError(ValueError):
+    """Bytes that are not a ledger event this build can read."""
+
+
+class _Envelope(msgspec.Struct):
+    type: str = ""
+    v: int = -1
+
+
+_envelope = msgspec.json.Decoder(_Envelope)
+_decoder = msgspec.json.Decoder(LedgerEvent)
+_encoder = msgspec.json.Encoder()
+
+
+def encode_event(e: _Event) -> bytes:
+    """JSON bytes of one event (what the log stores)."""
+    return _encoder.encode(e)
+
+
+def decode_event(data: bytes | memoryview | str) -> Any:
+    """One event from JSON, or :class:`EventDecodeError` naming what is wrong.
+
+    NOTE: the fast path decodes once; only on failure is the envelope read to explain it.
+    Replay decodes a million of these, so the happy path must not parse twice.
+    """
+    try:
+        e = _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        raise _explain(data, err) from None
+    if e.v != EVENT_SCHEMA_VERSION:
+        raise EventDecodeError(f"ledger event {type(e).__struct_config__.tag!r} has schema version {e.v}; "
+                               f"this build reads v{EVENT_SCHEMA_VERSION}")
+    return e
+
+
+def _explain(data: bytes | memoryview | str, err: Exception) -> EventDecodeError:
+    try:
+        env = _envelope.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        return EventDecodeError(f"not a ledger event (expected a JSON object with 'type' and 'v'): {e}")
+    if env.type not in EVENT_TYPES:
+        return EventDecodeError(f"unknown ledger event type {env.type!r}; known: {sorted(EVENT_TYPES)}")
+    if env.v != EVENT_SCHEMA_VERSION:
+        return EventDecodeError(f"ledger event {env.type!r} has schema version {env.v}; "
+                                f"this build reads v{EVENT_SCHEMA_VERSION}")
+    return EventDecodeError(f"invalid ledger event {env.type!r}: {err}")
+
+
+def replica_stream(block_hash: str, form: str, location: str) -> str:
+    return f"replica:{block_hash}:{form}:{location}"
+
+
+def stream_of(e: _Event) -> str:
+    """The stream an event belongs to, for per-stream versions (``UNIQUE(stream, version)``).
+
+    ``worker:<id>`` for worker life and rejected transitions, ``lease:<id>`` for leases,
+    ``replica:<block>:<form>:<location>`` for one replica's history, ``invalidation:<scope>:<value>``
+    for operator invalidations, ``coordinator`` for takeovers.
+    """
+    t = type(e)
+    if t is TransitionApplied:
+        tr = e.transition  # type: ignore[attr-defined]
+        return replica_stream(tr.block_hash, tr.form, tr.location)
+    if t is ReplicaAllocated or t is ReplicaEvicted:
+        return replica_stream(e.block_hash, e.form, e.location)  # type: ignore[attr-defined]
+    if t in (LeaseGranted, LeaseRenewed, LeaseReleased, LeaseExpired):
+        return f"lease:{e.lease_id}"  # type: ignore[attr-defined]
+    if t in (WorkerRegistered, WorkerHeartbeat, WorkerDraining, WorkerLost):
+        return f"worker:{e.worker_id}"  # type: ignore[attr-defined]
+    if t is TransitionRejected:
+        return f"worker:{e.transition.worker_id}"  # type: ignore[attr-defined]
+    if t is Invalidated:
+        return f"invalidation:{e.scope}:{e.value}"  # type: ignore[attr-defined]
+    if t is CoordinatorResumed:
+        return "coordinator"
+    raise TypeError(f"not a ledger event: {t.__name__}")

@@ -1,0 +1,104 @@
+"""What must hold of every ledger state, checked by recomputation (audit and property tests).
+
+``check_invariants(state)`` returns one line per violation (empty = OK). It recomputes
+every derived index from the facts instead of trusting them, so it is O(state): for the
+audit and for tests, never for the hot path.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from coordinator.core.lifecycle import ALLOCATED, LIVE, READY
+from coordinator.core.state import LedgerState, ReplicaKey, pool_of
+
+
+def check_invariants(state: LedgerState) -> list[str]:
+    out: list[str] = []
+    q = state.params.tenant_quota_replicas
+
+    # Recompute derived counts from the replicas.
+    pools: dict[tuple[str, str], set[ReplicaKey]] = {}
+    tenants: Counter[str] = Counter()
+    owned: dict[str, set[ReplicaKey]] = {}
+    writes: dict[str, set[ReplicaKey]] = {}
+    for key, r in state.replicas.items():
+        if r.key != key:
+            out.append(f"replica stored under {key} says it is {r.key}")
+        if r.pool != pool_of(r.location, r.form):
+            out.append(f"replica {key}: pool {r.pool} does not match its location")
+        if r.pins < 0:
+            out.append(f"replica {key}: negative pin count {r.pins}")
+        if r.state not in LIVE:
+            continue
+        if r.pool is not None:
+            pools.setdefault(r.pool, set()).add(key)
+            tenants[r.tenant] += 1
+        w = state.workers.get(r.owner)
+        if w is None:
+            out.append(f"replica {key}: owner {r.owner} is not a registered worker")
+            continue
+        fenced = w.is_fenced(r.owner_epoch) or r.owner_epoch != w.epoch or not w.alive
+        if fenced and (r.state is ALLOCATED or r.location.startswith(("gpu:", "host:"))):
+            out.append(f"replica {key}: {r.state.value} but its epoch {r.owner}.{r.owner_epoch} is fenced")
+        if not fenced:
+            owned.setdefault(r.owner, set()).add(key)
+        if r.state is ALLOCATED:
+            lease = state.leases.get(r.lease_id)
+            if lease is not None and r.lease_id not in writes:
+                writes[r.lease_id] = set(lease.write_keys(f"gpu:{lease.worker_id}"))
+            if lease is None or key not in writes[r.lease_id]:
+                out.append(f"replica {key}: ALLOCATED for lease {r.lease_id!r}, which is not live or did not grant it")
+
+    # 1. admission cap per (worker, form) and per tenant.
+    for (wid, form), keys in sorted(pools.items()):
+        w = state.workers.get(wid)
+        cap = w.pool_slots.get(form, 0) if w is not None else 0
+        if len(keys) > cap:
+            out.append(f"pool {wid}/{form}: {len(keys)} ALLOCATED+READY > {cap} slots")
+    if q:
+        for tenant, n in sorted(tenants.items()):
+            if n > q:
+                out.append(f"tenant {tenant}: {n} ALLOCATED+READY GPU replicas > quota {q}")
+
+    # Counters equal their recomputation.
+    stored_pools = {pk: set(keys) for pk, keys in state.pools.items() if keys}
+    if stored_pools != pools:
+        diff = sorted(set(stored_pools) ^ set(pools) | {pk for pk in pools if stored_pools.get(pk) != pools[pk]})
+        out.append(f"pool membership differs from recomputation for {diff}")
+    if dict(tenants) != state.tenant_used:
+        out.append(f"tenant counts {dict(sorted(state.tenant_used.items()))} != recomputed "
+                   f"{dict(sorted(tenants.items()))}")
+    for wid, w in sorted(state.workers.items()):
+        if set(w.live) != owned.get(wid, set()):
+            out.append(f"worker {wid}: live-replica index differs from recomputation")
+        lease_ids = {lid for lid, l in state.leases.items() if l.worker_id == wid and l.epoch == w.epoch}
+        if set(w.leases) != lease_ids:
+            out.append(f"worker {wid}: lease index {sorted(w.leases)} != {sorted(lease_ids)}")
+    for block, locs in state.by_block.items():
+        for form, loc in locs:
+            if (block, form, loc) not in state.replicas:
+                out.append(f"block index names {(block, form, loc)}, which is not a replica")
+    if sum(len(v) for v in state.by_block.values()) != len(state.replicas):
+        out.append("block index does not list every replica exactly once")
+
+    # Pins: refcount = number of live leases pinning; pinned replicas are READY.
+    pins: Counter[ReplicaKey] = Counter()
+    for lid, lease in sorted(state.leases.items()):
+        w = state.workers.get(lease.worker_id)
+        if w is None or not w.alive or lease.epoch != w.epoch:
+            out.append(f"lease {lid}: its epoch {lease.worker_id}.{lease.epoch} is fenced or unknown")
+        for key in lease.pins:
+            pins[key] += 1
+            r = state.replicas.get(key)
+            if r is None or r.state is not READY:
+                out.append(f"lease {lid} pins {key}, which is {r.state.value if r else 'absent'}, not READY")
+    for key, r in state.replicas.items():
+        if r.pins != pins.get(key, 0):
+            out.append(f"replica {key}: pin count {r.pins} != {pins.get(key, 0)} pinning leases")
+
+    # Watermarks: pending seqs lie above the contiguous prefix.
+    for (wid, epoch), wm in state.watermarks.items():
+        if wm.contiguous < 0 or any(s <= wm.contiguous + 1 for s in wm.pending):
+            out.append(f"watermark {wid}.{epoch}: contiguous {wm.contiguous}, pending {sorted(wm.pending)[:5]}")
+    return out

@@ -1,0 +1,131 @@
+"""The longest usable prefix: how much of a request can resume from cached state.
+
+A boundary ``p`` (in blocks) is usable when *every* form of the model's catalogue is
+usable there, each by its scope (see :mod:`shared.forms`):
+
+* ``full_history`` — blocks ``0 .. p-1`` READY;
+* ``window``       — the ``ceil(window_tokens / block_size)`` blocks before ``p`` READY
+  (fewer near the start: ``max(0, p - wb) .. p-1``);
+* ``resume_point`` — block ``p-1`` (the one ending at ``p``) READY.
+
+"READY" means READY at one of the requesting worker's readable locations, tried in order
+(own GPU first, then host, then disk); the first found is the one pinned.
+
+The search goes downwards from the longest boundary, so a failure at the longest falls
+back to a shorter boundary, never straight to nothing; the smallest reusable prefix is one
+block. Cost is O(blocks × forms × locations) dictionary probes: full-history forms are
+probed only until their first gap, which bounds every other form's probes, and window
+checks use a "last missing block" array instead of rescanning each window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from coordinator.core.lifecycle import READY
+from coordinator.core.state import LedgerState, ReplicaKey
+from shared.forms import FormCatalogue, FormScope
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixResult:
+    #: Longest usable boundary in blocks (0 = nothing reusable).
+    usable_blocks: int
+    #: One READY replica per (block, form) the resume needs, in catalogue order.
+    replicas_to_pin: list[ReplicaKey] = field(default_factory=list)
+    #: Why each longer boundary was rejected, longest first.
+    rejected: list[str] = field(default_factory=list)
+
+
+def longest_usable_prefix(state: LedgerState, catalogue: FormCatalogue, block_hashes: Sequence[str],
+                          readable_locations: Sequence[str], max_reasons: int = 16) -> PrefixResult:
+    """The largest ``p ≤ len(block_hashes)`` at which every catalogue form is usable."""
+    n = len(block_hashes)
+    if n == 0:
+        return PrefixResult(0)
+    replicas = state.replicas
+    locs = tuple(readable_locations)
+
+    def find(h: str, form: str) -> ReplicaKey | None:
+        for loc in locs:
+            key = (h, form, loc)
+            r = replicas.get(key)
+            if r is not None and r.state is READY:
+                return key
+        return None
+
+    # Full-history forms: probe each from block 0 to its first gap; the smallest gap bounds p.
+    bound = n
+    limit_reason = ""
+    found: dict[str, list[ReplicaKey | None]] = {}
+    for spec in catalogue.forms:
+        if spec.scope is not FormScope.FULL_HISTORY:
+            continue
+        keys: list[ReplicaKey | None] = []
+        for i in range(bound):
+            k = find(block_hashes[i], spec.name)
+            if k is None:
+                break
+            keys.append(k)
+        if len(keys) < bound:
+            bound = len(keys)
+            limit_reason = f"{spec.name} of block {bound} not READY"
+        found[spec.name] = keys
+    rejected: list[str] = []
+    if bound < n:
+        span = f"p={n}" if bound == n - 1 else f"p={bound + 1}..{n}"
+        rejected.append(f"{span} blocks: {limit_reason}")
+
+    # Window and resume-point forms: probe blocks below the bound once each.
+    checks: list[tuple[str, int, list[ReplicaKey | None], list[int]]] = []
+    for spec in catalogue.forms:
+        if spec.scope is FormScope.FULL_HISTORY:
+            continue
+        keys = [find(block_hashes[i], spec.name) for i in range(bound)]
+        found[spec.name] = keys
+        # last_miss[i]: the highest j ≤ i whose block is missing (-1 if none).
+        last_miss: list[int] = []
+        m = -1
+        for i, k in enumerate(keys):
+            if k is None:
+                m = i
+            last_miss.append(m)
+        wb = catalogue.window_blocks(spec) if spec.scope is FormScope.WINDOW else 1
+        checks.append((spec.name, wb, keys, last_miss))
+
+    p = bound
+    more = 0
+    while p > 0:
+        why = ""
+        for name, wb, _keys, last_miss in checks:
+            miss = last_miss[p - 1]
+            if miss >= p - wb:  # a missing block inside [p - wb, p)
+                why = f"{name} of block {miss} not READY"
+                break
+        if not why:
+            break
+        if len(rejected) < max_reasons:
+            rejected.append(f"p={p} blocks: {why}")
+        else:
+            more += 1
+        p -= 1
+    if more:
+        rejected.append(f"... and {more} shorter boundaries rejected")
+    if p == 0:
+        return PrefixResult(0, [], rejected)
+
+    pins: list[ReplicaKey] = []
+    for spec in catalogue.forms:
+        keys = found[spec.name]
+        if spec.scope is FormScope.FULL_HISTORY:
+            lo = 0
+        elif spec.scope is FormScope.WINDOW:
+            lo = max(0, p - catalogue.window_blocks(spec))
+        else:
+            lo = p - 1
+        for i in range(lo, p):
+            k = keys[i]
+            assert k is not None, (spec.name, i, p)
+            pins.append(k)
+    return PrefixResult(p, pins, rejected)

@@ -1,0 +1,673 @@
+"""The ledger state and the fold that builds it: ``state = fold(apply, events)``.
+
+``apply`` mutates in place and does O(1) work per event (O(k) for an event that names k
+replicas or leases): replay must fold a million events in seconds. It takes no decisions
+and reads no clock — every decision is already in the event (see :mod:`.events`). It does
+assert, cheaply, that the log asks for legal moves: a log that does not is corrupt, and
+:class:`ReplayError` (or :class:`.lifecycle.IllegalTransition`) says where.
+
+Besides the facts, the state keeps a few *derived* indexes (pool membership, per-tenant
+counts, each worker's live replicas and leases, replica keys per block). They are
+maintained by ``apply``, rebuilt from the facts by :func:`from_snapshot`, and checked
+against a recomputation by :func:`.invariants.check_invariants`.
+
+:func:`state_hash` is canonical: it sorts everything, so two states built in different
+orders (live, by replay, from a snapshot) hash equal exactly when they hold the same facts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import msgspec
+
+from coordinator.core import events as ev
+from coordinator.core.lifecycle import LIVE, READY, TRANSITIONS, IllegalTransition, step
+from shared.forms import FormCatalogue
+from shared.messages import ReplicaState
+
+#: ``(block_hash, form, location)``.
+ReplicaKey = tuple[str, str, str]
+#: ``(worker_id, form)``: one pool of one worker.
+PoolKey = tuple[str, str]
+
+SNAPSHOT_VERSION: Final = 1
+
+
+class ReplayError(RuntimeError):
+    """The log asks the fold for something impossible (unknown lease, duplicate source id…)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CoreParams:
+    """Limits the core decides with; the shell builds it from the coordinator config."""
+
+    lease_ttl_ms: int = 30_000
+    heartbeat_interval_ms: int = 1_000
+    #: Heartbeats missed before a worker is declared lost.
+    missed_heartbeats: int = 5
+    #: Cap on ALLOCATED+READY GPU replicas per tenant across all workers (0 = unlimited).
+    tenant_quota_replicas: int = 0
+    #: Longest list of rejected boundaries a grant reports (the rest are summarised).
+    max_rejected_reasons: int = 16
+
+    @property
+    def heartbeat_timeout_ms(self) -> int:
+        return self.missed_heartbeats * self.heartbeat_interval_ms
+
+    @classmethod
+    def from_config(cls, coordinator: Any) -> CoreParams:
+        """From a ``shared.config.CoordinatorConfig`` (duck-typed: the core imports no config loader)."""
+        return cls(lease_ttl_ms=coordinator.lease_ttl_ms,
+                   heartbeat_interval_ms=coordinator.heartbeat_interval_ms,
+                   missed_heartbeats=coordinator.missed_heartbeats,
+                   tenant_quota_replicas=coordinator.tenant_quota_replicas)
+
+
+@dataclass(slots=True, eq=False)
+class Replica:
+    """One form of one block at one location (the current incarnation of that key)."""
+
+    block_hash: str
+    form: str
+    location: str
+    state: ReplicaState
+    generation: int = 0
+    checksum: str = ""
+    tenant: str = ""
+    namespace: str = ""
+    parent_hash: str = ""
+    token_start: int = 0
+    token_end: int = 0
+    #: Live leases pinning it for reading.
+    pins: int = 0
+    last_used_ms: int = 0
+    #: The worker epoch that created this incarnation (lease holder or offloader).
+    owner: str = ""
+    owner_epoch: int = 0
+    #: The lease whose write grant allocated it ("" for offload copies).
+    lease_id: str = ""
+    #: ``(worker, form)`` for a ``gpu:<worker>`` replica (it takes a pool slot), else None.
+    pool: PoolKey | None = None
+
+    @property
+    def key(self) -> ReplicaKey:
+        return (self.block_hash, self.form, self.location)
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    lease_id: str
+    worker_id: str
+    epoch: int
+    tenant: str
+    namespace: str
+    request_id: str
+    block_hashes: list[str]
+    usable_blocks: int
+    #: Replicas pinned for reading (an ordered set).
+    pins: dict[ReplicaKey, None]
+    #: Block indices the holder may fill, per form.
+    write: dict[str, list[int]]
+    expires_at_ms: int
+    granted_at_ms: int
+
+    def write_keys(self, location: str) -> list[ReplicaKey]:
+        hs = self.block_hashes
+        return [(hs[i], form, location) for form, idx in self.write.items() for i in idx]
+
+
+@dataclass(slots=True, eq=False)
+class WorkerRecord:
+    worker_id: str
+    epoch: int
+    namespace: str
+    catalogue: FormCatalogue
+    pool_slots: dict[str, int]
+    endpoint: str
+    node: str
+    registered_at_ms: int
+    last_heartbeat_ms: int
+    #: False once the current epoch is lost (heartbeat timeout, fencing).
+    alive: bool = True
+    draining: bool = False
+    #: Every epoch ≤ this one is fenced.
+    fenced_through: int = 0
+    # derived:
+    #: ALLOCATED/READY replicas the current epoch created.
+    live: dict[ReplicaKey, None] = field(default_factory=dict)
+    #: Leases of the current epoch.
+    leases: dict[str, None] = field(default_factory=dict)
+
+    @property
+    def gpu(self) -> str:
+        return f"gpu:{self.worker_id}"
+
+    @property
+    def host(self) -> str:
+        return f"host:{self.node or self.worker_id}"
+
+    def is_fenced(self, epoch: int) -> bool:
+        return epoch <= self.fenced_through
+
+
+@dataclass(slots=True, eq=False)
+class Watermark:
+    """Seqs of one worker epoch recorded in the log: ``1..contiguous`` plus ``pending``."""
+
+    contiguous: int = 0
+    #: Seqs above ``contiguous + 1`` that arrived early (a gap below them is still open).
+    pending: set[int] = field(default_factory=set)
+
+    def has(self, seq: int) -> bool:
+        return seq <= self.contiguous or seq in self.pending
+
+
+@dataclass(slots=True, eq=False)
+class LedgerState:
+    params: CoreParams
+    workers: dict[str, WorkerRecord] = field(default_factory=dict)
+    replicas: dict[ReplicaKey, Replica] = field(default_factory=dict)
+    leases: dict[str, Lease] = field(default_factory=dict)
+    #: Commit watermark per (worker, epoch).
+    watermarks: dict[tuple[str, int], Watermark] = field(default_factory=dict)
+    #: Time of the last coordinator takeover (liveness clocks restart there).
+    resumed_at_ms: int = 0
+    #: Events folded so far (not part of the state hash).
+    applied: int = 0
+    # derived:
+    #: Live (ALLOCATED/READY) GPU replicas per (worker, form): membership and count.
+    pools: dict[PoolKey, dict[ReplicaKey, None]] = field(default_factory=dict)
+    #: Live GPU replicas per tenant.
+    tenant_used: dict[str, int] = field(default_factory=dict)
+    #: ``(form, location)`` of every replica key ever created for a block.
+    by_block: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, params: CoreParams | None = None) -> LedgerState:
+        return cls(params=params or CoreParams())
+
+    def pool_used(self, worker_id: str, form: str) -> int:
+        p = self.pools.get((worker_id, form))
+        return len(p) if p else 0
+
+    def committed_seq(self, worker_id: str, epoch: int) -> int:
+        wm = self.watermarks.get((worker_id, epoch))
+        return wm.contiguous if wm else 0
+
+    def replica_state(self, key: ReplicaKey) -> ReplicaState | None:
+        r = self.replicas.get(key)
+        return r.state if r else None
+
+
+def pool_of(worker_or_location: str, form: str) -> PoolKey | None:
+    """The pool a replica at ``location`` occupies (only ``gpu:<worker>`` locations have one)."""
+    if worker_or_location.startswith("gpu:"):
+        return (worker_or_location[4:], form)
+    return None
+
+
+# --- the fold ----------------------------------------------------------------------------
+
+def _enter_live(s: LedgerState, r: Replica, key: ReplicaKey) -> None:
+    if r.pool is not None:
+        p = s.pools.get(r.pool)
+        if p is None:
+            p = s.pools[r.pool] = {}
+        p[key] = None
+        s.tenant_used[r.tenant] = s.tenant_used.get(r.tenant, 0) + 1
+    w = s.workers.get(r.owner)
+    if w is not None and w.epoch == r.owner_epoch and w.alive:
+        w.live[key] = None
+
+
+def _leave_live(s: LedgerState, r: Replica, key: ReplicaKey) -> None:
+    if r.pool is not None:
+        del s.pools[r.pool][key]
+        n = s.tenant_used[r.tenant] - 1
+        if n:
+            s.tenant_used[r.tenant] = n
+        else:
+            del s.tenant_used[r.tenant]
+    w = s.workers.get(r.owner)
+    if w is not None and w.epoch == r.owner_epoch:
+        w.live.pop(key, None)
+
+
+def _unpin_everywhere(s: LedgerState, r: Replica, key: ReplicaKey) -> None:
+    # NOTE: rare (a pinned replica found invalid or lost); O(live leases).
+    for lease in s.leases.values():
+        if key in lease.pins:
+            del lease.pins[key]
+            r.pins -= 1
+    assert r.pins == 0, (key, r.pins)
+
+
+def _move(s: LedgerState, key: ReplicaKey, kind: str) -> Replica:
+    """An existing replica's move of ``kind`` with its index bookkeeping."""
+    r = s.replicas.get(key)
+    if r is None:
+        raise IllegalTransition(None, kind, key)
+    old = r.state
+    new = step(old, kind, key)
+    if old in LIVE and new not in LIVE:
+        _leave_live(s, r, key)
+    if r.pins and new is not READY:
+        _unpin_everywhere(s, r, key)
+    r.state = new
+    return r
+
+
+def _create(s: LedgerState, key: ReplicaKey, kind: str, owner: str, epoch: int) -> Replica:
+    """A new incarnation of ``key`` (a grant or an offload copy)."""
+    r = s.replicas.get(key)
+    old = r.state if r is not None else None
+    new = step(old, kind, key)
+    if r is None:
+        r = Replica(key[0], key[1], key[2], new, owner=owner, owner_epoch=epoch, pool=pool_of(key[2], key[1]))
+        s.replicas[key] = r
+        locs = s.by_block.get(key[0])
+        if locs is None:
+            s.by_block[key[0]] = [(key[1], key[2])]
+        else:
+            locs.append((key[1], key[2]))
+    else:
+        r.state = new
+        r.owner, r.owner_epoch = owner, epoch
+        r.pins = 0
+    return r
+
+
+def _record_seq(s: LedgerState, worker_id: str, epoch: int, seq: int) -> None:
+    k = (worker_id, epoch)
+    wm = s.watermarks.get(k)
+    if wm is None:
+        wm = s.watermarks[k] = Watermark()
+    c = wm.contiguous
+    if seq == c + 1:
+        c = seq
+        pending = wm.pending
+        if pending:
+            while c + 1 in pending:
+                c += 1
+                pending.remove(c)
+        wm.contiguous = c
+    elif seq > c + 1 and seq not in wm.pending:
+        wm.pending.add(seq)
+    else:
+        raise ReplayError(f"transition {worker_id}.{epoch}.{seq} is already in the ledger (duplicate source id)")
+
+
+def _worker(s: LedgerState, worker_id: str, epoch: int) -> WorkerRecord:
+    w = s.workers.get(worker_id)
+    if w is None or w.epoch != epoch:
+        raise ReplayError(f"no worker {worker_id} at epoch {epoch} in the ledger")
+    return w
+
+
+def _end_lease(s: LedgerState, lease_id: str) -> None:
+    lease = s.leases.pop(lease_id, None)
+    if lease is None:
+        raise ReplayError(f"lease {lease_id} is not live in the ledger")
+    replicas = s.replicas
+    for key in lease.pins:
+        replicas[key].pins -= 1
+    w = s.workers.get(lease.worker_id)
+    if w is not None:
+        w.leases.pop(lease_id, None)
+
+
+def _apply_worker_registered(s: LedgerState, e: ev.WorkerRegistered) -> None:
+    old = s.workers.get(e.worker_id)
+    if old is not None:
+        if e.epoch <= old.epoch:
+            raise ReplayError(f"worker {e.worker_id}: epoch {e.epoch} does not follow {old.epoch}")
+        if old.alive:
+            raise ReplayError(f"worker {e.worker_id}: epoch {old.epoch} re-registered without being fenced")
+    s.workers[e.worker_id] = WorkerRecord(
+        worker_id=e.worker_id, epoch=e.epoch, namespace=e.namespace, catalogue=e.catalogue,
+        pool_slots=dict(e.pool_slots), endpoint=e.endpoint, node=e.node,
+        registered_at_ms=e.at_ms, last_heartbeat_ms=e.at_ms, fenced_through=e.epoch - 1)
+
+
+def _apply_heartbeat(s: LedgerState, e: ev.WorkerHeartbeat) -> None:
+    _worker(s, e.worker_id, e.epoch).last_heartbeat_ms = e.at_ms
+
+
+def _apply_draining(s: LedgerState, e: ev.WorkerDraining) -> None:
+    _worker(s, e.worker_id, e.epoch).draining = True
+
+
+def _apply_worker_lost(s: LedgerState, e: ev.WorkerLost) -> None:
+    w = _worker(s, e.worker_id, e.epoch)
+    for lid in e.released:
+        _end_lease(s, lid)
+    for key in e.lost:
+        _move(s, tuple(key), "lose")  # type: ignore[arg-type]
+    # NOTE: disk READY replicas of this epoch survive; they simply stop being tracked as
+    # the worker's own (the next epoch does not own them).
+    w.live.clear()
+    w.alive = False
+    w.draining = False
+    w.fenced_through = e.epoch
+    if w.leases:
+        raise ReplayError(f"worker {e.worker_id} lost with leases not released: {sorted(w.leases)}")
+
+
+def _apply_lease_granted(s: LedgerState, e: ev.LeaseGranted) -> None:
+    w = _worker(s, e.worker_id, e.epoch)
+    if e.lease_id in s.leases:
+        raise ReplayError(f"lease {e.lease_id} granted twice")
+    pins: dict[ReplicaKey, None] = {}
+    replicas = s.replicas
+    at = e.at_ms
+    for ref in e.read:
+        key = (ref.block_hash, ref.form, ref.location)
+        r = replicas.get(key)
+        if r is None or r.state is not READY or key in pins:
+            raise ReplayError(f"lease {e.lease_id} pins {key}, which is not a READY replica")
+        r.pins += 1
+        r.last_used_ms = at
+        pins[key] = None
+    s.leases[e.lease_id] = Lease(
+        lease_id=e.lease_id, worker_id=e.worker_id, epoch=e.epoch, tenant=e.tenant, namespace=e.namespace,
+        request_id=e.request_id, block_hashes=list(e.block_hashes), usable_blocks=e.usable_blocks, pins=pins,
+        write={f: list(ix) for f, ix in e.write.items()}, expires_at_ms=e.expires_at_ms, granted_at_ms=at)
+    w.leases[e.lease_id] = None
+
+
+def _apply_lease_renewed(s: LedgerState, e: ev.LeaseRenewed) -> None:
+    lease = s.leases.get(e.lease_id)
+    if lease is None:
+        raise ReplayError(f"lease {e.lease_id} renewed but not live")
+    lease.expires_at_ms = e.expires_at_ms
+
+
+def _apply_lease_ended(s: LedgerState, e: ev.LeaseReleased | ev.LeaseExpired) -> None:
+    _end_lease(s, e.lease_id)
+
+
+def _apply_replica_allocated(s: LedgerState, e: ev.ReplicaAllocated) -> None:
+    key = (e.block_hash, e.form, e.location)
+    r = _create(s, key, "grant", e.worker_id, e.epoch)
+    r.generation = 0
+    r.checksum = ""
+    r.tenant = e.tenant
+    r.namespace = e.namespace
+    r.parent_hash = e.parent_hash
+    r.token_start = e.token_start
+    r.token_end = e.token_end
+    r.lease_id = e.lease_id
+    r.last_used_ms = e.at_ms
+    _enter_live(s, r, key)
+
+
+def _apply_replica_evicted(s: LedgerState, e: ev.ReplicaEvicted) -> None:
+    key = (e.block_hash, e.form, e.location)
+    r = s.replicas.get(key)
+    kind = "abort" if r is not None and r.state is ReplicaState.ALLOCATED else "evict"
+    _move(s, key, kind)
+
+
+def _apply_transition_applied(s: LedgerState, e: ev.TransitionApplied) -> None:
+    t = e.transition
+    _record_seq(s, t.worker_id, t.epoch, t.seq)
+    key = (t.block_hash, t.form, t.location)
+    kind = e.kind
+    if kind == "commit":
+        r = s.replicas.get(key)
+        if r is None:
+            raise IllegalTransition(None, kind, key)
+        r.state = step(r.state, kind, key)
+        r.generation = t.generation
+        r.checksum = t.checksum
+        r.last_used_ms = e.at_ms
+    elif kind == "offload":
+        r = _create(s, key, kind, t.worker_id, t.epoch)
+        r.generation = t.generation
+        r.checksum = t.checksum
+        r.tenant = t.tenant
+        r.namespace = t.namespace
+        r.parent_hash = t.parent_hash
+        r.token_start = t.token_start
+        r.token_end = t.token_end
+        r.lease_id = ""
+        r.last_used_ms = e.at_ms
+        _enter_live(s, r, key)
+    else:
+        _move(s, key, kind)
+
+
+def _apply_transition_rejected(s: LedgerState, e: ev.TransitionRejected) -> None:
+    t = e.transition
+    _record_seq(s, t.worker_id, t.epoch, t.seq)
+
+
+def _apply_invalidated(s: LedgerState, e: ev.Invalidated) -> None:
+    for key in e.affected:
+        _move(s, tuple(key), "invalidate")  # type: ignore[arg-type]
+
+
+def _apply_resumed(s: LedgerState, e: ev.CoordinatorResumed) -> None:
+    s.resumed_at_ms = e.at_ms
+
+
+_APPLY: Final[dict[type, Callable[[LedgerState, Any], None]]] = {
+    ev.WorkerRegistered: _apply_worker_registered,
+    ev.WorkerHeartbeat: _apply_heartbeat,
+    ev.WorkerDraining: _apply_draining,
+    ev.WorkerLost: _apply_worker_lost,
+    ev.LeaseGranted: _apply_lease_granted,
+    ev.LeaseRenewed: _apply_lease_renewed,
+    ev.LeaseReleased: _apply_lease_ended,
+    ev.LeaseExpired: _apply_lease_ended,
+    ev.ReplicaAllocated: _apply_replica_allocated,
+    ev.ReplicaEvicted: _apply_replica_evicted,
+    ev.TransitionApplied: _apply_transition_applied,
+    ev.TransitionRejected: _apply_transition_rejected,
+    ev.Invalidated: _apply_invalidated,
+    ev.CoordinatorResumed: _apply_resumed,
+}
+assert set(_APPLY) == set(ev.EVENT_TYPES.values()), "every ledger event needs a fold"
+
+
+def apply(state: LedgerState, event: Any) -> None:
+    """Fold one event into ``state`` (in place).
+
+    NOTE: an illegal move raises before the replica is touched, but an event that names
+    several replicas may have applied part of itself when a later one fails. Either means
+    the log is corrupt, and the caller must not keep using this state.
+    """
+    _APPLY[type(event)](state, event)
+    state.applied += 1
+
+
+def replay(events: Iterable[Any], params: CoreParams | None = None, *,
+           start: LedgerState | None = None) -> LedgerState:
+    """Fold ``events`` from empty (or onto ``start``, e.g. a state loaded from a snapshot)."""
+    s = start if start is not None else LedgerState.empty(params)
+    fold = _APPLY
+    n = 0
+    for e in events:
+        fold[type(e)](s, e)
+        n += 1
+    s.applied += n
+    return s
+
+
+# --- canonical hash ------------------------------------------------------------------------
+
+def _canon(s: LedgerState) -> list[Any]:
+    workers = [[w.worker_id, w.epoch, w.namespace, w.catalogue.model_id, w.catalogue.block_size,
+                [f.spec_digest for f in w.catalogue.forms], sorted(w.pool_slots.items()), w.endpoint, w.node,
+                w.registered_at_ms, w.last_heartbeat_ms, w.alive, w.draining, w.fenced_through]
+               for _, w in sorted(s.workers.items())]
+    replicas = [[*k, r.state.value, r.generation, r.checksum, r.tenant, r.namespace, r.parent_hash,
+                 r.token_start, r.token_end, r.pins, r.last_used_ms, r.owner, r.owner_epoch, r.lease_id]
+                for k, r in sorted(s.replicas.items())]
+    leases = [[l.lease_id, l.worker_id, l.epoch, l.tenant, l.namespace, l.request_id, l.block_hashes,
+               l.usable_blocks, sorted(l.pins), sorted(l.write.items()), l.expires_at_ms, l.granted_at_ms]
+              for _, l in sorted(s.leases.items())]
+    marks = [[w, e, m.contiguous, sorted(m.pending)] for (w, e), m in sorted(s.watermarks.items())]
+    pools = sorted([w, f, len(p)] for (w, f), p in s.pools.items() if p)
+    tenants = sorted(s.tenant_used.items())
+    return [SNAPSHOT_VERSION, workers, replicas, leases, marks, pools, tenants, s.resumed_at_ms]
+
+
+def state_hash(state: LedgerState) -> str:
+    """32-hex canonical digest of the state's facts (independent of insertion order)."""
+    return hashlib.blake2b(msgspec.json.encode(_canon(state)), digest_size=16).hexdigest()
+
+
+# --- snapshots -------------------------------------------------------------------------------
+
+class _SnapParams(msgspec.Struct, array_like=True):
+    lease_ttl_ms: int
+    heartbeat_interval_ms: int
+    missed_heartbeats: int
+    tenant_quota_replicas: int
+    max_rejected_reasons: int
+
+
+class _SnapWorker(msgspec.Struct, array_like=True):
+    worker_id: str
+    epoch: int
+    namespace: str
+    catalogue: FormCatalogue
+    pool_slots: dict[str, int]
+    endpoint: str
+    node: str
+    registered_at_ms: int
+    last_heartbeat_ms: int
+    alive: bool
+    draining: bool
+    fenced_through: int
+
+
+class _SnapReplica(msgspec.Struct, array_like=True):
+    block_hash: str
+    form: str
+    location: str
+    state: ReplicaState
+    generation: int
+    checksum: str
+    tenant: str
+    namespace: str
+    parent_hash: str
+    token_start: int
+    token_end: int
+    pins: int
+    last_used_ms: int
+    owner: str
+    owner_epoch: int
+    lease_id: str
+
+
+class _SnapLease(msgspec.Struct, array_like=True):
+    lease_id: str
+    worker_id: str
+    epoch: int
+    tenant: str
+    namespace: str
+    request_id: str
+    block_hashes: list[str]
+    usable_blocks: int
+    pins: list[ReplicaKey]
+    write: dict[str, list[int]]
+    expires_at_ms: int
+    granted_at_ms: int
+
+
+class _Snapshot(msgspec.Struct):
+    v: int
+    params: _SnapParams
+    applied: int
+    resumed_at_ms: int
+    workers: list[_SnapWorker]
+    replicas: list[_SnapReplica]
+    leases: list[_SnapLease]
+    watermarks: list[tuple[str, int, int, list[int]]]
+
+
+class SnapshotError(ValueError):
+    """Bytes that are not a snapshot this build can read."""
+
+
+def to_snapshot(state: LedgerState) -> bytes:
+    """msgpack bytes of the state's facts (derived indexes are rebuilt on load)."""
+    p = state.params
+    snap = _Snapshot(
+        v=SNAPSHOT_VERSION,
+        params=_SnapParams(p.lease_ttl_ms, p.heartbeat_interval_ms, p.missed_heartbeats,
+                           p.tenant_quota_replicas, p.max_rejected_reasons),
+        applied=state.applied, resumed_at_ms=state.resumed_at_ms,
+        workers=[_SnapWorker(w.worker_id, w.epoch, w.namespace, w.catalogue, w.pool_slots, w.endpoint, w.node,
+                             w.registered_at_ms, w.last_heartbeat_ms, w.alive, w.draining, w.fenced_through)
+                 for w in state.workers.values()],
+        replicas=[_SnapReplica(r.block_hash, r.form, r.location, r.state, r.generation, r.checksum, r.tenant,
+                               r.namespace, r.parent_hash, r.token_start, r.token_end, r.pins, r.last_used_ms,
+                               r.owner, r.owner_epoch, r.lease_id)
+                  for r in state.replicas.values()],
+        leases=[_SnapLease(l.lease_id, l.worker_id, l.epoch, l.tenant, l.namespace, l.request_id, l.block_hashes,
+                           l.usable_blocks, list(l.pins), l.write, l.expires_at_ms, l.granted_at_ms)
+                for l in state.leases.values()],
+        watermarks=[(w, e, m.contiguous, sorted(m.pending)) for (w, e), m in state.watermarks.items()],
+    )
+    return msgspec.msgpack.encode(snap)
+
+
+class _SnapVersion(msgspec.Struct):
+    v: int = -1
+
+
+def from_snapshot(data: bytes, params: CoreParams | None = None) -> LedgerState:
+    """A state from :func:`to_snapshot` bytes; ``params`` overrides the stored limits."""
+    try:
+        ver = msgspec.msgpack.decode(data, type=_SnapVersion).v
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise SnapshotError(f"not a ledger snapshot: {e}") from None
+    if ver != SNAPSHOT_VERSION:
+        raise SnapshotError(f"snapshot version {ver}; this build reads v{SNAPSHOT_VERSION} (replay the log instead)")
+    try:
+        snap = msgspec.msgpack.decode(data, type=_Snapshot)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise SnapshotError(f"invalid ledger snapshot: {e}") from None
+    sp = snap.params
+    s = LedgerState.empty(params or CoreParams(sp.lease_ttl_ms, sp.heartbeat_interval_ms, sp.missed_heartbeats,
+                                               sp.tenant_quota_replicas, sp.max_rejected_reasons))
+    s.applied = snap.applied
+    s.resumed_at_ms = snap.resumed_at_ms
+    for sw in snap.workers:
+        s.workers[sw.worker_id] = WorkerRecord(
+            sw.worker_id, sw.epoch, sw.namespace, sw.catalogue, dict(sw.pool_slots), sw.endpoint, sw.node,
+            sw.registered_at_ms, sw.last_heartbeat_ms, sw.alive, sw.draining, sw.fenced_through)
+    for sr in sorted(snap.replicas, key=lambda r: (r.block_hash, r.form, r.location)):
+        key = (sr.block_hash, sr.form, sr.location)
+        r = Replica(sr.block_hash, sr.form, sr.location, sr.state, sr.generation, sr.checksum, sr.tenant,
+                    sr.namespace, sr.parent_hash, sr.token_start, sr.token_end, sr.pins, sr.last_used_ms,
+                    sr.owner, sr.owner_epoch, sr.lease_id, pool_of(sr.location, sr.form))
+        s.replicas[key] = r
+        s.by_block.setdefault(sr.block_hash, []).append((sr.form, sr.location))
+        if r.state in LIVE:
+            _enter_live(s, r, key)
+    for sl in snap.leases:
+        s.leases[sl.lease_id] = Lease(sl.lease_id, sl.worker_id, sl.epoch, sl.tenant, sl.namespace, sl.request_id,
+                                      list(sl.block_hashes), sl.usable_blocks, {tuple(k): None for k in sl.pins},
+                                      {f: list(ix) for f, ix in sl.write.items()}, sl.expires_at_ms,
+                                      sl.granted_at_ms)
+        w = s.workers.get(sl.worker_id)
+        if w is not None and w.epoch == sl.epoch:
+            w.leases[sl.lease_id] = None
+    for wid, epoch, contiguous, pending in snap.watermarks:
+        s.watermarks[(wid, epoch)] = Watermark(contiguous, set(pending))
+    return s
+
+
+__all__ = [
+    "CoreParams", "LedgerState", "Lease", "PoolKey", "Replica", "ReplicaKey", "ReplayError", "SnapshotError",
+    "Watermark", "WorkerRecord", "apply", "from_snapshot", "pool_of", "replay", "state_hash", "to_snapshot",
+    "TRANSITIONS",
+]
