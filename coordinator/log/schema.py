@@ -1,0 +1,78 @@
+"""The event log's tables, as SQLAlchemy Core, on one MetaData with a naming convention.
+
+The naming convention gives every constraint and index a stable, predictable name, so the
+Alembic migrations (``migrations/versions``) can refer to them and a test can check that
+the migrated database matches these declarations exactly.
+
+Choices worth stating:
+
+* ``events.position`` is assigned by the (single, fenced) writer as ``head + 1, …`` inside
+  the append transaction, under the leader row lock — not by a sequence. Sequence values
+  are handed out at insert time but become visible at commit time, so a tailing reader
+  could skip a row that commits late; serialised explicit positions are dense and in
+  commit order by construction.
+* ``payload`` is JSONB: events are msgspec JSON already (the same structs travel on NATS),
+  and operators can query the log with ``payload->>'block_hash'``. JSONB normalises key
+  order and whitespace, which is harmless: events are decoded by field name, and hashes
+  are computed over decoded state, never over stored bytes.
+* ``source_id`` is UNIQUE and NULL for events no worker transition caused (PostgreSQL's
+  UNIQUE allows any number of NULLs).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger, CheckConstraint, Column, DateTime, LargeBinary, MetaData, SmallInteger, Table, Text,
+    UniqueConstraint, func,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+events = Table(
+    "events", metadata,
+    Column("position", BigInteger, primary_key=True, autoincrement=False),
+    Column("stream_id", Text, nullable=False),
+    Column("stream_version", BigInteger, nullable=False),
+    Column("source_id", Text, nullable=True),
+    Column("type", Text, nullable=False),
+    Column("payload", JSONB, nullable=False),
+    Column("leader_epoch", BigInteger, nullable=False),
+    Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    UniqueConstraint("stream_id", "stream_version"),
+    UniqueConstraint("source_id"),
+    CheckConstraint("position > 0", name="position_positive"),
+    CheckConstraint("stream_version > 0", name="stream_version_positive"),
+)
+
+snapshots = Table(
+    "snapshots", metadata,
+    Column("position", BigInteger, primary_key=True, autoincrement=False),
+    Column("state_hash", Text, nullable=False),
+    Column("state", LargeBinary, nullable=False),
+    Column("leader_epoch", BigInteger, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+#: One row: who may write (``leader_epoch`` is the fencing token every append checks).
+leader = Table(
+    "leader", metadata,
+    Column("id", SmallInteger, primary_key=True, autoincrement=False),
+    Column("leader_epoch", BigInteger, nullable=False),
+    Column("holder", Text, nullable=False),
+    Column("since", DateTime(timezone=True), nullable=True),
+    Column("renewed_at", DateTime(timezone=True), nullable=True),
+    CheckConstraint("id = 1", name="singleton"),
+)
+
+#: The function and triggers that make ``events`` append-only (see migration 0001).
+APPEND_ONLY_FUNCTION = "kvl_refuse_log_change"
+APPEND_ONLY_TRIGGERS = ("events_refuse_update_delete", "events_refuse_truncate", "snapshots_refuse_update")

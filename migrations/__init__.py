@@ -1,0 +1,1 @@
+"""Alembic migrations of the coordinator's event log (``kvledger db upgrade``)."""

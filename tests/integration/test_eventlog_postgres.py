@@ -1,0 +1,193 @@
+"""What only the real database can show: the append-only guard, the migration, fencing by
+the advisory lock and epoch, group commit into few transactions, and bounded failure when
+PostgreSQL cannot be reached."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+
+from coordinator.log import LogUnavailable, NewEvent, NotLeader
+from coordinator.log.groupcommit import GroupCommitter
+from coordinator.log.leader import LeaderElection, make_holder_id
+from coordinator.log.migrate import current, head_revision, upgrade
+from coordinator.log.postgres import PgSettings, PostgresEventLog
+from coordinator.log.schema import metadata
+from shared.embedded import free_port
+
+
+def ev(stream: str, n: int = 0, source: str | None = None) -> NewEvent:
+    return NewEvent(stream_id=stream, type="t", payload=b'{"n":%d}' % n, source_id=source)
+
+
+@pytest.fixture
+async def pg(database_url: str) -> AsyncIterator[PostgresEventLog]:
+    log = PostgresEventLog.connect(PgSettings(url=database_url, pool_size=10))
+    await upgrade(log.engine)
+    try:
+        yield log
+    finally:
+        await log.close()
+
+
+@pytest.mark.parametrize("statement", [
+    "UPDATE events SET type = 'x'",
+    "UPDATE events SET type = 'x' WHERE false",
+    "DELETE FROM events",
+    "DELETE FROM events WHERE position = 1",
+    "TRUNCATE events",
+    "UPDATE snapshots SET state_hash = 'x'",
+])
+async def test_the_database_refuses_to_edit_history(pg: PostgresEventLog, database_url: str, statement: str) -> None:
+    e = await pg.take_leadership("me")
+    await pg.append([ev("a", 1), ev("b", 2)], e)
+    conn = await asyncpg.connect(database_url)
+    try:
+        with pytest.raises(asyncpg.RestrictViolationError, match="append-only"):
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+    assert [s.type for s in await pg.read()] == ["t", "t"]
+
+
+async def test_migration_matches_the_declared_schema(pg: PostgresEventLog) -> None:
+    assert await current(pg.engine) == head_revision()
+    assert await upgrade(pg.engine) == head_revision()  # idempotent
+
+    def diff(conn):  # type: ignore[no-untyped-def]
+        return compare_metadata(MigrationContext.configure(conn), metadata)
+
+    async with pg.engine.connect() as conn:
+        assert await conn.run_sync(diff) == []
+        triggers = (await conn.exec_driver_sql(
+            "SELECT tgname FROM pg_trigger WHERE NOT tgisinternal ORDER BY tgname")).scalars().all()
+    assert triggers == ["events_refuse_truncate", "events_refuse_update_delete", "snapshots_refuse_update"]
+
+
+async def test_group_commit_batches_concurrent_appends_and_answers_after_commit(pg: PostgresEventLog,
+                                                                                database_url: str) -> None:
+    epoch = await pg.take_leadership("me")
+    committed_before_answer: list[bool] = []
+    gc = GroupCommitter(pg, batch_ms=20, batch_max=500, leader_epoch=epoch)
+    gc.start()
+    checker = await asyncpg.create_pool(database_url, min_size=1, max_size=4)
+    try:
+        async def one(i: int) -> list[int | None]:
+            positions = await gc.submit([ev(f"s{i % 7}", i, source=f"w.1.{i}")])
+            # the event is visible to another session by the time we are answered
+            committed_before_answer.append(
+                await checker.fetchval("SELECT count(*) FROM events WHERE source_id = $1", f"w.1.{i}") == 1)
+            return positions
+
+        results = await asyncio.gather(*[one(i) for i in range(300)])
+    finally:
+        await gc.close()
+        await checker.close()
+    assert all(committed_before_answer)
+    assert sorted(p[0] for p in results) == list(range(1, 301))
+    async with pg.engine.connect() as conn:
+        transactions = (await conn.exec_driver_sql("SELECT count(DISTINCT xmin::text) FROM events")).scalar()
+    assert gc.batches == transactions
+    assert transactions <= 10, f"300 concurrent appends took {transactions} transactions"
+
+
+async def test_group_commit_failure_fails_the_batch_and_everything_queued_behind_it(pg: PostgresEventLog) -> None:
+    epoch = await pg.take_leadership("old")
+    failures: list[BaseException] = []
+    gc = GroupCommitter(pg, batch_ms=5, batch_max=100, leader_epoch=epoch, on_failure=failures.append)
+    gc.start()
+    try:
+        assert await gc.submit([ev("a")]) == [1]
+        await pg.take_leadership("new")
+        futs = [gc.submit([ev("a", i)]) for i in range(5)]
+        results = await asyncio.gather(*futs, return_exceptions=True)
+    finally:
+        await gc.close()
+    assert all(isinstance(r, NotLeader) for r in results)
+    assert len(failures) == 1 and isinstance(failures[0], NotLeader)
+    assert await pg.head() == 1
+
+
+async def test_unreachable_postgres_fails_fast_with_log_unavailable() -> None:
+    url = f"postgresql://postgres@127.0.0.1:{free_port()}/nowhere"
+    log = PostgresEventLog.connect(PgSettings(url=url, connect_timeout_s=1.0))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(LogUnavailable, match="PostgreSQL unavailable during append"):
+            await log.append([ev("a")], 1)
+        with pytest.raises(LogUnavailable):
+            await log.read()
+        assert time.monotonic() - t0 < 5
+    finally:
+        await log.close()
+
+
+async def test_one_leader_and_the_stale_one_is_fenced(pg: PostgresEventLog, database_url: str) -> None:
+    a = LeaderElection(PgSettings(url=database_url), make_holder_id(), renew_interval_s=0.1, takeover_after_s=30)
+    b = LeaderElection(PgSettings(url=database_url), make_holder_id(), renew_interval_s=0.1, takeover_after_s=30)
+    try:
+        epoch_a = await asyncio.wait_for(a.acquire(), 5)
+        assert a.is_leader
+        waiting = asyncio.create_task(b.acquire(poll_s=0.05))
+        await asyncio.sleep(0.5)
+        assert not waiting.done(), "a second process became leader while the first holds the lock"
+        await pg.append([ev("a")], epoch_a)
+        await a.release()  # clean step-down releases the lock at once
+        epoch_b = await asyncio.wait_for(waiting, 5)
+        assert epoch_b == epoch_a + 1
+        with pytest.raises(NotLeader):
+            await pg.append([ev("a")], epoch_a)
+        assert await pg.append([ev("a")], epoch_b) == [2]
+        assert (await pg.leader()).holder == b.holder
+    finally:
+        await a.release()
+        await b.release()
+
+
+async def test_standby_takes_over_from_a_leader_that_stopped_renewing(pg: PostgresEventLog, database_url: str) -> None:
+    """A paused leader keeps its session (and lock); the standby terminates it and fences it."""
+    a = LeaderElection(PgSettings(url=database_url), make_holder_id(), renew_interval_s=0.1, takeover_after_s=0.6)
+    b = LeaderElection(PgSettings(url=database_url), make_holder_id(), renew_interval_s=0.1, takeover_after_s=0.6)
+    # a's pooled append connections carry its application_name, like the coordinator's do
+    a_log = PostgresEventLog.connect(PgSettings(url=database_url, application_name=a.app_name))
+    try:
+        epoch_a = await a.acquire()
+        await a_log.append([ev("a")], epoch_a)
+        assert a._renew is not None
+        a._renew.cancel()  # "pause": the lock session stays open but renewals stop
+        t0 = time.monotonic()
+        epoch_b = await asyncio.wait_for(b.acquire(poll_s=0.05), 10)
+        assert epoch_b == epoch_a + 1
+        assert time.monotonic() - t0 < 5
+        with pytest.raises((NotLeader, LogUnavailable)):
+            await a_log.append([ev("a")], epoch_a)
+        with pytest.raises(NotLeader):  # pool reconnected: PostgreSQL itself refuses the stale epoch
+            await a_log.append([ev("a")], epoch_a)
+        assert [s.leader_epoch for s in await pg.read()] == [epoch_a]
+    finally:
+        await a_log.close()
+        await a.release()
+        await b.release()
+
+
+async def test_leader_notices_losing_its_lock_session(pg: PostgresEventLog, database_url: str) -> None:
+    a = LeaderElection(PgSettings(url=database_url), make_holder_id(), renew_interval_s=0.05, takeover_after_s=5)
+    try:
+        await a.acquire()
+        conn = await asyncpg.connect(database_url)
+        try:
+            await conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+                               a.app_name)
+        finally:
+            await conn.close()
+        reason = await asyncio.wait_for(a.lost(), 5)
+        assert "lock connection lost" in reason
+        assert not a.is_leader
+    finally:
+        await a.release()
