@@ -1,0 +1,126 @@
+"""Resume from cached blocks: bit-identical logits to the uninterrupted block-aligned run.
+
+The cold run prefills the 200-token prompt in one-block units and exports every block. A
+resumed request restores the payloads of the first ``n`` blocks into a fresh state and
+prefills the rest, then decodes; its logits must equal the cold run's bit for bit. ``n``
+sweeps the boundaries around the first CSA/HCA windows, the 32-token window and 128.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.model.forms import COMPRESSED, INDEXER, SWA, TAIL
+
+BLOCK = 16
+DECODE = [17, 200, 3, 99, 42, 0, 255, 128]      # tokens decoded after the prompt
+SWEEP = [1, 2, 3, 4, 7, 8, 9, 12]               # block boundaries 16, 32, 48, 64, 112, 128, 144, 192
+
+
+@pytest.fixture(scope="module")
+def cold_with_decode(tiny, tokens):
+    state = tiny.new_state(BLOCK)
+    prefill = tiny.prefill(tokens, state)
+    blocks = [state.export_block(i) for i in range(state.completed_blocks)]
+    decode = torch.stack([tiny.decode_step(t, state) for t in DECODE])
+    return prefill, blocks, decode
+
+
+def resume(model, blocks, n, rest, block=BLOCK):
+    state = model.new_state(block)
+    state.restore(blocks, n)
+    assert state.pos == n * block
+    return state, model.prefill(rest, state)
+
+
+def test_cold_run_is_deterministic(tiny, tokens, cold_with_decode) -> None:
+    state = tiny.new_state(BLOCK)
+    assert torch.equal(tiny.prefill(tokens, state), cold_with_decode[0])
+
+
+@pytest.mark.parametrize("n", SWEEP)
+def test_resume_sweep_bit_identical(tiny, tokens, cold_with_decode, n) -> None:
+    cold, blocks, cold_decode = cold_with_decode
+    state, warm = resume(tiny, blocks, n, tokens[n * BLOCK:])
+    assert torch.equal(warm, cold[n * BLOCK:])
+    decode = torch.stack([tiny.decode_step(t, state) for t in DECODE])
+    assert torch.equal(decode, cold_decode)
+    # The resumed state exports the same payloads for the blocks it computed.
+    for i in range(n, len(blocks)):
+        again = state.export_block(i)
+        assert all(torch.equal(again[f], blocks[i][f]) for f in blocks[i])
+
+
+def test_resume_needs_only_the_declared_pieces(tiny, tokens, cold_with_decode) -> None:
+    """History forms for every block, swa for the window blocks, tail for the last block."""
+    cold, blocks, _ = cold_with_decode
+    n = 8
+    window_first = (n * BLOCK - 31) // BLOCK
+    sparse = []
+    for i in range(n):
+        keep = {COMPRESSED, INDEXER} | ({SWA} if i >= window_first else set()) | ({TAIL} if i == n - 1 else set())
+        sparse.append(type(blocks[i])({f: blocks[i][f] for f in keep}, blocks[i].specs))
+    _, warm = resume(tiny, sparse, n, tokens[n * BLOCK:])
+    assert torch.equal(warm, cold[n * BLOCK:])
+    missing_tail = sparse[:n - 1] + [type(blocks[n - 1])({f: blocks[n - 1][f] for f in (COMPRESSED, INDEXER, SWA)},
+                                                         blocks[n - 1].specs)]
+    with pytest.raises(ValueError, match="block 7 lacks form 'tail'"):
+        tiny.new_state(BLOCK).restore(missing_tail, n)
+
+
+def test_chained_resume_from_blocks_written_by_resumed_requests(tiny, tokens, cold_with_decode) -> None:
+    """Blocks exported by a resumed request serve a later resume just as well."""
+    cold, blocks, _ = cold_with_decode
+    state, _ = resume(tiny, blocks, 2, tokens[32:144])           # computes blocks 2..8
+    mixed = blocks[:2] + [state.export_block(i) for i in range(2, 9)]
+    _, warm = resume(tiny, mixed, 9, tokens[144:])
+    assert torch.equal(warm, cold[144:])
+
+
+def test_resume_with_block_size_32(tiny, tokens) -> None:
+    state = tiny.new_state(32)
+    cold = tiny.prefill(tokens, state)
+    blocks = [state.export_block(i) for i in range(state.completed_blocks)]
+    for n in (1, 4):                                              # boundaries 32 and 128
+        _, warm = resume(tiny, blocks, n, tokens[n * 32:], block=32)
+        assert torch.equal(warm, cold[n * 32:])
+
+
+def test_larger_units_are_exact_on_their_grid(tiny, tokens) -> None:
+    """chunk_blocks=4 runs 64-token units; a resume at a multiple of 64 repeats them exactly."""
+    state = tiny.new_state(BLOCK)
+    cold = tiny.prefill(tokens, state, chunk_blocks=4)
+    blocks = [state.export_block(i) for i in range(state.completed_blocks)]
+    for n in (4, 8):
+        st = tiny.new_state(BLOCK)
+        st.restore(blocks, n)
+        assert torch.equal(tiny.prefill(tokens[n * BLOCK:], st, chunk_blocks=4), cold[n * BLOCK:])
+
+
+def test_unaligned_or_decoded_blocks_are_not_exported(tiny, tokens) -> None:
+    state = tiny.new_state(BLOCK)
+    tiny.prefill(tokens[:40], state)                              # blocks 0, 1 + partial [32, 40)
+    state.export_block(1)
+    with pytest.raises(ValueError, match="block 2 is not exportable"):
+        state.export_block(2)
+    for t in tokens[40:48]:
+        tiny.decode_step(t, state)                                # completes block 2 by decode
+    with pytest.raises(ValueError, match="not computed by a block-aligned unit"):
+        state.export_block(2)
+    with pytest.raises(ValueError, match="prefill must start on a block boundary"):
+        tiny.prefill(tokens[48:50], _at(tiny, 3))
+
+
+def _at(model, n_tokens):
+    state = model.new_state(BLOCK)
+    model.extend(torch.arange(n_tokens), state)
+    return state
+
+
+def test_new_request_state_is_reset(tiny, tokens, cold_run) -> None:
+    """A state reused for a new request (reset) behaves like a fresh one."""
+    state = tiny.new_state(BLOCK)
+    tiny.prefill(tokens.flip(0), state)
+    state.reset()
+    assert torch.equal(tiny.prefill(tokens, state), cold_run[0])
