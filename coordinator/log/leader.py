@@ -25,6 +25,7 @@ import contextlib
 import os
 import secrets
 import socket
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
@@ -71,8 +72,13 @@ class LeaderElection:
                                      command_timeout=self.settings.statement_timeout_s,
                                      server_settings=settings)
 
-    async def acquire(self, poll_s: float | None = None) -> int:
-        """Wait until this process holds the lock, bump the epoch, start renewing; returns the epoch."""
+    async def acquire(self, poll_s: float | None = None,
+                      on_wait: Callable[[str], Awaitable[None]] | None = None) -> int:
+        """Wait until this process holds the lock, bump the epoch, start renewing; returns the epoch.
+
+        ``on_wait("held")`` is awaited while a live leader holds the lock, ``on_wait("unreachable")``
+        while PostgreSQL cannot be reached.
+        """
         poll = poll_s if poll_s is not None else min(self.renew_interval_s, 1.0)
         last_error = ""
         while True:
@@ -86,7 +92,8 @@ class LeaderElection:
                     self._lost = asyncio.get_running_loop().create_future()
                     self._renew = asyncio.create_task(self._renew_loop(), name="leader-renew")
                     return self.epoch
-                await self._maybe_take_over()
+                if not await self._maybe_take_over() and on_wait is not None:
+                    await on_wait("held")
                 last_error = ""
             except (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
                 msg = describe(e)
@@ -94,15 +101,18 @@ class LeaderElection:
                     self.log.warning("leader_election_waiting", reason=msg)
                 last_error = msg
                 await self._close_conn()
+                if on_wait is not None:
+                    await on_wait("unreachable")
             await asyncio.sleep(poll)
 
-    async def _maybe_take_over(self) -> None:
+    async def _maybe_take_over(self) -> bool:
+        """Terminate a stale holder's sessions; True if there was one."""
         assert self._conn is not None
         row = await self._conn.fetchrow(
             "SELECT holder, leader_epoch, (renewed_at IS NULL OR now() - renewed_at > make_interval(secs => $1)) "
             "FROM leader WHERE id = 1", self.takeover_after_s)
         if row is None or not row[2]:
-            return
+            return False
         stale_holder, stale_epoch = row[0], row[1]
         killed = await self._conn.fetchval(
             """SELECT count(pg_terminate_backend(a.pid)) FROM pg_stat_activity a
@@ -114,6 +124,7 @@ class LeaderElection:
         if killed and self.log is not None:
             self.log.warning("leader_stale_taking_over", stale_epoch=stale_epoch, sessions_terminated=killed,
                              takeover_after_s=self.takeover_after_s)
+        return True
 
     async def _renew_loop(self) -> None:
         assert self._conn is not None and self._lost is not None

@@ -261,6 +261,10 @@ class PostgresEventLog:
         except Exception as e:
             raise translate(e, what) from e
 
+    async def ping(self) -> None:
+        """Raise the translated error if PostgreSQL cannot be used (unreachable, bad credentials…)."""
+        await self._fetch(text("SELECT 1"), "connect")
+
     async def head(self) -> int:
         rows = await self._fetch(text(HEAD), "head")
         return int(rows[0][0])

@@ -1,0 +1,520 @@
+"""Admin REST API: one route table drives both the router and ``/openapi.json``.
+
+Handlers parse, call, serialise. Every error becomes ``{"error": {"code", "message"}}`` in
+one place (:func:`error_middleware`): bad input is a 4xx naming what was wrong and what is
+allowed; 503 means the coordinator cannot answer right now (standby, replaying, log
+unavailable); a 500 would be a bug, never a reaction to client input.
+
+Views of the live state may include decisions whose commit is in flight (milliseconds):
+each view first waits for everything queued before it to commit, then reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import hmac
+import ipaddress
+import json
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from coordinator.audit import run_audit
+from coordinator.core import CoreError, UnknownReplica, UnknownWorker, drain_worker, invalidate
+from coordinator.core.events import replica_stream
+from coordinator.ledger import Ledger, Unavailable
+from coordinator.log.port import LogError, StoredEvent
+from coordinator.metrics import CoordinatorMetrics
+from shared.messages import Control, ReplicaState, now_ms
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+HEX32 = re.compile(r"^[0-9a-f]{32}$")
+NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+MAX_PAGE = 1000
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+def error_response(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+# --- the app's state, as the handlers see it ---------------------------------------------------
+
+@dataclass
+class AdminContext:
+    """What the admin API needs from the running coordinator (filled in once it has started)."""
+
+    metrics: CoordinatorMetrics
+    admin_token: str = ""
+    ledger: Ledger | None = None
+    #: ``inventory(worker_id, timeout_s)`` and ``control(worker_id, Control)`` over NATS.
+    inventory: Callable[..., Awaitable[Any]] | None = None
+    control: Callable[..., Awaitable[str]] | None = None
+    request_timeout_s: float = 2.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+ADMIN = web.AppKey("admin", AdminContext)
+
+
+def _ctx(request: web.Request) -> AdminContext:
+    return request.app[ADMIN]
+
+
+def _ledger(request: web.Request) -> Ledger:
+    ledger = _ctx(request).ledger
+    if ledger is None:
+        raise ApiError(503, "unavailable", "the coordinator is starting")
+    return ledger
+
+
+async def _serving_ledger(request: web.Request) -> Ledger:
+    """The ledger, after everything queued so far has committed (see module docstring)."""
+    ledger = _ledger(request)
+    ledger.check_serving()
+    if (b := ledger.barrier()) is not None:
+        with contextlib.suppress(Exception):
+            await asyncio.shield(b)
+        ledger.check_serving()
+    return ledger
+
+
+# --- input -------------------------------------------------------------------------------------
+
+def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ApiError(400, "invalid", f"query parameter {name!r} must be an integer in [{lo}, {hi}]") from None
+    if not lo <= value <= hi:
+        raise ApiError(400, "invalid", f"query parameter {name!r} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _str_param(request: web.Request, name: str, pattern: re.Pattern[str] | None = None,
+               allowed: list[str] | None = None) -> str | None:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return None
+    if allowed is not None and raw not in allowed:
+        raise ApiError(400, "invalid", f"query parameter {name!r} must be one of {allowed}")
+    if pattern is not None and not pattern.match(raw):
+        raise ApiError(400, "invalid", f"query parameter {name!r} does not match {pattern.pattern}")
+    return raw
+
+
+def _encode_cursor(key: Any) -> str:
+    return base64.urlsafe_b64encode(json.dumps(key).encode()).decode().rstrip("=")
+
+
+def _decode_cursor(request: web.Request) -> Any:
+    raw = request.query.get("cursor")
+    if not raw:
+        return None
+    try:
+        return json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        raise ApiError(400, "invalid", "query parameter 'cursor' is not a cursor this API returned") from None
+
+
+async def _body(request: web.Request, schema: type[Any]) -> Any:
+    raw = await request.read()
+    try:
+        return msgspec.json.decode(raw or b"{}", type=schema)
+    except msgspec.ValidationError as e:
+        raise ApiError(400, "invalid", f"request body: {e}") from None
+    except msgspec.DecodeError:
+        raise ApiError(400, "invalid", "request body is not valid JSON") from None
+
+
+class InvalidateBody(msgspec.Struct, forbid_unknown_fields=True):
+    scope: Literal["namespace", "worker", "block"]
+    value: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    reason: Annotated[str, msgspec.Meta(max_length=256)] = ""
+
+
+class DrainBody(msgspec.Struct, forbid_unknown_fields=True):
+    reason: Annotated[str, msgspec.Meta(max_length=256)] = ""
+
+
+class AuditBody(msgspec.Struct, forbid_unknown_fields=True):
+    #: Replay from an empty state (the strongest check) or from the latest snapshot.
+    replay_from: Literal["empty", "snapshot"] = "empty"
+    check_workers: bool = True
+    timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=60_000)] = 2000
+
+
+# --- serialisation ----------------------------------------------------------------------------
+
+def _replica(r: Any) -> dict[str, Any]:
+    return {"block_hash": r.block_hash, "form": r.form, "location": r.location, "state": r.state.value,
+            "generation": r.generation, "checksum": r.checksum, "tenant": r.tenant, "namespace": r.namespace,
+            "parent_hash": r.parent_hash, "token_start": r.token_start, "token_end": r.token_end, "pins": r.pins,
+            "last_used_ms": r.last_used_ms, "owner": r.owner, "owner_epoch": r.owner_epoch, "lease_id": r.lease_id}
+
+
+def _event(se: StoredEvent) -> dict[str, Any]:
+    return {"position": se.position, "stream_id": se.stream_id, "stream_version": se.stream_version,
+            "type": se.type, "source_id": se.source_id, "leader_epoch": se.leader_epoch,
+            "recorded_at": se.recorded_at.isoformat(), "event": json.loads(se.payload)}
+
+
+# --- handlers -----------------------------------------------------------------------------------
+
+async def healthz(request: web.Request) -> web.Response:
+    """The process is up (it may be a standby or degraded; see readyz)."""
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    ctx = _ctx(request)
+    ledger = ctx.ledger
+    if ledger is None:
+        return web.json_response({"ready": False, "status": "starting", "reason": "starting"}, status=503)
+    body = {"ready": ledger.serving, "status": ledger.status, "reason": ledger.reason or None,
+            "leader_epoch": ledger.epoch, "position": ledger.position, "last_replay": ledger.last_replay}
+    return web.json_response(body, status=200 if ledger.serving else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    data = generate_latest(_ctx(request).metrics.registry)
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
+
+
+async def list_workers(request: web.Request) -> web.Response:
+    s = (await _serving_ledger(request)).state
+    workers = [{"worker_id": w.worker_id, "epoch": w.epoch, "alive": w.alive, "draining": w.draining,
+                "namespace": w.namespace, "model_id": w.catalogue.model_id, "forms": list(w.catalogue.names),
+                "endpoint": w.endpoint, "node": w.node, "registered_at_ms": w.registered_at_ms,
+                "last_heartbeat_ms": w.last_heartbeat_ms, "pool_slots": dict(w.pool_slots),
+                "live_replicas": len(w.live), "leases": len(w.leases),
+                "committed_seq": s.committed_seq(w.worker_id, w.epoch)}
+               for _, w in sorted(s.workers.items())]
+    return web.json_response({"workers": workers})
+
+
+async def list_blocks(request: web.Request) -> web.Response:
+    ns = _str_param(request, "namespace", HEX32)
+    tenant = _str_param(request, "tenant", NAME)
+    form = _str_param(request, "form", NAME)
+    location = _str_param(request, "location", NAME)
+    state = _str_param(request, "state", allowed=[s.value for s in ReplicaState])
+    limit = _int_param(request, "limit", 100, 1, MAX_PAGE)
+    after = _decode_cursor(request)
+    if after is not None and not (isinstance(after, list) and len(after) == 3 and all(isinstance(x, str) for x in after)):
+        raise ApiError(400, "invalid", "query parameter 'cursor' is not a cursor this API returned")
+    s = (await _serving_ledger(request)).state
+    out: list[dict[str, Any]] = []
+    more = False
+    start = tuple(after) if after else None
+    for key in sorted(s.replicas):
+        if start is not None and key <= start:
+            continue
+        r = s.replicas[key]
+        if ((ns and r.namespace != ns) or (tenant and r.tenant != tenant) or (form and r.form != form)
+                or (location and r.location != location) or (state and r.state.value != state)):
+            continue
+        if len(out) == limit:
+            more = True
+            break
+        out.append(_replica(r))
+    last = out[-1] if out else None
+    cursor = _encode_cursor([last["block_hash"], last["form"], last["location"]]) if more and last else None
+    return web.json_response({"replicas": out, "next_cursor": cursor})
+
+
+async def get_block(request: web.Request) -> web.Response:
+    block = request.match_info["hash"]
+    if not HEX32.match(block):
+        raise ApiError(400, "invalid", "block hash must be 32 lowercase hex characters")
+    ledger = await _serving_ledger(request)
+    s = ledger.state
+    keys = [(block, f, loc) for f, loc in s.by_block.get(block, ())]
+    if not keys:
+        raise ApiError(404, "not_found", f"block {block} has no replica in the ledger")
+    replicas = [_replica(s.replicas[k]) for k in keys]
+    try:
+        streams = await asyncio.gather(*[ledger.log.read_stream(replica_stream(*k)) for k in keys])
+    except LogError as e:
+        raise Unavailable(f"event log unavailable: {e}") from e
+    history = sorted((se for events in streams for se in events), key=lambda se: se.position)
+    return web.json_response({"block_hash": block, "replicas": replicas, "history": [_event(e) for e in history]})
+
+
+async def list_leases(request: web.Request) -> web.Response:
+    worker = _str_param(request, "worker", NAME)
+    tenant = _str_param(request, "tenant", NAME)
+    limit = _int_param(request, "limit", 100, 1, MAX_PAGE)
+    after = _decode_cursor(request)
+    if after is not None and not isinstance(after, str):
+        raise ApiError(400, "invalid", "query parameter 'cursor' is not a cursor this API returned")
+    s = (await _serving_ledger(request)).state
+    out: list[dict[str, Any]] = []
+    more = False
+    for lid in sorted(s.leases):
+        if after is not None and lid <= after:
+            continue
+        lease = s.leases[lid]
+        if (worker and lease.worker_id != worker) or (tenant and lease.tenant != tenant):
+            continue
+        if len(out) == limit:
+            more = True
+            break
+        out.append({"lease_id": lid, "worker_id": lease.worker_id, "epoch": lease.epoch, "tenant": lease.tenant,
+                    "namespace": lease.namespace, "request_id": lease.request_id,
+                    "blocks": len(lease.block_hashes), "usable_blocks": lease.usable_blocks,
+                    "pins": len(lease.pins), "write": {f: len(ix) for f, ix in lease.write.items()},
+                    "granted_at_ms": lease.granted_at_ms, "expires_at_ms": lease.expires_at_ms})
+    cursor = _encode_cursor(out[-1]["lease_id"]) if more and out else None
+    return web.json_response({"leases": out, "next_cursor": cursor})
+
+
+async def list_pools(request: web.Request) -> web.Response:
+    s = (await _serving_ledger(request)).state
+    pools = []
+    for wid, w in sorted(s.workers.items()):
+        if not w.alive:
+            continue
+        forms = {}
+        for form in w.catalogue.names:
+            limit = w.pool_slots.get(form, 0)
+            used = s.pool_used(wid, form)
+            forms[form] = {"used": used, "limit": limit, "free": max(limit - used, 0),
+                           "usage": round(used / limit, 4) if limit else None}
+        pools.append({"worker_id": wid, "epoch": w.epoch, "draining": w.draining, "forms": forms})
+    tenants = dict(sorted(s.tenant_used.items()))
+    return web.json_response({"pools": pools, "tenant_replicas": tenants,
+                              "tenant_quota": s.params.tenant_quota_replicas or None})
+
+
+async def list_events(request: web.Request) -> web.Response:
+    after = _int_param(request, "after", 0, 0, 2**62)
+    limit = _int_param(request, "limit", 100, 1, MAX_PAGE)
+    try:
+        events = await _ledger(request).log.read(after + 1, limit)
+    except LogError as e:
+        raise Unavailable(f"event log unavailable: {e}") from e
+    return web.json_response({"events": [_event(e) for e in events],
+                              "next_after": events[-1].position if events else after})
+
+
+async def audit(request: web.Request) -> web.Response:
+    body = await _body(request, AuditBody)
+    ctx = _ctx(request)
+    ledger = _ledger(request)
+    report = await run_audit(ledger, ctx.inventory, from_snapshot=body.replay_from == "snapshot",
+                             check_workers=body.check_workers, timeout_s=body.timeout_ms / 1000)
+    ctx.metrics.audits.labels(outcome="ok" if report["ok"] else "mismatch").inc()
+    return web.json_response(report)
+
+
+async def snapshot(request: web.Request) -> web.Response:
+    snap = await _ledger(request).snapshot()
+    return web.json_response({"position": snap.position, "state_hash": snap.state_hash, "bytes": len(snap.state)})
+
+
+async def post_invalidate(request: web.Request) -> web.Response:
+    body = await _body(request, InvalidateBody)
+    if body.scope in ("namespace", "block") and not HEX32.match(body.value):
+        raise ApiError(400, "invalid", f"a {body.scope} is 32 lowercase hex characters")
+    if body.scope == "worker" and not NAME.match(body.value):
+        raise ApiError(400, "invalid", "a worker id is letters, digits, '_', '.', ':' or '-'")
+    ledger = _ledger(request)
+    events = await ledger.execute(
+        lambda s: ((evs := invalidate(s, body.scope, body.value, body.reason, now_ms())), evs))
+    affected = events[0].affected if events else []
+    notified: dict[str, str] = {}
+    ctx = _ctx(request)
+    if ctx.control is not None and affected and body.scope != "worker":
+        control = (Control(action="invalidate_namespace", namespace=body.value, reason=body.reason)
+                   if body.scope == "namespace" else
+                   Control(action="invalidate_block", block_hash=body.value, reason=body.reason))
+        workers = sorted({k[2][4:] for k in affected if k[2].startswith("gpu:")})
+        results = await asyncio.gather(*[ctx.control(w, control) for w in workers])
+        notified = dict(zip(workers, results))
+    return web.json_response({"scope": body.scope, "value": body.value, "affected": len(affected),
+                              "workers_notified": notified})
+
+
+async def drain(request: web.Request) -> web.Response:
+    worker = request.match_info["worker_id"]
+    if not NAME.match(worker):
+        raise ApiError(400, "invalid", "a worker id is letters, digits, '_', '.', ':' or '-' (at most 128)")
+    body = await _body(request, DrainBody)
+    ledger = _ledger(request)
+    events = await ledger.execute(
+        lambda s: ((evs := drain_worker(s, worker, now_ms(), body.reason)), evs))
+    ctx = _ctx(request)
+    control = "not sent"
+    if ctx.control is not None:
+        control = await ctx.control(worker, Control(action="drain", reason=body.reason))
+    return web.json_response({"worker_id": worker, "draining": True, "changed": bool(events), "control": control})
+
+
+# --- the route table (router + OpenAPI) ---------------------------------------------------------
+
+def _q(name: str, description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "description": description, "schema": schema}
+
+
+def _p(name: str, description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "description": description, "schema": schema}
+
+
+PAGE = [_q("limit", "page size", {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": 100}),
+        _q("cursor", "next_cursor of the previous page", {"type": "string"})]
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    handler: Handler
+    summary: str
+    auth: bool = True
+    params: list[dict[str, Any]] = field(default_factory=list)
+    body: type[Any] | None = None
+    content_type: str = "application/json"
+
+
+ROUTES: list[Route] = [
+    Route("GET", "/healthz", healthz, "Liveness: the process is up", auth=False),
+    Route("GET", "/readyz", readyz, "Readiness: leader, replay done, log writable (503 otherwise)", auth=False),
+    Route("GET", "/metrics", metrics, "Prometheus metrics", auth=False, content_type=CONTENT_TYPE_LATEST),
+    Route("GET", "/openapi.json", openapi, "This document", auth=False),
+    Route("GET", "/v1/workers", list_workers, "Registered workers, their epochs and liveness"),
+    Route("GET", "/v1/blocks", list_blocks, "Replicas, filtered and paged", params=[
+        _q("namespace", "namespace hash", {"type": "string", "pattern": HEX32.pattern}),
+        _q("tenant", "tenant id", {"type": "string"}),
+        _q("form", "cache form", {"type": "string"}),
+        _q("location", "gpu:<worker>, host:<node> or disk", {"type": "string"}),
+        _q("state", "replica state", {"type": "string", "enum": [s.value for s in ReplicaState]}),
+        *PAGE]),
+    Route("GET", "/v1/blocks/{hash}", get_block, "One block's replicas and their full event history",
+          params=[_p("hash", "block hash", {"type": "string", "pattern": HEX32.pattern})]),
+    Route("GET", "/v1/leases", list_leases, "Live leases, filtered and paged", params=[
+        _q("worker", "holder worker id", {"type": "string"}), _q("tenant", "tenant id", {"type": "string"}), *PAGE]),
+    Route("GET", "/v1/pools", list_pools, "Pool usage per worker and form against its limits"),
+    Route("GET", "/v1/events", list_events, "The event log from a position", params=[
+        _q("after", "return events with position > after", {"type": "integer", "minimum": 0, "default": 0}),
+        _q("limit", "page size", {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": 100})]),
+    Route("POST", "/v1/audit", audit, "Replay the log and compare with the live state and the workers (read-only)",
+          body=AuditBody),
+    Route("POST", "/v1/snapshot", snapshot, "Save a snapshot of the live state now"),
+    Route("POST", "/v1/invalidate", post_invalidate, "Invalidate every live replica of a namespace, worker or block",
+          body=InvalidateBody),
+    Route("POST", "/v1/workers/{worker_id}/drain", drain, "Stop granting writes to a worker; tell it to drain",
+          params=[_p("worker_id", "worker id", {"type": "string"})], body=DrainBody),
+]
+
+
+def add_routes(app: web.Application) -> None:
+    for r in ROUTES:
+        app.router.add_route(r.method, r.path, r.handler)
+
+
+def openapi_document() -> dict[str, Any]:
+    error = {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["code", "message"],
+        "properties": {"code": {"type": "string"}, "message": {"type": "string"}}}}}
+    paths: dict[str, Any] = {}
+    for r in ROUTES:
+        op: dict[str, Any] = {
+            "summary": r.summary, "operationId": r.handler.__name__, "parameters": r.params,
+            "responses": {
+                "200": {"description": "OK", "content": {r.content_type: {"schema": {"type": "object"}}}},
+                "400": {"description": "Bad input", "content": {"application/json": {"schema": error}}},
+                "503": {"description": "Not serving (standby, replaying, log unavailable)",
+                        "content": {"application/json": {"schema": error}}}},
+        }
+        if r.auth:
+            op["security"] = [{"bearer": []}]
+            op["responses"]["401"] = {"description": "Missing or wrong bearer token",
+                                      "content": {"application/json": {"schema": error}}}
+        if r.body is not None:
+            schema = msgspec.json.schema(r.body)
+            op["requestBody"] = {"required": False, "content": {"application/json": {"schema": schema}}}
+        paths.setdefault(r.path, {})[r.method.lower()] = op
+    return {"openapi": "3.1.0",
+            "info": {"title": "kvledger coordinator admin API", "version": "1"},
+            "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+            "paths": paths}
+
+
+# --- middleware ---------------------------------------------------------------------------------
+
+_HTTP_CODES = {400: "invalid", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+               405: "method_not_allowed", 413: "too_large"}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The one place where errors become HTTP responses."""
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return error_response(e.status, e.code, e.message)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(e.status, _HTTP_CODES.get(e.status, "error"), e.reason)
+    except Unavailable as e:
+        return error_response(503, e.code.value, str(e))
+    except (UnknownWorker, UnknownReplica) as e:
+        return error_response(404, "not_found", str(e))
+    except CoreError as e:
+        return error_response(400, "invalid", str(e))
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001 - a bug: logged with its traceback, answered without it
+        request.app[LOGGER].error("admin_request_failed", path=request.path, method=request.method, exc_info=True)
+        return error_response(500, "internal", "internal error (logged)")
+
+
+def _loopback(request: web.Request) -> bool:
+    try:
+        return ipaddress.ip_address(request.remote or "").is_loopback
+    except ValueError:
+        return False
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path.startswith("/v1/"):
+        token = _ctx(request).admin_token
+        if token:
+            given = request.headers.get("Authorization", "")
+            if not given.startswith("Bearer "):
+                raise ApiError(401, "unauthorized", "admin API: send 'Authorization: Bearer <token>'")
+            if not hmac.compare_digest(given[7:].encode(), token.encode()):
+                raise ApiError(401, "unauthorized", "admin API: wrong bearer token")
+        elif not _loopback(request):
+            raise ApiError(401, "unauthorized", "admin API without a token (coordinator.admin_token or "
+                                                "KVL_ADMIN_TOKEN) is served to loopback clients only")
+    return await handler(request)
+
+
+LOGGER = web.AppKey("logger", Any)

@@ -1,0 +1,149 @@
+"""Composition root: ``create_app(config) -> web.Application`` and the process entry point.
+
+Every resource is owned by a ``cleanup_ctx`` generator that creates it, yields, and closes
+it: the embedded PostgreSQL/NATS (only when no URL is configured), then the coordinator
+(NATS, JetStream, pool, lock, ledger). A bench or a test can run the app in-process with
+``aiohttp.web.AppRunner``; ``run()`` serves it as a process with clean shutdown on
+SIGTERM/SIGINT (stop taking requests, flush pending commits, release the lock, drain NATS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from coordinator.admin import ADMIN, LOGGER, AdminContext, add_routes, auth_middleware, error_middleware
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.nats_service import StartupError
+from coordinator.runtime import Coordinator
+from shared.config import Config
+from shared.embedded import EmbeddedServiceError, Services, start_services
+from shared.logging import configure_logging, get_logger
+
+COORDINATOR = web.AppKey("coordinator", Coordinator)
+SERVICES = web.AppKey("services", Services)
+CONFIG = web.AppKey("config", Config)
+
+
+def admin_token(config: Config) -> str:
+    return config.coordinator.admin_token or os.environ.get("KVL_ADMIN_TOKEN", "")
+
+
+def create_app(config: Config, *, database_url: str | None = None, nats_url: str | None = None,
+               holder: str | None = None, logger: Any = None) -> web.Application:
+    """The coordinator as an aiohttp application (URLs default to the config, then embedded)."""
+    log = logger or get_logger("coordinator")
+    app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=1 << 20)
+    app[CONFIG] = config
+    app[LOGGER] = log
+    app[ADMIN] = AdminContext(metrics=CoordinatorMetrics(), admin_token=admin_token(config),
+                              request_timeout_s=config.nats.request_timeout_ms / 1000)
+    db = database_url if database_url is not None else config.database.url
+    nats_ = nats_url if nats_url is not None else config.nats.url
+    app.cleanup_ctx.append(_services_ctx(db, nats_))
+    app.cleanup_ctx.append(_coordinator_ctx(holder))
+    add_routes(app)
+    return app
+
+
+def _services_ctx(database_url: str, nats_url: str) -> Any:
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        log = app[LOGGER]
+        if database_url and nats_url:
+            app[SERVICES] = Services(database_url, nats_url)
+            yield
+            return
+        try:
+            svc = await asyncio.to_thread(start_services, database_url, nats_url, app[CONFIG].state_dir)
+        except EmbeddedServiceError as e:
+            raise StartupError(f"embedded services: {e}") from e
+        log.info("embedded_services_started", postgres=svc.postgres is not None, nats=svc.nats is not None,
+                 state_dir=app[CONFIG].state_dir)
+        app[SERVICES] = svc
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(svc.stop)
+            log.info("embedded_services_stopped")
+    return ctx
+
+
+def _coordinator_ctx(holder: str | None) -> Any:
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        svc = app[SERVICES]
+        admin = app[ADMIN]
+        coord = Coordinator(app[CONFIG], database_url=svc.database_url, nats_url=svc.nats_url,
+                            logger=app[LOGGER], metrics=admin.metrics, holder=holder)
+        app[COORDINATOR] = coord
+        try:
+            await coord.start()
+        except BaseException:
+            await coord.stop()
+            raise
+        admin.ledger = coord.ledger
+        assert coord.service is not None
+        admin.inventory = coord.service.inventory
+        admin.control = coord.service.control
+        try:
+            yield
+        finally:
+            await coord.stop()
+    return ctx
+
+
+# --- the process -------------------------------------------------------------------------------
+
+async def serve(config: Config, *, host: str | None = None, port: int | None = None) -> int:
+    """Run until SIGTERM/SIGINT (exit 0) or until the coordinator cannot continue (exit 1)."""
+    log = get_logger("coordinator")
+    app = create_app(config, logger=log)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await runner.setup()
+    except StartupError as e:
+        print(f"kvledger coordinator: {e}", file=sys.stderr, flush=True)
+        await runner.cleanup()
+        return 2
+    host = host or config.coordinator.host
+    port = config.coordinator.port if port is None else port
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as e:
+        print(f"kvledger coordinator: cannot listen on {host}:{port}: {e.strerror}", file=sys.stderr, flush=True)
+        await runner.cleanup()
+        return 2
+    coord = app[COORDINATOR]
+    if not app[ADMIN].admin_token and host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning("admin_api_without_token", host=host, note="only loopback clients are served")
+    log.info("coordinator_listening", url=f"http://{host}:{port}", holder=coord.holder)
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({stopped, coord.fatal}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    code = 0
+    if coord.fatal.done():
+        print(f"kvledger coordinator: {coord.fatal.result()}", file=sys.stderr, flush=True)
+        code = 1
+    log.info("coordinator_stopping", reason="fatal error" if code else "signal")
+    await runner.cleanup()
+    return code
+
+
+def run(config: Config, *, host: str | None = None, port: int | None = None) -> int:
+    configure_logging(config.logging.format, config.logging.level)
+    with contextlib.suppress(KeyboardInterrupt):
+        return asyncio.run(serve(config, host=host, port=port))
+    return 130

@@ -1,0 +1,305 @@
+"""The shell around the pure core: live state, decide → apply → append → answer.
+
+Theory of operation
+-------------------
+
+Every change goes through :meth:`Ledger.execute`: the core decides against the live state
+(``reply, events = command(state, …)``), the events are applied to the live state at once
+and queued for the log (group commit), and the caller is answered only after the batch
+holding them has committed. Decide, apply and queue happen without an ``await`` in
+between, so in this single-threaded event loop they are atomic, and the log order is the
+order in which events were applied. Later decisions see earlier effects immediately,
+which is what lets many requests share one transaction.
+
+A call that produces no events still waits for the latest queued batch (:meth:`barrier`):
+its answer was computed from a state that may include not-yet-durable events, so it must
+not be sent before they are durable either.
+
+If an append fails, the live state holds events the log does not: every waiting caller
+is answered UNAVAILABLE, the state is rebuilt from the log (snapshot + replay), and only
+then does the ledger serve again. ``NotLeader`` means another coordinator has taken over:
+the ledger stops and tells its owner to step down.
+
+Snapshots and audits *freeze* the ledger briefly: new decisions wait, queued events are
+flushed, and then the live state equals the log up to :attr:`position` exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
+
+from coordinator.core import (
+    CoreParams, LedgerState, TransitionApplied, TransitionRejected, apply, encode_event, resume, state_hash,
+    stream_of, to_snapshot,
+)
+from coordinator.log.groupcommit import GroupCommitter, Submission
+from coordinator.log.port import EventLog, LogError, NewEvent, NotLeader, Snapshot
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.replay import LogCorrupt, load_state
+from shared.messages import ErrorCode, now_ms
+
+R = TypeVar("R")
+Decision = Callable[[LedgerState], tuple[R, list[Any]]]
+#: ``{(worker_id, epoch): committed contiguous seq}`` after a commit.
+WatermarkHook = Callable[[dict[tuple[str, int], int]], None]
+
+
+class Unavailable(Exception):
+    """The ledger cannot decide or make a decision durable right now (typed for the reply)."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.UNAVAILABLE, retry_after_ms: int = 500) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retry_after_ms = retry_after_ms
+
+
+def to_new_event(e: Any) -> NewEvent:
+    source = e.source_id if isinstance(e, (TransitionApplied, TransitionRejected)) else None
+    return NewEvent(stream_id=stream_of(e), type=type(e).__struct_config__.tag, payload=encode_event(e),
+                    source_id=source)
+
+
+class Ledger:
+    #: standby (not leader) | recovering (replaying) | serving | degraded (rebuilding) | stopped
+    status: str
+
+    def __init__(self, log: EventLog, params: CoreParams, *, batch_ms: float, batch_max: int,
+                 snapshot_every: int, metrics: CoordinatorMetrics, logger: Any,
+                 on_watermarks: WatermarkHook | None = None,
+                 on_not_leader: Callable[[str], None] | None = None, progress_every: int = 50_000) -> None:
+        self.log = log
+        self.params = params
+        self.batch_ms = batch_ms
+        self.batch_max = batch_max
+        self.snapshot_every = snapshot_every
+        self.metrics = metrics
+        self.logger = logger
+        self.on_watermarks = on_watermarks
+        self.on_not_leader = on_not_leader
+        self.progress_every = progress_every
+        self.status = "standby"
+        self.reason = "not started"
+        self.state = LedgerState.empty(params)
+        self.position = 0
+        self.epoch = 0
+        self.committer: GroupCommitter | None = None
+        self._open = asyncio.Event()
+        self._open.set()
+        self._freeze_lock = asyncio.Lock()
+        self._rebuild: asyncio.Task[None] | None = None
+        self._snapshotting: asyncio.Task[Any] | None = None
+        self._since_snapshot = 0
+        self.last_replay: dict[str, Any] = {}
+
+    @property
+    def serving(self) -> bool:
+        return self.status == "serving"
+
+    # --- leadership -------------------------------------------------------------------------
+
+    async def take_over(self, epoch: int) -> None:
+        """Load the state (snapshot + tail), open the commit queue with ``epoch``, record the takeover."""
+        self.epoch = epoch
+        self.set_status("recovering", "replaying the log")
+        await self._load()
+        self.committer = GroupCommitter(self.log, batch_ms=self.batch_ms, batch_max=self.batch_max,
+                                        leader_epoch=epoch, on_commit=self._on_commit,
+                                        on_failure=self._on_failure, on_batch=self.metrics.on_batch)
+        self.committer.start()
+        self.set_status("serving", "")
+        await self.execute(lambda s: (None, resume(s, now_ms())))
+
+    async def stand_down(self, reason: str, *, flush: bool = True) -> None:
+        """Stop deciding; commit what is queued (``flush``) or fail it; waiters get UNAVAILABLE."""
+        if self.status != "stopped":
+            self.set_status("standby", reason)
+        if self._rebuild is not None:
+            self._rebuild.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._rebuild
+            self._rebuild = None
+        if self.committer is not None:
+            await self.committer.close(flush=flush)
+            self.committer = None
+        self.epoch = 0
+        self.metrics.leader_epoch.set(0)
+
+    def set_status(self, status: str, reason: str) -> None:
+        if status != self.status:
+            self.logger.info("ledger_status", status=status, previous=self.status, reason=reason or None,
+                             leader_epoch=self.epoch, position=self.position)
+        self.status = status
+        self.reason = reason
+        self.metrics.leader.set(1 if status == "serving" else 0)
+        self.metrics.leader_epoch.set(self.epoch)
+
+    async def _load(self) -> None:
+        result = await load_state(self.log, self.params, logger=self.logger, progress_every=self.progress_every)
+        self.state = result.state
+        self.position = result.position
+        self._since_snapshot = result.events
+        self.metrics.replay_seconds.set(result.seconds)
+        self.metrics.replay_events.set(result.events)
+        self.metrics.log_position.set(self.position)
+        self.last_replay = {"events": result.events, "seconds": round(result.seconds, 3),
+                            "position": result.position, "snapshot_position": result.snapshot_position}
+
+    # --- the one way to change state -------------------------------------------------------
+
+    def check_serving(self) -> None:
+        if self.status != "serving":
+            code = ErrorCode.NOT_LEADER if self.status in ("standby", "stopped") else ErrorCode.UNAVAILABLE
+            raise Unavailable(f"coordinator is {self.status}" + (f": {self.reason}" if self.reason else ""), code)
+
+    async def execute(self, decide: Decision[R]) -> R:
+        """Decide with the core, apply at once, answer after the commit (see module docstring).
+
+        Raises :class:`Unavailable` when the ledger is not serving or the commit failed, and
+        lets the core's own errors (``CoreError``) through for the caller to report.
+        """
+        self.check_serving()
+        if not self._open.is_set():
+            await self._open.wait()
+            self.check_serving()
+        committer = self.committer
+        assert committer is not None
+        reply, events = decide(self.state)
+        fut: asyncio.Future[Any] | None
+        if events:
+            try:
+                for event in events:
+                    apply(self.state, event)
+            except Exception as e:  # noqa: BLE001 - a core bug: the live state may be half-applied
+                self.logger.error("apply_failed", error=str(e), event_type=type(event).__name__)
+                self._degrade(f"live state inconsistent after a failed apply: {e}")
+                raise Unavailable("internal error while applying a decision; rebuilding from the log") from e
+            fut = committer.submit([to_new_event(e) for e in events], context=self._watermarks_after(events))
+        else:
+            fut = committer.barrier()
+        if fut is not None:
+            try:
+                await asyncio.shield(fut)
+            except NotLeader as e:
+                raise Unavailable(f"not the leader any more: {e}", ErrorCode.NOT_LEADER) from e
+            except LogError as e:
+                raise Unavailable(f"event log unavailable: {e}") from e
+        return reply
+
+    def barrier(self) -> asyncio.Future[Any] | None:
+        return self.committer.barrier() if self.committer is not None else None
+
+    def _watermarks_after(self, events: Sequence[Any]) -> dict[tuple[str, int], int] | None:
+        marks: dict[tuple[str, int], int] | None = None
+        for e in events:
+            if isinstance(e, (TransitionApplied, TransitionRejected)):
+                t = e.transition
+                marks = marks or {}
+                marks[(t.worker_id, t.epoch)] = self.state.committed_seq(t.worker_id, t.epoch)
+        return marks
+
+    # --- commit hooks (called by the group committer) --------------------------------------
+
+    def _on_commit(self, batch: Sequence[Submission]) -> None:
+        marks: dict[tuple[str, int], int] = {}
+        stored = 0
+        duplicate = False
+        for sub in batch:
+            for p in sub.positions:
+                if p is None:
+                    duplicate = True
+                else:
+                    stored += 1
+                    self.position = max(self.position, p)
+            if sub.context:
+                for k, v in sub.context.items():
+                    marks[k] = max(marks.get(k, 0), v)
+        self.metrics.log_position.set(self.position)
+        if duplicate:
+            # The core deduplicates by source id before the log does; if the log still found a
+            # duplicate, the live state applied an event the log does not hold.
+            self.logger.error("log_refused_duplicate_source", action="rebuilding live state from the log")
+            self._degrade("the log held a source id the live state did not know")
+        if marks and self.on_watermarks is not None:
+            self.on_watermarks(marks)
+        self._since_snapshot += stored
+        if self._since_snapshot >= self.snapshot_every and self.serving and (
+                self._snapshotting is None or self._snapshotting.done()):
+            self._since_snapshot = 0
+            self._snapshotting = asyncio.create_task(self._periodic_snapshot(), name="snapshot")
+
+    def _on_failure(self, exc: BaseException) -> None:
+        if isinstance(exc, NotLeader):
+            self.set_status("standby", str(exc))
+            if self.on_not_leader is not None:
+                self.on_not_leader(str(exc))
+            return
+        self.logger.warning("append_failed", error=str(exc), action="answering UNAVAILABLE and rebuilding")
+        self._degrade(f"append failed: {exc}")
+
+    def _degrade(self, reason: str) -> None:
+        if self.status not in ("serving", "degraded"):
+            return
+        self.set_status("degraded", reason)
+        if self.committer is not None:
+            self.committer.fail_pending(Unavailable(reason))
+        if self._rebuild is None or self._rebuild.done():
+            self._rebuild = asyncio.create_task(self._rebuild_loop(), name="ledger-rebuild")
+
+    async def _rebuild_loop(self) -> None:
+        delay = 0.05
+        last = ""
+        while self.status == "degraded":
+            try:
+                if self.committer is not None:
+                    await self.committer.flush()
+                await self._load()
+            except (LogError, LogCorrupt, OSError) as e:
+                if str(e) != last:
+                    self.logger.warning("rebuild_waiting", error=str(e), retry_in_s=delay)
+                last = str(e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            if self.status == "degraded":
+                self.set_status("serving", "")
+                self.logger.info("ledger_rebuilt", position=self.position)
+            return
+
+    # --- freeze: snapshots and audits see the live state equal to the log ------------------
+
+    @contextlib.asynccontextmanager
+    async def frozen(self) -> AsyncIterator[LedgerState]:
+        """No new decisions, everything queued committed; yields the live state (read it, don't keep it)."""
+        async with self._freeze_lock:
+            self.check_serving()
+            self._open.clear()
+            try:
+                if self.committer is not None:
+                    await self.committer.flush()
+                self.check_serving()
+                yield self.state
+            finally:
+                self._open.set()
+
+    async def snapshot(self) -> Snapshot:
+        """Save a snapshot of the live state at the current position (fenced by the epoch)."""
+        async with self.frozen() as state:
+            snap = Snapshot(position=self.position, state_hash=state_hash(state), state=to_snapshot(state))
+            epoch = self.epoch
+        try:
+            await self.log.save_snapshot(snap, epoch)
+        except LogError as e:
+            raise Unavailable(f"snapshot not saved: {e}") from e
+        self.metrics.snapshots.inc()
+        self.logger.info("snapshot_saved", position=snap.position, state_hash=snap.state_hash,
+                         bytes=len(snap.state))
+        return snap
+
+    async def _periodic_snapshot(self) -> None:
+        try:
+            await self.snapshot()
+        except Unavailable as e:
+            self.logger.warning("snapshot_skipped", reason=str(e))

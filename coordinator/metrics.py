@@ -1,0 +1,72 @@
+"""Prometheus metrics of one coordinator, on its own registry (two in one process never clash)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+
+
+class CoordinatorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvl_coordinator_requests", "Request/reply calls by operation and outcome",
+                                ["op", "outcome"], registry=r)
+        self.request_latency = Histogram("kvl_coordinator_request_latency_seconds",
+                                         "Request/reply latency (decision to durable reply) by operation and outcome",
+                                         ["op", "outcome"], buckets=LATENCY_BUCKETS, registry=r)
+        self.events_ingested = Counter("kvl_coordinator_transitions", "Worker transitions consumed, by result",
+                                       ["result"], registry=r)
+        self.append_batch = Histogram("kvl_coordinator_append_batch_events", "Events per append transaction",
+                                      buckets=BATCH_BUCKETS, registry=r)
+        self.append_latency = Histogram("kvl_coordinator_append_latency_seconds",
+                                        "Append transaction latency (group commit)", buckets=LATENCY_BUCKETS,
+                                        registry=r)
+        self.append_failures = Counter("kvl_coordinator_append_failures", "Failed append transactions", registry=r)
+        self.consumer_lag = Gauge("kvl_coordinator_consumer_lag_messages",
+                                  "Transitions in the JetStream stream not yet delivered to the coordinator",
+                                  registry=r)
+        self.replay_seconds = Gauge("kvl_coordinator_replay_seconds", "Duration of the last replay", registry=r)
+        self.replay_events = Gauge("kvl_coordinator_replay_events", "Events folded by the last replay", registry=r)
+        self.audits = Counter("kvl_coordinator_audits", "Audits by outcome", ["outcome"], registry=r)
+        self.snapshots = Counter("kvl_coordinator_snapshots", "Snapshots saved", registry=r)
+        self.leader = Gauge("kvl_coordinator_leader", "1 while this process is the serving leader", registry=r)
+        self.leader_epoch = Gauge("kvl_coordinator_leader_epoch", "Leader epoch this process holds (0 = none)",
+                                  registry=r)
+        self.log_position = Gauge("kvl_coordinator_log_position", "Last committed log position", registry=r)
+        self.malformed = Counter("kvl_coordinator_malformed_messages", "Malformed NATS messages by subject kind",
+                                 ["kind"], registry=r)
+
+    def on_batch(self, events: int, seconds: float, ok: bool) -> None:
+        if ok:
+            self.append_batch.observe(events)
+            self.append_latency.observe(seconds)
+        else:
+            self.append_failures.inc()
+
+    def watch_pools(self, usage: Callable[[], list[tuple[str, str, int, int]]]) -> None:
+        """Pool usage per (worker, form), read from the live state at scrape time."""
+        self.registry.register(_PoolCollector(usage))
+
+
+class _PoolCollector(Collector):
+    def __init__(self, usage: Callable[[], list[tuple[str, str, int, int]]]) -> None:
+        self.usage = usage
+
+    def collect(self) -> Iterator[Any]:
+        used = GaugeMetricFamily("kvl_coordinator_pool_used_slots", "ALLOCATED+READY replicas per worker pool",
+                                 labels=["worker", "form"])
+        limit = GaugeMetricFamily("kvl_coordinator_pool_limit_slots", "Pool slots per worker and form",
+                                  labels=["worker", "form"])
+        for worker, form, n, cap in self.usage():
+            used.add_metric([worker, form], n)
+            limit.add_metric([worker, form], cap)
+        yield used
+        yield limit

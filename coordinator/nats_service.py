@@ -1,0 +1,352 @@
+"""The coordinator on NATS: request/reply service, transition consumer, watermarks, worker calls.
+
+* Request/reply (queue group ``COORDINATOR_QUEUE``): register, heartbeat, lease acquire /
+  renew / release. Every request is answered — with an ``ErrorReply`` when it cannot be
+  served; a malformed one gets ``INVALID`` and a warning in the log that names the
+  operation and what was wrong with the shape, never the content.
+* JetStream: the stream is created or verified at start (limits retention, file storage,
+  max age and duplicate window from config); a durable pull consumer feeds transitions to
+  the ledger; a message is acked only after its event is committed (or found to be a
+  redelivery of one that is), nak'ed for redelivery when the ledger cannot commit.
+* After each commit, each affected worker epoch's :class:`CommitWatermark` is published on
+  ``subjects.watermark(worker)``; the worker drops what it covers from its outbox.
+
+Every handler runs as its own task: a handler waits for its commit, and the next
+message's decision must not wait for that (that is what group commit batches).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
+
+from coordinator.core import (
+    CoreError, TransitionRejected, acquire_lease, heartbeat, ingest_transition, register_worker, release_lease,
+    renew_lease,
+)
+from coordinator.ledger import Ledger, Unavailable
+from coordinator.metrics import CoordinatorMetrics
+from shared.messages import (
+    CommitWatermark, Control, ErrorCode, ErrorReply, Heartbeat, InventoryReply, InventoryRequest, LeaseAcquire, LeaseRelease,
+    LeaseRenew, MessageError, TransitionEvent, WorkerRegister, decode, encode, now_ms,
+)
+from shared.subjects import COORDINATOR_QUEUE, Subjects
+
+#: Durable name of the coordinator's pull consumer (shared by leader and standbys; only the leader pulls).
+CONSUMER_NAME = "kvl-coordinator"
+
+
+class StartupError(RuntimeError):
+    """The coordinator cannot start; the message is one readable line for an operator."""
+
+
+def new_lease_id() -> str:
+    return "l" + secrets.token_hex(8)
+
+
+def error_kind(e: MessageError) -> str:
+    """What was wrong with a message's shape, without repeating any of its content."""
+    text = str(e)
+    for prefix, kind in (("not a kvledger message", "not_json_object"), ("unknown message type", "unknown_type"),
+                         ("expected a message of type", "wrong_type")):
+        if text.startswith(prefix):
+            return kind
+    return "bad_version" if "schema version" in text else "invalid_fields"
+
+
+@dataclass(frozen=True, slots=True)
+class _Op:
+    name: str
+    type: type
+    #: ``decide(request)`` → the decision the ledger runs against its state.
+    decide: Callable[[Any], Callable[[Any], tuple[Any, list[Any]]]]
+
+
+_OPS = {
+    "register": _Op("register", WorkerRegister, lambda req: lambda s: register_worker(s, req, now_ms())),
+    "heartbeat": _Op("heartbeat", Heartbeat, lambda req: lambda s: heartbeat(s, req, now_ms())),
+    "acquire": _Op("acquire", LeaseAcquire, lambda req: lambda s: acquire_lease(s, req, now_ms(), new_lease_id())),
+    "renew": _Op("renew", LeaseRenew, lambda req: lambda s: renew_lease(s, req, now_ms())),
+    "release": _Op("release", LeaseRelease, lambda req: lambda s: release_lease(s, req, now_ms())),
+}
+
+
+class NatsService:
+    def __init__(self, nc: NatsClient, subjects: Subjects, ledger: Ledger, *, config: Any,
+                 metrics: CoordinatorMetrics, logger: Any, max_in_flight: int = 4096) -> None:
+        self.nc = nc
+        self.js = nc.jetstream(timeout=config.nats.request_timeout_ms / 1000)
+        self.subjects = subjects
+        self.ledger = ledger
+        self.config = config
+        self.metrics = metrics
+        self.log = logger
+        self.request_timeout_s = config.nats.request_timeout_ms / 1000
+        self._subs: list[Any] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._slots = asyncio.Semaphore(max_in_flight)
+        self._psub: Any = None
+        self._consumer: asyncio.Task[None] | None = None
+        self._pull = asyncio.Event()
+        self._marks: dict[tuple[str, int], int] = {}
+        self._marks_ready = asyncio.Event()
+        self._publisher: asyncio.Task[None] | None = None
+
+    # --- request/reply --------------------------------------------------------------------
+
+    @property
+    def subscribed(self) -> bool:
+        return bool(self._subs)
+
+    async def start_requests(self) -> None:
+        if self._subs:
+            return
+        s = self.subjects
+        for subject, op in ((s.worker_register, "register"), (s.worker_heartbeat, "heartbeat"),
+                            (s.lease_acquire, "acquire"), (s.lease_renew, "renew"), (s.lease_release, "release")):
+            self._subs.append(await self.nc.subscribe(subject, queue=COORDINATOR_QUEUE,
+                                                      cb=self._dispatcher(_OPS[op])))
+        self.log.info("requests_subscribed", queue=COORDINATOR_QUEUE, prefix=s.prefix)
+
+    async def stop_requests(self) -> None:
+        """Stop taking requests; those already taken are answered (their commits are awaited)."""
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if subs:
+            self.log.info("requests_unsubscribed")
+
+    async def wait_in_flight(self, timeout_s: float) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+
+    def _dispatcher(self, op: _Op) -> Callable[[Msg], Any]:
+        async def cb(msg: Msg) -> None:
+            await self._slots.acquire()
+            task = asyncio.create_task(self._handle(op, msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._done)
+        return cb
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        self._slots.release()
+
+    async def _handle(self, op: _Op, msg: Msg) -> None:
+        t0 = time.perf_counter()
+        reply: Any
+        try:
+            req = decode(msg.data, expect=op.type)
+        except MessageError as e:
+            self.metrics.malformed.labels(kind=op.name).inc()
+            self.log.warning("malformed_request", op=op.name, size=len(msg.data), error_kind=error_kind(e))
+            reply = ErrorReply(code=ErrorCode.INVALID, message=str(e)[:1000])
+        else:
+            try:
+                reply = await self.ledger.execute(op.decide(req))
+            except Unavailable as e:
+                reply = ErrorReply(code=e.code, message=str(e)[:1000], retry_after_ms=e.retry_after_ms)
+            except CoreError as e:
+                reply = ErrorReply(code=ErrorCode.INVALID, message=str(e)[:1000])
+            except Exception as e:  # noqa: BLE001 - every request is answered, whatever went wrong
+                self.log.error("request_failed", op=op.name, error_type=type(e).__name__, exc_info=True)
+                reply = ErrorReply(code=ErrorCode.UNAVAILABLE, message="internal error; retry", retry_after_ms=500)
+        outcome = reply.code.value if isinstance(reply, ErrorReply) else "ok"
+        self.metrics.requests.labels(op=op.name, outcome=outcome).inc()
+        self.metrics.request_latency.labels(op=op.name, outcome=outcome).observe(time.perf_counter() - t0)
+        if not msg.reply:
+            self.log.warning("request_without_reply_subject", op=op.name)
+            return
+        try:
+            await msg.respond(encode(reply))
+        except Exception as e:  # noqa: BLE001 - the requester may be gone; nothing to do but say so
+            self.log.warning("reply_failed", op=op.name, error=str(e))
+
+    # --- JetStream ------------------------------------------------------------------------
+
+    async def ensure_stream(self) -> None:
+        """Create the transitions stream, or verify (and bring up to date) an existing one."""
+        n = self.config.nats
+        name = self.subjects.stream_name
+        want = StreamConfig(name=name, subjects=[self.subjects.events_wildcard], retention=RetentionPolicy.LIMITS,
+                            storage=StorageType.FILE, max_age=float(n.stream_max_age_s),
+                            duplicate_window=float(n.duplicate_window_s))
+        try:
+            info = await self.js.stream_info(name)
+        except nats.js.errors.NotFoundError:
+            await self.js.add_stream(want)
+            self.log.info("stream_created", stream=name, subjects=want.subjects, retention="limits", storage="file",
+                          max_age_s=n.stream_max_age_s, duplicate_window_s=n.duplicate_window_s)
+            return
+        have = info.config
+        if have.storage != StorageType.FILE or have.retention != RetentionPolicy.LIMITS:
+            raise StartupError(
+                f"JetStream stream {name} exists with storage={getattr(have.storage, 'value', have.storage)} "
+                f"retention={getattr(have.retention, 'value', have.retention)}; kvledger needs file storage and "
+                "limits retention (these cannot be changed in place: move or delete the stream)")
+        if self.subjects.events_wildcard not in (have.subjects or []):
+            raise StartupError(f"JetStream stream {name} does not cover {self.subjects.events_wildcard} "
+                               f"(it has {have.subjects}); fix its subjects or the subject prefix")
+        if (round(have.max_age or 0) != n.stream_max_age_s
+                or round(have.duplicate_window or 0) != n.duplicate_window_s):
+            have.max_age = want.max_age
+            have.duplicate_window = want.duplicate_window
+            await self.js.update_stream(have)
+            self.log.info("stream_updated", stream=name, max_age_s=n.stream_max_age_s,
+                          duplicate_window_s=n.duplicate_window_s)
+        else:
+            self.log.info("stream_verified", stream=name)
+
+    async def start_consumer(self) -> None:
+        """Create/verify the durable pull consumer and start the (paused) fetch loop."""
+        name = self.subjects.stream_name
+        batch_max = self.config.coordinator.commit_batch_max
+        cfg = ConsumerConfig(
+            durable_name=CONSUMER_NAME, name=CONSUMER_NAME, ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL, filter_subject=self.subjects.events_wildcard,
+            # Longer than a commit can take (statement timeouts are seconds); redelivery is harmless.
+            ack_wait=30.0, max_deliver=-1, max_ack_pending=max(4 * batch_max, 1000))
+        await self.js.add_consumer(name, cfg)
+        self._psub = await self.js.pull_subscribe_bind(durable=CONSUMER_NAME, stream=name)
+        self._consumer = asyncio.create_task(self._consume(), name="transition-consumer")
+        self._publisher = asyncio.create_task(self._publish_watermarks(), name="watermark-publisher")
+
+    def resume_consumer(self) -> None:
+        self._pull.set()
+
+    def pause_consumer(self) -> None:
+        self._pull.clear()
+
+    async def stop_consumer(self) -> None:
+        self._pull.clear()
+        for task in (self._consumer, self._publisher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._consumer = self._publisher = None
+        if self._psub is not None:
+            with contextlib.suppress(Exception):
+                await self._psub.unsubscribe()
+            self._psub = None
+
+    async def _consume(self) -> None:
+        batch = min(self.config.coordinator.commit_batch_max, 1000)
+        last_error = ""
+        while True:
+            await self._pull.wait()
+            if not self.ledger.serving:
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                msgs = await self._psub.fetch(batch=batch, timeout=1.0)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - broker trouble: wait and try again
+                if str(e) != last_error:
+                    self.log.warning("consumer_fetch_failed", error=f"{type(e).__name__}: {e}")
+                last_error = str(e)
+                await asyncio.sleep(0.5)
+                continue
+            last_error = ""
+            for msg in msgs:
+                # Tasks start in creation order and decide before their first real wait, so
+                # transitions are decided (and logged) in the order they were fetched.
+                task = asyncio.create_task(self._ingest(msg))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            if msgs:
+                with contextlib.suppress(Exception):
+                    self.metrics.consumer_lag.set(msgs[-1].metadata.num_pending)
+
+    async def _ingest(self, msg: Msg) -> None:
+        try:
+            t = decode(msg.data, expect=TransitionEvent)
+            if msg.subject != self.subjects.events(t.worker_id):
+                raise MessageError(f"transition of worker {t.worker_id} arrived on another worker's subject")
+        except (MessageError, ValueError) as e:
+            kind = error_kind(e) if isinstance(e, MessageError) else "bad_worker_id"
+            self.metrics.events_ingested.labels(result="malformed").inc()
+            self.log.warning("malformed_transition", size=len(msg.data), error_kind=kind)
+            with contextlib.suppress(Exception):
+                await msg.term()  # can never be processed: do not redeliver
+            return
+        try:
+            events = await self.ledger.execute(lambda s: ((evs := ingest_transition(s, t, now_ms())), evs))
+        except Unavailable:
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1.0)
+            return
+        result = "duplicate" if not events else "rejected" if isinstance(events[0], TransitionRejected) else "accepted"
+        self.metrics.events_ingested.labels(result=result).inc()
+        try:
+            await msg.ack()
+        except Exception as e:  # noqa: BLE001 - the ack is lost: JetStream redelivers, the log deduplicates
+            self.log.warning("ack_failed", error=str(e))
+
+    # --- watermarks, inventory, control ---------------------------------------------------
+
+    def publish_watermarks(self, marks: dict[tuple[str, int], int]) -> None:
+        """Called after each commit (synchronously); a task sends them."""
+        for k, v in marks.items():
+            if v > self._marks.get(k, -1):
+                self._marks[k] = v
+        self._marks_ready.set()
+
+    async def _publish_watermarks(self) -> None:
+        while True:
+            await self._marks_ready.wait()
+            self._marks_ready.clear()
+            marks, self._marks = self._marks, {}
+            for (worker, epoch), seq in marks.items():
+                try:
+                    await self.nc.publish(self.subjects.watermark(worker),
+                                          encode(CommitWatermark(worker_id=worker, epoch=epoch, seq=seq)))
+                except ValueError:
+                    self.log.warning("watermark_not_published", reason="worker id is not a subject token")
+                except Exception as e:  # noqa: BLE001 - the heartbeat reply carries it too
+                    self.log.warning("watermark_publish_failed", error=str(e))
+
+    async def inventory(self, worker_id: str, timeout_s: float | None = None) -> InventoryReply | str:
+        """Ask a worker what it holds; the reply, or why there is none."""
+        try:
+            msg = await self.nc.request(self.subjects.inventory(worker_id), encode(InventoryRequest(request_id="audit")),
+                                        timeout=timeout_s or self.request_timeout_s)
+        except nats.errors.NoRespondersError:
+            return "no responders"
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            return "timed out"
+        except ValueError:
+            return "worker id is not a subject token"
+        try:
+            return decode(msg.data, expect=InventoryReply)  # type: ignore[no-any-return]
+        except MessageError as e:
+            return f"malformed inventory reply ({error_kind(e)})"
+
+    async def control(self, worker_id: str, control: Control, timeout_s: float | None = None) -> str:
+        """Send a control message; ``acked``, or why not (the ledger change stands either way)."""
+        try:
+            await self.nc.request(self.subjects.control(worker_id), encode(control),
+                                  timeout=timeout_s or self.request_timeout_s)
+            return "acked"
+        except nats.errors.NoRespondersError:
+            return "no responders"
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            return "timed out"
+        except ValueError:
+            return "worker id is not a subject token"

@@ -1,0 +1,240 @@
+"""The coordinator process's moving parts and their life cycle: one composition root.
+
+::
+
+    start:  NATS connect → stream + consumer verified → leadership loop, expiry loop
+    loop:   schema at head → wait for the lock (standby) → epoch bump → replay → serve
+            … until the lock session is lost or an append says NotLeader → stand down → loop
+    stop:   stop taking requests → answer those in flight → flush commits → release the lock
+            → drain NATS → close the pool
+
+A coordinator that loses its lock because PostgreSQL went away keeps its request
+subscription and answers UNAVAILABLE until it is leader again (workers get a fast, clear
+answer and serve by recomputation). One that finds another live leader holding the lock
+unsubscribes, so requests reach the leader only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NatsClient
+
+from coordinator.core import CoreParams, expire
+from coordinator.ledger import Ledger, Unavailable
+from coordinator.log.leader import LeaderElection, make_holder_id
+from coordinator.log.migrate import upgrade
+from coordinator.log.port import LogError, LogUnavailable
+from coordinator.log.postgres import PgSettings, PostgresEventLog, describe, is_unavailable
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.nats_service import NatsService, StartupError
+from coordinator.replay import LogCorrupt
+from shared.config import Config
+from shared.messages import now_ms
+from shared.subjects import Subjects
+
+
+class Coordinator:
+    def __init__(self, config: Config, *, database_url: str, nats_url: str, logger: Any,
+                 metrics: CoordinatorMetrics | None = None, holder: str | None = None) -> None:
+        self.config = config
+        self.database_url = database_url
+        self.nats_url = nats_url
+        self.log = logger
+        self.metrics = metrics or CoordinatorMetrics()
+        self.holder = holder or make_holder_id()
+        c = config.coordinator
+        self.subjects = Subjects(config.nats.subject_prefix)
+        self.pg = PgSettings.from_config(database_url, config.database, application_name=self.holder)
+        self.event_log = PostgresEventLog.connect(self.pg)
+        self.election = LeaderElection(
+            self.pg, self.holder, renew_interval_s=c.heartbeat_interval_ms / 1000,
+            takeover_after_s=c.missed_heartbeats * c.heartbeat_interval_ms / 1000, logger=logger)
+        self.ledger = Ledger(self.event_log, CoreParams.from_config(c), batch_ms=c.commit_batch_ms,
+                             batch_max=c.commit_batch_max, snapshot_every=c.snapshot_every_events,
+                             metrics=self.metrics, logger=logger, on_not_leader=self._not_leader)
+        self.metrics.watch_pools(self.pool_usage)
+        self.nc: NatsClient | None = None
+        self.service: NatsService | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._stepped_down = asyncio.Event()
+        #: Resolves (with the reason) if the coordinator cannot go on; the process exits on it.
+        self.fatal: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._step_reason = ""
+        self._stopping = False
+
+    # --- start / stop ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        timeout = self.config.nats.request_timeout_ms / 1000
+        try:
+            self.nc = await nats.connect(
+                self.nats_url, name=f"kvl-coordinator {self.holder}", connect_timeout=max(timeout, 2.0),
+                allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                error_cb=self._nats_error, disconnected_cb=self._nats_disconnected,
+                reconnected_cb=self._nats_reconnected)
+        except Exception as e:  # noqa: BLE001 - one readable line for the operator
+            raise StartupError(f"cannot connect to NATS at {self.nats_url}: {type(e).__name__}: {e}") from e
+        self.service = NatsService(self.nc, self.subjects, self.ledger, config=self.config, metrics=self.metrics,
+                                   logger=self.log)
+        self.ledger.on_watermarks = self.service.publish_watermarks
+        try:
+            await self.service.ensure_stream()
+            await self.service.start_consumer()
+        except StartupError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise StartupError(f"cannot set up the JetStream stream {self.subjects.stream_name}: "
+                               f"{type(e).__name__}: {e}") from e
+        await self._check_database()
+        self._tasks = [asyncio.create_task(self._leadership_loop(), name="leadership"),
+                       asyncio.create_task(self._expire_loop(), name="expiry")]
+        self.log.info("coordinator_started", holder=self.holder, prefix=self.subjects.prefix,
+                      stream=self.subjects.stream_name)
+
+    async def _check_database(self) -> None:
+        """Fail fast on a database that can never work (bad credentials, no such database);
+        an unreachable one is waited for by the leadership loop."""
+        try:
+            await self.event_log.ping()
+        except LogUnavailable as e:
+            self.log.warning("database_unreachable", error=str(e), action="waiting for it")
+        except LogError as e:
+            raise StartupError(f"PostgreSQL at {self.pg.url.split('@')[-1]}: {e}") from e
+
+    async def stop(self) -> None:
+        """Graceful: stop taking work, answer what was taken, flush, release the lock, drain NATS."""
+        self._stopping = True
+        if self.service is not None:
+            await self.service.stop_requests()
+            self.service.pause_consumer()
+            await self.service.wait_in_flight(timeout_s=10)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.ledger.stand_down("shutting down", flush=True)
+        self.ledger.set_status("stopped", "shut down")
+        await self.election.release()
+        if self.service is not None:
+            await self.service.stop_consumer()
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.drain(), 5)
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+        await self.event_log.close()
+        self.log.info("coordinator_stopped", holder=self.holder)
+
+    # --- leadership -------------------------------------------------------------------------
+
+    def _not_leader(self, reason: str) -> None:
+        self._step_reason = f"fenced: {reason}"
+        self._stepped_down.set()
+
+    async def _ensure_schema(self) -> None:
+        delay = 0.1
+        while True:
+            try:
+                await upgrade(self.event_log.engine)
+                return
+            except Exception as e:  # noqa: BLE001 - waits for an unreachable database; anything else is fatal
+                if not is_unavailable(e):
+                    raise StartupError(f"cannot migrate the event log schema: {describe(e)}") from e
+                self.log.warning("schema_check_waiting", error=describe(e), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _leadership_loop(self) -> None:
+        try:
+            while not self._stopping:
+                try:
+                    await self._lead_once()
+                except (StartupError, asyncio.CancelledError):
+                    raise
+                except Exception as e:  # noqa: BLE001 - never let leadership die silently
+                    self.log.error("leadership_loop_error", error=f"{type(e).__name__}: {e}", exc_info=True)
+                    await asyncio.sleep(1.0)
+        except StartupError as e:
+            self.log.error("coordinator_cannot_continue", error=str(e))
+            if not self.fatal.done():
+                self.fatal.set_result(str(e))
+
+    async def _lead_once(self) -> None:
+        assert self.service is not None
+        await self._ensure_schema()
+        epoch = await self.election.acquire(on_wait=self._waiting_for_lock)
+        self._stepped_down.clear()
+        self.log.info("leader_elected", leader_epoch=epoch, holder=self.holder)
+        try:
+            await self.service.start_requests()
+            await self.ledger.take_over(epoch)
+            self.service.resume_consumer()
+        except (LogError, LogCorrupt, Unavailable) as e:
+            self.log.error("takeover_failed", error=str(e), leader_epoch=epoch)
+            await self._stand_down(f"takeover failed: {e}", still_ours=not self._stepped_down.is_set())
+            await asyncio.sleep(1.0)
+            return
+        lost = asyncio.create_task(self.election.lost())
+        stepped = asyncio.create_task(self._stepped_down.wait())
+        try:
+            await asyncio.wait({lost, stepped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (lost, stepped):
+                t.cancel()
+        fenced = self._stepped_down.is_set()
+        reason = self._step_reason if fenced else (lost.result() if lost.done() and not lost.cancelled()
+                                                   else "stopping")
+        fenced = fenced or reason.startswith("fenced")
+        self.log.warning("leadership_lost", reason=reason, leader_epoch=epoch)
+        await self._stand_down(reason, still_ours=not fenced)
+
+    async def _waiting_for_lock(self, why: str) -> None:
+        """While waiting for the lock: another live leader holds it → leave the queue group to it."""
+        assert self.service is not None
+        if why == "held" and self.service.subscribed:
+            await self.service.stop_requests()
+            self.ledger.set_status("standby", "another coordinator is the leader")
+            self.log.info("standing_by", reason="another coordinator holds the leader lock")
+
+    async def _stand_down(self, reason: str, *, still_ours: bool) -> None:
+        """Stop serving. ``still_ours``: nobody else is known to lead (e.g. PostgreSQL went away)."""
+        assert self.service is not None
+        self.service.pause_consumer()
+        await self.ledger.stand_down(reason, flush=False)
+        if still_ours:
+            self.ledger.set_status("degraded", reason)  # keep answering (UNAVAILABLE) until we lead again
+        else:
+            await self.service.stop_requests()
+        await self.election.release()
+
+    async def _expire_loop(self) -> None:
+        interval = max(self.config.coordinator.heartbeat_interval_ms, 100) / 1000
+        while True:
+            await asyncio.sleep(interval)
+            if self.ledger.serving:
+                with contextlib.suppress(Unavailable):
+                    await self.ledger.execute(lambda s: (None, expire(s, now_ms())))
+
+    # --- views ---------------------------------------------------------------------------
+
+    def pool_usage(self) -> list[tuple[str, str, int, int]]:
+        s = self.ledger.state
+        return [(wid, form, s.pool_used(wid, form), cap)
+                for wid, w in sorted(s.workers.items()) if w.alive
+                for form, cap in sorted(w.pool_slots.items())]
+
+    # --- NATS connection events --------------------------------------------------------------
+
+    async def _nats_error(self, e: Exception) -> None:
+        self.log.warning("nats_error", error=f"{type(e).__name__}: {e}")
+
+    async def _nats_disconnected(self) -> None:
+        self.log.warning("nats_disconnected")
+
+    async def _nats_reconnected(self) -> None:
+        self.log.info("nats_reconnected")
