@@ -17,4 +17,8 @@ def gather_blocks_ref(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 def scatter_blocks_ref(pool: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
     """``pool[slots[i]] = src[i]`` in place."""
-    pool.index_copy_(0, slots.to(torch.int64), src.to(pool.dtype))
+    src = src.to(pool.dtype)
+    if pool.element_size() == 1 and pool.is_floating_point():
+        # NOTE: index_copy_ has no kernel for fp8 dtypes; copy the same bytes through a uint8 view.
+        pool, src = pool.view(torch.uint8), src.view(torch.uint8)
+    pool.index_copy_(0, slots.to(torch.int64), src)
