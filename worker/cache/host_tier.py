@@ -8,6 +8,7 @@ generation fencing, so integrity is the only proof left.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,9 @@ class HostTierCorrupt(Exception):
 @dataclass
 class HostTier:
     capacity_bytes: int
+    #: Called with ``((block_hash, form), bytes, checksum)`` for each LRU victim of ``put``
+    #: (e.g. to spill it to the disk tier) before the bytes are dropped.
+    on_evict: Callable[[tuple[str, str], torch.Tensor, str], None] | None = None
     _entries: OrderedDict[tuple[str, str], tuple[torch.Tensor, str]] = field(default_factory=OrderedDict)
     used_bytes: int = 0
 
@@ -38,9 +42,11 @@ class HostTier:
         self.drop(block_hash, form)
         evicted = []
         while self.used_bytes + n > self.capacity_bytes and self._entries:
-            old, (t, _) = self._entries.popitem(last=False)
+            old, (t, d) = self._entries.popitem(last=False)
             self.used_bytes -= t.numel()
             evicted.append(old)
+            if self.on_evict is not None:
+                self.on_evict(old, t, d)
         copy = torch.empty(n, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         copy.copy_(data.cpu())
         self._entries[key] = (copy, digest)

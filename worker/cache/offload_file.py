@@ -146,7 +146,8 @@ def read_block(root: Path, key: BlockKey, expected_checksum: str | None = None) 
     return verify(raw, key, expected_checksum)
 
 
-def verify(raw: bytes, key: BlockKey, expected_checksum: str | None = None) -> bytes:
+def split(raw: bytes) -> tuple[Header, bytes]:
+    """The header and the payload of a file, unverified beyond the header's own syntax."""
     if len(raw) < 8 or raw[:4] != MAGIC:
         raise OffloadCorrupt("not a kvledger offload file (bad magic or truncated before the header)")
     (hlen,) = struct.unpack("<I", raw[4:8])
@@ -156,12 +157,16 @@ def verify(raw: bytes, key: BlockKey, expected_checksum: str | None = None) -> b
         h = msgspec.json.decode(raw[8:8 + hlen], type=Header)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise OffloadCorrupt(f"unreadable header: {e}") from e
+    return h, raw[8 + hlen:]
+
+
+def verify(raw: bytes, key: BlockKey, expected_checksum: str | None = None) -> bytes:
+    h, payload = split(raw)
     if h.version != OFFLOAD_FILE_VERSION:
         raise OffloadMismatch(f"offload file format v{h.version}; this build reads v{OFFLOAD_FILE_VERSION}")
     for field in ("namespace", "tenant", "block_hash", "form", "spec_digest"):
         if getattr(h, field) != getattr(key, field):
             raise OffloadMismatch(f"offload file is for {field}={getattr(h, field)!r}, expected {getattr(key, field)!r}")
-    payload = raw[8 + hlen:]
     if len(payload) != h.length:
         raise OffloadCorrupt(f"payload is {len(payload)} bytes, header says {h.length} (truncated file)")
     got = checksum(payload)

@@ -1,0 +1,160 @@
+"""The GPU tier: per-form pools plus what the worker knows about each slot's bytes.
+
+:class:`CacheStore` wraps :class:`worker.cache.pools.PoolSet` (static storage, generation
+per slot) with the record written beside every slot at commit (:class:`BlockMeta`:
+namespace, tenant, chain, token span, spec digest, checksum) and a local LRU order, and
+answers the questions hit validation asks (:meth:`observe`). Every method runs on the
+engine's event-loop thread; kernels only ever see *copies* taken by :meth:`read` in the
+same tick as the presence check, so a slot recycled later cannot change what a request
+already validated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import torch
+
+from shared.forms import FormCatalogue
+from shared.hashing import checksum
+from worker.cache.planner import BlockMeta, Observed
+from worker.cache.pools import PoolExhausted, PoolSet
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 tensor (a view when contiguous)."""
+    return t.detach().contiguous().view(torch.uint8).reshape(-1)
+
+
+def bytes_checksum(t: torch.Tensor) -> str:
+    """xxh3 of a tensor's bytes (copied to host first if it lives on a device)."""
+    b = as_bytes(t)
+    if b.device.type != "cpu":
+        b = b.cpu()
+    return checksum(memoryview(b.numpy()))
+
+
+class CacheStore:
+    def __init__(self, catalogue: FormCatalogue, slots: dict[str, int], device: torch.device) -> None:
+        self.catalogue = catalogue
+        self.pools = PoolSet.allocate(catalogue, slots, device)
+        self._meta: dict[tuple[str, int], BlockMeta] = {}
+        self._lru: dict[str, OrderedDict[int, None]] = {f: OrderedDict() for f in catalogue.names}
+
+    # --- queries -------------------------------------------------------------------------
+
+    def lookup(self, form: str, block_hash: str) -> tuple[int, BlockMeta] | None:
+        hit = self.pools[form].lookup(block_hash)
+        if hit is None:
+            return None
+        slot, info = hit
+        meta = self._meta.get((form, slot))
+        if meta is None or not info.ready:
+            return None
+        return slot, meta
+
+    def observe(self, form: str, block_hash: str) -> tuple[Observed, torch.Tensor | None]:
+        """The facts about ``form`` of ``block_hash`` here, and a private copy of its bytes."""
+        hit = self.pools[form].lookup(block_hash)
+        if hit is None:
+            return Observed(None), None
+        slot, info = hit
+        meta = self._meta.get((form, slot))
+        if meta is None:
+            return Observed(None), None
+        # NOTE: copy now, validate the copy, restore from the copy: what the checksum covers
+        # is exactly what the model reads.
+        data = self.pools[form].view(slot).clone()
+        self._touch(form, slot)
+        return Observed(meta, nbytes=data.numel(), ready=info.ready, checksum=lambda: bytes_checksum(data),
+                        aligned=data.is_contiguous()), data
+
+    def ready_counts(self) -> dict[str, int]:
+        return {f: sum(1 for i in p.table.values() if i.ready) for f, p in self.pools.pools.items()}
+
+    def items(self) -> Iterator[tuple[str, int, BlockMeta]]:
+        """``(form, slot, meta)`` of every READY slot."""
+        for (form, slot), meta in list(self._meta.items()):
+            info = self.pools[form].table.get(slot)
+            if info is not None and info.ready:
+                yield form, slot, meta
+
+    def usage(self) -> dict[str, tuple[int, int]]:
+        return self.pools.usage()
+
+    def addresses(self) -> dict[str, int]:
+        return self.pools.addresses()
+
+    # --- changes -------------------------------------------------------------------------
+
+    def install(self, meta: BlockMeta, payload: torch.Tensor) -> BlockMeta:
+        """Put ``payload`` (bytes of one block of ``meta.form``) in a fresh slot, READY.
+
+        Returns the meta completed with the slot's new generation. A stale slot holding the
+        same block is recycled first. Raises :class:`PoolExhausted` when no slot is free.
+        """
+        pool = self.pools[meta.form]
+        old = pool.lookup(meta.block_hash)
+        if old is not None:
+            self._free(meta.form, old[0])
+        slot, gen = pool.allocate(meta.block_hash)
+        try:
+            pool.write(slot, payload)
+        except Exception:
+            self._free(meta.form, slot)
+            raise
+        info = pool.table[slot]
+        info.ready = True
+        info.checksum = meta.checksum
+        full = dataclasses.replace(meta, generation=gen)
+        self._meta[(meta.form, slot)] = full
+        self._touch(meta.form, slot)
+        return full
+
+    def drop(self, form: str, block_hash: str, generation: int | None = None) -> tuple[BlockMeta, torch.Tensor] | None:
+        """Free the slot of ``form``/``block_hash`` (only at ``generation`` if given).
+
+        Returns its meta and a copy of its bytes (for an offload), or None if it was not there.
+        """
+        hit = self.pools[form].lookup(block_hash)
+        if hit is None:
+            return None
+        slot, info = hit
+        meta = self._meta.get((form, slot))
+        if generation is not None and info.generation != generation:
+            return None
+        data = self.pools[form].view(slot).clone()
+        self._free(form, slot)
+        return (meta, data) if meta is not None else None
+
+    def lru_victim(self, form: str, keep: set[str]) -> BlockMeta | None:
+        """The least recently used READY slot of ``form`` whose block is not in ``keep``."""
+        for slot in self._lru[form]:
+            meta = self._meta.get((form, slot))
+            if meta is not None and meta.block_hash not in keep:
+                return meta
+        return None
+
+    def clear(self) -> int:
+        """Forget every slot (a new epoch fences them all); storage stays allocated."""
+        n = 0
+        for form, pool in self.pools.pools.items():
+            for slot in list(pool.table):
+                self._free(form, slot)
+                n += 1
+        return n
+
+    def _touch(self, form: str, slot: int) -> None:
+        lru = self._lru[form]
+        lru.pop(slot, None)
+        lru[slot] = None
+
+    def _free(self, form: str, slot: int) -> None:
+        self.pools[form].free(slot)
+        self._meta.pop((form, slot), None)
+        self._lru[form].pop(slot, None)
+
+
+__all__ = ["CacheStore", "PoolExhausted", "as_bytes", "bytes_checksum"]

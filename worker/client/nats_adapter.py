@@ -1,0 +1,162 @@
+"""The NATS adapter of :class:`worker.client.CoordinatorClient`.
+
+Every request has a timeout (``nats.request_timeout_ms``) and turns a timeout, "no
+responders" or a closed connection into :class:`CoordinatorUnavailable`. Transitions go to
+JetStream with ``Nats-Msg-Id = <worker>.<epoch>.<seq>`` so the broker drops duplicates in
+its window and the log's unique source id drops the rest. The client reconnects forever;
+subscriptions are restored by nats-py after a reconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+
+from shared import messages as m
+from shared.logging import get_logger
+from shared.subjects import Subjects
+from worker.client import (
+    CoordinatorRefused, CoordinatorUnavailable, OnControl, OnInventory, OnWatermark, PublishFailed,
+)
+
+log = get_logger("kvl.worker.nats")
+
+_TRANSIENT_CODES = (m.ErrorCode.UNAVAILABLE, m.ErrorCode.NOT_LEADER)
+
+
+class NatsCoordinatorClient:
+    def __init__(self, url: str, subjects: Subjects, *, timeout_s: float = 2.0, name: str = "kvl-worker") -> None:
+        self.url = url
+        self.subjects = subjects
+        self.timeout_s = timeout_s
+        self.name = name
+        self._nc: Any = None
+        self._js: Any = None
+        self._subs: list[Any] = []
+        self._listening: str | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected
+
+    async def connect(self) -> None:
+        if self._nc is not None and not self._nc.is_closed:
+            if not self._nc.is_connected:
+                raise CoordinatorUnavailable(f"NATS at {self.url} is reconnecting")
+            return
+        try:
+            self._nc = await nats.connect(self.url, name=self.name, connect_timeout=1, reconnect_time_wait=0.5,
+                                          max_reconnect_attempts=-1, allow_reconnect=True,
+                                          error_cb=self._on_error, disconnected_cb=self._on_disconnect)
+        except (OSError, asyncio.TimeoutError, nats.errors.Error) as e:
+            self._nc = None
+            raise CoordinatorUnavailable(f"cannot connect to NATS at {self.url}: {e}") from e
+        self._js = self._nc.jetstream(timeout=self.timeout_s)
+
+    async def _on_error(self, e: Exception) -> None:
+        log.debug("nats error", error=str(e))
+
+    async def _on_disconnect(self) -> None:
+        log.warning("nats disconnected", url=self.url)
+
+    async def close(self) -> None:
+        nc, self._nc = self._nc, None
+        self._subs.clear()
+        self._listening = None
+        if nc is not None and not nc.is_closed:
+            try:
+                await asyncio.wait_for(nc.drain(), timeout=2)
+            except (asyncio.TimeoutError, nats.errors.Error):
+                await nc.close()
+
+    async def _request(self, subject: str, msg: Any, expect: type, op: str) -> Any:
+        if self._nc is None or not self._nc.is_connected:
+            raise CoordinatorUnavailable(f"{op}: not connected to NATS")
+        try:
+            reply = await self._nc.request(subject, m.encode(msg), timeout=self.timeout_s)
+        except nats.errors.NoRespondersError as e:
+            raise CoordinatorUnavailable(f"{op}: no coordinator is listening on {subject}") from e
+        except (nats.errors.TimeoutError, asyncio.TimeoutError) as e:
+            raise CoordinatorUnavailable(f"{op}: coordinator did not answer within {self.timeout_s:.1f} s") from e
+        except nats.errors.Error as e:
+            raise CoordinatorUnavailable(f"{op}: {type(e).__name__}: {e}") from e
+        try:
+            out = m.decode(reply.data, expect=(expect, m.ErrorReply))
+        except m.MessageError as e:
+            raise CoordinatorRefused(m.ErrorCode.INVALID, f"{op}: unreadable reply: {e}") from e
+        if isinstance(out, m.ErrorReply):
+            if out.code in _TRANSIENT_CODES:
+                raise CoordinatorUnavailable(f"{op}: {out.code.value}: {out.message}")
+            raise CoordinatorRefused(out.code, out.message, out.retry_after_ms)
+        return out
+
+    async def register(self, msg: m.WorkerRegister) -> m.RegisterReply:
+        return await self._request(self.subjects.worker_register, msg, m.RegisterReply, "register")
+
+    async def heartbeat(self, msg: m.Heartbeat) -> m.HeartbeatReply:
+        return await self._request(self.subjects.worker_heartbeat, msg, m.HeartbeatReply, "heartbeat")
+
+    async def acquire(self, msg: m.LeaseAcquire) -> m.LeaseGrant:
+        return await self._request(self.subjects.lease_acquire, msg, m.LeaseGrant, "lease.acquire")
+
+    async def renew(self, msg: m.LeaseRenew) -> m.LeaseRenewed:
+        return await self._request(self.subjects.lease_renew, msg, m.LeaseRenewed, "lease.renew")
+
+    async def release(self, msg: m.LeaseRelease) -> m.LeaseReleased:
+        return await self._request(self.subjects.lease_release, msg, m.LeaseReleased, "lease.release")
+
+    async def publish(self, event: m.TransitionEvent) -> None:
+        if self._js is None or self._nc is None or not self._nc.is_connected:
+            raise PublishFailed("not connected to NATS")
+        try:
+            await self._js.publish(self.subjects.events(event.worker_id), m.encode(event),
+                                   headers={"Nats-Msg-Id": event.source_id}, timeout=self.timeout_s)
+        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as e:
+            raise PublishFailed(f"publish {event.source_id}: {type(e).__name__}: {e}") from e
+
+    async def listen(self, worker_id: str, on_watermark: OnWatermark, on_inventory: OnInventory,
+                     on_control: OnControl) -> None:
+        if self._listening == worker_id or self._nc is None:
+            return
+        s = self.subjects
+
+        async def watermark(msg: Any) -> None:
+            try:
+                on_watermark(m.decode(msg.data, expect=m.CommitWatermark))
+            except m.MessageError as e:
+                log.warning("bad watermark message", error=str(e))
+
+        async def inventory(msg: Any) -> None:
+            try:
+                req = m.decode(msg.data, expect=m.InventoryRequest)
+                reply: Any = await on_inventory(req)
+            except m.MessageError as e:
+                reply = m.ErrorReply(code=m.ErrorCode.INVALID, message=str(e))
+            if msg.reply:
+                await self._nc.publish(msg.reply, m.encode(reply))
+
+        async def control(msg: Any) -> None:
+            try:
+                req = m.decode(msg.data, expect=m.Control)
+                reply: Any = await on_control(req)
+            except m.MessageError as e:
+                reply = m.ErrorReply(code=m.ErrorCode.INVALID, message=str(e))
+            if msg.reply:
+                await self._nc.publish(msg.reply, m.encode(reply))
+
+        try:
+            self._subs = [await self._nc.subscribe(s.watermark(worker_id), cb=watermark),
+                          await self._nc.subscribe(s.inventory(worker_id), cb=inventory),
+                          await self._nc.subscribe(s.control(worker_id), cb=control)]
+        except nats.errors.Error as e:
+            raise CoordinatorUnavailable(f"subscribe: {e}") from e
+        self._listening = worker_id
+
+    @property
+    def nc(self) -> Any:
+        """The underlying connection (the worker's debug subjects share it)."""
+        return self._nc

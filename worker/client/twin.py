@@ -1,0 +1,119 @@
+"""An in-process twin of the coordinator, built on :mod:`coordinator.core` commands.
+
+For fast unit tests of the engine only: it decides with the same pure commands as the
+real coordinator and folds their events into a :class:`coordinator.core.LedgerState`, but
+keeps nothing durable and has no broker. Integration and end-to-end tests run the real
+coordinator process.
+
+Test hooks: ``down`` makes every call fail as if the coordinator were unreachable;
+``drop_publishes`` makes the broker lose publishes (the outbox must resend them);
+``hold_watermark`` ingests transitions but withholds the watermark.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+
+from coordinator.core import (
+    CoreParams, LedgerState, acquire_lease, apply, heartbeat, ingest_transition, register_worker, release_lease,
+    renew_lease,
+)
+from shared import messages as m
+from worker.client import (
+    CoordinatorRefused, CoordinatorUnavailable, OnControl, OnInventory, OnWatermark, PublishFailed,
+)
+
+
+def _now() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class InProcessCoordinator:
+    def __init__(self, params: CoreParams | None = None) -> None:
+        self.state = LedgerState.empty(params or CoreParams())
+        self.down = False
+        self.drop_publishes = 0
+        self.hold_watermark = False
+        self.published: list[m.TransitionEvent] = []
+        self.rejected: list[tuple[m.TransitionEvent, str]] = []
+        self._ids = itertools.count(1)
+        self._listeners: dict[str, tuple[OnWatermark, OnInventory, OnControl]] = {}
+
+    # --- the port -----------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return not self.down
+
+    async def connect(self) -> None:
+        self._check()
+
+    async def close(self) -> None:
+        self._listeners.clear()
+
+    def _check(self) -> None:
+        if self.down:
+            raise CoordinatorUnavailable("twin coordinator is down")
+
+    def _run(self, reply_events: tuple) -> object:
+        reply, events = reply_events
+        for e in events:
+            apply(self.state, e)
+        if isinstance(reply, m.ErrorReply):
+            raise CoordinatorRefused(reply.code, reply.message, reply.retry_after_ms)
+        return reply
+
+    async def register(self, msg: m.WorkerRegister) -> m.RegisterReply:
+        self._check()
+        return self._run(register_worker(self.state, msg, _now()))  # type: ignore[return-value]
+
+    async def heartbeat(self, msg: m.Heartbeat) -> m.HeartbeatReply:
+        self._check()
+        return self._run(heartbeat(self.state, msg, _now()))  # type: ignore[return-value]
+
+    async def acquire(self, msg: m.LeaseAcquire) -> m.LeaseGrant:
+        self._check()
+        return self._run(acquire_lease(self.state, msg, _now(), f"L{next(self._ids)}-{uuid.uuid4().hex[:6]}"))  # type: ignore[return-value]
+
+    async def renew(self, msg: m.LeaseRenew) -> m.LeaseRenewed:
+        self._check()
+        return self._run(renew_lease(self.state, msg, _now()))  # type: ignore[return-value]
+
+    async def release(self, msg: m.LeaseRelease) -> m.LeaseReleased:
+        self._check()
+        return self._run(release_lease(self.state, msg, _now()))  # type: ignore[return-value]
+
+    async def publish(self, event: m.TransitionEvent) -> None:
+        if self.down:
+            raise PublishFailed("twin broker is down")
+        if self.drop_publishes:
+            self.drop_publishes -= 1
+            return  # "acknowledged" by the broker, then lost
+        self.published.append(event)
+        for e in ingest_transition(self.state, event, _now()):
+            reason = getattr(e, "reason", None)
+            if reason is not None and type(e).__name__ == "TransitionRejected":
+                self.rejected.append((event, reason))
+            apply(self.state, e)
+        if not self.hold_watermark:
+            self.send_watermark(event.worker_id, event.epoch)
+
+    async def listen(self, worker_id: str, on_watermark: OnWatermark, on_inventory: OnInventory,
+                     on_control: OnControl) -> None:
+        self._listeners[worker_id] = (on_watermark, on_inventory, on_control)
+
+    # --- test helpers -------------------------------------------------------------------------
+
+    def send_watermark(self, worker_id: str, epoch: int) -> None:
+        cbs = self._listeners.get(worker_id)
+        if cbs is not None:
+            cbs[0](m.CommitWatermark(worker_id=worker_id, epoch=epoch,
+                                     seq=self.state.committed_seq(worker_id, epoch)))
+
+    async def control(self, worker_id: str, msg: m.Control) -> m.ControlAck:
+        return await self._listeners[worker_id][2](msg)
+
+    async def inventory(self, worker_id: str) -> m.InventoryReply:
+        return await self._listeners[worker_id][1](m.InventoryRequest())

@@ -1,0 +1,540 @@
+"""The worker's cache engine: the composition root of pools, tiers, leases and transitions.
+
+:class:`Engine` owns
+
+* the model and two single-thread executors (model compute; file I/O), so forwards run off
+  the event loop and disk writes are sequential;
+* the static per-form pools (:class:`worker.cache.store.CacheStore`), allocated once in the
+  constructor, and the host/disk tiers (:class:`worker.cache.tiers.Tiers`);
+* the coordinator port (:class:`worker.client.CoordinatorClient`) and the transition
+  publisher (:class:`worker.publisher.TransitionPublisher`);
+* a supervisor task: register (an epoch), heartbeat, and — whenever the coordinator or
+  NATS is unreachable, the registration is fenced or the outbox is full — *degraded mode*:
+  every request is served by full recomputation (no leases, no reuse, no writes) until the
+  coordinator answers again and the worker re-registers with a new epoch (local GPU and
+  host copies of the old epoch are dropped: the coordinator fences them);
+* a spill task that moves host-tier victims to the shared offload directory.
+
+Requests run as :class:`worker.session.Session` objects (see there for the life of one).
+An engine built without a client is *cache-disabled*: the same schedule of prefill units,
+no cache at all — the reference a warm run is compared with, bit for bit.
+
+Every replica state change the engine decides is emitted here (:meth:`Engine.commit`,
+:meth:`Engine.invalidate`, offloads and evictions), so the list of what a worker may tell
+the ledger is one screen long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+
+from shared.config import Config
+from shared.hashing import namespace_hash
+from shared.logging import get_logger
+from shared.messages import (
+    Control, ControlAck, ErrorCode, Heartbeat, InventoryItem, InventoryReply, InventoryRequest, LeaseGrant,
+    ReplicaRef, ReplicaState, TransitionEvent, WorkerRegister, now_ms,
+)
+from worker.cache import offload_file as of
+from worker.cache.planner import BlockMeta, Switches
+from worker.cache.pools import PoolExhausted
+from worker.cache.store import CacheStore
+from worker.cache.tiers import Tiers
+from worker.client import CoordinatorClient, CoordinatorRefused, CoordinatorUnavailable
+from worker.metrics import WorkerMetrics
+from worker.model import HybridAttentionLM, declare_forms, form_layouts, weights_digest
+from worker.publisher import OutboxFull, TransitionPublisher
+from worker.session import CacheValidationError, Result, Sampling, Session
+from worker.settings import pool_slots, salt_secret, tenant_salt, worker_id
+
+T = TypeVar("T")
+R = ReplicaState
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    worker_id: str
+    cache_enabled: bool
+    registered: bool
+    degraded: bool
+    reason: str
+    epoch: int
+    pools_allocated: bool
+    pool_slots: dict[str, int] = field(default_factory=dict)
+    pool_used: dict[str, int] = field(default_factory=dict)
+    outbox_depth: int = 0
+    draining: bool = False
+    host_tier_bytes: int = 0
+    disk_tier: str = "off"
+    active_sessions: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """Serving correctly (degraded still serves, by recomputation)."""
+        return self.pools_allocated or not self.cache_enabled
+
+
+class Engine:
+    def __init__(self, model: HybridAttentionLM, cfg: Config, client: CoordinatorClient | None = None, *,
+                 worker_id_: str | None = None, metrics: WorkerMetrics | None = None, endpoint: str = "") -> None:
+        self.cfg = cfg
+        self.model = model
+        self.log = get_logger("kvl.worker")
+        self.block_size = cfg.cache.block_size
+        self.chunk_blocks = cfg.cache.chunk_blocks
+        self.layouts = form_layouts(model.cfg, self.block_size)
+        self.catalogue = declare_forms(model.cfg, self.block_size)
+        self.specs = {n: lay.spec for n, lay in self.layouts.items()}
+        self.namespace = namespace_hash(model.cfg.model_id, weights_digest(model))
+        self.worker_id = worker_id_ or worker_id(cfg)
+        self.gpu = f"gpu:{self.worker_id}"
+        self.host_location = f"host:{self.worker_id}"
+        self.device = model.lm_head.weight.device
+        self.max_context = min(cfg.service.max_context_length, model.cfg.max_position_embeddings)
+        self.metrics = metrics or WorkerMetrics()
+        self.client = client
+        self.cache_enabled = client is not None
+        self.switches = Switches.from_config(cfg.cache.hit_validation, self.catalogue)
+        self.endpoint = endpoint
+        self.settle_timeout_s = 2.0
+        self.slots = pool_slots(self.catalogue, cfg) if self.cache_enabled else {}
+        # NOTE: static topology — the pools are allocated here, once, and never again.
+        self.store = CacheStore(self.catalogue, self.slots, self.device) if self.cache_enabled else None
+        self.tiers = Tiers(cfg.cache.host_tier_bytes if self.cache_enabled else 0,
+                           cfg.cache.offload_dir if self.cache_enabled else None)
+        for form, n in self.slots.items():
+            self.metrics.pool_slots.labels(form=form).set(n)
+            self.metrics.pool_used.labels(form=form).set(0)
+        self.publisher = (TransitionPublisher(client, capacity=cfg.worker.outbox_max,
+                                              resend_ms=cfg.worker.outbox_resend_ms, metrics=self.metrics)
+                          if client is not None else None)
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="kvl-model")
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="kvl-io")
+        self._salts: dict[str, bytes] = {}
+        self.epoch = 0
+        self.registered = False
+        self.draining = False
+        self._reason = "not started" if self.cache_enabled else ""
+        self.heartbeat_interval_ms = cfg.coordinator.heartbeat_interval_ms
+        self.lease_ttl_ms = cfg.coordinator.lease_ttl_ms
+        self.sessions: set[Session] = set()
+        self._tasks: list[asyncio.Task] = []
+        self._wake_supervisor = asyncio.Event()
+        self._wake_spill = asyncio.Event()
+        self._registered_once = asyncio.Event()
+
+    # --- life cycle -----------------------------------------------------------------------
+
+    async def start(self, wait_s: float = 5.0) -> None:
+        """Start the background tasks; wait up to ``wait_s`` for a first registration."""
+        if not self.cache_enabled or self._tasks:
+            return
+        assert self.publisher is not None
+        self.publisher.start()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._supervise(), name="kvl-supervisor"),
+                       loop.create_task(self._spill_loop(), name="kvl-spill")]
+        try:
+            await asyncio.wait_for(self._registered_once.wait(), wait_s)
+        except asyncio.TimeoutError:
+            self.log.warning("not registered yet; serving by recomputation", reason=self._reason)
+
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+                pass
+        if self.publisher is not None:
+            await self.publisher.stop()
+        if self.client is not None:
+            await self.client.close()
+        self._compute.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+
+    async def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until spills are written and every transition is committed (for tests/benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while self.tiers.spill_depth and time.monotonic() < deadline:
+            self._wake_spill.set()
+            await asyncio.sleep(0.01)
+        if self.publisher is None:
+            return True
+        return await self.publisher.wait_empty(max(0.0, deadline - time.monotonic()))
+
+    # --- executors ------------------------------------------------------------------------
+
+    async def compute(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn)
+
+    async def io(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn)
+
+    # --- state ----------------------------------------------------------------------------
+
+    @property
+    def degraded(self) -> bool:
+        return self.cache_enabled and (not self.registered or bool(self._reason))
+
+    def salt(self, tenant: str) -> bytes:
+        s = self._salts.get(tenant)
+        if s is None:
+            s = self._salts[tenant] = tenant_salt(salt_secret(self.cfg, tenant), tenant)
+        return s
+
+    def health(self) -> Health:
+        usage = self.store.usage() if self.store is not None else {}
+        disk = "off" if self.tiers.disk_root is None else ("up" if self.tiers.disk_available() else "down")
+        return Health(worker_id=self.worker_id, cache_enabled=self.cache_enabled, registered=self.registered,
+                      degraded=self.degraded, reason=self._reason if self.degraded else "", epoch=self.epoch,
+                      pools_allocated=self.store is not None, pool_slots=dict(self.slots),
+                      pool_used={f: u for f, (u, _) in usage.items()},
+                      outbox_depth=self.publisher.depth if self.publisher else 0, draining=self.draining,
+                      host_tier_bytes=self.tiers.host.used_bytes if self.tiers.host else 0, disk_tier=disk,
+                      active_sessions=len(self.sessions))
+
+    def pool_addresses(self) -> dict[str, int]:
+        return self.store.addresses() if self.store is not None else {}
+
+    def _enter_degraded(self, reason: str) -> None:
+        if not self._reason:
+            self.log.warning("degraded: serving by recomputation", reason=reason)
+            self.metrics.degraded_entries.labels(reason=reason.split(":", 1)[0][:40]).inc()
+        self._reason = reason
+        self.registered = False
+        self.metrics.degraded.set(1)
+        self._wake_supervisor.set()
+
+    async def call(self, op: str, coro: Awaitable[T]) -> T:
+        """A coordinator round trip with latency and error accounting."""
+        t0 = time.perf_counter()
+        try:
+            out = await coro
+        except CoordinatorUnavailable as e:
+            self.metrics.lease_errors.labels(op=op, code="unavailable").inc()
+            self._enter_degraded(f"coordinator unreachable: {e}")
+            raise
+        except CoordinatorRefused as e:
+            self.metrics.lease_errors.labels(op=op, code=e.code.value).inc()
+            if e.code in (ErrorCode.FENCED, ErrorCode.NOT_FOUND) and op in ("acquire", "heartbeat"):
+                self._enter_degraded(f"registration lost: {e}")
+            raise
+        finally:
+            self.metrics.lease_seconds.labels(op=op).observe(time.perf_counter() - t0)
+        return out
+
+    # --- supervisor -----------------------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        backoff = 0.1
+        while True:
+            if not self.registered:
+                if await self._register():
+                    backoff = 0.1
+                else:
+                    await self._sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+                    continue
+            await self._sleep(self.heartbeat_interval_ms / 1000)
+            if self.registered:
+                await self._heartbeat()
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._wake_supervisor.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+        self._wake_supervisor.clear()
+
+    async def _register(self) -> bool:
+        assert self.client is not None and self.publisher is not None and self.store is not None
+        try:
+            await self.client.connect()
+            if self.publisher.depth:
+                # Settle what the old epoch still owes the ledger before fencing it.
+                await self.publisher.publish_due()
+                await self.publisher.wait_empty(timeout=1.0)
+            reply = await self.call("register", self.client.register(WorkerRegister(
+                worker_id=self.worker_id, namespace=self.namespace, catalogue=self.catalogue,
+                pool_slots=dict(self.slots), endpoint=self.endpoint)))
+            await self.client.listen(self.worker_id, self.publisher.on_watermark, self.on_inventory,
+                                     self.on_control)
+        except CoordinatorUnavailable as e:
+            self._reason = self._reason or f"coordinator unreachable: {e}"
+            self.metrics.degraded.set(1)
+            return False
+        except CoordinatorRefused as e:
+            self._reason = f"registration refused: {e}"
+            self.metrics.degraded.set(1)
+            return False
+        dropped_gpu = self.store.clear()
+        dropped_host = self.tiers.host_clear()
+        dropped_events = self.publisher.new_epoch(self.worker_id, reply.epoch)
+        self.epoch = reply.epoch
+        self.heartbeat_interval_ms = reply.heartbeat_interval_ms
+        self.lease_ttl_ms = reply.lease_ttl_ms
+        self.registered = True
+        self._reason = ""
+        self.metrics.degraded.set(0)
+        self.metrics.epoch.set(self.epoch)
+        self._update_pool_metrics()
+        self.log.info("registered", worker_id=self.worker_id, epoch=self.epoch, dropped_gpu=dropped_gpu,
+                      dropped_host=dropped_host, dropped_events=dropped_events)
+        self._registered_once.set()
+        return True
+
+    async def _heartbeat(self) -> None:
+        assert self.client is not None and self.publisher is not None and self.store is not None
+        if self.publisher.full:
+            self._enter_degraded("outbox full: transitions await the commit watermark")
+            return
+        try:
+            reply = await self.call("heartbeat", self.client.heartbeat(Heartbeat(
+                worker_id=self.worker_id, epoch=self.epoch, ready=self.store.ready_counts())))
+        except (CoordinatorUnavailable, CoordinatorRefused):
+            return
+        self.publisher.ack(self.epoch, reply.committed_seq)
+
+    # --- transitions ----------------------------------------------------------------------
+
+    def _emit(self, meta: BlockMeta, location: str, frm: ReplicaState | None, to: ReplicaState, generation: int,
+              *, kind: str, lease_id: str = "", reason: str = "", checksum: str | None = None) -> int:
+        """Queue one transition for the ledger; returns its seq (0 if none could be queued)."""
+        if not self.registered or self.publisher is None:
+            return 0
+        epoch, wid = self.epoch, self.worker_id
+
+        def make(seq: int) -> TransitionEvent:
+            return TransitionEvent(
+                worker_id=wid, epoch=epoch, seq=seq, namespace=meta.namespace, tenant=meta.tenant,
+                block_hash=meta.block_hash, parent_hash=meta.parent_hash, token_start=meta.token_start,
+                token_end=meta.token_end, form=meta.form, location=location, from_state=frm, to_state=to,
+                generation=generation, checksum=meta.checksum if checksum is None else checksum,
+                lease_id=lease_id, reason=reason, block_size=self.block_size, model_name=self.model.cfg.model_id,
+                ts_ms=now_ms())
+
+        try:
+            ev = self.publisher.emit(make)
+        except OutboxFull:
+            self._enter_degraded("outbox full: transitions await the commit watermark")
+            return 0
+        self.metrics.transitions.labels(kind=kind).inc()
+        return ev.seq
+
+    def commit(self, meta: BlockMeta, data: torch.Tensor, *, lease_id: str) -> int:
+        """Fill a granted GPU slot with ``data`` and commit it (ALLOCATED→READY)."""
+        assert self.store is not None
+        try:
+            full = self._install(meta, data)
+        except PoolExhausted as e:
+            self.log.warning("no free slot for a granted write; aborting it", form=meta.form, error=str(e))
+            return self._emit(meta, self.gpu, R.ALLOCATED, R.EVICTED, 0, kind="abort", lease_id=lease_id,
+                              reason="pool exhausted")
+        return self._emit(full, self.gpu, R.ALLOCATED, R.READY, full.generation, kind="commit", lease_id=lease_id)
+
+    def _install(self, meta: BlockMeta, data: torch.Tensor) -> BlockMeta:
+        assert self.store is not None
+        try:
+            return self.store.install(meta, data)
+        except PoolExhausted:
+            # The ledger thought a slot was free: our view diverged (a rejected transition).
+            # Make room from our own LRU, never from a block a live session pinned.
+            keep = {r.block_hash for s in self.sessions for lease in s.leases for r in lease.grant.read
+                    if r.location == self.gpu}
+            victim = self.store.lru_victim(meta.form, keep)
+            if victim is None:
+                raise
+            dropped = self.store.drop(victim.form, victim.block_hash, victim.generation)
+            if dropped is not None:
+                self._offload(*dropped)
+                self._emit(victim, self.gpu, R.READY, R.EVICTED, victim.generation, kind="evict",
+                           reason="local lru")
+            return self.store.install(meta, data)
+        finally:
+            self._update_pool_metrics()
+
+    def invalidate(self, meta: BlockMeta, ref: ReplicaRef, *, damaged: bool, reason: str) -> int:
+        """A replica failed validation: drop our copy, mark it INVALID in the ledger."""
+        if ref.location == self.gpu and self.store is not None:
+            self.store.drop(ref.form, ref.block_hash, ref.generation)
+            self._update_pool_metrics()
+        elif ref.location == self.host_location:
+            self.tiers.host_drop(ref.block_hash, ref.form)
+        elif ref.location == "disk" and damaged:
+            self.tiers.disk_remove(meta)
+        return self._emit(meta, ref.location, R.READY, R.INVALID, ref.generation, kind="invalidate",
+                          reason=reason, checksum=ref.checksum)
+
+    def apply_evictions(self, grant: LeaseGrant) -> None:
+        """Drop the LRU victims a grant names (already EVICTED in the log), copying them down a tier first."""
+        if self.store is None or not grant.evict:
+            return
+        for ref in grant.evict:
+            if ref.location != self.gpu:
+                continue
+            dropped = self.store.drop(ref.form, ref.block_hash, ref.generation)
+            if dropped is not None:
+                self._offload(*dropped)
+        self._update_pool_metrics()
+
+    def _offload(self, meta: BlockMeta, data: torch.Tensor) -> None:
+        """Copy a block leaving the GPU to the host tier (or queue it for disk)."""
+        if self.tiers.host is not None:
+            t0 = time.perf_counter()
+            if self.tiers.put_host(meta, data):
+                self.metrics.offload_seconds.labels(tier="host").observe(time.perf_counter() - t0)
+                self.metrics.offloaded_bytes.labels(tier="host").inc(data.numel())
+                self._emit(meta, self.host_location, None, R.READY, 0, kind="offload")
+            else:
+                self.metrics.offload_failures.labels(tier="host", reason="too_large").inc()
+        elif self.tiers.disk_root is not None:
+            self.tiers.spill_direct(meta, data)
+        if self.tiers.spill_depth:
+            self._wake_spill.set()
+
+    async def _spill_loop(self) -> None:
+        while True:
+            await self._wake_spill.wait()
+            self._wake_spill.clear()
+            try:
+                await self._spill_once()
+            except Exception as e:  # noqa: BLE001 - the task must survive a bad block
+                self.log.error("spill failed", error=repr(e))
+
+    async def _spill_once(self) -> None:
+        for meta, data, from_host in self.tiers.take_spills():
+            written = False
+            if self.tiers.disk_available():
+                t0 = time.perf_counter()
+                try:
+                    digest = await self.io(lambda m=meta, d=data: self.tiers.disk_write(m, d))
+                except of.OffloadUnavailable as e:
+                    self.tiers.mark_disk_down(str(e))
+                    self.metrics.offload_failures.labels(tier="disk", reason="unavailable").inc()
+                    self.metrics.tier_unavailable.labels(tier="disk").inc()
+                    self.log.warning("disk tier unavailable; serving without it", error=str(e),
+                                     retry_s=self.tiers.retry_s)
+                else:
+                    self.metrics.offload_seconds.labels(tier="disk").observe(time.perf_counter() - t0)
+                    self.metrics.offloaded_bytes.labels(tier="disk").inc(data.numel())
+                    written = digest == meta.checksum
+                    if not written:
+                        self.metrics.offload_failures.labels(tier="disk", reason="checksum").inc()
+            elif self.tiers.disk_root is not None:
+                self.metrics.tier_unavailable.labels(tier="disk").inc()
+            if not self.tiers.is_spilling(meta):
+                continue  # put back into the host tier meanwhile: it stays there
+            if written:
+                self._emit(meta, "disk", None, R.READY, 0, kind="offload")
+            if from_host:
+                self._emit(meta, self.host_location, R.READY, R.EVICTED, 0, kind="evict", reason="host lru")
+            self.tiers.spilled(meta)
+
+    def _update_pool_metrics(self) -> None:
+        if self.store is None:
+            return
+        for form, (used, _) in self.store.usage().items():
+            self.metrics.pool_used.labels(form=form).set(used)
+
+    # --- coordinator → worker ------------------------------------------------------------------
+
+    async def on_inventory(self, req: InventoryRequest) -> InventoryReply:
+        items: list[InventoryItem] = []
+        if self.store is not None:
+            items += [InventoryItem(block_hash=m.block_hash, form=f, location=self.gpu, generation=m.generation,
+                                    state=R.READY) for f, _, m in self.store.items()]
+        items += [InventoryItem(block_hash=m.block_hash, form=m.form, location=self.host_location, generation=0,
+                                state=R.READY) for m in self.tiers.host_items()]
+        return InventoryReply(worker_id=self.worker_id, epoch=max(1, self.epoch), items=items)
+
+    async def on_control(self, msg: Control) -> ControlAck:
+        """Apply a coordinator decision locally (the ledger already records it: no transitions)."""
+        affected = 0
+        if msg.action == "drain":
+            self.draining = True
+            affected = len(self.sessions)
+        elif msg.action in ("evict", "invalidate_block", "invalidate_namespace"):
+            def hit(m: BlockMeta) -> bool:
+                if msg.action == "invalidate_namespace":
+                    return m.namespace == msg.namespace
+                return not msg.block_hash or m.block_hash == msg.block_hash
+            if self.store is not None:
+                for form, _, m in list(self.store.items()):
+                    if hit(m):
+                        affected += self.store.drop(form, m.block_hash) is not None
+                self._update_pool_metrics()
+            for m in self.tiers.host_items():
+                if hit(m):
+                    affected += self.tiers.host_drop(m.block_hash, m.form)
+        self.log.info("control", action=msg.action, affected=affected, reason=msg.reason)
+        return ControlAck(worker_id=self.worker_id, affected=affected)
+
+    # --- requests -------------------------------------------------------------------------
+
+    async def open(self, tokens: Sequence[int], *, tenant: str = "default", reuse: bool = True,
+                   max_new_tokens: int = 1) -> Session:
+        """Lease, validate and restore for ``tokens``; the session is ready for :meth:`Session.prefill_step`."""
+        s = Session(self, tokens, tenant=tenant, reuse=reuse, max_new_tokens=max_new_tokens)
+        self.sessions.add(s)
+        try:
+            await s.open()
+        except BaseException:
+            await self.close(s)
+            raise
+        return s
+
+    async def close(self, s: Session) -> None:
+        try:
+            await s.close()
+        finally:
+            self.sessions.discard(s)
+
+    async def generate(self, tokens: Sequence[int], *, tenant: str = "default", max_tokens: int = 16,
+                       reuse: bool = True, sampling: Sampling | None = None, return_logits: bool = True,
+                       stop_token_ids: Sequence[int] = ()) -> Result:
+        """Run one request to completion: prefill (resuming from validated cache), then decode."""
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        sampling = sampling or Sampling()
+        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        t0 = time.perf_counter()
+        outcome = "error"
+        s = await self.open(tokens, tenant=tenant, reuse=reuse, max_new_tokens=max_tokens)
+        try:
+            while not await s.prefill_step():
+                pass
+            assert s.logits is not None
+            logits = s.logits
+            out: list[int] = []
+            kept: list[torch.Tensor] = []
+            ttft = 0.0
+            stops = set(stop_token_ids)
+            while True:
+                if return_logits:
+                    kept.append(logits.detach().cpu())
+                tok = sampling.pick(logits, gen)
+                out.append(tok)
+                if len(out) == 1:
+                    ttft = time.perf_counter() - t0
+                    self.metrics.ttft.observe(ttft)
+                if len(out) >= max_tokens or tok in stops:
+                    break
+                logits = await s.decode(tok)
+            outcome = "ok"
+        finally:
+            await self.close(s)
+            self.metrics.requests.labels(outcome=outcome).inc()
+        return s.result(out, torch.stack(kept) if kept else None, ttft)
+
+
+__all__ = ["CacheValidationError", "Engine", "Health", "Result", "Sampling", "Session"]

@@ -1,0 +1,473 @@
+"""One request's walk through the cache engine: lease, validate, restore, prefill, commit, release.
+
+A :class:`Session` is what the serving layer drives step by step::
+
+    s = await engine.open(tokens, tenant=..., max_new_tokens=...)   # lease + hit validation + restore
+    while not await s.prefill_step(): ...                            # one grid-aligned unit per call
+    logits = s.logits                                                 # of the last prompt token
+    logits = await s.decode(token)                                    # one decode step
+    result = await s.close()                                          # commits settled, leases released
+
+:meth:`Engine.generate <worker.engine.Engine.generate>` is that loop with sampling.
+
+Theory of operation
+-------------------
+*Opening.* The prompt's whole blocks are hashed (chained, tenant-salted, namespaced) and a
+lease asks for all of them: reads for the longest usable prefix, writes for every form of
+the blocks this worker will compute or reload. LRU victims named by the grant are copied
+to the host tier before their slots are freed. The resume point is the grant's boundary
+capped below the last prompt token and floored to the prefill grid (``chunk_blocks``); if
+the pinned replicas do not serve that point (a different boundary, or a replica failing
+validation), a read-only lease for the shorter prefix asks the coordinator again — after
+the INVALID transitions are committed, so it does not offer the same replicas — at most
+:data:`MAX_RELEASES` times. Every replica is validated on a private copy
+(:func:`worker.cache.planner.validate`); the model state is restored from those copies.
+
+*Prefill.* Units follow the model's grid (``worker.model.model``): from the resume point to
+the next grid point, then whole grid units, then the trailing partial block. After each
+unit the blocks it completed that the lease lets this worker write are exported, put in a
+fresh pool slot and committed (ALLOCATED→READY, generation, checksum).
+
+*Closing.* Leases are released only once the commit watermark covers this session's
+transitions (or a timeout passes): a release processed before a commit would abort the
+replica the commit fills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from shared.hashing import chain_hashes
+from shared.ids import ROOT_HASH
+from shared.messages import LeaseAcquire, LeaseGrant, LeaseRelease, LeaseRenew, ReplicaRef
+from worker.cache.planner import (
+    BlockMeta, Expect, Layer, Need, Observed, best_boundary, grid_floor, map_reads, needs, resume_cap, validate,
+)
+from worker.cache.store import as_bytes, bytes_checksum
+from worker.client import CoordinatorRefused, CoordinatorUnavailable
+from worker.model.state import BlockPayload
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
+
+#: Read-only leases a session may take after its first grant (cap/grid or failed validation).
+MAX_RELEASES = 2
+
+
+class CacheValidationError(RuntimeError):
+    """A reused replica failed validation and ``cache.on_invalid`` is ``error``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Greedy by default; ``temperature`` > 0 samples (seeded by ``seed`` for reproducibility)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def pick(self, logits: torch.Tensor, gen: torch.Generator | None) -> int:
+        if self.temperature <= 0:
+            return int(torch.argmax(logits))
+        x = logits.float() / self.temperature
+        if self.top_k > 0:
+            k = min(self.top_k, x.numel())
+            kth = torch.topk(x, k).values[-1]
+            x = torch.where(x < kth, torch.full_like(x, float("-inf")), x)
+        return int(torch.multinomial(torch.softmax(x, -1).cpu(), 1, generator=gen))
+
+
+@dataclass(slots=True)
+class Result:
+    """What one request did: its tokens and what the cache contributed."""
+
+    tokens: list[int]
+    #: ``[len(tokens), vocab]``: the logits each generated token was sampled from.
+    logits: torch.Tensor | None
+    prompt_tokens: int
+    #: Prompt tokens restored from validated cache (a whole number of blocks).
+    cached_tokens: int
+    #: Prompt tokens the coordinator first offered (a hash hit, before validation).
+    hit_tokens: int
+    #: Replicas that passed validation and were read.
+    validated: int
+    #: Replicas that failed validation, as ``layer:form:block``.
+    invalid: list[str]
+    #: Why this request recomputed more than it might have (empty = nothing to report).
+    fallbacks: list[str]
+    #: Blocks (all forms) reloaded per tier.
+    reloaded: dict[str, int]
+    degraded: bool
+    epoch: int
+    ttft_s: float = 0.0
+
+
+@dataclass(slots=True)
+class _Lease:
+    grant: LeaseGrant
+    epoch: int
+
+
+@dataclass(slots=True)
+class _Found:
+    """A validated private copy of one (block, form), and where it came from."""
+
+    data: torch.Tensor
+    ref: ReplicaRef
+
+
+class Session:
+    def __init__(self, engine: Engine, tokens: Sequence[int], *, tenant: str, reuse: bool,
+                 max_new_tokens: int) -> None:
+        e = engine
+        self.engine = e
+        self.tokens = [int(t) for t in tokens]
+        self.tenant = tenant
+        self.reuse = reuse
+        self.bs = e.block_size
+        n = len(self.tokens)
+        if n == 0:
+            raise ValueError("a request needs at least one prompt token")
+        limit = e.max_context
+        if n + max(0, max_new_tokens - 1) > limit:
+            raise ValueError(f"prompt of {n} tokens + {max_new_tokens} new tokens exceeds the context limit of "
+                             f"{limit} tokens")
+        self.capacity = -(-(n + max(1, max_new_tokens)) // self.bs) * self.bs
+        self.hashes: list[str] = []
+        self.epoch = 0
+        self.leases: list[_Lease] = []
+        self.main: LeaseGrant | None = None
+        #: block index → forms this session may commit for it.
+        self.writes: dict[int, list[str]] = {}
+        self.found: dict[Need, _Found] = {}
+        self.bad: set[tuple[Need, str, int]] = set()
+        self.resume_blocks = 0
+        self.hit_blocks = 0
+        self.invalid: list[str] = []
+        self.fallbacks: list[str] = []
+        self.reloaded: dict[str, int] = {}
+        self.last_seq = 0
+        self.state = None
+        self.units: list[tuple[int, int]] = []
+        self._next_unit = 0
+        self.logits: torch.Tensor | None = None
+        self.degraded = False
+        self._renew: asyncio.Task | None = None
+        self._closed = False
+        self.t0 = time.perf_counter()
+
+    # --- opening ------------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        e = self.engine
+        if e.cache_enabled:
+            e.metrics.queries.inc(len(self.tokens))
+            self.hashes = chain_hashes(self.tokens, self.bs, e.namespace, e.salt(self.tenant))
+            await self._lease_and_restore()
+        if self.state is None:
+            self.state = await e.compute(lambda: e.model.new_state(self.bs, self.capacity))
+            self.resume_blocks = 0
+        self.units = _units(self.resume_blocks * self.bs, len(self.tokens), self.bs, e.chunk_blocks)
+        if self.main is not None:
+            for form, idx in self.main.write.items():
+                for i in idx:
+                    if i >= self.resume_blocks:
+                        self.writes.setdefault(i, []).append(form)
+        if e.cache_enabled:
+            e.metrics.validated_hits.inc(self.resume_blocks * self.bs)
+
+    def fallback(self, reason: str) -> None:
+        self.fallbacks.append(reason)
+        self.engine.metrics.fallbacks.labels(reason=reason.split(":", 1)[0]).inc()
+
+    async def _lease_and_restore(self) -> None:
+        e = self.engine
+        if not self.hashes:
+            return  # shorter than a block: nothing to reuse or cache
+        if e.degraded:
+            self.degraded = True
+            self.fallback("degraded")
+            return
+        self.epoch = e.epoch
+        grant = await self._acquire(self.hashes, write=not e.draining, reuse=self.reuse)
+        if grant is None:
+            return
+        self.main = grant
+        e.apply_evictions(grant)
+        if not self.reuse:
+            return
+        self.hit_blocks = grant.usable_blocks
+        e.metrics.hits.inc(grant.usable_blocks * self.bs)
+        cap = resume_cap(len(self.tokens), self.bs)
+        grid = e.chunk_blocks
+        target = grid_floor(min(grant.usable_blocks, cap), grid)
+        if target < min(grant.usable_blocks, cap):
+            self.fallback("grid")
+        refs = map_reads(self.hashes, grant.read).refs
+        tries = 0
+        while target > 0:
+            want = needs(e.catalogue, target)
+            if all(n in refs for n in want):
+                failed = await self._gather(refs, want)
+                ok = best_boundary(e.catalogue, set(self.found), target, grid)
+                if ok == target:
+                    break
+                if failed and e.cfg.cache.on_invalid == "error":
+                    raise CacheValidationError(f"hit validation failed ({'; '.join(self.invalid)}) and "
+                                               f"cache.on_invalid is 'error'")
+                if failed:
+                    await e.publisher.wait_committed(self.epoch, self.last_seq, timeout=1.0)
+            if tries >= MAX_RELEASES:
+                break
+            tries += 1
+            again = await self._acquire(self.hashes[:target], write=False, reuse=True)
+            if again is None:
+                break
+            refs.update(map_reads(self.hashes, again.read).refs)
+            target = grid_floor(min(again.usable_blocks, target), grid)
+        p = best_boundary(e.catalogue, set(self.found), target, grid)
+        if self.invalid:
+            self.fallback("validation")
+        if p:
+            await self._restore(p)
+
+    async def _acquire(self, hashes: list[str], *, write: bool, reuse: bool) -> LeaseGrant | None:
+        e = self.engine
+        msg = LeaseAcquire(worker_id=e.worker_id, epoch=self.epoch, request_id=f"r{id(self) & 0xffffff:x}",
+                           namespace=e.namespace, tenant=self.tenant, block_hashes=hashes,
+                           write_forms=list(e.catalogue.names) if write else [], reuse=reuse,
+                           ttl_ms=e.lease_ttl_ms)
+        try:
+            grant = await e.call("acquire", e.client.acquire(msg))
+        except CoordinatorRefused as err:
+            self.fallback(f"lease:{err.code.value}")
+            return None
+        except CoordinatorUnavailable:
+            self.degraded = True
+            self.fallback("degraded")
+            return None
+        self.leases.append(_Lease(grant, self.epoch))
+        if self._renew is None:
+            self._renew = asyncio.get_running_loop().create_task(self._renew_loop())
+        return grant
+
+    async def _gather(self, refs: dict[Need, ReplicaRef], want: list[Need]) -> int:
+        """Validate what ``want`` still lacks; keep good copies in ``self.found``. Returns failures."""
+        e = self.engine
+        expect = Expect(namespace=e.namespace, tenant=self.tenant, block_hashes=self.hashes, block_size=self.bs,
+                        specs=e.specs)
+        failed = 0
+        disk: list[tuple[Need, ReplicaRef]] = []
+        for need in want:
+            ref = refs[need]
+            if need in self.found or (need, ref.location, ref.generation) in self.bad:
+                continue
+            if ref.location == e.gpu:
+                obs, data = e.store.observe(ref.form, ref.block_hash)
+                failed += not self._judge(need, ref, obs, data, expect, reload=False)
+            elif ref.location == e.host_location:
+                t0 = time.perf_counter()
+                obs, data = e.tiers.host_read(ref.block_hash, ref.form)
+                ok = self._judge(need, ref, obs, data, expect, reload=True)
+                e.metrics.reload_seconds.labels(tier="host").observe(time.perf_counter() - t0)
+                failed += not ok
+            elif ref.location == "disk":
+                disk.append((need, ref))
+            else:
+                failed += not self._judge(need, ref, Observed(None), None, expect, reload=False)
+        if disk:
+            if not e.tiers.disk_available():
+                e.metrics.tier_unavailable.labels(tier="disk").inc()
+                self.fallback("disk_unavailable")
+            else:
+                wants = [self._meta(need, ref) for need, ref in disk]
+                t0 = time.perf_counter()
+                reads = await e.io(lambda: [e.tiers.disk_read(w) for w in wants])
+                e.metrics.reload_seconds.labels(tier="disk").observe(time.perf_counter() - t0)
+                for (need, ref), r in zip(disk, reads):
+                    if r.unavailable:
+                        e.tiers.mark_disk_down(r.unavailable)
+                        e.metrics.tier_unavailable.labels(tier="disk").inc()
+                        self.fallback("disk_unavailable")
+                        continue
+                    failed += not self._judge(need, ref, r.observed, r.data, expect, reload=True)
+        return failed
+
+    def _judge(self, need: Need, ref: ReplicaRef, obs, data, expect: Expect, *, reload: bool) -> bool:
+        e = self.engine
+        v = validate(ref, need[0], obs, expect, e.switches, reload=reload)
+        for layer, outcome in v.outcomes:
+            e.metrics.validations.labels(layer=layer.value, outcome=outcome).inc()
+        if v.ok:
+            self.found[need] = _Found(data, ref)
+            return True
+        self.bad.add((need, ref.location, ref.generation))
+        assert v.layer is not None
+        self.invalid.append(f"{v.layer.value}:{ref.form}:{need[0]}")
+        e.metrics.invalid.labels(layer=v.layer.value, form=ref.form).inc()
+        tier = "gpu" if ref.location.startswith("gpu:") else "host" if ref.location.startswith("host:") else "disk"
+        if reload:
+            e.metrics.reload_failures.labels(tier=tier, reason=v.layer.value).inc()
+        e.log.warning("hit validation failed", layer=v.layer.value, form=ref.form, block=need[0],
+                      location=ref.location, detail=v.detail)
+        seq = e.invalidate(self._meta(need, ref), ref, damaged=bool(obs.damage) or v.layer is Layer.INTEGRITY,
+                           reason=f"{v.layer.value}: {v.detail}"[:200])
+        if seq:
+            self.last_seq = max(self.last_seq, seq)
+        return False
+
+    def _meta(self, need: Need, ref: ReplicaRef) -> BlockMeta:
+        i, form = need
+        e = self.engine
+        return BlockMeta(namespace=e.namespace, tenant=self.tenant, block_hash=self.hashes[i],
+                         parent_hash=self.hashes[i - 1] if i else ROOT_HASH, token_start=i * self.bs,
+                         token_end=(i + 1) * self.bs, form=form, spec_digest=e.specs[form].spec_digest,
+                         checksum=ref.checksum, generation=ref.generation)
+
+    async def _restore(self, p: int) -> None:
+        e = self.engine
+        want = needs(e.catalogue, p)
+        per_block: list[dict[str, torch.Tensor]] = [{} for _ in range(p)]
+        for need in want:
+            layout = e.layouts[need[1]]
+            per_block[need[0]][need[1]] = self.found[need].data.view(layout.dtype).reshape(layout.shape)
+        blocks = [BlockPayload(t, {f: e.specs[f] for f in t}) for t in per_block]
+
+        def work():
+            state = e.model.new_state(self.bs, self.capacity)
+            state.restore(blocks, p)
+            return state
+
+        self.state = await e.compute(work)
+        self.resume_blocks = p
+        # Reloaded replicas become GPU replicas where the lease granted the slot.
+        granted = self.main.write if self.main is not None else {}
+        for need in want:
+            f = self.found[need]
+            if f.ref.location == e.gpu:
+                continue
+            tier = "host" if f.ref.location.startswith("host:") else "disk"
+            self.reloaded[tier] = self.reloaded.get(tier, 0) + 1
+            e.metrics.reloaded_bytes.labels(tier=tier).inc(f.data.numel())
+            if need[0] in granted.get(need[1], ()):
+                meta = self._meta(need, f.ref)
+                self._commit(meta, f.data)
+
+    # --- prefill, decode ----------------------------------------------------------------------
+
+    @property
+    def done_prefill(self) -> bool:
+        return self._next_unit >= len(self.units)
+
+    async def prefill_step(self) -> bool:
+        """Run the next prefill unit; True once the prompt is done (``self.logits`` is set)."""
+        if self.done_prefill:
+            return True
+        e = self.engine
+        s, t = self.units[self._next_unit]
+        ids = torch.tensor(self.tokens[s:t], dtype=torch.long)
+        state = self.state
+        first, last = s // self.bs, t // self.bs
+        export = [i for i in range(first, last) if i in self.writes]
+
+        def work():
+            logits = e.model.prefill(ids, state, chunk_blocks=e.chunk_blocks, logits="last")
+            return logits, [(i, state.export_block(i)) for i in export]
+
+        logits, payloads = await e.compute(work)
+        self._next_unit += 1
+        for i, payload in payloads:
+            for form in self.writes.get(i, ()):
+                data = as_bytes(payload[form])
+                meta = BlockMeta(namespace=e.namespace, tenant=self.tenant, block_hash=self.hashes[i],
+                                 parent_hash=self.hashes[i - 1] if i else ROOT_HASH, token_start=i * self.bs,
+                                 token_end=(i + 1) * self.bs, form=form, spec_digest=e.specs[form].spec_digest,
+                                 checksum=bytes_checksum(data))
+                self._commit(meta, data)
+        if self.done_prefill:
+            self.logits = logits
+        return self.done_prefill
+
+    def _commit(self, meta: BlockMeta, data: torch.Tensor) -> None:
+        e = self.engine
+        if self.main is None or self.epoch != e.epoch:
+            return  # the epoch that holds the lease is gone: its writes were fenced
+        seq = e.commit(meta, data, lease_id=self.main.lease_id)
+        if seq:
+            self.last_seq = max(self.last_seq, seq)
+
+    async def decode(self, token: int) -> torch.Tensor:
+        """Feed one token; returns the logits for the next position."""
+        if not self.done_prefill:
+            raise RuntimeError("decode before the prompt is prefilled")
+        e = self.engine
+        state = self.state
+        self.logits = await e.compute(lambda: e.model.decode_step(int(token), state))
+        return self.logits
+
+    # --- closing ------------------------------------------------------------------------------
+
+    async def _renew_loop(self) -> None:
+        e = self.engine
+        while True:
+            await asyncio.sleep(max(0.05, e.lease_ttl_ms / 3000))
+            for lease in list(self.leases):
+                if lease.epoch != e.epoch:
+                    continue
+                try:
+                    await e.call("renew", e.client.renew(LeaseRenew(
+                        worker_id=e.worker_id, epoch=lease.epoch, lease_id=lease.grant.lease_id,
+                        ttl_ms=e.lease_ttl_ms)))
+                except (CoordinatorRefused, CoordinatorUnavailable):
+                    pass
+
+    async def close(self) -> None:
+        """Settle this session's transitions, then release its leases (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        e = self.engine
+        if self._renew is not None:
+            self._renew.cancel()
+        if not self.leases:
+            return
+        if self.last_seq and e.publisher is not None:
+            await e.publisher.wait_committed(self.epoch, self.last_seq, timeout=e.settle_timeout_s)
+        for lease in self.leases:
+            if lease.epoch != e.epoch:
+                continue
+            try:
+                await e.call("release", e.client.release(LeaseRelease(
+                    worker_id=e.worker_id, epoch=lease.epoch, lease_id=lease.grant.lease_id)))
+            except (CoordinatorRefused, CoordinatorUnavailable):
+                pass
+
+    def result(self, tokens: list[int], logits: torch.Tensor | None, ttft: float) -> Result:
+        return Result(tokens=tokens, logits=logits, prompt_tokens=len(self.tokens),
+                      cached_tokens=self.resume_blocks * self.bs, hit_tokens=self.hit_blocks * self.bs,
+                      validated=len(self.found), invalid=list(self.invalid), fallbacks=list(self.fallbacks),
+                      reloaded=dict(self.reloaded), degraded=self.degraded, epoch=self.epoch, ttft_s=ttft)
+
+
+def _units(start: int, end: int, bs: int, chunk_blocks: int) -> list[tuple[int, int]]:
+    """The prefill units ``[s, t)`` from ``start`` (a block boundary) to ``end``, on the model's grid."""
+    unit = chunk_blocks * bs
+    full_end = end - end % bs
+    out: list[tuple[int, int]] = []
+    s = start
+    while s < full_end:
+        t = min((s // unit + 1) * unit, full_end)
+        out.append((s, t))
+        s = t
+    if s < end:
+        out.append((s, end))
+    return out
+
+
+__all__ = ["CacheValidationError", "Result", "Sampling", "Session"]
