@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from worker.model import RequestState
 from worker.model.forms import COMPRESSED, INDEXER, SWA, TAIL
 
 BLOCK = 16
@@ -28,8 +29,7 @@ def cold_with_decode(tiny, tokens):
 
 
 def resume(model, blocks, n, rest, block=BLOCK):
-    state = model.new_state(block)
-    state.restore(blocks, n)
+    state = RequestState.from_blocks(model.cfg, block, blocks, n)
     assert state.pos == n * block
     return state, model.prefill(rest, state)
 

@@ -26,6 +26,7 @@ them changes ``spec_digest`` and stored state is rejected instead of misread.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,12 +50,6 @@ class FormLayout:
     shape: tuple[int, ...]
     dtype: torch.dtype
 
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
 
 
 def _csv(xs) -> str:
@@ -74,10 +69,7 @@ def form_layouts(cfg: ModelConfig, block_size: int) -> dict[str, FormLayout]:
     out: dict[str, FormLayout] = {}
 
     def add(name: str, scope: FormScope, shape: tuple[int, ...], params: dict, window_tokens: int = 0) -> None:
-        nbytes = 1
-        for d in shape:
-            nbytes *= d
-        nbytes *= torch.empty((), dtype=STATE_DTYPE).element_size()
+        nbytes = math.prod(shape) * torch.empty((), dtype=STATE_DTYPE).element_size()
         spec = FormSpec(name=name, scope=scope, bytes_per_block=nbytes, dtype=dtype_name,
                         layout_version=LAYOUT_VERSION, window_tokens=window_tokens,
                         params={"block_size": block_size, "shape": _csv(shape), **params})

@@ -19,10 +19,13 @@ With the default ``chunk_blocks = 1`` every block boundary is on the grid, so a 
 resumed from a cached boundary performs exactly the operations a cold run performs from
 there, and its logits are bit-identical *by construction* — no batch-invariance of the
 matmuls is assumed. A larger ``chunk_blocks`` runs fewer, longer units; it is still exact
-when resumed on its grid, and off the grid only if every op gives the same bits for a row
-whatever the number of rows (tests/model/test_resume.py measures this on the machine it
-runs on). Only blocks computed by block-aligned units are exportable (see
-``worker.model.state``); decode steps never produce exportable blocks.
+when resumed on its own grid, but off the grid only if every op gives a row the same bits
+whatever the number of rows. On the CPU this was written on that does not hold: 4-block
+units differ from 1-block units by up to 3e-6 (``bench.model`` reports
+``unit4_bit_identical_to_unit1``); ``F.linear`` takes another kernel path for a handful of
+rows, and the per-expert MoE batches change with the unit. Only blocks computed by
+block-aligned units are exportable (see ``worker.model.state``); decode steps never
+produce exportable blocks.
 """
 
 from __future__ import annotations

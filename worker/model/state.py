@@ -128,6 +128,15 @@ class RequestState:
                     torch.zeros(capacity // m, width, **f32))
         self.reset()
 
+    @classmethod
+    def from_blocks(cls, cfg: ModelConfig, block_size: int, blocks: Sequence[Mapping[str, torch.Tensor]],
+                    n_blocks: int, *, capacity: int | None = None, device: torch.device | str = "cpu",
+                    specs: Mapping[str, FormSpec] | None = None) -> RequestState:
+        """A state at ``n_blocks * block_size`` built from cached payloads (see :meth:`restore`)."""
+        state = cls(cfg, block_size, capacity, device)
+        state.restore(blocks, n_blocks, specs=specs)
+        return state
+
     # ---- lifecycle -------------------------------------------------------------------
 
     def reset(self) -> None:
