@@ -88,8 +88,8 @@ def _live_worker(state: LedgerState, worker_id: str, epoch: int) -> WorkerRecord
 
 def _lose(state: LedgerState, w: WorkerRecord, reason: str, now_ms: int) -> ev.WorkerLost:
     """Fence ``w``'s current epoch: its leases end, its GPU/host replicas (and any ALLOCATED) are LOST."""
-    lost = sorted(k for k in w.live
-                  if state.replicas[k].state is ALLOCATED or not k[2] == "disk")
+    lost = sorted(k for k in state.live_keys(w)
+                  if state.replicas[k].state is ALLOCATED or k[2] != "disk")
     return ev.WorkerLost(worker_id=w.worker_id, epoch=w.epoch, reason=reason, lost=lost,
                          released=sorted(w.leases), at_ms=now_ms)
 
@@ -232,7 +232,8 @@ def acquire_lease(state: LedgerState, msg: m.LeaseAcquire, now_ms: int,
                       for v in victims]
     events.append(ev.LeaseGranted(
         lease_id=lease_id, worker_id=w.worker_id, epoch=w.epoch, tenant=msg.tenant, namespace=msg.namespace,
-        request_id=msg.request_id, block_hashes=list(hashes), usable_blocks=usable, read=reads, write=write,
+        request_id=msg.request_id, block_hashes=list(hashes), usable_blocks=usable,
+        read=[ev.PinRef.of(r) for r in reads], write=write,
         expires_at_ms=expires, at_ms=now_ms))
     bs = w.catalogue.block_size
     for form, idx in write.items():
@@ -378,13 +379,14 @@ def _judge(state: LedgerState, t: m.TransitionEvent) -> tuple[str, str]:
             return "", "an offload copies to host:<node> or disk; a GPU copy needs a write lease"
         if not t.checksum:
             return "", f"offload of {key} carries no checksum"
-        for form, src_loc in state.by_block.get(t.block_hash, ()):
-            if form == t.form and src_loc != loc:
-                src = state.replicas[(t.block_hash, form, src_loc)]
-                if src.state is READY and src.checksum == t.checksum:
-                    break
+        # NOTE: a worker copies from where it can read: its GPU, its node's host tier, disk.
+        for src_loc in readable_locations(w):
+            src = state.replicas.get((t.block_hash, t.form, src_loc))
+            if src_loc != loc and src is not None and src.state is READY and src.checksum == t.checksum:
+                break
         else:
-            return "", f"no READY replica of block {t.block_hash} form {t.form} with checksum {t.checksum} to copy"
+            return "", (f"no READY replica of block {t.block_hash} form {t.form} with checksum {t.checksum} "
+                        f"at {list(readable_locations(w))} to copy")
     return kind, ""
 
 
@@ -402,8 +404,8 @@ def ingest_transition(state: LedgerState, t: m.TransitionEvent, now_ms: int | No
     at = t.ts_ms if now_ms is None else now_ms
     kind, reason = _judge(state, t)
     if kind:
-        return [ev.TransitionApplied(transition=t, kind=kind, at_ms=at)]
-    return [ev.TransitionRejected(transition=t, reason=reason, at_ms=at)]
+        return [ev.TransitionApplied(transition=ev.TransitionRecord.of(t), kind=kind, at_ms=at)]
+    return [ev.TransitionRejected(transition=ev.TransitionRecord.of(t), reason=reason, at_ms=at)]
 
 
 # --- operator commands -------------------------------------------------------------------
@@ -416,10 +418,9 @@ def invalidate(state: LedgerState, scope: str, value: str, reason: str, now_ms: 
         w = state.workers.get(value)
         if w is None:
             raise UnknownWorker(f"worker {value} is not registered; known: {sorted(state.workers)}")
-        affected = sorted(w.live)
+        affected = sorted(state.live_keys(w))
     elif scope == "block":
-        affected = sorted(k for f, loc in state.by_block.get(value, ())
-                          if state.replicas[(k := (value, f, loc))].state in LIVE)
+        affected = sorted(k for k, r in state.replicas.items() if k[0] == value and r.state in LIVE)
     else:
         raise UnknownScope(f"invalidation scope {scope!r}; allowed: namespace, worker, block")
     return [ev.Invalidated(scope=scope, value=value, reason=reason, affected=affected, at_ms=now_ms)]  # type: ignore[arg-type]

@@ -20,7 +20,8 @@ from typing import Annotated, Any, Final, Literal, Union
 import msgspec
 
 from shared.forms import FormCatalogue
-from shared.messages import ReplicaRef, TransitionEvent
+from shared.messages import ReplicaRef, ReplicaState, TransitionEvent
+from shared.versions import SCHEMA_VERSION
 
 #: Version of the ledger event schema; bump when a field changes meaning.
 EVENT_SCHEMA_VERSION: Final = 1
@@ -34,6 +35,72 @@ class _Event(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field=
     v: int = EVENT_SCHEMA_VERSION
     #: Coordinator time (ms) at which the decision was taken; the fold's only clock.
     at_ms: NonNeg = 0
+
+
+# --- records of worker messages ------------------------------------------------------------
+# NOTE: the log is trusted input (only validated decisions reach it), so the worker messages
+# it embeds are decoded into these mirrors, which encode to the *same JSON* as the shared
+# messages but skip their per-field pattern checks: regex validation of hashes and names
+# was two thirds of a replayed event's decode time.
+
+class TransitionRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type",
+                       tag="transition", kw_only=True):
+    """A worker's :class:`shared.messages.TransitionEvent`, as the ledger stores it."""
+
+    v: int = SCHEMA_VERSION
+    worker_id: str
+    epoch: int
+    seq: int
+    namespace: str
+    tenant: str = "default"
+    block_hash: str
+    parent_hash: str
+    token_start: int = 0
+    token_end: int = 0
+    form: str = "compressed"
+    location: str = ""
+    from_state: ReplicaState | None = None
+    to_state: ReplicaState = ReplicaState.READY
+    generation: int = 0
+    checksum: str = ""
+    lease_id: str = ""
+    reason: str = ""
+    block_size: int = 16
+    model_name: str = ""
+    ts_ms: int = 0
+
+    @property
+    def source_id(self) -> str:
+        return f"{self.worker_id}.{self.epoch}.{self.seq}"
+
+    @classmethod
+    def of(cls, t: TransitionEvent | TransitionRecord) -> TransitionRecord:
+        if isinstance(t, TransitionRecord):
+            return t
+        return cls(**msgspec.structs.asdict(t))
+
+    def to_message(self) -> TransitionEvent:
+        """The worker's message again (validated)."""
+        return msgspec.convert(msgspec.structs.asdict(self), TransitionEvent)
+
+
+class PinRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A :class:`shared.messages.ReplicaRef` as the ledger stores it (same JSON)."""
+
+    block_hash: str
+    form: str
+    location: str
+    generation: int
+    checksum: str = ""
+
+    @classmethod
+    def of(cls, r: ReplicaRef) -> PinRef:
+        return cls(block_hash=r.block_hash, form=r.form, location=r.location, generation=r.generation,
+                   checksum=r.checksum)
+
+    def to_message(self) -> ReplicaRef:
+        return ReplicaRef(block_hash=self.block_hash, form=self.form, location=self.location,
+                          generation=self.generation, checksum=self.checksum)
 
 
 # --- workers ---------------------------------------------------------------------------
@@ -89,7 +156,7 @@ class LeaseGranted(_Event, tag="lease.granted", kw_only=True):
     request_id: str = ""
     block_hashes: list[str] = []
     usable_blocks: NonNeg = 0
-    read: list[ReplicaRef] = []
+    read: list[PinRef] = []
     #: Block indices (into ``block_hashes``) the worker may fill, per form.
     write: dict[str, list[NonNeg]] = {}
     expires_at_ms: NonNeg = 0
@@ -145,7 +212,7 @@ class ReplicaEvicted(_Event, tag="replica.evicted", kw_only=True):
 class TransitionApplied(_Event, tag="transition.applied", kw_only=True):
     """A worker's transition, accepted into the ledger (its ``kind`` per the life cycle)."""
 
-    transition: TransitionEvent
+    transition: TransitionRecord
     kind: str
 
     @property
@@ -156,7 +223,7 @@ class TransitionApplied(_Event, tag="transition.applied", kw_only=True):
 class TransitionRejected(_Event, tag="transition.rejected", kw_only=True):
     """A worker's transition, recorded but refused: it changes no replica."""
 
-    transition: TransitionEvent
+    transition: TransitionRecord
     reason: str
 
     @property

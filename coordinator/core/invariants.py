@@ -41,7 +41,7 @@ def check_invariants(state: LedgerState) -> list[str]:
         fenced = w.is_fenced(r.owner_epoch) or r.owner_epoch != w.epoch or not w.alive
         if fenced and (r.state is ALLOCATED or r.location.startswith(("gpu:", "host:"))):
             out.append(f"replica {key}: {r.state.value} but its epoch {r.owner}.{r.owner_epoch} is fenced")
-        if not fenced:
+        if not fenced and r.pool is None:
             owned.setdefault(r.owner, set()).add(key)
         if r.state is ALLOCATED:
             lease = state.leases.get(r.lease_id)
@@ -70,17 +70,13 @@ def check_invariants(state: LedgerState) -> list[str]:
         out.append(f"tenant counts {dict(sorted(state.tenant_used.items()))} != recomputed "
                    f"{dict(sorted(tenants.items()))}")
     for wid, w in sorted(state.workers.items()):
-        if set(w.live) != owned.get(wid, set()):
-            out.append(f"worker {wid}: live-replica index differs from recomputation")
+        if set(w.offloaded) != owned.get(wid, set()):
+            out.append(f"worker {wid}: offloaded-replica index differs from recomputation")
+        if not w.alive and state.live_keys(w):
+            out.append(f"worker {wid}: lost, yet holds live replicas")
         lease_ids = {lid for lid, l in state.leases.items() if l.worker_id == wid and l.epoch == w.epoch}
         if set(w.leases) != lease_ids:
             out.append(f"worker {wid}: lease index {sorted(w.leases)} != {sorted(lease_ids)}")
-    for block, locs in state.by_block.items():
-        for form, loc in locs:
-            if (block, form, loc) not in state.replicas:
-                out.append(f"block index names {(block, form, loc)}, which is not a replica")
-    if sum(len(v) for v in state.by_block.values()) != len(state.replicas):
-        out.append("block index does not list every replica exactly once")
 
     # Pins: refcount = number of live leases pinning; pinned replicas are READY.
     pins: Counter[ReplicaKey] = Counter()

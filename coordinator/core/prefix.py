@@ -100,7 +100,7 @@ def longest_usable_prefix(state: LedgerState, catalogue: FormCatalogue, block_ha
         why = ""
         for name, wb, _keys, last_miss in checks:
             miss = last_miss[p - 1]
-            if miss >= p - wb:  # a missing block inside [p - wb, p)
+            if miss >= 0 and miss >= p - wb:  # a missing block inside [max(0, p - wb), p)
                 why = f"{name} of block {miss} not READY"
                 break
         if not why:

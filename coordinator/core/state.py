@@ -17,6 +17,7 @@ orders (live, by replay, from a snapshot) hash equal exactly when they hold the 
 
 from __future__ import annotations
 
+import gc
 import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -137,8 +138,9 @@ class WorkerRecord:
     #: Every epoch ≤ this one is fenced.
     fenced_through: int = 0
     # derived:
-    #: ALLOCATED/READY replicas the current epoch created.
-    live: dict[ReplicaKey, None] = field(default_factory=dict)
+    #: ALLOCATED/READY host/disk replicas the current epoch created (its GPU ones are in
+    #: ``LedgerState.pools``).
+    offloaded: dict[ReplicaKey, None] = field(default_factory=dict)
     #: Leases of the current epoch.
     leases: dict[str, None] = field(default_factory=dict)
 
@@ -183,8 +185,6 @@ class LedgerState:
     pools: dict[PoolKey, dict[ReplicaKey, None]] = field(default_factory=dict)
     #: Live GPU replicas per tenant.
     tenant_used: dict[str, int] = field(default_factory=dict)
-    #: ``(form, location)`` of every replica key ever created for a block.
-    by_block: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, params: CoreParams | None = None) -> LedgerState:
@@ -202,6 +202,12 @@ class LedgerState:
         r = self.replicas.get(key)
         return r.state if r else None
 
+    def live_keys(self, w: WorkerRecord) -> list[ReplicaKey]:
+        """ALLOCATED/READY replicas of ``w``'s current epoch: its GPU pools and its offloads."""
+        out = [k for f in w.catalogue.names for k in self.pools.get((w.worker_id, f), ())]
+        out.extend(w.offloaded)
+        return out
+
 
 def pool_of(worker_or_location: str, form: str) -> PoolKey | None:
     """The pool a replica at ``location`` occupies (only ``gpu:<worker>`` locations have one)."""
@@ -213,15 +219,18 @@ def pool_of(worker_or_location: str, form: str) -> PoolKey | None:
 # --- the fold ----------------------------------------------------------------------------
 
 def _enter_live(s: LedgerState, r: Replica, key: ReplicaKey) -> None:
-    if r.pool is not None:
-        p = s.pools.get(r.pool)
+    pool = r.pool
+    if pool is not None:
+        p = s.pools.get(pool)
         if p is None:
-            p = s.pools[r.pool] = {}
+            p = s.pools[pool] = {}
         p[key] = None
-        s.tenant_used[r.tenant] = s.tenant_used.get(r.tenant, 0) + 1
-    w = s.workers.get(r.owner)
-    if w is not None and w.epoch == r.owner_epoch and w.alive:
-        w.live[key] = None
+        tu = s.tenant_used
+        tu[r.tenant] = tu.get(r.tenant, 0) + 1
+    else:
+        w = s.workers.get(r.owner)
+        if w is not None and w.epoch == r.owner_epoch and w.alive:
+            w.offloaded[key] = None
 
 
 def _leave_live(s: LedgerState, r: Replica, key: ReplicaKey) -> None:
@@ -232,9 +241,10 @@ def _leave_live(s: LedgerState, r: Replica, key: ReplicaKey) -> None:
             s.tenant_used[r.tenant] = n
         else:
             del s.tenant_used[r.tenant]
-    w = s.workers.get(r.owner)
-    if w is not None and w.epoch == r.owner_epoch:
-        w.live.pop(key, None)
+    else:
+        w = s.workers.get(r.owner)
+        if w is not None and w.epoch == r.owner_epoch:
+            w.offloaded.pop(key, None)
 
 
 def _unpin_everywhere(s: LedgerState, r: Replica, key: ReplicaKey) -> None:
@@ -267,13 +277,10 @@ def _create(s: LedgerState, key: ReplicaKey, kind: str, owner: str, epoch: int) 
     old = r.state if r is not None else None
     new = step(old, kind, key)
     if r is None:
-        r = Replica(key[0], key[1], key[2], new, owner=owner, owner_epoch=epoch, pool=pool_of(key[2], key[1]))
+        b, f, loc = key
+        r = Replica(b, f, loc, new, 0, "", "", "", "", 0, 0, 0, 0, owner, epoch, "",
+                    (loc[4:], f) if loc.startswith("gpu:") else None)
         s.replicas[key] = r
-        locs = s.by_block.get(key[0])
-        if locs is None:
-            s.by_block[key[0]] = [(key[1], key[2])]
-        else:
-            locs.append((key[1], key[2]))
     else:
         r.state = new
         r.owner, r.owner_epoch = owner, epoch
@@ -281,24 +288,29 @@ def _create(s: LedgerState, key: ReplicaKey, kind: str, owner: str, epoch: int) 
     return r
 
 
-def _record_seq(s: LedgerState, worker_id: str, epoch: int, seq: int) -> None:
-    k = (worker_id, epoch)
-    wm = s.watermarks.get(k)
+def _new_seq(s: LedgerState, t: ev.TransitionRecord) -> Watermark | None:
+    """The epoch's watermark (None if it has none yet); raises if ``t``'s source id is recorded."""
+    wm = s.watermarks.get((t.worker_id, t.epoch))
+    if wm is not None and (t.seq <= wm.contiguous or t.seq in wm.pending):
+        raise ReplayError(f"transition {t.source_id} is already in the ledger (duplicate source id)")
+    return wm
+
+
+def _record_seq(s: LedgerState, wm: Watermark | None, t: ev.TransitionRecord) -> None:
+    # NOTE: called only after the replica move succeeded, so an illegal event changes nothing.
     if wm is None:
-        wm = s.watermarks[k] = Watermark()
+        wm = s.watermarks[(t.worker_id, t.epoch)] = Watermark()
+    seq = t.seq
     c = wm.contiguous
     if seq == c + 1:
-        c = seq
         pending = wm.pending
         if pending:
-            while c + 1 in pending:
-                c += 1
-                pending.remove(c)
-        wm.contiguous = c
-    elif seq > c + 1 and seq not in wm.pending:
-        wm.pending.add(seq)
+            while seq + 1 in pending:
+                seq += 1
+                pending.remove(seq)
+        wm.contiguous = seq
     else:
-        raise ReplayError(f"transition {worker_id}.{epoch}.{seq} is already in the ledger (duplicate source id)")
+        wm.pending.add(seq)
 
 
 def _worker(s: LedgerState, worker_id: str, epoch: int) -> WorkerRecord:
@@ -349,7 +361,7 @@ def _apply_worker_lost(s: LedgerState, e: ev.WorkerLost) -> None:
         _move(s, tuple(key), "lose")  # type: ignore[arg-type]
     # NOTE: disk READY replicas of this epoch survive; they simply stop being tracked as
     # the worker's own (the next epoch does not own them).
-    w.live.clear()
+    w.offloaded.clear()
     w.alive = False
     w.draining = False
     w.fenced_through = e.epoch
@@ -414,14 +426,16 @@ def _apply_replica_evicted(s: LedgerState, e: ev.ReplicaEvicted) -> None:
 
 def _apply_transition_applied(s: LedgerState, e: ev.TransitionApplied) -> None:
     t = e.transition
-    _record_seq(s, t.worker_id, t.epoch, t.seq)
+    wm = s.watermarks.get((t.worker_id, t.epoch))
+    if wm is not None and (t.seq <= wm.contiguous or t.seq in wm.pending):
+        raise ReplayError(f"transition {t.source_id} is already in the ledger (duplicate source id)")
     key = (t.block_hash, t.form, t.location)
     kind = e.kind
     if kind == "commit":
         r = s.replicas.get(key)
         if r is None:
             raise IllegalTransition(None, kind, key)
-        r.state = step(r.state, kind, key)
+        r.state = TRANSITIONS[r.state].get(kind) or step(r.state, kind, key)
         r.generation = t.generation
         r.checksum = t.checksum
         r.last_used_ms = e.at_ms
@@ -439,11 +453,12 @@ def _apply_transition_applied(s: LedgerState, e: ev.TransitionApplied) -> None:
         _enter_live(s, r, key)
     else:
         _move(s, key, kind)
+    _record_seq(s, wm, t)
 
 
 def _apply_transition_rejected(s: LedgerState, e: ev.TransitionRejected) -> None:
     t = e.transition
-    _record_seq(s, t.worker_id, t.epoch, t.seq)
+    _record_seq(s, _new_seq(s, t), t)
 
 
 def _apply_invalidated(s: LedgerState, e: ev.Invalidated) -> None:
@@ -491,10 +506,18 @@ def replay(events: Iterable[Any], params: CoreParams | None = None, *,
     s = start if start is not None else LedgerState.empty(params)
     fold = _APPLY
     n = 0
-    for e in events:
-        fold[type(e)](s, e)
-        n += 1
-    s.applied += n
+    # NOTE: the fold allocates millions of long-lived objects; the cyclic GC would rescan
+    # them over and over (replay time grows ~2.5×) and none of them form cycles.
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        for e in events:
+            fold[type(e)](s, e)
+            n += 1
+    finally:
+        s.applied += n
+        if gc_was_on:
+            gc.enable()
     return s
 
 
@@ -650,7 +673,6 @@ def from_snapshot(data: bytes, params: CoreParams | None = None) -> LedgerState:
                     sr.namespace, sr.parent_hash, sr.token_start, sr.token_end, sr.pins, sr.last_used_ms,
                     sr.owner, sr.owner_epoch, sr.lease_id, pool_of(sr.location, sr.form))
         s.replicas[key] = r
-        s.by_block.setdefault(sr.block_hash, []).append((sr.form, sr.location))
         if r.state in LIVE:
             _enter_live(s, r, key)
     for sl in snap.leases:
