@@ -18,6 +18,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse
     """
     half = cos.shape[-1]
     rd = 2 * half
+    if rd == 0:  # no rotary channels (x[..., :-0] would be empty, not the whole tensor)
+        return x.clone()
     nope, rot = x[..., :-rd], x[..., -rd:]
     if x.dim() == cos.dim() + 1:  # [T, H, D] against [T, half]
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
