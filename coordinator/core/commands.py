@@ -193,7 +193,7 @@ def acquire_lease(state: LedgerState, msg: m.LeaseAcquire, now_ms: int,
     tenant_free = quota - state.tenant_used.get(msg.tenant, 0) if quota else n * len(msg.write_forms)
     victims: list[Replica] = []
     write: dict[str, list[int]] = {}
-    wanted = 0
+    wanted = n * len(msg.write_forms) if w.draining else 0
     if not w.draining:
         for form in msg.write_forms:
             need: list[int] = []
@@ -260,7 +260,10 @@ def _lease_of(state: LedgerState, worker_id: str, epoch: int, lease_id: str) -> 
 
 
 def lease_deadline(state: LedgerState, lease: Lease) -> int:
-    """When ``lease`` expires; after a takeover, holders get a heartbeat timeout to renew."""
+    """When ``lease`` expires; a lease granted before the last takeover gets a heartbeat
+    timeout from the takeover to be renewed (the holder could not renew while no coordinator ran)."""
+    if lease.granted_at_ms >= state.resumed_at_ms:
+        return lease.expires_at_ms
     return max(lease.expires_at_ms, state.resumed_at_ms + state.params.heartbeat_timeout_ms)
 
 

@@ -88,3 +88,12 @@ class Driver:
     @property
     def hash(self) -> str:
         return state_hash(self.state)
+
+
+def consistent(d: Driver) -> None:
+    """Invariants hold, and replay and snapshot rebuild exactly the live state."""
+    from coordinator.core import check_invariants, from_snapshot, replay, to_snapshot
+
+    assert check_invariants(d.state) == []
+    assert state_hash(replay(d.log, d.state.params)) == d.hash
+    assert state_hash(from_snapshot(to_snapshot(d.state))) == d.hash

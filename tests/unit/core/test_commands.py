@@ -1,0 +1,378 @@
+"""Commands at their edges: what each refuses and why, and what it decides when it grants."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.core import (
+    CoreParams, ReplicaPinned, SnapshotError, TransitionApplied, TransitionRejected, UnknownReplica,
+    UnknownScope, UnknownWorker, WorkerLost, WorkerRegistered, acquire_lease, drain_worker, evict_replica,
+    expire, from_snapshot, heartbeat, ingest_transition, invalidate, register_worker, release_lease,
+    renew_lease, replay, resume, state_hash, to_snapshot,
+)
+from shared.messages import ErrorCode, ErrorReply, LeaseGrant, ReplicaState as S
+
+from .support import FORMS, NS, Driver, acquire, consistent, h, hb, register, release, renew, transition
+
+
+def fresh(params: CoreParams | None = None, slots: int = 8, workers: tuple[str, ...] = ("w1",)) -> Driver:
+    d = Driver(params)
+    for w in workers:
+        d.run(register_worker, register(w, slots=slots), 0)
+    return d
+
+
+class Seq:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self) -> int:
+        self.n += 1
+        return self.n
+
+
+def fill(d: Driver, g: LeaseGrant, blocks: list[str], seq: Seq, wid: str = "w1", epoch: int = 1,
+         now: int = 5) -> None:
+    """Commit every write of ``g`` (generation = seq, checksum = c<block>)."""
+    for form, idx in g.write.items():
+        for i in idx:
+            out = d.run(ingest_transition, transition(wid, epoch, seq(), blocks[i], form, S.ALLOCATED, S.READY,
+                                                      generation=7, checksum=f"c{i}", lease_id=g.lease_id,
+                                                      location=f"gpu:{wid}"), now)
+            assert isinstance(out[0], TransitionApplied), out
+
+
+def warm(d: Driver, blocks: list[str], seq: Seq, wid: str = "w1", now: int = 5) -> None:
+    g = d.run(acquire_lease, acquire(wid, 1, blocks), now, f"warm-{wid}-{now}")
+    fill(d, g, blocks, seq, wid, now=now)
+    d.run(release_lease, release(wid, 1, g.lease_id), now)
+
+
+def err(reply: object, code: ErrorCode, *fragments: str) -> None:
+    assert isinstance(reply, ErrorReply), reply
+    assert reply.code is code, reply
+    for f in fragments:
+        assert f in reply.message, reply.message
+
+
+# --- registration and heartbeats ----------------------------------------------------------
+
+def test_register_refuses_pool_slots_for_undeclared_forms() -> None:
+    d = Driver()
+    r = d.run(register_worker, register("w1").__class__(worker_id="w1", namespace=NS,
+                                                        catalogue=register("w1").catalogue,
+                                                        pool_slots={"kv": 3}), 0)
+    err(r, ErrorCode.INVALID, "'kv'", "declared: ['compressed', 'swa', 'tail']")
+    assert d.state.workers == {}
+
+
+def test_reregistration_fences_first_then_registers() -> None:
+    d = fresh()
+    reply, events = register_worker(d.state, register("w1"), 10)
+    assert reply.epoch == 2
+    assert [type(e) for e in events] == [WorkerLost, WorkerRegistered]
+    assert events[0].reason == "superseded by epoch 2"
+    d.commit(events)
+    # A lost worker re-registers without a second WorkerLost.
+    d.commit(expire(d.state, 10 + 301))
+    reply, events = register_worker(d.state, register("w1"), 400)
+    assert reply.epoch == 3 and [type(e) for e in events] == [WorkerRegistered]
+    d.commit(events)
+    consistent(d)
+
+
+def test_heartbeats() -> None:
+    d = fresh()
+    err(d.run(heartbeat, hb("w9", 1), 1), ErrorCode.NOT_FOUND, "w9 is not registered")
+    err(d.run(heartbeat, hb("w1", 2), 1), ErrorCode.FENCED)
+    assert d.run(heartbeat, hb("w1", 1), 50).committed_seq == 0
+    assert d.state.workers["w1"].last_heartbeat_ms == 50
+    consistent(d)
+
+
+def test_watermark_is_the_contiguous_prefix_of_recorded_seqs() -> None:
+    d = fresh()
+    blocks = [h(0), h(1), h(2)]
+    d.run(acquire_lease, acquire("w1", 1, blocks, forms=("compressed",)), 1, "L")
+    c = lambda seq, i: transition("w1", 1, seq, blocks[i], "compressed", S.ALLOCATED, S.READY)  # noqa: E731
+    d.run(ingest_transition, c(1, 0), 2)
+    d.run(ingest_transition, c(3, 2), 2)
+    assert d.run(heartbeat, hb("w1", 1), 3).committed_seq == 1   # seq 2 still missing: keep 3 in the outbox
+    assert d.run(ingest_transition, c(3, 2), 4) == []          # redelivered: already recorded
+    d.run(ingest_transition, c(2, 1), 5)
+    assert d.run(heartbeat, hb("w1", 1), 6).committed_seq == 3
+    consistent(d)
+
+
+# --- acquire -----------------------------------------------------------------------------
+
+def test_acquire_refusals() -> None:
+    d = fresh()
+    err(d.run(acquire_lease, acquire("w9", 1, [h(0)]), 1, "L"), ErrorCode.NOT_FOUND)
+    err(d.run(acquire_lease, acquire("w1", 2, [h(0)]), 1, "L"), ErrorCode.FENCED, "epoch 2 is fenced")
+    bad_ns = acquire("w1", 1, [h(0)]).__class__(worker_id="w1", epoch=1, namespace="cd" * 16, block_hashes=[h(0)])
+    err(d.run(acquire_lease, bad_ns, 1, "L"), ErrorCode.INVALID, "namespace")
+    err(d.run(acquire_lease, acquire("w1", 1, [h(0)], forms=("swa", "kv")), 1, "L"), ErrorCode.INVALID,
+        "write form 'kv' is not declared", "declared: ['compressed', 'swa', 'tail']")
+    err(d.run(acquire_lease, acquire("w1", 1, [h(0)], forms=("swa", "swa")), 1, "L"), ErrorCode.INVALID, "twice")
+    d.run(acquire_lease, acquire("w1", 1, [h(0)]), 1, "L")
+    err(d.run(acquire_lease, acquire("w1", 1, [h(1)]), 1, "L"), ErrorCode.INVALID, "already live")
+    consistent(d)
+
+
+def test_cache_disabled_request_reads_nothing_and_skips_live_blocks() -> None:
+    d, seq = fresh(), Seq()
+    blocks = [h(0), h(1)]
+    warm(d, blocks[:1], seq)
+    g = d.run(acquire_lease, acquire("w1", 1, blocks, reuse=False), 10, "L")
+    assert g.usable_blocks == 0 and g.read == [] and g.write == {f: [1] for f in FORMS}
+    consistent(d)
+
+
+def test_pool_full_of_pinned_replicas_grants_fewer_writes_then_none() -> None:
+    d, seq = fresh(slots=3), Seq()
+    blocks = [h(i) for i in range(5)]
+    warm(d, blocks[:2], seq)
+    cs = ("compressed", "swa")  # both pinned for blocks 0,1 by a resume at p=2 (tail only at block 1)
+    # Pin blocks 0,1 with a live lease; one slot per form is left.
+    g1 = d.run(acquire_lease, acquire("w1", 1, blocks[:3], forms=cs), 10, "L1")
+    assert g1.usable_blocks == 2 and g1.write == {f: [2] for f in cs}
+    # Nothing evictable now (2 pinned + 1 ALLOCATED per form): a request for other blocks gets nothing.
+    other = [h(100), h(101)]
+    err(d.run(acquire_lease, acquire("w1", 1, other, forms=cs), 11, "L2"), ErrorCode.OVER_CAPACITY, "pinned")
+    # A request that can read still gets its reads, with no writes.
+    g3 = d.run(acquire_lease, acquire("w1", 1, blocks, forms=cs), 12, "L3")
+    assert g3.usable_blocks == 2 and g3.write == {} and g3.evict == []
+    # Block 2 committed and L1 released: block 2 is evictable (0,1 still pinned by L3), so one write fits.
+    fill(d, g1, blocks, seq, now=13)
+    d.run(release_lease, release("w1", 1, "L1"), 14)
+    g4 = d.run(acquire_lease, acquire("w1", 1, other, forms=cs), 15, "L4")
+    assert g4.write == {f: [0] for f in cs}
+    assert sorted((int(r.block_hash, 16), r.form) for r in g4.evict) == [(2, f) for f in cs]
+    consistent(d)
+
+
+def test_tenant_quota_caps_writes_in_form_order() -> None:
+    d = fresh(CoreParams(tenant_quota_replicas=4))
+    g = d.run(acquire_lease, acquire("w1", 1, [h(0), h(1)]), 1, "L1")
+    assert g.write == {"compressed": [0, 1], "swa": [0, 1]}
+    err(d.run(acquire_lease, acquire("w1", 1, [h(5)]), 2, "L2"), ErrorCode.OVER_CAPACITY, "quota")
+    g3 = d.run(acquire_lease, acquire("w1", 1, [h(5)], tenant="t2"), 3, "L3")
+    assert g3.write == {f: [0] for f in FORMS}
+    assert d.state.tenant_used == {"t1": 4, "t2": 3}
+    consistent(d)
+
+
+def test_draining_worker_gets_reads_but_no_writes() -> None:
+    d, seq = fresh(), Seq()
+    warm(d, [h(0)], seq)
+    with pytest.raises(UnknownWorker):
+        drain_worker(d.state, "w9")
+    d.run(drain_worker, "w1", 10, "upgrade")
+    assert d.state.workers["w1"].draining and drain_worker(d.state, "w1", 11) == []
+    g = d.run(acquire_lease, acquire("w1", 1, [h(0), h(1)]), 12, "L")
+    assert g.usable_blocks == 1 and g.write == {}
+    err(d.run(acquire_lease, acquire("w1", 1, [h(7)]), 13, "L2"), ErrorCode.OVER_CAPACITY, "draining")
+    consistent(d)
+
+
+def test_prefix_read_from_disk_gets_a_gpu_write_to_reload_into() -> None:
+    d, seq = fresh(), Seq()
+    blocks = [h(0), h(1)]
+    warm(d, blocks, seq)
+    for i, b in enumerate(blocks):   # offload every form to disk, then drop the GPU copies
+        for f in FORMS:
+            assert isinstance(d.run(ingest_transition, transition("w1", 1, seq(), b, f, None, S.READY,
+                                                                  location="disk", generation=7,
+                                                                  checksum=f"c{i}"), 20)[0], TransitionApplied)
+            d.run(ingest_transition, transition("w1", 1, seq(), b, f, S.READY, S.EVICTED, generation=7), 21)
+    g = d.run(acquire_lease, acquire("w1", 1, blocks), 30, "L")
+    assert g.usable_blocks == 2 and {r.location for r in g.read} == {"disk"}
+    # Reads that the resume needs come from disk and get GPU slots; tail of block 0 is not needed.
+    assert g.write == {"compressed": [0, 1], "swa": [0, 1], "tail": [1]}
+    consistent(d)
+
+
+# --- renew and release -------------------------------------------------------------------
+
+def test_renew() -> None:
+    d = fresh()
+    d.run(acquire_lease, acquire("w1", 1, [h(0)], ttl_ms=500), 0, "L")
+    assert d.state.leases["L"].expires_at_ms == 500
+    err(d.run(renew_lease, renew("w1", 1, "nope"), 1), ErrorCode.NOT_FOUND)
+    err(d.run(renew_lease, renew("w2", 1, "L"), 1), ErrorCode.INVALID, "belongs to worker w1")
+    err(d.run(renew_lease, renew("w1", 2, "L"), 1), ErrorCode.FENCED)
+    assert d.run(renew_lease, renew("w1", 1, "L", ttl_ms=99999), 100).expires_at_ms == 1100  # capped at TTL
+    err(d.run(renew_lease, renew("w1", 1, "L"), 1100), ErrorCode.NOT_FOUND, "expired")
+    consistent(d)
+
+
+def test_release_aborts_only_uncommitted_writes_of_this_lease() -> None:
+    d, seq = fresh(), Seq()
+    blocks = [h(0), h(1)]
+    g = d.run(acquire_lease, acquire("w1", 1, blocks, forms=("compressed",)), 0, "L")
+    d.run(ingest_transition, transition("w1", 1, seq(), blocks[0], "compressed", S.ALLOCATED, S.READY), 1)
+    err(d.run(release_lease, release("w2", 1, "L"), 2), ErrorCode.INVALID)
+    _, events = release_lease(d.state, release("w1", 1, "L"), 2)
+    assert [(type(e).__name__, getattr(e, "reason", None)) for e in events] == [
+        ("ReplicaEvicted", "abort"), ("LeaseReleased", None)]
+    d.commit(events)
+    assert d.state.replica_state((blocks[0], "compressed", "gpu:w1")) is S.READY
+    assert d.state.replica_state((blocks[1], "compressed", "gpu:w1")) is S.EVICTED
+    assert g.write == {"compressed": [0, 1]}
+    err(d.run(release_lease, release("w1", 1, "L"), 3), ErrorCode.NOT_FOUND)
+    consistent(d)
+
+
+# --- expiry ------------------------------------------------------------------------------
+
+def test_lease_expiry_aborts_writes_and_late_commit_is_refused() -> None:
+    d = fresh()
+    d.run(acquire_lease, acquire("w1", 1, [h(0)], forms=("swa",), ttl_ms=200), 0, "L")
+    d.run(heartbeat, hb("w1", 1), 150)
+    assert d.run(expire, 199) == []
+    events = d.run(expire, 200)
+    assert [type(e).__name__ for e in events] == ["ReplicaEvicted", "LeaseExpired"]
+    late = d.run(ingest_transition, transition("w1", 1, 1, h(0), "swa", S.ALLOCATED, S.READY), 201)
+    assert isinstance(late[0], TransitionRejected) and "EVICTED" in late[0].reason
+    consistent(d)
+
+
+def test_lost_worker_takes_its_leases_with_it() -> None:
+    d = fresh(workers=("w1", "w2"))
+    d.run(acquire_lease, acquire("w1", 1, [h(0)]), 0, "L")
+    d.run(heartbeat, hb("w2", 1), 250)
+    events = d.run(expire, 301)
+    assert [type(e).__name__ for e in events] == ["WorkerLost"]       # no separate LeaseExpired
+    assert events[0].worker_id == "w1" and events[0].released == ["L"] and len(events[0].lost) == 3
+    assert d.state.workers["w2"].alive and not d.state.workers["w1"].alive
+    err(d.run(acquire_lease, acquire("w1", 1, [h(0)]), 302, "L2"), ErrorCode.FENCED, "lost")
+    consistent(d)
+
+
+def test_takeover_gives_workers_and_leases_a_grace_period() -> None:
+    d = fresh()
+    d.run(acquire_lease, acquire("w1", 1, [h(0)], ttl_ms=100), 0, "L")
+    d.run(resume, 10_000)
+    assert d.run(expire, 10_299) == []                       # heartbeat timeout 300 ms from the takeover
+    assert [type(e).__name__ for e in d.run(expire, 10_301)] == ["WorkerLost"]
+    consistent(d)
+
+
+# --- transitions: offload, fencing, pins -----------------------------------------------------
+
+def test_offloads_survive_fencing_on_disk_only_and_serve_other_workers() -> None:
+    d, seq = fresh(workers=("w1", "w2")), Seq()
+    warm(d, [h(0)], seq)
+    for f in FORMS:
+        for loc in ("disk", "host:w1"):
+            out = d.run(ingest_transition, transition("w1", 1, seq(), h(0), f, None, S.READY, location=loc,
+                                                      generation=7, checksum="c0"), 10)
+            assert isinstance(out[0], TransitionApplied), out
+    assert set(d.state.workers["w1"].offloaded) == {(h(0), f, loc) for f in FORMS for loc in ("disk", "host:w1")}
+    # w2 reads w1's disk copies (not w1's GPU or host) and pins them.
+    g = d.run(acquire_lease, acquire("w2", 1, [h(0), h(1)]), 11, "L2")
+    assert g.usable_blocks == 1 and {r.location for r in g.read} == {"disk"}
+    d.run(register_worker, register("w1"), 20)  # w1 restarts
+    states = {k: r.state for k, r in d.state.replicas.items()}
+    assert {k[2]: v for k, v in states.items() if k[1] == "swa" and k[2] != "gpu:w2"} == {
+        "gpu:w1": S.LOST, "host:w1": S.LOST, "disk": S.READY}
+    assert d.state.replicas[(h(0), "swa", "disk")].pins == 1
+    consistent(d)
+
+
+def test_offload_source_must_be_readable_by_the_offloader() -> None:
+    d, seq = fresh(workers=("w1", "w2")), Seq()
+    warm(d, [h(0)], seq)
+    out = d.run(ingest_transition, transition("w2", 1, 1, h(0), "swa", None, S.READY, location="disk",
+                                              generation=7, checksum="c0"), 10)
+    assert isinstance(out[0], TransitionRejected) and "gpu:w2" in out[0].reason
+
+
+def test_pinned_replica_cannot_be_evicted_but_can_be_found_invalid() -> None:
+    d, seq = fresh(), Seq()
+    warm(d, [h(0)], seq)
+    d.run(acquire_lease, acquire("w1", 1, [h(0)]), 10, "L")
+    key = (h(0), "tail", "gpu:w1")
+    assert d.state.replicas[key].pins == 1
+    out = d.run(ingest_transition, transition("w1", 1, seq(), h(0), "tail", S.READY, S.EVICTED, generation=7), 11)
+    assert isinstance(out[0], TransitionRejected) and "pinned by 1" in out[0].reason
+    with pytest.raises(ReplicaPinned):
+        evict_replica(d.state, key)
+    out = d.run(ingest_transition, transition("w1", 1, seq(), h(0), "tail", S.READY, S.INVALID, generation=7), 12)
+    assert isinstance(out[0], TransitionApplied)
+    assert d.state.replicas[key].pins == 0 and key not in d.state.leases["L"].pins
+    consistent(d)
+
+
+def test_holder_may_invalidate_its_own_allocated_write() -> None:
+    d = fresh()
+    d.run(acquire_lease, acquire("w1", 1, [h(0)], forms=("swa",)), 0, "L")
+    out = d.run(ingest_transition, transition("w1", 1, 1, h(0), "swa", S.ALLOCATED, S.INVALID), 1)
+    assert isinstance(out[0], TransitionApplied) and out[0].kind == "invalidate"
+    d.run(release_lease, release("w1", 1, "L"), 2)
+    assert d.state.replica_state((h(0), "swa", "gpu:w1")) is S.INVALID
+    consistent(d)
+
+
+def test_transitions_of_unknown_or_future_epochs_are_rejected() -> None:
+    d = fresh()
+    for t, why in ((transition("w9", 1, 1, h(0), "swa", S.ALLOCATED, S.READY), "not registered"),
+                   (transition("w1", 5, 1, h(0), "swa", S.ALLOCATED, S.READY), "never registered")):
+        out = d.run(ingest_transition, t, 1)
+        assert isinstance(out[0], TransitionRejected) and why in out[0].reason
+    consistent(d)
+
+
+# --- operator commands -------------------------------------------------------------------
+
+def test_invalidate_scopes() -> None:
+    d, seq = fresh(workers=("w1", "w2")), Seq()
+    warm(d, [h(0), h(1)], seq)
+    warm(d, [h(0)], Seq(), wid="w2")
+    d.run(acquire_lease, acquire("w1", 1, [h(0), h(1)]), 10, "L")
+    with pytest.raises(UnknownScope):
+        invalidate(d.state, "tenant", "t1", "x")
+    with pytest.raises(UnknownWorker):
+        invalidate(d.state, "worker", "w9", "x")
+    (e,) = d.run(invalidate, "block", h(1), "corrupt", 11)
+    assert e.affected == [(h(1), f, "gpu:w1") for f in FORMS]
+    assert d.state.leases["L"].pins and all(k[0] != h(1) for k in d.state.leases["L"].pins)
+    (e,) = d.run(invalidate, "worker", "w2", "bad gpu", 12)
+    assert e.affected == [(h(0), f, "gpu:w2") for f in FORMS]
+    (e,) = d.run(invalidate, "namespace", NS, "upgrade", 13)
+    assert e.affected == [(h(0), f, "gpu:w1") for f in FORMS]
+    assert {r.state for r in d.state.replicas.values()} == {S.INVALID}
+    consistent(d)
+
+
+def test_operator_eviction() -> None:
+    d, seq = fresh(), Seq()
+    warm(d, [h(0)], seq)
+    with pytest.raises(UnknownReplica):
+        evict_replica(d.state, (h(5), "swa", "gpu:w1"))
+    (e,) = d.run(evict_replica, (h(0), "swa", "gpu:w1"), 3)
+    assert e.reason == "control" and d.state.replica_state((h(0), "swa", "gpu:w1")) is S.EVICTED
+    consistent(d)
+
+
+# --- snapshots ---------------------------------------------------------------------------
+
+def test_snapshot_plus_tail_equals_full_replay() -> None:
+    d, seq = fresh(workers=("w1", "w2")), Seq()
+    warm(d, [h(0), h(1)], seq)
+    d.run(acquire_lease, acquire("w1", 1, [h(0), h(1), h(2)]), 10, "L")
+    d.run(register_worker, register("w2"), 11)
+    for k in range(len(d.log) + 1):
+        head = replay(d.log[:k], d.state.params)
+        resumed = replay(d.log[k:], start=from_snapshot(to_snapshot(head)))
+        assert state_hash(resumed) == d.hash, k
+    assert from_snapshot(to_snapshot(d.state), CoreParams(lease_ttl_ms=5)).params.lease_ttl_ms == 5
+
+
+def test_snapshot_errors() -> None:
+    with pytest.raises(SnapshotError, match="not a ledger snapshot"):
+        from_snapshot(b"\xc1")
+    import msgspec
+    with pytest.raises(SnapshotError, match="snapshot version 9"):
+        from_snapshot(msgspec.msgpack.encode({"v": 9}))
