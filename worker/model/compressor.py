@@ -50,6 +50,8 @@ class Compressor(nn.Module):
         kv = self.kv_proj(x)
         score = self.gate_proj(x) + self.position_bias[span.positions % m]
         # Rows of positions [s - R, e): the ring's (in position order), then this span's.
+        # NOTE: the ring is read here, before save_state below overwrites it with this
+        # span's rows; a span of R or more tokens would otherwise lose the rows it needs.
         ring_pos = torch.arange(s - R, s, device=x.device) % R
         ext_kv = torch.cat([slot.ring_kv[ring_pos], kv], 0)
         ext_score = torch.cat([slot.ring_score[ring_pos], score], 0)

@@ -21,6 +21,10 @@ payloads. Only the pieces a resume at ``P`` needs are restored (entries and inde
 of every block before ``P``, the window rows ``[P - W + 1, P)``, the halo at ``P``); the
 rest stay zero and are never read — :meth:`window_rows` asserts that.
 
+``reset`` clears positions and rings, not the history buffers: every read is of a
+position or entry this request wrote or restored (window reads assert their lower bound),
+so stale rows of an earlier request are never reached.
+
 Exportability: a block is exportable only if it was computed by a block-aligned unit (a
 forward that started and ended on block boundaries; see ``worker.model.model``). A block
 completed by decode steps or by an unaligned chunk holds correct values, but a cold
