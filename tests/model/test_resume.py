@@ -3,7 +3,8 @@
 The cold run prefills the 200-token prompt in one-block units and exports every block. A
 resumed request restores the payloads of the first ``n`` blocks into a fresh state and
 prefills the rest, then decodes; its logits must equal the cold run's bit for bit. ``n``
-sweeps the boundaries around the first CSA/HCA windows, the 32-token window and 128.
+sweeps every block boundary of the prompt: 16 (first HCA window), 32 (the window), 48, …,
+112/128/144 (around 128), 192.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from worker.model.forms import COMPRESSED, INDEXER, SWA, TAIL
 
 BLOCK = 16
 DECODE = [17, 200, 3, 99, 42, 0, 255, 128]      # tokens decoded after the prompt
-SWEEP = [1, 2, 3, 4, 7, 8, 9, 12]               # block boundaries 16, 32, 48, 64, 112, 128, 144, 192
+SWEEP = list(range(1, 13))                      # every boundary 16 .. 192 (incl. 16/32/128 and neighbours)
 
 
 @pytest.fixture(scope="module")
