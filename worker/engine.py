@@ -122,6 +122,8 @@ class Engine:
         self.registered = False
         self.draining = False
         self._reason = "not started" if self.cache_enabled else ""
+        #: Degraded because the outbox is full (clears by itself once the watermark drains it).
+        self._outbox_full = False
         self.heartbeat_interval_ms = cfg.coordinator.heartbeat_interval_ms
         self.lease_ttl_ms = cfg.coordinator.lease_ttl_ms
         self.sessions: set[Session] = set()
@@ -184,7 +186,7 @@ class Engine:
 
     @property
     def degraded(self) -> bool:
-        return self.cache_enabled and (not self.registered or bool(self._reason))
+        return self.cache_enabled and (not self.registered or self._outbox_full)
 
     def salt(self, tenant: str) -> bytes:
         s = self._salts.get(tenant)
@@ -207,13 +209,23 @@ class Engine:
         return self.store.addresses() if self.store is not None else {}
 
     def _enter_degraded(self, reason: str) -> None:
-        if not self._reason:
+        """Lost contact or registration: recompute everything until re-registered (new epoch)."""
+        if not self.degraded:
             self.log.warning("degraded: serving by recomputation", reason=reason)
             self.metrics.degraded_entries.labels(reason=reason.split(":", 1)[0][:40]).inc()
         self._reason = reason
         self.registered = False
         self.metrics.degraded.set(1)
         self._wake_supervisor.set()
+
+    def _outbox_overflow(self) -> None:
+        """The outbox is full: emit nothing new (never drop what it holds) until it drains."""
+        if not self.degraded:
+            self.log.warning("degraded: outbox full", depth=self.publisher.depth if self.publisher else 0)
+            self.metrics.degraded_entries.labels(reason="outbox full").inc()
+            self._reason = "outbox full: transitions await the commit watermark"
+        self._outbox_full = True
+        self.metrics.degraded.set(1)
 
     async def call(self, op: str, coro: Awaitable[T]) -> T:
         """A coordinator round trip with latency and error accounting."""
@@ -284,6 +296,7 @@ class Engine:
         self.heartbeat_interval_ms = reply.heartbeat_interval_ms
         self.lease_ttl_ms = reply.lease_ttl_ms
         self.registered = True
+        self._outbox_full = False
         self._reason = ""
         self.metrics.degraded.set(0)
         self.metrics.epoch.set(self.epoch)
@@ -295,15 +308,17 @@ class Engine:
 
     async def _heartbeat(self) -> None:
         assert self.client is not None and self.publisher is not None and self.store is not None
-        if self.publisher.full:
-            self._enter_degraded("outbox full: transitions await the commit watermark")
-            return
         try:
             reply = await self.call("heartbeat", self.client.heartbeat(Heartbeat(
                 worker_id=self.worker_id, epoch=self.epoch, ready=self.store.ready_counts())))
         except (CoordinatorUnavailable, CoordinatorRefused):
             return
         self.publisher.ack(self.epoch, reply.committed_seq)
+        if self._outbox_full and self.publisher.depth <= self.publisher.capacity // 2:
+            self._outbox_full = False
+            self._reason = ""
+            self.metrics.degraded.set(0)
+            self.log.info("outbox drained; reuse resumes", epoch=self.epoch)
 
     # --- transitions ----------------------------------------------------------------------
 
@@ -326,7 +341,7 @@ class Engine:
         try:
             ev = self.publisher.emit(make)
         except OutboxFull:
-            self._enter_degraded("outbox full: transitions await the commit watermark")
+            self._outbox_overflow()
             return 0
         self.metrics.transitions.labels(kind=kind).inc()
         return ev.seq
@@ -334,6 +349,10 @@ class Engine:
     def commit(self, meta: BlockMeta, data: torch.Tensor, *, lease_id: str) -> int:
         """Fill a granted GPU slot with ``data`` and commit it (ALLOCATED→READY)."""
         assert self.store is not None
+        if self.publisher is not None and self.publisher.full:
+            # NOTE: no slot without its commit event: the ledger must hear of every READY slot.
+            self._outbox_overflow()
+            return 0
         try:
             full = self._install(meta, data)
         except PoolExhausted as e:

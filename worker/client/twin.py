@@ -7,7 +7,8 @@ coordinator process.
 
 Test hooks: ``down`` makes every call fail as if the coordinator were unreachable;
 ``drop_publishes`` makes the broker lose publishes (the outbox must resend them);
-``hold_watermark`` ingests transitions but withholds the watermark.
+``hold_watermark`` ingests transitions but announces no new watermark (neither on the
+watermark subject nor in heartbeat replies), like a coordinator whose log stalls.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class InProcessCoordinator:
         self.rejected: list[tuple[m.TransitionEvent, str]] = []
         self._ids = itertools.count(1)
         self._listeners: dict[str, tuple[OnWatermark, OnInventory, OnControl]] = {}
+        self._announced: dict[tuple[str, int], int] = {}
 
     # --- the port -----------------------------------------------------------------------------
 
@@ -71,7 +73,10 @@ class InProcessCoordinator:
 
     async def heartbeat(self, msg: m.Heartbeat) -> m.HeartbeatReply:
         self._check()
-        return self._run(heartbeat(self.state, msg, _now()))  # type: ignore[return-value]
+        reply = self._run(heartbeat(self.state, msg, _now()))
+        if self.hold_watermark:  # a stalled log: the reply reports only what was announced before
+            return m.HeartbeatReply(committed_seq=self._announced.get((msg.worker_id, msg.epoch), 0))
+        return reply  # type: ignore[return-value]
 
     async def acquire(self, msg: m.LeaseAcquire) -> m.LeaseGrant:
         self._check()
@@ -107,10 +112,11 @@ class InProcessCoordinator:
     # --- test helpers -------------------------------------------------------------------------
 
     def send_watermark(self, worker_id: str, epoch: int) -> None:
+        seq = self.state.committed_seq(worker_id, epoch)
+        self._announced[(worker_id, epoch)] = seq
         cbs = self._listeners.get(worker_id)
         if cbs is not None:
-            cbs[0](m.CommitWatermark(worker_id=worker_id, epoch=epoch,
-                                     seq=self.state.committed_seq(worker_id, epoch)))
+            cbs[0](m.CommitWatermark(worker_id=worker_id, epoch=epoch, seq=seq))
 
     async def control(self, worker_id: str, msg: m.Control) -> m.ControlAck:
         return await self._listeners[worker_id][2](msg)

@@ -1,0 +1,136 @@
+"""Degraded mode, the outbox, fencing, leases, inventory and control — on the coordinator twin."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from coordinator.core import CoreParams
+from shared.hashing import chain_hashes
+from shared.messages import Control, ReplicaState, WorkerRegister
+from tests.worker.conftest import prompt
+from worker.client.twin import InProcessCoordinator
+
+
+def same(a, b) -> bool:
+    return a.tokens == b.tokens and torch.equal(a.logits, b.logits)
+
+
+async def until(cond, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_coordinator_down_serves_by_recomputation_then_reuse_resumes(make_engine, reference) -> None:
+    toks = prompt(80, seed=40)
+    cold = await reference().generate(toks, max_tokens=2)
+    twin = InProcessCoordinator()
+    async with make_engine(twin) as e:
+        await e.generate(toks, max_tokens=2)
+        twin.down = True
+        r = await e.generate(toks, max_tokens=2)          # the lease call fails: recompute
+        assert same(cold, r) and r.cached_tokens == 0 and r.degraded and "degraded" in r.fallbacks
+        h = e.health()
+        assert h.degraded and not h.registered and "unreachable" in h.reason
+        assert e.metrics.value("kvl_worker_degraded") == 1
+        r = await e.generate(toks, max_tokens=2)          # known degraded: no coordinator call at all
+        assert same(cold, r) and r.degraded
+        twin.down = False
+        await until(lambda: e.registered)
+        assert e.epoch == 2 and e.health().pool_used["compressed"] == 0   # the old epoch's copies are gone
+        lost = [r for k, r in twin.state.replicas.items() if k[2] == "gpu:w1" and r.owner_epoch == 1]
+        assert lost and all(r.state is ReplicaState.LOST for r in lost)
+        await e.generate(toks, max_tokens=2)
+        warm = await e.generate(toks, max_tokens=2)
+        assert same(cold, warm) and warm.cached_tokens == 64 and warm.epoch == 2
+
+
+async def test_publishes_lost_by_the_broker_are_sent_again(make_engine) -> None:
+    twin = InProcessCoordinator()
+    toks = prompt(48, seed=41)
+    async with make_engine(twin) as e:
+        twin.drop_publishes = 5                          # "acknowledged", then lost
+        await e.generate(toks, max_tokens=1)
+        assert await e.flush(timeout=5)
+        assert e.publisher.depth == 0
+        commits = {ev.seq for ev in twin.published if ev.to_state is ReplicaState.READY}
+        assert len(commits) == 12                         # 3 blocks × 4 forms, all in the ledger
+        r = await e.generate(toks, max_tokens=1)
+        assert r.cached_tokens == 32
+
+
+async def test_full_outbox_degrades_without_dropping_and_recovers(make_engine, reference) -> None:
+    twin = InProcessCoordinator()
+    twin.hold_watermark = True
+    toks = prompt(64, seed=42)
+    cold = await reference().generate(toks, max_tokens=1)
+    async with make_engine(twin, **{"worker.outbox_max": 6}) as e:
+        r = await e.generate(toks, max_tokens=1)
+        assert same(cold, r)
+        assert e.publisher.depth == 6 and e.degraded and "outbox full" in e.health().reason
+        assert e.metrics.value("kvl_worker_outbox_depth") == 6
+        kept = e.publisher.outbox.pending_seqs()
+        assert kept == [1, 2, 3, 4, 5, 6]                # nothing dropped, nothing new
+        r = await e.generate(toks, max_tokens=1)
+        assert same(cold, r) and r.degraded
+        twin.hold_watermark = False
+        twin.send_watermark("w1", 1)
+        await until(lambda: not e.degraded)
+        assert e.epoch == 1 and e.publisher.depth == 0   # same epoch: nothing was lost
+
+
+async def test_fenced_epoch_re_registers_and_drops_local_copies(make_engine, model) -> None:
+    twin = InProcessCoordinator()
+    toks = prompt(48, seed=43)
+    async with make_engine(twin) as e:
+        await e.generate(toks, max_tokens=1)
+        await e.flush()
+        # another process registers under the same worker id: epoch 1 is fenced
+        await twin.register(WorkerRegister(worker_id="w1", namespace=e.namespace, catalogue=e.catalogue,
+                                           pool_slots=e.slots))
+        await until(lambda: e.epoch == 3, timeout=5)
+        assert e.health().pool_used["compressed"] == 0
+        r = await e.generate(toks, max_tokens=1)
+        assert r.cached_tokens == 0 and r.invalid == []   # nothing stale is offered or read
+
+
+async def test_leases_are_renewed_and_released(make_engine) -> None:
+    twin = InProcessCoordinator(CoreParams(lease_ttl_ms=300))
+    toks = prompt(40, seed=44)
+    async with make_engine(twin) as e:
+        assert e.lease_ttl_ms == 300
+        s = await e.open(toks, max_new_tokens=1)
+        lease = twin.state.leases[s.main.lease_id]
+        first = lease.expires_at_ms
+        await asyncio.sleep(0.45)
+        assert lease.expires_at_ms > first                # renewed while the request runs
+        while not await s.prefill_step():
+            pass
+        await e.close(s)
+        assert not twin.state.leases
+
+
+async def test_inventory_and_control(make_engine) -> None:
+    twin = InProcessCoordinator()
+    toks = prompt(48, seed=45)
+    async with make_engine(twin) as e:
+        await e.generate(toks, max_tokens=1)
+        inv = await twin.inventory("w1")
+        assert inv.epoch == 1 and len(inv.items) == 12
+        assert {i.location for i in inv.items} == {"gpu:w1"} and all(i.state is ReplicaState.READY for i in inv.items)
+        block = inv.items[0].block_hash
+        ack = await twin.control("w1", Control(action="evict", block_hash=block))
+        assert ack.affected == 4
+        ack = await twin.control("w1", Control(action="invalidate_namespace", namespace=e.namespace))
+        assert ack.affected == 8 and e.health().pool_used["compressed"] == 0
+        ack = await twin.control("w1", Control(action="drain"))
+        assert e.health().draining
+        other = prompt(48, seed=46)
+        r = await e.generate(other, max_tokens=1)        # served, but nothing new is cached
+        await e.flush()
+        hashes = set(chain_hashes(other, 16, e.namespace, e.salt("default")))
+        assert r.tokens and not any(k[0] in hashes for k in twin.state.replicas)

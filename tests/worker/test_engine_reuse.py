@@ -1,0 +1,136 @@
+"""The engine on the in-process coordinator twin: reuse is exact, bounded and never stale.
+
+Every warm result is compared with a cache-disabled engine's cold run with ``torch.equal``
+(logits and tokens), never a tolerance.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.worker.conftest import BS, prompt
+from worker.client.twin import InProcessCoordinator
+
+
+def same(a, b) -> bool:
+    return a.tokens == b.tokens and torch.equal(a.logits, b.logits)
+
+
+async def test_second_request_reuses_and_is_bit_identical(make_engine, reference) -> None:
+    toks = prompt(100, seed=1)
+    cold = await reference().generate(toks, max_tokens=3)
+    twin = InProcessCoordinator()
+    async with make_engine(twin) as e:
+        addresses = e.pool_addresses()
+        first = await e.generate(toks, max_tokens=3)
+        assert first.cached_tokens == 0 and first.fallbacks == []
+        second = await e.generate(toks, max_tokens=3)
+        assert second.cached_tokens == 96 and second.hit_tokens == 96 and second.invalid == []
+        assert same(cold, first) and same(cold, second)
+        m = e.metrics
+        assert m.value("kvl_worker_prefix_cache_queries_total") == 200
+        assert m.value("kvl_worker_prefix_cache_validated_hits_total") == 96
+        assert m.value("kvl_worker_hit_validation_total", {"layer": "integrity", "outcome": "pass"}) == second.validated
+        assert e.pool_addresses() == addresses          # static topology
+        assert e.health().pool_used["compressed"] == 6
+    assert not twin.rejected
+
+
+async def test_shared_prefix_different_suffixes(make_engine, reference) -> None:
+    base = prompt(64, seed=2)
+    a, b = base + prompt(40, seed=3), base + prompt(23, seed=4)
+    ref = reference()
+    async with make_engine(InProcessCoordinator()) as e:
+        ra = await e.generate(a, max_tokens=2)
+        rb = await e.generate(b, max_tokens=2)
+        assert rb.cached_tokens == 64
+        assert same(ra, await ref.generate(a, max_tokens=2))
+        assert same(rb, await ref.generate(b, max_tokens=2))
+
+
+async def test_prefix_ending_mid_block_reuses_the_largest_whole_block_boundary(make_engine, reference) -> None:
+    base = prompt(70, seed=5)             # 4 whole blocks + 6 tokens
+    a, b = base + prompt(30, seed=6), base + prompt(30, seed=7)
+    async with make_engine(InProcessCoordinator()) as e:
+        await e.generate(a, max_tokens=1)
+        rb = await e.generate(b, max_tokens=2)
+        assert rb.cached_tokens == 64
+        assert same(rb, await reference().generate(b, max_tokens=2))
+
+
+async def test_minimum_reuse_is_one_block(make_engine, reference) -> None:
+    one = prompt(BS, seed=8)
+    a, b = one + prompt(1, seed=9), one + prompt(5, seed=10)   # share exactly one block
+    async with make_engine(InProcessCoordinator()) as e:
+        await e.generate(a, max_tokens=1)
+        rb = await e.generate(b, max_tokens=2)
+        assert rb.cached_tokens == BS
+        assert same(rb, await reference().generate(b, max_tokens=2))
+        # a prompt of exactly one block: its last token must be computed, so nothing is reused
+        r1 = await e.generate(one, max_tokens=1)
+        assert r1.cached_tokens == 0 and r1.hit_tokens == BS
+
+
+async def test_whole_cached_prompt_and_prefill_grid(make_engine, reference) -> None:
+    """chunk_blocks=4: a resume must sit on the grid; the last token is always recomputed."""
+    toks = prompt(128, seed=11)           # 8 whole blocks
+    ref = reference(**{"cache.chunk_blocks": 4})
+    async with make_engine(InProcessCoordinator(), **{"cache.chunk_blocks": 4}) as e:
+        await e.generate(toks, max_tokens=1)
+        again = await e.generate(toks, max_tokens=2)
+        # 8 cached, the last token needs computing (cap 7), the grid floors it to 4
+        assert again.hit_tokens == 128 and again.cached_tokens == 64 and "grid" in again.fallbacks
+        assert same(again, await ref.generate(toks, max_tokens=2))
+        longer = toks + prompt(40, seed=12)
+        r = await e.generate(longer, max_tokens=2)
+        assert r.cached_tokens == 128
+        assert same(r, await ref.generate(longer, max_tokens=2))
+
+
+async def test_long_prefix_after_everything_else_was_overwritten(make_engine, reference, model) -> None:
+    """A prefix 4× the sliding window, asked again after other long prompts recycled every
+    window and tail slot: no stale window state, bit-identical."""
+    assert model.cfg.sliding_window * 4 <= 128
+    long = prompt(136, seed=13)
+    # small pools: swa and tail hold only a handful of blocks, so later requests recycle them
+    over = {"worker.pool_bytes": 2 * 2**20, "cache.host_tier_bytes": 0, "cache.offload_dir": ""}
+    ref = reference()
+    async with make_engine(InProcessCoordinator(), **over) as e:
+        assert e.slots["swa"] <= 12, e.slots
+        await e.generate(long, max_tokens=1)
+        for seed in range(20, 23):
+            await e.generate(prompt(136, seed=seed), max_tokens=1)
+        again = await e.generate(long, max_tokens=3)
+        assert again.invalid == []
+        assert same(again, await ref.generate(long, max_tokens=3))
+        # the window and tail slots were really recycled (new generations) in between
+        assert max(e.store.pools["swa"].generations) > 1 and max(e.store.pools["tail"].generations) > 1
+
+
+async def test_reuse_off_and_tenants_do_not_share(make_engine, reference) -> None:
+    toks = prompt(64, seed=14)
+    async with make_engine(InProcessCoordinator()) as e:
+        await e.generate(toks, max_tokens=1, tenant="alice")
+        r = await e.generate(toks, max_tokens=1, tenant="alice", reuse=False)
+        assert r.cached_tokens == 0 and r.hit_tokens == 0
+        other = await e.generate(toks, max_tokens=1, tenant="bob")
+        assert other.cached_tokens == 0 and other.hit_tokens == 0   # another tenant's salt: no hash hit
+        mine = await e.generate(toks, max_tokens=2, tenant="alice")
+        assert mine.cached_tokens == 48
+        assert same(mine, await reference().generate(toks, max_tokens=2))
+
+
+async def test_step_api_matches_generate(make_engine) -> None:
+    toks = prompt(80, seed=15)
+    async with make_engine(InProcessCoordinator()) as e:
+        full = await e.generate(toks, max_tokens=2)
+        s = await e.open(toks, max_new_tokens=2)
+        steps = 0
+        while not await s.prefill_step():
+            steps += 1
+        assert steps == 0 and s.resume_blocks == 4      # one unit left: the last block
+        logits = [s.logits]
+        logits.append(await s.decode(int(torch.argmax(s.logits))))
+        await e.close(s)
+        assert torch.equal(torch.stack(logits), full.logits)
+        assert e.health().active_sessions == 0

@@ -1,0 +1,126 @@
+"""The host and disk tiers as storage: LRU spill from host to the disk queue, verified reads,
+damaged files reported as damage, an unusable directory reported as unavailable."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import torch
+
+from shared.forms import FormScope, FormSpec
+from shared.hashing import checksum
+from shared.ids import ROOT_HASH
+from worker.cache import offload_file as of
+from worker.cache.planner import BlockMeta
+from worker.cache.pools import PoolSet
+from worker.cache.store import CacheStore, bytes_checksum
+from worker.cache.tiers import Tiers
+
+NS = "ab" * 16
+
+
+def _meta(i: int, data: torch.Tensor, form: str = "compressed", tenant: str = "t1") -> BlockMeta:
+    return BlockMeta(namespace=NS, tenant=tenant, block_hash=f"{i + 1:032x}", parent_hash=ROOT_HASH,
+                     token_start=0, token_end=16, form=form, spec_digest="0123456789abcdef",
+                     checksum=bytes_checksum(data))
+
+
+def _data(i: int, n: int = 256) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int32).add(i).to(torch.uint8)
+
+
+def test_host_lru_spills_and_stays_readable_until_written(tmp_path) -> None:
+    t = Tiers(host_bytes=512, disk_root=tmp_path)
+    metas = [_meta(i, _data(i)) for i in range(3)]
+    for i, m in enumerate(metas):
+        assert t.put_host(m, _data(i))
+    spills = t.take_spills()
+    assert [(m.block_hash, from_host) for m, _, from_host in spills] == [(metas[0].block_hash, True)]
+    obs, data = t.host_read(metas[0].block_hash, "compressed")   # served from the spill queue
+    assert obs.meta == metas[0] and torch.equal(data, _data(0)) and obs.checksum() == metas[0].checksum
+    t.spilled(metas[0])
+    assert t.host_read(metas[0].block_hash, "compressed")[0].meta is None
+    assert {m.block_hash for m in t.host_items()} == {metas[1].block_hash, metas[2].block_hash}
+
+
+def test_host_copy_failing_its_checksum_is_damage(tmp_path) -> None:
+    t = Tiers(host_bytes=4096, disk_root=None)
+    m = _meta(0, _data(0))
+    t.put_host(m, _data(0))
+    t.host._entries[(m.block_hash, "compressed")][0][3] ^= 1
+    obs, data = t.host_read(m.block_hash, "compressed")
+    assert data is None and "checksum" in obs.damage
+
+
+def test_disk_round_trip_layout_and_modes(tmp_path) -> None:
+    t = Tiers(host_bytes=0, disk_root=tmp_path / "off")
+    m = _meta(0, _data(0))
+    assert t.disk_write(m, _data(0)) == m.checksum
+    path = of.path_for(tmp_path / "off", of.BlockKey(NS, "t1", m.block_hash, "compressed", m.spec_digest))
+    assert path.parts[-4] == "t1"                                  # a subdirectory per tenant
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(tmp_path / "off" / "t1").st_mode) == 0o700
+    r = t.disk_read(m)
+    assert r.observed.meta.block_hash == m.block_hash and r.observed.checksum() == m.checksum
+    assert torch.equal(r.data, _data(0)) and not r.observed.damage
+    assert not list(path.parent.glob(".tmp-*"))                    # no temp file left behind
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "header"])
+def test_damaged_files_are_reported(tmp_path, how) -> None:
+    t = Tiers(host_bytes=0, disk_root=tmp_path)
+    m = _meta(0, _data(0))
+    t.disk_write(m, _data(0))
+    path = of.path_for(tmp_path, of.BlockKey(NS, "t1", m.block_hash, "compressed", m.spec_digest))
+    raw = bytearray(path.read_bytes())
+    if how == "flip":
+        raw[-1] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        r = t.disk_read(m)
+        assert not r.observed.damage and r.observed.checksum() != m.checksum   # integrity layer's job
+    elif how == "truncate":
+        path.write_bytes(bytes(raw[:-10]))
+        assert "truncated" in t.disk_read(m).observed.damage
+    else:
+        path.write_bytes(b"XXXX" + bytes(raw[4:]))
+        assert "magic" in t.disk_read(m).observed.damage
+
+
+def test_missing_and_unusable_directory(tmp_path) -> None:
+    t = Tiers(host_bytes=0, disk_root=tmp_path / "nope", retry_s=60)
+    m = _meta(0, _data(0))
+    assert t.disk_read(m).unavailable
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    t = Tiers(host_bytes=0, disk_root=ro / "sub", retry_s=60)
+    if os.geteuid() == 0:
+        pytest.skip("root writes anywhere")
+    with pytest.raises(of.OffloadUnavailable):
+        t.disk_write(m, _data(0))
+
+
+def test_store_keeps_storage_and_bumps_generations() -> None:
+    from shared.forms import FormCatalogue
+    cat = FormCatalogue(model_id="m", block_size=16, forms=(
+        FormSpec(name="compressed", scope=FormScope.FULL_HISTORY, bytes_per_block=256, dtype="uint8"),))
+    store = CacheStore(cat, {"compressed": 2}, torch.device("cpu"))
+    addr = store.addresses()
+    a = store.install(_meta(0, _data(0)), _data(0))
+    b = store.install(_meta(1, _data(1)), _data(1))
+    assert (a.generation, b.generation) == (1, 1)
+    assert store.lru_victim("compressed", keep=set()) == a
+    assert store.lru_victim("compressed", keep={a.block_hash}) == b
+    assert store.drop("compressed", a.block_hash, generation=99) is None      # another generation: kept
+    meta, data = store.drop("compressed", a.block_hash, generation=1)
+    assert torch.equal(data, _data(0))
+    c = store.install(_meta(2, _data(2)), _data(2))
+    assert c.generation == 2 and store.addresses() == addr
+    obs, copy = store.observe("compressed", c.block_hash)
+    assert obs.checksum() == checksum(memoryview(_data(2).numpy()))
+    store.pools["compressed"].storage[0].zero_()
+    assert torch.equal(copy, _data(2))                                        # a private copy
+    assert store.clear() == 2 and store.addresses() == addr
+    assert isinstance(store.pools, PoolSet)
