@@ -210,7 +210,8 @@ async def list_workers(request: web.Request) -> web.Response:
                 "namespace": w.namespace, "model_id": w.catalogue.model_id, "forms": list(w.catalogue.names),
                 "endpoint": w.endpoint, "node": w.node, "registered_at_ms": w.registered_at_ms,
                 "last_heartbeat_ms": w.last_heartbeat_ms, "pool_slots": dict(w.pool_slots),
-                "live_replicas": len(w.live), "leases": len(w.leases),
+                "gpu_replicas": sum(s.pool_used(w.worker_id, f) for f in w.catalogue.names) if w.alive else 0,
+                "leases": len(w.leases),
                 "committed_seq": s.committed_seq(w.worker_id, w.epoch)}
                for _, w in sorted(s.workers.items())]
     return web.json_response({"workers": workers})
@@ -252,16 +253,21 @@ async def get_block(request: web.Request) -> web.Response:
         raise ApiError(400, "invalid", "block hash must be 32 lowercase hex characters")
     ledger = await _serving_ledger(request)
     s = ledger.state
-    keys = [(block, f, loc) for f, loc in s.by_block.get(block, ())]
+    keys = sorted(k for k in s.replicas if k[0] == block)
     if not keys:
         raise ApiError(404, "not_found", f"block {block} has no replica in the ledger")
     replicas = [_replica(s.replicas[k]) for k in keys]
+    # NOTE: events that change many replicas at once are kept in their own streams: a block
+    # invalidation is included, a worker loss or a namespace/worker invalidation is not (see
+    # worker:<id> and invalidation:* in /v1/events); the replicas' current state reflects them.
+    names = [replica_stream(*k) for k in keys] + [f"invalidation:block:{block}"]
     try:
-        streams = await asyncio.gather(*[ledger.log.read_stream(replica_stream(*k)) for k in keys])
+        streams = await asyncio.gather(*[ledger.log.read_stream(n) for n in names])
     except LogError as e:
         raise Unavailable(f"event log unavailable: {e}") from e
     history = sorted((se for events in streams for se in events), key=lambda se: se.position)
-    return web.json_response({"block_hash": block, "replicas": replicas, "history": [_event(e) for e in history]})
+    return web.json_response({"block_hash": block, "replicas": replicas, "streams": names,
+                              "history": [_event(e) for e in history]})
 
 
 async def list_leases(request: web.Request) -> web.Response:

@@ -38,11 +38,12 @@ async def run_audit(ledger: Ledger, inventory: Any = None, *, from_snapshot: boo
         position = ledger.position
         live_hash = state_hash(live)
         live_violations = check_invariants(live)
-        expected: dict[str, tuple[int, dict[tuple[str, str, str], tuple[str, int]]]] = {}
-        for wid, w in live.workers.items():
-            if w.alive:
-                expected[wid] = (w.epoch, {k: (live.replicas[k].state.value, live.replicas[k].generation)
-                                           for k in w.live if k[2] == w.gpu})
+        expected: dict[str, tuple[int, dict[tuple[str, str, str], tuple[str, int]]]] = {
+            wid: (w.epoch, {}) for wid, w in live.workers.items() if w.alive}
+        if check_workers:
+            for key, r in live.replicas.items():
+                if r.state in LIVE and key[2].startswith("gpu:") and key[2][4:] in expected:
+                    expected[key[2][4:]][1][key] = (r.state.value, r.generation)
     report: dict[str, Any] = {"position": position, "live_hash": live_hash,
                               "replay_from": "snapshot" if from_snapshot else "empty"}
     try:

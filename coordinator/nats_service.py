@@ -252,7 +252,13 @@ class NatsService:
                 await asyncio.sleep(0.05)
                 continue
             try:
-                msgs = await self._psub.fetch(batch=batch, timeout=1.0)
+                # NOTE: fetch(n) with n > 1 waits for n messages or its timeout once the first has
+                # arrived, which would delay a lone transition by the whole timeout. So: wait for
+                # one, then take whatever else is already there (no waiting).
+                msgs = await self._psub.fetch(batch=1, timeout=1.0)
+                if batch > 1:
+                    with contextlib.suppress(nats.errors.TimeoutError, asyncio.TimeoutError):
+                        msgs += await self._psub.fetch(batch=batch - 1, timeout=0.05)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 continue
             except asyncio.CancelledError:

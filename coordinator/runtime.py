@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import nats
 from nats.aio.client import Client as NatsClient
 
+from coordinator.aio import bounded
 from coordinator.core import CoreParams, expire
 from coordinator.ledger import Ledger, Unavailable
 from coordinator.log.leader import LeaderElection, make_holder_id
@@ -106,29 +108,44 @@ class Coordinator:
             raise StartupError(f"PostgreSQL at {self.pg.url.split('@')[-1]}: {e}") from e
 
     async def stop(self) -> None:
-        """Graceful: stop taking work, answer what was taken, flush, release the lock, drain NATS."""
+        """Graceful: stop taking work, answer what was taken, flush, release the lock, drain NATS.
+
+        Every step is bounded, so a dead PostgreSQL or NATS cannot make shutdown hang.
+        """
         self._stopping = True
+        steps: dict[str, float] = {}
+        t = time.perf_counter()
+
+        def step(name: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            steps[name] = round((now - t) * 1000, 1)
+            t = now
+
         if self.service is not None:
-            await self.service.stop_requests()
+            await bounded(self.service.stop_requests(), 5)
             self.service.pause_consumer()
             await self.service.wait_in_flight(timeout_s=10)
+        step("requests")
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        await self.ledger.stand_down("shutting down", flush=True)
+            await bounded(task, 5)
+        step("tasks")
+        await bounded(self.ledger.stand_down("shutting down", flush=True), 15)
         self.ledger.set_status("stopped", "shut down")
+        step("flush")
         await self.election.release()
+        step("lock")
         if self.service is not None:
-            await self.service.stop_consumer()
-        if self.nc is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.nc.drain(), 5)
-            with contextlib.suppress(Exception):
-                await self.nc.close()
-        await self.event_log.close()
-        self.log.info("coordinator_stopped", holder=self.holder)
+            await bounded(self.service.stop_consumer(), 5)
+        step("consumer")
+        if self.nc is not None and not await bounded(self.nc.drain(), 5):
+            await bounded(self.nc.close(), 2)
+        step("nats")
+        await bounded(self.event_log.close(), 5)
+        step("pool")
+        self.log.info("coordinator_stopped", holder=self.holder, steps_ms=steps)
 
     # --- leadership -------------------------------------------------------------------------
 
@@ -234,7 +251,8 @@ class Coordinator:
         self.log.warning("nats_error", error=f"{type(e).__name__}: {e}")
 
     async def _nats_disconnected(self) -> None:
-        self.log.warning("nats_disconnected")
+        if not self._stopping:
+            self.log.warning("nats_disconnected")
 
     async def _nats_reconnected(self) -> None:
         self.log.info("nats_reconnected")

@@ -30,6 +30,7 @@ from typing import Any
 
 import asyncpg
 
+from coordinator.aio import bounded
 from coordinator.log.port import LogUnavailable
 from coordinator.log.postgres import TAKE_LEADERSHIP, PgSettings, describe
 
@@ -158,23 +159,19 @@ class LeaderElection:
         self._set_lost(reason)
 
     async def release(self) -> None:
-        """Stop renewing, unlock and close the lock connection."""
+        """Stop renewing, unlock and close the lock connection (bounded: never hangs)."""
         self._set_lost("released")
-        if self._renew is not None:
-            self._renew.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._renew
-            self._renew = None
-        if self._conn is not None and not self._conn.is_closed():
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._conn.execute("SELECT pg_advisory_unlock_all()"), 2)
+        renew, self._renew = self._renew, None
+        if renew is not None:
+            renew.cancel()
+            await bounded(renew, 1.0)
+        conn = self._conn
+        if conn is not None and not conn.is_closed() and not conn.is_in_transaction():
+            await bounded(conn.execute("SELECT pg_advisory_unlock_all()"), 1.0)
         await self._close_conn()
 
     async def _close_conn(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None and not conn.is_closed():
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.close(), 2)
-            if not conn.is_closed():
-                conn.terminate()
-
+            # Closing the socket ends the session, which releases the lock; no goodbye needed.
+            conn.terminate()

@@ -1,0 +1,205 @@
+"""The coordinator over real NATS and PostgreSQL, in this process: leases, transitions,
+watermarks, redelivery, malformed input, restart by snapshot + replay."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import asyncpg
+import nats
+import pytest
+from structlog.testing import capture_logs
+
+from coordinator.core import CoordinatorResumed, apply, state_hash
+from coordinator.app import COORDINATOR
+from shared.messages import (
+    ErrorCode, ErrorReply, HeartbeatReply, LeaseGrant, LeaseReleased, LeaseRenewed, RegisterReply, decode,
+)
+from shared.subjects import Subjects
+from tests.integration.coordinator_kit import Worker, block, fast_config, running_coordinator
+
+
+async def test_lease_round_trip_is_answered_only_after_its_event_is_durable(
+        database_url: str, nats_url: str, subjects: Subjects) -> None:
+    cfg = fast_config(database_url, nats_url, subjects)
+    async with running_coordinator(cfg):
+        nc = await nats.connect(nats_url)
+        db = await asyncpg.connect(database_url)
+        try:
+            w = Worker(nc, subjects)
+            reg = await w.register()
+            assert isinstance(reg, RegisterReply) and reg.epoch == 1 and reg.heartbeat_interval_ms == 200
+            assert await db.fetchval("SELECT count(*) FROM events WHERE type = 'worker.registered'") == 1
+
+            hb = await w.heartbeat()
+            assert isinstance(hb, HeartbeatReply) and hb.committed_seq == 0
+
+            hashes = [block(i) for i in range(3)]
+            grant = await w.acquire(hashes)
+            assert isinstance(grant, LeaseGrant)
+            assert grant.usable_blocks == 0 and grant.write == {"compressed": [0, 1, 2]}
+            # the grant and its allocations were in the log before the reply was sent
+            stored = await db.fetch("SELECT type FROM events WHERE stream_id = $1", f"lease:{grant.lease_id}")
+            assert [r["type"] for r in stored] == ["lease.granted"]
+            assert await db.fetchval("SELECT count(*) FROM events WHERE type = 'replica.allocated'") == 3
+
+            renewed = await w.renew(grant.lease_id)
+            assert isinstance(renewed, LeaseRenewed) and renewed.lease_id == grant.lease_id
+            released = await w.release(grant.lease_id)
+            assert isinstance(released, LeaseReleased)
+            # unfilled writes were aborted by the release
+            assert await db.fetchval("SELECT count(*) FROM events WHERE type = 'replica.evicted'") == 3
+
+            unknown = await w.renew(grant.lease_id)
+            assert isinstance(unknown, ErrorReply) and unknown.code == ErrorCode.NOT_FOUND
+            w.epoch = 99
+            fenced = await w.heartbeat()
+            assert isinstance(fenced, ErrorReply) and fenced.code == ErrorCode.FENCED
+        finally:
+            await db.close()
+            await nc.drain()
+
+
+async def test_transitions_are_acked_after_commit_watermarked_and_redelivery_absorbed(
+        database_url: str, nats_url: str, subjects: Subjects) -> None:
+    cfg = fast_config(database_url, nats_url, subjects)
+    async with running_coordinator(cfg) as (app, base):
+        nc = await nats.connect(nats_url)
+        db = await asyncpg.connect(database_url)
+        try:
+            w = Worker(nc, subjects)
+            await w.register()
+            await w.watch_watermarks()
+            hashes = [block(i) for i in range(20)]
+            grant = await w.acquire(hashes)
+            commits = [w.commit(hashes, i, grant.lease_id) for i in range(20)]
+            for t in commits:
+                await w.publish(t)
+            await w.wait_watermark(20)
+            # the watermark says durable: every one is in the log, exactly once
+            rows = await db.fetch("SELECT source_id, type FROM events WHERE source_id IS NOT NULL ORDER BY position")
+            assert [r["source_id"] for r in rows] == [t.source_id for t in commits]
+            assert {r["type"] for r in rows} == {"transition.applied"}
+
+            # redelivery: the broker drops a repeated Nats-Msg-Id; a fresh msg id reaches the
+            # coordinator, which must absorb it (no second row, no state change)
+            ledger = app[COORDINATOR].ledger
+            duplicates = app[COORDINATOR].metrics.events_ingested.labels(result="duplicate")
+            before = state_hash(ledger.state), ledger.position
+            ack = await w.publish(commits[3])
+            assert ack.duplicate
+            await w.publish(commits[3], msg_id="redelivered-after-dedup-window")
+            await w.publish(commits[4], msg_id="redelivered-2")
+            await _until(lambda: duplicates._value.get() >= 2)
+            assert (state_hash(ledger.state), ledger.position) == before
+            assert await db.fetchval("SELECT count(*) FROM events WHERE source_id = $1", commits[3].source_id) == 1
+            hb = await w.heartbeat()
+            assert isinstance(hb, HeartbeatReply) and hb.committed_seq == 20
+
+            # an illegal transition is recorded as rejected (and watermarked), never applied
+            bad = w.commit(hashes, 0, grant.lease_id)  # block 0 is READY already
+            await w.publish(bad)
+            await w.wait_watermark(21)
+            row = await db.fetchrow("SELECT type, stream_id FROM events WHERE source_id = $1", bad.source_id)
+            assert (row["type"], row["stream_id"]) == ("transition.rejected", "worker:w1")
+
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{base}/v1/audit", json={"check_workers": False}) as r:
+                    report = await r.json()
+            assert r.status == 200 and report["ok"], report
+        finally:
+            await db.close()
+            await nc.drain()
+
+
+async def test_malformed_requests_get_an_error_reply_and_a_warning_without_content(
+        database_url: str, nats_url: str, subjects: Subjects) -> None:
+    cfg = fast_config(database_url, nats_url, subjects)
+    secret = "prompt text that must never reach a log"
+    async with running_coordinator(cfg):
+        nc = await nats.connect(nats_url)
+        try:
+            bad = [
+                (subjects.lease_acquire, b"\x00\xff not json"),
+                (subjects.lease_acquire, b'{"type": "worker.heartbeat", "v": 1, "worker_id": "w", "epoch": 1}'),
+                (subjects.worker_register, b'{"type": "worker.register", "v": 1, "worker_id": 7}'),
+                (subjects.lease_renew, ('{"type": "%s", "v": 1}' % secret).encode()),
+                (subjects.worker_heartbeat, b'{"type": "worker.heartbeat", "v": 999, "worker_id": "w", "epoch": 1}'),
+                (subjects.lease_release, b""),
+                (subjects.worker_heartbeat, b"[1, 2, 3]"),
+            ]
+            with capture_logs() as logs:
+                for subject, data in bad:
+                    reply = decode((await nc.request(subject, data, timeout=5)).data)
+                    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.INVALID, (subject, reply)
+            warnings = [e for e in logs if e["event"] == "malformed_request"]
+            assert len(warnings) == len(bad)
+            assert all(e["log_level"] == "warning" for e in warnings)
+            assert secret not in repr(logs)
+            assert {e["error_kind"] for e in warnings} >= {"not_json_object", "wrong_type", "invalid_fields",
+                                                          "unknown_type", "bad_version"}
+            # a malformed transition on the stream is terminated, logged, and does not stop the consumer
+            js = nc.jetstream()
+            await js.publish(subjects.events("w1"), secret.encode())
+            w = Worker(nc, subjects)
+            assert isinstance(await w.register(), RegisterReply)  # still alive and answering
+        finally:
+            await nc.drain()
+
+
+async def test_restart_from_snapshot_and_tail_reproduces_the_state(
+        database_url: str, nats_url: str, subjects: Subjects) -> None:
+    cfg = fast_config(database_url, nats_url, subjects, snapshot_every_events=15)
+    nc = await nats.connect(nats_url)
+    try:
+        async with running_coordinator(cfg) as (app, base):
+            w = Worker(nc, subjects)
+            await w.register()
+            for n in range(4):
+                hashes = [block(100 * n + i) for i in range(4)]
+                grant = await w.acquire(hashes)
+                for i in range(4):
+                    await w.publish(w.commit(hashes, i, grant.lease_id))
+            await _until(lambda: app[COORDINATOR].ledger.state.committed_seq("w1", 1) == 16)
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{base}/v1/snapshot") as r:
+                    snap = await r.json()
+                assert r.status == 200 and snap["position"] > 0
+            grant = await w.acquire([block(900)])  # a tail after the snapshot
+            before = app[COORDINATOR].ledger
+            position_before = before.position
+        async with running_coordinator(cfg) as (app, base):
+            ledger = app[COORDINATOR].ledger
+            assert ledger.last_replay["snapshot_position"] == snap["position"]
+            assert ledger.last_replay["position"] == position_before
+            assert ledger.last_replay["events"] == position_before - snap["position"]
+            # restart = the state before + the takeover's CoordinatorResumed, exactly
+            apply(before.state, CoordinatorResumed(at_ms=ledger.state.resumed_at_ms))
+            assert state_hash(ledger.state) == state_hash(before.state)
+            assert grant.lease_id in ledger.state.leases
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{base}/v1/audit", json={"check_workers": False}) as r:
+                    from_empty = await r.json()
+                async with http.post(f"{base}/v1/audit", json={"check_workers": False,
+                                                               "replay_from": "snapshot"}) as r:
+                    from_snapshot = await r.json()
+            assert from_empty["ok"] and from_empty["replayed_events"] == ledger.position, from_empty
+            assert from_snapshot["ok"] and from_snapshot["snapshot_position"] == snap["position"], from_snapshot
+            assert from_empty["replay_hash"] == from_snapshot["replay_hash"] == state_hash(ledger.state)
+    finally:
+        await nc.drain()
+
+
+async def _until(cond, timeout_s: float = 10) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture(autouse=True)
+def _no_env_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVL_ADMIN_TOKEN", raising=False)
+
