@@ -143,6 +143,8 @@ class Engine:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._supervise(), name="kvl-supervisor"),
                        loop.create_task(self._spill_loop(), name="kvl-spill")]
+        if wait_s <= 0:
+            return
         try:
             await asyncio.wait_for(self._registered_once.wait(), wait_s)
         except asyncio.TimeoutError:

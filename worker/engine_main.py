@@ -1,0 +1,191 @@
+"""The worker process: ``python -m worker [--config FILE] [--worker-id ID]`` (``kvledger worker``).
+
+Runs the cache engine against the coordinator over NATS and serves nothing else yet (the
+OpenAI-compatible HTTP API is the serving layer's). So that tests and operators can drive
+real requests through the real processes, it answers a few NATS request/reply subjects::
+
+    <prefix>.worker.<id>.debug.generate   {"tokens": [...], "max_tokens": 4, "tenant": "default",
+                                           "reuse": true, "return_logits": true}
+    <prefix>.worker.<id>.debug.health     {}
+    <prefix>.worker.<id>.debug.metrics    {}      (Prometheus text)
+    <prefix>.worker.<id>.debug.flush      {"timeout_s": 5}
+
+Replies are JSON; logits travel as base64 of little-endian float32 with their shape, so a
+test can compare them bit for bit. ``KVL_TORCH_THREADS`` sets torch's intra-op threads
+(default 1: the tiny model is overhead-bound, and a fixed count keeps bits reproducible).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.config import Config, ConfigError, load_config
+from shared.logging import configure_logging, get_logger
+from shared.subjects import Subjects
+from worker.client.nats_adapter import NatsCoordinatorClient
+from worker.engine import Engine, Sampling
+from worker.model import HybridAttentionLM, ModelConfig, build_model, load_safetensors
+
+log = get_logger("kvl.worker.main")
+
+
+def load_model(cfg: Config) -> HybridAttentionLM:
+    """``worker.model_dir`` (config.json with ModelConfig fields + safetensors), else the tiny seeded model."""
+    if not cfg.worker.model_dir:
+        model = build_model(seed=0)
+    else:
+        d = Path(cfg.worker.model_dir)
+        try:
+            fields = json.loads((d / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"config key worker.model_dir: cannot read {d / 'config.json'}: {e}") from e
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items() if k in known}
+        model = HybridAttentionLM(ModelConfig(**kw))
+        load_safetensors(model, d)
+        model = model.eval()
+    return model.to(torch.device(cfg.worker.device))
+
+
+def debug_subject(subjects: Subjects, worker_id: str, what: str) -> str:
+    return f"{subjects.prefix}.worker.{worker_id}.debug.{what}"
+
+
+def encode_logits(t: torch.Tensor | None) -> dict[str, Any]:
+    if t is None:
+        return {"logits_b64": None, "logits_shape": None}
+    x = t.detach().to(torch.float32).contiguous().cpu()
+    return {"logits_b64": base64.b64encode(x.numpy().tobytes()).decode(), "logits_shape": list(x.shape)}
+
+
+def decode_logits(reply: dict[str, Any]) -> torch.Tensor | None:
+    if not reply.get("logits_b64"):
+        return None
+    raw = bytearray(base64.b64decode(reply["logits_b64"]))
+    return torch.frombuffer(raw, dtype=torch.float32).reshape(reply["logits_shape"]).clone()
+
+
+class DebugService:
+    """The worker's debug subjects, on a NATS connection of their own."""
+
+    def __init__(self, engine: Engine, url: str, subjects: Subjects) -> None:
+        self.engine = engine
+        self.url = url
+        self.subjects = subjects
+        self._nc: Any = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        import nats
+        self._nc = await nats.connect(self.url, name=f"kvl-worker-debug-{self.engine.worker_id}",
+                                      max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        for what, handler in (("generate", self._generate), ("health", self._health),
+                              ("metrics", self._metrics), ("flush", self._flush)):
+            await self._nc.subscribe(debug_subject(self.subjects, self.engine.worker_id, what),
+                                     cb=self._spawn(handler))
+
+    def _spawn(self, handler):
+        async def cb(msg: Any) -> None:
+            t = asyncio.get_running_loop().create_task(self._answer(handler, msg))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+        return cb
+
+    async def _answer(self, handler, msg: Any) -> None:
+        try:
+            req = json.loads(msg.data or b"{}")
+            out = await handler(req)
+        except Exception as e:  # noqa: BLE001 - a debug call reports any failure to its caller
+            out = {"error": f"{type(e).__name__}: {e}"}
+        if msg.reply:
+            body = out if isinstance(out, bytes) else json.dumps(out).encode()
+            with contextlib.suppress(Exception):
+                await self._nc.publish(msg.reply, body)
+
+    async def _generate(self, req: dict[str, Any]) -> dict[str, Any]:
+        r = await self.engine.generate(
+            [int(t) for t in req["tokens"]], tenant=req.get("tenant", "default"),
+            max_tokens=int(req.get("max_tokens", 16)), reuse=bool(req.get("reuse", True)),
+            sampling=Sampling(temperature=float(req.get("temperature", 0.0)), top_k=int(req.get("top_k", 0)),
+                              seed=req.get("seed")),
+            return_logits=bool(req.get("return_logits", True)))
+        out = {k: getattr(r, k) for k in ("tokens", "prompt_tokens", "cached_tokens", "hit_tokens", "validated",
+                                          "invalid", "fallbacks", "reloaded", "degraded", "epoch", "ttft_s")}
+        out.update(encode_logits(r.logits))
+        return out
+
+    async def _health(self, req: dict[str, Any]) -> dict[str, Any]:
+        return dataclasses.asdict(self.engine.health())
+
+    async def _metrics(self, req: dict[str, Any]) -> bytes:
+        return self.engine.metrics.render()
+
+    async def _flush(self, req: dict[str, Any]) -> dict[str, Any]:
+        return {"flushed": await self.engine.flush(float(req.get("timeout_s", 5.0)))}
+
+    async def stop(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._nc.drain(), 2)
+
+
+async def serve(cfg: Config) -> int:
+    if not cfg.nats.url:
+        print("kvledger worker: config key nats.url is required (the coordinator's NATS server)", file=sys.stderr)
+        return 2
+    torch.set_num_threads(int(os.environ.get("KVL_TORCH_THREADS", "1")))
+    model = load_model(cfg)
+    subjects = Subjects(cfg.nats.subject_prefix)
+    client = NatsCoordinatorClient(cfg.nats.url, subjects, timeout_s=cfg.nats.request_timeout_ms / 1000)
+    engine = Engine(model, cfg, client, endpoint=f"http://{cfg.worker.host}:{cfg.worker.port}")
+    client.name = f"kvl-worker-{engine.worker_id}"
+    debug = DebugService(engine, cfg.nats.url, subjects)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await engine.start(wait_s=0)
+    try:
+        await debug.start()
+    except Exception as e:  # noqa: BLE001 - NATS unreachable at start
+        print(f"kvledger worker: cannot reach NATS at {cfg.nats.url}: {e}", file=sys.stderr, flush=True)
+        await engine.stop()
+        return 2
+    log.info("worker_started", worker_id=engine.worker_id, namespace=engine.namespace, pools=engine.slots,
+             device=str(engine.device))
+    print(f"kvledger worker {engine.worker_id} running", flush=True)
+    await stop.wait()
+    log.info("worker_stopping")
+    await debug.stop()
+    await engine.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m worker", description="run a kvledger worker (cache engine)")
+    p.add_argument("--config", "-c", help="YAML config file (default: $KVL_CONFIG, else built-in defaults)")
+    p.add_argument("--worker-id", help="worker id (default: worker.worker_id, else <host>-<pid>)")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, overrides={"worker.worker_id": args.worker_id} if args.worker_id else None)
+        configure_logging(cfg.logging.format, cfg.logging.level)
+        return asyncio.run(serve(cfg))
+    except ConfigError as e:
+        print(f"kvledger: configuration error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
