@@ -106,6 +106,10 @@ class Result:
     degraded: bool
     epoch: int
     ttft_s: float = 0.0
+    #: Seconds spent per phase: ``hash``, ``lease``, ``evict``, ``validate``, ``restore`` (model
+    #: state build), ``forward`` (model prefill), ``export``, ``commit``. Everything but
+    #: ``restore`` and ``forward`` is the cache engine's own cost.
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -161,6 +165,10 @@ class Session:
         self._renew: asyncio.Task | None = None
         self._closed = False
         self.t0 = time.perf_counter()
+        self.timings: dict[str, float] = {}
+
+    def _spent(self, phase: str, since: float) -> None:
+        self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - since
 
     # --- opening ------------------------------------------------------------------------------
 
@@ -168,10 +176,14 @@ class Session:
         e = self.engine
         if e.cache_enabled:
             e.metrics.queries.inc(len(self.tokens))
+            t0 = time.perf_counter()
             self.hashes = chain_hashes(self.tokens, self.bs, e.namespace, e.salt(self.tenant))
+            self._spent("hash", t0)
             await self._lease_and_restore()
         if self.state is None:
+            t0 = time.perf_counter()
             self.state = await e.compute(lambda: e.model.new_state(self.bs, self.capacity))
+            self._spent("restore", t0)
             self.resume_blocks = 0
         self.units = _units(self.resume_blocks * self.bs, len(self.tokens), self.bs, e.chunk_blocks)
         if self.main is not None:
@@ -199,7 +211,9 @@ class Session:
         if grant is None:
             return
         self.main = grant
+        t0 = time.perf_counter()
         e.apply_evictions(grant)
+        self._spent("evict", t0)
         if not self.reuse:
             return
         self.hit_blocks = grant.usable_blocks
@@ -243,6 +257,7 @@ class Session:
                            namespace=e.namespace, tenant=self.tenant, block_hashes=hashes,
                            write_forms=list(e.catalogue.names) if write else [], reuse=reuse,
                            ttl_ms=e.lease_ttl_ms)
+        t0 = time.perf_counter()
         try:
             grant = await e.call("acquire", e.client.acquire(msg))
         except CoordinatorRefused as err:
@@ -252,6 +267,8 @@ class Session:
             self.degraded = True
             self.fallback("degraded")
             return None
+        finally:
+            self._spent("lease", t0)
         self.leases.append(_Lease(grant, self.epoch))
         if self._renew is None:
             self._renew = asyncio.get_running_loop().create_task(self._renew_loop())
@@ -260,6 +277,7 @@ class Session:
     async def _gather(self, refs: dict[Need, ReplicaRef], want: list[Need]) -> int:
         """Validate what ``want`` still lacks; keep good copies in ``self.found``. Returns failures."""
         e = self.engine
+        t_start = time.perf_counter()
         expect = Expect(namespace=e.namespace, tenant=self.tenant, block_hashes=self.hashes, block_size=self.bs,
                         specs=e.specs)
         failed = 0
@@ -297,6 +315,7 @@ class Session:
                         self.fallback("disk_unavailable")
                         continue
                     failed += not self._judge(need, ref, r.observed, r.data, expect, reload=True)
+        self._spent("validate", t_start)
         return failed
 
     def _judge(self, need: Need, ref: ReplicaRef, obs, data, expect: Expect, *, reload: bool) -> bool:
@@ -344,8 +363,11 @@ class Session:
             state.restore(blocks, p)
             return state
 
+        t0 = time.perf_counter()
         self.state = await e.compute(work)
+        self._spent("restore", t0)
         self.resume_blocks = p
+        t0 = time.perf_counter()
         # Reloaded replicas become GPU replicas where the lease granted the slot.
         granted = self.main.write if self.main is not None else {}
         for need in want:
@@ -358,6 +380,7 @@ class Session:
             if need[0] in granted.get(need[1], ()):
                 meta = self._meta(need, f.ref)
                 self._commit(meta, f.data)
+        self._spent("commit", t0)
 
     # --- prefill, decode ----------------------------------------------------------------------
 
@@ -377,11 +400,17 @@ class Session:
         export = [i for i in range(first, last) if i in self.writes]
 
         def work():
+            t0 = time.perf_counter()
             logits = e.model.prefill(ids, state, chunk_blocks=e.chunk_blocks, logits="last")
-            return logits, [(i, state.export_block(i)) for i in export]
+            t1 = time.perf_counter()
+            payloads = [(i, state.export_block(i)) for i in export]
+            return logits, payloads, t1 - t0, time.perf_counter() - t1
 
-        logits, payloads = await e.compute(work)
+        logits, payloads, fwd, exp = await e.compute(work)
+        self.timings["forward"] = self.timings.get("forward", 0.0) + fwd
+        self.timings["export"] = self.timings.get("export", 0.0) + exp
         self._next_unit += 1
+        t0 = time.perf_counter()
         for i, payload in payloads:
             for form in self.writes.get(i, ()):
                 data = as_bytes(payload[form])
@@ -390,6 +419,7 @@ class Session:
                                  token_end=(i + 1) * self.bs, form=form, spec_digest=e.specs[form].spec_digest,
                                  checksum=bytes_checksum(data))
                 self._commit(meta, data)
+        self._spent("commit", t0)
         if self.done_prefill:
             self.logits = logits
         return self.done_prefill
@@ -452,7 +482,8 @@ class Session:
         return Result(tokens=tokens, logits=logits, prompt_tokens=len(self.tokens),
                       cached_tokens=self.resume_blocks * self.bs, hit_tokens=self.hit_blocks * self.bs,
                       validated=len(self.found), invalid=list(self.invalid), fallbacks=list(self.fallbacks),
-                      reloaded=dict(self.reloaded), degraded=self.degraded, epoch=self.epoch, ttft_s=ttft)
+                      reloaded=dict(self.reloaded), degraded=self.degraded, epoch=self.epoch, ttft_s=ttft,
+                      timings=dict(self.timings))
 
 
 def _units(start: int, end: int, bs: int, chunk_blocks: int) -> list[tuple[int, int]]:

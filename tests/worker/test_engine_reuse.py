@@ -89,7 +89,7 @@ async def test_whole_cached_prompt_and_prefill_grid(make_engine, reference) -> N
 
 async def test_long_prefix_after_everything_else_was_overwritten(make_engine, reference, model) -> None:
     """A prefix 4× the sliding window, asked again after other long prompts recycled every
-    window and tail slot: no stale window state, bit-identical."""
+    window slot: no stale window state, bit-identical."""
     assert model.cfg.sliding_window * 4 <= 128
     long = prompt(136, seed=13)
     # small pools: swa and tail hold only a handful of blocks, so later requests recycle them
@@ -103,8 +103,8 @@ async def test_long_prefix_after_everything_else_was_overwritten(make_engine, re
         again = await e.generate(long, max_tokens=3)
         assert again.invalid == []
         assert same(again, await ref.generate(long, max_tokens=3))
-        # the window and tail slots were really recycled (new generations) in between
-        assert max(e.store.pools["swa"].generations) > 1 and max(e.store.pools["tail"].generations) > 1
+        # the window slots were really recycled (new generations) in between
+        assert max(e.store.pools["swa"].generations) > 1
 
 
 async def test_reuse_off_and_tenants_do_not_share(make_engine, reference) -> None:
