@@ -54,16 +54,17 @@ def test_prefill_logits_match_hf(tiny, hf, tokens, cold_run) -> None:
 
 
 def test_incremental_decode_logits_match_hf(tiny, hf, tokens) -> None:
-    """HF with its cache: prefill 150 tokens, then one token at a time; ours likewise
-    (block units, a trailing partial block, then decode steps)."""
-    split = 150
+    """HF with its cache: prefill 150 tokens, then 20 one at a time (crossing CSA and HCA
+    boundaries at 152..168 and 160); ours likewise (block units, a trailing partial block,
+    then decode steps)."""
+    split, stop = 150, 170
     cache = DynamicCache(config=hf.config)
     with torch.no_grad():
         ref = [hf(tokens[None, :split], past_key_values=cache, use_cache=True).logits[0]]
-        for i in range(split, len(tokens)):
+        for i in range(split, stop):
             ref.append(hf(tokens[None, i:i + 1], past_key_values=cache, use_cache=True).logits[0])
     state = tiny.new_state(BLOCK)
-    ours = [tiny.prefill(tokens[:split], state)] + [tiny.decode_step(t, state)[None] for t in tokens[split:]]
+    ours = [tiny.prefill(tokens[:split], state)] + [tiny.decode_step(t, state)[None] for t in tokens[split:stop]]
     assert (torch.cat(ours) - torch.cat(ref)).abs().max().item() < TOL
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.model.norms import rms_normalize
+from worker.model.norms import as_dtype, as_float32, rms_normalize
 
 
 class HyperConnection(nn.Module):
@@ -32,7 +32,7 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams ``[T, n, hidden]`` → (post ``[T, n]``, comb ``[T, n, n]``, collapsed ``[T, hidden]``)."""
         n = self.n
-        mixes = F.linear(rms_normalize(streams.flatten(1).float(), self.norm_eps), self.fn.float())
+        mixes = F.linear(rms_normalize(as_float32(streams.flatten(1)), self.norm_eps), as_float32(self.fn))
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         s_pre, s_post, s_comb = self.scale.unbind(0)
@@ -43,15 +43,15 @@ class HyperConnection(nn.Module):
         for _ in range(self.iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        collapsed = as_dtype((pre.unsqueeze(-1) * streams).sum(dim=1), streams.dtype)
         return post, comb, collapsed
 
     @staticmethod
     def merge(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """New streams from the old ones and the sub-block output ``out`` ``[T, hidden]``."""
         dtype = streams.dtype
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2),
-                                                                              streams)
+        return as_dtype(post, dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
+            as_dtype(comb, dtype).transpose(-1, -2), streams)
 
 
 class HyperHead(nn.Module):
@@ -65,6 +65,6 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        mixes = F.linear(rms_normalize(streams.flatten(1).float(), self.norm_eps), self.hc_fn.float())
-        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        mixes = F.linear(rms_normalize(as_float32(streams.flatten(1)), self.norm_eps), as_float32(self.hc_fn))
+        pre = torch.sigmoid(mixes * as_float32(self.hc_scale) + as_float32(self.hc_base)) + self.eps
+        return as_dtype((pre.unsqueeze(-1) * streams).sum(dim=1), streams.dtype)

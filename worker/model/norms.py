@@ -6,9 +6,19 @@ import torch
 from torch import nn
 
 
+def as_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32, without a (no-op) dispatch when it already is: the tiny model is
+    bound by per-op overhead, and these casts sit on every hot path."""
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x²) + eps)`` over the last dim, no weight (V4's per-head q norm, mHC input)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    return x * as_dtype(torch.rsqrt(as_float32(x).square().mean(-1, keepdim=True) + eps), x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -20,6 +30,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = as_float32(x)
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * normed).to(x.dtype)
+        return as_dtype(self.weight * normed, x.dtype)
