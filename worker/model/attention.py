@@ -95,16 +95,21 @@ class Attention(nn.Module):
             comp = self.compressor
             n = comp.run(x, span, state.compressor(self.layer, MAIN), rope, state.block_size)
             entries = state.compressor(self.layer, MAIN).entries(n)
+            off = window.shape[0]
             if comp.overlap:
                 picked = comp.indexer.select(x, qr, span, state.compressor(self.layer, IDX), rope,
-                                             state.block_size)
+                                             state.block_size)                              # [T, k]
+                # Only the picked entries join the keys (k per query, not the whole history).
+                k = picked.shape[1]
+                chosen = entries[picked.clamp_min(0)].reshape(T * k, D) if n else entries.new_zeros(T * k, D)
+                slot = off + torch.arange(T * k, device=x.device).view(T, k)
+                idx = torch.cat([idx, torch.where(picked >= 0, slot, picked)], 1)
+                keys = torch.cat([window, chosen], 0)
             else:
                 ids = torch.arange(n, device=x.device).expand(T, n)
                 visible = ids < ((span.positions + 1) // self.ratio).unsqueeze(1)
-                picked = torch.where(visible, ids, torch.full_like(ids, -1))
-            off = window.shape[0]
-            idx = torch.cat([idx, torch.where(picked >= 0, picked + off, picked)], 1)
-            keys = torch.cat([window, entries], 0)
+                idx = torch.cat([idx, torch.where(visible, ids + off, torch.full_like(ids, -1))], 1)
+                keys = torch.cat([window, entries], 0)
 
         o = sparse_attn(q, keys, idx, self.sinks, self.scale)                 # [T, H, D]
         o = apply_rope(o, cos, sin, inverse=True)
