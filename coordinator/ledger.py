@@ -112,10 +112,14 @@ class Ledger:
         self.set_status("serving", "")
         await self.execute(lambda s: (None, resume(s, now_ms())))
 
-    async def stand_down(self, reason: str, *, flush: bool = True) -> None:
-        """Stop deciding; commit what is queued (``flush``) or fail it; waiters get UNAVAILABLE."""
+    async def stand_down(self, reason: str, *, flush: bool = True, status: str = "standby") -> None:
+        """Stop deciding; commit what is queued (``flush``) or fail it; waiters get UNAVAILABLE.
+
+        ``status``: ``standby`` (another coordinator leads: callers hear NOT_LEADER) or
+        ``degraded`` (nobody can lead right now, e.g. PostgreSQL is gone: UNAVAILABLE).
+        """
         if self.status != "stopped":
-            self.set_status("standby", reason)
+            self.set_status(status, reason)
         if self._rebuild is not None:
             self._rebuild.cancel()
             with contextlib.suppress(asyncio.CancelledError):

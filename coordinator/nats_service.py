@@ -46,6 +46,8 @@ from shared.subjects import COORDINATOR_QUEUE, Subjects
 
 #: Durable name of the coordinator's pull consumer (shared by leader and standbys; only the leader pulls).
 CONSUMER_NAME = "kvl-coordinator"
+#: Redelivery of a message not acked in time (a commit takes milliseconds; statements time out in seconds).
+ACK_WAIT_S = 10.0
 
 
 class StartupError(RuntimeError):
@@ -210,19 +212,53 @@ class NatsService:
         else:
             self.log.info("stream_verified", stream=name)
 
-    async def start_consumer(self) -> None:
-        """Create/verify the durable pull consumer and start the (paused) fetch loop."""
-        name = self.subjects.stream_name
+    def _consumer_config(self, start_seq: int = 0) -> ConsumerConfig:
         batch_max = self.config.coordinator.commit_batch_max
-        cfg = ConsumerConfig(
+        return ConsumerConfig(
             durable_name=CONSUMER_NAME, name=CONSUMER_NAME, ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL, filter_subject=self.subjects.events_wildcard,
-            # Longer than a commit can take (statement timeouts are seconds); redelivery is harmless.
-            ack_wait=30.0, max_deliver=-1, max_ack_pending=max(4 * batch_max, 1000))
-        await self.js.add_consumer(name, cfg)
-        self._psub = await self.js.pull_subscribe_bind(durable=CONSUMER_NAME, stream=name)
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if start_seq else DeliverPolicy.ALL,
+            opt_start_seq=start_seq or None, filter_subject=self.subjects.events_wildcard,
+            # Longer than a commit takes (statement timeouts are seconds); redelivery is harmless.
+            ack_wait=ACK_WAIT_S, max_deliver=-1, max_ack_pending=max(4 * batch_max, 1000))
+
+    async def start_consumer(self) -> None:
+        """Create (or bind to) the durable pull consumer and start the (paused) fetch loop."""
+        stream = self.subjects.stream_name
+        try:
+            info = await self.js.consumer_info(stream, CONSUMER_NAME)
+        except nats.js.errors.NotFoundError:
+            await self.js.add_consumer(stream, self._consumer_config())
+            self.log.info("consumer_created", consumer=CONSUMER_NAME, ack="explicit", ack_wait_s=ACK_WAIT_S,
+                          max_deliver=-1)
+        else:
+            if info.config.ack_policy != AckPolicy.EXPLICIT:
+                raise StartupError(f"JetStream consumer {CONSUMER_NAME} on {stream} does not use explicit acks; "
+                                   "delete it and let the coordinator create it")
+        self._psub = await self.js.pull_subscribe_bind(durable=CONSUMER_NAME, stream=stream)
         self._consumer = asyncio.create_task(self._consume(), name="transition-consumer")
         self._publisher = asyncio.create_task(self._publish_watermarks(), name="watermark-publisher")
+
+    async def reclaim_in_flight(self) -> int:
+        """After a takeover: have deliveries the previous leader never acked redelivered now.
+
+        A crashed coordinator's un-acked messages would otherwise wait out ``ack_wait``, and a
+        worker's republish does not help (the broker drops it as a duplicate Nats-Msg-Id), so
+        watermarks would stall. The consumer is recreated to start at its ack floor + 1;
+        messages above the floor that were acked are delivered again and absorbed as duplicates.
+        """
+        stream = self.subjects.stream_name
+        info = await self.js.consumer_info(stream, CONSUMER_NAME)
+        if not info.num_ack_pending:
+            return 0
+        start = (info.ack_floor.stream_seq if info.ack_floor else 0) + 1
+        await self.js.delete_consumer(stream, CONSUMER_NAME)
+        await self.js.add_consumer(stream, self._consumer_config(start_seq=start))
+        old, self._psub = self._psub, await self.js.pull_subscribe_bind(durable=CONSUMER_NAME, stream=stream)
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.unsubscribe()
+        self.log.info("consumer_reclaimed", unacked=info.num_ack_pending, redeliver_from_stream_seq=start)
+        return int(info.num_ack_pending)
 
     def resume_consumer(self) -> None:
         self._pull.set()

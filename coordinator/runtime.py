@@ -21,7 +21,6 @@ import contextlib
 import time
 from typing import Any
 
-import nats
 from nats.aio.client import Client as NatsClient
 
 from coordinator.aio import bounded
@@ -67,19 +66,26 @@ class Coordinator:
         self.fatal: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._step_reason = ""
         self._stopping = False
+        self._last_nats_error = ""
 
     # --- start / stop ----------------------------------------------------------------------
 
     async def start(self) -> None:
-        timeout = self.config.nats.request_timeout_ms / 1000
+        timeout = max(self.config.nats.request_timeout_ms / 1000, 2.0)
+        nc = NatsClient()
         try:
-            self.nc = await nats.connect(
-                self.nats_url, name=f"kvl-coordinator {self.holder}", connect_timeout=max(timeout, 2.0),
+            # NOTE: with unlimited reconnects nats-py retries the *first* connection forever too;
+            # at start an unreachable NATS is a configuration problem, so bound it.
+            await asyncio.wait_for(nc.connect(
+                self.nats_url, name=f"kvl-coordinator {self.holder}", connect_timeout=timeout,
                 allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                 error_cb=self._nats_error, disconnected_cb=self._nats_disconnected,
-                reconnected_cb=self._nats_reconnected)
+                reconnected_cb=self._nats_reconnected), timeout=2 * timeout)
         except Exception as e:  # noqa: BLE001 - one readable line for the operator
-            raise StartupError(f"cannot connect to NATS at {self.nats_url}: {type(e).__name__}: {e}") from e
+            await bounded(nc.close(), 2)
+            why = self._last_nats_error or f"{type(e).__name__}: {e}"
+            raise StartupError(f"cannot connect to NATS at {self.nats_url}: {why}") from e
+        self.nc = nc
         self.service = NatsService(self.nc, self.subjects, self.ledger, config=self.config, metrics=self.metrics,
                                    logger=self.log)
         self.ledger.on_watermarks = self.service.publish_watermarks
@@ -154,7 +160,7 @@ class Coordinator:
         self._stepped_down.set()
 
     async def _ensure_schema(self) -> None:
-        delay = 0.1
+        delay, last = 0.1, ""
         while True:
             try:
                 await upgrade(self.event_log.engine)
@@ -162,9 +168,11 @@ class Coordinator:
             except Exception as e:  # noqa: BLE001 - waits for an unreachable database; anything else is fatal
                 if not is_unavailable(e):
                     raise StartupError(f"cannot migrate the event log schema: {describe(e)}") from e
-                self.log.warning("schema_check_waiting", error=describe(e), retry_in_s=delay)
+                if describe(e) != last:
+                    self.log.warning("database_unreachable", error=describe(e), action="retrying")
+                last = describe(e)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                delay = min(delay * 2, 1.0)
 
     async def _leadership_loop(self) -> None:
         try:
@@ -190,6 +198,10 @@ class Coordinator:
         try:
             await self.service.start_requests()
             await self.ledger.take_over(epoch)
+            try:
+                await self.service.reclaim_in_flight()
+            except Exception as e:  # noqa: BLE001 - only a delay: un-acked messages come back after ack_wait
+                self.log.warning("consumer_reclaim_failed", error=f"{type(e).__name__}: {e}")
             self.service.resume_consumer()
         except (LogError, LogCorrupt, Unavailable) as e:
             self.log.error("takeover_failed", error=str(e), leader_epoch=epoch)
@@ -222,10 +234,9 @@ class Coordinator:
         """Stop serving. ``still_ours``: nobody else is known to lead (e.g. PostgreSQL went away)."""
         assert self.service is not None
         self.service.pause_consumer()
-        await self.ledger.stand_down(reason, flush=False)
-        if still_ours:
-            self.ledger.set_status("degraded", reason)  # keep answering (UNAVAILABLE) until we lead again
-        else:
+        # still ours: keep answering (UNAVAILABLE) until we lead again
+        await self.ledger.stand_down(reason, flush=False, status="degraded" if still_ours else "standby")
+        if not still_ours:
             await self.service.stop_requests()
         await self.election.release()
 
@@ -248,7 +259,9 @@ class Coordinator:
     # --- NATS connection events --------------------------------------------------------------
 
     async def _nats_error(self, e: Exception) -> None:
-        self.log.warning("nats_error", error=f"{type(e).__name__}: {e}")
+        self._last_nats_error = f"{type(e).__name__}: {e}"
+        if self.nc is not None:  # during the first connect, the caller reports it once
+            self.log.warning("nats_error", error=self._last_nats_error)
 
     async def _nats_disconnected(self) -> None:
         if not self._stopping:

@@ -1,0 +1,81 @@
+"""The coordinator as an operator meets it: `kvledger db upgrade|current`, one readable line for a
+configuration or connection problem, SIGTERM, and the embedded path with no URLs at all."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import asyncpg
+
+from shared.subjects import Subjects
+from tests.e2e.coordinator_processes import REPO, CoordinatorProcess, clean_env, coordinators  # noqa: F401
+
+KVLEDGER = [sys.executable, "-c", "import sys; from coordinator.cli import main; sys.exit(main())"]
+
+
+def kvledger(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*KVLEDGER, *args], cwd=REPO, env=env or clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_db_upgrade_and_current(database_url: str) -> None:
+    env = clean_env(KVL_DATABASE_URL=database_url)
+    before = kvledger("db", "current", env=env)
+    assert before.returncode == 1 and "current: (none)" in before.stdout and "not migrated" in before.stdout
+    up = kvledger("db", "upgrade", env=env)
+    assert up.returncode == 0, up.stderr
+    assert "event log schema at revision 0001" in up.stdout
+    after = kvledger("db", "current", env=env)
+    assert after.returncode == 0 and "up to date" in after.stdout
+
+
+def test_operator_errors_are_one_readable_line(tmp_path: Path, database_url: str, nats_url: str) -> None:
+    bad_key = kvledger("coordinator", env=clean_env(KVL_COORDINATOR__PORT="eighty"))
+    assert bad_key.returncode == 2
+    assert bad_key.stderr.strip().splitlines() == [
+        "kvledger: configuration error: config key coordinator.port: Expected `int`, got `str`"]
+
+    no_db = database_url.rsplit("/", 1)[0] + "/no_such_database"
+    missing = subprocess.run(
+        [sys.executable, "-m", "coordinator", "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=60,
+        env=clean_env(KVL_DATABASE_URL=no_db, KVL_NATS_URL=nats_url, KVL_LOGGING__LEVEL="error"))
+    assert missing.returncode == 2
+    lines = missing.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvledger coordinator: PostgreSQL at "), missing.stderr
+    assert 'database "no_such_database" does not exist' in lines[0]
+    assert "Traceback" not in missing.stderr
+
+    no_nats = subprocess.run(
+        [sys.executable, "-m", "coordinator", "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=60,
+        env=clean_env(KVL_DATABASE_URL=database_url, KVL_NATS_URL="nats://127.0.0.1:9", KVL_LOGGING__LEVEL="error"))
+    assert no_nats.returncode == 2
+    assert no_nats.stderr.strip().startswith("kvledger coordinator: cannot connect to NATS at nats://127.0.0.1:9")
+    assert "Traceback" not in no_nats.stderr
+
+
+async def test_embedded_services_when_no_url_is_set_and_clean_sigterm(
+        tmp_path: Path, coordinators: list[CoordinatorProcess]) -> None:
+    c = CoordinatorProcess("embedded", tmp_path)  # no database.url, no nats.url
+    coordinators.append(c.start())
+    ready = await c.wait_status("serving", timeout_s=90)
+    assert ready["leader_epoch"] == 1
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{c.base}/v1/snapshot") as r:  # loopback: no token needed
+            assert r.status == 200, await r.text()
+    assert c.terminate() == 0
+    text = c.text()
+    assert "embedded_services_started" in text and "embedded_services_stopped" in text
+    assert "coordinator_stopped" in text
+    # the embedded PostgreSQL kept the log: a second run replays it
+    c.start()
+    again = await c.wait_status("serving", timeout_s=90)
+    assert again["leader_epoch"] == 2 and again["last_replay"]["snapshot_position"] is not None
+    c.signal(signal.SIGINT)
+    assert c.popen is not None and c.popen.wait(30) == 0
+
+
+_ = (asyncpg, Subjects)
