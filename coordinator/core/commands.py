@@ -144,22 +144,78 @@ def resume(state: LedgerState, now_ms: int) -> Events:
 
 # --- leases ------------------------------------------------------------------------------
 
-def _lru_victims(state: LedgerState, pool: dict[ReplicaKey, None], count: int,
-                 exclude: set[ReplicaKey]) -> list[Replica]:
+def _plan_writes(state: LedgerState, w: WorkerRecord, msg: m.LeaseAcquire, usable: int,
+                 pin_keys: list[ReplicaKey]) -> tuple[dict[str, list[int]], list[Replica], int]:
+    """``(write, victims, wanted)``: which blocks to fill per form, whom to evict for them.
+
+    Writes are granted block by block, every needed form of a block together, stopping at
+    the first block that does not fit: a block is reusable only with all its forms, and a
+    prefix only without gaps, so a partial grant keeps the earliest blocks whole.
+
+    A block needs a form when it has no live replica of that form on the worker's GPU and
+    either lies past the usable prefix (it will be computed) or is read from host/disk for
+    the resume (it will be reloaded). A block fits when each such form has a free slot or an
+    LRU victim (READY, unpinned, not a block of this request) in its pool, and the tenant's
+    quota has room for all of them.
+    """
+    gpu = w.gpu
+    hashes = msg.block_hashes
     replicas = state.replicas
-    candidates = (r for k in pool if (r := replicas[k]).state is READY and not r.pins and k not in exclude)
-    return heapq.nsmallest(count, candidates, key=lambda r: (r.last_used_ms, r.block_hash))
+    pinned_at = {(k[0], k[1]): k[2] for k in pin_keys}
+    # NOTE: the request's own blocks are never victims: READY ones past the prefix are kept
+    # (nothing would rewrite them), and the pinned ones must not move.
+    mine = set(hashes)
+    need: dict[str, set[int]] = {}
+    for form in msg.write_forms:
+        idx = set()
+        for i, bh in enumerate(hashes):
+            if i < usable and pinned_at.get((bh, form), gpu) == gpu:
+                continue  # read from the GPU (or not needed for the resume): nothing to fill
+            r = replicas.get((bh, form, gpu))
+            if r is None or r.state not in LIVE:
+                idx.add(i)
+        if idx:
+            need[form] = idx
+    wanted = sum(map(len, need.values()))
+    if not wanted:
+        return {}, [], 0
+    free: dict[str, int] = {}
+    candidates: dict[str, list[Replica]] = {}
+    for form in need:
+        pool = state.pools.get((w.worker_id, form), {})
+        free[form] = max(0, w.pool_slots.get(form, 0) - len(pool))
+        candidates[form] = [r for k in pool if (r := replicas[k]).state is READY and not r.pins
+                            and k[0] not in mine]
+    quota = state.params.tenant_quota_replicas
+    # NOTE: evicting the tenant's own replicas would free quota too; not counted (conservative).
+    room = quota - state.tenant_used.get(msg.tenant, 0) if quota else wanted
+    granted = dict.fromkeys(need, 0)
+    blocks: list[int] = []
+    for i in sorted(set().union(*need.values())):
+        forms = [f for f in need if i in need[f]]
+        if len(forms) > room or any(granted[f] >= free[f] + len(candidates[f]) for f in forms):
+            break
+        for f in forms:
+            granted[f] += 1
+        room -= len(forms)
+        blocks.append(i)
+    write = {f: idx for f in need if (idx := [i for i in blocks if i in need[f]])}
+    victims: list[Replica] = []
+    for f, k in granted.items():
+        if k > free[f]:
+            victims.extend(heapq.nsmallest(k - free[f], candidates[f], key=lambda r: (r.last_used_ms, r.block_hash)))
+    return write, victims, wanted
 
 
 def acquire_lease(state: LedgerState, msg: m.LeaseAcquire, now_ms: int,
                   lease_id: str) -> tuple[m.LeaseGrant | m.ErrorReply, Events]:
     """Read pins for the longest usable prefix plus write reservations for what must be filled.
 
-    Writes, per form, are the request's blocks with no live replica of that form on the
-    worker's GPU: blocks past the usable prefix (to be computed) and prefix blocks pinned
-    from host/disk (to be reloaded). When the pool is full, LRU unpinned READY replicas of
-    that (worker, form) are evicted; when even that is not enough (everything pinned) or
-    the tenant quota is reached, fewer writes are granted — the earliest blocks first.
+    Writes go to the worker's GPU pools (see :func:`_plan_writes`); a full pool gives up its
+    least recently used unpinned READY replicas (``evict`` in the grant, already EVICTED in
+    the log); when even that is not enough, or the tenant quota is reached, fewer blocks are
+    granted — the earliest first. Nothing at all to read or write → ``OVER_CAPACITY``.
+    A draining worker gets reads only.
     """
     w = _live_worker(state, msg.worker_id, msg.epoch)
     if isinstance(w, m.ErrorReply):
@@ -172,6 +228,8 @@ def acquire_lease(state: LedgerState, msg: m.LeaseAcquire, now_ms: int,
         if form not in declared:
             return _error(m.ErrorCode.INVALID, f"write form {form!r} is not declared by worker "
                           f"{w.worker_id}'s catalogue; declared: {list(declared)}"), []
+    if len(set(msg.block_hashes)) != len(msg.block_hashes):
+        return _error(m.ErrorCode.INVALID, "block_hashes repeats a hash; a chained prefix cannot"), []
     if len(set(msg.write_forms)) != len(msg.write_forms):
         return _error(m.ErrorCode.INVALID, f"write_forms lists a form twice: {msg.write_forms}"), []
     if lease_id in state.leases:
@@ -184,41 +242,11 @@ def acquire_lease(state: LedgerState, msg: m.LeaseAcquire, now_ms: int,
     if msg.reuse and n:
         res = longest_usable_prefix(state, w.catalogue, hashes, readable_locations(w), p.max_rejected_reasons)
         usable, pin_keys, rejected = res.usable_blocks, res.replicas_to_pin, res.rejected
-    pinned = set(pin_keys)
-    pinned_by_block_form = {(k[0], k[1]): k[2] for k in pin_keys}
 
     gpu = w.gpu
     replicas = state.replicas
-    quota = p.tenant_quota_replicas
-    tenant_free = quota - state.tenant_used.get(msg.tenant, 0) if quota else n * len(msg.write_forms)
-    victims: list[Replica] = []
-    write: dict[str, list[int]] = {}
-    wanted = n * len(msg.write_forms) if w.draining else 0
-    if not w.draining:
-        for form in msg.write_forms:
-            need: list[int] = []
-            for i in range(n):
-                if i < usable and pinned_by_block_form.get((hashes[i], form), gpu) == gpu:
-                    continue  # read from the GPU (or not needed for the resume): nothing to fill
-                r = replicas.get((hashes[i], form, gpu))
-                if r is None or r.state not in LIVE:
-                    need.append(i)
-            if not need:
-                continue
-            wanted += len(need)
-            k = min(len(need), max(0, tenant_free))
-            pool = state.pools.get((w.worker_id, form), {})
-            free = max(0, w.pool_slots.get(form, 0) - len(pool))
-            if k > free:
-                chosen = _lru_victims(state, pool, k - free, pinned)
-                victims.extend(chosen)
-                for v in chosen:
-                    if v.tenant == msg.tenant:
-                        tenant_free += 1
-                k = free + len(chosen)
-            if k:
-                write[form] = need[:k]
-                tenant_free -= k
+    write, victims, wanted = ({}, [], n * len(msg.write_forms)) if w.draining else _plan_writes(
+        state, w, msg, usable, pin_keys)
 
     if wanted and not write and not usable:
         why = "worker is draining" if w.draining else "pool full of pinned replicas or tenant quota reached"

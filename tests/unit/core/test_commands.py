@@ -115,6 +115,7 @@ def test_acquire_refusals() -> None:
     err(d.run(acquire_lease, acquire("w1", 1, [h(0)], forms=("swa", "kv")), 1, "L"), ErrorCode.INVALID,
         "write form 'kv' is not declared", "declared: ['compressed', 'swa', 'tail']")
     err(d.run(acquire_lease, acquire("w1", 1, [h(0)], forms=("swa", "swa")), 1, "L"), ErrorCode.INVALID, "twice")
+    err(d.run(acquire_lease, acquire("w1", 1, [h(0), h(0)]), 1, "L"), ErrorCode.INVALID, "repeats")
     d.run(acquire_lease, acquire("w1", 1, [h(0)]), 1, "L")
     err(d.run(acquire_lease, acquire("w1", 1, [h(1)]), 1, "L"), ErrorCode.INVALID, "already live")
     consistent(d)
@@ -152,14 +153,15 @@ def test_pool_full_of_pinned_replicas_grants_fewer_writes_then_none() -> None:
     consistent(d)
 
 
-def test_tenant_quota_caps_writes_in_form_order() -> None:
+def test_tenant_quota_grants_whole_blocks_only() -> None:
     d = fresh(CoreParams(tenant_quota_replicas=4))
+    # Room for 4 replicas: block 0 takes 3 (one per form); block 1 would need 3 more.
     g = d.run(acquire_lease, acquire("w1", 1, [h(0), h(1)]), 1, "L1")
-    assert g.write == {"compressed": [0, 1], "swa": [0, 1]}
+    assert g.write == {f: [0] for f in FORMS}
     err(d.run(acquire_lease, acquire("w1", 1, [h(5)]), 2, "L2"), ErrorCode.OVER_CAPACITY, "quota")
     g3 = d.run(acquire_lease, acquire("w1", 1, [h(5)], tenant="t2"), 3, "L3")
     assert g3.write == {f: [0] for f in FORMS}
-    assert d.state.tenant_used == {"t1": 4, "t2": 3}
+    assert d.state.tenant_used == {"t1": 3, "t2": 3}
     consistent(d)
 
 
