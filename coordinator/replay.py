@@ -92,7 +92,7 @@ async def load_state(log: EventLog, params: CoreParams, *, upto: int | None = No
         if logger is not None and n >= next_report:
             elapsed = time.perf_counter() - t0
             logger.info(f"{what}_progress", events=n, position=pos, events_per_s=round(n / max(elapsed, 1e-9)))
-            next_report += progress_every
+            next_report = (n // progress_every + 1) * progress_every
         await asyncio.sleep(0)
     seconds = time.perf_counter() - t0
     if logger is not None:

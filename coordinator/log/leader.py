@@ -21,7 +21,6 @@ slow: its next append fails with ``NotLeader`` and it steps down.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import secrets
 import socket

@@ -9,9 +9,7 @@ import sys
 from pathlib import Path
 
 import aiohttp
-import asyncpg
 
-from shared.subjects import Subjects
 from tests.e2e.coordinator_processes import REPO, CoordinatorProcess, clean_env, coordinators  # noqa: F401
 
 KVLEDGER = [sys.executable, "-c", "import sys; from coordinator.cli import main; sys.exit(main())"]
@@ -77,5 +75,3 @@ async def test_embedded_services_when_no_url_is_set_and_clean_sigterm(
     c.signal(signal.SIGINT)
     assert c.popen is not None and c.popen.wait(30) == 0
 
-
-_ = (asyncpg, Subjects)

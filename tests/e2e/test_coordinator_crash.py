@@ -17,10 +17,9 @@ from pathlib import Path
 import aiohttp
 import asyncpg
 import nats
-import pytest
 
-from coordinator.core import CoreParams, decode_event, replay, state_hash
-from shared.messages import LeaseGrant
+from coordinator.core import decode_event, replay, state_hash
+from shared.messages import LeaseGrant, encode
 from shared.subjects import Subjects
 from tests.e2e.coordinator_processes import CoordinatorProcess, coordinators  # noqa: F401 - fixture
 from tests.integration.coordinator_kit import Worker, block
@@ -62,7 +61,7 @@ async def test_kill_9_mid_stream_loses_nothing_acknowledged_and_replays_to_the_s
         killed_at_watermark = -1
         for t in commits:
             with contextlib.suppress(Exception):
-                await js.publish(subjects.events("w1"), _enc(t), headers={"Nats-Msg-Id": t.source_id})
+                await js.publish(subjects.events("w1"), encode(t), headers={"Nats-Msg-Id": t.source_id})
                 acked.add(t.seq)
             if t.seq == N // 3:
                 killed_at_watermark = w.watermark
@@ -81,7 +80,7 @@ async def test_kill_9_mid_stream_loses_nothing_acknowledged_and_replays_to_the_s
             assert time.monotonic() < deadline, f"watermark stuck at {w.watermark}"
             await asyncio.sleep(1.0)
             for t in commits[w.watermark:]:
-                await js.publish(subjects.events("w1"), _enc(t), headers={"Nats-Msg-Id": t.source_id})
+                await js.publish(subjects.events("w1"), encode(t), headers={"Nats-Msg-Id": t.source_id})
 
         db = await asyncpg.connect(database_url)
         try:
@@ -102,7 +101,7 @@ async def test_kill_9_mid_stream_loses_nothing_acknowledged_and_replays_to_the_s
             # and an independent replay, here, of the log up to the audited position
             log = await db.fetch("SELECT payload::text FROM events WHERE position <= $1 ORDER BY position",
                                  report["position"])
-            offline = replay((decode_event(r[0]) for r in log), CoreParams.from_config(_params()))
+            offline = replay(decode_event(r[0]) for r in log)
             assert state_hash(offline) == report["live_hash"]
             assert "replay_done" in c1.text()
         finally:
@@ -113,15 +112,3 @@ async def test_kill_9_mid_stream_loses_nothing_acknowledged_and_replays_to_the_s
         await nc.drain()
     assert c1.terminate() == 0
 
-
-def _enc(t: object) -> bytes:
-    from shared.messages import encode
-    return encode(t)  # type: ignore[arg-type]
-
-
-def _params() -> object:
-    from shared.config import parse_config
-    return parse_config({"coordinator": {"heartbeat_interval_ms": 200, "missed_heartbeats": 50}}).coordinator
-
-
-_ = pytest

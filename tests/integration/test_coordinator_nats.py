@@ -162,6 +162,8 @@ async def test_restart_from_snapshot_and_tail_reproduces_the_state(
                 for i in range(4):
                     await w.publish(w.commit(hashes, i, grant.lease_id))
             await _until(lambda: app[COORDINATOR].ledger.state.committed_seq("w1", 1) == 16)
+            # 38 events so far with snapshot_every_events=15: periodic snapshots were taken
+            await _until(lambda: app[COORDINATOR].metrics.snapshots._value.get() >= 2)
             async with aiohttp.ClientSession() as http:
                 async with http.post(f"{base}/v1/snapshot") as r:
                     snap = await r.json()
@@ -189,6 +191,27 @@ async def test_restart_from_snapshot_and_tail_reproduces_the_state(
             assert from_empty["replay_hash"] == from_snapshot["replay_hash"] == state_hash(ledger.state)
     finally:
         await nc.drain()
+
+
+async def test_a_silent_worker_is_declared_lost_by_periodic_expiry(
+        database_url: str, nats_url: str, subjects: Subjects) -> None:
+    cfg = fast_config(database_url, nats_url, subjects, missed_heartbeats=3)  # 600 ms of silence
+    async with running_coordinator(cfg) as (app, base):
+        nc = await nats.connect(nats_url)
+        try:
+            w = Worker(nc, subjects)
+            await w.register()
+            grant = await w.acquire([block(1), block(2)])
+            assert isinstance(grant, LeaseGrant)
+            ledger = app[COORDINATOR].ledger
+            await _until(lambda: not ledger.state.workers["w1"].alive, timeout_s=5)
+            assert grant.lease_id not in ledger.state.leases
+            fenced = await w.heartbeat()
+            assert isinstance(fenced, ErrorReply) and fenced.code == ErrorCode.FENCED
+            again = await w.register()
+            assert again.epoch == 2
+        finally:
+            await nc.drain()
 
 
 async def _until(cond, timeout_s: float = 10) -> None:  # type: ignore[no-untyped-def]
