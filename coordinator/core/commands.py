@@ -229,7 +229,12 @@ def acquire_lease(state: LedgerState, msg: m.LeaseAcquire, now_ms: int,
             return _error(m.ErrorCode.INVALID, f"write form {form!r} is not declared by worker "
                           f"{w.worker_id}'s catalogue; declared: {list(declared)}"), []
     if len(set(msg.block_hashes)) != len(msg.block_hashes):
-        return _error(m.ErrorCode.INVALID, "block_hashes repeats a hash; a chained prefix cannot"), []
+        seen: dict[str, int] = {}
+        for i, bh in enumerate(msg.block_hashes):
+            if bh in seen:
+                return _error(m.ErrorCode.INVALID, f"block_hashes repeats {bh} (indices {seen[bh]} and {i}); "
+                              "the chained hashes of one prompt are all distinct"), []
+            seen[bh] = i
     if len(set(msg.write_forms)) != len(msg.write_forms):
         return _error(m.ErrorCode.INVALID, f"write_forms lists a form twice: {msg.write_forms}"), []
     if lease_id in state.leases:

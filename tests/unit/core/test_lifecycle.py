@@ -9,7 +9,7 @@ import pytest
 
 from coordinator.core import (
     TRANSITIONS, IllegalTransition, TransitionApplied, TransitionRejected, acquire_lease, apply, ingest_transition,
-    register_worker, state_hash, step,
+    register_worker, step,
 )
 from coordinator.core.events import TransitionRecord
 from coordinator.core.lifecycle import KIND_OF_PAIR, KINDS, LIVE, TERMINAL, kind_of
