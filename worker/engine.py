@@ -92,6 +92,7 @@ class Engine:
         self.layouts = form_layouts(model.cfg, self.block_size)
         self.catalogue = declare_forms(model.cfg, self.block_size)
         self.specs = {n: lay.spec for n, lay in self.layouts.items()}
+        self.spec_digests = {n: spec.spec_digest for n, spec in self.specs.items()}
         self.namespace = namespace_hash(model.cfg.model_id, weights_digest(model))
         self.worker_id = worker_id_ or worker_id(cfg)
         self.gpu = f"gpu:{self.worker_id}"
@@ -124,6 +125,9 @@ class Engine:
         self._reason = "not started" if self.cache_enabled else ""
         #: Degraded because the outbox is full (clears by itself once the watermark drains it).
         self._outbox_full = False
+        #: A request-path call failed: degraded until a heartbeat says whether the coordinator is
+        #: really unreachable (then: re-register) or was only slow (then: carry on, same epoch).
+        self._suspect = ""
         self.heartbeat_interval_ms = cfg.coordinator.heartbeat_interval_ms
         self.lease_ttl_ms = cfg.coordinator.lease_ttl_ms
         self.sessions: set[Session] = set()
@@ -188,7 +192,7 @@ class Engine:
 
     @property
     def degraded(self) -> bool:
-        return self.cache_enabled and (not self.registered or self._outbox_full)
+        return self.cache_enabled and (not self.registered or self._outbox_full or bool(self._suspect))
 
     def salt(self, tenant: str) -> bytes:
         s = self._salts.get(tenant)
@@ -220,6 +224,15 @@ class Engine:
         self.metrics.degraded.set(1)
         self._wake_supervisor.set()
 
+    def _suspect_contact(self, reason: str) -> None:
+        if not self.degraded:
+            self.log.warning("degraded: checking the coordinator", reason=reason)
+            self.metrics.degraded_entries.labels(reason=reason.split(":", 1)[0][:40]).inc()
+        self._suspect = reason
+        self._reason = reason
+        self.metrics.degraded.set(1)
+        self._wake_supervisor.set()
+
     def _outbox_overflow(self) -> None:
         """The outbox is full: emit nothing new (never drop what it holds) until it drains."""
         if not self.degraded:
@@ -236,7 +249,10 @@ class Engine:
             out = await coro
         except CoordinatorUnavailable as e:
             self.metrics.lease_errors.labels(op=op, code="unavailable").inc()
-            self._enter_degraded(f"coordinator unreachable: {e}")
+            if op in ("register", "heartbeat"):
+                self._enter_degraded(f"coordinator unreachable: {e}")
+            else:
+                self._suspect_contact(f"coordinator unreachable: {e}")
             raise
         except CoordinatorRefused as e:
             self.metrics.lease_errors.labels(op=op, code=e.code.value).inc()
@@ -259,7 +275,8 @@ class Engine:
                     await self._sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
                     continue
-            await self._sleep(self.heartbeat_interval_ms / 1000)
+            if not self._suspect:
+                await self._sleep(self.heartbeat_interval_ms / 1000)
             if self.registered:
                 await self._heartbeat()
 
@@ -299,6 +316,7 @@ class Engine:
         self.lease_ttl_ms = reply.lease_ttl_ms
         self.registered = True
         self._outbox_full = False
+        self._suspect = ""
         self._reason = ""
         self.metrics.degraded.set(0)
         self.metrics.epoch.set(self.epoch)
@@ -316,6 +334,14 @@ class Engine:
         except (CoordinatorUnavailable, CoordinatorRefused):
             return
         self.publisher.ack(self.epoch, reply.committed_seq)
+        if self._suspect:
+            # NOTE: the coordinator answers for this epoch: it was slow, not gone; our replicas
+            # are still its replicas, so there is nothing to fence.
+            self.log.info("coordinator answers again; same epoch", epoch=self.epoch, after=self._suspect)
+            self._suspect = ""
+            if not self._outbox_full:
+                self._reason = ""
+                self.metrics.degraded.set(0)
         if self._outbox_full and self.publisher.depth <= self.publisher.capacity // 2:
             self._outbox_full = False
             self._reason = ""
@@ -380,9 +406,9 @@ class Engine:
                 self._offload(*dropped)
                 self._emit(victim, self.gpu, R.READY, R.EVICTED, victim.generation, kind="evict",
                            reason="local lru")
-            return self.store.install(meta, data)
-        finally:
+            out = self.store.install(meta, data)
             self._update_pool_metrics()
+            return out
 
     def invalidate(self, meta: BlockMeta, ref: ReplicaRef, *, damaged: bool, reason: str) -> int:
         """A replica failed validation: drop our copy, mark it INVALID in the ledger."""
@@ -461,6 +487,9 @@ class Engine:
                 self._emit(meta, self.host_location, R.READY, R.EVICTED, 0, kind="evict", reason="host lru")
             self.tiers.spilled(meta)
 
+    def pool_metrics(self) -> None:
+        self._update_pool_metrics()
+
     def _update_pool_metrics(self) -> None:
         if self.store is None:
             return
@@ -532,10 +561,7 @@ class Engine:
         outcome = "error"
         s = await self.open(tokens, tenant=tenant, reuse=reuse, max_new_tokens=max_tokens)
         try:
-            while not await s.prefill_step():
-                pass
-            assert s.logits is not None
-            logits = s.logits
+            logits = await s.prefill_rest()
             out: list[int] = []
             kept: list[torch.Tensor] = []
             ttft = 0.0

@@ -36,6 +36,7 @@ replica the commit fills.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -166,6 +167,9 @@ class Session:
         self._closed = False
         self.t0 = time.perf_counter()
         self.timings: dict[str, float] = {}
+        #: ``(meta, bytes)`` to install and commit once the model is busy again (or at close).
+        self._pending: list[tuple[BlockMeta, torch.Tensor]] = []
+        self._outcomes: dict[tuple[str, str], int] = {}
 
     def _spent(self, phase: str, since: float) -> None:
         self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - since
@@ -174,16 +178,22 @@ class Session:
 
     async def open(self) -> None:
         e = self.engine
-        if e.cache_enabled:
-            e.metrics.queries.inc(len(self.tokens))
+        # NOTE: the request state is allocated on the model thread while the lease is in flight.
+        self._fresh = asyncio.get_running_loop().run_in_executor(
+            e._compute, lambda: e.model.new_state(self.bs, self.capacity))
+        try:
+            if e.cache_enabled:
+                e.metrics.queries.inc(len(self.tokens))
+                t0 = time.perf_counter()
+                self.hashes = chain_hashes(self.tokens, self.bs, e.namespace, e.salt(self.tenant))
+                self._spent("hash", t0)
+                await self._lease_and_restore()
+        finally:
             t0 = time.perf_counter()
-            self.hashes = chain_hashes(self.tokens, self.bs, e.namespace, e.salt(self.tenant))
-            self._spent("hash", t0)
-            await self._lease_and_restore()
+            fresh = await self._fresh
+            self._spent("restore", t0)      # only the part of the allocation the lease did not hide
         if self.state is None:
-            t0 = time.perf_counter()
-            self.state = await e.compute(lambda: e.model.new_state(self.bs, self.capacity))
-            self._spent("restore", t0)
+            self.state = fresh
             self.resume_blocks = 0
         self.units = _units(self.resume_blocks * self.bs, len(self.tokens), self.bs, e.chunk_blocks)
         if self.main is not None:
@@ -278,17 +288,18 @@ class Session:
         """Validate what ``want`` still lacks; keep good copies in ``self.found``. Returns failures."""
         e = self.engine
         t_start = time.perf_counter()
+        self._outcomes: dict[tuple[str, str], int] = {}
         expect = Expect(namespace=e.namespace, tenant=self.tenant, block_hashes=self.hashes, block_size=self.bs,
-                        specs=e.specs)
+                        specs=e.specs, digests=e.spec_digests)
         failed = 0
         disk: list[tuple[Need, ReplicaRef]] = []
+        gpu: dict[str, list[tuple[Need, ReplicaRef]]] = {}
         for need in want:
             ref = refs[need]
             if need in self.found or (need, ref.location, ref.generation) in self.bad:
                 continue
             if ref.location == e.gpu:
-                obs, data = e.store.observe(ref.form, ref.block_hash)
-                failed += not self._judge(need, ref, obs, data, expect, reload=False)
+                gpu.setdefault(ref.form, []).append((need, ref))
             elif ref.location == e.host_location:
                 t0 = time.perf_counter()
                 obs, data = e.tiers.host_read(ref.block_hash, ref.form)
@@ -299,6 +310,10 @@ class Session:
                 disk.append((need, ref))
             else:
                 failed += not self._judge(need, ref, Observed(None), None, expect, reload=False)
+        for form, items in gpu.items():
+            seen = e.store.observe_many(form, [ref.block_hash for _, ref in items])
+            for (need, ref), (obs, data) in zip(items, seen):
+                failed += not self._judge(need, ref, obs, data, expect, reload=False)
         if disk:
             if not e.tiers.disk_available():
                 e.metrics.tier_unavailable.labels(tier="disk").inc()
@@ -315,14 +330,18 @@ class Session:
                         self.fallback("disk_unavailable")
                         continue
                     failed += not self._judge(need, ref, r.observed, r.data, expect, reload=True)
+        for (layer, outcome), n in self._outcomes.items():
+            e.metrics.validations.labels(layer=layer, outcome=outcome).inc(n)
         self._spent("validate", t_start)
         return failed
 
     def _judge(self, need: Need, ref: ReplicaRef, obs, data, expect: Expect, *, reload: bool) -> bool:
         e = self.engine
         v = validate(ref, need[0], obs, expect, e.switches, reload=reload)
+        counts = self._outcomes
         for layer, outcome in v.outcomes:
-            e.metrics.validations.labels(layer=layer.value, outcome=outcome).inc()
+            key = (layer.value, outcome)
+            counts[key] = counts.get(key, 0) + 1
         if v.ok:
             self.found[need] = _Found(data, ref)
             return True
@@ -346,7 +365,7 @@ class Session:
         e = self.engine
         return BlockMeta(namespace=e.namespace, tenant=self.tenant, block_hash=self.hashes[i],
                          parent_hash=self.hashes[i - 1] if i else ROOT_HASH, token_start=i * self.bs,
-                         token_end=(i + 1) * self.bs, form=form, spec_digest=e.specs[form].spec_digest,
+                         token_end=(i + 1) * self.bs, form=form, spec_digest=e.spec_digests[form],
                          checksum=ref.checksum, generation=ref.generation)
 
     async def _restore(self, p: int) -> None:
@@ -358,17 +377,18 @@ class Session:
             per_block[need[0]][need[1]] = self.found[need].data.view(layout.dtype).reshape(layout.shape)
         blocks = [BlockPayload(t, {f: e.specs[f] for f in t}) for t in per_block]
 
-        def work():
-            state = e.model.new_state(self.bs, self.capacity)
-            state.restore(blocks, p)
-            return state
-
         t0 = time.perf_counter()
+        fresh = await self._fresh
+
+        def work():
+            fresh.restore(blocks, p)
+            return fresh
+
         self.state = await e.compute(work)
         self._spent("restore", t0)
         self.resume_blocks = p
-        t0 = time.perf_counter()
-        # Reloaded replicas become GPU replicas where the lease granted the slot.
+        # Reloaded replicas become GPU replicas where the lease granted the slot (committed
+        # off the TTFT path, see _commit_pending).
         granted = self.main.write if self.main is not None else {}
         for need in want:
             f = self.found[need]
@@ -378,9 +398,7 @@ class Session:
             self.reloaded[tier] = self.reloaded.get(tier, 0) + 1
             e.metrics.reloaded_bytes.labels(tier=tier).inc(f.data.numel())
             if need[0] in granted.get(need[1], ()):
-                meta = self._meta(need, f.ref)
-                self._commit(meta, f.data)
-        self._spent("commit", t0)
+                self._pending.append((self._meta(need, f.ref), f.data))
 
     # --- prefill, decode ----------------------------------------------------------------------
 
@@ -389,48 +407,84 @@ class Session:
         return self._next_unit >= len(self.units)
 
     async def prefill_step(self) -> bool:
-        """Run the next prefill unit; True once the prompt is done (``self.logits`` is set)."""
+        """Run the next prefill unit; True once the prompt is done (``self.logits`` is set).
+
+        Blocks a unit completes are exported with it and committed while the *next* model
+        call runs (or at :meth:`decode` / :meth:`close`), so commits stay off the TTFT path.
+        """
         if self.done_prefill:
             return True
-        e = self.engine
-        s, t = self.units[self._next_unit]
-        ids = torch.tensor(self.tokens[s:t], dtype=torch.long)
-        state = self.state
-        first, last = s // self.bs, t // self.bs
-        export = [i for i in range(first, last) if i in self.writes]
-
-        def work():
-            t0 = time.perf_counter()
-            logits = e.model.prefill(ids, state, chunk_blocks=e.chunk_blocks, logits="last")
-            t1 = time.perf_counter()
-            payloads = [(i, state.export_block(i)) for i in export]
-            return logits, payloads, t1 - t0, time.perf_counter() - t1
-
-        logits, payloads, fwd, exp = await e.compute(work)
-        self.timings["forward"] = self.timings.get("forward", 0.0) + fwd
-        self.timings["export"] = self.timings.get("export", 0.0) + exp
-        self._next_unit += 1
-        t0 = time.perf_counter()
-        for i, payload in payloads:
-            for form in self.writes.get(i, ()):
-                data = as_bytes(payload[form])
-                meta = BlockMeta(namespace=e.namespace, tenant=self.tenant, block_hash=self.hashes[i],
-                                 parent_hash=self.hashes[i - 1] if i else ROOT_HASH, token_start=i * self.bs,
-                                 token_end=(i + 1) * self.bs, form=form, spec_digest=e.specs[form].spec_digest,
-                                 checksum=bytes_checksum(data))
-                self._commit(meta, data)
-        self._spent("commit", t0)
-        if self.done_prefill:
-            self.logits = logits
+        await self._run_units(self._next_unit + 1)
         return self.done_prefill
 
-    def _commit(self, meta: BlockMeta, data: torch.Tensor) -> None:
+    async def prefill_rest(self) -> torch.Tensor:
+        """Run every remaining prefill unit in one model call; returns the last prompt token's logits.
+
+        The same units as repeated :meth:`prefill_step` calls (so the same bits), with one
+        executor hop instead of one per unit: for callers that do not interleave requests.
+        """
+        if not self.done_prefill:
+            await self._run_units(len(self.units))
+        assert self.logits is not None
+        return self.logits
+
+    async def _run_units(self, stop: int) -> None:
         e = self.engine
-        if self.main is None or self.epoch != e.epoch:
-            return  # the epoch that holds the lease is gone: its writes were fenced
-        seq = e.commit(meta, data, lease_id=self.main.lease_id)
-        if seq:
-            self.last_seq = max(self.last_seq, seq)
+        state = self.state
+        plan = []
+        for s, t in self.units[self._next_unit:stop]:
+            ids = torch.tensor(self.tokens[s:t], dtype=torch.long)
+            plan.append((ids, [i for i in range(s // self.bs, t // self.bs) if i in self.writes]))
+
+        def work():
+            fwd = exp = 0.0
+            payloads = []
+            logits = None
+            for ids, export in plan:
+                t0 = time.perf_counter()
+                logits = e.model.prefill(ids, state, chunk_blocks=e.chunk_blocks, logits="last")
+                t1 = time.perf_counter()
+                payloads += [(i, state.export_block(i)) for i in export]
+                fwd += t1 - t0
+                exp += time.perf_counter() - t1
+            return logits, payloads, fwd, exp
+
+        fut = asyncio.get_running_loop().run_in_executor(e._compute, work)
+        self._commit_pending()          # NOTE: overlaps the model call just submitted
+        logits, payloads, fwd, exp = await fut
+        self.timings["forward"] = self.timings.get("forward", 0.0) + fwd
+        self.timings["export"] = self.timings.get("export", 0.0) + exp
+        self._next_unit = stop
+        for i, payload in payloads:
+            for form in self.writes.get(i, ()):
+                self._pending.append((self._block_meta(i, form), as_bytes(payload[form])))
+        if self.done_prefill:
+            self.logits = logits
+
+    def _block_meta(self, i: int, form: str, checksum: str = "") -> BlockMeta:
+        e = self.engine
+        return BlockMeta(namespace=e.namespace, tenant=self.tenant, block_hash=self.hashes[i],
+                         parent_hash=self.hashes[i - 1] if i else ROOT_HASH, token_start=i * self.bs,
+                         token_end=(i + 1) * self.bs, form=form, spec_digest=e.spec_digests[form],
+                         checksum=checksum)
+
+    def _commit_pending(self) -> None:
+        """Install and commit what earlier model calls produced (checksums computed here)."""
+        if not self._pending:
+            return
+        e = self.engine
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, []
+        if self.main is not None and self.epoch == e.epoch:
+            for meta, data in pending:
+                if not meta.checksum:
+                    meta = dataclasses.replace(meta, checksum=bytes_checksum(data))
+                seq = e.commit(meta, data, lease_id=self.main.lease_id)
+                if seq:
+                    self.last_seq = max(self.last_seq, seq)
+            e.pool_metrics()
+        # else: the epoch that holds the lease is gone: its writes were fenced
+        self._spent("commit", t0)
 
     async def decode(self, token: int) -> torch.Tensor:
         """Feed one token; returns the logits for the next position."""
@@ -438,7 +492,9 @@ class Session:
             raise RuntimeError("decode before the prompt is prefilled")
         e = self.engine
         state = self.state
-        self.logits = await e.compute(lambda: e.model.decode_step(int(token), state))
+        fut = asyncio.get_running_loop().run_in_executor(e._compute, lambda: e.model.decode_step(int(token), state))
+        self._commit_pending()
+        self.logits = await fut
         return self.logits
 
     # --- closing ------------------------------------------------------------------------------
@@ -465,6 +521,7 @@ class Session:
         e = self.engine
         if self._renew is not None:
             self._renew.cancel()
+        self._commit_pending()
         if not self.leases:
             return
         if self.last_seq and e.publisher is not None:

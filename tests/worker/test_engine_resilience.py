@@ -34,8 +34,10 @@ async def test_coordinator_down_serves_by_recomputation_then_reuse_resumes(make_
         twin.down = True
         r = await e.generate(toks, max_tokens=2)          # the lease call fails: recompute
         assert same(cold, r) and r.cached_tokens == 0 and r.degraded and "degraded" in r.fallbacks
+        assert e.health().degraded
+        await until(lambda: not e.registered)              # the heartbeat confirms: unreachable
         h = e.health()
-        assert h.degraded and not h.registered and "unreachable" in h.reason
+        assert h.degraded and "unreachable" in h.reason
         assert e.metrics.value("kvl_worker_degraded") == 1
         r = await e.generate(toks, max_tokens=2)          # known degraded: no coordinator call at all
         assert same(cold, r) and r.degraded
@@ -47,6 +49,28 @@ async def test_coordinator_down_serves_by_recomputation_then_reuse_resumes(make_
         await e.generate(toks, max_tokens=2)
         warm = await e.generate(toks, max_tokens=2)
         assert same(cold, warm) and warm.cached_tokens == 64 and warm.epoch == 2
+
+
+async def test_a_slow_answer_is_not_an_outage(make_engine) -> None:
+    """One lease call failing while heartbeats still succeed: degraded for that request only,
+    same epoch, cache kept."""
+    twin = InProcessCoordinator()
+    toks = prompt(48, seed=47)
+    async with make_engine(twin) as e:
+        await e.generate(toks, max_tokens=1)
+        real = twin.acquire
+
+        async def slow_once(msg):
+            twin.acquire = real
+            from worker.client import CoordinatorUnavailable
+            raise CoordinatorUnavailable("lease.acquire: coordinator did not answer within 1.5 s")
+
+        twin.acquire = slow_once
+        r = await e.generate(toks, max_tokens=1)
+        assert r.cached_tokens == 0 and "degraded" in r.fallbacks
+        await until(lambda: not e.degraded)
+        assert e.epoch == 1
+        assert (await e.generate(toks, max_tokens=1)).cached_tokens == 32
 
 
 async def test_publishes_lost_by_the_broker_are_sent_again(make_engine) -> None:

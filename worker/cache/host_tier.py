@@ -66,6 +66,18 @@ class HostTier:
         self._entries.move_to_end(key)
         return data
 
+    def peek(self, block_hash: str, form: str) -> tuple[torch.Tensor, str] | None:
+        """The stored bytes and their recorded checksum, *unverified* (touches the LRU order).
+
+        For a caller that copies the bytes and checksums its copy: one pass over the bytes
+        instead of two, and the check covers exactly what it will use.
+        """
+        key = (block_hash, form)
+        item = self._entries.get(key)
+        if item is not None:
+            self._entries.move_to_end(key)
+        return item
+
     def drop(self, block_hash: str, form: str) -> bool:
         item = self._entries.pop((block_hash, form), None)
         if item is None:

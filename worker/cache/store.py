@@ -71,6 +71,33 @@ class CacheStore:
         return Observed(meta, nbytes=data.numel(), ready=info.ready, checksum=lambda: bytes_checksum(data),
                         aligned=data.is_contiguous()), data
 
+    def observe_many(self, form: str, block_hashes: list[str]) -> list[tuple[Observed, torch.Tensor | None]]:
+        """:meth:`observe` for many blocks of one form, copying all their bytes in one gather."""
+        pool = self.pools[form]
+        found: list[tuple[int, int, BlockMeta, bool]] = []   # (position, slot, meta, ready)
+        out: list[tuple[Observed, torch.Tensor | None]] = [(Observed(None), None)] * len(block_hashes)
+        for k, h in enumerate(block_hashes):
+            hit = pool.lookup(h)
+            if hit is None:
+                continue
+            slot, info = hit
+            meta = self._meta.get((form, slot))
+            if meta is not None:
+                found.append((k, slot, meta, info.ready))
+                self._touch(form, slot)
+        if not found:
+            return out
+        index = torch.tensor([slot for _, slot, _, _ in found], dtype=torch.long, device=pool.storage.device)
+        # NOTE: one copy of every slot now; validation and restore both read this copy.
+        batch = pool.storage.index_select(0, index)
+        rows = (batch.cpu() if batch.device.type != "cpu" else batch).numpy()
+        nbytes = batch.shape[1]
+        # rows of a fresh contiguous gather: element-aligned and contiguous by construction
+        for j, (k, _, meta, ready) in enumerate(found):
+            out[k] = (Observed(meta, nbytes=nbytes, ready=ready, checksum=lambda v=rows[j]: checksum(v.data)),
+                      batch[j])
+        return out
+
     def ready_counts(self) -> dict[str, int]:
         return {f: sum(1 for i in p.table.values() if i.ready) for f, p in self.pools.pools.items()}
 

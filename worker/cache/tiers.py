@@ -16,6 +16,7 @@ writes are sequential and a batch of reloads is one executor call.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import torch
 
 from shared.hashing import checksum
 from worker.cache import offload_file as of
-from worker.cache.host_tier import HostTier, HostTierCorrupt
+from worker.cache.host_tier import HostTier
 from worker.cache.planner import BlockMeta, Observed
 
 Key = tuple[str, str]  # (block_hash, form)
@@ -82,17 +83,22 @@ class Tiers:
         meta = self._host_meta.get(key)
         data = None
         if self.host is not None and meta is not None:
-            try:
-                data = self.host.get(block_hash, form)
-            except HostTierCorrupt as e:
-                self._host_meta.pop(key, None)
-                return Observed(meta, damage=str(e)), None
+            item = self.host.peek(block_hash, form)
+            if item is not None:
+                data = item[0]
         if data is None and key in self._spills:
             meta, data, _ = self._spills[key]
         if meta is None or data is None:
             return Observed(None), None
+        # NOTE: verify the private copy (what the model will read), once, always: host memory
+        # is outside the pools' generation fencing, so the checksum is the only proof left.
         copy = data.clone()
-        return Observed(meta, nbytes=copy.numel(), checksum=lambda: checksum(memoryview(copy.numpy()))), copy
+        digest = checksum(memoryview(copy.numpy()))
+        if digest != meta.checksum:
+            self.host_drop(block_hash, form)
+            return Observed(meta, damage=f"host-tier copy of block {block_hash[:12]}… form {form} fails its "
+                                         f"checksum"), None
+        return Observed(meta, nbytes=copy.numel(), checksum=lambda: digest), copy
 
     def host_drop(self, block_hash: str, form: str) -> bool:
         key = (block_hash, form)
@@ -162,7 +168,11 @@ class Tiers:
         assert self.disk_root is not None
         path = of.path_for(self.disk_root, _disk_key(want))
         try:
-            raw = path.read_bytes()
+            with open(path, "rb", buffering=0) as f:
+                raw = bytearray(os.fstat(f.fileno()).st_size)
+                n = f.readinto(raw)
+            if n != len(raw):
+                del raw[n:]
         except FileNotFoundError:
             if not self.disk_root.exists():
                 return DiskRead(Observed(None), None, unavailable=f"offload directory {self.disk_root} is missing")
@@ -170,7 +180,7 @@ class Tiers:
         except OSError as e:
             return DiskRead(Observed(None), None, unavailable=f"offload read failed: {e.strerror}")
         try:
-            h, payload = of.split(raw)
+            h, payload = of.split(memoryview(raw))   # a view: the payload is not copied
         except of.OffloadCorrupt as e:
             return DiskRead(Observed(want, damage=str(e)), None)
         meta = BlockMeta(namespace=h.namespace, tenant=h.tenant, block_hash=h.block_hash,
@@ -182,7 +192,8 @@ class Tiers:
         if len(payload) != h.length:
             return DiskRead(Observed(meta, damage=f"payload is {len(payload)} bytes, header says {h.length} "
                                                   f"(truncated file)"), None)
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        data = torch.frombuffer(raw, dtype=torch.uint8, offset=len(raw) - len(payload)) if len(payload) else \
+            torch.empty(0, dtype=torch.uint8)
         return DiskRead(Observed(meta, nbytes=len(payload), checksum=lambda: checksum(payload)), data)
 
     def disk_remove(self, meta: BlockMeta) -> bool:

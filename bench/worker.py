@@ -1,0 +1,340 @@
+"""Worker cache engine benchmark: TTFT end to end through leases, and tier reload throughput.
+
+End to end: an :class:`worker.engine.Engine` in this process talks to a real coordinator
+process over NATS (PostgreSQL behind it). **Cold** = a request whose prompt was never seen
+(a lease with writes, full prefill, every block exported and committed). **Warm** = a
+request sharing a cached prefix (lease, hit validation of every reused replica, restore,
+prefill of the rest, commits of the new blocks). Both run through ``Engine.generate`` with
+``max_tokens=1``; TTFT is from the call to the first token.
+
+The same prompts also run on the **bare model** (``bench.model``'s method: prefill the whole
+prompt; restore the cached blocks and prefill the rest), interleaved with the end-to-end
+runs so both sample the same machine load. ``warm_speedup_e2e / warm_speedup_bare`` says
+how much of the model's warm speedup survives the engine.
+
+Overhead (``overhead_pct_of_warm_ttft``) is measured directly on each warm request: its
+TTFT minus the time the model itself spent (restoring the state and prefilling), i.e.
+hashing, lease round trips, hit validation (checksums included), copies, exports, commits,
+executor hops and sampling — as a percentage of warm TTFT. ``overhead_pct_vs_bare``
+compares warm TTFTs with the bare model instead (noisier: two separate runs).
+
+Reloads: the cached prefix's blocks (every form) are put in a host tier and in offload
+files, then reloaded through the engine's own path (tier read, full validation including
+the checksum, install into a pool slot) and compared with a raw read of the same bytes
+(host: a copy into a slot; disk: reading the files). Throughput ratios, page cache warm.
+
+    python -m bench.worker            # 2048-token prompts, 1888 cached; ~3 min here
+    python -m bench.worker --quick    # 1024-token prompts, 896 cached; within 60 s
+
+Services: ``--database-url``/``--nats-url`` (default ``$KVL_DATABASE_URL``/``$KVL_NATS_URL``),
+else embedded PostgreSQL and NATS are started. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _log(*a: Any) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+async def _create_db(url: str) -> tuple[str, str]:
+    import asyncpg
+    admin = url.replace("postgresql+asyncpg://", "postgresql://")
+    name = f"kvl_bench_{uuid.uuid4().hex[:10]}"
+    conn = await asyncpg.connect(admin)
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+    return admin.rpartition("/")[0] + "/" + name, name
+
+
+async def _drop_db(url: str, name: str) -> None:
+    import asyncpg
+    conn = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await conn.close()
+
+
+async def _wait_ready(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+    import aiohttp
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError("coordinator exited during start")
+            try:
+                async with http.get(f"http://127.0.0.1:{port}/readyz") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"coordinator not ready within {timeout} s")
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def reload_bench(engine: Any, hashes: list[str], n_blocks: int, tmp: Path, reps: int) -> dict[str, Any]:
+    """Host and disk reload of the cached prefix through the engine's path vs a raw read."""
+    from shared.ids import ROOT_HASH
+    from shared.messages import ReplicaRef
+    from worker.cache.planner import Expect, Switches, validate
+    from worker.cache.store import CacheStore
+    from worker.cache.tiers import Tiers
+
+    items = []  # (index, meta, bytes) for every form of every prefix block the engine holds
+    for i in range(n_blocks):
+        for form in engine.catalogue.names:
+            hit = engine.store.lookup(form, hashes[i])
+            if hit is not None:
+                slot, meta = hit
+                items.append((i, meta, engine.store.pools[form].view(slot).clone()))
+    nbytes = sum(d.numel() for _, _, d in items)
+    counts = {f: sum(1 for _, m, _ in items if m.form == f) + 1 for f in engine.catalogue.names}
+    dst = CacheStore(engine.catalogue, counts, engine.device)
+    tiers = Tiers(host_bytes=nbytes + 1, disk_root=tmp / "offload")
+    for _, meta, data in items:
+        tiers.put_host(meta, data)
+        tiers.disk_write(meta, data)
+    expect = Expect(namespace=engine.namespace, tenant="default", block_hashes=hashes, block_size=engine.block_size,
+                    specs=engine.specs)
+    switches = Switches()
+    refs = [ReplicaRef(block_hash=m.block_hash, form=m.form, location="disk", generation=0, checksum=m.checksum)
+            for _, m, _ in items]
+    wants = [m for _, m, _ in items]
+    paths = []
+    from worker.cache import offload_file as of
+    for m in wants:
+        paths.append(of.path_for(tmp / "offload", of.BlockKey(m.namespace, m.tenant, m.block_hash, m.form,
+                                                                 m.spec_digest)))
+    slots = {f: dst.pools[f].storage for f in engine.catalogue.names}
+
+    def host_reload() -> None:
+        dst.clear()
+        for (i, m, _), ref in zip(items, refs):
+            obs, data = tiers.host_read(m.block_hash, m.form)
+            assert validate(ref, i, obs, expect, switches, reload=True).ok
+            dst.install(m, data)
+
+    def host_raw() -> None:
+        k: dict[str, int] = {}
+        for _, m, data in items:
+            j = k.get(m.form, 0)
+            slots[m.form][j].copy_(tiers.host._entries[(m.block_hash, m.form)][0])
+            k[m.form] = j + 1
+
+    def disk_reload() -> None:
+        dst.clear()
+        reads = [tiers.disk_read(w) for w in wants]
+        for (i, m, _), ref, r in zip(items, refs, reads):
+            assert validate(ref, i, r.observed, expect, switches, reload=True).ok
+            dst.install(m, r.data)
+
+    def disk_raw() -> None:
+        for p in paths:
+            p.read_bytes()
+
+    out: dict[str, Any] = {"reload_blocks": n_blocks, "reload_bytes": nbytes}
+    for name, path_fn, raw_fn in (("host", host_reload, host_raw), ("disk", disk_reload, disk_raw)):
+        path_fn(), raw_fn()  # warm-up (and page cache)
+        t_path, t_raw = [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            path_fn()
+            t_path.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            raw_fn()
+            t_raw.append(time.perf_counter() - t0)
+        tp, tr = statistics.median(t_path), statistics.median(t_raw)
+        out[f"{name}_reload_gbps"] = round(_gbps(nbytes, tp), 3)
+        out[f"{name}_raw_gbps"] = round(_gbps(nbytes, tr), 3)
+        out[f"{name}_reload_ratio_vs_raw"] = round(tr / tp, 3)
+    assert ROOT_HASH
+    return out
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from shared.config import parse_config
+    from shared.embedded import free_port, start_services
+    from shared.subjects import Subjects
+    from worker.client.nats_adapter import NatsCoordinatorClient
+    from worker.engine import Engine
+    from worker.model import build_model
+
+    torch.set_num_threads(args.threads)
+    tmp = Path(tempfile.mkdtemp(prefix="kvl-bench-worker-"))
+    db_url, nats_url = args.database_url, args.nats_url
+    services = None
+    if not (db_url and nats_url):
+        _log("starting embedded PostgreSQL and NATS ...")
+        services = await asyncio.to_thread(start_services, db_url, nats_url, str(tmp / "services"))
+        db_url, nats_url = services.database_url, services.nats_url
+    bench_db, db_name = await _create_db(db_url)
+    subjects = Subjects(f"kvlbench{uuid.uuid4().hex[:8]}")
+    port = free_port()
+    base = {"database": {"url": bench_db},
+            "nats": {"url": nats_url, "subject_prefix": subjects.prefix, "request_timeout_ms": 5000},
+            "coordinator": {"port": port, "commit_batch_ms": 2}, "logging": {"format": "json", "level": "warning"}}
+    import yaml
+    (tmp / "coordinator.yaml").write_text(yaml.safe_dump({**base, "state_dir": str(tmp / "coord")}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVL_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    log = open(tmp / "coordinator.log", "wb")  # noqa: SIM115
+    coord = subprocess.Popen([sys.executable, "-m", "coordinator", "--config", str(tmp / "coordinator.yaml")],
+                             env=env, stdout=log, stderr=subprocess.STDOUT)
+    engine = None
+    try:
+        await _wait_ready(port, coord)
+        bs = 16
+        cfg = parse_config({**base, "cache": {"block_size": bs, "chunk_blocks": 1, "host_tier_bytes": 0,
+                                              "offload_dir": ""},
+                            "worker": {"worker_id": "bench", "pool_bytes": args.pool_mb * 2**20}})
+        model = build_model(seed=0)
+        client = NatsCoordinatorClient(nats_url, subjects, timeout_s=cfg.nats.request_timeout_ms / 1000)
+        engine = Engine(model, cfg, client)
+        await engine.start(wait_s=30)
+        assert engine.registered, "the engine did not register with the coordinator"
+        N, P = args.prompt, (args.cached // bs) * bs
+        gen = torch.Generator().manual_seed(1)
+
+        def fresh(n: int) -> list[int]:
+            return torch.randint(0, 256, (n,), generator=gen).tolist()
+
+        prefix = fresh(P)
+        cap = -(-(N + 2) // bs) * bs
+        # warm-up: first-call allocations on both paths, and the prefix cached in the engine
+        await engine.generate(fresh(2 * bs), max_tokens=1)
+        first = await engine.generate(prefix + fresh(N - P), max_tokens=1)
+        assert first.cached_tokens == 0
+        await engine.flush()
+        cold_state = model.new_state(bs, cap)
+        model.prefill(torch.tensor(prefix), cold_state, logits="last")
+        blocks = [cold_state.export_block(i) for i in range(P // bs)]
+
+        def bare_cold(tokens: list[int]) -> float:
+            t0 = time.perf_counter()
+            model.prefill(torch.tensor(tokens), model.new_state(bs, cap), logits="last")
+            return time.perf_counter() - t0
+
+        def bare_warm(tokens: list[int]) -> tuple[float, torch.Tensor]:
+            t0 = time.perf_counter()
+            st = model.new_state(bs, cap)
+            st.restore(blocks, P // bs)
+            out = model.prefill(torch.tensor(tokens[P:]), st, logits="last")
+            return time.perf_counter() - t0, out
+
+        cold_e2e, cold_bare, warm_e2e, warm_bare, direct, phases = [], [], [], [], [], []
+        identical = True
+        cold_reps, warm_per_cold = (2, 3) if args.quick else (4, 5)
+        for rep in range(cold_reps):
+            p = fresh(N)
+            r = await engine.generate(p, max_tokens=1)
+            assert r.cached_tokens == 0, r
+            cold_e2e.append(r.ttft_s)
+            cold_bare.append(await asyncio.to_thread(bare_cold, p))
+            for _ in range(warm_per_cold):
+                w = prefix + fresh(N - P)
+                r = await engine.generate(w, max_tokens=1)
+                if r.cached_tokens != P:
+                    # the engine lost contact and re-registered (a new epoch drops the cache): warm
+                    # the prefix again and measure the next one (reported as "reregistrations")
+                    assert r.epoch != first.epoch or r.degraded, (r.cached_tokens, r.invalid, r.fallbacks)
+                    await engine.flush()
+                    w = prefix + fresh(N - P)
+                    r = await engine.generate(w, max_tokens=1)
+                    assert r.cached_tokens == P, (r.cached_tokens, r.invalid, r.fallbacks)
+                warm_e2e.append(r.ttft_s)
+                model_s = r.timings.get("forward", 0.0) + r.timings.get("restore", 0.0)
+                direct.append((r.ttft_s - model_s) / r.ttft_s)
+                phases.append(r.timings)
+                t, logits = await asyncio.to_thread(bare_warm, w)
+                warm_bare.append(t)
+                identical &= torch.equal(r.logits[0], logits)
+            _log(f"rep {rep + 1}/{cold_reps}: cold e2e {cold_e2e[-1] * 1000:.0f} ms, warm e2e "
+                 f"{warm_e2e[-1] * 1000:.0f} ms")
+        await engine.flush()
+
+        med = statistics.median
+        c_e, c_b, w_e, w_b = med(cold_e2e), med(cold_bare), med(warm_e2e), med(warm_bare)
+        keys = ("hash", "lease", "evict", "validate", "restore", "forward", "export", "commit")
+        result: dict[str, Any] = {
+            "prompt_tokens": N, "cached_tokens": P, "block_size": bs, "threads": args.threads,
+            "ttft_cold_e2e_ms": round(c_e * 1000, 2), "ttft_warm_e2e_ms": round(w_e * 1000, 2),
+            "ttft_cold_bare_ms": round(c_b * 1000, 2), "ttft_warm_bare_ms": round(w_b * 1000, 2),
+            "warm_speedup_e2e": round(c_e / w_e, 3), "warm_speedup_bare": round(c_b / w_b, 3),
+            "warm_speedup_e2e_vs_bare": round((c_e / w_e) / (c_b / w_b), 3),
+            "ideal_speedup": round(N / (N - P), 3),
+            "overhead_pct_of_warm_ttft": round(100 * med(direct), 2),
+            "overhead_ms": round(1000 * med([d * t for d, t in zip(direct, warm_e2e)]), 2),
+            "overhead_pct_vs_bare": round(100 * (w_e - w_b) / w_e, 2),
+            "warm_phase_ms": {k: round(1000 * med([p.get(k, 0.0) for p in phases]), 3) for k in keys},
+            "warm_bit_identical": bool(identical),
+            "reregistrations": engine.epoch - first.epoch,
+        }
+        result.update(await asyncio.to_thread(reload_bench, engine, _hashes(engine, prefix), P // bs, tmp,
+                                              5 if args.quick else 20))
+        result["mode"] = "quick" if args.quick else "full"
+        return result
+    finally:
+        if engine is not None:
+            await engine.stop()
+        coord.terminate()
+        try:
+            coord.wait(10)
+        except subprocess.TimeoutExpired:
+            coord.kill()
+        log.close()
+        try:
+            await _drop_db(db_url, db_name)
+        except Exception as e:  # noqa: BLE001 - best effort
+            _log(f"could not drop {db_name}: {e}")
+        if services is not None:
+            await asyncio.to_thread(services.stop)
+
+
+def _hashes(engine: Any, tokens: list[int]) -> list[str]:
+    from shared.hashing import chain_hashes
+    return chain_hashes(tokens, engine.block_size, engine.namespace, engine.salt("default"))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(prog="python -m bench.worker", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="shorter prompts, fewer runs; within 60 s")
+    ap.add_argument("--prompt", type=int, help="prompt tokens (default 2048, quick 1024)")
+    ap.add_argument("--cached", type=int, help="cached prefix tokens (default 1900, quick 900)")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    ap.add_argument("--pool-mb", type=int, default=512, help="worker.pool_bytes in MiB (default 512)")
+    ap.add_argument("--database-url", default=os.environ.get("KVL_DATABASE_URL", ""))
+    ap.add_argument("--nats-url", default=os.environ.get("KVL_NATS_URL", ""))
+    args = ap.parse_args(argv)
+    args.prompt = args.prompt or (1024 if args.quick else 2048)
+    args.cached = args.cached or (900 if args.quick else 1900)
+    from shared.logging import configure_logging
+    configure_logging("json", "warning")
+    result = asyncio.run(run(args))
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
