@@ -9,10 +9,12 @@ import aiohttp
 import asyncpg
 import nats
 import pytest
+from nats.js.api import AckPolicy, RetentionPolicy, StorageType
 from structlog.testing import capture_logs
 
 from coordinator.core import CoordinatorResumed, apply, state_hash
 from coordinator.app import COORDINATOR
+from coordinator.nats_service import CONSUMER_NAME
 from shared.messages import (
     ErrorCode, ErrorReply, HeartbeatReply, LeaseGrant, LeaseReleased, LeaseRenewed, RegisterReply, decode,
 )
@@ -51,6 +53,13 @@ async def test_lease_round_trip_is_answered_only_after_its_event_is_durable(
             # unfilled writes were aborted by the release
             assert await db.fetchval("SELECT count(*) FROM events WHERE type = 'replica.evicted'") == 3
 
+            # group commit through the service: concurrent requests share transactions
+            beats = await asyncio.gather(*[w.heartbeat() for _ in range(100)])
+            assert all(isinstance(b, HeartbeatReply) for b in beats)
+            transactions = await db.fetchval(
+                "SELECT count(DISTINCT xmin::text) FROM events WHERE type = 'worker.heartbeat'")
+            assert transactions < 50, f"100 concurrent heartbeats took {transactions} transactions"
+
             unknown = await w.renew(grant.lease_id)
             assert isinstance(unknown, ErrorReply) and unknown.code == ErrorCode.NOT_FOUND
             w.epoch = 99
@@ -68,6 +77,15 @@ async def test_transitions_are_acked_after_commit_watermarked_and_redelivery_abs
         nc = await nats.connect(nats_url)
         db = await asyncpg.connect(database_url)
         try:
+            # the stream and consumer as stated: file storage, limits retention, configured
+            # max age and duplicate window; explicit acks, unlimited redelivery
+            js = nc.jetstream()
+            stream = (await js.stream_info(subjects.stream_name)).config
+            assert (stream.storage, stream.retention) == (StorageType.FILE, RetentionPolicy.LIMITS)
+            assert (stream.max_age, stream.duplicate_window) == (cfg.nats.stream_max_age_s, cfg.nats.duplicate_window_s)
+            consumer = (await js.consumer_info(subjects.stream_name, CONSUMER_NAME)).config
+            assert (consumer.ack_policy, consumer.max_deliver) == (AckPolicy.EXPLICIT, -1)
+
             w = Worker(nc, subjects)
             await w.register()
             await w.watch_watermarks()
