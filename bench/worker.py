@@ -94,40 +94,30 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
-def reload_bench(engine: Any, hashes: list[str], n_blocks: int, tmp: Path, reps: int) -> dict[str, Any]:
-    """Host and disk reload of the cached prefix through the engine's path vs a raw read."""
-    from shared.ids import ROOT_HASH
+def _reload_ratios(catalogue: Any, specs: dict, namespace: str, hashes: list[str], items: list, device: Any,
+                   root: Path, reps: int) -> dict[str, float]:
+    """Reload ``items`` ``(index, meta, bytes)`` through the engine's path vs a raw read, host and disk."""
     from shared.messages import ReplicaRef
+    from worker.cache import offload_file as of
     from worker.cache.planner import Expect, Switches, validate
     from worker.cache.store import CacheStore
     from worker.cache.tiers import Tiers
 
-    items = []  # (index, meta, bytes) for every form of every prefix block the engine holds
-    for i in range(n_blocks):
-        for form in engine.catalogue.names:
-            hit = engine.store.lookup(form, hashes[i])
-            if hit is not None:
-                slot, meta = hit
-                items.append((i, meta, engine.store.pools[form].view(slot).clone()))
     nbytes = sum(d.numel() for _, _, d in items)
-    counts = {f: sum(1 for _, m, _ in items if m.form == f) + 1 for f in engine.catalogue.names}
-    dst = CacheStore(engine.catalogue, counts, engine.device)
-    tiers = Tiers(host_bytes=nbytes + 1, disk_root=tmp / "offload")
+    counts = {f: sum(1 for _, m, _ in items if m.form == f) + 1 for f in catalogue.names}
+    dst = CacheStore(catalogue, counts, device)
+    tiers = Tiers(host_bytes=nbytes + 1, disk_root=root)
     for _, meta, data in items:
         tiers.put_host(meta, data)
         tiers.disk_write(meta, data)
-    expect = Expect(namespace=engine.namespace, tenant="default", block_hashes=hashes, block_size=engine.block_size,
-                    specs=engine.specs)
-    switches = Switches()
+    expect = Expect(namespace=namespace, tenant="default", block_hashes=hashes, block_size=16, specs=specs,
+                    digests={f: sp.spec_digest for f, sp in specs.items()})
+    switches = Switches(forms=frozenset(catalogue.names))
     refs = [ReplicaRef(block_hash=m.block_hash, form=m.form, location="disk", generation=0, checksum=m.checksum)
             for _, m, _ in items]
-    wants = [m for _, m, _ in items]
-    paths = []
-    from worker.cache import offload_file as of
-    for m in wants:
-        paths.append(of.path_for(tmp / "offload", of.BlockKey(m.namespace, m.tenant, m.block_hash, m.form,
-                                                                 m.spec_digest)))
-    slots = {f: dst.pools[f].storage for f in engine.catalogue.names}
+    paths = [of.path_for(root, of.BlockKey(m.namespace, m.tenant, m.block_hash, m.form, m.spec_digest))
+             for _, m, _ in items]
+    slots = {f: dst.pools[f].storage for f in catalogue.names}
 
     def host_reload() -> None:
         dst.clear()
@@ -138,14 +128,14 @@ def reload_bench(engine: Any, hashes: list[str], n_blocks: int, tmp: Path, reps:
 
     def host_raw() -> None:
         k: dict[str, int] = {}
-        for _, m, data in items:
+        for _, m, _ in items:
             j = k.get(m.form, 0)
-            slots[m.form][j].copy_(tiers.host._entries[(m.block_hash, m.form)][0])
+            slots[m.form][j].copy_(tiers.host.peek(m.block_hash, m.form)[0])
             k[m.form] = j + 1
 
     def disk_reload() -> None:
         dst.clear()
-        reads = [tiers.disk_read(w) for w in wants]
+        reads = [tiers.disk_read(m) for _, m, _ in items]
         for (i, m, _), ref, r in zip(items, refs, reads):
             assert validate(ref, i, r.observed, expect, switches, reload=True).ok
             dst.install(m, r.data)
@@ -154,7 +144,7 @@ def reload_bench(engine: Any, hashes: list[str], n_blocks: int, tmp: Path, reps:
         for p in paths:
             p.read_bytes()
 
-    out: dict[str, Any] = {"reload_blocks": n_blocks, "reload_bytes": nbytes}
+    out: dict[str, float] = {}
     for name, path_fn, raw_fn in (("host", host_reload, host_raw), ("disk", disk_reload, disk_raw)):
         path_fn(), raw_fn()  # warm-up (and page cache)
         t_path, t_raw = [], []
@@ -169,7 +159,46 @@ def reload_bench(engine: Any, hashes: list[str], n_blocks: int, tmp: Path, reps:
         out[f"{name}_reload_gbps"] = round(_gbps(nbytes, tp), 3)
         out[f"{name}_raw_gbps"] = round(_gbps(nbytes, tr), 3)
         out[f"{name}_reload_ratio_vs_raw"] = round(tr / tp, 3)
-    assert ROOT_HASH
+    return out
+
+
+def reload_bench(engine: Any, hashes: list[str], n_blocks: int, tmp: Path, reps: int,
+                 big_blocks: int) -> dict[str, Any]:
+    """Host and disk reloads: the model's own blocks (every form of the cached prefix), then
+    ``big_blocks`` synthetic 1 MiB blocks (the per-block size of a production model's form),
+    where per-block bookkeeping no longer dominates."""
+    from shared.forms import FormCatalogue, FormScope, FormSpec
+    from shared.hashing import checksum
+    from shared.ids import ROOT_HASH
+    from worker.cache.planner import BlockMeta
+
+    items = []
+    for i in range(n_blocks):
+        for form in engine.catalogue.names:
+            hit = engine.store.lookup(form, hashes[i])
+            if hit is not None:
+                slot, meta = hit
+                items.append((i, meta, engine.store.pools[form].view(slot).clone()))
+    out: dict[str, Any] = {"reload_blocks": n_blocks, "reload_replicas": len(items),
+                           "reload_bytes": sum(d.numel() for _, _, d in items)}
+    out.update(_reload_ratios(engine.catalogue, engine.specs, engine.namespace, hashes, items, engine.device,
+                              tmp / "offload", reps))
+    mib = 2**20
+    spec = FormSpec(name="compressed", scope=FormScope.FULL_HISTORY, bytes_per_block=mib, dtype="uint8")
+    cat = FormCatalogue(model_id="synthetic", block_size=16, forms=(spec,))
+    gen = torch.Generator().manual_seed(5)
+    big_hashes = [f"{i + 1:032x}" for i in range(big_blocks)]
+    big = []
+    for i, h in enumerate(big_hashes):
+        data = torch.randint(0, 256, (mib,), dtype=torch.uint8, generator=gen)
+        meta = BlockMeta(namespace=engine.namespace, tenant="default", block_hash=h,
+                         parent_hash=big_hashes[i - 1] if i else ROOT_HASH, token_start=16 * i,
+                         token_end=16 * (i + 1), form="compressed", spec_digest=spec.spec_digest,
+                         checksum=checksum(memoryview(data.numpy())))
+        big.append((i, meta, data))
+    for k, v in _reload_ratios(cat, {"compressed": spec}, engine.namespace, big_hashes, big, engine.device,
+                               tmp / "offload-1mib", max(3, reps // 4)).items():
+        out[f"{k}_1mib"] = v
     return out
 
 
@@ -292,7 +321,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "reregistrations": engine.epoch - first.epoch,
         }
         result.update(await asyncio.to_thread(reload_bench, engine, _hashes(engine, prefix), P // bs, tmp,
-                                              5 if args.quick else 20))
+                                              5 if args.quick else 20, 16 if args.quick else 64))
         result["mode"] = "quick" if args.quick else "full"
         return result
     finally:

@@ -169,10 +169,11 @@ class Tiers:
         path = of.path_for(self.disk_root, _disk_key(want))
         try:
             with open(path, "rb", buffering=0) as f:
-                raw = bytearray(os.fstat(f.fileno()).st_size)
-                n = f.readinto(raw)
-            if n != len(raw):
-                del raw[n:]
+                # NOTE: read straight into an uninitialised tensor: one copy, no zero-fill.
+                buf = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
+                n = f.readinto(memoryview(buf.numpy())) if buf.numel() else 0
+            buf = buf[:n]
+            raw = memoryview(buf.numpy())
         except FileNotFoundError:
             if not self.disk_root.exists():
                 return DiskRead(Observed(None), None, unavailable=f"offload directory {self.disk_root} is missing")
@@ -180,7 +181,7 @@ class Tiers:
         except OSError as e:
             return DiskRead(Observed(None), None, unavailable=f"offload read failed: {e.strerror}")
         try:
-            h, payload = of.split(memoryview(raw))   # a view: the payload is not copied
+            h, payload = of.split(raw)   # views: the payload is not copied
         except of.OffloadCorrupt as e:
             return DiskRead(Observed(want, damage=str(e)), None)
         meta = BlockMeta(namespace=h.namespace, tenant=h.tenant, block_hash=h.block_hash,
@@ -192,8 +193,7 @@ class Tiers:
         if len(payload) != h.length:
             return DiskRead(Observed(meta, damage=f"payload is {len(payload)} bytes, header says {h.length} "
                                                   f"(truncated file)"), None)
-        data = torch.frombuffer(raw, dtype=torch.uint8, offset=len(raw) - len(payload)) if len(payload) else \
-            torch.empty(0, dtype=torch.uint8)
+        data = buf[len(buf) - len(payload):]
         return DiskRead(Observed(meta, nbytes=len(payload), checksum=lambda: checksum(payload)), data)
 
     def disk_remove(self, meta: BlockMeta) -> bool:
