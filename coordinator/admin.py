@@ -66,11 +66,10 @@ class AdminContext:
     #: ``inventory(worker_id, timeout_s)`` and ``control(worker_id, Control)`` over NATS.
     inventory: Callable[..., Awaitable[Any]] | None = None
     control: Callable[..., Awaitable[str]] | None = None
-    request_timeout_s: float = 2.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 ADMIN = web.AppKey("admin", AdminContext)
+LOGGER = web.AppKey("logger", Any)
 
 
 def _ctx(request: web.Request) -> AdminContext:
@@ -522,5 +521,3 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
                                                 "KVL_ADMIN_TOKEN) is served to loopback clients only")
     return await handler(request)
 
-
-LOGGER = web.AppKey("logger", Any)

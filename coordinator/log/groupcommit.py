@@ -97,10 +97,6 @@ class GroupCommitter:
             with contextlib.suppress(Exception):
                 await asyncio.shield(b)
 
-    @property
-    def pending(self) -> int:
-        return self._queued_events
-
     # --- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:

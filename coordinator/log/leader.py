@@ -153,10 +153,6 @@ class LeaderElection:
             raise LogUnavailable("not the leader")
         return await asyncio.shield(self._lost)
 
-    def step_down(self, reason: str) -> None:
-        """Give up leadership locally (e.g. an append said NotLeader); the lock is released."""
-        self._set_lost(reason)
-
     async def release(self) -> None:
         """Stop renewing, unlock and close the lock connection (bounded: never hangs)."""
         self._set_lost("released")
