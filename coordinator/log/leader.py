@@ -128,13 +128,20 @@ class LeaderElection:
 
     async def _renew_loop(self) -> None:
         assert self._conn is not None and self._lost is not None
+        timeout = max(self.takeover_after_s - self.renew_interval_s, self.renew_interval_s)
         try:
             while True:
                 await asyncio.sleep(self.renew_interval_s)
-                status = await asyncio.wait_for(self._conn.execute(
-                    "UPDATE leader SET renewed_at = now() WHERE id = 1 AND leader_epoch = $1", self.epoch),
-                    timeout=max(self.takeover_after_s - self.renew_interval_s, self.renew_interval_s))
-                if status != "UPDATE 1":
+                renew = asyncio.ensure_future(self._conn.execute(
+                    "UPDATE leader SET renewed_at = now() WHERE id = 1 AND leader_epoch = $1", self.epoch))
+                renew.add_done_callback(lambda t: t.cancelled() or t.exception())
+                done, _ = await asyncio.wait({renew}, timeout=timeout)
+                if not done:
+                    # NOTE: past this point a standby may already consider us stale: stop now.
+                    self._set_lost(f"lock session did not answer within {timeout:.1f}s")
+                    await self._close_conn()
+                    return
+                if renew.result() != "UPDATE 1":
                     self._set_lost(f"fenced: leader epoch {self.epoch} was superseded")
                     return
         except asyncio.CancelledError:
