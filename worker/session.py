@@ -384,7 +384,17 @@ class Session:
             fresh.restore(blocks, p)
             return fresh
 
-        self.state = await e.compute(work)
+        try:
+            self.state = await e.compute(work)
+        except (ValueError, RuntimeError) as err:
+            # Validated bytes the model still refuses (a model-side check we do not mirror):
+            # never guess — start from a fresh state and recompute everything.
+            e.log.error("restore failed; recomputing the whole prompt", error=str(err)[:300])
+            self.fallback("restore_failed")
+            self._fresh = asyncio.get_running_loop().run_in_executor(
+                e._compute, lambda: e.model.new_state(self.bs, self.capacity))
+            self._spent("restore", t0)
+            return
         self._spent("restore", t0)
         self.resume_blocks = p
         # Reloaded replicas become GPU replicas where the lease granted the slot (committed

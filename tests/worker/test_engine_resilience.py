@@ -158,3 +158,32 @@ async def test_inventory_and_control(make_engine) -> None:
         await e.flush()
         hashes = set(chain_hashes(other, 16, e.namespace, e.salt("default")))
         assert r.tokens and not any(k[0] in hashes for k in twin.state.replicas)
+
+
+async def test_cancelled_request_releases_its_lease(make_engine) -> None:
+    twin = InProcessCoordinator()
+    async with make_engine(twin) as e:
+        task = asyncio.get_running_loop().create_task(e.generate(prompt(200, seed=48), max_tokens=4))
+        await until(lambda: twin.state.leases)
+        await asyncio.sleep(0.2)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        await until(lambda: not twin.state.leases and not e.sessions)
+
+
+async def test_a_restore_the_model_refuses_falls_back_to_recomputation(make_engine, reference, monkeypatch) -> None:
+    from worker.model.state import RequestState
+    toks = prompt(64, seed=49)
+    async with make_engine(InProcessCoordinator()) as e:
+        await e.generate(toks, max_tokens=1)
+
+        def refuse(self, blocks, n_blocks, **kw):
+            raise ValueError("restore: corrupt payload (test)")
+
+        monkeypatch.setattr(RequestState, "restore", refuse)
+        r = await e.generate(toks, max_tokens=2)
+        assert r.cached_tokens == 0 and "restore_failed" in r.fallbacks
+        assert same(r, await reference().generate(toks, max_tokens=2))
