@@ -10,6 +10,7 @@ from pathlib import Path
 
 import aiohttp
 
+from shared.subjects import Subjects
 from tests.e2e.coordinator_processes import REPO, CoordinatorProcess, clean_env, coordinators  # noqa: F401
 
 KVLEDGER = [sys.executable, "-c", "import sys; from coordinator.cli import main; sys.exit(main())"]
@@ -31,7 +32,8 @@ def test_db_upgrade_and_current(database_url: str) -> None:
     assert after.returncode == 0 and "up to date" in after.stdout
 
 
-def test_operator_errors_are_one_readable_line(tmp_path: Path, database_url: str, nats_url: str) -> None:
+def test_operator_errors_are_one_readable_line(tmp_path: Path, database_url: str, nats_url: str,
+                                              subjects: Subjects) -> None:
     bad_key = kvledger("coordinator", env=clean_env(KVL_COORDINATOR__PORT="eighty"))
     assert bad_key.returncode == 2
     assert bad_key.stderr.strip().splitlines() == [
@@ -40,7 +42,8 @@ def test_operator_errors_are_one_readable_line(tmp_path: Path, database_url: str
     no_db = database_url.rsplit("/", 1)[0] + "/no_such_database"
     missing = subprocess.run(
         [sys.executable, "-m", "coordinator", "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=60,
-        env=clean_env(KVL_DATABASE_URL=no_db, KVL_NATS_URL=nats_url, KVL_LOGGING__LEVEL="error"))
+        env=clean_env(KVL_DATABASE_URL=no_db, KVL_NATS_URL=nats_url, KVL_LOGGING__LEVEL="error",
+                      KVL_NATS__SUBJECT_PREFIX=subjects.prefix))  # its stream is the fixture's to delete
     assert missing.returncode == 2
     lines = missing.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvledger coordinator: PostgreSQL at "), missing.stderr
