@@ -151,6 +151,8 @@ class WorkerRecord:
 
     @property
     def host(self) -> str:
+        """The host tier this worker shares with its node (``host:<worker_id>`` until
+        registration carries a node name)."""
         return f"host:{self.node or self.worker_id}"
 
     def is_fenced(self, epoch: int) -> bool:
@@ -210,10 +212,10 @@ class LedgerState:
         return out
 
 
-def pool_of(worker_or_location: str, form: str) -> PoolKey | None:
+def pool_of(location: str, form: str) -> PoolKey | None:
     """The pool a replica at ``location`` occupies (only ``gpu:<worker>`` locations have one)."""
-    if worker_or_location.startswith("gpu:"):
-        return (worker_or_location[4:], form)
+    if location.startswith("gpu:"):
+        return (location[4:], form)
     return None
 
 
@@ -404,6 +406,8 @@ def _apply_lease_ended(s: LedgerState, e: ev.LeaseReleased | ev.LeaseExpired) ->
 
 
 def _apply_replica_allocated(s: LedgerState, e: ev.ReplicaAllocated) -> None:
+    if e.lease_id not in s.leases:
+        raise ReplayError(f"replica {e.block_hash}/{e.form} allocated for lease {e.lease_id}, which is not live")
     key = (e.block_hash, e.form, e.location)
     r = _create(s, key, "grant", e.worker_id, e.epoch)
     r.generation = 0
