@@ -225,7 +225,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     port = free_port()
     base = {"database": {"url": bench_db},
             "nats": {"url": nats_url, "subject_prefix": subjects.prefix, "request_timeout_ms": 5000},
-            "coordinator": {"port": port, "commit_batch_ms": 2}, "logging": {"format": "json", "level": "warning"}}
+            # NOTE: a long liveness window: on a starved machine the coordinator has declared a live
+            # worker lost (its heartbeats queued behind transitions); this benchmark measures TTFT.
+            "coordinator": {"port": port, "commit_batch_ms": 2, "missed_heartbeats": 30},
+            "logging": {"format": "json", "level": "warning"}}
     import yaml
     (tmp / "coordinator.yaml").write_text(yaml.safe_dump({**base, "state_dir": str(tmp / "coord")}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVL_")}

@@ -9,8 +9,8 @@ from shared.forms import FormCatalogue, FormScope, FormSpec
 from shared.ids import ROOT_HASH
 from shared.messages import ReplicaRef
 from worker.cache.planner import (
-    BlockMeta, Expect, Layer, Observed, Switches, best_boundary, grid_floor, map_reads, needs, resume_cap,
-    validate,
+    BlockMeta, Expect, Layer, Observed, Switches, all_pass, best_boundary, grid_floor, map_reads, needs,
+    resume_cap, validate,
 )
 
 BS = 16
@@ -171,3 +171,29 @@ def test_map_reads() -> None:
     plan = map_reads(HASHES[:3], [_ref(1), _ref(2, form="tail"), _ref(5)])
     assert set(plan.refs) == {(1, "compressed"), (2, "tail")}
     assert [r.block_hash for r in plan.foreign] == [HASHES[5]]
+
+
+def test_fast_path_never_passes_what_validate_fails() -> None:
+    """``all_pass`` is a shortcut for the all-layers-on GPU case: it may say False to a good
+    replica, never True to a bad one. Every single-field change of a good replica is tried."""
+    import dataclasses
+    import itertools
+
+    import msgspec
+
+    good_meta, good_ref = _meta(2), _ref(2)
+    assert all_pass(good_ref, 2, _obs(good_meta), EXPECT)
+    alt = {"namespace": "cd" * 16, "tenant": "u", "block_hash": HASHES[3], "parent_hash": HASHES[0],
+           "token_start": 0, "token_end": 999, "form": "swa", "spec_digest": "0" * 16, "generation": 3}
+    cases = []
+    for field, value in alt.items():
+        cases.append((good_ref, _obs(dataclasses.replace(good_meta, **{field: value}))))
+    for field, value in (("block_hash", HASHES[4]), ("form", "tail"), ("generation", 9), ("checksum", "")):
+        cases.append((msgspec.structs.replace(good_ref, **{field: value}), _obs(good_meta)))
+    cases += [(good_ref, _obs(good_meta, nbytes=8)), (good_ref, _obs(good_meta, digest="f" * 32)),
+              (good_ref, _obs(good_meta, ready=False)), (good_ref, _obs(good_meta, aligned=False)),
+              (good_ref, _obs(good_meta, damage="x")), (good_ref, Observed(None))]
+    for (ref, obs), index in itertools.product(cases, (2, 7)):
+        if all_pass(ref, index, obs, EXPECT):
+            assert validate(ref, index, obs, EXPECT, ALL).ok, (ref, obs.meta, index)
+    assert sum(all_pass(r, 2, o, EXPECT) for r, o in cases) == 0

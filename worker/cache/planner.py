@@ -263,6 +263,33 @@ def validate(ref: ReplicaRef, index: int, obs: Observed, expect: Expect, switche
     return Verdict(True, None, "", tuple(outcomes))
 
 
+def all_pass(ref: ReplicaRef, index: int, obs: Observed, expect: Expect) -> bool:
+    """True only if :func:`validate` would pass this GPU replica in every layer.
+
+    The common case (a good replica, every layer on) in one expression instead of four
+    layers' bookkeeping; anything else — a failure, a switched-off layer, a reload — goes
+    through :func:`validate`, which names the layer. Conservative by construction: each
+    term is one of ``validate``'s checks (a property test holds it to that).
+    """
+    m = obs.meta
+    hs = expect.block_hashes
+    if m is None or obs.damage or not obs.ready or not obs.aligned or index >= len(hs) or not ref.checksum:
+        return False
+    h = hs[index]
+    bs = expect.block_size
+    spec = expect.specs.get(ref.form)
+    return (spec is not None and obs.nbytes == spec.bytes_per_block
+            and ref.block_hash == h and m.block_hash == h and m.form == ref.form
+            and m.generation == ref.generation and m.spec_digest == expect.digest(ref.form)
+            and m.namespace == expect.namespace and m.tenant == expect.tenant
+            and m.parent_hash == (hs[index - 1] if index else ROOT_HASH)
+            and m.token_start == index * bs and m.token_end == (index + 1) * bs
+            and obs.checksum() == ref.checksum)
+
+
+ALL_PASS: tuple[tuple[Layer, str], ...] = tuple((lay, "pass") for lay in LAYERS)
+
+
 # --- mapping a grant onto the request ------------------------------------------------------
 
 @dataclass(slots=True)
