@@ -1,0 +1,120 @@
+"""API keys → tenants, and each tenant's limits.
+
+Keys come from ``auth.keys`` and the YAML file ``auth.keys_file`` (a ``keys:`` list of the
+same shape); both store only the SHA-256 of a key, never the key. A request's bearer key
+is hashed and looked up; the match names the tenant.
+
+* No keys configured and ``auth.required`` false: every request is tenant ``default`` and
+  the Authorization header is ignored.
+* Keys configured: a request that presents a key must present a known one (401
+  otherwise — a typo must not silently become another tenant); a request without a key
+  is tenant ``default`` unless ``auth.required`` is true (then 401).
+
+The tenant's *salt* is the engine's (:meth:`worker.engine.Engine.salt`, derived from
+``auth.salt_secret`` in :mod:`worker.settings`); the serving layer passes only the tenant id
+and the engine salts every block hash with it, so two tenants' identical prompts never
+share a block and one cannot probe the other's cache.
+
+Limits (per tenant; 0 = none): ``max_concurrency`` — requests running at once (more wait
+in the queue); ``cache_quota_blocks`` — blocks of this tenant a worker keeps in its GPU
+pools (new blocks beyond it are computed but not cached). Several keys may name one
+tenant; they must then agree on its limits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import yaml
+
+from shared.config import ApiKey, AuthConfig, ConfigError
+
+DEFAULT_TENANT = "default"
+
+
+class AuthError(Exception):
+    """The request's credentials are missing or wrong (401); the message says which."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    id: str
+    max_concurrency: int = 0
+    cache_quota_blocks: int = 0
+
+
+def key_sha256(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class _KeysFile(msgspec.Struct, forbid_unknown_fields=True):
+    keys: list[ApiKey] = []
+
+
+def _read_keys_file(path: str) -> list[ApiKey]:
+    p = Path(path)
+    try:
+        doc = yaml.safe_load(p.read_text()) or {}
+    except OSError as e:
+        raise ConfigError(f"config key auth.keys_file: cannot read {p}: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config key auth.keys_file: {p} is not valid YAML: {e}") from e
+    try:
+        return msgspec.convert(doc, _KeysFile).keys
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"config key auth.keys_file: {p}: {e}") from None
+
+
+class TenantDirectory:
+    def __init__(self, keys: list[ApiKey], *, required: bool = False) -> None:
+        self.required = required
+        self._by_hash: dict[str, Tenant] = {}
+        self._tenants: dict[str, Tenant] = {DEFAULT_TENANT: Tenant(DEFAULT_TENANT)}
+        from_keys: dict[str, Tenant] = {}
+        for k in keys:
+            t = Tenant(k.tenant, k.max_concurrency, k.cache_quota_blocks)
+            known = self._by_hash.get(k.key_sha256)
+            if known is not None and known.id != t.id:
+                raise ConfigError(f"auth keys: one key hash ({k.key_sha256[:12]}…) is listed for tenants "
+                                  f"{known.id!r} and {t.id!r}")
+            if from_keys.setdefault(t.id, t) != t:
+                raise ConfigError(f"auth keys of tenant {t.id!r} disagree on its limits (max_concurrency, "
+                                  f"cache_quota_blocks); give every key of a tenant the same limits")
+            self._by_hash[k.key_sha256] = t
+        self._tenants.update(from_keys)
+
+    @classmethod
+    def from_config(cls, auth: AuthConfig) -> TenantDirectory:
+        keys = list(auth.keys)
+        if auth.keys_file:
+            keys += _read_keys_file(auth.keys_file)
+        return cls(keys, required=auth.required)
+
+    @property
+    def has_keys(self) -> bool:
+        return bool(self._by_hash)
+
+    def tenant(self, tenant_id: str) -> Tenant:
+        return self._tenants.get(tenant_id) or Tenant(tenant_id)
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        """The tenant of an ``Authorization`` header value (``Bearer <key>``); raises :class:`AuthError`."""
+        if not self.has_keys and not self.required:
+            return self._tenants[DEFAULT_TENANT]
+        if not authorization:
+            if self.required:
+                raise AuthError("an API key is required: send 'Authorization: Bearer <key>'")
+            return self._tenants[DEFAULT_TENANT]
+        scheme, _, key = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise AuthError("malformed Authorization header: expected 'Bearer <key>'")
+        tenant = self._by_hash.get(key_sha256(key.strip()))
+        if tenant is None:
+            raise AuthError("invalid API key")
+        return tenant
+
+
+__all__ = ["AuthError", "DEFAULT_TENANT", "Tenant", "TenantDirectory", "key_sha256"]
