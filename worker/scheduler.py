@@ -1,0 +1,658 @@
+"""The serving scheduler: admission, the order of model calls, and one request's generation loop.
+
+Theory of operation
+-------------------
+*What "batching" means here.* Reuse must never change a bit of a request's logits, so a
+request's forwards stay its own: prefill runs in the model's block-aligned units
+(:class:`worker.session.Session`), decode one token per call, each call on that request's
+state alone. Rows of several requests are never fused into one matmul — on the CPU
+``F.linear`` is not batch-invariant for small row counts, so fusing would change bits
+depending on who else was running. What this scheduler batches is *time*: requests that
+arrive within ``service.batch_window_ms`` are admitted together (in priority order) and
+then run concurrently, their prefill units and decode steps interleaved call by call — a
+continuous (iteration-level) scheduler, like vLLM's, with a batch of one request per model
+call. No request's output depends on what else runs: the tests compare every output of 64
+concurrent requests with the same requests run one at a time.
+
+*Admission.* A request is checked (prompt length + ``max_tokens`` within the context
+limit) and queued; the queue holds at most ``service.queue_size`` requests beyond the free
+running slots (more → :class:`QueueFull`, with a Retry-After estimate). Queued requests are
+admitted by ``priority`` (lower first, vLLM's convention), then arrival, while fewer than
+``service.max_concurrency`` run and the tenant is below its own ``max_concurrency``. A new
+arrival finding free slots waits for the batch window to close, so a burst is admitted in
+priority order rather than arrival order. Waiting longer than ``service.queue_timeout_ms``
+→ :class:`QueueTimeout`; the whole request longer than ``service.request_timeout_ms`` →
+:class:`RequestTimeout`.
+
+*Turns.* The engine has one model thread. Model calls of admitted requests are granted one
+at a time by :class:`TurnGate`, in rounds: in each round every decoding request gets one
+decode step and prefilling requests get ``prefill_units_per_round`` units (default one), to
+the one with the best (priority, admission) order first. So running requests keep a steady
+inter-token latency while the oldest waiting prompt is prefilled first (first come, first
+served — the order that minimises mean time to first token), instead of every prompt
+advancing a unit at a time and all of them finishing late. Lease round trips, hit
+validation and restores happen outside turns (they are not model steps).
+
+*Cancellation.* Each request runs in a task of its own. A client that goes away cancels
+it (:meth:`Job.aclose`); wherever it was — queued, waiting for a turn, in a model call —
+the session is closed (shielded from a second cancellation), which settles its commits and
+releases its leases, and its running slot is freed for the next queued request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import secrets
+import time
+import weakref
+from collections import Counter as _Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import TYPE_CHECKING
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from shared.config import ServiceConfig
+from shared.logging import get_logger
+from worker.tenants import Tenant
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
+    from worker.session import Session
+
+log = get_logger("kvl.worker.scheduler")
+
+
+# --- errors (typed here; HTTP statuses are chosen at the edge, in worker.api) ---------------------
+
+class SchedulerError(Exception):
+    """A request the scheduler will not (or can no longer) serve; the message says why."""
+
+
+class InvalidRequest(SchedulerError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ContextTooLong(InvalidRequest):
+    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int) -> None:
+        super().__init__(f"this request needs {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt + "
+                         f"{max_tokens} max_tokens) but the maximum context length is {limit} tokens; shorten the "
+                         f"prompt or lower max_tokens", "max_tokens")
+        self.limit = limit
+
+
+class QueueFull(SchedulerError):
+    def __init__(self, queued: int, retry_after_s: int) -> None:
+        super().__init__(f"the request queue is full ({queued} waiting); retry after {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
+class QueueTimeout(SchedulerError):
+    def __init__(self, timeout_ms: int) -> None:
+        super().__init__(f"the request waited in the queue longer than service.queue_timeout_ms ({timeout_ms} ms) "
+                         f"without being scheduled; the worker is overloaded, retry later")
+        self.timeout_ms = timeout_ms
+
+
+class RequestTimeout(SchedulerError):
+    def __init__(self, timeout_ms: int) -> None:
+        super().__init__(f"the request did not finish within service.request_timeout_ms ({timeout_ms} ms); "
+                         f"lower max_tokens or retry later")
+        self.timeout_ms = timeout_ms
+
+
+class ShuttingDown(SchedulerError):
+    def __init__(self) -> None:
+        super().__init__("the worker is shutting down; send the request to another worker")
+
+
+# --- sampling ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """``temperature`` 0 = greedy (deterministic); else softmax sampling, optionally truncated to
+    ``top_k`` tokens and to the nucleus ``top_p``; ``seed`` makes a sampled request reproducible."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+class Sampler:
+    """One request's sampler, with a generator of its own (never the global RNG: concurrent
+    requests must not draw from each other's stream)."""
+
+    def __init__(self, p: SamplingParams) -> None:
+        self.p = p
+        self.gen: torch.Generator | None = None
+        if p.temperature > 0:
+            self.gen = torch.Generator().manual_seed(p.seed if p.seed is not None else secrets.randbits(63))
+
+    def pick(self, logits: torch.Tensor) -> int:
+        x = logits.detach().reshape(-1).float().cpu()
+        if self.p.temperature <= 0:
+            return int(torch.argmax(x))
+        x = x / self.p.temperature
+        if 0 < self.p.top_k < x.numel():
+            kth = torch.topk(x, self.p.top_k).values[-1]
+            x = torch.where(x < kth, torch.full_like(x, float("-inf")), x)
+        probs = torch.softmax(x, -1)
+        if self.p.top_p < 1.0:
+            sorted_p, idx = torch.sort(probs, descending=True, stable=True)
+            # keep the smallest head whose mass reaches top_p (the first token always stays)
+            keep = (torch.cumsum(sorted_p, 0) - sorted_p) < self.p.top_p
+            probs = torch.zeros_like(probs).scatter(0, idx, sorted_p * keep)
+        return int(torch.multinomial(probs, 1, generator=self.gen))
+
+
+# --- metrics -------------------------------------------------------------------------------------
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServingMetrics:
+    """Request-level metrics, on the engine's registry (one ``/metrics`` for the worker).
+
+    Time to first token is the engine's own histogram
+    (``kvl_worker_time_to_first_token_seconds``), observed here from the request's arrival.
+    """
+
+    _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, ServingMetrics] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, registry: CollectorRegistry) -> ServingMetrics:
+        m = cls._by_registry.get(registry)
+        if m is None:
+            m = cls._by_registry[registry] = cls(registry)
+        return m
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        p = "kvl_worker_"
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between consecutive output tokens",
+                             buckets=_ITL, registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to last token of finished requests",
+                             buckets=_LATENCY, registry=r)
+        self.queue_time = Histogram(p + "request_queue_time_seconds", "Time admitted requests waited in the queue",
+                                    buckets=_LATENCY, registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        self.queue_depth = Gauge(p + "queue_depth", "Requests waiting to be admitted", registry=r)
+        self.running = Gauge(p + "requests_running", "Requests admitted and not yet finished", registry=r)
+        self.finished = Counter(p + "requests_finished", "Requests that ended, by finish reason "
+                                "(stop, length, cancelled, timeout, error)", ["reason"], registry=r)
+        self.rejected = Counter(p + "requests_rejected", "Requests refused before running, by reason",
+                                ["reason"], registry=r)
+        self.quota_skipped = Counter(p + "tenant_quota_skipped_blocks", "Blocks computed but not cached because "
+                                     "the tenant's cache quota was reached", registry=r)
+        self.http = Counter(p + "http_requests", "HTTP requests by route and status", ["route", "status"],
+                            registry=r)
+
+
+# --- requests, jobs ------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class GenRequest:
+    tokens: list[int]
+    max_tokens: int
+    tenant: Tenant
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    #: False = no cache reads for this request (a cold run, for differential checks).
+    reuse: bool = True
+    priority: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    #: Keep each step's logits in the outcome (tests; not exposed over HTTP).
+    keep_logits: bool = False
+
+
+@dataclass(slots=True)
+class Outcome:
+    tokens: list[int]
+    #: ``length`` (max_tokens reached), ``stop`` (a stop token, or the caller stopped it).
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    fallbacks: list[str]
+    degraded: bool
+    queued_s: float
+    ttft_s: float
+    logits: torch.Tensor | None = None
+
+
+class _End:
+    pass
+
+
+_END = _End()
+
+
+class Job:
+    """One submitted request: an async iterator of its generated token ids.
+
+    After the iteration ends, :attr:`outcome` is set; an error ends the iteration by being
+    raised. :meth:`aclose` cancels whatever is left (client gone) and waits until the
+    engine has released the request's leases.
+    """
+
+    def __init__(self, req: GenRequest, seq: int, arrival: float) -> None:
+        self.req = req
+        self.seq = seq
+        self.id = f"{seq:x}"
+        self.arrival = arrival
+        self.admitted_at = 0.0
+        self.admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.outcome: Outcome | None = None
+        self.stopped = False
+        self.task: asyncio.Task[None] | None = None
+        # What the cache did for the prompt (known once the session is open; for ``usage``).
+        self.prompt_tokens = len(req.tokens)
+        self.cached_tokens = 0
+        self.fallbacks: list[str] = []
+        self.degraded = False
+        self._events: asyncio.Queue[int | _End | BaseException] = asyncio.Queue()
+        self._error: BaseException | None = None
+
+    def __aiter__(self) -> Job:
+        return self
+
+    async def __anext__(self) -> int:
+        if self._error is not None:
+            raise StopAsyncIteration
+        item = await self._events.get()
+        if isinstance(item, _End):
+            self._error = StopIteration()   # sentinel: exhausted
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._error = item
+            raise item
+        return item
+
+    @property
+    def finish_reason(self) -> str:
+        if self.outcome is not None:
+            return self.outcome.finish_reason
+        return "stop" if self.stopped else "cancelled"
+
+    def stop(self) -> None:
+        """End generation at the next step with finish reason ``stop`` (a stop string matched)."""
+        self.stopped = True
+
+    async def aclose(self) -> None:
+        """Cancel the job if it is still running and wait for its cleanup (leases released)."""
+        t = self.task
+        if t is None or t.done():
+            return
+        if self.outcome is None:
+            t.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.shield(t)
+
+    async def wait(self) -> Outcome:
+        """Consume the job to its end (non-streaming callers)."""
+        async for _ in self:
+            pass
+        assert self.outcome is not None
+        return self.outcome
+
+
+# --- turns ---------------------------------------------------------------------------------------
+
+class Kind(IntEnum):
+    DECODE = 0
+    PREFILL = 1
+
+
+class TurnGate:
+    """Grants model calls one at a time, in rounds (see the module docstring).
+
+    NOTE: the next turn is chosen on the loop's next iteration (``call_soon``), not inside
+    the release: the request that just finished a call re-enters the gate synchronously
+    (sampling, queueing its token), so it competes for the next turn instead of losing it
+    to whoever happened to be waiting — without this, two prompts would alternate units.
+    """
+
+    def __init__(self, prefill_units_per_round: int = 1) -> None:
+        self.prefill_per_round = max(1, prefill_units_per_round)
+        self._waiting: dict[Job, tuple[Kind, asyncio.Future[None]]] = {}
+        self._served: dict[Job, int] = {}
+        self._round = 0
+        self._prefills = 0
+        self._busy = False
+        self._scheduled = False
+        self.turns = 0
+
+    @contextlib.asynccontextmanager
+    async def turn(self, job: Job, kind: Kind) -> AsyncIterator[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting[job] = (kind, fut)
+        self._kick()
+        try:
+            await fut
+        except BaseException:
+            if self._waiting.pop(job, None) is None:   # granted, then cancelled before it ran
+                self._release()
+            raise
+        try:
+            yield
+        finally:
+            self._release()
+
+    def forget(self, job: Job) -> None:
+        self._served.pop(job, None)
+
+    def _kick(self) -> None:
+        if not self._busy and not self._scheduled and self._waiting:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._dispatch)
+
+    def _release(self) -> None:
+        self._busy = False
+        self._kick()
+
+    def _eligible(self, job: Job, kind: Kind) -> bool:
+        if kind is Kind.PREFILL:
+            return self._prefills < self.prefill_per_round
+        return self._served.get(job, -1) < self._round
+
+    def _dispatch(self) -> None:
+        self._scheduled = False
+        if self._busy or not self._waiting:
+            return
+        pick = self._best()
+        if pick is None:                                   # everyone waiting had its turn: next round
+            self._round += 1
+            self._prefills = 0
+            pick = self._best()
+            assert pick is not None
+        job, kind, fut = pick
+        del self._waiting[job]
+        if kind is Kind.PREFILL:
+            self._prefills += 1
+        else:
+            self._served[job] = self._round
+        self._busy = True
+        self.turns += 1
+        fut.set_result(None)
+
+    def _best(self) -> tuple[Job, Kind, asyncio.Future[None]] | None:
+        best = None
+        for job, (kind, fut) in self._waiting.items():
+            if fut.done() or not self._eligible(job, kind):
+                continue
+            key = (job.req.priority, kind, job.admitted_at, job.seq)
+            if best is None or key < best[0]:
+                best = (key, job, kind, fut)
+        return None if best is None else best[1:]
+
+
+# --- the scheduler -------------------------------------------------------------------------------
+
+class Scheduler:
+    def __init__(self, engine: Engine, service: ServiceConfig, *, prefill_units_per_round: int = 1) -> None:
+        self.engine = engine
+        self.cfg = service
+        self.metrics = ServingMetrics.of(engine.metrics.registry)
+        self.gate = TurnGate(prefill_units_per_round)
+        self._seq = itertools.count(1)
+        self._waiting: list[Job] = []
+        self._running: set[Job] = set()
+        self._tenant_running: _Counter[str] = _Counter()
+        self._jobs: set[Job] = set()
+        self._window: asyncio.TimerHandle | None = None
+        self._closed = False
+        #: Moving average of admitted requests' running time (for Retry-After).
+        self._avg_run_s = 1.0
+
+    # --- state -------------------------------------------------------------------------------
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    def _gauges(self) -> None:
+        self.metrics.queue_depth.set(len(self._waiting))
+        self.metrics.running.set(len(self._running))
+
+    # --- submission ----------------------------------------------------------------------------
+
+    def check(self, req: GenRequest) -> None:
+        """Validate a request against the model and limits; raises :class:`InvalidRequest`."""
+        n = len(req.tokens)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty; send at least one token", "prompt")
+        if req.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1", "max_tokens")
+        vocab = self.engine.model.cfg.vocab_size
+        if any(t < 0 or t >= vocab for t in req.tokens):
+            raise InvalidRequest(f"prompt token ids must lie in [0, {vocab})", "prompt")
+        if n + req.max_tokens > self.max_context:
+            raise ContextTooLong(n, req.max_tokens, self.max_context)
+
+    def submit(self, req: GenRequest) -> Job:
+        """Queue a request and start its task; raises at once if it cannot be accepted."""
+        if self._closed:
+            raise ShuttingDown()
+        self.check(req)
+        free = max(0, self.cfg.max_concurrency - len(self._running))
+        if len(self._waiting) >= self.cfg.queue_size + free:
+            retry = self._retry_after()
+            self.metrics.rejected.labels(reason="queue_full").inc()
+            raise QueueFull(len(self._waiting), retry)
+        job = Job(req, next(self._seq), time.perf_counter())
+        self._jobs.add(job)
+        self._waiting.append(job)
+        self._gauges()
+        job.task = asyncio.get_running_loop().create_task(self._run(job), name=f"kvl-request-{job.id}")
+        if self.cfg.batch_window_ms <= 0 or free == 0:
+            self._admit()
+        elif self._window is None:
+            self._window = asyncio.get_running_loop().call_later(self.cfg.batch_window_ms / 1000, self._close_window)
+        return job
+
+    def _retry_after(self) -> int:
+        ahead = len(self._waiting) + 1
+        return max(1, min(60, math.ceil(self._avg_run_s * ahead / self.cfg.max_concurrency)))
+
+    def _close_window(self) -> None:
+        self._window = None
+        self._admit()
+
+    def _admit(self) -> None:
+        """Admit queued requests in (priority, arrival) order while there is room."""
+        if not self._waiting or len(self._running) >= self.cfg.max_concurrency:
+            return
+        now = time.perf_counter()
+        for job in sorted(self._waiting, key=lambda j: (j.req.priority, j.seq)):
+            if len(self._running) >= self.cfg.max_concurrency:
+                break
+            t = job.req.tenant
+            if t.max_concurrency and self._tenant_running[t.id] >= t.max_concurrency:
+                continue                      # this tenant waits; others may go ahead
+            if job.admitted.done():
+                continue                      # cancelled while queued (its task removes it)
+            self._waiting.remove(job)
+            self._running.add(job)
+            self._tenant_running[t.id] += 1
+            job.admitted_at = now
+            job.admitted.set_result(None)
+        self._gauges()
+
+    def _leave(self, job: Job) -> None:
+        if job in self._waiting:
+            self._waiting.remove(job)
+        if job in self._running:
+            self._running.discard(job)
+            self._tenant_running[job.req.tenant.id] -= 1
+            if self._tenant_running[job.req.tenant.id] <= 0:
+                del self._tenant_running[job.req.tenant.id]
+            run_s = time.perf_counter() - job.admitted_at
+            self._avg_run_s = 0.8 * self._avg_run_s + 0.2 * run_s
+        self.gate.forget(job)
+        self._jobs.discard(job)
+        self._gauges()
+        self._admit()
+
+    # --- one request -----------------------------------------------------------------------------
+
+    async def _run(self, job: Job) -> None:
+        deadline = asyncio.get_running_loop().time() + self.cfg.request_timeout_ms / 1000
+        reason = "error"
+        timeout = asyncio.timeout_at(deadline)
+        try:
+            try:
+                async with timeout:
+                    await self._wait_admitted(job)
+                    job.outcome = await self._generate(job)
+                reason = job.outcome.finish_reason
+                job._events.put_nowait(_END)
+            except TimeoutError as e:
+                if not timeout.expired():
+                    raise SchedulerError(f"internal timeout: {e!r}") from e
+                reason = "timeout"
+                self.metrics.rejected.labels(reason="request_timeout").inc()
+                job._events.put_nowait(RequestTimeout(self.cfg.request_timeout_ms))
+            except QueueTimeout as e:
+                reason = "timeout"
+                self.metrics.rejected.labels(reason="queue_timeout").inc()
+                job._events.put_nowait(e)
+        except asyncio.CancelledError:
+            reason = "stop" if job.stopped else "cancelled"
+            job._events.put_nowait(ShuttingDown() if self._closed else SchedulerError("the request was cancelled"))
+            raise
+        except Exception as e:  # noqa: BLE001 - reported to the caller, logged with its traceback
+            log.error("request_failed", job=job.id, error=repr(e), exc_info=True)
+            job._events.put_nowait(e)
+        finally:
+            self.metrics.finished.labels(reason=reason).inc()
+            self.engine.metrics.requests.labels(outcome="ok" if reason in ("stop", "length") else reason).inc()
+            self._leave(job)
+
+    async def _wait_admitted(self, job: Job) -> None:
+        try:
+            async with asyncio.timeout(self.cfg.queue_timeout_ms / 1000):
+                await asyncio.shield(job.admitted)
+        except TimeoutError:
+            if job.admitted.done():
+                return                        # admitted at the last moment: run it
+            job.admitted.cancel()
+            raise QueueTimeout(self.cfg.queue_timeout_ms) from None
+        except BaseException:
+            if not job.admitted.done():
+                job.admitted.cancel()
+            raise
+        self.metrics.queue_time.observe(job.admitted_at - job.arrival)
+
+    async def _generate(self, job: Job) -> Outcome:
+        e = self.engine
+        req = job.req
+        s = await e.open(req.tokens, tenant=req.tenant.id, reuse=req.reuse, max_new_tokens=req.max_tokens)
+        try:
+            job.cached_tokens = s.resume_blocks * s.bs
+            job.fallbacks = list(s.fallbacks)
+            job.degraded = s.degraded
+            self._apply_quota(s, req.tenant)
+            while not s.done_prefill:
+                async with self.gate.turn(job, Kind.PREFILL):
+                    await s.prefill_step()
+            self.metrics.prompt_tokens.inc(len(req.tokens))
+            assert s.logits is not None
+            logits = s.logits
+            sampler = Sampler(req.sampling)
+            out: list[int] = []
+            kept: list[torch.Tensor] = []
+            ttft = 0.0
+            last = 0.0
+            while True:
+                if req.keep_logits:
+                    kept.append(logits.detach().cpu().clone())
+                tok = sampler.pick(logits)
+                out.append(tok)
+                now = time.perf_counter()
+                if len(out) == 1:
+                    ttft = now - job.arrival
+                    e.metrics.ttft.observe(ttft)
+                else:
+                    self.metrics.itl.observe(now - last)
+                last = now
+                self.metrics.generation_tokens.inc()
+                job._events.put_nowait(tok)
+                if tok in req.stop_token_ids or job.stopped:
+                    finish = "stop"
+                    break
+                if len(out) >= req.max_tokens:
+                    finish = "length"
+                    break
+                async with self.gate.turn(job, Kind.DECODE):
+                    logits = await s.decode(tok)
+        finally:
+            # NOTE: shielded: a second cancellation must not stop the release of the leases.
+            await asyncio.shield(e.close(s))
+        self.metrics.e2e.observe(time.perf_counter() - job.arrival)
+        r = s.result(out, None, ttft)
+        return Outcome(tokens=out, finish_reason=finish, prompt_tokens=r.prompt_tokens,
+                       cached_tokens=r.cached_tokens, fallbacks=r.fallbacks, degraded=r.degraded,
+                       queued_s=job.admitted_at - job.arrival, ttft_s=ttft,
+                       logits=torch.stack(kept) if kept else None)
+
+    def _apply_quota(self, s: Session, tenant: Tenant) -> None:
+        """Cache no more of ``tenant``'s blocks than its quota: drop the excess from the writes.
+
+        The blocks are still computed; their write grants are released unfilled with the
+        lease. Counted per worker (this worker's GPU pools), and soft: two requests of a
+        tenant opened at once may both see the last free room.
+        """
+        q = tenant.cache_quota_blocks
+        store = self.engine.store
+        if not q or store is None or not s.writes:
+            return
+        used = len({m.block_hash for _, _, m in store.items() if m.tenant == tenant.id})
+        room = max(0, q - used)
+        keep = sorted(s.writes)[:room]
+        skipped = len(s.writes) - len(keep)
+        if skipped:
+            s.writes = {i: s.writes[i] for i in keep}
+            self.metrics.quota_skipped.inc(skipped)
+
+    # --- life cycle ------------------------------------------------------------------------------
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Refuse new requests; let running ones finish for ``grace_s``, then cancel the rest."""
+        self._closed = True
+        if self._window is not None:
+            self._window.cancel()
+            self._window = None
+        for job in list(self._waiting):
+            if job.task is not None:
+                job.task.cancel()
+        tasks = [j.task for j in self._jobs if j.task is not None]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=grace_s)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=grace_s)
+
+
+__all__ = ["ContextTooLong", "GenRequest", "InvalidRequest", "Job", "Kind", "Outcome", "QueueFull", "QueueTimeout",
+           "RequestTimeout", "Sampler", "SamplingParams", "Scheduler", "SchedulerError", "ServingMetrics",
+           "ShuttingDown", "TurnGate"]
