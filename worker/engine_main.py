@@ -1,8 +1,8 @@
 """The worker process: ``python -m worker [--config FILE] [--worker-id ID]`` (``kvledger worker``).
 
-Runs the cache engine against the coordinator over NATS and serves nothing else yet (the
-OpenAI-compatible HTTP API is the serving layer's). So that tests and operators can drive
-real requests through the real processes, it answers a few NATS request/reply subjects::
+Runs the cache engine against the coordinator over NATS and serves the OpenAI-compatible
+HTTP API on ``worker.host:worker.port`` (:mod:`worker.http_server`). So that tests and
+operators can drive the engine directly, it also answers a few NATS request/reply subjects::
 
     <prefix>.worker.<id>.debug.generate   {"tokens": [...], "max_tokens": 4, "tenant": "default",
                                            "reuse": true, "return_logits": true}
@@ -36,6 +36,7 @@ from shared.logging import configure_logging, get_logger
 from shared.subjects import Subjects
 from worker.client.nats_adapter import NatsCoordinatorClient
 from worker.engine import Engine, Sampling
+from worker.http_server import start_http
 from worker.model import HybridAttentionLM, ModelConfig, build_model, load_safetensors
 
 log = get_logger("kvl.worker.main")
@@ -165,11 +166,20 @@ async def serve(cfg: Config) -> int:
         print(f"kvledger worker: cannot reach NATS at {cfg.nats.url}: {e}", file=sys.stderr, flush=True)
         await engine.stop()
         return 2
+    try:
+        http = await start_http(engine, cfg)
+    except (OSError, ValueError) as e:  # port taken, unusable tokenizer or API keys
+        print(f"kvledger worker: cannot serve HTTP on {cfg.worker.host}:{cfg.worker.port}: {e}", file=sys.stderr,
+              flush=True)
+        await debug.stop()
+        await engine.stop()
+        return 2
     log.info("worker_started", worker_id=engine.worker_id, namespace=engine.namespace, pools=engine.slots,
              device=str(engine.device))
     print(f"kvledger worker {engine.worker_id} running", flush=True)
     await stop.wait()
     log.info("worker_stopping")
+    await http.cleanup()
     await debug.stop()
     await engine.stop()
     return 0

@@ -1,0 +1,61 @@
+"""The app factory: routes, middlewares, and the state the handlers read through typed keys."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from shared.config import Config
+from worker.api import handlers as h
+from worker.api.errors import Handler, error_middleware
+from worker.api.keys import CONFIG, ENGINE, METRICS, SCHEDULER, SERVED, TENANT, TENANTS, TOKENIZER, Served
+from worker.engine import Engine
+from worker.scheduler import Scheduler
+from worker.tenants import TenantDirectory
+from worker.tokenizer import Tokenizer
+
+#: Routes that need an API key (everything under /v1/); probes and metrics do not.
+AUTH_PREFIX = "/v1/"
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path.startswith(AUTH_PREFIX):
+        request[TENANT] = request.app[TENANTS].authenticate(request.headers.get("Authorization"))
+    return await handler(request)
+
+
+def _count_status(request: web.Request, status: int) -> None:
+    route = request.match_info.route.resource
+    name = route.canonical if route is not None else "unmatched"
+    request.app[METRICS].http.labels(route=name, status=str(status)).inc()
+
+
+def create_app(engine: Engine, cfg: Config, tokenizer: Tokenizer, scheduler: Scheduler) -> web.Application:
+    """The worker's HTTP application. The scheduler is stopped when the app is cleaned up."""
+    limit = cfg.service.max_body_bytes
+    app = web.Application(client_max_size=limit,
+                          middlewares=[error_middleware(limit, _count_status), auth_middleware])
+    app[ENGINE] = engine
+    app[CONFIG] = cfg
+    app[TOKENIZER] = tokenizer
+    app[SCHEDULER] = scheduler
+    app[TENANTS] = TenantDirectory.from_config(cfg.auth)
+    app[METRICS] = scheduler.metrics
+    app[SERVED] = Served(model_id=engine.model.cfg.model_id, aliases=(), fingerprint=f"kvl-{engine.namespace[:16]}",
+                         created=int(time.time()), max_body_bytes=limit)
+
+    async def scheduler_ctx(app: web.Application) -> AsyncIterator[None]:
+        yield
+        await app[SCHEDULER].stop()
+
+    app.cleanup_ctx.append(scheduler_ctx)
+    app.router.add_post("/v1/completions", h.completions)
+    app.router.add_post("/v1/chat/completions", h.chat_completions)
+    app.router.add_get("/v1/models", h.models)
+    app.router.add_get("/healthz", h.healthz)
+    app.router.add_get("/readyz", h.readyz)
+    app.router.add_get("/metrics", h.metrics)
+    return app

@@ -1,0 +1,258 @@
+"""The endpoints: parse the request, call the scheduler, serialise the result.
+
+``POST /v1/completions``, ``POST /v1/chat/completions`` (prompt from
+:mod:`worker.chat_template`), ``GET /v1/models``; ``GET /healthz``, ``/readyz``,
+``/metrics``. Streaming is Server-Sent Events in OpenAI's chunk format, ending with
+``data: [DONE]``.
+
+``usage`` always carries ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and
+``prompt_tokens_details.cached_tokens`` (prompt tokens restored from validated cache; 0 on
+a miss). A stream carries it on its last chunk — in the separate ``choices: []`` chunk when
+``stream_options.include_usage`` is set (OpenAI's way), else on the chunk with the
+``finish_reason``. Responses also carry ``kvl``: whether reuse was allowed, and why the
+request recomputed more than the cache offered (``fallbacks``), if it did.
+
+A streaming response sends its headers only with its first token, so anything that fails
+before then (queue full, queue timeout, ...) is still an ordinary HTTP error status; a
+failure after it is an ``error`` event (which the openai client raises), then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from worker.api.errors import ApiError, to_api_error, internal_error
+from worker.api.keys import ENGINE, SCHEDULER, SERVED, TENANT, TOKENIZER, Served
+from worker.api.schemas import DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, _Common, decode
+from worker.api.text import TextStream
+from worker.chat_template import ChatMessage, render
+from worker.scheduler import GenRequest, Job, SamplingParams
+
+
+# --- input ---------------------------------------------------------------------------------------
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    return await request.read()        # the app's client_max_size stops a longer chunked body
+
+
+def check_model(served: Served, model: str | None) -> None:
+    if model is not None and model not in (served.model_id, *served.aliases):
+        raise ApiError(404, f"model {model!r} does not exist on this worker; GET /v1/models lists "
+                            f"{served.model_id!r}", param="model", code="model_not_found")
+
+
+def gen_request(request: web.Request, body: _Common, tokens: list[int], max_tokens: int | None) -> GenRequest:
+    tok = request.app[TOKENIZER]
+    return GenRequest(tokens=tokens, max_tokens=max_tokens or DEFAULT_MAX_TOKENS, tenant=request[TENANT],
+                      sampling=SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                              seed=body.seed63),
+                      reuse=body.cache_reuse, priority=body.priority, stop_token_ids=tok.eos_token_ids)
+
+
+# --- output --------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _Shape:
+    """What differs between the two endpoints' responses."""
+
+    chat: bool
+    id: str
+    created: int
+    model: str
+    fingerprint: str
+
+    def head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint}
+
+    def chunk(self, text: str | None, finish: str | None = None, *, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {**self.head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {**self.head("text_completion"), "choices": [choice]}
+
+    def full(self, text: str, finish: str) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish}
+            return {**self.head("chat.completion"), "choices": [choice]}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**self.head("text_completion"), "choices": [choice]}
+
+
+def usage(job: Job, completion_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": job.prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": job.cached_tokens}}
+
+
+def kvl_info(job: Job) -> dict[str, Any]:
+    return {"cache_reuse": job.req.reuse, "fallbacks": job.fallbacks, "degraded": job.degraded}
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=msgspec.json.encode(obj), content_type="application/json")
+
+
+async def _generate(request: web.Request, body: _Common, shape: _Shape, tokens: list[int],
+                    max_tokens: int | None) -> web.StreamResponse:
+    sched = request.app[SCHEDULER]
+    job = sched.submit(gen_request(request, body, tokens, max_tokens))
+    text = TextStream(request.app[TOKENIZER].detokenizer(), body.stops())
+    try:
+        if body.stream:
+            return await _stream(request, body, shape, job, text)
+        parts: list[str] = []
+        async for tok in job:
+            parts.append(text.push(tok))
+            if text.stopped:
+                job.stop()
+                break
+        parts.append(text.finish())
+        await job.aclose()
+        finish = "stop" if text.stopped else job.finish_reason
+        out = shape.full("".join(parts), finish)
+        out["usage"] = usage(job, text.tokens)
+        out["kvl"] = kvl_info(job)
+        return json_response(out)
+    finally:
+        # NOTE: whatever happened (client gone, error, stop string), the job ends here and
+        # the engine releases its leases before the handler returns.
+        await job.aclose()
+
+
+async def _stream(request: web.Request, body: _Common, shape: _Shape, job: Job,
+                  text: TextStream) -> web.StreamResponse:
+    resp: web.StreamResponse | None = None
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+    async def send(obj: Any) -> None:
+        assert resp is not None
+        await resp.write(b"data: " + (obj if isinstance(obj, bytes) else msgspec.json.encode(obj)) + b"\n\n")
+
+    async def start() -> None:
+        nonlocal resp
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        if shape.chat:
+            await send(shape.chunk("", role=True))
+
+    try:
+        async for tok in job:
+            if resp is None:
+                await start()
+            piece = text.push(tok)
+            if piece:
+                await send(shape.chunk(piece))
+            if text.stopped:
+                job.stop()
+                break
+    except Exception as e:  # noqa: BLE001 - before the first token: an HTTP status; after: an error event
+        if resp is None:
+            raise
+        err = to_api_error(e) or internal_error()
+        await send(err.body())
+        await send(b"[DONE]")
+        await resp.write_eof()
+        return resp
+    if resp is None:
+        await start()
+    tail = text.finish()
+    await job.aclose()
+    finish = "stop" if text.stopped else job.finish_reason
+    last = shape.chunk(tail if tail else (None if shape.chat else ""), finish)
+    last["kvl"] = kvl_info(job)
+    if include_usage:
+        await send(last)
+        await send({**shape.head(last["object"]), "choices": [], "usage": usage(job, text.tokens)})
+    else:
+        last["usage"] = usage(job, text.tokens)
+        await send(last)
+    await send(b"[DONE]")
+    await resp.write_eof()
+    return resp
+
+
+def _shape(request: web.Request, chat: bool) -> _Shape:
+    served = request.app[SERVED]
+    prefix = "chatcmpl-" if chat else "cmpl-"
+    return _Shape(chat=chat, id=prefix + uuid.uuid4().hex, created=int(time.time()), model=served.model_id,
+                  fingerprint=served.fingerprint)
+
+
+# --- handlers ------------------------------------------------------------------------------------
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    served = request.app[SERVED]
+    body: CompletionRequest = decode(await read_body(request, served.max_body_bytes), CompletionRequest)
+    body.checks()
+    check_model(served, body.model)
+    prompt = body.prompt_value()
+    tokens = request.app[TOKENIZER].encode(prompt) if isinstance(prompt, str) else prompt
+    return await _generate(request, body, _shape(request, chat=False), tokens, body.max_tokens)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    served = request.app[SERVED]
+    body: ChatCompletionRequest = decode(await read_body(request, served.max_body_bytes), ChatCompletionRequest)
+    body.checks()
+    check_model(served, body.model)
+    messages = [ChatMessage(m.role, body.text_of(i)) for i, m in enumerate(body.messages)]
+    tokens = request.app[TOKENIZER].encode(render(messages))
+    return await _generate(request, body, _shape(request, chat=True), tokens,
+                           body.max_completion_tokens or body.max_tokens)
+
+
+async def models(request: web.Request) -> web.Response:
+    served = request.app[SERVED]
+    card = {"id": served.model_id, "object": "model", "created": served.created, "owned_by": "kvledger",
+            "max_model_len": request.app[SCHEDULER].max_context, "tokenizer": request.app[TOKENIZER].name}
+    return json_response({"object": "list", "data": [card]})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness: the process answers."""
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Readiness: model loaded, pools allocated, coordinator reachable (else ``degraded``: still
+    serving, by recomputation). 503 while the pools are missing, draining or shutting down."""
+    engine = request.app[ENGINE]
+    sched = request.app[SCHEDULER]
+    h = engine.health()
+    pools = h.pools_allocated or not h.cache_enabled
+    if not h.cache_enabled:
+        coordinator = "disabled"
+    elif h.degraded:
+        coordinator = "unreachable" if not h.registered else "degraded"
+    else:
+        coordinator = "reachable"
+    ready = pools and not h.draining and not sched.closed
+    status = "not_ready" if not ready else ("degraded" if h.degraded else "ready")
+    body = {"status": status, "model_loaded": True, "pools_allocated": pools, "coordinator": coordinator,
+            "reason": h.reason, "epoch": h.epoch, "draining": h.draining, "queue_depth": sched.queue_depth,
+            "running": sched.running, "pool_used": h.pool_used, "pool_slots": h.pool_slots}
+    return json_response(body, 200 if ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    engine.pool_metrics()
+    return web.Response(body=engine.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})

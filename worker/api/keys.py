@@ -1,0 +1,36 @@
+"""Typed keys for the app's state and the request's tenant."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from shared.config import Config
+from worker.engine import Engine
+from worker.scheduler import Scheduler, ServingMetrics
+from worker.tenants import Tenant, TenantDirectory
+from worker.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What the API says about the model it serves."""
+
+    model_id: str
+    #: Other names accepted in a request's ``model`` field.
+    aliases: tuple[str, ...]
+    #: ``system_fingerprint``: the cache namespace (model, weights, cache format, kernel ABI).
+    fingerprint: str
+    created: int
+    max_body_bytes: int
+
+
+ENGINE = web.AppKey("engine", Engine)
+SCHEDULER = web.AppKey("scheduler", Scheduler)
+TOKENIZER = web.AppKey("tokenizer", Tokenizer)
+TENANTS = web.AppKey("tenants", TenantDirectory)
+CONFIG = web.AppKey("config", Config)
+SERVED = web.AppKey("served", Served)
+METRICS = web.AppKey("serving_metrics", ServingMetrics)
+TENANT = web.RequestKey("tenant", Tenant)

@@ -1,0 +1,195 @@
+"""Request bodies of the OpenAI-compatible endpoints, as msgspec structs, and their parsing.
+
+Fields follow the OpenAI API. Unknown fields are ignored (clients send fields this server
+does not use, such as ``user``); known but unsupported features are refused with a 400
+that names the parameter, rather than silently ignored (``n`` > 1, ``logprobs``, ``echo``,
+penalties, ``logit_bias``, tools).
+
+kvledger extensions (pass them with the openai client's ``extra_body``):
+
+* ``cache_reuse`` (bool, default true) — false runs this request without reading the
+  prefix cache (it still fills it): a cold run, for differential checks;
+* ``priority`` (int, default 0) — lower is scheduled first (vLLM's convention);
+* ``top_k`` (int, default 0 = off).
+
+Defaults: ``max_tokens`` 16 (both endpoints; the tiny model has no end-of-sequence token,
+so an unbounded default would run to the context limit), ``temperature`` 1.0, ``top_p``
+1.0 (OpenAI's).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+import msgspec
+
+from worker.api.errors import ApiError
+
+MAX_STOP = 4
+DEFAULT_MAX_TOKENS = 16
+
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Priority = Annotated[int, msgspec.Meta(ge=-1_000_000, le=1_000_000)]
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: PosInt | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: NonNeg = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # kvledger extensions
+    cache_reuse: bool = True
+    priority: Priority = 0
+
+    def common_checks(self) -> None:
+        if self.n != 1:
+            raise ApiError.invalid("n: only n=1 is supported; send one request per completion", "n")
+        if self.presence_penalty or self.frequency_penalty:
+            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
+            raise ApiError.invalid(f"{param}: penalties are not supported; omit it or send 0", param)
+        if self.logit_bias:
+            raise ApiError.invalid("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError.invalid("stream_options: only allowed when stream is true", "stream_options")
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if len(stops) > MAX_STOP:
+            raise ApiError.invalid(f"stop: at most {MAX_STOP} stop strings are allowed, got {len(stops)}", "stop")
+        return [s for s in stops if s]
+
+    @property
+    def seed63(self) -> int | None:
+        return None if self.seed is None else self.seed % (1 << 63)
+
+
+class CompletionRequest(_Common, kw_only=True):
+    #: A string or a list of token ids (a list of one string / one id list is accepted too).
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def checks(self) -> None:
+        self.common_checks()
+        if self.logprobs is not None:
+            raise ApiError.invalid("logprobs is not supported", "logprobs")
+        if self.echo:
+            raise ApiError.invalid("echo is not supported", "echo")
+        if self.best_of not in (None, 1):
+            raise ApiError.invalid("best_of: only 1 is supported", "best_of")
+        if self.suffix:
+            raise ApiError.invalid("suffix is not supported", "suffix")
+
+    def prompt_value(self) -> str | list[int]:
+        """The one prompt: a string or token ids (ints only; booleans are not ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]
+            if isinstance(p, str):
+                return p
+        if p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return list(p)
+        if not p:
+            raise ApiError.invalid("prompt: the prompt is empty; send at least one token", "prompt")
+        if all(isinstance(x, (str, list)) for x in p):
+            raise ApiError.invalid("prompt: batched prompts are not supported; send one prompt per request",
+                                   "prompt")
+        raise ApiError.invalid("prompt: expected a string or a list of integer token ids", "prompt")
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class Message(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common, kw_only=True):
+    messages: list[Message]
+    max_completion_tokens: PosInt | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def checks(self) -> None:
+        self.common_checks()
+        if self.logprobs or self.top_logprobs:
+            raise ApiError.invalid("logprobs is not supported", "logprobs")
+        if self.tools:
+            raise ApiError.invalid("tools are not supported", "tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ApiError.invalid("response_format: only {'type': 'text'} is supported", "response_format")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ApiError.invalid("max_tokens and max_completion_tokens disagree; send one of them",
+                                   "max_completion_tokens")
+
+    def text_of(self, i: int) -> str:
+        c = self.messages[i].content
+        if c is None:
+            return ""
+        if isinstance(c, str):
+            return c
+        out = []
+        for j, part in enumerate(c):
+            if part.type != "text" or part.text is None:
+                raise ApiError.invalid(f"messages[{i}].content[{j}]: only text parts are supported "
+                                       f"(type 'text' with a 'text' string)", f"messages[{i}].content")
+            out.append(part.text)
+        return "".join(out)
+
+
+_AT = re.compile(r" - at `\$((?:\.[A-Za-z0-9_]+|\[\d+\])*)`$")
+_MISSING = re.compile(r"Object missing required field `([^`]+)`")
+
+
+def decode(body: bytes, kind: type[Any]) -> Any:
+    """Decode and validate a JSON body; errors are 400s naming the parameter and what was expected."""
+    if not body.strip():
+        raise ApiError.invalid("the request body is empty; send a JSON object", None)
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        m = _AT.search(msg)
+        path = m.group(1).lstrip(".") if m else ""
+        detail = _AT.sub("", msg)
+        miss = _MISSING.search(detail)
+        if miss:
+            param = f"{path}.{miss.group(1)}" if path else miss.group(1)
+            raise ApiError.invalid(f"{param}: this field is required", param) from None
+        detail = detail[0].lower() + detail[1:] if detail else detail
+        param = path or None
+        raise ApiError.invalid(f"{param}: {detail}" if param else f"request body: {detail}", param) from None
+    except msgspec.DecodeError as e:
+        raise ApiError.invalid(f"the request body is not valid JSON: {e}", None) from None
