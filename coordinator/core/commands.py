@@ -180,12 +180,19 @@ def _plan_writes(state: LedgerState, w: WorkerRecord, msg: m.LeaseAcquire, usabl
     if not wanted:
         return {}, [], 0
     free: dict[str, int] = {}
-    candidates: dict[str, list[Replica]] = {}
     for form in need:
-        pool = state.pools.get((w.worker_id, form), {})
-        free[form] = max(0, w.pool_slots.get(form, 0) - len(pool))
-        candidates[form] = [r for k in pool if (r := replicas[k]).state is READY and not r.pins
-                            and k[0] not in mine]
+        free[form] = max(0, w.pool_slots.get(form, 0) - len(state.pools.get((w.worker_id, form), ())))
+    # NOTE: the LRU candidates are collected only for a pool that runs out of free slots: the
+    # scan is O(pool size), and with free slots it would dominate every write grant.
+    candidates: dict[str, list[Replica]] = {}
+
+    def victims_available(form: str) -> int:
+        c = candidates.get(form)
+        if c is None:
+            c = candidates[form] = [r for k in state.pools.get((w.worker_id, form), ())
+                                    if (r := replicas[k]).state is READY and not r.pins and k[0] not in mine]
+        return len(c)
+
     quota = state.params.tenant_quota_replicas
     # NOTE: evicting the tenant's own replicas would free quota too; not counted (conservative).
     room = quota - state.tenant_used.get(msg.tenant, 0) if quota else wanted
@@ -193,7 +200,8 @@ def _plan_writes(state: LedgerState, w: WorkerRecord, msg: m.LeaseAcquire, usabl
     blocks: list[int] = []
     for i in sorted(set().union(*need.values())):
         forms = [f for f in need if i in need[f]]
-        if len(forms) > room or any(granted[f] >= free[f] + len(candidates[f]) for f in forms):
+        if len(forms) > room or any(granted[f] >= free[f] and granted[f] >= free[f] + victims_available(f)
+                                    for f in forms):
             break
         for f in forms:
             granted[f] += 1
