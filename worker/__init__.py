@@ -1,1 +1,15 @@
-"""The stateless worker: model, kernels glue and (later) the inference endpoint."""
+"""The stateless worker: the model, its cache engine, and (later) the inference endpoint.
+
+Map of the cache engine:
+
+* :mod:`worker.cache.planner`  — pure core: which blocks a resume reads, the four hit-validation
+  layers, the usable boundary (no I/O; unit-tested alone);
+* :mod:`worker.cache.store`    — the GPU tier: static per-form pools plus what each slot holds;
+* :mod:`worker.cache.tiers`    — host memory and the shared offload directory;
+* :mod:`worker.client`         — the coordinator port: NATS adapter, in-process twin for unit tests;
+* :mod:`worker.publisher`      — the transition outbox and the task that drains it into JetStream;
+* :mod:`worker.session`        — one request: lease, validate, restore, prefill, commit, release;
+* :mod:`worker.engine`         — the composition root: ``Engine.generate`` / ``Engine.open``,
+  registration, heartbeats, degraded mode, inventory and control;
+* :mod:`worker.engine_main`    — the process (``python -m worker``) and its NATS debug subjects.
+"""

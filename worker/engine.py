@@ -105,6 +105,8 @@ class Engine:
         self.switches = Switches.from_config(cfg.cache.hit_validation, self.catalogue)
         self.endpoint = endpoint
         self.settle_timeout_s = 2.0
+        #: Validate and restore from the worker's own pools while the lease is in flight.
+        self.speculate = True
         self.slots = pool_slots(self.catalogue, cfg) if self.cache_enabled else {}
         # NOTE: static topology — the pools are allocated here, once, and never again.
         self.store = CacheStore(self.catalogue, self.slots, self.device) if self.cache_enabled else None

@@ -46,6 +46,7 @@ import torch
 
 from shared.hashing import chain_hashes
 from shared.ids import ROOT_HASH
+from shared.forms import FormScope
 from shared.messages import LeaseAcquire, LeaseGrant, LeaseRelease, LeaseRenew, ReplicaRef
 from worker.cache.planner import (
     ALL_PASS, LAYERS, BlockMeta, Expect, Layer, Need, Observed, all_pass, best_boundary, grid_floor, map_reads, needs, resume_cap, validate,
@@ -119,6 +120,16 @@ class _Lease:
     epoch: int
 
 
+@dataclass(frozen=True, slots=True)
+class _Speculation:
+    """A resume this worker can serve from its own pools, validated before the grant came."""
+
+    p: int
+    needs: list[Need]
+    found: dict[Need, _Found]
+    outcomes: dict[tuple[str, str], int]
+
+
 @dataclass(slots=True)
 class _Found:
     """A validated private copy of one (block, form), and where it came from."""
@@ -167,6 +178,8 @@ class Session:
         self._closed = False
         self.t0 = time.perf_counter()
         self.timings: dict[str, float] = {}
+        self._fresh: asyncio.Future | None = None
+        self._speculated = False
         #: ``(meta, bytes)`` to install and commit once the model is busy again (or at close).
         self._pending: list[tuple[BlockMeta, torch.Tensor]] = []
         self._outcomes: dict[tuple[str, str], int] = {}
@@ -178,9 +191,6 @@ class Session:
 
     async def open(self) -> None:
         e = self.engine
-        # NOTE: the request state is allocated on the model thread while the lease is in flight.
-        self._fresh = asyncio.get_running_loop().run_in_executor(
-            e._compute, lambda: e.model.new_state(self.bs, self.capacity))
         try:
             if e.cache_enabled:
                 e.metrics.queries.inc(len(self.tokens))
@@ -189,10 +199,14 @@ class Session:
                 self._spent("hash", t0)
                 await self._lease_and_restore()
         finally:
+            if self._fresh is None:
+                self._build_state(None)
             t0 = time.perf_counter()
-            fresh = await self._fresh
-            self._spent("restore", t0)      # only the part of the allocation the lease did not hide
+            fresh = await self._take_state()
+            self._spent("restore", t0)      # only the part of the state build the lease did not hide
         if self.state is None:
+            if self._speculated:
+                fresh.restore([], 0)        # a speculative restore that was not used: empty again
             self.state = fresh
             self.resume_blocks = 0
         self.units = _units(self.resume_blocks * self.bs, len(self.tokens), self.bs, e.chunk_blocks)
@@ -217,7 +231,13 @@ class Session:
             self.fallback("degraded")
             return
         self.epoch = e.epoch
-        grant = await self._acquire(self.hashes, write=not e.draining, reuse=self.reuse)
+        lease = asyncio.get_running_loop().create_task(
+            self._acquire(self.hashes, write=not e.draining, reuse=self.reuse))
+        # NOTE: while the lease is in flight, validate and restore what this worker's own pools
+        # hold; the grant then only has to confirm it (same replicas, same generations).
+        spec = self._speculate() if self.reuse and e.speculate else None
+        self._build_state(spec)
+        grant = await lease
         if grant is None:
             return
         self.main = grant
@@ -237,6 +257,9 @@ class Session:
         tries = 0
         while target > 0:
             want = needs(e.catalogue, target)
+            if spec is not None and spec.p == target and all(refs.get(n) == spec.found[n].ref for n in want):
+                await self._accept(spec)
+                return
             if all(n in refs for n in want):
                 failed = await self._gather(refs, want)
                 ok = best_boundary(e.catalogue, set(self.found), target, grid)
@@ -260,6 +283,123 @@ class Session:
             self.fallback("validation")
         if p:
             await self._restore(p)
+
+    def _build_state(self, spec: _Speculation | None) -> None:
+        """Allocate the request state on the model thread (restored at ``spec.p`` if speculating)."""
+        e = self.engine
+        blocks = self._payloads(spec.found, spec.p) if spec is not None else None
+        bs, cap = self.bs, self.capacity
+
+        def work():
+            state = e.model.new_state(bs, cap)
+            if blocks is not None:
+                state.restore(blocks, spec.p)
+            return state
+
+        self._speculated = spec is not None
+        self._fresh = asyncio.get_running_loop().run_in_executor(e._compute, work)
+
+    async def _accept(self, spec: _Speculation) -> None:
+        """The grant pins exactly the replicas the speculation validated: use its restored state."""
+        e = self.engine
+        for key, n in spec.outcomes.items():
+            e.metrics.validations.labels(layer=key[0], outcome=key[1]).inc(n)
+        t0 = time.perf_counter()
+        state = await self._take_state()
+        self._spent("restore", t0)
+        if self._speculated:
+            self.found.update(spec.found)
+            self.state = state
+            self.resume_blocks = spec.p
+        # else: the model refused the restore; _take_state fell back to recomputing everything
+
+    async def _take_state(self):
+        """The state :meth:`_build_state` made; a speculative restore the model refuses falls back
+        to a fresh state (and the request to full recomputation)."""
+        e = self.engine
+        assert self._fresh is not None
+        try:
+            return await self._fresh
+        except (ValueError, RuntimeError) as err:
+            if not self._speculated:
+                raise
+            e.log.error("restore failed; recomputing the whole prompt", error=str(err)[:300])
+            self.fallback("restore_failed")
+            self._build_state(None)
+            return await self._fresh
+
+    def _speculate(self) -> _Speculation | None:
+        """The longest boundary this worker's own pools serve, validated against what it committed.
+
+        Every replica is checked with a ref built from the worker's own record (generation and
+        checksum it committed); the grant confirms the speculation only if it pins exactly those
+        refs, which makes the check identical to validating against the grant.
+        """
+        e = self.engine
+        t0 = time.perf_counter()
+        cap = resume_cap(len(self.tokens), self.bs)
+        grid = e.chunk_blocks
+        local: dict[Need, BlockMeta] = {}
+        bound = cap
+        for spec in e.catalogue.forms:
+            if spec.scope is FormScope.FULL_HISTORY:
+                for i in range(bound):
+                    hit = e.store.lookup(spec.name, self.hashes[i])
+                    if hit is None:
+                        bound = i
+                        break
+                    local[(i, spec.name)] = hit[1]
+        p = grid_floor(bound, grid)
+        while p > 0:
+            want = needs(e.catalogue, p)
+            for need in want:
+                if need not in local:
+                    hit = e.store.lookup(need[1], self.hashes[need[0]])
+                    if hit is not None:
+                        local[need] = hit[1]
+            if all(n in local for n in want):
+                break
+            p -= grid
+        if p == 0:
+            self._spent("speculate", t0)
+            return None
+        want = needs(e.catalogue, p)
+        expect = Expect(namespace=e.namespace, tenant=self.tenant, block_hashes=self.hashes, block_size=self.bs,
+                        specs=e.specs, digests=e.spec_digests)
+        found: dict[Need, _Found] = {}
+        outcomes: dict[tuple[str, str], int] = {}
+        by_form: dict[str, list[Need]] = {}
+        for need in want:
+            by_form.setdefault(need[1], []).append(need)
+        full = e.switches.layers == frozenset(LAYERS)
+        for form, items in by_form.items():
+            seen = e.store.observe_many(form, [self.hashes[i] for i, _ in items])
+            for need, (obs, data) in zip(items, seen):
+                meta = local[need]
+                ref = ReplicaRef(block_hash=meta.block_hash, form=form, location=e.gpu, generation=meta.generation,
+                                 checksum=meta.checksum)
+                if full and form in e.switches.forms and all_pass(ref, need[0], obs, expect):
+                    verdict = ALL_PASS
+                else:
+                    v = validate(ref, need[0], obs, expect, e.switches)
+                    if not v.ok:
+                        self._spent("speculate", t0)
+                        return None     # let the grant-driven path find, invalidate and count it
+                    verdict = v.outcomes
+                for layer, outcome in verdict:
+                    key = (layer.value, outcome)
+                    outcomes[key] = outcomes.get(key, 0) + 1
+                found[need] = _Found(data, ref)
+        self._spent("speculate", t0)
+        return _Speculation(p, want, found, outcomes)
+
+    def _payloads(self, found: dict[Need, _Found], p: int) -> list[BlockPayload]:
+        e = self.engine
+        per_block: list[dict[str, torch.Tensor]] = [{} for _ in range(p)]
+        for need in needs(e.catalogue, p):
+            layout = e.layouts[need[1]]
+            per_block[need[0]][need[1]] = found[need].data.view(layout.dtype).reshape(layout.shape)
+        return [BlockPayload(t, {f: e.specs[f] for f in t}) for t in per_block]
 
     async def _acquire(self, hashes: list[str], *, write: bool, reuse: bool) -> LeaseGrant | None:
         e = self.engine
@@ -382,14 +522,10 @@ class Session:
     async def _restore(self, p: int) -> None:
         e = self.engine
         want = needs(e.catalogue, p)
-        per_block: list[dict[str, torch.Tensor]] = [{} for _ in range(p)]
-        for need in want:
-            layout = e.layouts[need[1]]
-            per_block[need[0]][need[1]] = self.found[need].data.view(layout.dtype).reshape(layout.shape)
-        blocks = [BlockPayload(t, {f: e.specs[f] for f in t}) for t in per_block]
+        blocks = self._payloads(self.found, p)
 
         t0 = time.perf_counter()
-        fresh = await self._fresh
+        fresh = await self._take_state()
 
         def work():
             fresh.restore(blocks, p)

@@ -134,3 +134,20 @@ async def test_step_api_matches_generate(make_engine) -> None:
         await e.close(s)
         assert torch.equal(torch.stack(logits), full.logits)
         assert e.health().active_sessions == 0
+
+
+async def test_speculative_restore_is_confirmed_by_the_grant(make_engine, reference) -> None:
+    """Validation and restore from the worker's own pools run while the lease is in flight;
+    the result is the same as the grant-driven path, and the same as a cold run."""
+    toks = prompt(90, seed=16)
+    cold = await reference().generate(toks, max_tokens=2)
+    async with make_engine(InProcessCoordinator()) as e:
+        await e.generate(toks, max_tokens=1)
+        fast = await e.generate(toks, max_tokens=2)
+        assert "speculate" in fast.timings and fast.cached_tokens == 80
+        e.speculate = False
+        slow = await e.generate(toks, max_tokens=2)
+        assert "speculate" not in slow.timings and slow.cached_tokens == 80
+        assert same(cold, fast) and same(cold, slow)
+        assert e.metrics.value("kvl_worker_hit_validation_total", {"layer": "presence", "outcome": "pass"}) == \
+            fast.validated + slow.validated
