@@ -62,8 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     svc = sub.add_parser("services", help="run PostgreSQL and NATS (embedded unless configured) until Ctrl-C")
     svc.set_defaults(func=cmd_services)
 
-    up = sub.add_parser("up", help="run the local stack (currently: PostgreSQL and NATS) until Ctrl-C")
-    up.set_defaults(func=cmd_services)
+    from coordinator.stack import add_arguments, cmd_up
+
+    up = sub.add_parser("up", help="run the whole stack on this machine (services, coordinator, workers) "
+                                   "until Ctrl-C or SIGTERM")
+    up.add_argument("--config", "-c", default=argparse.SUPPRESS, help="YAML config file (as before the command)")
+    add_arguments(up)
+    up.set_defaults(func=cmd_up)
 
     for register in _extensions():
         register(sub)
@@ -73,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _extensions() -> list[Callable[[argparse._SubParsersAction], None]]:  # type: ignore[type-arg]
     """Subcommands contributed by other modules (coordinator, worker), if present."""
     found = []
-    for mod_name in ("coordinator.commands", "worker.commands"):
+    for mod_name in ("coordinator.commands", "worker.commands", "coordinator.admin_cli"):
         try:
             mod = __import__(mod_name, fromlist=["register"])
         except ModuleNotFoundError as e:

@@ -1,0 +1,635 @@
+"""``kvledger up``: the whole stack on one machine, started in order and stopped without a trace.
+
+Theory of operation — a small process supervisor, threads and ``subprocess``, no asyncio:
+
+1. **Services.** PostgreSQL and NATS from the configuration; whichever has no URL is started
+   embedded under ``state_dir`` (:mod:`shared.embedded`), owned by this process.
+2. **Migrations.** ``kvledger db upgrade`` in-process, so a schema problem is reported
+   before anything else starts (the coordinator would also migrate; this makes the step
+   visible and its failure one clear line, like compose's one-shot ``migrate`` service).
+3. **Coordinator.** ``python -m coordinator`` with the resolved URLs in its environment
+   (``KVL_DATABASE_URL``, ``KVL_NATS_URL``) and the admin port; wait for ``/readyz`` 200.
+4. **Workers.** N × ``python -m worker`` with per-worker overrides (``KVL_WORKER__WORKER_ID``,
+   ``KVL_WORKER__PORT``); wait for each ``/readyz`` to say ``ready`` (registered, pools
+   allocated). Port 0 means "any free port": the worker prints ``listening on URL``.
+5. **Summary.** A table of what runs where (URL, pid, log file) on stdout, and the same as
+   JSON in ``<state_dir>/stack.json`` for scripts.
+6. **Supervision.** Every child runs in its own process group (Ctrl-C reaches only this
+   process, which then stops the children in order). Its stdout and stderr go, line by
+   line, to ``<state_dir>/logs/<name>.log`` unchanged (JSON) and to the terminal rendered
+   readably with a ``name |`` prefix. A child that exits while the stack is up is reported
+   with the end of its log, and **the whole stack stops** (exit 1) — no silent restarts: a
+   crashing worker is a fault to look at, and the coordinator already fences its epoch.
+7. **Shutdown** on SIGINT/SIGTERM (a second signal hurries: SIGKILL at once): workers, then
+   the coordinator, each by SIGTERM to its process group with a grace period, then SIGKILL;
+   then NATS and PostgreSQL. Finally every process this supervisor started, and anything
+   still in their process groups or below this process, is looked for; any survivor is
+   killed and reported (exit 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from shared.config import Config
+
+#: Colours of the log prefixes (coordinator first, then workers in turn).
+_COLOURS = ("cyan", "green", "magenta", "blue", "yellow", "bright_green", "bright_magenta", "bright_blue")
+_LEVEL_STYLE = {"debug": "dim", "info": "", "warning": "yellow", "error": "bold red", "critical": "bold red"}
+#: Keys of a structlog JSON line shown in the prefix, not as ``key=value``.
+_META = ("event", "level", "timestamp", "logger")
+
+
+class StackError(RuntimeError):
+    """The stack could not be brought up; the message says which part and why."""
+
+
+class Interrupted(Exception):
+    """A stop was requested (signal) while something was still starting."""
+
+
+@dataclass
+class StackOptions:
+    workers: int = 1
+    #: None = the config's coordinator.port; 0 = any free port.
+    coordinator_port: int | None = None
+    #: None = the config's worker.port; worker i listens on base + i; 0 = any free port each.
+    worker_base_port: int | None = None
+    config_path: str | None = None
+    start_timeout_s: float = 180.0
+    stop_timeout_s: float = 20.0
+    #: Echo the children's logs on the terminal (always written to the log files).
+    echo_logs: bool = True
+
+
+# --- the terminal ------------------------------------------------------------------------------
+
+class Console:
+    """Thread-safe printing: the supervisor's own lines and the children's, prefixed."""
+
+    def __init__(self, stream: IO[str] | None = None) -> None:
+        from rich.console import Console as RichConsole
+
+        stream = stream or sys.stdout
+        # Not a terminal (a pipe, a file, `make up | tee`): wide enough that no URL is cut.
+        width = None if stream.isatty() else 200
+        self._rich = RichConsole(file=stream, highlight=False, markup=False, soft_wrap=True, emoji=False,
+                                 width=width)
+        self._lock = threading.Lock()
+        self.width = 12
+
+    def say(self, message: str, style: str = "bold") -> None:
+        with self._lock:
+            self._rich.print(f"kvledger up: {message}", style=style)
+
+    def print(self, renderable: Any) -> None:
+        with self._lock:
+            self._rich.print(renderable)
+
+    def child_line(self, name: str, colour: str, line: str) -> None:
+        from rich.text import Text
+
+        text = Text()
+        text.append(f"{name:<{self.width}}| ", style=colour)
+        level, body = render_log_line(line)
+        text.append(body, style=_LEVEL_STYLE.get(level, ""))
+        with self._lock:
+            self._rich.print(text)
+
+
+def render_log_line(line: str) -> tuple[str, str]:
+    """``(level, readable text)`` of one output line: a structlog JSON line becomes
+    ``HH:MM:SS level  event key=value …``; anything else is passed through."""
+    line = line.rstrip("\n")
+    if line.startswith("{"):
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            doc = None
+        if isinstance(doc, dict) and "event" in doc:
+            level = str(doc.get("level", "info"))
+            ts = str(doc.get("timestamp", ""))
+            clock = ts[11:19] if len(ts) >= 19 else ""
+            rest = " ".join(f"{k}={_short(v)}" for k, v in doc.items() if k not in _META)
+            return level, f"{clock} {level:<7} {doc['event']}" + (f"  {rest}" if rest else "")
+    lowered = line.lower()
+    level = "error" if ("traceback" in lowered or "error" in lowered[:40]) else "info"
+    return level, line
+
+
+def _short(v: Any) -> str:
+    s = v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
+    return s if len(s) <= 160 else s[:157] + "..."
+
+
+# --- one child process ---------------------------------------------------------------------------
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking Linux to SIGTERM the child if this process dies (even by kill -9),
+    so a killed supervisor leaves no orphaned workers. Prepared here: the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    PR_SET_PDEATHSIG = 1  # noqa: N806 - the kernel's name
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    return preexec
+
+
+class Child:
+    """A supervised process in its own process group; output to a log file and the terminal."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path, console: Console,
+                 colour: str, echo: bool) -> None:
+        self.name = name
+        self.argv = argv
+        self.env = env
+        self.log_path = log_path
+        self.console = console
+        self.colour = colour
+        self.echo = echo
+        self.url: str | None = None
+        self.url_seen = threading.Event()
+        self.popen: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+        self._tail: list[str] = []
+        self.expected_exit = False
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.popen = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace",
+                                      start_new_session=True, preexec_fn=_parent_death_signal())
+        self._reader = threading.Thread(target=self._pump, name=f"log-{self.name}", daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        assert self.popen is not None and self.popen.stdout is not None
+        with open(self.log_path, "a", encoding="utf-8") as log:
+            for line in self.popen.stdout:
+                log.write(line)
+                log.flush()
+                self._tail.append(line.rstrip("\n"))
+                del self._tail[:-40]
+                if line.startswith("listening on http"):
+                    self.url = line.split()[-1].strip()
+                    self.url_seen.set()
+                if self.echo:
+                    self.console.child_line(self.name, self.colour, line)
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.popen is None else self.popen.poll()
+
+    def tail(self, n: int = 15) -> str:
+        return "\n".join(self._tail[-n:])
+
+    def signal_group(self, sig: int) -> None:
+        if self.popen is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, sig)  # start_new_session: its pgid is its pid
+
+    def stop(self, timeout_s: float) -> int | None:
+        """SIGTERM to the group, wait, then SIGKILL the group. Returns the exit code."""
+        if self.popen is None:
+            return None
+        self.expected_exit = True
+        if self.popen.poll() is None:
+            self.signal_group(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.console.say(f"{self.name} did not stop within {timeout_s:.0f}s; killing it", style="yellow")
+        # NOTE: the group may hold processes the child started; they go too, whatever the child did.
+        self.signal_group(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(5)
+        if self._reader is not None:
+            self._reader.join(2)
+        return self.popen.poll()
+
+
+# --- the stack -----------------------------------------------------------------------------------
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def http_json(url: str, timeout_s: float = 2.0) -> tuple[int, Any]:
+    """GET ``url``: ``(status, JSON body or None)``; status 0 when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - our own loopback URL
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, json.loads(e.read() or b"null")
+        except ValueError:
+            return e.code, None
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0, None
+
+
+@dataclass
+class Stack:
+    cfg: Config
+    opts: StackOptions
+    console: Console = field(default_factory=Console)
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        self.state_dir = Path(self.cfg.state_dir)
+        self.log_dir = self.state_dir / "logs"
+        self.services: Any = None
+        self.coordinator: Child | None = None
+        self.workers: list[Child] = []
+        self.coordinator_url = ""
+        self._stop = threading.Event()
+        self._hurry = threading.Event()
+        self._signals = 0
+        self._pids: set[int] = set()
+
+    # --- signals ---------------------------------------------------------------------------
+
+    def request_stop(self, signum: int = signal.SIGTERM, _frame: Any = None) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            self._hurry.set()
+        self._stop.set()
+
+    def _install_signals(self) -> dict[int, Any]:
+        old = {}
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            old[sig] = signal.signal(sig, self.request_stop)
+        return old
+
+    def _check_stop(self) -> None:
+        if self._stop.is_set():
+            raise Interrupted
+
+    def _sleep(self, seconds: float) -> None:
+        if self._stop.wait(seconds):
+            raise Interrupted
+
+    # --- run ---------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Bring the stack up, supervise it until a signal or a failure, stop everything."""
+        old = self._install_signals()
+        code = 0
+        try:
+            self.start()
+            self.console.print(self.summary_table())
+            self.console.print(self.hints())
+            self.console.say("up; Ctrl-C (or SIGTERM) stops everything", style="bold green")
+            self.write_state_file()
+            failed = self.supervise()
+            code = 1 if failed else 0
+        except Interrupted:
+            self.console.say("stop requested while starting", style="yellow")
+            code = 130
+        except StackError as e:
+            self.console.say(f"error: {e}", style="bold red")
+            code = 2
+        finally:
+            left = self.shutdown()
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+            if left:
+                code = code or 1
+        return code
+
+    def start(self) -> None:
+        cfg = self.cfg
+        host = cfg.coordinator.host
+        cport = cfg.coordinator.port if self.opts.coordinator_port is None else self.opts.coordinator_port
+        if cport == 0:
+            from shared.embedded import free_port
+            cport = free_port(host)
+        elif not port_free(host, cport):
+            raise StackError(f"port {cport} on {host} is in use (another `kvledger up`?); "
+                             f"choose another with --coordinator-port (0 = any free port)")
+        wbase = cfg.worker.port if self.opts.worker_base_port is None else self.opts.worker_base_port
+        wports = [0 if wbase == 0 else wbase + i for i in range(self.opts.workers)]
+        for p in wports:
+            if p and not port_free(cfg.worker.host, p):
+                raise StackError(f"port {p} on {cfg.worker.host} is in use; choose another range with "
+                                 f"--worker-base-port (0 = any free ports)")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+
+        self._start_services()
+        self._check_stop()
+        self._migrate()
+        self._check_stop()
+        self._start_coordinator(host, cport)
+        self._start_workers(wports)
+
+    def _start_services(self) -> None:
+        from shared.embedded import EmbeddedServiceError, start_services
+
+        cfg = self.cfg
+        what = [n for n, url in (("PostgreSQL", cfg.database.url), ("NATS", cfg.nats.url)) if not url]
+        if what:
+            self.console.say(f"starting embedded {' and '.join(what)} under {self.state_dir}")
+        try:
+            self.services = start_services(cfg.database.url, cfg.nats.url, self.state_dir)
+        except EmbeddedServiceError as e:
+            raise StackError(f"embedded services: {e}") from None
+        for emb in (self.services.postgres, self.services.nats):
+            if emb is not None and emb.proc is not None:
+                self._pids.add(emb.proc.pid)
+
+    def _migrate(self) -> None:
+        import asyncio
+
+        from coordinator.log.migrate import upgrade
+        from coordinator.log.postgres import PgSettings, create_engine, describe
+
+        async def go() -> str:
+            engine = create_engine(PgSettings.from_config(self.services.database_url, self.cfg.database,
+                                                          application_name="kvledger-up-migrate"))
+            try:
+                return await upgrade(engine, "head")
+            finally:
+                await engine.dispose()
+
+        try:
+            rev = asyncio.run(go())
+        except Exception as e:  # noqa: BLE001 - one readable line
+            raise StackError(f"migrations failed: {describe(e)}") from None
+        self.console.say(f"event log schema at revision {rev}")
+
+    def _child_env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env["KVL_DATABASE_URL"] = self.services.database_url
+        env["KVL_NATS_URL"] = self.services.nats_url
+        if self.opts.config_path:
+            env["KVL_CONFIG"] = str(Path(self.opts.config_path).resolve())
+        # Children always write JSON lines: the log files stay machine-readable, and the
+        # terminal gets them rendered (render_log_line) whatever the terminal is.
+        if self.cfg.logging.format == "auto" and "KVL_LOGGING__FORMAT" not in os.environ:
+            env["KVL_LOGGING__FORMAT"] = "json"
+        env["PYTHONUNBUFFERED"] = "1"
+        env.update(extra)
+        return env
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str], colour: str) -> Child:
+        self.console.width = max(self.console.width, len(name) + 1)
+        child = Child(name, argv, env, self.log_dir / f"{name}.log", self.console, colour, self.opts.echo_logs)
+        child.start()
+        self._pids.add(child.pid)
+        return child
+
+    def _start_coordinator(self, host: str, port: int) -> None:
+        argv = [self.python, "-m", "coordinator", "--host", host, "--port", str(port)]
+        self.coordinator = self._spawn("coordinator", argv, self._child_env(), _COLOURS[0])
+        self.coordinator_url = f"http://{host}:{port}"
+        self.console.say(f"coordinator starting (pid {self.coordinator.pid}), waiting for {self.coordinator_url}/readyz")
+        deadline = time.monotonic() + self.opts.start_timeout_s
+        last: Any = None
+        while time.monotonic() < deadline:
+            self._died_while_starting(self.coordinator)
+            status, body = http_json(f"{self.coordinator_url}/readyz")
+            if status == 200:
+                return
+            last = body or status
+            self._sleep(0.2)
+        raise StackError(f"coordinator not ready within {self.opts.start_timeout_s:.0f}s (last /readyz: {last}); "
+                         f"see {self.coordinator.log_path}")
+
+    def _start_workers(self, ports: list[int]) -> None:
+        base_id = self.cfg.worker.worker_id or "worker"
+        for i, port in enumerate(ports):
+            wid = f"{base_id}-{i}"
+            env = self._child_env(KVL_WORKER__WORKER_ID=wid, KVL_WORKER__PORT=str(port))
+            w = self._spawn(wid, [self.python, "-m", "worker"], env, _COLOURS[1 + i % (len(_COLOURS) - 1)])
+            if port:
+                w.url = f"http://{self.cfg.worker.host}:{port}"
+            self.workers.append(w)
+        self.console.say(f"{len(self.workers)} worker(s) starting (model load takes a few seconds)")
+        deadline = time.monotonic() + self.opts.start_timeout_s
+        for w in self.workers:
+            self._wait_worker(w, deadline)
+
+    def _wait_worker(self, w: Child, deadline: float) -> None:
+        last: Any = None
+        while time.monotonic() < deadline:
+            self._died_while_starting(w)
+            if w.url is None:
+                self._sleep(0.2)
+                continue
+            status, body = http_json(f"{w.url}/readyz")
+            if status == 200 and isinstance(body, dict) and body.get("coordinator") == "reachable":
+                return
+            last = body or status
+            self._sleep(0.25)
+        raise StackError(f"{w.name} not ready within {self.opts.start_timeout_s:.0f}s (last /readyz: {last}); "
+                         f"see {w.log_path}")
+
+    def _died_while_starting(self, child: Child) -> None:
+        self._check_stop()
+        if not child.alive:
+            raise StackError(f"{child.name} exited with code {child.returncode} while starting; its last lines:\n"
+                             f"{child.tail()}\n(full log: {child.log_path})")
+
+    # --- while up ----------------------------------------------------------------------------
+
+    def supervise(self) -> bool:
+        """Until a stop is requested (False) or a process dies (True, reported)."""
+        while not self._stop.wait(0.25):
+            for child in [c for c in (self.coordinator, *self.workers) if c is not None]:
+                if not child.alive:
+                    self.console.say(f"{child.name} (pid {child.pid}) exited unexpectedly with code "
+                                     f"{child.returncode}; its last lines:\n{child.tail()}\n(full log: "
+                                     f"{child.log_path}); stopping the stack", style="bold red")
+                    return True
+            for name, emb in (("postgres", self.services.postgres), ("nats", self.services.nats)):
+                if emb is not None and emb.proc is not None and emb.proc.poll() is not None:
+                    self.console.say(f"embedded {name} exited unexpectedly with code {emb.proc.returncode} "
+                                     f"(log under {emb.data_dir}); stopping the stack", style="bold red")
+                    return True
+        return False
+
+    def rows(self) -> list[dict[str, Any]]:
+        """What runs where: one row per service (also the content of stack.json)."""
+        out: list[dict[str, Any]] = []
+        svc = self.services
+        if svc is not None:
+            for name, url, emb, log in (
+                    ("postgres", svc.database_url, svc.postgres, "postgres/postgres.log"),
+                    ("nats", svc.nats_url, svc.nats, "nats/nats.log")):
+                out.append({"name": name, "url": url, "role": "embedded" if emb is not None else "configured",
+                            "pid": emb.proc.pid if emb is not None and emb.proc is not None else None,
+                            "log": str(self.state_dir / log) if emb is not None else None})
+        if self.coordinator is not None:
+            out.append({"name": "coordinator", "url": self.coordinator_url, "role": "admin API",
+                        "pid": self.coordinator.pid, "log": str(self.coordinator.log_path)})
+        for w in self.workers:
+            out.append({"name": w.name, "url": w.url, "role": "OpenAI API", "pid": w.pid, "log": str(w.log_path)})
+        return out
+
+    def summary_table(self) -> Any:
+        from rich.table import Table
+
+        t = Table(title="kvledger stack", title_justify="left", show_lines=False)
+        for col in ("service", "address", "", "pid", "log"):
+            t.add_column(col, overflow="fold")
+        for r in self.rows():
+            url = r["url"] or ""
+            if r["role"] == "OpenAI API":
+                url += "/v1"
+            t.add_row(r["name"], _redact_url(url), r["role"], str(r["pid"] or "-"), r["log"] or "-")
+        return t
+
+    def hints(self) -> str:
+        """Two commands to try, with this stack's addresses."""
+        lines = []
+        if self.workers and self.workers[0].url:
+            lines.append(f"  curl {self.workers[0].url}/v1/completions -H 'Content-Type: application/json' "
+                         "-d '{\"prompt\": \"Hello\", \"max_tokens\": 8}'")
+        flag = "" if self.coordinator_url == _default_coordinator_url(self.cfg) else \
+            f" --coordinator-url {self.coordinator_url}"
+        lines.append(f"  kvledger workers{flag}    kvledger audit{flag}    kvledger events --follow{flag}")
+        lines.append(f"  state and logs: {self.state_dir}/ (stack.json lists the addresses)")
+        return "try:\n" + "\n".join(lines)
+
+    def write_state_file(self) -> None:
+        doc = {"supervisor_pid": os.getpid(), "coordinator_url": self.coordinator_url,
+               "worker_urls": [w.url for w in self.workers],
+               "services": [{**r, "url": _redact_url(r["url"] or "")} for r in self.rows()]}
+        path = self.state_dir / "stack.json"
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+
+    # --- stop --------------------------------------------------------------------------------
+
+    def shutdown(self) -> list[str]:
+        """Stop everything started, in reverse order; return descriptions of survivors (killed)."""
+        started = [c for c in (*reversed(self.workers), self.coordinator) if c is not None]
+        if started or self.services is not None:
+            self.console.say("stopping")
+        grace = 0.0 if self._hurry.is_set() else self.opts.stop_timeout_s
+        # Workers together (each releases its leases and drains its outbox), then the coordinator.
+        threads = [threading.Thread(target=w.stop, args=(grace,)) for w in reversed(self.workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if self.coordinator is not None:
+            self.coordinator.stop(grace)
+        for c in started:
+            self.console.say(f"{c.name} stopped (exit code {c.returncode})", style="dim")
+        if self.services is not None:
+            try:
+                self.services.stop()
+            except Exception as e:  # noqa: BLE001 - go on to the check below
+                self.console.say(f"stopping embedded services: {e}", style="yellow")
+        with contextlib.suppress(FileNotFoundError):
+            (self.state_dir / "stack.json").unlink()
+        left = survivors(self._pids)
+        if left:
+            self.console.say("still running after stop (now killed): " + "; ".join(left), style="bold red")
+        elif started or self.services is not None:
+            self.console.say(f"stopped; none of the {len(self._pids)} processes it started is left", style="bold")
+        return left
+
+
+def survivors(pids: set[int]) -> list[str]:
+    """Processes started here (``pids``), in their process groups, or below this process, that
+    still run: each is SIGKILLed and described. Empty = nothing left behind."""
+    import psutil
+
+    me = psutil.Process()
+    suspects: dict[int, psutil.Process] = {}
+    with contextlib.suppress(psutil.Error):
+        for p in me.children(recursive=True):
+            suspects[p.pid] = p
+    for p in psutil.process_iter(["pid"]):
+        with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
+            if p.pid in pids or os.getpgid(p.pid) in pids:
+                suspects[p.pid] = p
+    out = []
+    for pid, p in sorted(suspects.items()):
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            desc = f"pid {pid} ({' '.join(p.cmdline())[:100] or p.name()})"
+            p.kill()
+            out.append(desc)
+        except psutil.Error:
+            continue
+    return out
+
+
+def _default_coordinator_url(cfg: Config) -> str:
+    return f"http://{cfg.coordinator.host}:{cfg.coordinator.port}"
+
+
+def _redact_url(url: str) -> str:
+    """A URL without its password (``postgresql://user:secret@host`` → ``user:***@host``)."""
+    if "://" in url and "@" in url:
+        scheme, rest = url.split("://", 1)
+        cred, host = rest.rsplit("@", 1)
+        if ":" in cred:
+            cred = cred.split(":", 1)[0] + ":***"
+        return f"{scheme}://{cred}@{host}"
+    return url
+
+
+# --- the subcommand -----------------------------------------------------------------------------
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--workers", "-n", type=int, default=1, help="number of workers (default 1)")
+    p.add_argument("--coordinator-port", type=int, default=None,
+                   help="admin API port (default: coordinator.port, 8321; 0 = any free port)")
+    p.add_argument("--worker-base-port", type=int, default=None,
+                   help="worker i listens on BASE+i (default: worker.port, 8400; 0 = any free ports)")
+    p.add_argument("--start-timeout", type=float, default=180.0, metavar="SECONDS",
+                   help="how long each part may take to become ready (default 180)")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="do not echo the services' logs (they are still written under <state_dir>/logs)")
+
+
+def cmd_up(args: Any) -> int:
+    from shared.config import load_config
+
+    if args.workers < 0:
+        raise SystemExit("kvledger up: --workers must be >= 0")
+    cfg = load_config(getattr(args, "config", None))
+    opts = StackOptions(workers=args.workers, coordinator_port=args.coordinator_port,
+                        worker_base_port=args.worker_base_port, config_path=getattr(args, "config", None),
+                        start_timeout_s=args.start_timeout, echo_logs=not args.quiet)
+    return Stack(cfg, opts).run()

@@ -1,0 +1,203 @@
+"""`kvledger up` as an operator runs it: the whole stack as one supervised process tree.
+
+The first test runs the default path (no URLs configured: embedded PostgreSQL and NATS),
+two workers, requests to both through the openai client, the admin commands against the
+live coordinator (`kvledger audit` must come back clean), then SIGTERM: the supervisor must
+exit 0 and no process it started — nor any process that was below it — may still run.
+The second uses configured PostgreSQL/NATS, kills a worker with SIGKILL, and expects the
+supervisor to report it, stop the rest and exit 1, again leaving nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import psutil
+import pytest
+import yaml
+
+from shared.subjects import Subjects
+from tests.e2e.coordinator_processes import REPO, clean_env
+
+KVLEDGER = [sys.executable, "-m", "coordinator.cli"]
+UP_READY = "up; Ctrl-C (or SIGTERM) stops everything"
+
+
+class UpProcess:
+    """``kvledger up`` in its own session, its output collected line by line."""
+
+    def __init__(self, tmp: Path, config: dict[str, Any], *args: str) -> None:
+        self.state = tmp / "state"
+        config = {"state_dir": str(self.state), "logging": {"level": "info"}, **config}
+        self.config = tmp / "kvledger.yaml"
+        self.config.write_text(yaml.safe_dump(config))
+        self.lines: list[str] = []
+        self.popen = subprocess.Popen(
+            [*KVLEDGER, "up", "--config", str(self.config), "--coordinator-port", "0", "--worker-base-port", "0",
+             *args], cwd=REPO, env=clean_env(KVL_TORCH_THREADS="1"), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, text: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.lines):
+                return
+            if self.popen.poll() is not None:
+                self._reader.join(5)
+                raise AssertionError(f"kvledger up exited ({self.popen.returncode}):\n{self.output()[-6000:]}")
+            time.sleep(0.2)
+        raise AssertionError(f"no {text!r} within {timeout_s}s:\n{self.output()[-6000:]}")
+
+    def stack(self) -> dict[str, Any]:
+        return json.loads((self.state / "stack.json").read_text())
+
+    def tree(self) -> list[psutil.Process]:
+        """Every process below the supervisor right now."""
+        return psutil.Process(self.popen.pid).children(recursive=True)
+
+    def kill_all(self) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(10)
+
+
+def still_running(procs: list[psutil.Process]) -> list[str]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:  # is_running also checks the pid's identity
+                out.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def kvledger(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*KVLEDGER, *args], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture
+def ups() -> Iterator[list[UpProcess]]:
+    started: list[UpProcess] = []
+    yield started
+    for up in started:  # whatever happened: nothing of the test's stack survives it
+        tree = up.tree() if up.popen.poll() is None else []
+        up.kill_all()
+        for p in tree:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def test_up_two_workers_requests_audit_and_sigterm_leaves_nothing(tmp_path: Path, ups: list[UpProcess]) -> None:
+    up = UpProcess(tmp_path, {"worker": {"pool_bytes": 8 * 2**20}, "cache": {"chunk_blocks": 1}}, "--workers", "2")
+    ups.append(up)
+    up.wait_for(UP_READY, timeout_s=240)
+    stack = up.stack()
+    names = [s["name"] for s in stack["services"]]
+    assert names == ["postgres", "nats", "coordinator", "worker-0", "worker-1"]
+    assert [s["role"] for s in stack["services"][:2]] == ["embedded", "embedded"]
+    out = up.output()
+    for s in stack["services"]:  # the summary says where everything is
+        assert s["url"] in out and str(s["pid"]) in out
+    assert "worker-0    |" in out and "coordinator |" in out  # children's logs, prefixed and readable
+    assert all(not line.split("| ", 1)[-1].startswith("{") for line in up.lines if " | " in line)
+    assert (up.state / "logs" / "worker-1.log").read_text().count('"event"') > 0  # files keep the JSON
+    tree = up.tree()
+    assert len(tree) >= 5
+
+    # Requests to both workers, with the openai client. The second identical prompt on worker-0
+    # is served from its cache once the first one's blocks are committed.
+    prompt = "The ledger records every block state change. "  # 45 bytes: two full 16-token blocks
+    cached = 0
+    for url in stack["worker_urls"]:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.completions.create(model="kvledger/dsv4-tiny", prompt=prompt, max_tokens=2, temperature=0)
+        assert r.usage.prompt_tokens == len(prompt.encode()) and r.usage.completion_tokens == 2
+        chat = client.chat.completions.create(model="kvledger/dsv4-tiny", max_tokens=1,
+                                              messages=[{"role": "user", "content": "hi"}])
+        assert chat.choices[0].finish_reason == "length"
+    client = openai.OpenAI(base_url=f"{stack['worker_urls'][0]}/v1", api_key="unused", max_retries=0, timeout=60)
+    for _ in range(20):
+        r = client.completions.create(prompt=prompt, max_tokens=1, model="kvledger/dsv4-tiny")
+        cached = r.usage.prompt_tokens_details.cached_tokens
+        if cached:
+            break
+        time.sleep(0.2)
+    assert cached == 32
+
+    # The admin commands against the live coordinator.
+    url = ["--coordinator-url", stack["coordinator_url"]]
+    workers = kvledger("workers", *url, "--json")
+    assert workers.returncode == 0, workers.stderr
+    assert sorted(w["worker_id"] for w in json.loads(workers.stdout)["workers"] if w["alive"]) == \
+        ["worker-0", "worker-1"]
+    audit = kvledger("audit", *url)
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert "CLEAN" in audit.stdout and "worker-0, worker-1" in audit.stdout
+    blocks = kvledger("blocks", *url, "--state", "READY", "--json")
+    assert blocks.returncode == 0, blocks.stderr
+    ready = json.loads(blocks.stdout)["replicas"]
+    assert {r["form"] for r in ready} >= {"compressed", "indexer", "swa", "tail"}
+    events = kvledger("events", *url, "--limit", "5")
+    assert events.returncode == 0 and "events after position 0 (5)" in events.stdout, events.stderr
+    database_url = next(s["url"] for s in stack["services"] if s["name"] == "postgres")
+    replay = kvledger("replay", "--database-url", database_url, "--json")
+    assert replay.returncode == 0, replay.stderr
+    assert json.loads(replay.stdout)["ok"] is True
+
+    # SIGTERM: everything stops, in order, and nothing is left.
+    up.popen.send_signal(signal.SIGTERM)
+    assert up.popen.wait(90) == 0, up.output()[-4000:]
+    up._reader.join(5)
+    out = up.output()
+    assert "none of the 5 processes it started is left" in out, out[-3000:]
+    assert still_running(tree) == []
+    pids = {s["pid"] for s in stack["services"]}
+    leftovers = [p.pid for p in psutil.process_iter() if p.pid in pids and p.status() != psutil.STATUS_ZOMBIE]
+    assert leftovers == []
+    assert not (up.state / "stack.json").exists()
+
+
+def test_a_worker_that_dies_stops_the_stack_and_is_reported(tmp_path: Path, ups: list[UpProcess],
+                                                            database_url: str, nats_url: str,
+                                                            subjects: Subjects) -> None:
+    up = UpProcess(tmp_path, {"database": {"url": database_url},
+                              "nats": {"url": nats_url, "subject_prefix": subjects.prefix},
+                              "worker": {"pool_bytes": 4 * 2**20}}, "--workers", "1", "--quiet")
+    ups.append(up)
+    up.wait_for(UP_READY, timeout_s=180)
+    stack = up.stack()
+    assert [s["role"] for s in stack["services"][:2]] == ["configured", "configured"]
+    assert not any(" | " in line for line in up.lines)  # --quiet: logs only in the files
+    tree = up.tree()
+    worker_pid = next(s["pid"] for s in stack["services"] if s["name"] == "worker-0")
+    os.kill(worker_pid, signal.SIGKILL)
+    assert up.popen.wait(60) == 1, up.output()[-4000:]
+    up._reader.join(5)
+    out = up.output()
+    assert f"worker-0 (pid {worker_pid}) exited unexpectedly with code -9" in out
+    assert "stopping the stack" in out and "none of the 2 processes it started is left" in out
+    assert still_running(tree) == []
