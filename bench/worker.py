@@ -279,7 +279,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
         cold_e2e, cold_bare, warm_e2e, warm_bare, direct, phases = [], [], [], [], [], []
         identical = True
-        cold_reps, warm_per_cold = (2, 3) if args.quick else (4, 5)
+        cold_reps, warm_per_cold = (2, 2) if args.quick else (4, 5)
         for rep in range(cold_reps):
             p = fresh(N)
             r = await engine.generate(p, max_tokens=1)
@@ -310,7 +310,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
         med = statistics.median
         c_e, c_b, w_e, w_b = med(cold_e2e), med(cold_bare), med(warm_e2e), med(warm_bare)
-        keys = ("hash", "lease", "evict", "validate", "restore", "forward", "export", "commit")
+        keys = ("hash", "lease", "speculate", "evict", "validate", "restore", "forward", "export", "handoff",
+                "commit")
         result: dict[str, Any] = {
             "prompt_tokens": N, "cached_tokens": P, "block_size": bs, "threads": args.threads,
             "ttft_cold_e2e_ms": round(c_e * 1000, 2), "ttft_warm_e2e_ms": round(w_e * 1000, 2),
@@ -328,7 +329,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "reregistrations": engine.epoch - first.epoch,
         }
         result.update(await asyncio.to_thread(reload_bench, engine, _hashes(engine, prefix), P // bs, tmp,
-                                              5 if args.quick else 20, 16 if args.quick else 64))
+                                              3 if args.quick else 20, 8 if args.quick else 64))
         result["mode"] = "quick" if args.quick else "full"
         return result
     finally:

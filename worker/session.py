@@ -108,9 +108,11 @@ class Result:
     degraded: bool
     epoch: int
     ttft_s: float = 0.0
-    #: Seconds spent per phase: ``hash``, ``lease``, ``evict``, ``validate``, ``restore`` (model
-    #: state build), ``forward`` (model prefill), ``export``, ``commit``. Everything but
-    #: ``restore`` and ``forward`` is the cache engine's own cost.
+    #: Seconds spent per phase: ``hash``, ``lease``, ``speculate`` (validation while the lease is
+    #: in flight), ``evict``, ``validate``, ``restore`` (state build, the part not hidden behind
+    #: the lease), ``forward`` (model prefill), ``export``, ``handoff`` (to the model thread and
+    #: back), ``commit`` (off the TTFT path). Everything but ``restore`` and ``forward`` is the
+    #: cache engine's own cost.
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -594,6 +596,7 @@ class Session:
             plan.append((ids, [i for i in range(s // self.bs, t // self.bs) if i in self.writes]))
 
         def work():
+            started = time.perf_counter()
             fwd = exp = 0.0
             payloads = []
             logits = None
@@ -604,13 +607,17 @@ class Session:
                 payloads += [(i, state.export_block(i)) for i in export]
                 fwd += t1 - t0
                 exp += time.perf_counter() - t1
-            return logits, payloads, fwd, exp
+            return logits, payloads, fwd, exp, started, time.perf_counter()
 
+        submitted = time.perf_counter()
         fut = asyncio.get_running_loop().run_in_executor(e._compute, work)
         self._commit_pending()          # NOTE: overlaps the model call just submitted
-        logits, payloads, fwd, exp = await fut
+        logits, payloads, fwd, exp, started, ended = await fut
         self.timings["forward"] = self.timings.get("forward", 0.0) + fwd
         self.timings["export"] = self.timings.get("export", 0.0) + exp
+        # time to get onto the model thread and back: scheduling, not work (can hide commits)
+        self.timings["handoff"] = self.timings.get("handoff", 0.0) + (started - submitted) + \
+            (time.perf_counter() - ended)
         self._next_unit = stop
         for i, payload in payloads:
             for form in self.writes.get(i, ()):
