@@ -41,7 +41,7 @@ def config(tmp_path: Any, **over: Any) -> Config:
     """A small worker config; ``over`` maps dotted keys (``service.max_concurrency``) to values."""
     doc: dict[str, Any] = {
         "cache": {"chunk_blocks": 1, "host_tier_bytes": 0},
-        "worker": {"worker_id": "w1", "pool_bytes": 4 * 2**20, "port": 0, "host": "127.0.0.1"},
+        "worker": {"worker_id": "w1", "pool_bytes": 32 * 2**20, "port": 0, "host": "127.0.0.1"},
         "coordinator": {"heartbeat_interval_ms": 100},
         "service": {"batch_window_ms": 5},
         "state_dir": str(tmp_path / "state"),
@@ -104,15 +104,15 @@ def model():
 
 @pytest.fixture
 def serve(model, tmp_path):
-    """``async with serve(**over) as server``: a worker HTTP API on a fresh engine."""
+    """``async with serve(tokenizer=None, **over) as server``: a worker HTTP API on a fresh engine."""
 
     @contextlib.asynccontextmanager
-    async def make(**over: Any) -> AsyncIterator[Server]:
+    async def make(tokenizer: Any = None, **over: Any) -> AsyncIterator[Server]:
         cfg = config(tmp_path, **over)
         twin = InProcessCoordinator()
         engine = Engine(model, cfg, twin)
         await engine.start()
-        runner = await start_http(engine, cfg)
+        runner = await start_http(engine, cfg, tokenizer=tokenizer)
         host, port = bound_address(runner)
         http = aiohttp.ClientSession()
         try:

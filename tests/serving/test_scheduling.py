@@ -1,0 +1,169 @@
+"""The scheduler: concurrency never changes an output, turns and admission follow their policy,
+and a client that goes away releases everything it held."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import aiohttp
+import torch
+
+from tests.serving.conftest import MODEL
+from worker.scheduler import GenRequest, Job, Kind, SamplingParams, TurnGate
+from worker.tenants import Tenant
+
+
+def _prompts(n: int) -> list[str]:
+    rng = random.Random(5)
+    stems = ["One shared stem: ", "Another one, 16:"]       # a block each (17 and 16 bytes)
+    out = []
+    for i in range(n):
+        tail = "".join(rng.choice("abcdefghij ") for _ in range(rng.randint(1, 6)))
+        out.append((stems[i % 2] if i % 3 else "") + tail + str(i))
+    return out
+
+
+async def test_64_concurrent_requests_equal_the_same_requests_one_at_a_time(serve) -> None:
+    prompts = _prompts(64)
+
+    def kwargs(i: int, reuse: bool) -> dict:
+        kw: dict = {"model": MODEL, "max_tokens": 2, "extra_body": {"cache_reuse": reuse}}
+        if i % 4 == 3:
+            kw.update(temperature=0.9, top_p=0.9, seed=i)           # seeded sampling is per request too
+        else:
+            kw.update(temperature=0)
+        return kw
+
+    async with serve() as s:
+        c = s.client()
+
+        async def one(i: int, reuse: bool):
+            if i % 5 == 4:
+                r = await c.chat.completions.create(messages=[{"role": "user", "content": prompts[i]}],
+                                                    **kwargs(i, reuse))
+                return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+            r = await c.completions.create(prompt=prompts[i], **kwargs(i, reuse))
+            return r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens
+
+        peak = 0
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, s.scheduler.running)
+                await asyncio.sleep(0.01)
+
+        w = asyncio.create_task(watch())
+        together = await asyncio.gather(*(one(i, True) for i in range(64)))   # raises on any error status
+        w.cancel()
+        alone = [await one(i, False) for i in range(64)]
+        assert [t for t, _ in together] == [t for t, _ in alone]
+        assert all(cached == 0 for _, cached in alone)
+        assert sum(cached > 0 for _, cached in together) > 0, together   # shared stems were reused meanwhile
+        assert peak == 32                                               # service.max_concurrency, the rest queued
+        text = (await s.get("/metrics"))[1]
+        assert 'kvl_worker_http_requests_total{route="/v1/completions",status="200"}' in text
+        assert 'status="5' not in text
+
+
+async def test_interleaved_requests_are_bit_identical_to_cold_runs(serve, reference) -> None:
+    prompts = [list(p.encode()) for p in _prompts(8)]
+    async with serve() as s:
+        jobs = [s.scheduler.submit(GenRequest(tokens=p, max_tokens=3, tenant=Tenant("default"), keep_logits=True))
+                for p in prompts]
+        outs = await asyncio.gather(*(j.wait() for j in jobs))
+        assert s.scheduler.gate.turns > 0
+        for p, out in zip(prompts, outs):
+            cold = await reference.generate(p, max_tokens=3)
+            assert out.tokens == cold.tokens and torch.equal(out.logits, cold.logits)
+
+
+def _job(seq: int, priority: int = 0) -> Job:
+    j = Job(GenRequest(tokens=[1], max_tokens=1, tenant=Tenant("t"), priority=priority), seq, 0.0)
+    j.admitted_at = float(seq)
+    return j
+
+
+async def test_turns_prefill_first_come_first_served_with_decodes_interleaved() -> None:
+    gate = TurnGate()
+    log: list[tuple[str, str]] = []
+
+    async def run(job: Job, prefills: int, decodes: int) -> None:
+        for kind, n in ((Kind.PREFILL, prefills), (Kind.DECODE, decodes)):
+            for _ in range(n):
+                async with gate.turn(job, kind):
+                    log.append((job.id, kind.name[0]))
+                    await asyncio.sleep(0)
+
+    a, b, c = _job(1), _job(2), _job(3, priority=-1)
+    await asyncio.gather(run(a, 3, 4), run(b, 3, 1))
+    pre_b = [i for i, e in enumerate(log) if e == ("2", "P")]
+    assert max(i for i, e in enumerate(log) if e == ("1", "P")) < min(pre_b)     # A's prompt first
+    assert any(e == ("1", "D") for e in log[min(pre_b):max(pre_b)])               # A kept decoding meanwhile
+    log.clear()
+    await asyncio.gather(run(a, 2, 0), run(c, 2, 0))
+    assert log[:2] == [("3", "P"), ("3", "P")]                                    # priority before arrival
+
+
+async def test_admission_by_priority_then_arrival(serve) -> None:
+    async with serve(**{"service.max_concurrency": 1, "service.batch_window_ms": 0}) as s:
+        t = Tenant("default")
+        first = s.scheduler.submit(GenRequest(tokens=[1] * 20, max_tokens=4, tenant=t))
+        low = s.scheduler.submit(GenRequest(tokens=[2] * 20, max_tokens=1, tenant=t, priority=5))
+        mid = s.scheduler.submit(GenRequest(tokens=[3] * 20, max_tokens=1, tenant=t))
+        high = s.scheduler.submit(GenRequest(tokens=[4] * 20, max_tokens=1, tenant=t, priority=-5))
+        await asyncio.gather(*(j.wait() for j in (first, low, mid, high)))
+        order = sorted((first, low, mid, high), key=lambda j: j.admitted_at)
+        assert order == [first, high, mid, low]
+
+
+async def _until_idle(s, what: str) -> None:
+    for _ in range(200):
+        if not s.engine.sessions and s.live_leases() == 0 and s.scheduler.running == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{what}: sessions {len(s.engine.sessions)}, leases {s.live_leases()}, "
+                         f"running {s.scheduler.running}")
+
+
+async def test_client_disconnect_cancels_the_work_and_releases_the_leases(serve) -> None:
+    body = {"model": MODEL, "prompt": "A prompt of three whole blocks and a few more bytes.", "max_tokens": 300,
+            "temperature": 0}
+    async with serve() as s:
+        cancelled = s.scheduler.metrics.finished.labels(reason="cancelled")
+        # streaming: read one chunk, then hang up
+        async with aiohttp.ClientSession() as http:
+            async with http.post(s.url + "/v1/completions", json={**body, "stream": True}) as r:
+                assert r.status == 200
+                await r.content.readline()
+                assert s.live_leases() >= 1 and len(s.engine.sessions) == 1
+        await _until_idle(s, "stream")
+        assert cancelled._value.get() == 1
+        # not streaming: the client gives up while the request runs
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as http:
+            try:
+                async with http.post(s.url + "/v1/completions", json=body) as r:
+                    await r.read()
+            except asyncio.TimeoutError:
+                pass
+        await _until_idle(s, "non-stream")
+        assert cancelled._value.get() == 2
+        # and the worker serves on
+        r = await s.client().completions.create(model=MODEL, prompt=body["prompt"], max_tokens=1, temperature=0)
+        assert r.usage.prompt_tokens_details.cached_tokens == 48
+
+
+async def test_seeded_sampler_ignores_global_rng() -> None:
+    from worker.scheduler import Sampler
+    logits = torch.randn(256, generator=torch.Generator().manual_seed(0))
+    p = SamplingParams(temperature=1.0, seed=11)
+    a = [Sampler(p).pick(logits) for _ in range(3)]
+    torch.manual_seed(99)
+    torch.rand(10)
+    assert [Sampler(p).pick(logits) for _ in range(3)] == a
+    nucleus = Sampler(SamplingParams(temperature=1.0, top_p=0.3, seed=1))
+    probs = torch.softmax(logits, -1)
+    top = torch.sort(probs, descending=True)
+    allowed = set(top.indices[:int((torch.cumsum(top.values, 0) < 0.3).sum()) + 1].tolist())
+    assert {nucleus.pick(logits) for _ in range(200)} <= allowed
