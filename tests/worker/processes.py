@@ -116,7 +116,8 @@ class Cluster:
         doc = self.base()
         doc["cache"] = {"chunk_blocks": 1, "offload_dir": str(self.offload_dir), "host_tier_bytes": 4 * 2**20,
                         **(cache or {})}
-        doc["worker"] = {"worker_id": worker_id, "pool_bytes": 4 * 2**20, "outbox_resend_ms": 500, **(worker or {})}
+        doc["worker"] = {"worker_id": worker_id, "pool_bytes": 4 * 2**20, "outbox_resend_ms": 500,
+                         "port": free_port(), **(worker or {})}
         doc["state_dir"] = str(self.tmp / f"{worker_id}-state")
         cfg = self._write(worker_id, doc)
         p = Proc(worker_id, [sys.executable, "-m", "worker", "--config", str(cfg)],
@@ -125,12 +126,22 @@ class Cluster:
         self.workers[worker_id] = p
         return p
 
-    def stop_all(self) -> None:
-        for p in reversed(self.procs):
+    def stop_all(self, grace: float = 5.0) -> None:
+        """SIGTERM every live process at once, SIGKILL what is left after ``grace`` seconds."""
+        for p in self.procs:
+            if p.alive:
+                try:
+                    p.popen.send_signal(signal.SIGTERM)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + grace
+        for p in self.procs:
             try:
-                p.stop()
-            except Exception:  # noqa: BLE001 - cleanup must reach every process
+                p.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 p.kill()
+            finally:
+                p._f.close()
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name} ---\n{p.tail()}" for p in self.procs)
