@@ -376,7 +376,11 @@ def _judge(state: LedgerState, t: m.TransitionEvent) -> tuple[str, str]:
         return "", f"epoch {t.epoch} of worker {t.worker_id} was never registered (latest {w.epoch})"
     if t.namespace != w.namespace:
         return "", f"namespace {t.namespace} is not the worker's namespace {w.namespace}"
-    if t.form not in w.catalogue.names:
+    # NOTE: a loop, not ``catalogue.names`` (a tuple built per call): this runs per transition.
+    for spec in w.catalogue.forms:
+        if spec.name == t.form:
+            break
+    else:
         return "", f"form {t.form!r} is not declared; declared: {list(w.catalogue.names)}"
     loc = t.location
     if loc.startswith("gpu:"):
