@@ -306,40 +306,60 @@ class NatsService:
                 await asyncio.sleep(0.5)
                 continue
             last_error = ""
-            for msg in msgs:
-                # Tasks start in creation order and decide before their first real wait, so
-                # transitions are decided (and logged) in the order they were fetched.
-                task = asyncio.create_task(self._ingest(msg))
+            if msgs:
+                # One task per fetched batch. Tasks start in creation order and decide before
+                # their first real wait, so transitions are decided (and logged) in the order
+                # they were fetched; a batch's decisions commit together (group commit still
+                # joins batches while a commit is in flight).
+                task = asyncio.create_task(self._ingest(msgs))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
-            if msgs:
                 with contextlib.suppress(Exception):
                     self.metrics.consumer_lag.set(msgs[-1].metadata.num_pending)
 
-    async def _ingest(self, msg: Msg) -> None:
-        try:
-            t = decode(msg.data, expect=TransitionEvent)
-            if msg.subject != self.subjects.events(t.worker_id):
-                raise MessageError(f"transition of worker {t.worker_id} arrived on another worker's subject")
-        except (MessageError, ValueError) as e:
-            kind = error_kind(e) if isinstance(e, MessageError) else "bad_worker_id"
-            self.metrics.events_ingested.labels(result="malformed").inc()
-            self.log.warning("malformed_transition", size=len(msg.data), error_kind=kind)
+    async def _ingest(self, msgs: list[Msg]) -> None:
+        """Decide a fetched batch of transitions in order; ack each after its event is committed."""
+        items: list[tuple[Msg, TransitionEvent]] = []
+        malformed: list[Msg] = []
+        for msg in msgs:
+            try:
+                t = decode(msg.data, expect=TransitionEvent)
+                if msg.subject != self.subjects.events(t.worker_id):
+                    raise MessageError(f"transition of worker {t.worker_id} arrived on another worker's subject")
+            except (MessageError, ValueError) as e:
+                kind = error_kind(e) if isinstance(e, MessageError) else "bad_worker_id"
+                self.log.warning("malformed_transition", size=len(msg.data), error_kind=kind)
+                malformed.append(msg)
+                continue
+            items.append((msg, t))
+        results: list[Any] = []
+        if items:
+            now = now_ms()
+            try:
+                results = await self.ledger.execute_all(
+                    [lambda s, t=t: ((evs := ingest_transition(s, t, now)), evs) for _, t in items])
+            except Unavailable:
+                results = [None] * len(items)
+        counts: dict[str, int] = {"malformed": len(malformed)} if malformed else {}
+        for msg in malformed:
             with contextlib.suppress(Exception):
                 await msg.term()  # can never be processed: do not redeliver
-            return
-        try:
-            events = await self.ledger.execute(lambda s: ((evs := ingest_transition(s, t, now_ms())), evs))
-        except Unavailable:
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=1.0)
-            return
-        result = "duplicate" if not events else "rejected" if isinstance(events[0], TransitionRejected) else "accepted"
-        self.metrics.events_ingested.labels(result=result).inc()
-        try:
-            await msg.ack()
-        except Exception as e:  # noqa: BLE001 - the ack is lost: JetStream redelivers, the log deduplicates
-            self.log.warning("ack_failed", error=str(e))
+        for (msg, _), events in zip(items, results):
+            if events is None or isinstance(events, Exception):
+                if events is not None:
+                    self.log.error("transition_failed", error=f"{type(events).__name__}: {events}")
+                with contextlib.suppress(Exception):
+                    await msg.nak(delay=1.0)
+                continue
+            result = ("duplicate" if not events else "rejected" if isinstance(events[0], TransitionRejected)
+                      else "accepted")
+            counts[result] = counts.get(result, 0) + 1
+            try:
+                await msg.ack()
+            except Exception as e:  # noqa: BLE001 - the ack is lost: JetStream redelivers, the log deduplicates
+                self.log.warning("ack_failed", error=str(e))
+        for result, n in counts.items():
+            self.metrics.events_ingested.labels(result=result).inc(n)
 
     # --- watermarks, inventory, control ---------------------------------------------------
 

@@ -72,6 +72,30 @@ async def test_a_reply_waits_for_its_commit_and_a_no_event_reply_for_earlier_com
     await ledger.stand_down("test")
 
 
+async def test_execute_all_decides_in_order_and_commits_once() -> None:
+    log = ControlledLog()
+    ledger = await serving_ledger(log)
+    assert ledger.committer is not None
+    batches = ledger.committer.batches
+
+    def broken(s: Any) -> Any:
+        raise RuntimeError("a bug in one decision")
+
+    log.gate.clear()
+    task = asyncio.create_task(ledger.execute_all(
+        [register("w1"), lambda s: (sorted(s.workers), []), broken, register("w2")]))
+    await asyncio.sleep(0.05)
+    assert not task.done() and sorted(ledger.state.workers) == ["w1", "w2"]  # applied, not yet answered
+    log.gate.set()
+    r1, seen, err, r2 = await task
+    assert isinstance(r1, RegisterReply) and isinstance(r2, RegisterReply)
+    assert seen == ["w1"] and isinstance(err, RuntimeError)  # later decisions see earlier ones; a failure is local
+    assert ledger.committer.batches == batches + 1
+    assert [e.type for e in await log.read(2, 10)] == ["worker.registered", "worker.registered"]
+    assert await log_state(log) == state_hash(ledger.state)
+    await ledger.stand_down("test")
+
+
 async def test_failed_append_answers_unavailable_and_rebuilds_from_the_log() -> None:
     log = ControlledLog()
     ledger = await serving_ledger(log)
