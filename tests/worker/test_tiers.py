@@ -66,6 +66,9 @@ def test_disk_round_trip_layout_and_modes(tmp_path) -> None:
     r = t.disk_read(m)
     assert r.observed.meta.block_hash == m.block_hash and r.observed.checksum() == m.checksum
     assert torch.equal(r.data, _data(0)) and not r.observed.damage
+    # the payload follows a variable-length header, yet lands aligned: the model views it as float32
+    assert r.observed.aligned and r.data.data_ptr() % 64 == 0
+    assert r.data.view(torch.float32).numel() == 64
     assert not list(path.parent.glob(".tmp-*"))                    # no temp file left behind
 
 

@@ -30,6 +30,8 @@ from worker.cache.host_tier import HostTier
 from worker.cache.planner import BlockMeta, Observed
 
 Key = tuple[str, str]  # (block_hash, form)
+#: Alignment (bytes) of reloaded payloads: enough for any dtype a form stores.
+ALIGN = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,9 +171,17 @@ class Tiers:
         path = of.path_for(self.disk_root, _disk_key(want))
         try:
             with open(path, "rb", buffering=0) as f:
-                # NOTE: read straight into an uninitialised tensor: one copy, no zero-fill.
-                buf = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
-                n = f.readinto(memoryview(buf.numpy())) if buf.numel() else 0
+                size = os.fstat(f.fileno()).st_size
+                head = os.pread(f.fileno(), 8, 0)
+                # NOTE: read straight into an uninitialised tensor (one copy, no zero-fill), placed
+                # so that the payload after the variable-length header starts ALIGN-aligned: the
+                # model views these bytes as its dtype.
+                hlen = int.from_bytes(head[4:8], "little") if len(head) == 8 else 0
+                pad = (-(8 + hlen)) % ALIGN
+                whole = torch.empty(pad + size + ALIGN, dtype=torch.uint8)
+                skew = (-whole.data_ptr()) % ALIGN
+                buf = whole[skew + pad:skew + pad + size]
+                n = f.readinto(memoryview(buf.numpy())) if size else 0
             buf = buf[:n]
             raw = memoryview(buf.numpy())
         except FileNotFoundError:
@@ -194,7 +204,8 @@ class Tiers:
             return DiskRead(Observed(meta, damage=f"payload is {len(payload)} bytes, header says {h.length} "
                                                   f"(truncated file)"), None)
         data = buf[len(buf) - len(payload):]
-        return DiskRead(Observed(meta, nbytes=len(payload), checksum=lambda: checksum(payload)), data)
+        return DiskRead(Observed(meta, nbytes=len(payload), checksum=lambda: checksum(payload),
+                                 aligned=data.data_ptr() % ALIGN == 0), data)
 
     def disk_remove(self, meta: BlockMeta) -> bool:
         if self.disk_root is None:
