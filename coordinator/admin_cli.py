@@ -244,9 +244,9 @@ def cmd_pools(args: argparse.Namespace) -> int:
         for form, f in p["forms"].items():
             usage = "-" if f["usage"] is None else f"{100 * f['usage']:.1f}%"
             rows.append([p["worker_id"], form, f["used"], f["limit"], f["free"], usage,
-                         "draining" if p["draining"] else ""])
+                         "yes" if p["draining"] else ""])
     con = _console()
-    con.print(_table("pools", ["worker", "form", "#used", "#limit", "#free", "usage", ""], rows))
+    con.print(_table("pools", ["worker", "form", "#used", "#limit", "#free", "usage", "draining"], rows))
     if doc.get("tenant_replicas"):
         quota = doc.get("tenant_quota")
         con.print(_table("tenants", ["tenant", "#replicas", "#quota"],

@@ -341,7 +341,7 @@ def build_plan(args: argparse.Namespace, cfg: Any) -> Plan:
             weights = float(known)
         pool = args.memory * GiB - weights
         if pool <= 0:
-            raise PlanError(f"--memory {args.memory} GiB leaves nothing after the weights ({fmt_bytes(weights)})")
+            raise PlanError(f"--memory {args.memory:g} GiB leaves nothing after the weights ({fmt_bytes(weights)})")
         note = f"(memory {args.memory:g} GiB − weights {fmt_bytes(weights)}) × reserve {reserve}"
     forms = form_plans(model, block_size, dtype, args.state_dtype)
     max_pos = model.max_position_embeddings
