@@ -278,25 +278,31 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             return time.perf_counter() - t0, out
 
         cold_e2e, cold_bare, warm_e2e, warm_bare, direct, phases = [], [], [], [], [], []
+        rewarms = 0
         identical = True
         cold_reps, warm_per_cold = (2, 2) if args.quick else (4, 5)
         for rep in range(cold_reps):
             p = fresh(N)
             r = await engine.generate(p, max_tokens=1)
-            assert r.cached_tokens == 0, r
+            assert r.cached_tokens == 0, r.cached_tokens
             cold_e2e.append(r.ttft_s)
             cold_bare.append(await asyncio.to_thread(bare_cold, p))
             for _ in range(warm_per_cold):
                 w = prefix + fresh(N - P)
                 r = await engine.generate(w, max_tokens=1)
-                if r.cached_tokens != P:
-                    # the engine lost contact and re-registered (a new epoch drops the cache): warm
-                    # the prefix again and measure the next one (reported as "reregistrations")
-                    assert r.epoch != first.epoch or r.degraded, (r.cached_tokens, r.invalid, r.fallbacks)
+                tries = 0
+                while r.cached_tokens != P:
+                    # The engine lost contact and re-registered (a new epoch drops the cache), or
+                    # went degraded mid-request: warm the prefix again and measure the next one
+                    # (reported as "rewarms"). Only on a machine starved enough to stall heartbeats.
+                    assert not r.invalid, r.invalid
+                    tries += 1
+                    rewarms += 1
+                    assert tries <= 5, (r.cached_tokens, r.fallbacks, engine.health())
                     await engine.flush()
+                    await asyncio.sleep(0.5)
                     w = prefix + fresh(N - P)
                     r = await engine.generate(w, max_tokens=1)
-                    assert r.cached_tokens == P, (r.cached_tokens, r.invalid, r.fallbacks)
                 warm_e2e.append(r.ttft_s)
                 model_s = r.timings.get("forward", 0.0) + r.timings.get("restore", 0.0)
                 direct.append((r.ttft_s - model_s) / r.ttft_s)
@@ -327,6 +333,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "warm_phase_ms": {k: round(1000 * med([p.get(k, 0.0) for p in phases]), 3) for k in keys},
             "warm_bit_identical": bool(identical),
             "reregistrations": engine.epoch - first.epoch,
+            "rewarms": rewarms,
         }
         result.update(await asyncio.to_thread(reload_bench, engine, _hashes(engine, prefix), P // bs, tmp,
                                               3 if args.quick else 20, 8 if args.quick else 64))
