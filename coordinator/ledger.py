@@ -32,8 +32,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from coordinator.core import (
-    EVENT_TYPES, CoreParams, LedgerState, TransitionApplied, TransitionRejected, apply, encode_event, resume, state_hash,
-    stream_of, to_snapshot,
+    EVENT_TYPES, CoreParams, LedgerState, TransitionApplied, TransitionRejected, apply, encode_event, resume,
+    state_hash, stream_of, to_snapshot,
 )
 from coordinator.log.groupcommit import GroupCommitter, Submission
 from coordinator.log.port import EventLog, LogError, NewEvent, NotLeader, Snapshot

@@ -511,7 +511,7 @@ def replay(events: Iterable[Any], params: CoreParams | None = None, *,
     s = start if start is not None else LedgerState.empty(params)
     fold = _APPLY
     n = 0
-    with _no_gc():
+    with no_gc():
         try:
             for e in events:
                 fold[type(e)](s, e)
@@ -522,7 +522,7 @@ def replay(events: Iterable[Any], params: CoreParams | None = None, *,
 
 
 @contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
+def no_gc() -> Iterator[None]:
     """The cyclic GC paused for a bulk build.
 
     NOTE: replay, snapshots and hashing allocate up to millions of long-lived objects, none
@@ -559,7 +559,7 @@ def _canon(s: LedgerState) -> list[Any]:
 
 def state_hash(state: LedgerState) -> str:
     """32-hex canonical digest of the state's facts (independent of insertion order)."""
-    with _no_gc():
+    with no_gc():
         return hashlib.blake2b(msgspec.json.encode(_canon(state)), digest_size=16).hexdigest()
 
 
@@ -639,7 +639,7 @@ class SnapshotError(ValueError):
 
 def to_snapshot(state: LedgerState) -> bytes:
     """msgpack bytes of the state's facts (derived indexes are rebuilt on load)."""
-    with _no_gc():
+    with no_gc():
         return _to_snapshot(state)
 
 
@@ -671,7 +671,7 @@ class _SnapVersion(msgspec.Struct):
 
 def from_snapshot(data: bytes, params: CoreParams | None = None) -> LedgerState:
     """A state from :func:`to_snapshot` bytes; ``params`` overrides the stored limits."""
-    with _no_gc():
+    with no_gc():
         return _from_snapshot(data, params)
 
 
@@ -720,6 +720,6 @@ def _from_snapshot(data: bytes, params: CoreParams | None) -> LedgerState:
 
 __all__ = [
     "CoreParams", "LedgerState", "Lease", "PoolKey", "Replica", "ReplicaKey", "ReplayError", "SnapshotError",
-    "Watermark", "WorkerRecord", "apply", "from_snapshot", "pool_of", "replay", "state_hash", "to_snapshot",
+    "Watermark", "WorkerRecord", "apply", "from_snapshot", "no_gc", "pool_of", "replay", "state_hash", "to_snapshot",
     "TRANSITIONS",
 ]
