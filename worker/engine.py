@@ -133,6 +133,9 @@ class Engine:
         self.heartbeat_interval_ms = cfg.coordinator.heartbeat_interval_ms
         self.lease_ttl_ms = cfg.coordinator.lease_ttl_ms
         self.sessions: set[Session] = set()
+        self._background: set[asyncio.Task] = set()
+        #: Closed sessions whose leases are released in the background (see Session.close).
+        self.releasing: set[Session] = set()
         self._tasks: list[asyncio.Task] = []
         self._wake_supervisor = asyncio.Event()
         self._wake_spill = asyncio.Event()
@@ -156,8 +159,14 @@ class Engine:
         except asyncio.TimeoutError:
             self.log.warning("not registered yet; serving by recomputation", reason=self._reason)
 
+    def background(self, coro: Awaitable[None]) -> None:
+        """Run ``coro`` (e.g. a deferred lease release) as a task the engine owns until stop()."""
+        t = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
+
     async def stop(self) -> None:
-        tasks, self._tasks = self._tasks, []
+        tasks, self._tasks = self._tasks + list(self._background), []
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -398,8 +407,9 @@ class Engine:
         except PoolExhausted:
             # The ledger thought a slot was free: our view diverged (a rejected transition).
             # Make room from our own LRU, never from a block a live session pinned.
-            keep = {r.block_hash for s in self.sessions for lease in s.leases for r in lease.grant.read
-                    if r.location == self.gpu}
+            # (sessions releasing in the background still hold their leases' pins)
+            keep = {r.block_hash for s in self.sessions | self.releasing for lease in s.leases
+                    for r in lease.grant.read if r.location == self.gpu}
             victim = self.store.lru_victim(meta.form, keep)
             if victim is None:
                 raise

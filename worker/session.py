@@ -678,18 +678,46 @@ class Session:
                     pass
 
     async def close(self) -> None:
-        """Settle this session's transitions, then release its leases (idempotent)."""
+        """Settle this session's transitions, then release its leases (idempotent).
+
+        NOTE: a release aborts every write of the lease not yet committed in the ledger, so it
+        waits for the commit watermark to cover this session's transitions. If that takes longer
+        than ``settle_timeout_s`` (a slow or starved coordinator), the lease stays renewed and is
+        released in the background once they are covered, instead of aborting them now.
+        """
         if self._closed:
             return
         self._closed = True
         e = self.engine
-        if self._renew is not None:
-            self._renew.cancel()
         self._commit_pending()
         if not self.leases:
+            self._stop_renewing()
             return
         if self.last_seq and e.publisher is not None:
-            await e.publisher.wait_committed(self.epoch, self.last_seq, timeout=e.settle_timeout_s)
+            if not await e.publisher.wait_committed(self.epoch, self.last_seq, timeout=e.settle_timeout_s):
+                e.releasing.add(self)
+                e.background(self._settle_then_release())
+                return
+        await self._release()
+
+    async def _settle_then_release(self) -> None:
+        e = self.engine
+        assert e.publisher is not None
+        try:
+            await e.publisher.wait_committed(self.epoch, self.last_seq,
+                                             timeout=max(5.0, e.lease_ttl_ms / 1000 * 0.8))
+            await self._release()
+        finally:
+            e.releasing.discard(self)
+
+    def _stop_renewing(self) -> None:
+        if self._renew is not None:
+            self._renew.cancel()
+            self._renew = None
+
+    async def _release(self) -> None:
+        e = self.engine
+        self._stop_renewing()
         for lease in self.leases:
             if lease.epoch != e.epoch:
                 continue
@@ -698,6 +726,7 @@ class Session:
                     worker_id=e.worker_id, epoch=lease.epoch, lease_id=lease.grant.lease_id)))
             except (CoordinatorRefused, CoordinatorUnavailable):
                 pass
+        self.leases = []
 
     def result(self, tokens: list[int], logits: torch.Tensor | None, ttft: float) -> Result:
         return Result(tokens=tokens, logits=logits, prompt_tokens=len(self.tokens),

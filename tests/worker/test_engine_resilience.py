@@ -187,3 +187,28 @@ async def test_a_restore_the_model_refuses_falls_back_to_recomputation(make_engi
         r = await e.generate(toks, max_tokens=2)
         assert r.cached_tokens == 0 and "restore_failed" in r.fallbacks
         assert same(r, await reference().generate(toks, max_tokens=2))
+
+
+async def test_release_waits_for_commits_instead_of_aborting_them(make_engine) -> None:
+    """A release aborts uncommitted writes; when the watermark is late, the lease is released
+    in the background once it covers the commits, never before."""
+    twin = InProcessCoordinator()
+    toks = prompt(48, seed=60)
+    async with make_engine(twin) as e:
+        e.settle_timeout_s = 0.05
+        twin.hold_watermark = True
+        real_publish = twin.publish
+        held: list = []
+
+        async def slow_publish(ev):        # the broker holds the events: nothing is ingested yet
+            held.append(ev)
+
+        twin.publish = slow_publish
+        r = await e.generate(toks, max_tokens=1)
+        assert r.tokens and twin.state.leases and e.releasing      # not released: commits pending
+        twin.publish = real_publish
+        twin.hold_watermark = False
+        await until(lambda: not twin.state.leases and not e.releasing, timeout=10)
+        ready = [k for k, rep in twin.state.replicas.items() if rep.state is ReplicaState.READY]
+        assert len(ready) == 12                                       # every commit landed
+        assert (await e.generate(toks, max_tokens=1)).cached_tokens == 32
