@@ -58,6 +58,10 @@ class UnknownScope(CoreError):
     pass
 
 
+
+#: States a replica may be in to serve as the source of an offload copy.
+OFFLOAD_SOURCES = (READY, m.ReplicaState.EVICTED)
+
 def _error(code: m.ErrorCode, message: str, retry_after_ms: int = 0) -> m.ErrorReply:
     return m.ErrorReply(code=code, message=message, retry_after_ms=retry_after_ms)
 
@@ -428,13 +432,18 @@ def _judge(state: LedgerState, t: m.TransitionEvent) -> tuple[str, str]:
         if not t.checksum:
             return "", f"offload of {key} carries no checksum"
         # NOTE: a worker copies from where it can read: its GPU, its node's host tier, disk.
+        # The source may already be EVICTED: a worker learns of an LRU eviction from the
+        # grant that made it, and copies the victim to a lower tier before reusing the slot.
+        # Bytes whose checksum equals the one committed are the committed bytes, and every
+        # reload re-verifies that checksum, so an evicted source is as good as a READY one.
         for src_loc in readable_locations(w):
             src = state.replicas.get((t.block_hash, t.form, src_loc))
-            if src_loc != loc and src is not None and src.state is READY and src.checksum == t.checksum:
+            if (src_loc != loc and src is not None and src.state in OFFLOAD_SOURCES and src.checksum
+                    and src.checksum == t.checksum):
                 break
         else:
-            return "", (f"no READY replica of block {t.block_hash} form {t.form} with checksum {t.checksum} "
-                        f"at {list(readable_locations(w))} to copy")
+            return "", (f"no READY or EVICTED replica of block {t.block_hash} form {t.form} with checksum "
+                        f"{t.checksum} at {list(readable_locations(w))} to copy")
     return kind, ""
 
 

@@ -92,9 +92,10 @@ ILLEGAL = [
     ("unknown location", dict(block=0, frm=S.READY, to=S.EVICTED, location="tape"), "expected gpu"),
     ("offload onto a GPU", dict(block=0, frm=None, to=S.READY, location="gpu:w1"), "already exists"),
     ("offload to a GPU", dict(block=5, frm=None, to=S.READY, location="gpu:w1"), "copies to host"),
-    ("offload without a source", dict(block=1, frm=None, to=S.READY, location="disk"), "no READY replica"),
+    ("offload without a source", dict(block=1, frm=None, to=S.READY, location="disk"),
+     "no READY or EVICTED replica"),
     ("offload with another checksum", dict(block=0, frm=None, to=S.READY, location="disk", checksum="x"),
-     "no READY replica"),
+     "no READY or EVICTED replica"),
     ("commit for another tenant", dict(block=1, frm=S.ALLOCATED, to=S.READY, tenant="t2"), "tenant"),
     ("commit for another lease", dict(block=1, frm=S.ALLOCATED, to=S.READY, lease_id="L9"), "lease"),
     ("unknown replica", dict(block=9, frm=S.READY, to=S.INVALID), "absent"),
@@ -132,3 +133,23 @@ def test_rejection_does_not_touch_the_hash_apart_from_the_watermark() -> None:
     d.run(ingest_transition, transition("w1", 1, 2, blocks[0], "compressed", S.READY, S.LOST), 5)
     ref.state.watermarks[("w1", 1)].contiguous = 2
     assert d.hash == ref.hash
+
+
+def test_offload_from_an_evicted_source_is_accepted() -> None:
+    """A worker copies an evicted replica down a tier (e.g. an LRU victim it learns of from
+    the grant that evicted it): the committed checksum, not the source's state, vouches for it."""
+    d, blocks = _world()
+    key = (blocks[0], "compressed", "gpu:w1")
+    r = d.state.replicas[key]
+    assert r.state is S.READY and r.checksum
+    out = d.run(ingest_transition, transition("w1", 1, 2, blocks[0], "compressed", S.READY, S.EVICTED,
+                                              generation=r.generation, checksum=r.checksum), 5)
+    assert [type(e) for e in out] == [TransitionApplied]
+    assert d.state.replicas[key].state is S.EVICTED
+    out = d.run(ingest_transition, transition("w1", 1, 3, blocks[0], "compressed", None, S.READY,
+                                              location="host:w1", generation=r.generation, checksum=r.checksum), 6)
+    assert [type(e) for e in out] == [TransitionApplied], out
+    assert d.state.replicas[(blocks[0], "compressed", "host:w1")].state is S.READY
+    out = d.run(ingest_transition, transition("w1", 1, 4, blocks[0], "compressed", None, S.READY,
+                                              location="disk", generation=r.generation, checksum="other"), 7)
+    assert [type(e) for e in out] == [TransitionRejected]

@@ -443,10 +443,13 @@ class CoreMachine(RuleBasedStateMachine):
             r.state = to
             self.m.unpin(key)
 
-    @precondition(lambda self: any(r.state is S.READY for r in self.m.replicas.values()))
+    @precondition(lambda self: any(r.state in (S.READY, S.EVICTED) for r in self.m.replicas.values()))
     @rule(data=st.data(), tier=st.sampled_from(["disk", "host"]), corrupt=st.booleans())
     def offload(self, data: st.DataObject, tier: str, corrupt: bool) -> None:
-        keys = [k for k in self._keys((S.READY,)) if k[2].startswith("gpu:")]
+        # A source may be READY or already EVICTED (an LRU victim copied down before its slot
+        # is reused); an EVICTED source that was never committed has no checksum to copy.
+        keys = [k for k in self._keys((S.READY, S.EVICTED))
+                if k[2].startswith("gpu:") and self.m.replicas[k].checksum]
         if not keys:
             return
         key = data.draw(st.sampled_from(keys))
