@@ -272,7 +272,9 @@ class Stack:
     python: str = sys.executable
 
     def __post_init__(self) -> None:
-        self.state_dir = Path(self.cfg.state_dir)
+        # NOTE: absolute, because the embedded PostgreSQL resolves a relative socket directory
+        # against its data directory (a relative state_dir such as the default .kvl-state fails).
+        self.state_dir = Path(self.cfg.state_dir).resolve()
         self.log_dir = self.state_dir / "logs"
         self.services: Any = None
         self.coordinator: Child | None = None
