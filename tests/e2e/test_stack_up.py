@@ -38,13 +38,14 @@ class UpProcess:
 
     def __init__(self, tmp: Path, config: dict[str, Any], *args: str) -> None:
         self.state = tmp / "state"
-        config = {"state_dir": str(self.state), "logging": {"level": "info"}, **config}
+        # state_dir relative to the working directory, like the default .kvl-state of `make up`
+        config = {"state_dir": "state", "logging": {"level": "info"}, **config}
         self.config = tmp / "kvledger.yaml"
         self.config.write_text(yaml.safe_dump(config))
         self.lines: list[str] = []
         self.popen = subprocess.Popen(
             [*KVLEDGER, "up", "--config", str(self.config), "--coordinator-port", "0", "--worker-base-port", "0",
-             *args], cwd=REPO, env=clean_env(KVL_TORCH_THREADS="1"), stdout=subprocess.PIPE,
+             *args], cwd=tmp, env=clean_env(KVL_TORCH_THREADS="1"), stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
