@@ -20,7 +20,7 @@ capped below the last prompt token and floored to the prefill grid (``chunk_bloc
 the pinned replicas do not serve that point (a different boundary, or a replica failing
 validation), a read-only lease for the shorter prefix asks the coordinator again — after
 the INVALID transitions are committed, so it does not offer the same replicas — at most
-:data:`MAX_RELEASES` times. Every replica is validated on a private copy
+:data:`MAX_EXTRA_LEASES` times. Every replica is validated on a private copy
 (:func:`worker.cache.planner.validate`); the model state is restored from those copies.
 
 *Prefill.* Units follow the model's grid (``worker.model.model``): from the resume point to
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from worker.engine import Engine
 
 #: Read-only leases a session may take after its first grant (cap/grid or failed validation).
-MAX_RELEASES = 2
+MAX_EXTRA_LEASES = 2
 
 
 class CacheValidationError(RuntimeError):
@@ -178,7 +178,6 @@ class Session:
         self.degraded = False
         self._renew: asyncio.Task | None = None
         self._closed = False
-        self.t0 = time.perf_counter()
         self.timings: dict[str, float] = {}
         self._fresh: asyncio.Future | None = None
         self._speculated = False
@@ -272,7 +271,7 @@ class Session:
                                                f"cache.on_invalid is 'error'")
                 if failed:
                     await e.publisher.wait_committed(self.epoch, self.last_seq, timeout=1.0)
-            if tries >= MAX_RELEASES:
+            if tries >= MAX_EXTRA_LEASES:
                 break
             tries += 1
             again = await self._acquire(self.hashes[:target], write=False, reuse=True)
@@ -540,8 +539,7 @@ class Session:
             # never guess — start from a fresh state and recompute everything.
             e.log.error("restore failed; recomputing the whole prompt", error=str(err)[:300])
             self.fallback("restore_failed")
-            self._fresh = asyncio.get_running_loop().run_in_executor(
-                e._compute, lambda: e.model.new_state(self.bs, self.capacity))
+            self._build_state(None)
             self._spent("restore", t0)
             return
         self._spent("restore", t0)
