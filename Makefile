@@ -1,10 +1,12 @@
 # The two commands: `make up` runs the stack, `make test` runs the tests.
 # Both create (or reuse) a virtualenv in .venv and install the project into it.
+# e.g. make up UP_ARGS="--workers 2"
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvl-installed
 PYTEST_ARGS ?=
+UP_ARGS ?=
 
 .PHONY: up test install bench clean
 
@@ -17,7 +19,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 up: $(STAMP)
-	$(VENV)/bin/kvledger up
+	$(VENV)/bin/kvledger up $(UP_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
