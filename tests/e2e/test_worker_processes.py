@@ -14,9 +14,7 @@ import torch
 
 from shared.config import parse_config
 from shared.hashing import chain_hashes
-from tests.worker.conftest import core_accepts_lru_offload
 from tests.worker.processes import Cluster
-from worker.cache import offload_file as of
 from worker.engine import Engine
 from worker.model import build_model
 from worker.settings import DEFAULT_TENANT_SECRET, tenant_salt
@@ -151,8 +149,6 @@ SMALL = {"compressed_pool_limit": 0.1, "swa_pool_limit": 0.7, "tail_pool_limit":
 ONE_PROMPT = 6 * (2560 + 1024 + 6144 + 24576)
 
 
-@pytest.mark.xfail(not core_accepts_lru_offload(), run=False,
-                   reason="coordinator core rejects an offload whose source was EVICTED by LRU (rule being extended)")
 async def test_offload_to_host_and_disk_then_reload_in_another_worker(cluster, reference, model) -> None:
     cluster.start_coordinator()
     cluster.start_worker("wa", cache={**SMALL, "host_tier_bytes": ONE_PROMPT}, worker={"pool_bytes": 400_000})
@@ -194,4 +190,3 @@ async def test_offload_to_host_and_disk_then_reload_in_another_worker(cluster, r
     assert float(line.split()[-1]) >= 2
     assert await cluster.flush("wb")
     assert await cluster.replicas(location="disk", state="INVALID")
-    assert of.MAGIC  # the file format module is what the damage above targets

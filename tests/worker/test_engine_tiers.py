@@ -5,17 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
+from shared.hashing import chain_hashes
 from shared.messages import ReplicaState
 from tests.worker.conftest import core_accepts_lru_offload, prompt
 from worker.client.twin import InProcessCoordinator
-
-#: Offloads of LRU victims need the coordinator rule "a source EVICTED by LRU counts".
-needs_lru_offload = pytest.mark.xfail(
-    not core_accepts_lru_offload(), strict=True,
-    reason="coordinator core rejects an offload whose source was EVICTED by LRU (rule being extended)")
 
 
 def same(a, b) -> bool:
@@ -28,7 +23,6 @@ SMALL = {"worker.pool_bytes": 400_000, "cache.compressed_pool_limit": 0.1, "cach
 ONE_PROMPT = 6 * (2560 + 1024 + 6144 + 24576)
 
 
-@needs_lru_offload
 async def test_evicted_to_host_then_reloaded_bit_identical(make_engine, reference) -> None:
     p = prompt(100, seed=50)
     twin = InProcessCoordinator()
@@ -44,59 +38,60 @@ async def test_evicted_to_host_then_reloaded_bit_identical(make_engine, referenc
     assert not [x for x in twin.rejected if x[0].location.startswith("host:")], twin.rejected[:3]
 
 
-async def _fill_disk(make_engine, twin, p) -> None:
+async def _fill_disk(make_engine, twin, prompts) -> None:
+    """Worker ``wa`` caches ``prompts``, then pushes them out: GPU → host tier → offload files."""
     async with make_engine(twin, worker_id="wa", **SMALL, **{"cache.host_tier_bytes": ONE_PROMPT}) as a:
-        await a.generate(p, max_tokens=1)
+        for p in prompts:
+            await a.generate(p, max_tokens=1)
         for seed in (52, 53, 54):
             await a.generate(prompt(100, seed=seed), max_tokens=1)
         assert await a.flush(timeout=10)
+        assert a.metrics.value("kvl_worker_offload_bytes_total", {"tier": "host"}) > 0
         assert a.metrics.value("kvl_worker_offload_bytes_total", {"tier": "disk"}) > 0
 
 
-def _files(root: Path) -> list[Path]:
-    return sorted(root.rglob("*.kvl"))
+def _files(root: Path, hashes: list[str]) -> list[Path]:
+    return sorted(f for h in hashes for f in root.rglob(f"{h}.*.kvl"))
 
 
-@needs_lru_offload
 async def test_host_then_disk_then_reload_in_another_worker(make_engine, reference, tmp_path) -> None:
-    p = prompt(100, seed=50)
+    """Clean files reload bit-identically in another worker; a truncated and a corrupted file
+    are detected (integrity), marked INVALID, recomputed — same output, counted."""
+    p1, p2, p3 = prompt(100, seed=50), prompt(100, seed=58), prompt(100, seed=59)
     twin = InProcessCoordinator()
-    await _fill_disk(make_engine, twin, p)
-    assert _files(tmp_path / "offload")
+    await _fill_disk(make_engine, twin, [p1, p2, p3])
     async with make_engine(twin, worker_id="wb", **SMALL) as b:
-        r = await b.generate(p, max_tokens=2)
+        salt_ns = (b.namespace, b.salt("default"))
+        damaged = {}
+        for p, how in ((p2, "truncate"), (p3, "corrupt")):
+            files = _files(tmp_path / "offload", chain_hashes(p, 16, *salt_ns))
+            assert files
+            for f in files:
+                raw = bytearray(f.read_bytes())
+                raw = raw[:-100] if how == "truncate" else raw[:-7] + bytes([raw[-7] ^ 0x10]) + raw[-6:]
+                f.write_bytes(bytes(raw))
+            damaged[how] = p
+        r = await b.generate(p1, max_tokens=2)
         assert r.reloaded.get("disk", 0) > 0 and r.cached_tokens > 0 and r.invalid == []
-        assert same(r, await reference().generate(p, max_tokens=2))
+        assert same(r, await reference().generate(p1, max_tokens=2))
+        for how, p in damaged.items():
+            r = await b.generate(p, max_tokens=2)
+            assert same(r, await reference().generate(p, max_tokens=2)), how
+            assert r.invalid and all(x.startswith("integrity:") for x in r.invalid), (how, r.invalid)
+        v = b.metrics.value
+        assert v("kvl_worker_reload_failures_total", {"tier": "disk", "reason": "integrity"}) >= 2
+        assert v("kvl_worker_hit_invalid_total", {"layer": "integrity", "form": "compressed"}) >= 1
         await b.flush()
-        # reloaded replicas became wb's GPU replicas
-        assert any(k[2] == "gpu:wb" and rep.state is ReplicaState.READY for k, rep in twin.state.replicas.items())
+        states = twin.state.replicas
+        # reloaded replicas became wb's GPU replicas; the damaged files' replicas are INVALID
+        assert any(k[2] == "gpu:wb" and rep.state is ReplicaState.READY for k, rep in states.items())
+        assert any(k[2] == "disk" and rep.state is ReplicaState.INVALID for k, rep in states.items())
 
 
-@needs_lru_offload
-@pytest.mark.parametrize("damage", ["corrupt", "truncate"])
-async def test_damaged_offload_file_is_detected_and_recomputed(make_engine, reference, tmp_path, damage) -> None:
-    p = prompt(100, seed=50)
-    twin = InProcessCoordinator()
-    await _fill_disk(make_engine, twin, p)
-    files = [f for f in _files(tmp_path / "offload") if f.name.endswith(".compressed.kvl")]
-    assert files
-    for f in files:  # damage every compressed file: whatever the grant pins, it meets one
-        raw = bytearray(f.read_bytes())
-        if damage == "corrupt":
-            raw[-7] ^= 0x10
-        else:
-            raw = raw[: len(raw) - 100]
-        f.write_bytes(bytes(raw))
-    async with make_engine(twin, worker_id="wb", **SMALL) as b:
-        r = await b.generate(p, max_tokens=2)
-        assert same(r, await reference().generate(p, max_tokens=2))
-        assert any(x.startswith("integrity:compressed") for x in r.invalid)
-        assert b.metrics.value("kvl_worker_reload_failures_total", {"tier": "disk", "reason": "integrity"}) >= 1
-        assert b.metrics.value("kvl_worker_hit_invalid_total", {"layer": "integrity", "form": "compressed"}) >= 1
-        await b.flush()
-        bad = [k for k, rep in twin.state.replicas.items()
-               if k[2] == "disk" and k[1] == "compressed" and rep.state is ReplicaState.INVALID]
-        assert bad
+def test_core_accepts_offload_of_lru_victims() -> None:
+    """The worker copies an LRU victim down a tier *after* the grant that evicted it; the
+    coordinator must accept that offload (its source is EVICTED by then)."""
+    assert core_accepts_lru_offload()
 
 
 async def test_unwritable_offload_directory_keeps_serving(make_engine, reference, tmp_path) -> None:
