@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,20 @@ def still_running(procs: list[psutil.Process]) -> list[str]:
     return out
 
 
+def wait_outbox_empty(worker_url: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    depth = None
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{worker_url}/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("kvl_worker_outbox_depth "):
+                    depth = float(line.split()[1])
+        if depth == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{worker_url}: outbox depth {depth} after {timeout_s}s")
+
+
 def kvledger(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*KVLEDGER, *args], cwd=REPO, env=clean_env(), capture_output=True, text=True,
                           timeout=timeout)
@@ -149,7 +164,10 @@ def test_up_two_workers_requests_audit_and_sigterm_leaves_nothing(tmp_path: Path
         time.sleep(0.2)
     assert cached == 32
 
-    # The admin commands against the live coordinator.
+    # The admin commands against the live coordinator, once every transition is committed
+    # (a worker's outbox is empty when the coordinator's watermark covers all it sent).
+    for worker_url in stack["worker_urls"]:
+        wait_outbox_empty(worker_url)
     url = ["--coordinator-url", stack["coordinator_url"]]
     workers = kvledger("workers", *url, "--json")
     assert workers.returncode == 0, workers.stderr
