@@ -108,6 +108,10 @@ class RequestTimeout(SchedulerError):
         self.timeout_ms = timeout_ms
 
 
+class InternalError(SchedulerError):
+    """The engine failed while serving the request (a bug or an impossible recomputation; logged)."""
+
+
 class ShuttingDown(SchedulerError):
     def __init__(self) -> None:
         super().__init__("the worker is shutting down; send the request to another worker")
@@ -540,8 +544,9 @@ class Scheduler:
             job._events.put_nowait(ShuttingDown() if self._closed else SchedulerError("the request was cancelled"))
             raise
         except Exception as e:  # noqa: BLE001 - reported to the caller, logged with its traceback
-            log.error("request_failed", job=job.id, error=repr(e), exc_info=True)
-            job._events.put_nowait(e)
+            log.error("request_failed", job=job.id, error=type(e).__name__, exc_info=True)
+            job._events.put_nowait(InternalError(f"the worker failed to serve this request ({type(e).__name__}; "
+                                                 f"logged as job {job.id})"))
         finally:
             self.metrics.finished.labels(reason=reason).inc()
             self.engine.metrics.requests.labels(outcome="ok" if reason in ("stop", "length") else reason).inc()
@@ -653,6 +658,6 @@ class Scheduler:
                 await asyncio.wait(pending, timeout=grace_s)
 
 
-__all__ = ["ContextTooLong", "GenRequest", "InvalidRequest", "Job", "Kind", "Outcome", "QueueFull", "QueueTimeout",
+__all__ = ["ContextTooLong", "GenRequest", "InternalError", "InvalidRequest", "Job", "Kind", "Outcome", "QueueFull", "QueueTimeout",
            "RequestTimeout", "Sampler", "SamplingParams", "Scheduler", "SchedulerError", "ServingMetrics",
            "ShuttingDown", "TurnGate"]

@@ -161,3 +161,19 @@ async def test_no_5xx_for_a_barrage_of_bad_input(serve) -> None:
                 assert status < 500, (path, raw, doc)
                 if status != 200:
                     err(doc)
+
+
+async def test_an_engine_failure_is_a_500_without_details_and_the_worker_serves_on(serve, monkeypatch) -> None:
+    async with serve() as s:
+        real_open = s.engine.open
+
+        async def broken(*a, **kw):
+            raise RuntimeError("a bug, with details the client must not see")
+
+        monkeypatch.setattr(s.engine, "open", broken)
+        status, doc, _ = await s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
+        e = err(doc)
+        assert status == 500 and e["code"] == "internal_error" and "details" not in e["message"]
+        monkeypatch.setattr(s.engine, "open", real_open)
+        status, doc, _ = await s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
+        assert status == 200 and s.scheduler.running == 0

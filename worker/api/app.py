@@ -44,7 +44,7 @@ def create_app(engine: Engine, cfg: Config, tokenizer: Tokenizer, scheduler: Sch
     app[SCHEDULER] = scheduler
     app[TENANTS] = TenantDirectory.from_config(cfg.auth)
     app[METRICS] = scheduler.metrics
-    app[SERVED] = Served(model_id=engine.model.cfg.model_id, aliases=(), fingerprint=f"kvl-{engine.namespace[:16]}",
+    app[SERVED] = Served(model_id=engine.model.cfg.model_id, fingerprint=f"kvl-{engine.namespace[:16]}",
                          created=int(time.time()), max_body_bytes=limit)
 
     async def scheduler_ctx(app: web.Application) -> AsyncIterator[None]:

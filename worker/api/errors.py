@@ -17,7 +17,7 @@ body larger than max_body_bytes    413     invalid_request_error     request_too
 queue full                         429     rate_limit_error          queue_full (+ Retry-After)
 shutting down                      503     service_unavailable       shutting_down
 queue / request timeout            504     timeout_error             queue_timeout / request_timeout
-anything else (a bug)              500     internal_error            internal_error
+engine failure, anything else      500     internal_error            internal_error
 =================================  ======  ========================  =====================
 
 Nothing a client sends can produce a 5xx: a 500 is a bug and is logged with its traceback
@@ -36,7 +36,7 @@ from aiohttp import web
 from shared.logging import get_logger
 from worker.chat_template import ChatTemplateError
 from worker.scheduler import (
-    ContextTooLong, InvalidRequest, QueueFull, QueueTimeout, RequestTimeout, SchedulerError, ShuttingDown,
+    ContextTooLong, InternalError, InvalidRequest, QueueFull, QueueTimeout, RequestTimeout, SchedulerError, ShuttingDown,
 )
 from worker.tenants import AuthError
 
@@ -88,6 +88,8 @@ def to_api_error(e: BaseException) -> ApiError | None:
         return ApiError(504, str(e), type="timeout_error", code="queue_timeout")
     if isinstance(e, RequestTimeout):
         return ApiError(504, str(e), type="timeout_error", code="request_timeout")
+    if isinstance(e, InternalError):
+        return ApiError(500, str(e), type="internal_error", code="internal_error")
     if isinstance(e, ShuttingDown):
         return ApiError(503, str(e), type="service_unavailable", code="shutting_down")
     if isinstance(e, SchedulerError):

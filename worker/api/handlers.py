@@ -19,6 +19,8 @@ failure after it is an ``error`` event (which the openai client raises), then ``
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from worker.api.errors import ApiError, to_api_error, internal_error
 from worker.api.keys import ENGINE, SCHEDULER, SERVED, TENANT, TOKENIZER, Served
-from worker.api.schemas import DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, _Common, decode
+from worker.api.schemas import DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, BaseRequest, decode
 from worker.api.text import TextStream
 from worker.chat_template import ChatMessage, render
 from worker.scheduler import GenRequest, Job, SamplingParams
@@ -45,12 +47,12 @@ async def read_body(request: web.Request, limit: int) -> bytes:
 
 
 def check_model(served: Served, model: str | None) -> None:
-    if model is not None and model not in (served.model_id, *served.aliases):
+    if model is not None and model != served.model_id:
         raise ApiError(404, f"model {model!r} does not exist on this worker; GET /v1/models lists "
                             f"{served.model_id!r}", param="model", code="model_not_found")
 
 
-def gen_request(request: web.Request, body: _Common, tokens: list[int], max_tokens: int | None) -> GenRequest:
+def gen_request(request: web.Request, body: BaseRequest, tokens: list[int], max_tokens: int | None) -> GenRequest:
     tok = request.app[TOKENIZER]
     return GenRequest(tokens=tokens, max_tokens=max_tokens or DEFAULT_MAX_TOKENS, tenant=request[TENANT],
                       sampling=SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
@@ -109,7 +111,7 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=msgspec.json.encode(obj), content_type="application/json")
 
 
-async def _generate(request: web.Request, body: _Common, shape: _Shape, tokens: list[int],
+async def _generate(request: web.Request, body: BaseRequest, shape: _Shape, tokens: list[int],
                     max_tokens: int | None) -> web.StreamResponse:
     sched = request.app[SCHEDULER]
     job = sched.submit(gen_request(request, body, tokens, max_tokens))
@@ -136,7 +138,7 @@ async def _generate(request: web.Request, body: _Common, shape: _Shape, tokens: 
         await job.aclose()
 
 
-async def _stream(request: web.Request, body: _Common, shape: _Shape, job: Job,
+async def _stream(request: web.Request, body: BaseRequest, shape: _Shape, job: Job,
                   text: TextStream) -> web.StreamResponse:
     resp: web.StreamResponse | None = None
     include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -155,21 +157,28 @@ async def _stream(request: web.Request, body: _Common, shape: _Shape, job: Job,
 
     try:
         async for tok in job:
-            if resp is None:
+            first = resp is None
+            if first:
                 await start()
             piece = text.push(tok)
-            if piece:
+            if piece or (first and not shape.chat):
+                # NOTE: the first token always makes a chunk (chat: the role chunk), even when its
+                # text is still held back (a partial UTF-8 sequence), so clients see time to first token.
                 await send(shape.chunk(piece))
             if text.stopped:
                 job.stop()
                 break
+    except ConnectionResetError:
+        # the client went away between two chunks (the finally in _generate ends the job)
+        raise asyncio.CancelledError() from None
     except Exception as e:  # noqa: BLE001 - before the first token: an HTTP status; after: an error event
         if resp is None:
             raise
         err = to_api_error(e) or internal_error()
-        await send(err.body())
-        await send(b"[DONE]")
-        await resp.write_eof()
+        with contextlib.suppress(ConnectionResetError):
+            await send(err.body())
+            await send(b"[DONE]")
+            await resp.write_eof()
         return resp
     if resp is None:
         await start()

@@ -18,8 +18,6 @@ class Served:
     """What the API says about the model it serves."""
 
     model_id: str
-    #: Other names accepted in a request's ``model`` field.
-    aliases: tuple[str, ...]
     #: ``system_fingerprint``: the cache namespace (model, weights, cache format, kernel ABI).
     fingerprint: str
     created: int

@@ -40,7 +40,9 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
-class _Common(msgspec.Struct, kw_only=True):
+class BaseRequest(msgspec.Struct, kw_only=True):
+    """The fields both endpoints share."""
+
     model: str | None = None
     max_tokens: PosInt | None = None
     temperature: Temperature = 1.0
@@ -83,7 +85,7 @@ class _Common(msgspec.Struct, kw_only=True):
         return None if self.seed is None else self.seed % (1 << 63)
 
 
-class CompletionRequest(_Common, kw_only=True):
+class CompletionRequest(BaseRequest, kw_only=True):
     #: A string or a list of token ids (a list of one string / one id list is accepted too).
     prompt: str | list[Any]
     logprobs: int | None = None
@@ -132,7 +134,7 @@ class Message(msgspec.Struct, kw_only=True):
     name: str | None = None
 
 
-class ChatCompletionRequest(_Common, kw_only=True):
+class ChatCompletionRequest(BaseRequest, kw_only=True):
     messages: list[Message]
     max_completion_tokens: PosInt | None = None
     logprobs: bool = False

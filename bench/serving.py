@@ -1,0 +1,376 @@
+"""Serving benchmark: a multi-turn agent workload over HTTP, prefix-cache reuse on vs off.
+
+A real coordinator process (PostgreSQL and NATS behind it) and a real worker process
+(``python -m worker``: engine + HTTP API, the configuration's defaults for the cache and
+the scheduler, so ``cache.chunk_blocks`` = 4) serve streaming ``/v1/chat/completions``
+requests sent by this process.
+
+Workload: an *agent* is one conversation of ``turns`` turns. Its first prompt is a system
+prompt (the same for every agent of a concurrency level, like an agent framework's
+instructions and tool list) plus a task; every later turn appends the model's previous
+reply and a new observation (a tool result), so each prompt extends the previous one —
+long input, short output. ``c`` agents run at once (one request each in flight), for
+``c`` in 1, 8 and 32; at ``c`` = 1 a few agents run one after the other.
+
+Each level runs twice with the same prompts: reuse **on**, then **off** (the request
+option ``cache_reuse: false``: no cache reads). The two runs use two API keys of two
+tenants, so neither can read what the other wrote and both pay for writing every block
+they compute (otherwise the second run would find its blocks already cached and skip the
+commits). Greedy decoding, so an exact cache gives the same replies either way
+(``outputs_identical``), and the two runs send exactly the same tokens.
+
+What a turn can reuse: the blocks of the previous turns' *prompts*, up to the last whole
+prefill unit (64 tokens with ``chunk_blocks`` 4: the resume point stays on the prefill
+grid, the exactness rule). The previous *reply* is not reusable: blocks completed by
+decode steps are never exportable, so the reply's tokens are prefilled again as part of
+the next turn's new suffix.
+
+Per level and mode: ``throughput_tok_s`` (prompt + generated tokens per second of wall
+time), ``output_tok_s``, time to first token p50/p99 as the client sees it (request sent →
+first streamed chunk), and the fraction of prompt tokens served from cache. Ratios:
+``throughput_ratio`` (on / off) and ``ttft_p50_speedup`` / ``ttft_p99_speedup`` (off / on);
+``throughput_ratio_reuse_on_vs_off`` is over all levels together (total tokens over total
+time, on / off). On a shared machine wall time swings with other load, so each run also
+reports the worker process's CPU seconds, and ``cpu_throughput_ratio`` is the same ratio
+from them (the model thread is the bottleneck; its CPU time barely depends on others).
+
+    python -m bench.serving            # 4 turns, prompts ~355 → ~830 tokens; a few minutes
+    python -m bench.serving --quick    # 2 turns, prompts ~245 → ~320 tokens; within 60 s on an idle machine
+
+Services: ``--database-url``/``--nats-url`` (default ``$KVL_DATABASE_URL``/``$KVL_NATS_URL``),
+else embedded PostgreSQL and NATS. Progress goes to stderr; the last line printed is one
+JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import string
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+LEVELS = (1, 8, 32)
+
+
+@dataclass(frozen=True)
+class Workload:
+    system_chars: int
+    task_chars: int
+    observation_chars: int
+    turns: int
+    max_tokens: int
+    #: Agents at concurrency 1 (run one after the other); at c > 1, c agents.
+    serial_agents: int
+
+    def agents(self, c: int) -> int:
+        return c if c > 1 else self.serial_agents
+
+
+FULL = Workload(system_chars=256, task_chars=64, observation_chars=128, turns=4, max_tokens=4, serial_agents=4)
+QUICK = Workload(system_chars=192, task_chars=16, observation_chars=48, turns=2, max_tokens=2, serial_agents=2)
+
+
+def _log(*a: Any) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def _text(rng: random.Random, n: int) -> str:
+    alphabet = string.ascii_lowercase + "      ,."
+    return "".join(rng.choice(alphabet) for _ in range(n))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux ``/proc``; 0 where unavailable)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100])."""
+    s = sorted(xs)
+    return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
+
+
+@dataclass
+class Turn:
+    ttft_s: float
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    text: str
+
+
+@dataclass
+class Run:
+    wall_s: float = 0.0
+    #: CPU seconds the worker process used during the run (all its threads).
+    worker_cpu_s: float = 0.0
+    turns: list[Turn] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    #: Reply texts per agent, per turn (to compare on with off).
+    replies: dict[int, list[str]] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        prompt = sum(t.prompt_tokens for t in self.turns)
+        out = sum(t.completion_tokens for t in self.turns)
+        ttft = [t.ttft_s * 1000 for t in self.turns]
+        return {"requests": len(self.turns), "errors": len(self.errors), "wall_s": round(self.wall_s, 3),
+                "prompt_tokens": prompt, "completion_tokens": out,
+                "throughput_tok_s": round((prompt + out) / self.wall_s, 1),
+                "worker_cpu_s": round(self.worker_cpu_s, 2),
+                "tok_per_worker_cpu_s": round((prompt + out) / self.worker_cpu_s, 1) if self.worker_cpu_s else None,
+                "output_tok_s": round(out / self.wall_s, 2),
+                "ttft_p50_ms": round(percentile(ttft, 50), 1), "ttft_p99_ms": round(percentile(ttft, 99), 1),
+                "cached_fraction": round(sum(t.cached_tokens for t in self.turns) / max(1, prompt), 3)}
+
+
+#: API keys of the two tenants (one per mode); the worker's config stores their sha256.
+KEYS = {"on": "bench-serving-reuse-on", "off": "bench-serving-reuse-off"}
+
+
+async def chat(http: Any, url: str, messages: list[dict[str, str]], max_tokens: int, reuse: bool) -> Turn:
+    """One streaming chat completion; TTFT = until the first chunk (the role chunk, sent with token 1)."""
+    body = {"model": "kvledger/dsv4-tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "cache_reuse": reuse}
+    t0 = time.perf_counter()
+    ttft = None
+    parts: list[str] = []
+    usage: dict[str, Any] = {}
+    headers = {"Authorization": f"Bearer {KEYS['on' if reuse else 'off']}"}
+    async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']['message']}")
+            for ch in chunk.get("choices", []):
+                parts.append(ch["delta"].get("content") or "")
+            usage = chunk.get("usage") or usage
+    assert ttft is not None and usage, "a stream without chunks or usage"
+    return Turn(ttft, usage["prompt_tokens"], usage["completion_tokens"],
+                usage["prompt_tokens_details"]["cached_tokens"], "".join(parts))
+
+
+async def run_level(url: str, w: Workload, c: int, reuse: bool, seed: int, worker_pid: int = 0) -> Run:
+    import aiohttp
+
+    rng = random.Random(seed)
+    system = _text(rng, w.system_chars)
+    n = w.agents(c)
+    tasks = [_text(rng, w.task_chars) for _ in range(n)]
+    observations = [[_text(rng, w.observation_chars) for _ in range(w.turns - 1)] for _ in range(n)]
+    run = Run()
+    sem = asyncio.Semaphore(c)
+
+    async def agent(i: int, http: Any) -> None:
+        async with sem:
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": tasks[i]}]
+            replies = run.replies.setdefault(i, [])
+            for k in range(w.turns):
+                try:
+                    turn = await chat(http, url, messages, w.max_tokens, reuse)
+                except Exception as e:  # noqa: BLE001 - counted and reported
+                    run.errors.append(repr(e))
+                    return
+                run.turns.append(turn)
+                replies.append(turn.text)
+                if k + 1 < w.turns:
+                    messages += [{"role": "assistant", "content": turn.text},
+                                 {"role": "user", "content": observations[i][k]}]
+
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as http:
+        t0, cpu0 = time.perf_counter(), cpu_seconds(worker_pid)
+        await asyncio.gather(*(agent(i, http) for i in range(n)))
+        run.wall_s = time.perf_counter() - t0
+        run.worker_cpu_s = cpu_seconds(worker_pid) - cpu0 if worker_pid else 0.0
+    return run
+
+
+# --- processes -------------------------------------------------------------------------------------
+
+class Cluster:
+    """A coordinator and one worker process, with their own database and subject prefix."""
+
+    def __init__(self, tmp: Path, db_url: str, nats_url: str, pool_mb: int) -> None:
+        from shared.embedded import free_port
+
+        self.tmp = tmp
+        self.db_url = db_url
+        self.nats_url = nats_url
+        self.pool_mb = pool_mb
+        self.admin_port = free_port()
+        self.prefix = f"kvlbs{uuid.uuid4().hex[:8]}"
+        self.procs: list[tuple[subprocess.Popen[bytes], Any]] = []
+        self.worker_log = tmp / "worker.log"
+
+    def _start(self, name: str, module: str, doc: dict[str, Any]) -> subprocess.Popen[bytes]:
+        import yaml
+
+        cfg = self.tmp / f"{name}.yaml"
+        cfg.write_text(yaml.safe_dump(doc))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVL_")}
+        env.update(PYTHONPATH=str(REPO), KVL_TORCH_THREADS="1")
+        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
+        p = subprocess.Popen([sys.executable, "-m", module, "--config", str(cfg)], cwd=REPO, env=env, stdout=log,
+                             stderr=subprocess.STDOUT)
+        self.procs.append((p, log))
+        return p
+
+    def start(self, bench_db: str) -> None:
+        base = {"database": {"url": bench_db},
+                "nats": {"url": self.nats_url, "subject_prefix": self.prefix, "request_timeout_ms": 5000},
+                # NOTE: a long liveness window: on a starved machine heartbeats queue behind work.
+                "coordinator": {"port": self.admin_port, "commit_batch_ms": 2, "missed_heartbeats": 30},
+                "logging": {"format": "json", "level": "warning"}}
+        self.coordinator = self._start("coordinator", "coordinator", {**base, "state_dir": str(self.tmp / "c")})
+        self.worker = self._start("worker", "worker", {
+            **base, "state_dir": str(self.tmp / "w"),
+            "cache": {"host_tier_bytes": 0, "offload_dir": ""},
+            "worker": {"worker_id": "bench-serving", "port": 0, "pool_bytes": self.pool_mb * 2**20},
+            "service": {"request_timeout_ms": 600_000, "queue_timeout_ms": 600_000},
+            "auth": {"keys": [{"key_sha256": hashlib.sha256(k.encode()).hexdigest(), "tenant": f"bench-{mode}"}
+                              for mode, k in KEYS.items()]}})
+
+    async def wait_ready(self, timeout: float = 120) -> str:
+        import aiohttp
+
+        deadline = time.monotonic() + timeout
+        url = None
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() < deadline:
+                for p, _ in self.procs:
+                    if p.poll() is not None:
+                        raise RuntimeError(f"a process exited during start; see {self.tmp}")
+                if url is None:
+                    m = re.search(r"^listening on (http://\S+)$", self.worker_log.read_text(errors="replace"), re.M)
+                    url = m.group(1) if m else None
+                if url is not None:
+                    try:
+                        async with http.get(url + "/readyz") as r:
+                            if (await r.json()).get("status") == "ready":
+                                return url
+                    except aiohttp.ClientError:
+                        pass
+                await asyncio.sleep(0.1)
+        raise RuntimeError(f"the worker was not ready within {timeout} s; see {self.tmp}")
+
+    def stop(self) -> None:
+        for p, log in reversed(self.procs):
+            p.terminate()
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+            log.close()
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.worker import _create_db, _drop_db
+    from shared.embedded import start_services
+
+    w = QUICK if args.quick else FULL
+    tmp = Path(tempfile.mkdtemp(prefix="kvl-bench-serving-"))
+    db_url, nats_url = args.database_url, args.nats_url
+    services = None
+    t_start = time.perf_counter()
+    if not (db_url and nats_url):
+        _log("starting embedded PostgreSQL and NATS ...")
+        services = await asyncio.to_thread(start_services, db_url, nats_url, str(tmp / "services"))
+        db_url, nats_url = services.database_url, services.nats_url
+    bench_db, db_name = await _create_db(db_url)
+    cluster = Cluster(tmp, db_url, nats_url, args.pool_mb)
+    try:
+        cluster.start(bench_db)
+        url = await cluster.wait_ready()
+        _log(f"worker ready at {url} after {time.perf_counter() - t_start:.1f} s")
+        await run_level(url, Workload(32, 16, 16, 1, 2, 1), 1, True, seed=0)     # warm-up (first-call costs)
+        result: dict[str, Any] = {"bench": "serving", "mode": "quick" if args.quick else "full",
+                                  "workload": {**w.__dict__, "levels": list(args.levels)}}
+        identical = True
+        wall = {"on": 0.0, "off": 0.0}
+        cpu = {"on": 0.0, "off": 0.0}
+        for c in args.levels:
+            level: dict[str, Any] = {}
+            runs = {}
+            for mode in ("on", "off"):
+                r = await run_level(url, w, c, mode == "on", seed=1000 + c, worker_pid=cluster.worker.pid)
+                if r.errors:
+                    raise RuntimeError(f"c={c} reuse {mode}: {len(r.errors)} failed requests, e.g. {r.errors[0]}")
+                runs[mode] = r
+                level[mode] = r.summary()
+                wall[mode] += r.wall_s
+                cpu[mode] += r.worker_cpu_s
+                _log(f"c={c:<2} reuse {mode:>3}: {level[mode]}")
+            identical &= runs["on"].replies == runs["off"].replies
+            on, off = level["on"], level["off"]
+            level["throughput_ratio"] = round(on["throughput_tok_s"] / off["throughput_tok_s"], 3)
+            level["ttft_p50_speedup"] = round(off["ttft_p50_ms"] / on["ttft_p50_ms"], 3)
+            level["ttft_p99_speedup"] = round(off["ttft_p99_ms"] / on["ttft_p99_ms"], 3)
+            if on["worker_cpu_s"] and off["worker_cpu_s"]:
+                # the same ratio from the worker's CPU time: less sensitive to other load on the machine
+                level["cpu_throughput_ratio"] = round(off["worker_cpu_s"] / on["worker_cpu_s"], 3)
+            result[f"c{c}"] = level
+            for mode in ("on", "off"):
+                for k in ("ttft_p50_ms", "ttft_p99_ms", "throughput_tok_s"):
+                    result[f"c{c}_{k}_{mode}"] = level[mode][k]
+            result[f"c{c}_throughput_ratio"] = level["throughput_ratio"]
+        result["throughput_ratio_reuse_on_vs_off"] = round(wall["off"] / wall["on"], 3)
+        result["cpu_throughput_ratio_reuse_on_vs_off"] = round(cpu["off"] / cpu["on"], 3) if cpu["on"] else None
+        result["load_average_1m"] = round(os.getloadavg()[0], 2)
+        result["outputs_identical"] = bool(identical)
+        result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+        return result
+    finally:
+        cluster.stop()
+        try:
+            await _drop_db(db_url, db_name)
+        except Exception as e:  # noqa: BLE001 - best effort
+            _log(f"could not drop {db_name}: {e}")
+        if services is not None:
+            await asyncio.to_thread(services.stop)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 turns, short prompts; within 60 s")
+    ap.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels (default 1,8,32)")
+    ap.add_argument("--pool-mb", type=int, default=64, help="worker.pool_bytes in MiB (default 64)")
+    ap.add_argument("--database-url", default=os.environ.get("KVL_DATABASE_URL", ""))
+    ap.add_argument("--nats-url", default=os.environ.get("KVL_NATS_URL", ""))
+    args = ap.parse_args(argv)
+    args.levels = tuple(int(x) for x in args.levels.split(","))
+    result = asyncio.run(run(args))
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
