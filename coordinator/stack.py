@@ -80,26 +80,38 @@ class StackOptions:
 # --- the terminal ------------------------------------------------------------------------------
 
 class Console:
-    """Thread-safe printing: the supervisor's own lines and the children's, prefixed."""
+    """Thread-safe printing: the supervisor's own lines and the children's, prefixed.
 
-    def __init__(self, stream: IO[str] | None = None) -> None:
+    If the output goes away (``kvledger up | head``), further output is discarded and
+    ``on_gone`` is called once: the stack stops, as it would on SIGHUP.
+    """
+
+    def __init__(self, stream: IO[str] | None = None, on_gone: Callable[[], None] | None = None) -> None:
         from rich.console import Console as RichConsole
+
+        console = self
+
+        class _Rich(RichConsole):
+            def on_broken_pipe(self) -> None:  # rich's default raises SystemExit, in whichever thread printed
+                self.quiet = True
+                if console.on_gone is not None:
+                    console.on_gone()
 
         stream = stream or sys.stdout
         # Not a terminal (a pipe, a file, `make up | tee`): wide enough that no URL is cut.
         width = None if stream.isatty() else 200
-        self._rich = RichConsole(file=stream, highlight=False, markup=False, soft_wrap=True, emoji=False,
-                                 width=width)
+        self._rich = _Rich(file=stream, highlight=False, markup=False, soft_wrap=True, emoji=False, width=width)
         self._lock = threading.Lock()
         self.width = 12
+        self.on_gone = on_gone
 
     def say(self, message: str, style: str = "bold") -> None:
-        with self._lock:
-            self._rich.print(f"kvledger up: {message}", style=style)
+        self.print(f"kvledger up: {message}", style=style)
 
-    def print(self, renderable: Any) -> None:
-        with self._lock:
-            self._rich.print(renderable)
+    def print(self, renderable: Any, style: str | None = None) -> None:
+        # NOTE: a closed terminal must never stop the supervisor from stopping its children.
+        with self._lock, contextlib.suppress(OSError, ValueError):
+            self._rich.print(renderable, style=style)
 
     def child_line(self, name: str, colour: str, line: str) -> None:
         from rich.text import Text
@@ -109,7 +121,7 @@ class Console:
         level, body = render_log_line(line)
         text.append(body, style=_LEVEL_STYLE.get(level, ""))
         with self._lock:
-            self._rich.print(text)
+            self._rich.print(text)  # errors reach Child._pump, which stops echoing
 
 
 def render_log_line(line: str) -> tuple[str, str]:
@@ -194,7 +206,10 @@ class Child:
                     self.url = line.split()[-1].strip()
                     self.url_seen.set()
                 if self.echo:
-                    self.console.child_line(self.name, self.colour, line)
+                    try:
+                        self.console.child_line(self.name, self.colour, line)
+                    except (OSError, ValueError):  # the terminal went away (`kvledger up | head`)
+                        self.echo = False  # keep draining the pipe, or the child blocks on a full one
 
     @property
     def pid(self) -> int:
@@ -272,6 +287,7 @@ class Stack:
     python: str = sys.executable
 
     def __post_init__(self) -> None:
+        self.console.on_gone = self.console.on_gone or (lambda: self.request_stop(signal.SIGPIPE))
         # NOTE: absolute, because the embedded PostgreSQL resolves a relative socket directory
         # against its data directory (a relative state_dir such as the default .kvl-state fails).
         self.state_dir = Path(self.cfg.state_dir).resolve()
@@ -442,7 +458,8 @@ class Stack:
             if port:
                 w.url = f"http://{self.cfg.worker.host}:{port}"
             self.workers.append(w)
-        self.console.say(f"{len(self.workers)} worker(s) starting (model load takes a few seconds)")
+        if self.workers:
+            self.console.say(f"{len(self.workers)} worker(s) starting (model load takes a few seconds)")
         deadline = time.monotonic() + self.opts.start_timeout_s
         for w in self.workers:
             self._wait_worker(w, deadline)
@@ -451,6 +468,8 @@ class Stack:
         last: Any = None
         while time.monotonic() < deadline:
             self._died_while_starting(w)
+            if self.coordinator is not None:
+                self._died_while_starting(self.coordinator)
             if w.url is None:
                 self._sleep(0.2)
                 continue
