@@ -184,7 +184,6 @@ class Child:
         self.popen: subprocess.Popen[str] | None = None
         self._reader: threading.Thread | None = None
         self._tail: list[str] = []
-        self.expected_exit = False
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -233,17 +232,20 @@ class Child:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, sig)  # start_new_session: its pgid is its pid
 
-    def stop(self, timeout_s: float) -> int | None:
-        """SIGTERM to the group, wait, then SIGKILL the group. Returns the exit code."""
+    def stop(self, timeout_s: float, hurry: threading.Event | None = None) -> int | None:
+        """SIGTERM to the group, wait (until ``timeout_s`` or ``hurry``), then SIGKILL the group.
+        Returns the exit code."""
         if self.popen is None:
             return None
-        self.expected_exit = True
         if self.popen.poll() is None:
             self.signal_group(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.console.say(f"{self.name} did not stop within {timeout_s:.0f}s; killing it", style="yellow")
+            deadline = time.monotonic() + timeout_s
+            while self.popen.poll() is None and time.monotonic() < deadline and not (hurry and hurry.is_set()):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.popen.wait(0.1)
+            if self.popen.poll() is None:
+                why = "second signal" if hurry and hurry.is_set() else f"did not stop within {timeout_s:.0f}s"
+                self.console.say(f"{self.name}: {why}; killing it", style="yellow")
         # NOTE: the group may hold processes the child started; they go too, whatever the child did.
         self.signal_group(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -564,13 +566,13 @@ class Stack:
             self.console.say("stopping")
         grace = 0.0 if self._hurry.is_set() else self.opts.stop_timeout_s
         # Workers together (each releases its leases and drains its outbox), then the coordinator.
-        threads = [threading.Thread(target=w.stop, args=(grace,)) for w in reversed(self.workers)]
+        threads = [threading.Thread(target=w.stop, args=(grace, self._hurry)) for w in reversed(self.workers)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         if self.coordinator is not None:
-            self.coordinator.stop(grace)
+            self.coordinator.stop(grace, self._hurry)
         for c in started:
             self.console.say(f"{c.name} stopped (exit code {c.returncode})", style="dim")
         if self.services is not None:
