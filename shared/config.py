@@ -56,8 +56,10 @@ class CacheConfig(_Section):
     host_tier_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * 2**20
     hit_validation: HitValidation = msgspec.field(default_factory=HitValidation)
     on_invalid: Literal["refill", "error"] = "refill"
-    #: Prefill chunk length in blocks (the exactness rule keeps chunks block-aligned).
-    chunk_blocks: PosInt = 4
+    #: Prefill unit in blocks. A resume must start on this grid to compute exactly what a
+    #: cold run computes, so 1 makes every block boundary reusable (the smallest reuse is one
+    #: block); larger units prefill faster but reuse only at multiples of the unit.
+    chunk_blocks: PosInt = 1
 
 
 class ServiceConfig(_Section):
