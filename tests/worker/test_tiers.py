@@ -96,11 +96,11 @@ def test_missing_and_unusable_directory(tmp_path) -> None:
     t = Tiers(host_bytes=0, disk_root=tmp_path / "nope", retry_s=60)
     m = _meta(0, _data(0))
     assert t.disk_read(m).unavailable
-    ro = tmp_path / "ro"
-    ro.mkdir(mode=0o500)
-    t = Tiers(host_bytes=0, disk_root=ro / "sub", retry_s=60)
-    if os.geteuid() == 0:
-        pytest.skip("root writes anywhere")
+    # A root under a regular file cannot be created by anyone (root included, unlike a 0500
+    # directory), which is what an unusable offload directory looks like to the writer.
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("x")
+    t = Tiers(host_bytes=0, disk_root=blocker / "sub", retry_s=60)
     with pytest.raises(of.OffloadUnavailable):
         t.disk_write(m, _data(0))
 
