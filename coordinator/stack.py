@@ -23,8 +23,12 @@ Theory of operation — a small process supervisor, threads and ``subprocess``, 
 7. **Shutdown** on SIGINT/SIGTERM (a second signal hurries: SIGKILL at once): workers, then
    the coordinator, each by SIGTERM to its process group with a grace period, then SIGKILL;
    then NATS and PostgreSQL. Finally every process this supervisor started, and anything
-   still in their process groups or below this process, is looked for; any survivor is
-   killed and reported (exit 1).
+   still in their process groups or below them, is looked for; any survivor is killed and
+   reported (exit 1).
+8. **A supervisor that was killed** (SIGKILL, OOM) cannot stop anything: the kernel sends
+   SIGTERM to the coordinator and workers (parent-death signal), and the next ``kvledger up``
+   with the same state_dir finds the ``stack.json`` it left and stops what is still running
+   there (the embedded servers above all), or refuses if that supervisor is in fact alive.
 """
 
 from __future__ import annotations
@@ -302,6 +306,7 @@ class Stack:
         self._hurry = threading.Event()
         self._signals = 0
         self._pids: set[int] = set()
+        self._wrote_state = False
 
     # --- signals ---------------------------------------------------------------------------
 
@@ -355,6 +360,7 @@ class Stack:
 
     def start(self) -> None:
         cfg = self.cfg
+        self.clean_stale()
         host = cfg.coordinator.host
         cport = cfg.coordinator.port if self.opts.coordinator_port is None else self.opts.coordinator_port
         if cport == 0:
@@ -372,6 +378,7 @@ class Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
         self._start_services()
+        self.write_state_file(ready=False)  # from here on a killed supervisor's leftovers can be found
         self._check_stop()
         self._migrate()
         self._check_stop()
@@ -438,6 +445,7 @@ class Stack:
         argv = [self.python, "-m", "coordinator", "--host", host, "--port", str(port)]
         self.coordinator = self._spawn("coordinator", argv, self._child_env(), _COLOURS[0])
         self.coordinator_url = f"http://{host}:{port}"
+        self.write_state_file(ready=False)
         self.console.say(f"coordinator starting (pid {self.coordinator.pid}), waiting for {self.coordinator_url}/readyz")
         deadline = time.monotonic() + self.opts.start_timeout_s
         last: Any = None
@@ -460,6 +468,7 @@ class Stack:
             if port:
                 w.url = f"http://{self.cfg.worker.host}:{port}"
             self.workers.append(w)
+        self.write_state_file(ready=False)
         if self.workers:
             self.console.say(f"{len(self.workers)} worker(s) starting (model load takes a few seconds)")
         deadline = time.monotonic() + self.opts.start_timeout_s
@@ -550,18 +559,67 @@ class Stack:
         lines.append(f"  state and logs: {self.state_dir}/ (stack.json lists the addresses)")
         return "try:\n" + "\n".join(lines)
 
-    def write_state_file(self) -> None:
-        doc = {"supervisor_pid": os.getpid(), "coordinator_url": self.coordinator_url,
-               "worker_urls": [w.url for w in self.workers],
+    def write_state_file(self, ready: bool = True) -> None:
+        """``<state_dir>/stack.json``: what runs where (for scripts), and what to clean up if this
+        supervisor is killed before it can stop its children (see :meth:`clean_stale`)."""
+        doc = {"supervisor_pid": os.getpid(), "ready": ready, "state_dir": str(self.state_dir),
+               "coordinator_url": self.coordinator_url, "worker_urls": [w.url for w in self.workers],
                "services": [{**r, "url": _redact_url(r["url"] or "")} for r in self.rows()]}
         path = self.state_dir / "stack.json"
-        path.write_text(json.dumps(doc, indent=2) + "\n")
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        tmp.replace(path)
+        self._wrote_state = True
+
+    def clean_stale(self) -> None:
+        """A ``stack.json`` left by a ``kvledger up`` that was killed (SIGKILL, OOM): stop what it
+        started that still runs, so that the ports and the data directories are free again.
+        If that supervisor is still alive, refuse: two stacks must not share a state_dir."""
+        import psutil
+
+        path = self.state_dir / "stack.json"
+        try:
+            doc = json.loads(path.read_text())
+            written = path.stat().st_mtime
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError):
+            path.unlink(missing_ok=True)
+            return
+        sup = doc.get("supervisor_pid")
+        if isinstance(sup, int) and sup != os.getpid() and _is_supervisor(sup):
+            raise StackError(f"another `kvledger up` (pid {sup}) runs with state_dir {self.state_dir}; "
+                             f"stop it first (Ctrl-C there, or kill {sup})")
+        leftovers: list[psutil.Process] = []
+        for svc in doc.get("services", []):
+            pid = svc.get("pid")
+            if not isinstance(pid, int):
+                continue
+            try:
+                p = psutil.Process(pid)
+                # a pid reused since is not ours: ours started before the file was last written
+                if p.create_time() <= written + 1 and _looks_like(p, svc.get("name", ""), self.state_dir):
+                    leftovers.append(p)
+            except psutil.Error:
+                continue
+        if leftovers:
+            names = ", ".join(f"{p.pid}" for p in leftovers)
+            self.console.say(f"a previous `kvledger up` (pid {sup}) was killed and left processes running "
+                             f"({names}); stopping them", style="yellow")
+            for p in leftovers:
+                _signal_leader(p, signal.SIGTERM)
+            _, alive = psutil.wait_procs(leftovers, timeout=15)
+            for p in alive:
+                _signal_leader(p, signal.SIGKILL)
+            psutil.wait_procs(alive, timeout=5)
+        path.unlink(missing_ok=True)
 
     # --- stop --------------------------------------------------------------------------------
 
     def shutdown(self) -> list[str]:
         """Stop everything started, in reverse order; return descriptions of survivors (killed)."""
         started = [c for c in (*reversed(self.workers), self.coordinator) if c is not None]
+        below = descendants(self._pids)
         if started or self.services is not None:
             self.console.say("stopping")
         grace = 0.0 if self._hurry.is_set() else self.opts.stop_timeout_s
@@ -580,9 +638,9 @@ class Stack:
                 self.services.stop()
             except Exception as e:  # noqa: BLE001 - go on to the check below
                 self.console.say(f"stopping embedded services: {e}", style="yellow")
-        with contextlib.suppress(FileNotFoundError):
-            (self.state_dir / "stack.json").unlink()
-        left = survivors(self._pids)
+        if self._wrote_state:  # never another stack's file
+            (self.state_dir / "stack.json").unlink(missing_ok=True)
+        left = survivors(self._pids, below)
         if left:
             self.console.say("still running after stop (now killed): " + "; ".join(left), style="bold red")
         elif started or self.services is not None:
@@ -590,16 +648,57 @@ class Stack:
         return left
 
 
-def survivors(pids: set[int]) -> list[str]:
-    """Processes started here (``pids``), in their process groups, or below this process, that
-    still run: each is SIGKILLed and described. Empty = nothing left behind."""
+def _signal_leader(p: Any, sig: int) -> None:
+    """``sig`` to ``p``'s process group when it leads one (as everything the stack starts does)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+        if os.getpgid(p.pid) == p.pid:
+            os.killpg(p.pid, sig)
+        else:
+            os.kill(p.pid, sig)
+
+
+def _is_supervisor(pid: int) -> bool:
     import psutil
 
-    me = psutil.Process()
+    try:
+        cmd = " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
+    return " up" in cmd and ("kvledger" in cmd or "coordinator.cli" in cmd)
+
+
+def _looks_like(p: Any, name: str, state_dir: Path) -> bool:
+    """Whether ``p`` is the ``name`` service a stack with ``state_dir`` started."""
+    cmd = " ".join(p.cmdline())
+    if name in ("postgres", "nats"):
+        return str(state_dir) in cmd
+    if name == "coordinator":
+        return "-m coordinator" in cmd
+    return "-m worker" in cmd
+
+
+def descendants(pids: set[int]) -> list[Any]:
+    """Every process below ``pids`` right now (taken before the stop: orphans lose their parent)."""
+    import psutil
+
+    out = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            out += psutil.Process(pid).children(recursive=True)
+    return out
+
+
+def survivors(pids: set[int], below: list[Any] | None = None) -> list[str]:
+    """Processes started here (``pids``), in their process groups, or among ``below`` (taken
+    with :func:`descendants` before the stop) that still run: each is SIGKILLed and described.
+    Empty = nothing left behind."""
+    import psutil
+
     suspects: dict[int, psutil.Process] = {}
-    with contextlib.suppress(psutil.Error):
-        for p in me.children(recursive=True):
-            suspects[p.pid] = p
+    for p in below or []:
+        with contextlib.suppress(psutil.Error):
+            if p.is_running():  # also checks that the pid was not reused since
+                suspects[p.pid] = p
     for p in psutil.process_iter(["pid"]):
         with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
             if p.pid in pids or os.getpgid(p.pid) in pids:

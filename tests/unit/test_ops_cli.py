@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -194,3 +197,45 @@ def test_a_busy_port_is_refused_before_anything_starts(tmp_path: Path, capsys: p
     out = capsys.readouterr().out
     assert f"port {busy} on 127.0.0.1 is in use" in out and "--coordinator-port" in out
     assert not (tmp_path / "state").exists()  # no embedded service was started
+
+
+def _sleeper(*tail: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *tail], start_new_session=True)
+
+
+def test_leftovers_of_a_killed_supervisor_are_stopped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvledger up` killed with SIGKILL leaves stack.json behind; the next one stops what it lists
+    (only processes that look like the named service and are older than the file)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    worker = _sleeper("-m", "worker")
+    unrelated = _sleeper("-m", "something-else")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        time.sleep(0.05)
+        (state / "stack.json").write_text(json.dumps({"supervisor_pid": dead.pid, "services": [
+            {"name": "worker-0", "pid": worker.pid}, {"name": "worker-1", "pid": unrelated.pid}]}))
+        stack = Stack(parse_config({"state_dir": str(state)}), StackOptions(), console=Console())
+        stack.clean_stale()
+        worker.wait(20)  # stopped (reaped by the supervisor's wait, so its return code is lost here)
+        assert unrelated.poll() is None  # not what stack.json said it was: left alone
+        assert not (state / "stack.json").exists()
+        assert "was killed and left processes running" in capsys.readouterr().out
+    finally:
+        for p in (worker, unrelated):
+            p.kill()
+            p.wait()
+
+
+def test_a_running_supervisor_keeps_its_state_dir(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    other = _sleeper("kvledger", "up")
+    try:
+        (state / "stack.json").write_text(json.dumps({"supervisor_pid": other.pid, "services": []}))
+        code = Stack(parse_config({"state_dir": str(state)}), StackOptions(), console=Console()).run()
+        assert code == 2 and other.poll() is None and (state / "stack.json").exists()
+    finally:
+        other.kill()
+        other.wait()
