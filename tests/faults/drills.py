@@ -1,0 +1,514 @@
+"""The fault drills: each injects one fault into the running stack while conversations run.
+
+Every drill has the same shape. Its ``tenant`` is its own: it labels the drill's requests in
+the history, and the drill starts from a cold cache and builds reuse turn by turn. Start the
+load, let some requests through, inject the fault, heal it the way an operator or a
+supervisor would, measure the recovery — seconds from the injection until a worker answers a
+request *with reuse* again (and, where a process restarted, until it was ready) — let the
+load run a while longer, stop it, and check the drill's requests:
+no answer differs from its cold reference, no conversation gave up, and every failed request
+failed with an error of a kind this fault explains. Evidence that the fault really hit the
+path it aims at (new epochs, failed disk writes, refused capacity, 429s) is recorded, and
+asserted where the stack must show it.
+
+The history over all drills is checked at the end (:func:`final_check`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.faults import checker
+from tests.faults.harness import Observer, Stack, WorkerSpec, damage, make_read_only, make_writable, offload_files
+from tests.faults.workload import (
+    Conversation, History, Load, Reference, Script, ask, probe_prompt, probe_reuse, rand_tokens,
+)
+
+#: Drills in the order the suite runs them (also the tenants that get API keys).
+DRILLS = ("coordinator-kill", "worker-kill", "nats-kill", "postgres-outage", "offload-readonly",
+          "offload-damage", "pool-exhausted", "spike")
+#: Failures a drill's fault explains; anything else fails the drill.
+KILLED_WORKER = {"connection refused", "connection reset", "killed mid-request", "nats no responders"}
+NATS_DOWN = {"killed mid-request", "nats no responders", "nats disconnected", "nats timeout"}
+QUEUE = {"http 429 queue_full", "http 504 queue_timeout"}
+#: Fresh 6-block prompts per worker that push older blocks out of wa's and wb's pools.
+CHURN = 2
+#: How long a worker leaves the disk tier alone after a failed write (worker.cache.tiers.Tiers).
+OFFLOAD_RETRY_S = 5.0
+
+
+#: wa, wb: pools small enough (20 compressed+indexer, 17 tail, 14 window slots) that the drills'
+#: tenants push each other's blocks out, so every form is evicted and offloaded to disk.
+SMALL_POOLS = {"compressed_pool_limit": 0.1, "tail_pool_limit": 0.15, "swa_pool_limit": 0.5,
+               "offload_pool_limit": 0.0}
+
+
+#: service.max_concurrency and queue_size of every worker.
+MAX_CONCURRENCY = 2
+QUEUE_SIZE = 4
+
+
+def worker_specs() -> list[WorkerSpec]:
+    """wa, wb: ordinary workers. wp: one form's pool (``tail``, 2 slots) far too small for its load."""
+    service = {"max_concurrency": MAX_CONCURRENCY, "queue_size": QUEUE_SIZE}
+    return [WorkerSpec("wa", cache=SMALL_POOLS, worker={"pool_bytes": 2**20}, service=service),
+            WorkerSpec("wb", cache=SMALL_POOLS, worker={"pool_bytes": 2**20}, service=service),
+            WorkerSpec("wp", cache={"tail_pool_limit": 0.005}, service=service)]
+
+
+def conversations(n: int) -> list[Conversation]:
+    """``n`` conversations over wa and wb, both channels, one hopping between the workers."""
+    base = [Conversation(0, "http", ("wa", "wb")), Conversation(1, "debug", ("wa", "wb")),
+            Conversation(2, "http", ("wb", "wa")), Conversation(3, "debug", ("wb", "wa")),
+            Conversation(4, "debug", ("wa", "wb"), hop=True), Conversation(5, "debug", ("wp", "wa"))]
+    out = base[:n]
+    for cid in range(len(base), n):
+        out.append(Conversation(cid, "http" if cid % 2 else "debug", ("wa", "wb") if cid % 3 else ("wb", "wa")))
+    return out
+
+
+#: The pool drill's conversations (all on wp).
+POOL_CONVERSATIONS = [100, 101, 102]
+
+
+def churn_prompts() -> list[list[int]]:
+    return [rand_tokens(96, "churn", i) for i in range(CHURN)]
+
+
+def spike_prompts(settings: Settings) -> list[list[int]]:
+    """5 × max_concurrency prompts sharing a 3-block stem (so the spike also reuses)."""
+    stem = rand_tokens(48, "spike")
+    return [stem + rand_tokens(6, "spike", i) for i in range(settings.spike_factor * MAX_CONCURRENCY)]
+
+
+@dataclass
+class Fault:
+    drill: str
+    injected: str
+    at: float                              # run seconds at injection
+    ready_s: float | None = None           # until the restarted part was ready
+    recovery_s: float | None = None        # until a request with reuse succeeded again
+    evidence: dict[str, Any] = field(default_factory=dict)
+    requests: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    mismatches: int = 0
+    not_exercised: str = ""                # the path the drill aims at was not reached (why)
+
+
+@dataclass
+class Settings:
+    conversations: int = 4
+    turns: int = 3
+    coordinator_down_s: float = 1.0
+    nats_down_s: float = 1.5
+    postgres_down_s: float = 4.0
+    spike_factor: int = 5
+    #: Requests a drill lets through before injecting its fault, and after recovering.
+    before: int = 3
+    after: int = 2
+
+
+class Run:
+    """One stack, one history, the drills run on it in turn."""
+
+    def __init__(self, root: Path, settings: Settings, tenants: list[str]) -> None:
+        self.root = root
+        self.settings = settings
+        self.stack = Stack(root, worker_specs(), tenants)
+        self.reference = Reference()
+        self.script = Script(self.reference, turns=settings.turns)
+        self.history = History()
+        self.observer = Observer(self.stack.nats.url, self.stack.subjects)
+        self.faults: list[Fault] = []
+        #: (drill, error) of drills that failed (the soak goes on after a failure and reports it).
+        self.failures: list[tuple[str, str]] = []
+        self.loads: list[Load] = []
+        self.probes: list[asyncio.Future[list[float]]] = []
+        self._runs: Counter[str] = Counter()
+        self.started_s = 0.0
+        self.report: checker.Report | None = None
+        self.audit: dict[str, Any] | None = None
+
+    async def _warm(self) -> None:
+        """Every reference the drills need, computed while the stack starts."""
+        await self.script.warm([c.cid for c in conversations(self.settings.conversations)] + POOL_CONVERSATIONS)
+        for prompt, n in [*((p, 1) for p in churn_prompts()), *((p, 2) for p in spike_prompts(self.settings)),
+                          *((probe_prompt(w), 2) for w in self.stack.specs)]:
+            await self.reference.get(prompt, n)
+
+    async def start(self) -> None:
+        t0 = time.monotonic()
+        warm = asyncio.get_running_loop().create_task(self._warm())
+        try:
+            await self.stack.start()
+            await self.observer.start()
+            await warm
+        except BaseException:
+            warm.cancel()
+            raise
+        self.started_s = time.monotonic() - t0
+
+    async def stop(self) -> None:
+        await self.abandon()
+        await self.observer.stop()
+        await self.stack.stop()
+        await self.reference.stop()
+
+    def load(self, drill: str, tenant: str, convs: list[Conversation] | None = None) -> Load:
+        load = Load(self.stack, self.script, self.history, drill, tenant,
+                    convs or conversations(self.settings.conversations))
+        self.loads.append(load)
+        return load
+
+    def probe(self, drill: str, tenant: str, since: float, *workers: str) -> asyncio.Future[list[float]]:
+        """Start probing ``workers`` for reuse now; the future gives each one's recovery seconds."""
+        fut = asyncio.gather(*[probe_reuse(self.stack, self.script, self.history, drill, w, tenant, since)
+                               for w in workers])
+        self.probes.append(fut)
+        return fut
+
+    async def abandon(self) -> None:
+        """After a failed drill: cancel the load and probes it left running."""
+        for fut in self.probes:
+            fut.cancel()
+        for load in self.loads:
+            await load.cancel()
+        await asyncio.gather(*self.probes, return_exceptions=True)
+        make_writable(self.stack.offload_dir)
+
+    async def churn_until(self, drill: str, tenant: str, measure: Any, above: float, rounds: int = 6) -> float:
+        """Churn with fresh tenants (``tenant-0``, ``-1``, …) until ``await measure()`` exceeds ``above``."""
+        value = await measure()
+        for k in range(rounds):
+            if value > above:
+                break
+            await self.churn(drill, f"{tenant}-{k}", "wa", "wb")
+            value = await _until(measure, above=above, timeout_s=3)
+        return value
+
+    async def churn(self, drill: str, tenant: str, *workers: str) -> None:
+        """Fresh blocks on each worker (CHURN prompts): older ones leave the small pools, to disk."""
+        for wid in workers:
+            for i, prompt in enumerate(churn_prompts()):
+                want = await self.reference.get(prompt, 1)
+                reply = await ask(self.stack, "debug", wid, prompt, 1, tenant)
+                self.history.add(drill, -3, i, prompt, reply, want)
+
+    async def epochs(self) -> dict[str, int]:
+        body = await self.stack.admin_get("/v1/workers")
+        return {w["worker_id"]: w["epoch"] for w in body["workers"] if w["alive"]}
+
+    def count(self, drill: Any) -> int:
+        """How many times ``drill`` ran before (drills that alternate their fault use it)."""
+        n = self._runs[drill.__name__]
+        self._runs[drill.__name__] += 1
+        return n
+
+    def close(self, fault: Fault, allowed: set[str], load: Load, only_on: set[str] | None = None) -> Fault:
+        """Fill in the drill's numbers and check its requests (errors in ``allowed``, on ``only_on``)."""
+        recs = self.history.of(fault.drill)
+        fault.requests = len(recs)
+        fault.errors = dict(self.history.errors(fault.drill))
+        fault.mismatches = len(self.history.mismatches(fault.drill))
+        self.faults.append(fault)
+        assert not fault.mismatches, (f"{fault.drill}: {fault.mismatches} answers differ from the cold run:\n"
+                                      f"{self.history.describe_mismatches(fault.drill)}")
+        assert not load.gave_up, f"{fault.drill}: turns never answered (conversation, turn): {load.gave_up}"
+        unexplained = dict(Counter(r.error for r in recs if not r.ok and (
+            r.error not in allowed or (only_on is not None and r.worker not in only_on))))
+        assert not unexplained, (f"{fault.drill}: requests failed with errors this fault does not explain: "
+                                 f"{unexplained}; e.g. "
+                                 f"{[(r.worker, r.error, r.detail) for r in recs if r.error in unexplained][:3]}\n"
+                                 f"{self.stack.log_tails()}")
+        return fault
+
+
+# --- the drills -----------------------------------------------------------------------------------
+
+async def coordinator_kill(run: Run, tenant: str) -> Fault:
+    """kill -9 the coordinator under load; restart it after a moment; it replays the log."""
+    drill = tenant
+    load = run.load(drill, tenant).start()
+    await load.wait_done(run.settings.before)
+    before = await run.epochs()
+    f = Fault(drill, f"coordinator kill -9, restarted after {run.settings.coordinator_down_s}s", run.history.now())
+    t0 = time.monotonic()
+    run.stack.kill_coordinator()
+    probe = run.probe(drill, tenant, t0, "wa", "wb")
+    await asyncio.sleep(run.settings.coordinator_down_s)
+    run.stack.start_coordinator()
+    await run.stack.wait_coordinator()
+    f.ready_s = time.monotonic() - t0
+    await asyncio.gather(*[run.stack.wait_worker(w) for w in run.stack.specs])
+    f.evidence["workers_ready_s"] = round(time.monotonic() - t0, 2)
+    f.recovery_s = max(await probe)
+    await load.wait_done(run.settings.after)
+    await load.stop()
+    after = await run.epochs()
+    ready = await run.stack.admin_get("/readyz")
+    f.evidence.update({"epochs": {w: f"{before.get(w)}→{after.get(w)}" for w in sorted(after)},
+                       "replayed_events": (ready.get("last_replay") or {}).get("events")})
+    return run.close(f, set(), load)
+
+
+async def worker_kill(run: Run, tenant: str) -> Fault:
+    """kill -9 a worker with requests in flight (wb, then wa, in turn); restart it; its old epoch is fenced."""
+    drill = tenant
+    victim = ("wb", "wa")[run.count(worker_kill) % 2]
+    load = run.load(drill, tenant).start()
+    await load.wait_done(run.settings.before)
+    old = (await run.epochs())[victim]
+    f = Fault(drill, f"worker {victim} kill -9 under load, restarted at once", run.history.now())
+    t0 = time.monotonic()
+    run.stack.kill_worker(victim)
+    run.stack.start_worker(victim)
+    probe = run.probe(drill, tenant, t0, victim)
+    await run.stack.wait_worker(victim, epoch_above=old)
+    f.ready_s = time.monotonic() - t0
+    f.recovery_s = max(await probe)
+    await load.wait_done(run.settings.after)
+    await load.stop()
+    new = (await run.epochs())[victim]
+    assert new > old, f"{victim} came back with epoch {new}, not above {old}"
+    f.evidence = {f"{victim}_epoch": f"{old}→{new}"}
+    return run.close(f, KILLED_WORKER, load, only_on={victim})
+
+
+async def nats_kill(run: Run, tenant: str) -> Fault:
+    """kill -9 nats-server (JetStream loses what it had not synced); restart it on the same port."""
+    drill = tenant
+    load = run.load(drill, tenant).start()
+    await load.wait_done(run.settings.before)
+    before = await run.epochs()
+    f = Fault(drill, f"nats-server kill -9, restarted after {run.settings.nats_down_s}s", run.history.now())
+    t0 = time.monotonic()
+    await run.stack.kill_nats()
+    probe = run.probe(drill, tenant, t0, "wa", "wb")
+    await asyncio.sleep(run.settings.nats_down_s)
+    await run.stack.start_nats()
+    for w in run.stack.specs:
+        await run.stack.wait_worker(w)
+    f.ready_s = time.monotonic() - t0
+    f.recovery_s = max(await probe)
+    await load.wait_done(run.settings.after)
+    await load.stop()
+    after = await run.epochs()
+    f.evidence = {"epochs": {w: f"{before.get(w)}→{after.get(w)}" for w in sorted(after)},
+                  "observer_disconnects": run.observer.disconnects}
+    return run.close(f, NATS_DOWN, load)
+
+
+async def postgres_outage(run: Run, tenant: str) -> Fault:
+    """PostgreSQL down a while (requests must still be answered), then started again: killed -9
+    (crash recovery) the first time, a clean fast shutdown the next, in turn."""
+    drill = tenant
+    crash = run.count(postgres_outage) % 2 == 0
+    load = run.load(drill, tenant).start()
+    await load.wait_done(run.settings.before)
+    how = "kill -9 (crash recovery on start)" if crash else "fast shutdown"
+    f = Fault(drill, f"PostgreSQL {how}, down {run.settings.postgres_down_s}s, started again", run.history.now())
+    t0, down_at = time.monotonic(), run.history.now()
+    await (run.stack.kill_postgres() if crash else run.stack.stop_postgres())
+    probe = run.probe(drill, tenant, t0, "wa", "wb")
+    statuses: Counter[str] = Counter()
+
+    def answered() -> int:
+        return sum(1 for r in run.history.of(drill) if r.ok and r.at + r.seconds >= down_at)
+
+    # down for postgres_down_s, and (bounded) until requests were answered and readyz said so
+    while time.monotonic() - t0 < 30 and (time.monotonic() - t0 < run.settings.postgres_down_s
+                                          or not answered() or not statuses["not serving"]):
+        statuses["serving" if await run.stack.coordinator_ready() else "not serving"] += 1
+        await asyncio.sleep(0.25)
+    served_while_down = answered()
+    await run.stack.start_postgres()
+    await run.stack.wait_coordinator()
+    f.ready_s = time.monotonic() - t0
+    f.recovery_s = max(await probe)
+    await load.wait_done(run.settings.after)
+    await load.stop()
+    f.evidence = {"answered_while_down": served_while_down, "coordinator_readyz_while_down": dict(statuses)}
+    assert served_while_down > 0, "no request was answered while PostgreSQL was down (workers must recompute)"
+    assert statuses["not serving"] > 0, "the coordinator said it was serving with PostgreSQL down"
+    return run.close(f, set(), load)
+
+
+async def offload_readonly(run: Run, tenant: str) -> Fault:
+    """The shared offload directory made read-only (writes fail), then removed altogether."""
+    drill = tenant
+    stack = run.stack
+    load = run.load(drill, tenant).start()
+    await load.wait_done(run.settings.before)
+    root = stack.offload_dir
+    root.mkdir(exist_ok=True)
+    failures = "kvl_worker_offload_failures_total"
+    fails0 = await _sum_metric(stack, failures, tier="disk")
+    f = Fault(drill, "offload dir read-only (writes fail), then removed", run.history.now())
+    t0 = time.monotonic()
+    f.evidence["read_only"] = make_read_only(root)
+    probe = run.probe(drill, tenant, t0, "wa", "wb")
+    try:
+        # fresh blocks (fresh tenants: nothing cached) until a worker has tried to write to disk
+        fails = await run.churn_until(drill, f"{tenant}-ro", lambda: _sum_metric(stack, failures, tier="disk"),
+                                      fails0)
+    finally:
+        make_writable(root)
+    f.evidence["disk_write_failures"] = int(fails - fails0)
+    written0 = await _sum_metric(stack, "kvl_worker_offload_bytes_total", tier="disk")
+    shutil.rmtree(root, ignore_errors=True)
+    await load.wait_done(run.settings.before)
+    # after its back-off the tier is tried again and the writer recreates the directory
+    await asyncio.sleep(OFFLOAD_RETRY_S)
+    written = await run.churn_until(drill, f"{tenant}-rm",
+                                    lambda: _sum_metric(stack, "kvl_worker_offload_bytes_total", tier="disk"), written0)
+    f.recovery_s = max(await probe)
+    await load.stop()
+    f.evidence["files_after_removal"] = len(offload_files(root))
+    f.evidence["writes_resumed"] = written > written0
+    assert f.evidence["disk_write_failures"] > 0, f"no disk write failed while the directory was read-only: {f.evidence}"
+    assert f.evidence["writes_resumed"] and f.evidence["files_after_removal"], f"disk writes never resumed: {f.evidence}"
+    return run.close(f, set(), load)
+
+
+async def offload_damage(run: Run, tenant: str) -> Fault:
+    """Offload files corrupted (a flipped byte) and truncated; a reload must reject them and refill."""
+    drill = tenant
+    stack = run.stack
+    load = run.load(drill, tenant).start()
+    await load.wait_done(run.settings.before)
+    # the churn prompts on both workers, then other tenants' fresh blocks push them out to disk
+    await run.churn(drill, tenant, "wa", "wb")
+    for k in range(2):
+        await run.churn(drill, f"{tenant}-push{k}", "wa", "wb")
+    for w in ("wa", "wb"):
+        assert await stack.flush(w), f"{w}: spills and transitions not settled"
+    files = offload_files(stack.offload_dir)
+    in_ledger = {(r["block_hash"], r["form"]) for r in await stack.replicas(location="disk", state="READY")}
+
+    def key(p: Path) -> tuple[str, str]:
+        h, form, _ = p.name.split(".")
+        return h, form
+
+    f = Fault(drill, f"{len(files)} offload files damaged (flipped byte / truncated)", run.history.now())
+    t0 = time.monotonic()
+    kinds: Counter[str] = Counter()
+    for i, p in enumerate(files):
+        how = "corrupt" if i % 2 == 0 else "truncate"
+        with contextlib.suppress(FileNotFoundError):
+            damage(p, how)
+            kinds[how] += 1
+    probe = run.probe(drill, tenant, t0, "wa", "wb")
+    attempts0 = await _sum_metric(stack, "kvl_worker_reload_seconds_count", tier="disk")
+    rejected0 = await _sum_metric(stack, "kvl_worker_reload_failures_total", tier="disk")
+    # ask the churn prompts again: what a worker reuses of them now comes (partly) from disk
+    await run.churn(drill, tenant, "wa", "wb")
+    f.recovery_s = max(await probe)
+    await load.wait_done(run.settings.after)
+    await load.stop()
+    attempts = await _sum_metric(stack, "kvl_worker_reload_seconds_count", tier="disk") - attempts0
+    rejected = await _sum_metric(stack, "kvl_worker_reload_failures_total", tier="disk") - rejected0
+    invalid = [r for r in run.history.of(drill) if any(x.startswith("integrity") for x in r.invalid)]
+    f.evidence = {"damaged": dict(kinds), "damaged_and_ready_in_ledger": sum(key(p) in in_ledger for p in files),
+                  "disk_reloads": int(attempts), "reloads_rejected": int(rejected),
+                  "requests_with_integrity_failures": len(invalid)}
+    if not rejected:
+        f.not_exercised = ("no request reloaded a damaged file (no READY disk replica of a damaged file was "
+                           "offered: see the evidence)")
+    return run.close(f, set(), load)
+
+
+async def pool_exhausted(run: Run, tenant: str) -> Fault:
+    """Worker wp's ``tail`` pool (2 slots) under three concurrent conversations: capacity refused."""
+    drill = tenant
+    stack = run.stack
+    convs = [Conversation(cid, "http" if cid % 2 else "debug", ("wp",)) for cid in POOL_CONVERSATIONS]
+    refused0 = await stack.metric("wp", "kvl_worker_lease_errors_total", code="over_capacity")
+    fb0 = await stack.metric("wp", "kvl_worker_fallbacks_total")
+    f = Fault(drill, f"wp's tail pool (2 slots) exhausted by {len(convs)} concurrent conversations", run.history.now())
+    t0 = time.monotonic()
+    load = run.load(drill, tenant, convs).start()
+    await load.wait_done(len(convs) * run.script.turns)
+    pools = await stack.admin_get("/v1/pools")
+    await load.stop()
+    # reuse comes back once the pressure is gone (from the start of the pressure)
+    f.recovery_s = max(await run.probe(drill, tenant, t0, "wp"))
+    wp = next(p for p in pools["pools"] if p["worker_id"] == "wp")
+    refused = await stack.metric("wp", "kvl_worker_lease_errors_total", code="over_capacity") - refused0
+    fallbacks = await stack.metric("wp", "kvl_worker_fallbacks_total") - fb0
+    f.evidence = {"tail_pool": wp["forms"]["tail"], "over_capacity_refusals": int(refused),
+                  "fallbacks": int(fallbacks),
+                  "reused_requests": sum(1 for r in run.history.of(drill) if r.cached_tokens > 0)}
+    assert wp["forms"]["tail"]["limit"] <= 2
+    assert refused + fallbacks > 0, f"wp's tail pool never ran out: {f.evidence}"
+    return run.close(f, set(), load)
+
+
+async def spike(run: Run, tenant: str) -> Fault:
+    """5× service.max_concurrency requests at once on wa (2 running + 4 queued): the rest get a 429."""
+    drill = tenant
+    stack = run.stack
+    load = run.load(drill, tenant).start()
+    await load.wait_done(run.settings.before)
+    limit = MAX_CONCURRENCY
+    prompts = spike_prompts(run.settings)
+    n = len(prompts)
+    wants = await asyncio.gather(*[run.reference.get(p, 2) for p in prompts])
+    f = Fault(drill, f"{n} simultaneous requests on wa (max_concurrency {limit}, queue {QUEUE_SIZE})",
+              run.history.now())
+    t0 = time.monotonic()
+    burst = asyncio.gather(*[stack.http_generate("wa", p, 2, tenant) for p in prompts])
+    probe = run.probe(drill, tenant, t0, "wa")
+    replies = await burst
+    for i, (p, r, w) in enumerate(zip(prompts, replies, wants)):
+        run.history.add(drill, -2, i, p, r, w)
+    f.recovery_s = max(await probe)
+    await load.wait_done(run.settings.after)
+    await load.stop()
+    outcome = Counter(r.error or "ok" for r in replies)
+    f.evidence = {"spike": dict(outcome), "spike_seconds": round(max(r.seconds for r in replies), 2),
+                  "reused": sum(1 for r in replies if r.cached_tokens > 0)}
+    assert outcome["ok"] >= limit, f"fewer than max_concurrency spike requests succeeded: {dict(outcome)}"
+    assert outcome["http 429 queue_full"] > 0, f"no spike request was refused with 429: {dict(outcome)}"
+    return run.close(f, QUEUE, load)
+
+
+async def _sum_metric(stack: Stack, name: str, **labels: str) -> float:
+    vals = await asyncio.gather(*[stack.metric(w, name, **labels) for w in stack.specs])
+    return float(sum(vals))
+
+
+async def _until(probe: Any, *, above: float, timeout_s: float) -> float:
+    deadline = time.monotonic() + timeout_s
+    v = await probe()
+    while v <= above and time.monotonic() < deadline:
+        await asyncio.sleep(0.25)
+        v = await probe()
+    return v
+
+
+ALL = {"coordinator-kill": coordinator_kill, "worker-kill": worker_kill, "nats-kill": nats_kill,
+       "postgres-outage": postgres_outage, "offload-readonly": offload_readonly, "offload-damage": offload_damage,
+       "pool-exhausted": pool_exhausted, "spike": spike}
+
+
+# --- the end of a run -----------------------------------------------------------------------------
+
+async def final_check(run: Run) -> tuple[checker.Report, dict[str, Any]]:
+    """Heal, settle every outbox, then check the whole history and audit the ledger."""
+    stack = run.stack
+    await stack.heal()
+    for w in stack.specs:
+        assert await stack.flush(w, 30), f"{w}: outbox not drained by the commit watermark within 30s"
+    await run.observer.settle()
+    log = await stack.events()
+    run.report = checker.check(log, run.observer.seen)
+    run.audit = await stack.admin_post("/v1/audit", {"replay_from": "empty", "check_workers": True,
+                                                     "timeout_ms": 10_000})
+    return run.report, run.audit

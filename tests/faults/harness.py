@@ -1,0 +1,529 @@
+"""The stack the fault drills break: services and processes this test owns, and ways to talk to them.
+
+:class:`Stack` runs its *own* embedded PostgreSQL and nats-server (:mod:`shared.embedded`) so
+that a drill can kill -9 and restart them, a coordinator (``python -m coordinator``) and
+workers (``python -m worker``) as subprocesses with logs under the run's directory, and one
+shared offload directory. Everything is reached as a user would reach it: the workers'
+OpenAI-compatible HTTP API and their NATS debug subjects, the coordinator's admin REST API.
+
+:class:`Observer` is the history's witness: a passive NATS subscriber that records every
+transition a worker publishes and every commit watermark the coordinator announces
+(:class:`tests.faults.checker.Observed`).
+
+Blocking service calls (starting PostgreSQL takes seconds) run in a thread, so the workload
+that shares this event loop keeps going while a fault is injected or healed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import nats
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared import messages as m
+from shared.embedded import EmbeddedNats, EmbeddedPostgres, free_port
+from shared.subjects import Subjects
+from tests.faults.checker import Observed
+from tests.worker.processes import Proc
+from worker.engine_main import debug_subject, decode_logits
+from worker.tenants import key_sha256
+
+REPO = Path(__file__).resolve().parents[2]
+PREFIX = "kvlf"
+SALT_SECRET = "kvl-fault-drills"
+
+
+def api_key(tenant: str) -> str:
+    return f"sk-drill-{tenant}"
+
+
+@dataclass
+class WorkerSpec:
+    """One worker process: its id and the config sections that differ from the drill default."""
+
+    worker_id: str
+    cache: dict[str, Any] = field(default_factory=dict)
+    worker: dict[str, Any] = field(default_factory=dict)
+    service: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Reply:
+    """One request's outcome, from either channel."""
+
+    channel: str                   # "http" | "debug"
+    worker: str
+    ok: bool
+    seconds: float
+    error: str = ""                # kind of failure ("" when ok)
+    detail: str = ""
+    tokens: list[int] | None = None
+    text: str | None = None
+    completion_tokens: int = 0
+    prompt_tokens: int = -1        # as the worker counted them (-1: not reported)
+    logits: Any = None
+    cached_tokens: int = 0
+    degraded: bool = False
+    fallbacks: list[str] = field(default_factory=list)
+    invalid: list[str] = field(default_factory=list)
+    reloaded: dict[str, int] = field(default_factory=dict)
+
+
+class Stack:
+    def __init__(self, root: Path, specs: list[WorkerSpec], tenants: list[str]) -> None:
+        self.root = root
+        self.logs = root / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.pg = EmbeddedPostgres(root / "postgres", port=free_port())
+        self.nats = EmbeddedNats(root / "nats", port=free_port())
+        self.subjects = Subjects(PREFIX)
+        self.admin_port = free_port()
+        self.admin = f"http://127.0.0.1:{self.admin_port}"
+        self.offload_dir = root / "offload"
+        self.specs = {s.worker_id: s for s in specs}
+        self.ports = {wid: free_port() for wid in self.specs}
+        self.tenants = tenants
+        self.coordinator: Proc | None = None
+        self.workers: dict[str, Proc] = {}
+        self.http: aiohttp.ClientSession | None = None
+        self.nc: Any = None
+        #: Set when a drill kills the worker (key: its id) or NATS ("nats"): a debug request in
+        #: flight then can never be answered, and fails at once instead of after its timeout.
+        self._gone: dict[str, asyncio.Event] = {}
+        self.nats_errors = 0
+
+    # --- configuration -----------------------------------------------------------------------
+
+    def _base(self) -> dict[str, Any]:
+        return {
+            "database": {"url": self.pg.url, "connect_timeout_ms": 1000},
+            "nats": {"url": self.nats.url, "subject_prefix": PREFIX, "request_timeout_ms": 1500},
+            "coordinator": {"host": "127.0.0.1", "port": self.admin_port, "heartbeat_interval_ms": 200,
+                            "missed_heartbeats": 25, "commit_batch_ms": 2},
+            "logging": {"format": "json", "level": "info"},
+        }
+
+    def _write(self, name: str, doc: dict[str, Any]) -> Path:
+        path = self.root / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        return path
+
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVL_")}
+        env["PYTHONPATH"] = str(REPO)
+        env["KVL_TORCH_THREADS"] = "1"
+        return env
+
+    def worker_config(self, wid: str) -> dict[str, Any]:
+        spec = self.specs[wid]
+        doc = self._base()
+        doc["cache"] = {"chunk_blocks": 1, "offload_dir": str(self.offload_dir), "host_tier_bytes": 0,
+                        **spec.cache}
+        doc["worker"] = {"worker_id": wid, "host": "127.0.0.1", "port": self.ports[wid], "pool_bytes": 4 * 2**20,
+                         "outbox_resend_ms": 500, **spec.worker}
+        doc["service"] = {"batch_window_ms": 5, "max_concurrency": 4, "queue_size": 8, **spec.service}
+        doc["auth"] = {"salt_secret": SALT_SECRET,
+                       "keys": [{"key_sha256": key_sha256(api_key(t)), "tenant": t} for t in self.tenants]}
+        doc["state_dir"] = str(self.root / f"{wid}-state")
+        return doc
+
+    # --- processes ---------------------------------------------------------------------------
+
+    async def start(self, timeout_s: float = 180) -> None:
+        await asyncio.to_thread(self.pg.start, 60)
+        await asyncio.to_thread(self.nats.start, 30)
+        self.http = aiohttp.ClientSession()
+
+        async def quiet(e: Exception) -> None:
+            self.nats_errors += 1
+
+        self.nc = await nats.connect(self.nats.url, name="kvl-fault-drills", max_reconnect_attempts=-1,
+                                     reconnect_time_wait=0.2, allow_reconnect=True, error_cb=quiet)
+        self.start_coordinator()
+        for wid in self.specs:
+            self.start_worker(wid)
+        await self.wait_coordinator(timeout_s)
+        await asyncio.gather(*[self.wait_worker(wid, timeout_s) for wid in self.specs])
+
+    def start_coordinator(self) -> Proc:
+        assert self.coordinator is None or not self.coordinator.alive, "the coordinator is running"
+        doc = self._base()
+        doc["state_dir"] = str(self.root / "coordinator-state")
+        cfg = self._write("coordinator", doc)
+        self.coordinator = Proc("coordinator", [sys.executable, "-m", "coordinator", "--config", str(cfg)],
+                                self.logs / "coordinator.log", self._env())
+        return self.coordinator
+
+    def kill_coordinator(self) -> None:
+        assert self.coordinator is not None
+        self.coordinator.kill(signal.SIGKILL)
+
+    def start_worker(self, wid: str) -> Proc:
+        old = self.workers.get(wid)
+        assert old is None or not old.alive, f"{wid} is running"
+        cfg = self._write(wid, self.worker_config(wid))
+        self._gone.pop(wid, None)
+        self.workers[wid] = Proc(wid, [sys.executable, "-m", "worker", "--config", str(cfg)],
+                                 self.logs / f"{wid}.log", self._env())
+        return self.workers[wid]
+
+    def kill_worker(self, wid: str) -> None:
+        self.workers[wid].kill(signal.SIGKILL)
+        self.gone(wid).set()
+
+    async def kill_nats(self) -> None:
+        await asyncio.to_thread(self.nats.kill)
+        self.gone("nats").set()
+
+    async def start_nats(self) -> None:
+        await asyncio.to_thread(self.nats.start, 30)
+        self._gone.pop("nats", None)
+
+    def gone(self, what: str) -> asyncio.Event:
+        return self._gone.setdefault(what, asyncio.Event())
+
+    async def kill_postgres(self) -> None:
+        await asyncio.to_thread(self.pg.kill)
+
+    async def stop_postgres(self) -> None:
+        await asyncio.to_thread(self.pg.stop)
+
+    async def start_postgres(self) -> None:
+        await asyncio.to_thread(self.pg.start, 60)
+
+    async def heal(self, timeout_s: float = 120) -> list[str]:
+        """Restart whatever is down (a drill that failed half-way); returns what was restarted."""
+        done = []
+        if self.pg.proc is None or self.pg.proc.poll() is not None:
+            self.pg.proc = None
+            await self.start_postgres()
+            done.append("postgres")
+        if self.nats.proc is None or self.nats.proc.poll() is not None:
+            self.nats.proc = None
+            await self.start_nats()
+            done.append("nats")
+        if self.coordinator is None or not self.coordinator.alive:
+            self.start_coordinator()
+            done.append("coordinator")
+        for wid in self.specs:
+            if not self.workers[wid].alive:
+                self.start_worker(wid)
+                done.append(wid)
+        await self.wait_coordinator(timeout_s)
+        await asyncio.gather(*[self.wait_worker(wid, timeout_s) for wid in self.specs])
+        return done
+
+    async def stop(self) -> None:
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.close(), 5)
+        if self.http is not None:
+            await self.http.close()
+        procs = [p for p in (*self.workers.values(), self.coordinator) if p is not None]
+        await asyncio.gather(*[asyncio.to_thread(p.stop) for p in procs], return_exceptions=True)
+        for p in procs:
+            p.kill()
+        await asyncio.to_thread(self.nats.stop)
+        await asyncio.to_thread(self.pg.stop)
+
+    def log_tails(self, n: int = 25) -> str:
+        procs = [p for p in (self.coordinator, *self.workers.values()) if p is not None]
+        return "\n".join(f"--- {p.name} ({'alive' if p.alive else 'dead'}) ---\n{p.tail(n)}" for p in procs)
+
+    # --- readiness -----------------------------------------------------------------------------
+
+    async def _get(self, url: str, timeout_s: float = 3.0) -> tuple[int, Any]:
+        assert self.http is not None
+        try:
+            async with self.http.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                return r.status, await r.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            return 0, repr(e)
+
+    async def coordinator_ready(self) -> bool:
+        status, _ = await self._get(f"{self.admin}/readyz", 2.0)
+        return status == 200
+
+    async def wait_coordinator(self, timeout_s: float = 120) -> float:
+        t0 = time.monotonic()
+        last: Any = None
+        while time.monotonic() - t0 < timeout_s:
+            assert self.coordinator is not None
+            if not self.coordinator.alive:
+                raise AssertionError(f"coordinator exited\n{self.log_tails()}")
+            status, last = await self._get(f"{self.admin}/readyz", 2.0)
+            if status == 200:
+                return time.monotonic() - t0
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"coordinator not ready in {timeout_s:.0f}s (last /readyz: {last})\n{self.log_tails()}")
+
+    async def worker_readyz(self, wid: str) -> tuple[int, Any]:
+        return await self._get(f"http://127.0.0.1:{self.ports[wid]}/readyz", 2.0)
+
+    async def wait_worker(self, wid: str, timeout_s: float = 120, *, epoch_above: int = 0) -> dict[str, Any]:
+        """Until the worker is ready with the coordinator reachable (registered, not degraded)."""
+        t0 = time.monotonic()
+        last: Any = None
+        while time.monotonic() - t0 < timeout_s:
+            if not self.workers[wid].alive:
+                raise AssertionError(f"{wid} exited\n{self.log_tails()}")
+            status, last = await self.worker_readyz(wid)
+            if status == 200 and isinstance(last, dict) and last.get("status") == "ready" \
+                    and last.get("epoch", 0) > epoch_above:
+                return last
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"{wid} not ready in {timeout_s:.0f}s (last /readyz: {last})\n{self.log_tails()}")
+
+    # --- admin API -----------------------------------------------------------------------------
+
+    async def admin_get(self, path: str, timeout_s: float = 30) -> Any:
+        assert self.http is not None
+        async with self.http.get(self.admin + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            body = await r.json(content_type=None)
+            assert r.status == 200, f"GET {path}: {r.status} {body}"
+            return body
+
+    async def admin_post(self, path: str, body: Any = None, timeout_s: float = 120) -> Any:
+        assert self.http is not None
+        async with self.http.post(self.admin + path, json=body or {},
+                                  timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            out = await r.json(content_type=None)
+            assert r.status == 200, f"POST {path}: {r.status} {out}"
+            return out
+
+    async def events(self) -> list[dict[str, Any]]:
+        """The whole event log, paged through ``GET /v1/events``."""
+        out: list[dict[str, Any]] = []
+        after = 0
+        while True:
+            page = await self.admin_get(f"/v1/events?after={after}&limit=1000")
+            out.extend(page["events"])
+            if not page["events"]:
+                return out
+            after = page["next_after"]
+
+    async def replicas(self, **filters: str) -> list[dict[str, Any]]:
+        q = "&".join(f"{k}={v}" for k, v in filters.items())
+        out: list[dict[str, Any]] = []
+        cursor = None
+        while True:
+            page = await self.admin_get(f"/v1/blocks?limit=1000&{q}" + (f"&cursor={cursor}" if cursor else ""))
+            out += page["replicas"]
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return out
+
+    # --- workers -------------------------------------------------------------------------------
+
+    async def metrics(self, wid: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """The worker's Prometheus samples: ``{(name, sorted labels): value}``."""
+        assert self.http is not None
+        async with self.http.get(f"http://127.0.0.1:{self.ports[wid]}/metrics",
+                                 timeout=aiohttp.ClientTimeout(total=10)) as r:
+            text = await r.text()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    async def metric(self, wid: str, name: str, **labels: str) -> float:
+        """Sum of the samples of ``name`` whose labels include ``labels``."""
+        samples = await self.metrics(wid)
+        want = set(labels.items())
+        return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))
+
+    async def debug(self, wid: str, what: str, payload: dict[str, Any] | None = None, timeout_s: float = 30) -> Any:
+        msg = await self.nc.request(debug_subject(self.subjects, wid, what), json.dumps(payload or {}).encode(),
+                                    timeout=timeout_s)
+        out = json.loads(msg.data) if what != "metrics" else msg.data.decode()
+        if isinstance(out, dict) and "error" in out:
+            raise RuntimeError(f"{wid} {what}: {out['error']}")
+        return out
+
+    async def flush(self, wid: str, timeout_s: float = 20) -> bool:
+        return bool((await self.debug(wid, "flush", {"timeout_s": timeout_s}, timeout_s + 5))["flushed"])
+
+    async def http_generate(self, wid: str, tokens: list[int], max_tokens: int, tenant: str, *,
+                            reuse: bool = True, timeout_s: float = 90) -> Reply:
+        """``POST /v1/completions`` with token ids as the prompt, greedy."""
+        assert self.http is not None
+        body = {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "cache_reuse": reuse}
+        headers = {"Authorization": f"Bearer {api_key(tenant)}"}
+        url = f"http://127.0.0.1:{self.ports[wid]}/v1/completions"
+        t0 = time.monotonic()
+        try:
+            async with self.http.post(url, json=body, headers=headers,
+                                      timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                raw = await r.text()
+                status = r.status
+        except aiohttp.ClientConnectorError as e:
+            return Reply("http", wid, False, time.monotonic() - t0, "connection refused", str(e))
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as e:
+            return Reply("http", wid, False, time.monotonic() - t0, "connection reset", repr(e))
+        except asyncio.TimeoutError:
+            return Reply("http", wid, False, time.monotonic() - t0, "client timeout", f"no answer in {timeout_s}s")
+        dt = time.monotonic() - t0
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            return Reply("http", wid, False, dt, f"http {status} (not JSON)", raw[:300])
+        if status != 200:
+            err = doc.get("error", {}) if isinstance(doc, dict) else {}
+            return Reply("http", wid, False, dt, f"http {status} {err.get('code') or ''}".strip(),
+                         str(err.get("message", doc))[:300])
+        usage = doc.get("usage", {})
+        kvl = doc.get("kvl", {})
+        return Reply("http", wid, True, dt, text=doc["choices"][0]["text"],
+                     completion_tokens=usage.get("completion_tokens", -1), prompt_tokens=usage.get("prompt_tokens", -1),
+                     cached_tokens=usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+                     degraded=bool(kvl.get("degraded")), fallbacks=list(kvl.get("fallbacks") or []))
+
+    async def debug_generate(self, wid: str, tokens: list[int], max_tokens: int, tenant: str, *,
+                             reuse: bool = True, timeout_s: float = 60) -> Reply:
+        """The worker's NATS debug subject: token ids and logits (bit-exact comparison)."""
+        payload = {"tokens": tokens, "max_tokens": max_tokens, "tenant": tenant, "reuse": reuse,
+                   "return_logits": True}
+        t0 = time.monotonic()
+        request = asyncio.ensure_future(self.nc.request(debug_subject(self.subjects, wid, "generate"),
+                                                        json.dumps(payload).encode(), timeout=timeout_s))
+        waits = {request, *(asyncio.ensure_future(self.gone(w).wait()) for w in (wid, "nats"))}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits - {request}:
+                w.cancel()
+        if not request.done():
+            request.cancel()
+            what = "NATS" if self.gone("nats").is_set() else wid
+            return Reply("debug", wid, False, time.monotonic() - t0, "killed mid-request",
+                         f"{what} was killed with this request in flight")
+        try:
+            msg = request.result()
+            out = json.loads(msg.data)
+        except nats.errors.NoRespondersError:
+            return Reply("debug", wid, False, time.monotonic() - t0, "nats no responders", wid)
+        except nats.errors.TimeoutError:
+            return Reply("debug", wid, False, time.monotonic() - t0, "nats timeout", f"no answer in {timeout_s}s")
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
+                nats.errors.OutboundBufferLimitError, nats.errors.StaleConnectionError) as e:
+            return Reply("debug", wid, False, time.monotonic() - t0, "nats disconnected", repr(e))
+        dt = time.monotonic() - t0
+        if "error" in out:
+            return Reply("debug", wid, False, dt, "worker error", str(out["error"])[:300])
+        return Reply("debug", wid, True, dt, tokens=out["tokens"], logits=decode_logits(out),
+                     completion_tokens=len(out["tokens"]), prompt_tokens=out["prompt_tokens"],
+                     cached_tokens=out["cached_tokens"],
+                     degraded=out["degraded"], fallbacks=out["fallbacks"], invalid=out["invalid"],
+                     reloaded=out["reloaded"])
+
+
+class Observer:
+    """Records what the workers publish and what the coordinator acknowledges (see checker)."""
+
+    def __init__(self, url: str, subjects: Subjects) -> None:
+        self.url = url
+        self.subjects = subjects
+        self.seen = Observed()
+        self.nc: Any = None
+        self.disconnects = 0
+        self.errors = 0
+        self.undecodable = 0
+
+    async def start(self) -> None:
+        async def gone() -> None:
+            self.disconnects += 1
+
+        async def quiet(e: Exception) -> None:
+            self.errors += 1
+
+        self.nc = await nats.connect(self.url, name="kvl-fault-observer", max_reconnect_attempts=-1,
+                                     reconnect_time_wait=0.1, allow_reconnect=True, disconnected_cb=gone,
+                                     error_cb=quiet, pending_size=64 * 2**20)
+        await self.nc.subscribe(self.subjects.events_wildcard, cb=self._transition, pending_msgs_limit=-1,
+                                pending_bytes_limit=-1)
+        await self.nc.subscribe(f"{self.subjects.prefix}.worker.*.watermark", cb=self._watermark,
+                                pending_msgs_limit=-1, pending_bytes_limit=-1)
+        await self.nc.flush()
+
+    async def _transition(self, msg: Any) -> None:
+        try:
+            self.seen.on_transition(json.loads(msg.data))
+        except (ValueError, KeyError):
+            self.undecodable += 1
+
+    async def _watermark(self, msg: Any) -> None:
+        try:
+            wm = m.decode(msg.data, expect=m.CommitWatermark)
+        except m.MessageError:
+            self.undecodable += 1
+            return
+        self.seen.on_watermark(wm.worker_id, wm.epoch, wm.seq)
+
+    async def settle(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.nc.flush(timeout=5)
+        await asyncio.sleep(0.5)
+
+    async def stop(self) -> None:
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.close(), 5)
+
+
+# --- file-system faults --------------------------------------------------------------------------
+
+def make_read_only(path: Path) -> str:
+    """Make a directory tree unwritable, also for root; returns how (for the report).
+
+    As a normal user, permissions do it. Root ignores permissions, so the directories (and
+    files) are made immutable with ``chattr +i`` instead.
+    """
+    if os.geteuid() != 0:
+        for d in [path, *[p for p in path.rglob("*") if p.is_dir()]]:
+            d.chmod(0o500)
+        return "chmod a-w"
+    chattr = shutil.which("chattr")
+    if chattr is None:
+        raise RuntimeError("running as root without chattr: cannot make the offload directory read-only")
+    r = subprocess.run([chattr, "-R", "+i", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"chattr +i {path} failed: {r.stderr.strip()}")
+    return "chattr +i (root)"
+
+
+def make_writable(path: Path) -> None:
+    if not path.exists():
+        return
+    if os.geteuid() != 0:
+        for d in [path, *[p for p in path.rglob("*") if p.is_dir()]]:
+            d.chmod(0o700)
+        return
+    chattr = shutil.which("chattr")
+    if chattr is not None:
+        subprocess.run([chattr, "-R", "-i", str(path)], capture_output=True)
+
+
+def offload_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.kvl")) if root.exists() else []
+
+
+def damage(path: Path, how: str) -> None:
+    """Flip one payload byte (``corrupt``) or cut the file short (``truncate``)."""
+    raw = bytearray(path.read_bytes())
+    if how == "truncate":
+        raw = raw[: max(8, len(raw) - 64)]
+    else:
+        raw[-5] ^= 0x5A
+    path.write_bytes(bytes(raw))

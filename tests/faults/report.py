@@ -1,0 +1,185 @@
+"""The summary of a run of drills: a few lines for the terminal, a section for docs/RELIABILITY.md."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tests.faults.drills import Run
+
+HEADER = """# Reliability: fault drills and differential correctness
+
+What the fault drills in `tests/faults/` do to a running kvledger stack, and what they found.
+Each section below is one real run, written by the run itself (`KVL_WRITE_RELIABILITY=1`).
+
+* **Stack**: embedded PostgreSQL and nats-server owned by the test (so they can be killed),
+  a coordinator process, three worker processes (`wa`, `wb` with small pools that spill to
+  a shared offload directory; `wp` with a 2-slot `tail` pool), tiny seeded model on CPU.
+* **Load**: multi-turn conversations, each turn = previous prompt + previous answer + new
+  tokens, greedy, over the OpenAI HTTP API (token-id prompts) and the workers' NATS debug
+  subject (token ids and logits), with bounded retries on errors; each drill uses its own
+  tenant, so it starts cold and builds reuse turn by turn.
+* **Differential check**: every answer is compared with a cold run of a cache-disabled engine
+  (`Engine(model, cfg, client=None)`, same weights, one thread): token ids and logits bit for
+  bit on the debug channel; on HTTP the text, and with it the token ids whenever the text has
+  no replacement character (the byte tokenizer is then injective). Zero mismatches allowed.
+* **History check** (Jepsen queue style, `tests/faults/checker.py`): a passive NATS observer
+  records every transition published and every commit watermark announced; at the end the
+  whole log (`GET /v1/events`) is checked: acknowledged ⊆ logged (nothing *lost*), no source
+  id twice (*duplicated*), nothing logged unlike what was published (*unexpected*); an
+  independent fold of DESIGN.md's replica life cycle checks every applied transition was
+  legal, every lease pinned READY replicas it could read at the pinned generation, and no
+  GPU/host replica of a fenced epoch was pinned; then `POST /v1/audit` (replay from empty,
+  workers' inventories) must be clean.
+* **Recovery**: seconds from the injection until a worker answers a request *with reuse*
+  again (probes poll every 0.2 s from the moment of injection); "ready" is until the restarted
+  part answered its readiness probe (workers: registered, not degraded).
+
+How to run: `make test` runs the drills (`tests/faults/test_drills.py`, about 3–4 minutes on
+2 shared cores); `pytest tests/faults --soak` (or `KVL_SOAK=1`) adds the soak
+(`KVL_SOAK_CYCLES` cycles of every drill in a shuffled order, more and longer conversations);
+`KVL_WRITE_RELIABILITY=1` rewrites this file from the run.
+"""
+
+
+def _git() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(__file__), timeout=5).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _kinds(c: dict[str, int] | Counter[str]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(c.items(), key=lambda kv: -kv[1])) or "none"
+
+
+def numbers(run: Run) -> dict[str, Any]:
+    """The run's headline figures (also what the tests assert on)."""
+    recs = run.history.records
+    load = [r for r in recs if r.conv >= 0]
+    ok = [r for r in recs if r.ok]
+    span = (max(r.at + r.seconds for r in recs) - min(r.at for r in recs)) if recs else 0.0
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    return {
+        "requests": len(recs), "answered": len(ok), "load_requests": len(load),
+        "probe_requests": sum(1 for r in recs if r.conv == -1),
+        "seconds": round(span, 1), "answered_per_s": round(len(ok) / span, 2) if span else 0.0,
+        "p50_s": round(_pct([r.seconds for r in ok], 0.5), 3), "p95_s": round(_pct([r.seconds for r in ok], 0.95), 3),
+        "reused_requests": sum(1 for r in ok if r.cached_tokens > 0),
+        "reused_token_share": round(cached / prompt, 3) if prompt else 0.0,
+        "compared": dict(Counter(r.compared for r in ok)),
+        "mismatches": len(run.history.mismatches()),
+        "errors": dict(Counter(r.error for r in recs if not r.ok)),
+        "load_errors": dict(Counter(r.error for r in load if not r.ok)),
+        "conversations": run.settings.conversations, "turns": run.settings.turns,
+        "faults": len(run.faults),
+    }
+
+
+def terminal(run: Run, title: str) -> str:
+    n = numbers(run)
+    rep = run.report.summary() if run.report else {}
+    lines = [f"{title}: {n['faults']} faults injected; {n['answered']}/{n['requests']} requests answered "
+             f"({n['answered_per_s']}/s over {n['seconds']}s; {n['reused_requests']} with reuse); "
+             f"mismatches {n['mismatches']} (compared: {_kinds(n['compared'])})",
+             f"  errors by kind: {_kinds(n['errors'])}"]
+    if rep:
+        lines.append(f"  events checked {rep['events']}: transitions {rep['transitions_logged']} (applied "
+                     f"{rep['applied']}, rejected {rep['rejected']}), acknowledged {rep['acknowledged']}, lost "
+                     f"{rep['lost']}, duplicated {rep['duplicated']}, unexpected {rep['unexpected']}, illegal "
+                     f"{rep['illegal']}, fenced reuse {rep['fenced_reuse']}; audit "
+                     f"{'clean' if run.audit and run.audit.get('ok') else 'NOT clean'}")
+    for f in run.faults:
+        lines.append(f"  {f.drill:<17} ready {_s(f.ready_s):>6}  recovery {_s(f.recovery_s):>6}  requests "
+                     f"{f.requests:>4}  mismatches {f.mismatches}  errors {_kinds(f.errors)}"
+                     + (f"  [NOT EXERCISED: {f.not_exercised}]" if f.not_exercised else ""))
+    for name, err in run.failures:
+        lines.append(f"  {name}: FAILED: {err.splitlines()[0][:200]}")
+    return "\n".join(lines)
+
+
+def _s(x: float | None) -> str:
+    return "—" if x is None else f"{x:.1f}s"
+
+
+def _evidence(ev: dict[str, Any]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k}: {fmt(x)}" for k, x in v.items()) + "}"
+        return str(v)
+    return "; ".join(f"{k}: {fmt(v)}" for k, v in ev.items())
+
+
+def section(run: Run, title: str, command: str) -> str:
+    n = numbers(run)
+    rep = run.report.summary() if run.report else None
+    audit = run.audit or {}
+    out = [f"## {title}", "",
+           f"`{command}` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {_git()}, "
+           f"{os.cpu_count()} CPU cores shared with other work, Python {platform.python_version()}; "
+           f"stack started in {run.started_s:.0f} s (references computed meanwhile: {run.reference.computed}).", "",
+           "| | |", "|---|---|",
+           f"| load held | {n['conversations']} conversations × {n['turns']} turns per drill, run over and over "
+           f"through each fault on both channels, plus recovery probes and the drills' own requests: "
+           f"**{n['answered']} of {n['requests']} requests answered** in {n['seconds']} s "
+           f"({n['answered_per_s']}/s; p50 {n['p50_s']} s, p95 {n['p95_s']} s); {n['reused_requests']} answered "
+           f"with reuse, {n['reused_token_share']:.0%} of answered prompt tokens restored from cache |",
+           f"| faults injected | {n['faults']} ({', '.join(f.drill for f in run.faults)}) |"]
+    if rep:
+        out.append(f"| events checked | {rep['events']} log events; {rep['transitions_logged']} worker transitions "
+                   f"({rep['applied']} applied, {rep['rejected']} rejected) against {rep['published']} published "
+                   f"({rep['republished']} re-sends) and {rep['acknowledged']} acknowledged: **lost {rep['lost']}, "
+                   f"duplicated {rep['duplicated']}, unexpected {rep['unexpected']}**; unknown {rep['unknown']}, "
+                   f"recovered {rep['recovered']}, unobserved {rep['unobserved']}; {rep['grants']} grants with "
+                   f"{rep['pins_checked']} pins checked: **illegal {rep['illegal']}, fenced reuse "
+                   f"{rep['fenced_reuse']}**, position gaps {rep['gaps']}; {rep['registrations']} registrations, "
+                   f"{rep['workers_lost']} epochs fenced |")
+    out.append(f"| audit | {'**clean**' if audit.get('ok') else '**NOT clean**'}: hash match "
+               f"{audit.get('hash_match')}, {audit.get('replayed_events')} events replayed from empty, invariant "
+               f"violations {len(audit.get('invariant_violations') or [])}, drift "
+               f"{len(audit.get('drift') or {})} on workers {audit.get('workers_checked')} |")
+    out.append(f"| mismatches | **{n['mismatches']}** of {n['answered']} answers "
+               f"(compared: {_kinds(n['compared'])}) |")
+    out.append(f"| errors by kind | {_kinds(n['errors'])} (of which the conversations' own: "
+               f"{_kinds(n['load_errors'])}; the rest are recovery probes polling a part that was down, and "
+               f"the spike's refusals) |")
+    out += ["", "| drill | injected | requests | errors by kind | mismatches | ready after | recovery (first reuse) "
+            "| evidence |", "|---|---|---:|---|---:|---:|---:|---|"]
+    for f in run.faults:
+        ev = _evidence(f.evidence) + (f" **Not exercised:** {f.not_exercised}" if f.not_exercised else "")
+        out.append(f"| {f.drill} | {f.injected} | {f.requests} | {_kinds(f.errors)} | {f.mismatches} | "
+                   f"{_s(f.ready_s)} | {_s(f.recovery_s)} | {ev} |")
+    if run.failures:
+        out += ["", "Drills that failed:", ""]
+        out += [f"* `{name}`: {err.splitlines()[0][:300]}" for name, err in run.failures]
+    if rep and rep["rejected_by_reason"]:
+        out += ["", "Transitions the coordinator rejected (recorded with their reason; each changed nothing): "
+                + _kinds(rep["rejected_by_reason"]) + "."]
+    return "\n".join(out) + "\n"
+
+
+def document(sections: list[str]) -> str:
+    return HEADER + "\n" + "\n".join(sections)
+
+
+def publish(run: Run, title: str, command: str) -> None:
+    from tests.faults.conftest import REPORTS
+
+    REPORTS.append((terminal(run, title), section(run, title, command)))
+
+
+__all__ = ["document", "numbers", "publish", "section", "terminal"]

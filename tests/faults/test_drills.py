@@ -1,0 +1,55 @@
+"""Fault drills on the real stack, part of ``make test`` (see ``drills.py`` for what each one does).
+
+One stack for the module — embedded PostgreSQL and NATS owned by this test, a coordinator and
+three worker processes — and one history: the drills run in turn (each heals whatever an
+earlier failure left down first), then the whole history is checked and the ledger audited.
+Each drill asserts zero mismatches against the cold reference, no conversation left
+unanswered, and only the errors its fault explains; the last test asserts the checker and
+the audit are clean and publishes the summary (``KVL_WRITE_RELIABILITY=1`` writes it to
+docs/RELIABILITY.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from tests.faults.drills import ALL, DRILLS, Run, Settings, final_check
+from tests.faults.report import numbers, publish
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def run(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Run]:
+    r = Run(tmp_path_factory.mktemp("faults"), Settings(), tenants=list(DRILLS))
+    try:
+        await r.start()
+        yield r
+    finally:
+        await r.stop()
+
+
+@pytest.mark.parametrize("drill", DRILLS)
+async def test_drill(run: Run, drill: str) -> None:
+    await run.stack.heal()
+    try:
+        await ALL[drill](run, drill)
+    except BaseException as e:
+        run.failures.append((drill, f"{type(e).__name__}: {e}"))
+        await run.abandon()
+        raise
+
+
+async def test_history_is_clean_and_the_audit_passes(run: Run) -> None:
+    report, audit = await final_check(run)
+    publish(run, "make test: one pass of every drill", "make test (tests/faults/test_drills.py)")
+    n = numbers(run)
+    assert report.ok, f"history check: {report.problems()}"
+    assert audit["ok"], f"audit: {audit}"
+    assert n["mismatches"] == 0
+    # the checker saw the run: transitions were published, acknowledged and logged
+    assert report.acknowledged > 0 and report.logged >= report.acknowledged and report.pins > 0
+    assert report.losses > 0 and report.registrations > len(run.stack.specs)
