@@ -445,8 +445,9 @@ async def pool_exhausted(run: Run, tenant: str) -> Fault:
     f.evidence = {"tail_pool": wp["forms"]["tail"], "over_capacity_refusals": int(refused),
                   "fallbacks": int(fallbacks),
                   "reused_requests": sum(1 for r in run.history.of(drill) if r.cached_tokens > 0)}
-    assert wp["forms"]["tail"]["limit"] <= 2
-    assert refused + fallbacks > 0, f"wp's tail pool never ran out: {f.evidence}"
+    tail = wp["forms"]["tail"]
+    assert tail["limit"] <= 2 and tail["used"] == tail["limit"], f"wp's tail pool is not full: {f.evidence}"
+    assert refused + fallbacks > 0, f"wp never ran out of tail slots: {f.evidence}"
     return run.close(f, set(), load)
 
 

@@ -487,20 +487,30 @@ class Observer:
 def make_read_only(path: Path) -> str:
     """Make a directory tree unwritable, also for root; returns how (for the report).
 
-    As a normal user, permissions do it. Root ignores permissions, so the directories (and
-    files) are made immutable with ``chattr +i`` instead.
+    As a normal user, permissions do it. Root ignores permissions, so the tree is made
+    immutable (``chattr +i``), or, where the file system has no such flag, the directory is
+    bind-mounted read-only over itself.
     """
     if os.geteuid() != 0:
         for d in [path, *[p for p in path.rglob("*") if p.is_dir()]]:
             d.chmod(0o500)
         return "chmod a-w"
+    tried = []
     chattr = shutil.which("chattr")
-    if chattr is None:
-        raise RuntimeError("running as root without chattr: cannot make the offload directory read-only")
-    r = subprocess.run([chattr, "-R", "+i", str(path)], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"chattr +i {path} failed: {r.stderr.strip()}")
-    return "chattr +i (root)"
+    if chattr is not None:
+        r = subprocess.run([chattr, "-R", "+i", str(path)], capture_output=True, text=True)
+        if r.returncode == 0:
+            return "chattr +i (root)"
+        subprocess.run([chattr, "-R", "-i", str(path)], capture_output=True)
+        tried.append(f"chattr +i: {r.stderr.strip()}")
+    for argv in (["mount", "--bind", str(path), str(path)], ["mount", "-o", "remount,ro,bind", str(path)]):
+        r = subprocess.run(argv, capture_output=True, text=True)
+        if r.returncode != 0:
+            if argv[1] != "--bind":
+                subprocess.run(["umount", str(path)], capture_output=True)
+            tried.append(f"{' '.join(argv[:3])}: {r.stderr.strip()}")
+            raise RuntimeError(f"cannot make {path} read-only as root: {'; '.join(tried)}")
+    return "read-only bind mount (root)"
 
 
 def make_writable(path: Path) -> None:
@@ -510,6 +520,8 @@ def make_writable(path: Path) -> None:
         for d in [path, *[p for p in path.rglob("*") if p.is_dir()]]:
             d.chmod(0o700)
         return
+    if os.path.ismount(path):
+        subprocess.run(["umount", str(path)], capture_output=True)
     chattr = shutil.which("chattr")
     if chattr is not None:
         subprocess.run([chattr, "-R", "-i", str(path)], capture_output=True)
