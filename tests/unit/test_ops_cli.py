@@ -200,7 +200,15 @@ def test_a_busy_port_is_refused_before_anything_starts(tmp_path: Path, capsys: p
 
 
 def _sleeper(*tail: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *tail], start_new_session=True)
+    """A process whose command line ends with ``tail`` (waited for: before exec it shows ours)."""
+    import psutil
+
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *tail], start_new_session=True)
+    deadline = time.monotonic() + 20
+    while psutil.Process(p.pid).cmdline()[-len(tail):] != list(tail):
+        assert time.monotonic() < deadline, "the sleeper did not start"
+        time.sleep(0.01)
+    return p
 
 
 def test_leftovers_of_a_killed_supervisor_are_stopped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -213,7 +221,7 @@ def test_leftovers_of_a_killed_supervisor_are_stopped(tmp_path: Path, capsys: py
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     try:
-        time.sleep(0.05)
+        time.sleep(0.05)  # the file is newer than the processes it lists
         (state / "stack.json").write_text(json.dumps({"supervisor_pid": dead.pid, "services": [
             {"name": "worker-0", "pid": worker.pid}, {"name": "worker-1", "pid": unrelated.pid}]}))
         stack = Stack(parse_config({"state_dir": str(state)}), StackOptions(), console=Console())
