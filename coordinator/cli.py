@@ -13,6 +13,7 @@ import sys
 import threading
 from collections.abc import Callable
 
+from shared.logging import mask_credentials
 from shared.config import Config, ConfigError, load_config, to_dict
 
 Handler = Callable[[argparse.Namespace], int]
@@ -42,7 +43,8 @@ def cmd_services(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with resolve_services(cfg.database.url, cfg.nats.url, cfg.state_dir) as svc:
-        print(f"postgres: {svc.database_url}\nnats:     {svc.nats_url}\n(Ctrl-C stops them)", flush=True)
+        print(f"postgres: {mask_credentials(svc.database_url)}\nnats:     {mask_credentials(svc.nats_url)}\n"
+              "(Ctrl-C stops them)", flush=True)
         stop.wait()
     print("stopped", flush=True)
     return 0

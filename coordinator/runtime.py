@@ -33,6 +33,7 @@ from coordinator.log.postgres import PgSettings, PostgresEventLog, describe, is_
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.nats_service import NatsService, StartupError
 from coordinator.replay import LogCorrupt
+from shared.logging import mask_credentials
 from shared.config import Config
 from shared.messages import now_ms
 from shared.subjects import Subjects
@@ -84,7 +85,7 @@ class Coordinator:
         except Exception as e:  # noqa: BLE001 - one readable line for the operator
             await bounded(nc.close(), 2)
             why = self._last_nats_error or f"{type(e).__name__}: {e}"
-            raise StartupError(f"cannot connect to NATS at {self.nats_url}: {why}") from e
+            raise StartupError(f"cannot connect to NATS at {mask_credentials(self.nats_url)}: {why}") from e
         self.nc = nc
         self.service = NatsService(self.nc, self.subjects, self.ledger, config=self.config, metrics=self.metrics,
                                    logger=self.log)

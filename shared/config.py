@@ -1,8 +1,9 @@
 """Configuration: one YAML file plus ``KVL_*`` environment overrides, validated at load.
 
 Overrides name a key path with ``__`` between levels, e.g. ``KVL_CACHE__BLOCK_SIZE=32`` or
-``KVL_CACHE__HIT_VALIDATION__CHECK_TAIL=false``; values are parsed as YAML scalars. Two
-short forms exist for the URLs operators set most: ``KVL_DATABASE_URL``, ``KVL_NATS_URL``.
+``KVL_CACHE__HIT_VALIDATION__CHECK_TAIL=false``; values are parsed as YAML scalars. Short
+forms exist for what operators set most: ``KVL_DATABASE_URL``, ``KVL_NATS_URL`` and
+``KVL_STATE_DIR``.
 
 Every error names the key (``cache.block_size``) and what is allowed. An unknown key is an
 error, not a silently ignored typo.
@@ -212,6 +213,8 @@ def apply_env(doc: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
             path = ["database", "url"]
         elif name == "KVL_NATS_URL":
             path = ["nats", "url"]
+        elif name == "KVL_STATE_DIR":
+            path = ["state_dir"]
         elif "__" in name:
             path = [p.lower() for p in name[4:].split("__")]
         else:
@@ -220,7 +223,7 @@ def apply_env(doc: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError as e:
             raise ConfigError(f"{name}: value is not a YAML scalar: {e}") from e
-        if name.endswith("URL") or path[-1] in ("url", "admin_token", "salt_secret", "offload_dir"):
+        if name.endswith("URL") or path[-1] in ("url", "admin_token", "salt_secret", "offload_dir", "state_dir"):
             value = raw  # never reinterpret strings such as URLs or secrets
         _set_path(doc, path, value, name)
     return doc

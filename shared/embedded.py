@@ -124,6 +124,9 @@ class EmbeddedPostgres:
                 raise EmbeddedServiceError(f"initdb failed: {r.stderr.strip()[-2000:]}")
 
     def start(self, timeout_s: float = 30.0) -> "EmbeddedPostgres":
+        # PostgreSQL resolves a relative socket directory against its data directory, so a
+        # relative state_dir (the default ``.kvl-state``) must become absolute first.
+        self.data_dir = Path(self.data_dir).resolve()
         self._prepare()
         self.port = self.port or free_port(self.host)
         log = self.data_dir / "postgres.log"

@@ -8,6 +8,7 @@ by ``"<redacted>"`` and any string longer than ``MAX_FIELD_CHARS`` is cut to its
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from collections.abc import MutableMapping
 from typing import Any
@@ -21,6 +22,13 @@ REDACTED_KEYS = frozenset({
     "body", "stop", "api_key", "authorization", "salt", "tenant_salt",
 })
 MAX_FIELD_CHARS = 512
+#: ``scheme://user:password@host`` — the password part is masked wherever it appears.
+_URL_CREDENTIALS = re.compile(r"(\b[a-z][a-z0-9+.\-]*://[^/\s:@]*:)([^@\s/]+)(@)", re.IGNORECASE)
+
+
+def mask_credentials(text: str) -> str:
+    """``nats://kvl:s3cret@h:4222`` → ``nats://kvl:***@h:4222``."""
+    return _URL_CREDENTIALS.sub(r"\1***\3", text)
 
 
 def redact_content(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
@@ -36,8 +44,13 @@ def redact_content(_logger: Any, _method: str, event: MutableMapping[str, Any]) 
             event[key] = f"<{len(value)} bytes>"
         elif isinstance(value, str) and len(value) > MAX_FIELD_CHARS:
             event[key] = f"<{len(value)} chars>"
+        elif isinstance(value, str) and "://" in value:
+            event[key] = mask_credentials(value)
         elif type(value).__name__ == "Tensor":
             event[key] = "<tensor>"
+    msg = event.get("event")
+    if isinstance(msg, str) and "://" in msg:
+        event["event"] = mask_credentials(msg)
     return event
 
 

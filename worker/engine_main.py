@@ -32,11 +32,11 @@ from typing import Any
 import torch
 
 from shared.config import Config, ConfigError, load_config
-from shared.logging import configure_logging, get_logger
+from shared.logging import configure_logging, get_logger, mask_credentials
 from shared.subjects import Subjects
 from worker.client.nats_adapter import NatsCoordinatorClient
 from worker.engine import Engine, Sampling
-from worker.http_server import start_http
+from worker.http_server import bound_address, start_http
 from worker.model import HybridAttentionLM, ModelConfig, build_model, load_safetensors
 
 log = get_logger("kvl.worker.main")
@@ -152,26 +152,29 @@ async def serve(cfg: Config) -> int:
     model = load_model(cfg)
     subjects = Subjects(cfg.nats.subject_prefix)
     client = NatsCoordinatorClient(cfg.nats.url, subjects, timeout_s=cfg.nats.request_timeout_ms / 1000)
-    engine = Engine(model, cfg, client, endpoint=f"http://{cfg.worker.host}:{cfg.worker.port}")
+    engine = Engine(model, cfg, client)
     client.name = f"kvl-worker-{engine.worker_id}"
     debug = DebugService(engine, cfg.nats.url, subjects)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await engine.start(wait_s=0)
-    try:
-        await debug.start()
-    except Exception as e:  # noqa: BLE001 - NATS unreachable at start
-        print(f"kvledger worker: cannot reach NATS at {cfg.nats.url}: {e}", file=sys.stderr, flush=True)
-        await engine.stop()
-        return 2
+    # NOTE: bind HTTP before registering, so the endpoint the coordinator records is the
+    # bound one (worker.port 0 = any free port); /readyz says "not ready" until registered.
     try:
         http = await start_http(engine, cfg)
     except (OSError, ValueError) as e:  # port taken, unusable tokenizer or API keys
         print(f"kvledger worker: cannot serve HTTP on {cfg.worker.host}:{cfg.worker.port}: {e}", file=sys.stderr,
               flush=True)
-        await debug.stop()
+        return 2
+    host, port = bound_address(http)
+    engine.endpoint = f"http://{host}:{port}"
+    await engine.start(wait_s=0)
+    try:
+        await debug.start()
+    except Exception as e:  # noqa: BLE001 - NATS unreachable at start
+        print(f"kvledger worker: cannot reach NATS at {mask_credentials(cfg.nats.url)}: {e}", file=sys.stderr, flush=True)
+        await http.cleanup()
         await engine.stop()
         return 2
     log.info("worker_started", worker_id=engine.worker_id, namespace=engine.namespace, pools=engine.slots,

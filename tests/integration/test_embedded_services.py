@@ -47,3 +47,14 @@ def test_fixtures_isolate_tests(database_url: str, subjects, nats_url: str) -> N
         await conn.close()
     asyncio.run(check())
     assert subjects.prefix.startswith("kvlt")
+
+
+def test_relative_state_dir_works(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The default state_dir (.kvl-state) is relative; PostgreSQL must still find its socket dir."""
+    monkeypatch.chdir(tmp_path)
+    with resolve_services("", "nats://unused:1", ".kvl-state") as svc:
+        async def check() -> None:
+            conn = await asyncpg.connect(svc.database_url)
+            assert await conn.fetchval("select 1") == 1
+            await conn.close()
+        asyncio.run(check())

@@ -100,6 +100,7 @@ def test_env_overrides(tmp_path: Path) -> None:
     assert cfg.cache.block_size == 64 and cfg.cache.hit_validation.check_tail is False
     assert cfg.service.max_concurrency == 4 and cfg.database.url == "postgresql://a@b/c"
     assert cfg.nats.subject_prefix == "x"
+    assert load_config(env={"KVL_STATE_DIR": "/var/lib/kvl"}).state_dir == "/var/lib/kvl"
 
 
 def test_bad_env_override_names_variable_key() -> None:

@@ -41,3 +41,15 @@ def test_subjects_under_prefix() -> None:
         Subjects("bad prefix")
     with pytest.raises(ValueError, match="subject token"):
         s.events("w.1")
+
+
+def test_credentials_in_urls_are_masked() -> None:
+    buf = io.StringIO()
+    configure_logging("json", "info", stream=buf)
+    get_logger("t").warning("cannot connect to nats://kvl:s3cret@nats:4222", url="postgresql://u:pw@db:5432/x",
+                            plain="http://127.0.0.1:8400/v1/models")
+    out = buf.getvalue()
+    line = json.loads(out)
+    assert "s3cret" not in out and "pw@" not in out
+    assert line["event"] == "cannot connect to nats://kvl:***@nats:4222"
+    assert line["url"] == "postgresql://u:***@db:5432/x" and line["plain"] == "http://127.0.0.1:8400/v1/models"

@@ -17,7 +17,7 @@ import nats.errors
 import nats.js.errors
 
 from shared import messages as m
-from shared.logging import get_logger
+from shared.logging import get_logger, mask_credentials
 from shared.subjects import Subjects
 from worker.client import (
     CoordinatorRefused, CoordinatorUnavailable, OnControl, OnInventory, OnWatermark, PublishFailed,
@@ -46,7 +46,7 @@ class NatsCoordinatorClient:
     async def connect(self) -> None:
         if self._nc is not None and not self._nc.is_closed:
             if not self._nc.is_connected:
-                raise CoordinatorUnavailable(f"NATS at {self.url} is reconnecting")
+                raise CoordinatorUnavailable(f"NATS at {mask_credentials(self.url)} is reconnecting")
             return
         try:
             self._nc = await nats.connect(self.url, name=self.name, connect_timeout=1, reconnect_time_wait=0.5,
@@ -54,7 +54,7 @@ class NatsCoordinatorClient:
                                           error_cb=self._on_error, disconnected_cb=self._on_disconnect)
         except (OSError, asyncio.TimeoutError, nats.errors.Error) as e:
             self._nc = None
-            raise CoordinatorUnavailable(f"cannot connect to NATS at {self.url}: {e}") from e
+            raise CoordinatorUnavailable(f"cannot connect to NATS at {mask_credentials(self.url)}: {e}") from e
         self._js = self._nc.jetstream(timeout=self.timeout_s)
 
     async def _on_error(self, e: Exception) -> None:
