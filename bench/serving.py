@@ -122,6 +122,8 @@ class Run:
     wall_s: float = 0.0
     #: CPU seconds the worker process used during the run (all its threads).
     worker_cpu_s: float = 0.0
+    #: Worker counters that explain the cache fraction: evictions, fallbacks by reason.
+    counters: dict[str, float] = field(default_factory=dict)
     turns: list[Turn] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     #: Reply texts per agent, per turn (to compare on with off).
@@ -138,7 +140,8 @@ class Run:
                 "tok_per_worker_cpu_s": round((prompt + out) / self.worker_cpu_s, 1) if self.worker_cpu_s else None,
                 "output_tok_s": round(out / self.wall_s, 2),
                 "ttft_p50_ms": round(percentile(ttft, 50), 1), "ttft_p99_ms": round(percentile(ttft, 99), 1),
-                "cached_fraction": round(sum(t.cached_tokens for t in self.turns) / max(1, prompt), 3)}
+                "cached_fraction": round(sum(t.cached_tokens for t in self.turns) / max(1, prompt), 3),
+                **{k: round(v) for k, v in sorted(self.counters.items()) if v}}
 
 
 #: API keys of the two tenants (one per mode); the worker's config stores their sha256.
@@ -177,6 +180,23 @@ async def chat(http: Any, url: str, messages: list[dict[str, str]], max_tokens: 
                 usage["prompt_tokens_details"]["cached_tokens"], "".join(parts))
 
 
+_COUNTERS = {"evictions": ('kvl_worker_transitions_total', {"kind": "evict"}),
+             "fallbacks_grid": ("kvl_worker_fallbacks_total", {"reason": "grid"}),
+             "fallbacks_validation": ("kvl_worker_fallbacks_total", {"reason": "validation"}),
+             "fallbacks_degraded": ("kvl_worker_fallbacks_total", {"reason": "degraded"}),
+             "fallbacks_lease": ("kvl_worker_fallbacks_total", {"reason": "lease"})}
+
+
+async def counters(http: Any, url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {k: samples.get((name, tuple(sorted(labels.items()))), 0.0) for k, (name, labels) in _COUNTERS.items()}
+
+
 async def run_level(url: str, w: Workload, c: int, reuse: bool, seed: int, worker_pid: int = 0) -> Run:
     import aiohttp
 
@@ -206,10 +226,13 @@ async def run_level(url: str, w: Workload, c: int, reuse: bool, seed: int, worke
 
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as http:
+        before = await counters(http, url)
         t0, cpu0 = time.perf_counter(), cpu_seconds(worker_pid)
         await asyncio.gather(*(agent(i, http) for i in range(n)))
         run.wall_s = time.perf_counter() - t0
         run.worker_cpu_s = cpu_seconds(worker_pid) - cpu0 if worker_pid else 0.0
+        after = await counters(http, url)
+        run.counters = {k: after[k] - before[k] for k in after}
     return run
 
 
@@ -362,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 turns, short prompts; within 60 s")
     ap.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels (default 1,8,32)")
-    ap.add_argument("--pool-mb", type=int, default=64, help="worker.pool_bytes in MiB (default 64)")
+    ap.add_argument("--pool-mb", type=int, default=256, help="worker.pool_bytes in MiB (default 256)")
     ap.add_argument("--database-url", default=os.environ.get("KVL_DATABASE_URL", ""))
     ap.add_argument("--nats-url", default=os.environ.get("KVL_NATS_URL", ""))
     args = ap.parse_args(argv)
