@@ -18,6 +18,7 @@ fresh database and a unique subject prefix; this process plays the worker over N
   (its 4 unfilled writes abort). Throughput and per-request latency p50/p99. Baseline: a
   trivial nats-py responder process replying with a byte string of the real reply's size,
   driven with the same request bytes, concurrency and N, before and after the lease run.
+  Also a few hundred requests one at a time (latency without queueing), both ways.
 * **replay** — a log of ``--replay-events`` (1M) events built by the real core commands
   (register, acquire with reuse and LRU eviction, commit transitions, release, heartbeats)
   and bulk-loaded with COPY into a fresh database; then ``coordinator.replay.load_state``
@@ -29,11 +30,16 @@ fresh database and a unique subject prefix; this process plays the worker over N
   coordinator's start, which also creates the schema).
 
     python -m bench.coordinator            # 100k ingest, 20k leases, 1M-event replay
-    python -m bench.coordinator --quick    # 10k ingest, 3k leases, 50k-event replay; within 60 s
+    python -m bench.coordinator --quick    # 10k ingest, 2k leases, 50k-event replay; within 60 s
 
 Services: ``--database-url``/``--nats-url`` (default ``$KVL_DATABASE_URL``/``$KVL_NATS_URL``),
 else embedded PostgreSQL and NATS are started. Progress goes to stderr; the last line
-printed to stdout is one JSON object.
+printed to stdout is one JSON object: every figure with its baseline and ratio, N per
+phase, CPU microseconds per operation by process (``*_cpu_us_per_op_*``: coordinator, all
+postgres and nats-server processes on the machine, this process), the group-commit
+batches, how often the coordinator lost leadership, which goals were met, the load average.
+``--only ingest,leases,replay`` runs a subset. ``KVL_BENCH_PYSPY=<dir>`` (py-spy installed)
+samples the coordinator during the timed ingest and lease phases into ``<dir>``.
 """
 
 from __future__ import annotations
@@ -67,8 +73,6 @@ SETUP_LEASE_BLOCKS = 500
 PROMPT_BLOCKS, CACHED_BLOCKS = 16, 12
 #: Lease TTL the bench asks for (and configures): leases stay live until the release phase.
 LEASE_TTL_MS = 600_000
-#: Lease requests sent one at a time (latency without queueing).
-SERIAL_REQUESTS = 200
 COLUMNS = ["position", "stream_id", "stream_version", "source_id", "type", "payload", "leader_epoch"]
 
 
@@ -542,9 +546,10 @@ async def lease_phase(nc: Any, nats_url: str, coord: CoordinatorProc, w: BenchWo
         hs = cached[s:s + CACHED_BLOCKS] + [h(next(fresh)) for _ in range(PROMPT_BLOCKS - CACHED_BLOCKS)]
         return encode(w.acquire(hs, write=True, reuse=True, request_id=f"r{k}"))
 
-    warm = [prompt(-k) for k in range(1, 257)]
+    warm = [prompt(-k) for k in range(1, 1 + min(256, n // 20))]
     acq = [prompt(k) for k in range(n)]
-    serial = [prompt(n + k) for k in range(SERIAL_REQUESTS)]
+    # and some sent one at a time: the latency without queueing
+    serial = [prompt(n + k) for k in range(min(200, n // 30))]
     s = w.subjects
 
     async def leases(payloads: list[bytes], inflight: int = inflight) -> tuple[float, list[float], list[LeaseGrant]]:
@@ -655,7 +660,7 @@ class LogBuilder:
         self.rng = random.Random(seed)
         self.pool_slots = pool_slots
         self.prompt_blocks = prompt_blocks
-        self.now = messages.now_ms() - 3_600_000
+        self.now = self.last_heartbeat = messages.now_ms() - 3_600_000
         self.epoch = 0
         self.seq = 0
         self.next_block = 1
@@ -680,9 +685,9 @@ class LogBuilder:
         core, m = self.core, self.m
         out: list[Any] = []
         self.requests += 1
-        before = self.now
         self.now += 3
-        if self.now // 1000 != before // 1000:
+        if self.now - self.last_heartbeat >= 1000:
+            self.last_heartbeat = self.now
             _, evs = core.heartbeat(self.state, m.Heartbeat(worker_id=self.worker, epoch=self.epoch), self.now)
             out += self._apply(evs)
         n = self.prompt_blocks
@@ -1018,7 +1023,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     ap = argparse.ArgumentParser(prog="python -m bench.coordinator", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller runs; within 60 s")
     ap.add_argument("--ingest", type=int, help="transitions to ingest (default 100000, quick 10000)")
-    ap.add_argument("--leases", type=int, help="lease acquires (default 20000, quick 3000)")
+    ap.add_argument("--leases", type=int, help="lease acquires (default 20000, quick 2000)")
     ap.add_argument("--inflight", type=int, default=64, help="concurrent lease requests (default 64)")
     ap.add_argument("--replay-events", type=int, help="events in the replay log (default 1000000, quick 50000)")
     ap.add_argument("--only", default="", help="comma-separated subset of ingest,leases,replay")
@@ -1031,7 +1036,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             asyncio.run(echo_serve(args.nats_url, args.echo_serve))
         return None
     args.ingest = args.ingest or (10_000 if args.quick else 100_000)
-    args.leases = args.leases or (3_000 if args.quick else 20_000)
+    args.leases = args.leases or (2_000 if args.quick else 20_000)
     args.replay_events = args.replay_events or (50_000 if args.quick else 1_000_000)
     from shared.logging import configure_logging
     configure_logging("json", "warning")
