@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared import messages as m
+from shared.messages import ReplicaState
 from tests.faults import checker
 from tests.faults.harness import Observer, Stack, WorkerSpec, damage, make_read_only, make_writable, offload_files
 from tests.faults.workload import (
@@ -56,10 +58,13 @@ QUEUE_SIZE = 4
 
 
 def worker_specs() -> list[WorkerSpec]:
-    """wa, wb: ordinary workers. wp: one form's pool (``tail``, 2 slots) far too small for its load."""
+    """wa, wb: ordinary workers with small pools; wa offloads straight to disk, wb through a small
+    host tier (~8 window blocks) that spills to disk. wp: one form's pool (``tail``, 2 slots) far
+    too small for its load."""
     service = {"max_concurrency": MAX_CONCURRENCY, "queue_size": QUEUE_SIZE}
     return [WorkerSpec("wa", cache=SMALL_POOLS, worker={"pool_bytes": 2**20}, service=service),
-            WorkerSpec("wb", cache=SMALL_POOLS, worker={"pool_bytes": 2**20}, service=service),
+            WorkerSpec("wb", cache={**SMALL_POOLS, "host_tier_bytes": 200_000}, worker={"pool_bytes": 2**20},
+                       service=service),
             WorkerSpec("wp", cache={"tail_pool_limit": 0.005}, service=service)]
 
 
@@ -135,6 +140,8 @@ class Run:
         self.started_s = 0.0
         self.report: checker.Report | None = None
         self.audit: dict[str, Any] | None = None
+        #: forged transition's source id → (what is wrong with it, how the log holds it, reason)
+        self.forged: dict[str, tuple[str, str, str]] = {}
 
     async def _warm(self) -> None:
         """Every reference the drills need, computed while the stack starts."""
@@ -501,15 +508,56 @@ ALL = {"coordinator-kill": coordinator_kill, "worker-kill": worker_kill, "nats-k
 
 # --- the end of a run -----------------------------------------------------------------------------
 
+async def forge_illegal(run: Run) -> dict[str, str]:
+    """Publish transitions the ledger must refuse, as a confused or stale worker would; returns
+    ``{source id: what is wrong with it}``.
+
+    NOTE: the forged seqs of live epochs are far above anything the workers reach, so they
+    never collide with a real transition's source id.
+    """
+    stack = run.stack
+    workers = {w["worker_id"]: w for w in (await stack.admin_get("/v1/workers"))["workers"]}
+    ns = workers["wa"]["namespace"]
+    wa, wb = workers["wa"]["epoch"], workers["wb"]["epoch"]
+    block = "f" * 32
+    R = ReplicaState
+    forged = {
+        ("ghost", 1, 1, "gpu:ghost", R.ALLOCATED, R.READY): "a worker that never registered",
+        ("wa", 1, 10**6, "gpu:wa", R.READY, R.EVICTED): "wa's first epoch, fenced since",
+        ("wa", wa, 10**9, "gpu:wa", None, R.ALLOCATED): "a move only the coordinator makes (a grant)",
+        ("wb", wb, 10**9, "gpu:wa", R.ALLOCATED, R.READY): "wb committing a replica on wa's GPU",
+    }
+    assert wa > 1, "wa never re-registered: the fenced-epoch forgery needs an old epoch"
+    js = stack.nc.jetstream()
+    out = {}
+    for (wid, epoch, seq, loc, frm, to), why in forged.items():
+        t = m.TransitionEvent(worker_id=wid, epoch=epoch, seq=seq, namespace=ns, block_hash=block,
+                              parent_hash="0" * 32, token_start=0, token_end=16, form="swa", location=loc,
+                              from_state=frm, to_state=to, generation=1, checksum="c" * 32, ts_ms=m.now_ms())
+        await js.publish(stack.subjects.events(wid), m.encode(t), headers={"Nats-Msg-Id": t.source_id})
+        out[t.source_id] = why
+    return out
+
+
 async def final_check(run: Run) -> tuple[checker.Report, dict[str, Any]]:
-    """Heal, settle every outbox, then check the whole history and audit the ledger."""
+    """Heal, settle every outbox, forge illegal transitions, then check the whole history and
+    audit the ledger."""
     stack = run.stack
     await stack.heal()
     for w in stack.specs:
         assert await stack.flush(w, 30), f"{w}: outbox not drained by the commit watermark within 30s"
+    forged = await forge_illegal(run)
+    deadline = time.monotonic() + 30
+    while True:
+        log = await stack.events()
+        logged = {r["source_id"]: r for r in log if r["type"].startswith("transition.")}
+        if all(sid in logged for sid in forged) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.25)
     await run.observer.settle()
-    log = await stack.events()
     run.report = checker.check(log, run.observer.seen)
+    run.forged = {sid: (why, logged[sid]["type"] if sid in logged else "absent",
+                        logged.get(sid, {}).get("event", {}).get("reason", "")) for sid, why in forged.items()}
     run.audit = await stack.admin_post("/v1/audit", {"replay_from": "empty", "check_workers": True,
                                                      "timeout_ms": 10_000})
     return run.report, run.audit

@@ -135,7 +135,7 @@ class Stack:
                         **spec.cache}
         doc["worker"] = {"worker_id": wid, "host": "127.0.0.1", "port": self.ports[wid], "pool_bytes": 4 * 2**20,
                          "outbox_resend_ms": 500, **spec.worker}
-        doc["service"] = {"batch_window_ms": 5, "max_concurrency": 4, "queue_size": 8, **spec.service}
+        doc["service"] = {"batch_window_ms": 5, **spec.service}
         doc["auth"] = {"salt_secret": SALT_SECRET,
                        "keys": [{"key_sha256": key_sha256(api_key(t)), "tenant": t} for t in self.tenants]}
         doc["state_dir"] = str(self.root / f"{wid}-state")

@@ -103,6 +103,9 @@ def terminal(run: Run, title: str) -> str:
                      f"{rep['lost']}, duplicated {rep['duplicated']}, unexpected {rep['unexpected']}, illegal "
                      f"{rep['illegal']}, fenced reuse {rep['fenced_reuse']}; audit "
                      f"{'clean' if run.audit and run.audit.get('ok') else 'NOT clean'}")
+    if run.forged:
+        held = Counter(typ for _, typ, _ in run.forged.values())
+        lines.append(f"  forged illegal transitions: {len(run.forged)}, in the log as {_kinds(held)}")
     for f in run.faults:
         lines.append(f"  {f.drill:<17} ready {_s(f.ready_s):>6}  recovery {_s(f.recovery_s):>6}  requests "
                      f"{f.requests:>4}  mismatches {f.mismatches}  errors {_kinds(f.errors)}"
@@ -169,6 +172,11 @@ def section(run: Run, title: str, command: str) -> str:
     if rep and rep["rejected_by_reason"]:
         out += ["", "Transitions the coordinator rejected (recorded with their reason; each changed nothing): "
                 + _kinds(rep["rejected_by_reason"]) + "."]
+    if run.forged:
+        out += ["", "Illegal transitions published on purpose at the end (JetStream, as a confused or stale "
+                "worker would), and how the log holds them:", "",
+                "| source id | what is wrong | in the log | reason recorded |", "|---|---|---|---|"]
+        out += [f"| `{sid}` | {why} | {typ} | {reason[:120]} |" for sid, (why, typ, reason) in run.forged.items()]
     return "\n".join(out) + "\n"
 
 

@@ -48,6 +48,9 @@ async def test_history_is_clean_and_the_audit_passes(run: Run) -> None:
     publish(run, "make test: one pass of every drill", "make test (tests/faults/test_drills.py)")
     n = numbers(run)
     assert report.ok, f"history check: {report.problems()}"
+    # illegal transitions published on purpose are each in the log once, rejected with a reason
+    assert run.forged and all(typ == "transition.rejected" and reason for _, typ, reason in run.forged.values()), \
+        run.forged
     assert audit["ok"], f"audit: {audit}"
     assert n["mismatches"] == 0
     # the checker saw the run: transitions were published, acknowledged and logged

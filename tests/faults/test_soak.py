@@ -49,4 +49,5 @@ async def test_soak(tmp_path_factory: pytest.TempPathFactory) -> None:
     assert not run.failures, "drills failed:\n" + "\n".join(f"{d}: {e[:2000]}" for d, e in run.failures)
     assert numbers(run)["mismatches"] == 0
     assert report.ok, f"history check: {report.problems()}"
+    assert all(typ == "transition.rejected" and reason for _, typ, reason in run.forged.values()), run.forged
     assert audit["ok"], f"audit: {audit}"
