@@ -35,7 +35,12 @@ reports the worker process's CPU seconds, and ``cpu_throughput_ratio`` is the sa
 from them (the model thread is the bottleneck; its CPU time barely depends on others).
 
     python -m bench.serving            # 4 turns, prompts ~355 → ~830 tokens; a few minutes
-    python -m bench.serving --quick    # 2 turns, prompts ~245 → ~320 tokens; within 60 s on an idle machine
+    python -m bench.serving --quick    # 2 turns, prompts ~180 → ~240 tokens; about a minute on an idle machine
+
+Pools: ``--pool-mb`` (default 256) is ``worker.pool_bytes``. The window form (``swa``,
+24 KiB per block for the tiny model) is the scarce one: with the config's default 64 MiB,
+32 agents evict each other's latest windows and the cached fraction drops (the run
+reports ``evictions`` and ``fallbacks_*`` from the worker's counters when they happen).
 
 Services: ``--database-url``/``--nats-url`` (default ``$KVL_DATABASE_URL``/``$KVL_NATS_URL``),
 else embedded PostgreSQL and NATS. Progress goes to stderr; the last line printed is one
@@ -81,7 +86,7 @@ class Workload:
 
 
 FULL = Workload(system_chars=256, task_chars=64, observation_chars=128, turns=4, max_tokens=4, serial_agents=4)
-QUICK = Workload(system_chars=192, task_chars=16, observation_chars=48, turns=2, max_tokens=2, serial_agents=2)
+QUICK = Workload(system_chars=128, task_chars=16, observation_chars=32, turns=2, max_tokens=2, serial_agents=2)
 
 
 def _log(*a: Any) -> None:
