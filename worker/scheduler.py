@@ -49,7 +49,7 @@ import secrets
 import time
 import weakref
 from collections import Counter as _Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING

@@ -3,6 +3,8 @@ and not, cache reuse visible in usage and invisible in the output."""
 
 from __future__ import annotations
 
+import asyncio
+
 import openai
 import pytest
 
@@ -121,7 +123,6 @@ async def test_stop_strings_cut_the_output(serve) -> None:
 
 
 async def _settled(s) -> None:
-    import asyncio
     for _ in range(100):
         if not s.engine.sessions and s.live_leases() == 0:
             return

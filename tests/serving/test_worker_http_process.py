@@ -8,6 +8,7 @@ import re
 import signal
 import time
 
+import aiohttp
 import openai
 import pytest
 
@@ -67,7 +68,7 @@ async def test_openai_client_against_a_worker_process(cluster) -> None:
         # the same answer from the engine itself (NATS debug subject): the HTTP layer adds nothing
         direct = await cluster.generate("wh", list(PROMPT.encode()), 4)
         assert bytes(direct["tokens"]).decode("utf-8", "replace") == cold.choices[0].text
-        async with __import__("aiohttp").ClientSession() as http:
+        async with aiohttp.ClientSession() as http:
             async with http.get(url + "/readyz") as r:
                 body = await r.json()
                 assert r.status == 200 and body["status"] == "ready" and body["coordinator"] == "reachable"
