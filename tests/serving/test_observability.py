@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serving.conftest import MODEL
 from shared.messages import Control
+from tests.serving.conftest import MODEL, config
+from worker.client.twin import InProcessCoordinator
+from worker.engine import Engine
+from worker.http_server import bound_address, start_http
 
 PROMPT = "Observability: three blocks of prompt, then a bit more."   # 55 bytes
 
@@ -83,3 +87,31 @@ async def test_health_and_readiness_through_degraded_mode(serve) -> None:
         await s.twin.control("w1", Control(action="drain", reason="test"))
         status, body = await s.get("/readyz")
         assert status == 503 and body["status"] == "not_ready" and body["draining"]
+
+
+async def test_not_ready_until_registered_once(model, tmp_path) -> None:
+    cfg = config(tmp_path)
+    twin = InProcessCoordinator()
+    twin.down = True
+    engine = Engine(model, cfg, twin)
+    runner = await start_http(engine, cfg)
+    await engine.start(wait_s=0)
+    host, port = bound_address(runner)
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def readyz():
+                async with http.get(f"http://{host}:{port}/readyz") as r:
+                    return r.status, await r.json()
+
+            status, body = await readyz()
+            assert status == 503 and body["status"] == "starting" and body["coordinator"] == "unreachable"
+            twin.down = False
+            for _ in range(100):
+                status, body = await readyz()
+                if status == 200:
+                    break
+                await asyncio.sleep(0.05)
+            assert body["status"] == "ready" and body["epoch"] == 1
+    finally:
+        await runner.cleanup()
+        await engine.stop()

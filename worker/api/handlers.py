@@ -242,7 +242,13 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     """Readiness: model loaded, pools allocated, coordinator reachable (else ``degraded``: still
-    serving, by recomputation). 503 while the pools are missing, draining or shutting down."""
+    serving, by recomputation).
+
+    503 (``starting``) until the worker has registered with the coordinator once — a new
+    worker joins only once the ledger knows it — and (``not_ready``) while the pools are
+    missing, the worker drains or shuts down. A registered worker that loses the coordinator
+    stays 200 with status ``degraded``.
+    """
     engine = request.app[ENGINE]
     sched = request.app[SCHEDULER]
     h = engine.health()
@@ -253,8 +259,12 @@ async def readyz(request: web.Request) -> web.Response:
         coordinator = "unreachable" if not h.registered else "degraded"
     else:
         coordinator = "reachable"
-    ready = pools and not h.draining and not sched.closed
-    status = "not_ready" if not ready else ("degraded" if h.degraded else "ready")
+    starting = h.cache_enabled and h.epoch == 0
+    ready = pools and not h.draining and not sched.closed and not starting
+    if starting:
+        status = "starting"
+    else:
+        status = "not_ready" if not ready else ("degraded" if h.degraded else "ready")
     body = {"status": status, "model_loaded": True, "pools_allocated": pools, "coordinator": coordinator,
             "reason": h.reason, "epoch": h.epoch, "draining": h.draining, "queue_depth": sched.queue_depth,
             "running": sched.running, "pool_used": h.pool_used, "pool_slots": h.pool_slots}
