@@ -5,11 +5,11 @@ the history, and the drill starts from a cold cache and builds reuse turn by tur
 load, let some requests through, inject the fault, heal it the way an operator or a
 supervisor would, measure the recovery — seconds from the injection until a worker answers a
 request *with reuse* again (and, where a process restarted, until it was ready) — let the
-load run a while longer, stop it, and check the drill's requests:
-no answer differs from its cold reference, no conversation gave up, and every failed request
-failed with an error of a kind this fault explains. Evidence that the fault really hit the
-path it aims at (new epochs, failed disk writes, refused capacity, 429s) is recorded, and
-asserted where the stack must show it.
+load run a while longer, stop it, and check the drill's requests: no answer differs from its
+cold reference, no conversation gave up, and every failed request failed with an error of a
+kind this fault explains. Evidence that the fault really hit the path it aims at (new epochs,
+failed disk writes, rejected reloads, refused capacity, 429s) is recorded, and asserted where
+the stack must show it.
 
 The history over all drills is checked at the end (:func:`final_check`).
 """
@@ -69,7 +69,8 @@ def worker_specs() -> list[WorkerSpec]:
 
 
 def conversations(n: int) -> list[Conversation]:
-    """``n`` conversations over wa and wb, both channels, one hopping between the workers."""
+    """``n`` conversations: the first four on wa and wb over both channels, the fifth hopping
+    between them turn by turn, the sixth on wp, more alternating again."""
     base = [Conversation(0, "http", ("wa", "wb")), Conversation(1, "debug", ("wa", "wb")),
             Conversation(2, "http", ("wb", "wa")), Conversation(3, "debug", ("wb", "wa")),
             Conversation(4, "debug", ("wa", "wb"), hop=True), Conversation(5, "debug", ("wp", "wa"))]
@@ -142,6 +143,8 @@ class Run:
         self.audit: dict[str, Any] | None = None
         #: forged transition's source id → (what is wrong with it, how the log holds it, reason)
         self.forged: dict[str, tuple[str, str, str]] = {}
+        #: worker → its host tier against the ledger at the end (see :func:`host_drift`)
+        self.host_drift: dict[str, dict[str, int]] = {}
 
     async def _warm(self) -> None:
         """Every reference the drills need, computed while the stack starts."""
@@ -521,13 +524,14 @@ async def forge_illegal(run: Run) -> dict[str, str]:
     wa, wb = workers["wa"]["epoch"], workers["wb"]["epoch"]
     block = "f" * 32
     R = ReplicaState
+    # wa's first epoch is fenced once wa has re-registered (any drill that restarts something)
+    stale = ((1, "wa's first epoch, fenced since") if wa > 1 else (wa + 100, "an epoch wa never registered"))
     forged = {
         ("ghost", 1, 1, "gpu:ghost", R.ALLOCATED, R.READY): "a worker that never registered",
-        ("wa", 1, 10**6, "gpu:wa", R.READY, R.EVICTED): "wa's first epoch, fenced since",
+        ("wa", stale[0], 10**6, "gpu:wa", R.READY, R.EVICTED): stale[1],
         ("wa", wa, 10**9, "gpu:wa", None, R.ALLOCATED): "a move only the coordinator makes (a grant)",
         ("wb", wb, 10**9, "gpu:wa", R.ALLOCATED, R.READY): "wb committing a replica on wa's GPU",
     }
-    assert wa > 1, "wa never re-registered: the fenced-epoch forgery needs an old epoch"
     js = stack.nc.jetstream()
     out = {}
     for (wid, epoch, seq, loc, frm, to), why in forged.items():
@@ -537,6 +541,22 @@ async def forge_illegal(run: Run) -> dict[str, str]:
         await js.publish(stack.subjects.events(wid), m.encode(t), headers={"Nats-Msg-Id": t.source_id})
         out[t.source_id] = why
     return out
+
+
+async def host_drift(run: Run, wid: str) -> dict[str, int]:
+    """The worker's host tier against the ledger's READY ``host:<worker>`` replicas.
+
+    The audit compares GPU replicas only (a host tier may be shared by a node's workers), so
+    this compares what one worker's inventory reports in its own host tier.
+    """
+    stack = run.stack
+    msg = await stack.nc.request(stack.subjects.inventory(wid), m.encode(m.InventoryRequest(request_id="drills")),
+                                 timeout=10)
+    reply = m.decode(msg.data, expect=m.InventoryReply)
+    has = {(i.block_hash, i.form) for i in reply.items if i.location == f"host:{wid}"}
+    ledger = {(r["block_hash"], r["form"]) for r in await stack.replicas(location=f"host:{wid}", state="READY")}
+    return {"ledger": len(ledger), "worker": len(has), "ledger_only": len(ledger - has),
+            "worker_only": len(has - ledger)}
 
 
 async def final_check(run: Run) -> tuple[checker.Report, dict[str, Any]]:
@@ -558,6 +578,8 @@ async def final_check(run: Run) -> tuple[checker.Report, dict[str, Any]]:
     run.report = checker.check(log, run.observer.seen)
     run.forged = {sid: (why, logged[sid]["type"] if sid in logged else "absent",
                         logged.get(sid, {}).get("event", {}).get("reason", "")) for sid, why in forged.items()}
+    run.host_drift = {w: await host_drift(run, w) for w in stack.specs
+                      if stack.worker_config(w)["cache"].get("host_tier_bytes")}
     run.audit = await stack.admin_post("/v1/audit", {"replay_from": "empty", "check_workers": True,
                                                      "timeout_ms": 10_000})
     return run.report, run.audit

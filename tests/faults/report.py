@@ -14,36 +14,41 @@ if TYPE_CHECKING:
 
 HEADER = """# Reliability: fault drills and differential correctness
 
-What the fault drills in `tests/faults/` do to a running kvledger stack, and what they found.
-Each section below is one real run, written by the run itself (`KVL_WRITE_RELIABILITY=1`).
+The claim under test: **no wrong answer and no lost event, whatever fails.** `tests/faults`
+drives the real stack while faults are injected, then checks the whole history. Each section
+below is one real run, written by the run itself (`KVL_WRITE_RELIABILITY=1`).
 
 * **Stack**: embedded PostgreSQL and nats-server owned by the test (so they can be killed),
-  a coordinator process, three worker processes (`wa`, `wb` with small pools that spill to
-  a shared offload directory; `wp` with a 2-slot `tail` pool), tiny seeded model on CPU.
+  a coordinator process, three worker processes — `wa` and `wb` with small pools that spill
+  to a shared offload directory (`wa` straight to disk, `wb` through a small host tier), `wp`
+  with a 2-slot `tail` pool — the tiny seeded model on CPU.
 * **Load**: multi-turn conversations, each turn = previous prompt + previous answer + new
   tokens, greedy, over the OpenAI HTTP API (token-id prompts) and the workers' NATS debug
-  subject (token ids and logits), with bounded retries on errors; each drill uses its own
+  subject (token ids and logits), with bounded retries after errors; each drill uses its own
   tenant, so it starts cold and builds reuse turn by turn.
-* **Differential check**: every answer is compared with a cold run of a cache-disabled engine
-  (`Engine(model, cfg, client=None)`, same weights, one thread): token ids and logits bit for
-  bit on the debug channel; on HTTP the text, and with it the token ids whenever the text has
-  no replacement character (the byte tokenizer is then injective). Zero mismatches allowed.
+* **Differential check**: every answer is compared with the same request run cold on a
+  cache-disabled engine (`Engine(model, cfg, client=None)`: same weights, same prefill
+  schedule, one thread): token ids and logits bit for bit on the debug channel; on HTTP the
+  text and the token counts, which pins the token ids whenever the text has no replacement
+  character (the byte tokenizer is then injective). Zero mismatches allowed; a request may fail
+  only with an error of a kind its fault explains, counted by kind.
 * **History check** (Jepsen queue style, `tests/faults/checker.py`): a passive NATS observer
   records every transition published and every commit watermark announced; at the end the
-  whole log (`GET /v1/events`) is checked: acknowledged ⊆ logged (nothing *lost*), no source
-  id twice (*duplicated*), nothing logged unlike what was published (*unexpected*); an
-  independent fold of DESIGN.md's replica life cycle checks every applied transition was
-  legal, every lease pinned READY replicas it could read at the pinned generation, and no
-  GPU/host replica of a fenced epoch was pinned; then `POST /v1/audit` (replay from empty,
-  workers' inventories) must be clean.
+  whole log (`GET /v1/events`) is checked per (worker, epoch, seq): acknowledged ⊆ logged
+  (nothing *lost*), no source id twice (*duplicated*), nothing logged unlike what was published
+  (*unexpected*). An independent fold of DESIGN.md's replica life cycle checks that every
+  applied transition was legal, every lease pinned READY replicas it could read at the pinned
+  generation, and no GPU/host replica of a fenced epoch was pinned. Four illegal transitions
+  are forged on JetStream at the end and must be in the log once each, rejected with a reason.
+  Then `POST /v1/audit` (replay from empty, workers' inventories) must be clean.
 * **Recovery**: seconds from the injection until a worker answers a request *with reuse*
   again (probes poll every 0.2 s from the moment of injection); "ready" is until the restarted
   part answered its readiness probe (workers: registered, not degraded).
 
-How to run: `make test` runs the drills (`tests/faults/test_drills.py`, about 3–4 minutes on
-2 shared cores); `pytest tests/faults --soak` (or `KVL_SOAK=1`) adds the soak
-(`KVL_SOAK_CYCLES` cycles of every drill in a shuffled order, more and longer conversations);
-`KVL_WRITE_RELIABILITY=1` rewrites this file from the run.
+Reproduce: `make test` runs one pass of every drill (`tests/faults/test_drills.py`, 1.5–3
+minutes on 2 shared cores); `pytest tests/faults --soak` (or `KVL_SOAK=1` with any pytest
+command) adds the soak (`KVL_SOAK_CYCLES` cycles of every drill in a shuffled order, six
+conversations of five turns, longer outages); `KVL_WRITE_RELIABILITY=1` rewrites this file.
 """
 
 
@@ -83,6 +88,7 @@ def numbers(run: Run) -> dict[str, Any]:
         "reused_token_share": round(cached / prompt, 3) if prompt else 0.0,
         "compared": dict(Counter(r.compared for r in ok)),
         "mismatches": len(run.history.mismatches()),
+        "invalid_by_layer": dict(Counter(x.split(":", 1)[0] for r in ok for x in r.invalid)),
         "errors": dict(Counter(r.error for r in recs if not r.ok)),
         "load_errors": dict(Counter(r.error for r in load if not r.ok)),
         "conversations": run.settings.conversations, "turns": run.settings.turns,
@@ -156,7 +162,8 @@ def section(run: Run, title: str, command: str) -> str:
                f"violations {len(audit.get('invariant_violations') or [])}, drift "
                f"{len(audit.get('drift') or {})} on workers {audit.get('workers_checked')} |")
     out.append(f"| mismatches | **{n['mismatches']}** of {n['answered']} answers "
-               f"(compared: {_kinds(n['compared'])}) |")
+               f"(compared: {_kinds(n['compared'])}); replicas that failed hit validation on the way, by layer: "
+               f"{_kinds(n['invalid_by_layer'])} (each recomputed) |")
     out.append(f"| errors by kind | {_kinds(n['errors'])} (of which the conversations' own: "
                f"{_kinds(n['load_errors'])}; the rest are recovery probes polling a part that was down, and "
                f"the spike's refusals) |")
@@ -172,6 +179,11 @@ def section(run: Run, title: str, command: str) -> str:
     if rep and rep["rejected_by_reason"]:
         out += ["", "Transitions the coordinator rejected (recorded with their reason; each changed nothing): "
                 + _kinds(rep["rejected_by_reason"]) + "."]
+    if run.host_drift:
+        out += ["", "Host tiers against the ledger at the end (the audit compares GPU replicas only): "
+                + "; ".join(f"{w}: ledger {d['ledger']} READY, worker {d['worker']}, only in the ledger "
+                            f"{d['ledger_only']}, only on the worker {d['worker_only']}"
+                            for w, d in run.host_drift.items()) + "."]
     if run.forged:
         out += ["", "Illegal transitions published on purpose at the end (JetStream, as a confused or stale "
                 "worker would), and how the log holds them:", "",
