@@ -49,6 +49,12 @@ Reproduce: `make test` runs one pass of every drill (`tests/faults/test_drills.p
 minutes on 2 shared cores); `pytest tests/faults --soak` (or `KVL_SOAK=1` with any pytest
 command) adds the soak (`KVL_SOAK_CYCLES` cycles of every drill in a shuffled order, six
 conversations of five turns, longer outages); `KVL_WRITE_RELIABILITY=1` rewrites this file.
+
+Finding (no wrong answer, no lost event): a worker's host tier drops replicas that a live
+lease pins; the ledger rejects the eviction ("evict of a pinned replica" below) and keeps
+listing the replica READY after the lease ends, so a later lease pins bytes that are gone and
+that request's hit validation fails at its presence layer (it recomputes). Reduced to a
+strict-xfail test: `tests/faults/test_host_tier_pins.py`.
 """
 
 
