@@ -1,6 +1,6 @@
 """The fault drills: each injects one fault into the running stack while conversations run.
 
-Every drill has the same shape. Its ``tenant`` is its own: it labels the drill's requests in
+Every drill has the same shape. Its name is also its tenant: it labels the drill's requests in
 the history, and the drill starts from a cold cache and builds reuse turn by turn. Start the
 load, let some requests through, inject the fault, heal it the way an operator or a
 supervisor would, measure the recovery — seconds from the injection until a worker answers a
@@ -171,15 +171,23 @@ class Run:
         await self.stack.stop()
         await self.reference.stop()
 
-    def load(self, drill: str, tenant: str, convs: list[Conversation] | None = None) -> Load:
-        load = Load(self.stack, self.script, self.history, drill, tenant,
+    def load(self, drill: str, convs: list[Conversation] | None = None) -> Load:
+        """The drill's load (``drill`` is also its tenant), not started."""
+        load = Load(self.stack, self.script, self.history, drill, drill,
                     convs or conversations(self.settings.conversations))
         self.loads.append(load)
         return load
 
-    def probe(self, drill: str, tenant: str, since: float, *workers: str) -> asyncio.Future[list[float]]:
-        """Start probing ``workers`` for reuse now; the future gives each one's recovery seconds."""
-        fut = asyncio.gather(*[probe_reuse(self.stack, self.script, self.history, drill, w, tenant, since)
+    async def begin(self, drill: str) -> Load:
+        """Start the drill's load and let ``settings.before`` requests through."""
+        load = self.load(drill).start()
+        await load.wait_done(self.settings.before)
+        return load
+
+    def probe(self, drill: str, since: float, *workers: str) -> asyncio.Future[list[float]]:
+        """Start probing ``workers`` for reuse now (as the drill's tenant); the future gives each
+        one's recovery seconds."""
+        fut = asyncio.gather(*[probe_reuse(self.stack, self.script, self.history, drill, w, drill, since)
                                for w in workers])
         self.probes.append(fut)
         return fut
@@ -242,16 +250,14 @@ class Run:
 
 # --- the drills -----------------------------------------------------------------------------------
 
-async def coordinator_kill(run: Run, tenant: str) -> Fault:
+async def coordinator_kill(run: Run, drill: str) -> Fault:
     """kill -9 the coordinator under load; restart it after a moment; it replays the log."""
-    drill = tenant
-    load = run.load(drill, tenant).start()
-    await load.wait_done(run.settings.before)
+    load = await run.begin(drill)
     before = await run.epochs()
     f = Fault(drill, f"coordinator kill -9, restarted after {run.settings.coordinator_down_s}s", run.history.now())
     t0 = time.monotonic()
     run.stack.kill_coordinator()
-    probe = run.probe(drill, tenant, t0, "wa", "wb")
+    probe = run.probe(drill, t0, "wa", "wb")
     await asyncio.sleep(run.settings.coordinator_down_s)
     run.stack.start_coordinator()
     await run.stack.wait_coordinator()
@@ -268,18 +274,16 @@ async def coordinator_kill(run: Run, tenant: str) -> Fault:
     return run.close(f, set(), load)
 
 
-async def worker_kill(run: Run, tenant: str) -> Fault:
+async def worker_kill(run: Run, drill: str) -> Fault:
     """kill -9 a worker with requests in flight (wb, then wa, in turn); restart it; its old epoch is fenced."""
-    drill = tenant
     victim = ("wb", "wa")[run.count(worker_kill) % 2]
-    load = run.load(drill, tenant).start()
-    await load.wait_done(run.settings.before)
+    load = await run.begin(drill)
     old = (await run.epochs())[victim]
     f = Fault(drill, f"worker {victim} kill -9 under load, restarted at once", run.history.now())
     t0 = time.monotonic()
     run.stack.kill_worker(victim)
     run.stack.start_worker(victim)
-    probe = run.probe(drill, tenant, t0, victim)
+    probe = run.probe(drill, t0, victim)
     await run.stack.wait_worker(victim, epoch_above=old)
     f.ready_s = time.monotonic() - t0
     f.recovery_s = max(await probe)
@@ -291,16 +295,14 @@ async def worker_kill(run: Run, tenant: str) -> Fault:
     return run.close(f, KILLED_WORKER, load, only_on={victim})
 
 
-async def nats_kill(run: Run, tenant: str) -> Fault:
+async def nats_kill(run: Run, drill: str) -> Fault:
     """kill -9 nats-server (JetStream loses what it had not synced); restart it on the same port."""
-    drill = tenant
-    load = run.load(drill, tenant).start()
-    await load.wait_done(run.settings.before)
+    load = await run.begin(drill)
     before = await run.epochs()
     f = Fault(drill, f"nats-server kill -9, restarted after {run.settings.nats_down_s}s", run.history.now())
     t0 = time.monotonic()
     await run.stack.kill_nats()
-    probe = run.probe(drill, tenant, t0, "wa", "wb")
+    probe = run.probe(drill, t0, "wa", "wb")
     await asyncio.sleep(run.settings.nats_down_s)
     await run.stack.start_nats()
     for w in run.stack.specs:
@@ -315,18 +317,16 @@ async def nats_kill(run: Run, tenant: str) -> Fault:
     return run.close(f, NATS_DOWN, load)
 
 
-async def postgres_outage(run: Run, tenant: str) -> Fault:
+async def postgres_outage(run: Run, drill: str) -> Fault:
     """PostgreSQL down a while (requests must still be answered), then started again: killed -9
     (crash recovery) the first time, a clean fast shutdown the next, in turn."""
-    drill = tenant
     crash = run.count(postgres_outage) % 2 == 0
-    load = run.load(drill, tenant).start()
-    await load.wait_done(run.settings.before)
+    load = await run.begin(drill)
     how = "kill -9 (crash recovery on start)" if crash else "fast shutdown"
     f = Fault(drill, f"PostgreSQL {how}, down {run.settings.postgres_down_s}s, started again", run.history.now())
     t0, down_at = time.monotonic(), run.history.now()
     await (run.stack.kill_postgres() if crash else run.stack.stop_postgres())
-    probe = run.probe(drill, tenant, t0, "wa", "wb")
+    probe = run.probe(drill, t0, "wa", "wb")
     statuses: Counter[str] = Counter()
 
     def answered() -> int:
@@ -350,12 +350,10 @@ async def postgres_outage(run: Run, tenant: str) -> Fault:
     return run.close(f, set(), load)
 
 
-async def offload_readonly(run: Run, tenant: str) -> Fault:
+async def offload_readonly(run: Run, drill: str) -> Fault:
     """The shared offload directory made read-only (writes fail), then removed altogether."""
-    drill = tenant
     stack = run.stack
-    load = run.load(drill, tenant).start()
-    await load.wait_done(run.settings.before)
+    load = await run.begin(drill)
     root = stack.offload_dir
     root.mkdir(exist_ok=True)
     failures = "kvl_worker_offload_failures_total"
@@ -363,10 +361,10 @@ async def offload_readonly(run: Run, tenant: str) -> Fault:
     f = Fault(drill, "offload dir read-only (writes fail), then removed", run.history.now())
     t0 = time.monotonic()
     f.evidence["read_only"] = make_read_only(root)
-    probe = run.probe(drill, tenant, t0, "wa", "wb")
+    probe = run.probe(drill, t0, "wa", "wb")
     try:
         # fresh blocks (fresh tenants: nothing cached) until a worker has tried to write to disk
-        fails = await run.churn_until(drill, f"{tenant}-ro", lambda: _sum_metric(stack, failures, tier="disk"),
+        fails = await run.churn_until(drill, f"{drill}-ro", lambda: _sum_metric(stack, failures, tier="disk"),
                                       fails0)
     finally:
         make_writable(root)
@@ -376,7 +374,7 @@ async def offload_readonly(run: Run, tenant: str) -> Fault:
     await load.wait_done(run.settings.before)
     # after its back-off the tier is tried again and the writer recreates the directory
     await asyncio.sleep(OFFLOAD_RETRY_S)
-    written = await run.churn_until(drill, f"{tenant}-rm",
+    written = await run.churn_until(drill, f"{drill}-rm",
                                     lambda: _sum_metric(stack, "kvl_worker_offload_bytes_total", tier="disk"), written0)
     f.recovery_s = max(await probe)
     await load.stop()
@@ -387,16 +385,14 @@ async def offload_readonly(run: Run, tenant: str) -> Fault:
     return run.close(f, set(), load)
 
 
-async def offload_damage(run: Run, tenant: str) -> Fault:
+async def offload_damage(run: Run, drill: str) -> Fault:
     """Offload files corrupted (a flipped byte) and truncated; a reload must reject them and refill."""
-    drill = tenant
     stack = run.stack
-    load = run.load(drill, tenant).start()
-    await load.wait_done(run.settings.before)
+    load = await run.begin(drill)
     # the churn prompts on both workers, then other tenants' fresh blocks push them out to disk
-    await run.churn(drill, tenant, "wa", "wb")
+    await run.churn(drill, drill, "wa", "wb")
     for k in range(2):
-        await run.churn(drill, f"{tenant}-push{k}", "wa", "wb")
+        await run.churn(drill, f"{drill}-push{k}", "wa", "wb")
     for w in ("wa", "wb"):
         assert await stack.flush(w), f"{w}: spills and transitions not settled"
     files = offload_files(stack.offload_dir)
@@ -414,11 +410,11 @@ async def offload_damage(run: Run, tenant: str) -> Fault:
         with contextlib.suppress(FileNotFoundError):
             damage(p, how)
             kinds[how] += 1
-    probe = run.probe(drill, tenant, t0, "wa", "wb")
+    probe = run.probe(drill, t0, "wa", "wb")
     attempts0 = await _sum_metric(stack, "kvl_worker_reload_seconds_count", tier="disk")
     rejected0 = await _sum_metric(stack, "kvl_worker_reload_failures_total", tier="disk")
     # ask the churn prompts again: what a worker reuses of them now comes (partly) from disk
-    await run.churn(drill, tenant, "wa", "wb")
+    await run.churn(drill, drill, "wa", "wb")
     f.recovery_s = max(await probe)
     await load.wait_done(run.settings.after)
     await load.stop()
@@ -434,21 +430,20 @@ async def offload_damage(run: Run, tenant: str) -> Fault:
     return run.close(f, set(), load)
 
 
-async def pool_exhausted(run: Run, tenant: str) -> Fault:
+async def pool_exhausted(run: Run, drill: str) -> Fault:
     """Worker wp's ``tail`` pool (2 slots) under three concurrent conversations: capacity refused."""
-    drill = tenant
     stack = run.stack
     convs = [Conversation(cid, "http" if cid % 2 else "debug", ("wp",)) for cid in POOL_CONVERSATIONS]
     refused0 = await stack.metric("wp", "kvl_worker_lease_errors_total", code="over_capacity")
     fb0 = await stack.metric("wp", "kvl_worker_fallbacks_total")
     f = Fault(drill, f"wp's tail pool (2 slots) exhausted by {len(convs)} concurrent conversations", run.history.now())
     t0 = time.monotonic()
-    load = run.load(drill, tenant, convs).start()
+    load = run.load(drill, convs).start()
     await load.wait_done(len(convs) * run.script.turns)
     pools = await stack.admin_get("/v1/pools")
     await load.stop()
     # reuse comes back once the pressure is gone (from the start of the pressure)
-    f.recovery_s = max(await run.probe(drill, tenant, t0, "wp"))
+    f.recovery_s = max(await run.probe(drill, t0, "wp"))
     wp = next(p for p in pools["pools"] if p["worker_id"] == "wp")
     refused = await stack.metric("wp", "kvl_worker_lease_errors_total", code="over_capacity") - refused0
     fallbacks = await stack.metric("wp", "kvl_worker_fallbacks_total") - fb0
@@ -461,12 +456,10 @@ async def pool_exhausted(run: Run, tenant: str) -> Fault:
     return run.close(f, set(), load)
 
 
-async def spike(run: Run, tenant: str) -> Fault:
+async def spike(run: Run, drill: str) -> Fault:
     """5× service.max_concurrency requests at once on wa (2 running + 4 queued): the rest get a 429."""
-    drill = tenant
     stack = run.stack
-    load = run.load(drill, tenant).start()
-    await load.wait_done(run.settings.before)
+    load = await run.begin(drill)
     limit = MAX_CONCURRENCY
     prompts = spike_prompts(run.settings)
     n = len(prompts)
@@ -474,8 +467,8 @@ async def spike(run: Run, tenant: str) -> Fault:
     f = Fault(drill, f"{n} simultaneous requests on wa (max_concurrency {limit}, queue {QUEUE_SIZE})",
               run.history.now())
     t0 = time.monotonic()
-    burst = asyncio.gather(*[stack.http_generate("wa", p, 2, tenant) for p in prompts])
-    probe = run.probe(drill, tenant, t0, "wa")
+    burst = asyncio.gather(*[stack.http_generate("wa", p, 2, drill) for p in prompts])
+    probe = run.probe(drill, t0, "wa")
     replies = await burst
     for i, (p, r, w) in enumerate(zip(prompts, replies, wants)):
         run.history.add(drill, -2, i, p, r, w)
