@@ -60,6 +60,10 @@ EXTRA = {
     "coordinator.lease_ttl_ms": "A lease not renewed within this time expires (its pins and write "
                                 "reservations are released).",
     "coordinator.heartbeat_interval_ms": "How often workers heartbeat.",
+    "coordinator.resume_grace_ms": "A worker silent for `missed_heartbeats` intervals is suspended, its cache "
+                                   "kept for it; one that resumes within this time keeps its epoch and cache, "
+                                   "one that does not is fenced (its GPU/host replicas LOST). At least "
+                                   "`lease_ttl_ms`.",
     "coordinator.commit_batch_max": "Most events in one group-commit transaction.",
     "coordinator.snapshot_every_events": "Save a snapshot of the state after this many events (replay after a "
                                          "restart starts from the latest one).",

@@ -98,8 +98,11 @@ class CoordinatorConfig(_Section):
     admin_token: str = ""
     lease_ttl_ms: PosInt = 30000
     heartbeat_interval_ms: PosInt = 1000
-    #: Heartbeats missed before a worker is declared lost (its replicas LOST, leases released).
+    #: Heartbeats missed before a worker's epoch is suspended (then fenced after ``resume_grace_ms``).
     missed_heartbeats: PosInt = 5
+    #: A worker silent past the heartbeat timeout is *suspended* this long (its cache kept,
+    #: waiting for it to resume) before its epoch is fenced; at least ``lease_ttl_ms``.
+    resume_grace_ms: PosInt = 60000
     commit_batch_ms: Annotated[int, msgspec.Meta(ge=0)] = 2
     commit_batch_max: PosInt = 2000
     snapshot_every_events: PosInt = 100_000
@@ -274,6 +277,11 @@ def _cross_check(cfg: Config) -> None:
             f"{total:.3f}; they are fractions of one pool budget and may sum to at most 1.0")
     if cfg.service.max_context_length % 1 or cfg.service.max_context_length < c.block_size:
         raise ConfigError(f"config key service.max_context_length: must be ≥ cache.block_size ({c.block_size})")
+    co = cfg.coordinator
+    if co.resume_grace_ms < co.lease_ttl_ms:
+        raise ConfigError(f"config key coordinator.resume_grace_ms: {co.resume_grace_ms} is shorter than "
+                          f"coordinator.lease_ttl_ms ({co.lease_ttl_ms}); a suspended worker must be able to "
+                          "outlive its leases")
     if cfg.database.url and not cfg.database.url.startswith(("postgresql", "postgres")):
         raise ConfigError("config key database.url: expected a postgresql:// or postgresql+asyncpg:// URL")
     if cfg.nats.url and not cfg.nats.url.startswith(("nats://", "tls://", "ws://", "wss://")):

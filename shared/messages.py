@@ -42,6 +42,7 @@ class ErrorCode(enum.StrEnum):
     INVALID = "invalid"                # the message itself is malformed or illegal
     NOT_FOUND = "not_found"            # unknown lease, worker or block
     NOT_LEADER = "not_leader"          # this coordinator is a standby
+    SUSPENDED = "suspended"            # the caller's epoch is suspended: resume with an inventory first
 
 
 class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type", kw_only=True):
@@ -53,6 +54,17 @@ def now_ms() -> int:
 
 
 # --- registration and liveness -------------------------------------------------------
+
+class InventoryItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One replica a worker holds (for the audit and for a resume)."""
+
+    block_hash: Hex32
+    form: Name
+    location: str
+    generation: NonNeg
+    state: ReplicaState
+    checksum: str = ""
+
 
 class WorkerRegister(_Msg, tag="worker.register", kw_only=True):
     worker_id: Name
@@ -69,6 +81,40 @@ class RegisterReply(_Msg, tag="worker.registered", kw_only=True):
     epoch: Pos
     heartbeat_interval_ms: Pos = 1000
     lease_ttl_ms: Pos = 30000
+    #: How long the coordinator holds a silent epoch suspended before fencing it; a worker out
+    #: of contact for longer registers anew instead of resuming.
+    resume_grace_ms: NonNeg = 0
+
+
+class WorkerResume(_Msg, tag="worker.resume", kw_only=True):
+    """A worker whose process (and memory) lived through an outage asks to keep its epoch.
+
+    ``items`` is everything it holds on its GPU and its host tier; ``emitted_seq`` the last
+    transition seq it had emitted when it took that inventory (the coordinator answers
+    only once the log holds all of them, so the inventory and the log describe one moment).
+    """
+
+    worker_id: Name
+    epoch: Pos
+    namespace: Hex32
+    catalogue: FormCatalogue
+    pool_slots: dict[str, NonNeg] = {}
+    endpoint: str = ""
+    emitted_seq: NonNeg = 0
+    items: list[InventoryItem] = []
+
+
+class ResumeReply(_Msg, tag="worker.resumed", kw_only=True):
+    worker_id: Name
+    epoch: Pos
+    #: Replicas of the inventory the ledger keeps READY.
+    kept: NonNeg = 0
+    #: Copies the worker must drop (the ledger invalidated them, or never had them live).
+    drop: list[ReplicaRef] = []
+    committed_seq: NonNeg = 0
+    heartbeat_interval_ms: Pos = 1000
+    lease_ttl_ms: Pos = 30000
+    resume_grace_ms: NonNeg = 0
 
 
 class Heartbeat(_Msg, tag="worker.heartbeat", kw_only=True):
@@ -204,12 +250,6 @@ class InventoryRequest(_Msg, tag="inventory.request", kw_only=True):
     request_id: Name = "audit"
 
 
-class InventoryItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    block_hash: Hex32
-    form: Name
-    location: str
-    generation: NonNeg
-    state: ReplicaState
 
 
 class InventoryReply(_Msg, tag="inventory.reply", kw_only=True):
@@ -231,7 +271,7 @@ class ControlAck(_Msg, tag="control.ack", kw_only=True):
 
 
 Message = Union[
-    WorkerRegister, RegisterReply, Heartbeat, HeartbeatReply,
+    WorkerRegister, RegisterReply, WorkerResume, ResumeReply, Heartbeat, HeartbeatReply,
     LeaseAcquire, LeaseGrant, LeaseRenew, LeaseRenewed, LeaseRelease, LeaseReleased, ErrorReply,
     TransitionEvent, CommitWatermark,
     InventoryRequest, InventoryReply, Control, ControlAck,

@@ -32,6 +32,8 @@ class Subjects:
     def worker_register(self) -> str: return f"{self.prefix}.worker.register"
     @property
     def worker_heartbeat(self) -> str: return f"{self.prefix}.worker.heartbeat"
+    @property
+    def worker_resume(self) -> str: return f"{self.prefix}.worker.resume"
 
     # JetStream transitions
     @property

@@ -17,13 +17,13 @@ Map:
 from coordinator.core.commands import (
     CoreError, ReplicaPinned, UnknownReplica, UnknownScope, UnknownWorker, acquire_lease, drain_worker,
     evict_replica, expire, heartbeat, ingest_transition, invalidate, lease_deadline, readable_locations,
-    register_worker, release_lease, renew_lease, resume,
+    register_worker, release_lease, renew_lease, resume, resume_worker,
 )
 from coordinator.core.events import (
     EVENT_SCHEMA_VERSION, EVENT_TYPES, CoordinatorResumed, EventDecodeError, Invalidated, LeaseExpired,
     LeaseGranted, LeaseReleased, LeaseRenewed, LedgerEvent, ReplicaAllocated, ReplicaEvicted,
     TransitionApplied, TransitionRejected, WorkerDraining, WorkerHeartbeat, WorkerLost, WorkerRegistered,
-    decode_event, encode_event, stream_of,
+    WorkerResumed, WorkerSuspended, decode_event, encode_event, stream_of,
 )
 from coordinator.core.invariants import check_invariants
 from coordinator.core.lifecycle import TRANSITIONS, IllegalTransition, kind_of, step
@@ -38,7 +38,7 @@ __all__ = [
     "EVENT_SCHEMA_VERSION", "EVENT_TYPES", "CoordinatorResumed", "EventDecodeError", "Invalidated", "LeaseExpired",
     "LeaseGranted", "LeaseReleased", "LeaseRenewed", "LedgerEvent", "ReplicaAllocated", "ReplicaEvicted",
     "TransitionApplied", "TransitionRejected", "WorkerDraining", "WorkerHeartbeat", "WorkerLost",
-    "WorkerRegistered", "decode_event", "encode_event", "stream_of",
+    "WorkerRegistered", "WorkerResumed", "WorkerSuspended", "decode_event", "encode_event", "stream_of",
     # state
     "CoreParams", "Lease", "LedgerState", "Replica", "ReplicaKey", "ReplayError", "SnapshotError", "Watermark",
     "WorkerRecord", "apply", "from_snapshot", "replay", "state_hash", "to_snapshot",
@@ -49,7 +49,7 @@ __all__ = [
     # commands
     "CoreError", "ReplicaPinned", "UnknownReplica", "UnknownScope", "UnknownWorker", "acquire_lease",
     "drain_worker", "evict_replica", "expire", "heartbeat", "ingest_transition", "invalidate", "lease_deadline",
-    "readable_locations", "register_worker", "release_lease", "renew_lease", "resume",
+    "readable_locations", "register_worker", "release_lease", "renew_lease", "resume", "resume_worker",
     # invariants
     "check_invariants",
 ]

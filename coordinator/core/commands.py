@@ -20,7 +20,7 @@ on the same state (events are decided against the state they were computed from)
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from coordinator.core import events as ev
@@ -76,8 +76,10 @@ def _ref(r: Replica) -> m.ReplicaRef:
                         generation=r.generation, checksum=r.checksum)
 
 
-def _live_worker(state: LedgerState, worker_id: str, epoch: int) -> WorkerRecord | m.ErrorReply:
-    """The worker if ``epoch`` is its live epoch, else the ErrorReply to send."""
+def _live_worker(state: LedgerState, worker_id: str, epoch: int, *,
+                 suspended_ok: bool = False) -> WorkerRecord | m.ErrorReply:
+    """The worker if ``epoch`` is its live epoch (and not suspended, unless ``suspended_ok``),
+    else the ErrorReply to send."""
     w = state.workers.get(worker_id)
     if w is None:
         return _error(m.ErrorCode.NOT_FOUND, f"worker {worker_id} is not registered; register first")
@@ -85,6 +87,9 @@ def _live_worker(state: LedgerState, worker_id: str, epoch: int) -> WorkerRecord
         state_word = "current" if w.alive else "lost"
         return _error(m.ErrorCode.FENCED, f"worker {worker_id} epoch {epoch} is fenced "
                       f"(latest epoch {w.epoch}, {state_word}); re-register for a new epoch")
+    if w.suspended and not suspended_ok:
+        return _error(m.ErrorCode.SUSPENDED, f"worker {worker_id} epoch {epoch} is suspended since "
+                      f"{w.suspended_at_ms} ms; resume it with an inventory")
     return w
 
 
@@ -118,17 +123,96 @@ def register_worker(state: LedgerState, msg: m.WorkerRegister,
         pool_slots=dict(msg.pool_slots), endpoint=msg.endpoint, at_ms=now_ms))
     p = state.params
     return m.RegisterReply(worker_id=msg.worker_id, epoch=epoch, heartbeat_interval_ms=p.heartbeat_interval_ms,
-                           lease_ttl_ms=p.lease_ttl_ms), events
+                           lease_ttl_ms=p.lease_ttl_ms, resume_grace_ms=p.resume_grace_ms), events
 
 
 def heartbeat(state: LedgerState, msg: m.Heartbeat,
               now_ms: int) -> tuple[m.HeartbeatReply | m.ErrorReply, Events]:
-    """Liveness, answered with the epoch's commit watermark (what the worker may drop from its outbox)."""
+    """Liveness, answered with the epoch's commit watermark (what the worker may drop from its outbox).
+
+    Never an event: liveness is soft state the shell keeps (see :func:`expire`); the log
+    records only what it decides. A suspended epoch is told to resume.
+    """
     w = _live_worker(state, msg.worker_id, msg.epoch)
     if isinstance(w, m.ErrorReply):
         return w, []
-    return (m.HeartbeatReply(committed_seq=state.committed_seq(w.worker_id, w.epoch)),
-            [ev.WorkerHeartbeat(worker_id=w.worker_id, epoch=w.epoch, at_ms=now_ms)])
+    return m.HeartbeatReply(committed_seq=state.committed_seq(w.worker_id, w.epoch)), []
+
+
+def _same_worker(w: WorkerRecord, msg: m.WorkerResume) -> str:
+    """Why ``msg`` cannot continue ``w``'s epoch ("" if it can)."""
+    if msg.namespace != w.namespace:
+        return f"namespace {msg.namespace} differs from the epoch's {w.namespace} (another model)"
+    if [f.spec_digest for f in msg.catalogue.forms] != [f.spec_digest for f in w.catalogue.forms]:
+        return "its form catalogue differs from the one it registered"
+    if dict(msg.pool_slots) != w.pool_slots:
+        return "its pool sizes differ from the ones it registered"
+    return ""
+
+
+def resume_worker(state: LedgerState, msg: m.WorkerResume,
+                  now_ms: int) -> tuple[m.ResumeReply | m.ErrorReply, Events]:
+    """A worker that kept its memory keeps its epoch: its inventory is reconciled with the ledger.
+
+    Refused (``FENCED``/``NOT_FOUND``: register anew, dropping the cache) for an unknown or
+    fenced epoch, a changed model or pool layout, or an epoch suspended past the grace period
+    (fenced now). ``UNAVAILABLE`` until the log holds every transition the worker emitted
+    before its inventory. Otherwise, for each of the epoch's READY replicas on its GPU and
+    host tier: held with the same generation and checksum → kept; anything else → INVALID.
+    Copies the worker holds that the ledger does not list live are returned to drop.
+    ALLOCATED replicas (writes of live leases) are left to their leases. Disk replicas are
+    shared and verified on every reload, so they are not part of a worker's inventory.
+    """
+    w = _live_worker(state, msg.worker_id, msg.epoch, suspended_ok=True)
+    if isinstance(w, m.ErrorReply):
+        return w, []
+    p = state.params
+    why = _same_worker(w, msg)
+    if why:
+        return _error(m.ErrorCode.FENCED, f"worker {w.worker_id} cannot resume epoch {w.epoch}: {why}; "
+                      "register for a new epoch"), []
+    if w.suspended and now_ms - w.suspended_at_ms > p.resume_grace_ms:
+        lost = _lose(state, w, f"resumed {now_ms - w.suspended_at_ms} ms after its suspension "
+                               f"(grace {p.resume_grace_ms} ms)", now_ms)
+        return _error(m.ErrorCode.FENCED, f"worker {w.worker_id} epoch {w.epoch} stayed suspended past the "
+                      f"grace period ({p.resume_grace_ms} ms) and is fenced; register for a new epoch"), [lost]
+    committed = state.committed_seq(w.worker_id, w.epoch)
+    if msg.emitted_seq > committed:
+        return _error(m.ErrorCode.UNAVAILABLE, f"the log holds this epoch's transitions up to seq {committed}, "
+                      f"the worker emitted up to {msg.emitted_seq}; resume once they are in",
+                      RETRY_AFTER_MS), []
+    own = (w.gpu, w.host)
+    held: dict[ReplicaKey, m.InventoryItem] = {}
+    for it in msg.items:
+        if it.location not in own:
+            return _error(m.ErrorCode.INVALID, f"inventory names location {it.location!r}; worker "
+                          f"{w.worker_id} holds replicas only at {list(own)}"), []
+        held[(it.block_hash, it.form, it.location)] = it
+    replicas = state.replicas
+    invalidated: list[ReplicaKey] = []
+    live: set[ReplicaKey] = set()
+    kept = 0
+    for key in state.live_keys(w):
+        if key[2] not in own:
+            continue
+        live.add(key)
+        r = replicas[key]
+        if r.state is ALLOCATED:
+            continue
+        h = held.get(key)
+        if h is None or h.generation != r.generation or h.checksum != r.checksum:
+            invalidated.append(key)
+        else:
+            kept += 1
+    invalidated.sort()
+    dropped = sorted(k for k in held if k not in live)
+    drop = [m.ReplicaRef(block_hash=k[0], form=k[1], location=k[2], generation=held[k].generation,
+                         checksum=held[k].checksum) for k in (*invalidated, *dropped) if k in held]
+    event = ev.WorkerResumed(worker_id=w.worker_id, epoch=w.epoch, kept=kept, invalidated=invalidated,  # type: ignore[arg-type]
+                             dropped=dropped, at_ms=now_ms)
+    return m.ResumeReply(worker_id=w.worker_id, epoch=w.epoch, kept=kept, drop=drop, committed_seq=committed,
+                         heartbeat_interval_ms=p.heartbeat_interval_ms, lease_ttl_ms=p.lease_ttl_ms,
+                         resume_grace_ms=p.resume_grace_ms), [event]
 
 
 def drain_worker(state: LedgerState, worker_id: str, now_ms: int = 0, reason: str = "") -> Events:
@@ -142,8 +226,16 @@ def drain_worker(state: LedgerState, worker_id: str, now_ms: int = 0, reason: st
 
 
 def resume(state: LedgerState, now_ms: int) -> Events:
-    """A coordinator took over: liveness clocks restart now (see ``CoordinatorResumed``)."""
-    return [ev.CoordinatorResumed(at_ms=now_ms)]
+    """A coordinator took over: liveness clocks restart now (see ``CoordinatorResumed``), and
+    every live epoch is suspended until its worker resumes with an inventory (it may have
+    changed its cache while no coordinator listened; nothing is fenced for that)."""
+    events: Events = [ev.CoordinatorResumed(at_ms=now_ms)]
+    for wid in sorted(state.workers):
+        w = state.workers[wid]
+        if w.alive and not w.suspended:
+            events.append(ev.WorkerSuspended(worker_id=wid, epoch=w.epoch, reason="coordinator takeover",
+                                             at_ms=now_ms))
+    return events
 
 
 # --- leases ------------------------------------------------------------------------------
@@ -317,6 +409,10 @@ def renew_lease(state: LedgerState, msg: m.LeaseRenew,
     lease = _lease_of(state, msg.worker_id, msg.epoch, msg.lease_id)
     if isinstance(lease, m.ErrorReply):
         return lease, []
+    w = state.workers.get(lease.worker_id)
+    if w is not None and w.suspended:
+        return _error(m.ErrorCode.SUSPENDED, f"worker {w.worker_id} epoch {w.epoch} is suspended; resume it "
+                      "with an inventory before renewing its leases"), []
     deadline = lease_deadline(state, lease)
     if now_ms >= deadline:
         return _error(m.ErrorCode.NOT_FOUND, f"lease {msg.lease_id} expired at {deadline} ms"), []
@@ -347,18 +443,36 @@ def release_lease(state: LedgerState, msg: m.LeaseRelease,
     return m.LeaseReleased(lease_id=lease.lease_id), events
 
 
-def expire(state: LedgerState, now_ms: int) -> Events:
-    """Workers silent past ``missed_heartbeats × interval`` are lost; leases past their TTL end."""
+def expire(state: LedgerState, now_ms: int, last_seen: Mapping[tuple[str, int], int] | None = None,
+           floor_ms: int = 0) -> Events:
+    """Liveness and lease decisions at ``now_ms``.
+
+    A worker epoch silent past ``missed_heartbeats × interval`` is suspended; one suspended
+    for longer than ``resume_grace_ms`` is lost (fenced). Leases past their TTL end.
+    ``last_seen`` is the shell's soft state: when each ``(worker, epoch)`` was last heard
+    from; ``floor_ms`` a time before which silence is not the worker's fault (the
+    coordinator's own stall). Registration, resume and takeover times count as heard.
+    """
     p = state.params
-    floor = state.resumed_at_ms
+    floor = max(state.resumed_at_ms, floor_ms)
+    seen = last_seen or {}
     events: Events = []
     lost: set[str] = set()
     for wid in sorted(state.workers):
         w = state.workers[wid]
-        if w.alive and now_ms - max(w.last_heartbeat_ms, floor) > p.heartbeat_timeout_ms:
-            events.append(_lose(state, w, f"no heartbeat for {now_ms - w.last_heartbeat_ms} ms "
-                                          f"(limit {p.heartbeat_timeout_ms} ms)", now_ms))
-            lost.add(wid)
+        if not w.alive:
+            continue
+        if w.suspended:
+            if now_ms - w.suspended_at_ms > p.resume_grace_ms:
+                events.append(_lose(state, w, f"suspended for {now_ms - w.suspended_at_ms} ms without resuming "
+                                              f"(grace {p.resume_grace_ms} ms)", now_ms))
+                lost.add(wid)
+            continue
+        heard = max(w.last_heartbeat_ms, seen.get((wid, w.epoch), 0))
+        if now_ms - max(heard, floor) > p.heartbeat_timeout_ms:
+            events.append(ev.WorkerSuspended(worker_id=wid, epoch=w.epoch, at_ms=now_ms,
+                                             reason=f"no heartbeat for {now_ms - heard} ms "
+                                                    f"(limit {p.heartbeat_timeout_ms} ms)"))
     for lid in sorted(state.leases):
         lease = state.leases[lid]
         if lease.worker_id not in lost and now_ms >= lease_deadline(state, lease):

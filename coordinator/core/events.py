@@ -119,8 +119,36 @@ class WorkerRegistered(_Event, tag="worker.registered", kw_only=True):
 
 
 class WorkerHeartbeat(_Event, tag="worker.heartbeat", kw_only=True):
+    """Read from older logs only: liveness is soft state now, and only its decisions
+    (:class:`WorkerSuspended`, :class:`WorkerResumed`, :class:`WorkerLost`) are logged."""
+
     worker_id: str
     epoch: int
+
+
+class WorkerSuspended(_Event, tag="worker.suspended", kw_only=True):
+    """The epoch went silent (or a coordinator took over): its replicas are kept, it gets no
+    lease until it resumes, and it is fenced if it has not resumed within the grace period."""
+
+    worker_id: str
+    epoch: int
+    reason: str = ""
+
+
+class WorkerResumed(_Event, tag="worker.resumed", kw_only=True):
+    """The worker's process lived through the outage and kept its epoch.
+
+    Its inventory was reconciled with the ledger: ``invalidated`` replicas (the ledger had
+    them READY, the worker no longer holds those bytes, or holds another generation or
+    checksum) become INVALID; ``dropped`` are copies the worker held that the ledger does
+    not list live (it drops them; no replica changes). ``kept`` counts the rest.
+    """
+
+    worker_id: str
+    epoch: int
+    kept: NonNeg = 0
+    invalidated: list[RKey] = []
+    dropped: list[RKey] = []
 
 
 class WorkerDraining(_Event, tag="worker.draining", kw_only=True):
@@ -249,7 +277,7 @@ class CoordinatorResumed(_Event, tag="coordinator.resumed", kw_only=True):
 
 
 LedgerEvent = Union[
-    WorkerRegistered, WorkerHeartbeat, WorkerDraining, WorkerLost,
+    WorkerRegistered, WorkerHeartbeat, WorkerSuspended, WorkerResumed, WorkerDraining, WorkerLost,
     LeaseGranted, LeaseRenewed, LeaseReleased, LeaseExpired,
     ReplicaAllocated, ReplicaEvicted,
     TransitionApplied, TransitionRejected, Invalidated, CoordinatorResumed,
@@ -326,7 +354,7 @@ def stream_of(e: _Event) -> str:
         return replica_stream(e.block_hash, e.form, e.location)  # type: ignore[attr-defined]
     if t in (LeaseGranted, LeaseRenewed, LeaseReleased, LeaseExpired):
         return f"lease:{e.lease_id}"  # type: ignore[attr-defined]
-    if t in (WorkerRegistered, WorkerHeartbeat, WorkerDraining, WorkerLost):
+    if t in (WorkerRegistered, WorkerHeartbeat, WorkerSuspended, WorkerResumed, WorkerDraining, WorkerLost):
         return f"worker:{e.worker_id}"  # type: ignore[attr-defined]
     if t is TransitionRejected:
         return f"worker:{e.transition.worker_id}"  # type: ignore[attr-defined]

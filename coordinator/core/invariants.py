@@ -74,6 +74,8 @@ def check_invariants(state: LedgerState) -> list[str]:
             out.append(f"worker {wid}: offloaded-replica index differs from recomputation")
         if not w.alive and state.live_keys(w):
             out.append(f"worker {wid}: lost, yet holds live replicas")
+        if w.suspended and not w.alive:
+            out.append(f"worker {wid}: suspended at {w.suspended_at_ms} ms, yet its epoch is fenced")
         lease_ids = {lid for lid, l in state.leases.items() if l.worker_id == wid and l.epoch == w.epoch}
         if set(w.leases) != lease_ids:
             out.append(f"worker {wid}: lease index {sorted(w.leases)} != {sorted(lease_ids)}")

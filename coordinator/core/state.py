@@ -36,7 +36,7 @@ ReplicaKey = tuple[str, str, str]
 #: ``(worker_id, form)``: one pool of one worker.
 PoolKey = tuple[str, str]
 
-SNAPSHOT_VERSION: Final = 1
+SNAPSHOT_VERSION: Final = 2
 
 
 class ReplayError(RuntimeError):
@@ -49,8 +49,10 @@ class CoreParams:
 
     lease_ttl_ms: int = 30_000
     heartbeat_interval_ms: int = 1_000
-    #: Heartbeats missed before a worker is declared lost.
+    #: Heartbeats missed before a worker's epoch is suspended.
     missed_heartbeats: int = 5
+    #: How long a suspended epoch waits for its worker to resume before it is fenced.
+    resume_grace_ms: int = 60_000
     #: Cap on ALLOCATED+READY GPU replicas per tenant across all workers (0 = unlimited).
     tenant_quota_replicas: int = 0
     #: Longest list of rejected boundaries a grant reports (the rest are summarised).
@@ -66,6 +68,7 @@ class CoreParams:
         return cls(lease_ttl_ms=coordinator.lease_ttl_ms,
                    heartbeat_interval_ms=coordinator.heartbeat_interval_ms,
                    missed_heartbeats=coordinator.missed_heartbeats,
+                   resume_grace_ms=coordinator.resume_grace_ms,
                    tenant_quota_replicas=coordinator.tenant_quota_replicas)
 
 
@@ -133,11 +136,14 @@ class WorkerRecord:
     node: str
     registered_at_ms: int
     last_heartbeat_ms: int
-    #: False once the current epoch is lost (heartbeat timeout, fencing).
+    #: False once the current epoch is lost (fenced: superseded, or suspended past the grace).
     alive: bool = True
     draining: bool = False
     #: Every epoch ≤ this one is fenced.
     fenced_through: int = 0
+    #: When the current (alive) epoch was suspended; 0 = not suspended. A suspended epoch
+    #: keeps its replicas but gets no lease until its worker resumes with an inventory.
+    suspended_at_ms: int = 0
     # derived:
     #: ALLOCATED/READY host/disk replicas the current epoch created (its GPU ones are in
     #: ``LedgerState.pools``).
@@ -157,6 +163,10 @@ class WorkerRecord:
 
     def is_fenced(self, epoch: int) -> bool:
         return epoch <= self.fenced_through
+
+    @property
+    def suspended(self) -> bool:
+        return self.suspended_at_ms > 0
 
 
 @dataclass(slots=True, eq=False)
@@ -349,7 +359,30 @@ def _apply_worker_registered(s: LedgerState, e: ev.WorkerRegistered) -> None:
 
 
 def _apply_heartbeat(s: LedgerState, e: ev.WorkerHeartbeat) -> None:
+    # NOTE: heartbeats are soft state now; logs written before that still hold them.
     _worker(s, e.worker_id, e.epoch).last_heartbeat_ms = e.at_ms
+
+
+def _alive_worker(s: LedgerState, worker_id: str, epoch: int) -> WorkerRecord:
+    w = _worker(s, worker_id, epoch)
+    if not w.alive:
+        raise ReplayError(f"worker {worker_id} epoch {epoch} is fenced; it cannot be suspended or resumed")
+    return w
+
+
+def _apply_suspended(s: LedgerState, e: ev.WorkerSuspended) -> None:
+    w = _alive_worker(s, e.worker_id, e.epoch)
+    if w.suspended:
+        raise ReplayError(f"worker {e.worker_id} epoch {e.epoch} suspended twice")
+    w.suspended_at_ms = max(e.at_ms, 1)
+
+
+def _apply_resumed(s: LedgerState, e: ev.WorkerResumed) -> None:
+    w = _alive_worker(s, e.worker_id, e.epoch)
+    for key in e.invalidated:
+        _move(s, tuple(key), "invalidate")  # type: ignore[arg-type]
+    w.suspended_at_ms = 0
+    w.last_heartbeat_ms = e.at_ms
 
 
 def _apply_draining(s: LedgerState, e: ev.WorkerDraining) -> None:
@@ -367,6 +400,7 @@ def _apply_worker_lost(s: LedgerState, e: ev.WorkerLost) -> None:
     w.offloaded.clear()
     w.alive = False
     w.draining = False
+    w.suspended_at_ms = 0
     w.fenced_through = e.epoch
     if w.leases:
         raise ReplayError(f"worker {e.worker_id} lost with leases not released: {sorted(w.leases)}")
@@ -471,13 +505,15 @@ def _apply_invalidated(s: LedgerState, e: ev.Invalidated) -> None:
         _move(s, tuple(key), "invalidate")  # type: ignore[arg-type]
 
 
-def _apply_resumed(s: LedgerState, e: ev.CoordinatorResumed) -> None:
+def _apply_coordinator_resumed(s: LedgerState, e: ev.CoordinatorResumed) -> None:
     s.resumed_at_ms = e.at_ms
 
 
 _APPLY: Final[dict[type, Callable[[LedgerState, Any], None]]] = {
     ev.WorkerRegistered: _apply_worker_registered,
     ev.WorkerHeartbeat: _apply_heartbeat,
+    ev.WorkerSuspended: _apply_suspended,
+    ev.WorkerResumed: _apply_resumed,
     ev.WorkerDraining: _apply_draining,
     ev.WorkerLost: _apply_worker_lost,
     ev.LeaseGranted: _apply_lease_granted,
@@ -489,7 +525,7 @@ _APPLY: Final[dict[type, Callable[[LedgerState, Any], None]]] = {
     ev.TransitionApplied: _apply_transition_applied,
     ev.TransitionRejected: _apply_transition_rejected,
     ev.Invalidated: _apply_invalidated,
-    ev.CoordinatorResumed: _apply_resumed,
+    ev.CoordinatorResumed: _apply_coordinator_resumed,
 }
 assert set(_APPLY) == set(ev.EVENT_TYPES.values()), "every ledger event needs a fold"
 
@@ -543,7 +579,8 @@ def no_gc() -> Iterator[None]:
 def _canon(s: LedgerState) -> list[Any]:
     workers = [[w.worker_id, w.epoch, w.namespace, w.catalogue.model_id, w.catalogue.block_size,
                 [f.spec_digest for f in w.catalogue.forms], sorted(w.pool_slots.items()), w.endpoint, w.node,
-                w.registered_at_ms, w.last_heartbeat_ms, w.alive, w.draining, w.fenced_through]
+                w.registered_at_ms, w.last_heartbeat_ms, w.alive, w.draining, w.fenced_through,
+                w.suspended_at_ms]
                for _, w in sorted(s.workers.items())]
     replicas = [[*k, r.state.value, r.generation, r.checksum, r.tenant, r.namespace, r.parent_hash,
                  r.token_start, r.token_end, r.pins, r.last_used_ms, r.owner, r.owner_epoch, r.lease_id]
@@ -571,6 +608,7 @@ class _SnapParams(msgspec.Struct, array_like=True):
     missed_heartbeats: int
     tenant_quota_replicas: int
     max_rejected_reasons: int
+    resume_grace_ms: int
 
 
 class _SnapWorker(msgspec.Struct, array_like=True):
@@ -586,6 +624,7 @@ class _SnapWorker(msgspec.Struct, array_like=True):
     alive: bool
     draining: bool
     fenced_through: int
+    suspended_at_ms: int
 
 
 class _SnapReplica(msgspec.Struct, array_like=True):
@@ -648,10 +687,11 @@ def _to_snapshot(state: LedgerState) -> bytes:
     snap = _Snapshot(
         v=SNAPSHOT_VERSION,
         params=_SnapParams(p.lease_ttl_ms, p.heartbeat_interval_ms, p.missed_heartbeats,
-                           p.tenant_quota_replicas, p.max_rejected_reasons),
+                           p.tenant_quota_replicas, p.max_rejected_reasons, p.resume_grace_ms),
         applied=state.applied, resumed_at_ms=state.resumed_at_ms,
         workers=[_SnapWorker(w.worker_id, w.epoch, w.namespace, w.catalogue, w.pool_slots, w.endpoint, w.node,
-                             w.registered_at_ms, w.last_heartbeat_ms, w.alive, w.draining, w.fenced_through)
+                             w.registered_at_ms, w.last_heartbeat_ms, w.alive, w.draining, w.fenced_through,
+                             w.suspended_at_ms)
                  for w in state.workers.values()],
         replicas=[_SnapReplica(r.block_hash, r.form, r.location, r.state, r.generation, r.checksum, r.tenant,
                                r.namespace, r.parent_hash, r.token_start, r.token_end, r.pins, r.last_used_ms,
@@ -687,14 +727,17 @@ def _from_snapshot(data: bytes, params: CoreParams | None) -> LedgerState:
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise SnapshotError(f"invalid ledger snapshot: {e}") from None
     sp = snap.params
-    s = LedgerState.empty(params or CoreParams(sp.lease_ttl_ms, sp.heartbeat_interval_ms, sp.missed_heartbeats,
-                                               sp.tenant_quota_replicas, sp.max_rejected_reasons))
+    s = LedgerState.empty(params or CoreParams(
+        lease_ttl_ms=sp.lease_ttl_ms, heartbeat_interval_ms=sp.heartbeat_interval_ms,
+        missed_heartbeats=sp.missed_heartbeats, resume_grace_ms=sp.resume_grace_ms,
+        tenant_quota_replicas=sp.tenant_quota_replicas, max_rejected_reasons=sp.max_rejected_reasons))
     s.applied = snap.applied
     s.resumed_at_ms = snap.resumed_at_ms
     for sw in snap.workers:
         s.workers[sw.worker_id] = WorkerRecord(
             sw.worker_id, sw.epoch, sw.namespace, sw.catalogue, dict(sw.pool_slots), sw.endpoint, sw.node,
-            sw.registered_at_ms, sw.last_heartbeat_ms, sw.alive, sw.draining, sw.fenced_through)
+            sw.registered_at_ms, sw.last_heartbeat_ms, sw.alive, sw.draining, sw.fenced_through,
+            sw.suspended_at_ms)
     replicas = s.replicas
     for sr in snap.replicas:
         b, f, loc = sr.block_hash, sr.form, sr.location

@@ -8,7 +8,7 @@ from shared.messages import (
     MESSAGE_TYPES, CommitWatermark, Control, ControlAck, ErrorCode, ErrorReply, Heartbeat, HeartbeatReply,
     InventoryItem, InventoryReply, InventoryRequest, LeaseAcquire, LeaseGrant, LeaseRelease, LeaseReleased,
     LeaseRenew, LeaseRenewed, MessageError, RegisterReply, ReplicaRef, ReplicaState, TransitionEvent,
-    WorkerRegister, decode, encode,
+    WorkerRegister, WorkerResume, ResumeReply, decode, encode,
 )
 
 H = "ab" * 16
@@ -20,7 +20,11 @@ REF = ReplicaRef(block_hash=H, form="swa", location="gpu:w1", generation=3, chec
 
 SAMPLES = [
     WorkerRegister(worker_id="w1", namespace=H, catalogue=CAT, pool_slots={"swa": 10}, endpoint="http://x"),
-    RegisterReply(worker_id="w1", epoch=2),
+    RegisterReply(worker_id="w1", epoch=2, resume_grace_ms=60000),
+    WorkerResume(worker_id="w1", epoch=2, namespace=H, catalogue=CAT, pool_slots={"swa": 10}, emitted_seq=4,
+                 items=[InventoryItem(block_hash=H, form="swa", location="gpu:w1", generation=3,
+                                      state=ReplicaState.READY, checksum="c")]),
+    ResumeReply(worker_id="w1", epoch=2, kept=1, drop=[REF], committed_seq=4, resume_grace_ms=60000),
     Heartbeat(worker_id="w1", epoch=2, ready={"swa": 1}),
     HeartbeatReply(committed_seq=7),
     LeaseAcquire(worker_id="w1", epoch=2, namespace=H, tenant="t", block_hashes=[H, H], write_forms=["swa"]),

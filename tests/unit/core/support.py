@@ -10,7 +10,8 @@ from coordinator.core import (
 )
 from shared.forms import FormCatalogue, FormScope, FormSpec
 from shared.messages import (
-    Heartbeat, LeaseAcquire, LeaseRelease, LeaseRenew, ReplicaState, TransitionEvent, WorkerRegister,
+    Heartbeat, InventoryItem, LeaseAcquire, LeaseRelease, LeaseRenew, ReplicaState, TransitionEvent, WorkerRegister,
+    WorkerResume,
 )
 
 NS = "ab" * 16
@@ -65,7 +66,7 @@ class Driver:
 
     def __init__(self, params: CoreParams | None = None) -> None:
         self.state = LedgerState.empty(params or CoreParams(lease_ttl_ms=1000, heartbeat_interval_ms=100,
-                                                            missed_heartbeats=3))
+                                                            missed_heartbeats=3, resume_grace_ms=1000))
         self.log: list[Any] = []
 
     def commit(self, events: list[Any]) -> list[Any]:
@@ -97,3 +98,16 @@ def consistent(d: Driver) -> None:
     assert check_invariants(d.state) == []
     assert state_hash(replay(d.log, d.state.params)) == d.hash
     assert state_hash(from_snapshot(to_snapshot(d.state))) == d.hash
+
+
+def resume_msg(wid: str, epoch: int, items: list[InventoryItem], emitted_seq: int = 0, **kw: Any) -> WorkerResume:
+    """A resume as a worker sends it (the catalogue and pools it registered with, unless ``kw`` changes them)."""
+    base = register(wid)
+    fields: dict[str, Any] = dict(namespace=base.namespace, catalogue=base.catalogue, pool_slots=base.pool_slots)
+    fields.update(kw)
+    return WorkerResume(worker_id=wid, epoch=epoch, emitted_seq=emitted_seq, items=items, **fields)
+
+
+def held(block: str, form: str, location: str, generation: int = 7, checksum: str = "c0") -> InventoryItem:
+    return InventoryItem(block_hash=block, form=form, location=location, generation=generation,
+                         state=ReplicaState.READY, checksum=checksum)

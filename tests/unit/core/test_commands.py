@@ -74,8 +74,10 @@ def test_reregistration_fences_first_then_registers() -> None:
     assert events[0].reason == "superseded by epoch 2"
     d.commit(events)
     # A lost worker re-registers without a second WorkerLost.
-    d.commit(expire(d.state, 10 + 301))
-    reply, events = register_worker(d.state, register("w1"), 400)
+    d.commit(expire(d.state, 10 + 301))            # silent: suspended
+    d.commit(expire(d.state, 10 + 301 + 1001))     # past the grace: lost
+    assert not d.state.workers["w1"].alive
+    reply, events = register_worker(d.state, register("w1"), 1400)
     assert reply.epoch == 3 and [type(e) for e in events] == [WorkerRegistered]
     d.commit(events)
     consistent(d)
@@ -85,8 +87,11 @@ def test_heartbeats() -> None:
     d = fresh()
     err(d.run(heartbeat, hb("w9", 1), 1), ErrorCode.NOT_FOUND, "w9 is not registered")
     err(d.run(heartbeat, hb("w1", 2), 1), ErrorCode.FENCED)
+    before = d.hash
     assert d.run(heartbeat, hb("w1", 1), 50).committed_seq == 0
-    assert d.state.workers["w1"].last_heartbeat_ms == 50
+    assert d.hash == before and d.log[-1].__class__.__name__ != "WorkerHeartbeat"   # soft state: no event
+    d.run(expire, 301)
+    err(d.run(heartbeat, hb("w1", 1), 302), ErrorCode.SUSPENDED, "resume")
     consistent(d)
 
 
@@ -240,24 +245,40 @@ def test_lease_expiry_aborts_writes_and_late_commit_is_refused() -> None:
     consistent(d)
 
 
-def test_lost_worker_takes_its_leases_with_it() -> None:
+def test_silent_worker_is_suspended_then_lost_with_its_leases() -> None:
     d = fresh(workers=("w1", "w2"))
     d.run(acquire_lease, acquire("w1", 1, [h(0)]), 0, "L")
-    d.run(heartbeat, hb("w2", 1), 250)
-    events = d.run(expire, 301)
+    seen = {("w2", 1): 250}                     # the shell's soft liveness: only w2 was heard from
+    events = d.run(expire, 301, seen)
+    assert [type(e).__name__ for e in events] == ["WorkerSuspended"] and events[0].worker_id == "w1"
+    w1 = d.state.workers["w1"]
+    assert w1.alive and w1.suspended and len(d.state.live_keys(w1)) == 3   # the cache is kept
+    err(d.run(acquire_lease, acquire("w1", 1, [h(0)]), 302, "L2"), ErrorCode.SUSPENDED, "resume")
+    err(d.run(renew_lease, renew("w1", 1, "L"), 302), ErrorCode.SUSPENDED)
+    assert d.run(expire, 999, {("w2", 1): 900}) == []             # within the grace (L still within TTL)
+    events = d.run(expire, 1302, {("w2", 1): 1200})
     assert [type(e).__name__ for e in events] == ["WorkerLost"]       # no separate LeaseExpired
     assert events[0].worker_id == "w1" and events[0].released == ["L"] and len(events[0].lost) == 3
     assert d.state.workers["w2"].alive and not d.state.workers["w1"].alive
-    err(d.run(acquire_lease, acquire("w1", 1, [h(0)]), 302, "L2"), ErrorCode.FENCED, "lost")
+    err(d.run(acquire_lease, acquire("w1", 1, [h(0)]), 1303, "L2"), ErrorCode.FENCED, "lost")
     consistent(d)
 
 
-def test_takeover_gives_workers_and_leases_a_grace_period() -> None:
+def test_floor_spares_workers_a_coordinator_stall() -> None:
     d = fresh()
+    assert d.run(expire, 5_000, {("w1", 1): 1_000}, 4_900) == []   # silent, but we were the ones stalled
+    assert [type(e).__name__ for e in d.run(expire, 5_201, {("w1", 1): 1_000}, 4_900)] == ["WorkerSuspended"]
+
+
+def test_takeover_suspends_every_live_epoch_and_gives_leases_a_grace_period() -> None:
+    d = fresh(workers=("w1", "w2"))
     d.run(acquire_lease, acquire("w1", 1, [h(0)], ttl_ms=100), 0, "L")
-    d.run(resume, 10_000)
-    assert d.run(expire, 10_299) == []                       # heartbeat timeout 300 ms from the takeover
-    assert [type(e).__name__ for e in d.run(expire, 10_301)] == ["WorkerLost"]
+    events = d.run(resume, 10_000)
+    assert [type(e).__name__ for e in events] == ["CoordinatorResumed", "WorkerSuspended", "WorkerSuspended"]
+    assert all(w.suspended for w in d.state.workers.values())
+    assert d.run(expire, 10_299) == []                       # leases: heartbeat timeout 300 ms from the takeover
+    assert [type(e).__name__ for e in d.run(expire, 10_301)][-1] == "LeaseExpired"
+    assert [type(e).__name__ for e in d.run(expire, 11_001)] == ["WorkerLost", "WorkerLost"]
     consistent(d)
 
 

@@ -124,8 +124,12 @@ def test_life_of_a_worker() -> None:
     assert isinstance(old_hb, ErrorReply) and old_hb.code is ErrorCode.FENCED
     consistent(d)
 
-    # 9. The new epoch goes silent: expiry declares it lost.
+    # 9. The new epoch goes silent: expiry suspends it (its cache kept), then, past the grace
+    #    period without a resume, declares it lost.
     assert d.run(expire, 80 + 300) == []
-    lost = d.run(expire, 80 + 301)
+    suspended = d.run(expire, 80 + 301)
+    assert [type(e).__name__ for e in suspended] == ["WorkerSuspended"] and d.state.workers["w1"].suspended
+    assert d.run(expire, 80 + 301 + 1000) == []
+    lost = d.run(expire, 80 + 301 + 1001)
     assert [type(e).__name__ for e in lost] == ["WorkerLost"] and not d.state.workers["w1"].alive
     consistent(d)

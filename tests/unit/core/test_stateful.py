@@ -2,7 +2,8 @@
 
 The model keeps, per replica key, only what a reader of DESIGN.md would: its state, who
 created it (worker, epoch, lease), its generation and checksum; per lease, the keys it pins
-and writes; per worker, its epoch, liveness and last heartbeat. It judges transitions by
+and writes; per worker, its epoch, liveness, suspension and last heartbeat (heartbeats are
+soft state: the machine passes them to ``expire`` as the shell does). It judges transitions by
 the design's rules directly and computes the usable prefix by brute force. The core must
 agree with it on every replica after every step, keep its invariants, and rebuild the same
 state by replay and from a snapshot.
@@ -21,21 +22,21 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from coordinator.core import (
-    CoreParams, LeaseExpired, TransitionApplied, TransitionRejected, WorkerLost, acquire_lease, check_invariants,
-    drain_worker, expire, from_snapshot, heartbeat, ingest_transition, invalidate, register_worker,
-    release_lease, renew_lease, replay, resume, state_hash, to_snapshot,
+    CoreParams, LeaseExpired, TransitionApplied, TransitionRejected, WorkerLost, WorkerSuspended, acquire_lease,
+    check_invariants, drain_worker, expire, from_snapshot, heartbeat, ingest_transition, invalidate,
+    register_worker, release_lease, renew_lease, replay, resume, resume_worker, state_hash, to_snapshot,
 )
 from shared.forms import FormScope
-from shared.messages import ErrorCode, ErrorReply, LeaseGrant, ReplicaState as S
+from shared.messages import ErrorCode, ErrorReply, LeaseGrant, ReplicaState as S, ResumeReply
 
-from .support import CAT, Driver, acquire, hb, register, release, renew, transition
+from .support import CAT, Driver, acquire, hb, held, register, release, renew, resume_msg, transition
 
 WORKERS = ("w1", "w2")
 FAMILIES = {fam: [f"{fam * 2}{i:030x}" for i in range(6)] for fam in ("a", "b", "c")}
 ALL_BLOCKS = [b for blocks in FAMILIES.values() for b in blocks]
 LIVE = (S.ALLOCATED, S.READY)
 WINDOW_BLOCKS = {f.name: CAT.window_blocks(f) for f in CAT.forms if f.scope is FormScope.WINDOW}
-TTL, HB_INTERVAL, MISSED = 400, 100, 3
+TTL, HB_INTERVAL, MISSED, GRACE = 400, 100, 3, 600
 
 
 @dataclass
@@ -68,6 +69,8 @@ class MWorker:
     alive: bool = False
     last_hb: int = 0
     draining: bool = False
+    #: When the epoch was suspended (0 = not suspended).
+    suspended_at: int = 0
 
 
 @dataclass
@@ -106,6 +109,7 @@ class Model:
                     self.unpin(key)
         w.alive = False
         w.draining = False
+        w.suspended_at = 0
 
     def readable(self, wid: str) -> tuple[str, ...]:
         return (f"gpu:{wid}", f"host:{wid}", "disk")
@@ -149,13 +153,15 @@ class CoreMachine(RuleBasedStateMachine):
         self.n_leases = 0
         self.requests: list[tuple[str, str, int, tuple[str, ...], str]] = []
         self.m = Model()
+        #: The shell's soft liveness: when each (worker, epoch) was last heard from.
+        self.seen: dict[tuple[str, int], int] = {}
 
     @initialize(slots=st.sampled_from([3, 5]), quota=st.sampled_from([0, 0, 8]))
     def setup(self, slots: int, quota: int) -> None:
         self.slots = slots
         self.quota = quota
         self.d = Driver(CoreParams(lease_ttl_ms=TTL, heartbeat_interval_ms=HB_INTERVAL, missed_heartbeats=MISSED,
-                                   tenant_quota_replicas=quota))
+                                   resume_grace_ms=GRACE, tenant_quota_replicas=quota))
         for wid in WORKERS:
             self.register(wid)
 
@@ -192,7 +198,7 @@ class CoreMachine(RuleBasedStateMachine):
         assert reply.epoch == w.epoch + 1
         if w.alive:
             self.m.lose(wid)
-        w.epoch, w.alive, w.last_hb, w.draining = reply.epoch, True, self.now, False
+        w.epoch, w.alive, w.last_hb, w.draining, w.suspended_at = reply.epoch, True, self.now, False, 0
 
     @rule(wid=st.sampled_from(WORKERS), stale=st.booleans())
     def heartbeat(self, wid: str, stale: bool) -> None:
@@ -205,9 +211,11 @@ class CoreMachine(RuleBasedStateMachine):
             assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.NOT_FOUND
         elif stale or not w.alive:
             assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.FENCED
+        elif w.suspended_at:
+            assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.SUSPENDED
         else:
             assert reply.committed_seq == self.d.state.committed_seq(wid, w.epoch)
-            w.last_hb = self.now
+            self.seen[(wid, w.epoch)] = w.last_hb = self.now
 
     @rule(wid=st.sampled_from(WORKERS))
     def drain(self, wid: str) -> None:
@@ -223,20 +231,26 @@ class CoreMachine(RuleBasedStateMachine):
         self.now += dt
         if beat:
             for wid, w in sorted(self.m.workers.items()):
-                if w.alive:
+                if w.alive and not w.suspended_at:
                     assert self.d.run(heartbeat, hb(wid, w.epoch), self.now).committed_seq >= 0
-                    w.last_hb = self.now
+                    self.seen[(wid, w.epoch)] = w.last_hb = self.now
         timeout = MISSED * HB_INTERVAL
         lost = {wid for wid, w in self.m.workers.items()
-                if w.alive and self.now - max(w.last_hb, self.m.resumed) > timeout}
+                if w.alive and w.suspended_at and self.now - w.suspended_at > GRACE}
+        suspended = {wid for wid, w in self.m.workers.items()
+                     if w.alive and not w.suspended_at and self.now - max(w.last_hb, self.m.resumed) > timeout}
         expired = {lid for lid, l in self.m.leases.items() if l.worker not in lost and self.now >= (
             l.expires if l.granted >= self.m.resumed else max(l.expires, self.m.resumed + timeout))}
-        events = self.d.run(expire, self.now)
+        events = self.d.run(expire, self.now, self.seen)
         assert {e.worker_id for e in events if isinstance(e, WorkerLost)} == lost
+        assert {e.worker_id for e in events if isinstance(e, WorkerSuspended)} == suspended
         assert {e.lease_id for e in events if isinstance(e, LeaseExpired)} == expired
         for wid in lost:
-            event("worker lost by timeout")
+            event("worker lost past the grace")
             self.m.lose(wid)
+        for wid in suspended:
+            event("worker suspended by timeout")
+            self.m.workers[wid].suspended_at = self.now
         for lid in expired:
             self.m.end_lease(lid)
 
@@ -245,6 +259,56 @@ class CoreMachine(RuleBasedStateMachine):
         self.now += 1000
         self.d.run(resume, self.now)
         self.m.resumed = self.now
+        for w in self.m.workers.values():
+            if w.alive and not w.suspended_at:
+                w.suspended_at = self.now
+
+    @rule(wid=st.sampled_from(WORKERS), data=st.data(), dt=st.sampled_from([0, 10, 700]),
+          damage=st.sampled_from(["none", "none", "lose", "regenerate", "corrupt", "forge"]))
+    def resume_epoch(self, wid: str, data: st.DataObject, dt: int, damage: str) -> None:
+        """The worker reaches a coordinator again with its inventory, maybe one that disagrees."""
+        w = self.m.workers.get(wid)
+        if w is None:
+            return
+        self.now += dt
+        gpu, host = f"gpu:{wid}", f"host:{wid}"
+        mine = sorted(k for k, r in self.m.replicas.items() if r.owner == wid and r.epoch == w.epoch
+                      and r.state in LIVE and k[2] in (gpu, host))
+        ready = [k for k in mine if self.m.replicas[k].state is S.READY]
+        items = {k: held(*k, self.m.replicas[k].generation, self.m.replicas[k].checksum) for k in ready}
+        if damage == "lose" and ready:
+            items.pop(data.draw(st.sampled_from(ready)))
+        elif damage == "regenerate" and ready:
+            k = data.draw(st.sampled_from(ready))
+            items[k] = held(*k, items[k].generation + 1, items[k].checksum)
+        elif damage == "corrupt" and ready:
+            k = data.draw(st.sampled_from(ready))
+            items[k] = held(*k, items[k].generation, items[k].checksum + "x")
+        elif damage == "forge":
+            k = (data.draw(st.sampled_from(ALL_BLOCKS)), "swa", gpu)
+            if k not in mine:
+                items[k] = held(*k)
+        reply = self.d.run(resume_worker, resume_msg(wid, w.epoch, list(items.values()),
+                                                     emitted_seq=self.seq.get((wid, w.epoch), 0),
+                                                     pool_slots={f.name: self.slots for f in CAT.forms}), self.now)
+        if not w.alive or (w.suspended_at and self.now - w.suspended_at > GRACE):
+            assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.FENCED, reply
+            if w.alive:
+                event("resume past the grace: fenced")
+                self.m.lose(wid)
+            return
+        assert isinstance(reply, ResumeReply), reply
+        event(f"resumed ({damage})")
+        bad = [k for k in ready if items.get(k) != held(*k, self.m.replicas[k].generation,
+                                                          self.m.replicas[k].checksum)]
+        for k in bad:
+            self.m.replicas[k].state = S.INVALID
+            self.m.unpin(k)
+        assert reply.kept == len(ready) - len(bad)
+        assert sorted((r.block_hash, r.form, r.location) for r in reply.drop) == sorted(
+            k for k in items if k in bad or k not in mine)
+        w.suspended_at = 0
+        self.seen[(wid, w.epoch)] = w.last_hb = self.now
 
     # --- leases ------------------------------------------------------------------------
 
@@ -262,6 +326,9 @@ class CoreMachine(RuleBasedStateMachine):
                            self.now, lid)
         if w is None or not w.alive:
             assert isinstance(reply, ErrorReply) and reply.code in (ErrorCode.NOT_FOUND, ErrorCode.FENCED)
+            return
+        if w.suspended_at:
+            assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.SUSPENDED
             return
         usable, pins = self.m.prefix(wid, blocks) if reuse else (0, [])
         if isinstance(reply, ErrorReply):
@@ -375,7 +442,9 @@ class CoreMachine(RuleBasedStateMachine):
             return
         l = self.m.leases[lid]
         reply = self.d.run(renew_lease, renew(l.worker, l.epoch, lid), self.now)
-        if self.now >= (l.expires if l.granted >= self.m.resumed else max(l.expires, self.m.resumed + 300)):
+        if self.m.workers[l.worker].suspended_at:
+            assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.SUSPENDED
+        elif self.now >= (l.expires if l.granted >= self.m.resumed else max(l.expires, self.m.resumed + 300)):
             assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.NOT_FOUND
         else:
             assert reply.expires_at_ms == self.now + TTL
@@ -529,7 +598,8 @@ class CoreMachine(RuleBasedStateMachine):
             assert set(l.pins) == self.m.leases[lid].pins
         for wid, w in self.m.workers.items():
             cw = s.workers[wid]
-            assert (cw.epoch, cw.alive, cw.draining) == (w.epoch, w.alive, w.draining)
+            assert (cw.epoch, cw.alive, cw.draining, cw.suspended_at_ms) == (
+                w.epoch, w.alive, w.draining, w.suspended_at)
 
     @invariant()
     def invariants_hold(self) -> None:
