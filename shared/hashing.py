@@ -87,3 +87,30 @@ def chain_hashes(tokens: Sequence[int], block_size: int, namespace: Namespace,
 def checksum(data: bytes | memoryview) -> str:
     """Integrity checksum of cached bytes (xxh3-128 hex): detects corruption, fast."""
     return xxhash.xxh3_128_hexdigest(data)
+
+
+#: Bytes of one :func:`replica_digest` (a resume's inventory is a concatenation of them).
+REPLICA_DIGEST_BYTES = 8
+_DOMAIN_REPLICA = b"kvl.replica.v1"
+
+
+def replica_digest(block_hash: str, form: str, location: str, generation: int, checksum: str) -> bytes:
+    """8 bytes naming one incarnation of one replica: its key, generation and content checksum.
+
+    A worker resuming after an outage sends one per replica it holds instead of the replicas
+    themselves (a GPU holds tens of thousands; their JSON would not fit one NATS message).
+    NOTE: 64 bits are plenty against accidental collisions, and a collision could only keep a
+    replica whose bytes differ — which hit validation (the checksum on read) still catches.
+    """
+    h = hashlib.blake2b(_DOMAIN_REPLICA, digest_size=REPLICA_DIGEST_BYTES)
+    for part in (block_hash, form, location, str(generation), checksum):
+        h.update(_field(part.encode()))
+    return h.digest()
+
+
+def split_digests(data: bytes) -> list[bytes]:
+    """The :func:`replica_digest` values concatenated in ``data`` (ValueError if it is not a whole number of them)."""
+    n = REPLICA_DIGEST_BYTES
+    if len(data) % n:
+        raise ValueError(f"{len(data)} bytes is not a whole number of {n}-byte replica digests")
+    return [data[i:i + n] for i in range(0, len(data), n)]

@@ -89,9 +89,10 @@ class RegisterReply(_Msg, tag="worker.registered", kw_only=True):
 class WorkerResume(_Msg, tag="worker.resume", kw_only=True):
     """A worker whose process (and memory) lived through an outage asks to keep its epoch.
 
-    ``items`` is everything it holds on its GPU and its host tier; ``emitted_seq`` the last
-    transition seq it had emitted when it took that inventory (the coordinator answers
-    only once the log holds all of them, so the inventory and the log describe one moment).
+    ``held`` names every replica it holds on its GPU and its host tier: the concatenated
+    :func:`shared.hashing.replica_digest` of each (key, generation, checksum). ``emitted_seq``
+    is the last transition seq it had emitted when it took that inventory (the coordinator
+    answers only once the log holds all of them, so inventory and log describe one moment).
     """
 
     worker_id: Name
@@ -101,16 +102,16 @@ class WorkerResume(_Msg, tag="worker.resume", kw_only=True):
     pool_slots: dict[str, NonNeg] = {}
     endpoint: str = ""
     emitted_seq: NonNeg = 0
-    items: list[InventoryItem] = []
+    held: bytes = b""
 
 
 class ResumeReply(_Msg, tag="worker.resumed", kw_only=True):
     worker_id: Name
     epoch: Pos
-    #: Replicas of the inventory the ledger keeps READY.
+    #: Replicas the ledger keeps READY (the worker holds them as the ledger says).
     kept: NonNeg = 0
-    #: Copies the worker must drop (the ledger invalidated them, or never had them live).
-    drop: list[ReplicaRef] = []
+    #: Digests (from ``held``) of copies the worker must drop: the ledger does not list them live.
+    drop: bytes = b""
     committed_seq: NonNeg = 0
     heartbeat_interval_ms: Pos = 1000
     lease_ttl_ms: Pos = 30000

@@ -30,6 +30,7 @@ from coordinator.core.lifecycle import (
 from coordinator.core.prefix import longest_usable_prefix
 from coordinator.core.state import Lease, LedgerState, Replica, ReplicaKey, WorkerRecord
 from shared import messages as m
+from shared.hashing import replica_digest, split_digests
 from shared.ids import ROOT_HASH
 
 Events = list[Any]
@@ -157,9 +158,10 @@ def resume_worker(state: LedgerState, msg: m.WorkerResume,
     Refused (``FENCED``/``NOT_FOUND``: register anew, dropping the cache) for an unknown or
     fenced epoch, a changed model or pool layout, or an epoch suspended past the grace period
     (fenced now). ``UNAVAILABLE`` until the log holds every transition the worker emitted
-    before its inventory. Otherwise, for each of the epoch's READY replicas on its GPU and
-    host tier: held with the same generation and checksum → kept; anything else → INVALID.
-    Copies the worker holds that the ledger does not list live are returned to drop.
+    before its inventory. Otherwise each of the epoch's READY replicas on its GPU and host
+    tier is kept if the worker holds it with the same generation and checksum (its digest is
+    in ``held``) and becomes INVALID if not; held digests that match no live replica of the
+    epoch are sent back to drop. Nothing the worker claims is ever added to the ledger.
     ALLOCATED replicas (writes of live leases) are left to their leases. Disk replicas are
     shared and verified on every reload, so they are not part of a worker's inventory.
     """
@@ -171,6 +173,10 @@ def resume_worker(state: LedgerState, msg: m.WorkerResume,
     if why:
         return _error(m.ErrorCode.FENCED, f"worker {w.worker_id} cannot resume epoch {w.epoch}: {why}; "
                       "register for a new epoch"), []
+    try:
+        held = set(split_digests(msg.held))
+    except ValueError as e:
+        return _error(m.ErrorCode.INVALID, f"held: {e}"), []
     if w.suspended and now_ms - w.suspended_at_ms > p.resume_grace_ms:
         lost = _lose(state, w, f"resumed {now_ms - w.suspended_at_ms} ms after its suspension "
                                f"(grace {p.resume_grace_ms} ms)", now_ms)
@@ -182,37 +188,25 @@ def resume_worker(state: LedgerState, msg: m.WorkerResume,
                       f"the worker emitted up to {msg.emitted_seq}; resume once they are in",
                       RETRY_AFTER_MS), []
     own = (w.gpu, w.host)
-    held: dict[ReplicaKey, m.InventoryItem] = {}
-    for it in msg.items:
-        if it.location not in own:
-            return _error(m.ErrorCode.INVALID, f"inventory names location {it.location!r}; worker "
-                          f"{w.worker_id} holds replicas only at {list(own)}"), []
-        held[(it.block_hash, it.form, it.location)] = it
     replicas = state.replicas
     invalidated: list[ReplicaKey] = []
-    live: set[ReplicaKey] = set()
-    kept = 0
+    matched: set[bytes] = set()
     for key in state.live_keys(w):
-        if key[2] not in own:
-            continue
-        live.add(key)
         r = replicas[key]
-        if r.state is ALLOCATED:
+        if key[2] not in own or r.state is ALLOCATED:
             continue
-        h = held.get(key)
-        if h is None or h.generation != r.generation or h.checksum != r.checksum:
-            invalidated.append(key)
+        d = replica_digest(key[0], key[1], key[2], r.generation, r.checksum)
+        if d in held:
+            matched.add(d)
         else:
-            kept += 1
+            invalidated.append(key)
     invalidated.sort()
-    dropped = sorted(k for k in held if k not in live)
-    drop = [m.ReplicaRef(block_hash=k[0], form=k[1], location=k[2], generation=held[k].generation,
-                         checksum=held[k].checksum) for k in (*invalidated, *dropped) if k in held]
-    event = ev.WorkerResumed(worker_id=w.worker_id, epoch=w.epoch, kept=kept, invalidated=invalidated,  # type: ignore[arg-type]
-                             dropped=dropped, at_ms=now_ms)
-    return m.ResumeReply(worker_id=w.worker_id, epoch=w.epoch, kept=kept, drop=drop, committed_seq=committed,
-                         heartbeat_interval_ms=p.heartbeat_interval_ms, lease_ttl_ms=p.lease_ttl_ms,
-                         resume_grace_ms=p.resume_grace_ms), [event]
+    drop = sorted(held - matched)
+    event = ev.WorkerResumed(worker_id=w.worker_id, epoch=w.epoch, kept=len(matched),
+                             invalidated=invalidated, dropped=len(drop), at_ms=now_ms)  # type: ignore[arg-type]
+    return m.ResumeReply(worker_id=w.worker_id, epoch=w.epoch, kept=len(matched), drop=b"".join(drop),
+                         committed_seq=committed, heartbeat_interval_ms=p.heartbeat_interval_ms,
+                         lease_ttl_ms=p.lease_ttl_ms, resume_grace_ms=p.resume_grace_ms), [event]
 
 
 def drain_worker(state: LedgerState, worker_id: str, now_ms: int = 0, reason: str = "") -> Events:

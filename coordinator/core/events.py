@@ -139,16 +139,16 @@ class WorkerResumed(_Event, tag="worker.resumed", kw_only=True):
     """The worker's process lived through the outage and kept its epoch.
 
     Its inventory was reconciled with the ledger: ``invalidated`` replicas (the ledger had
-    them READY, the worker no longer holds those bytes, or holds another generation or
-    checksum) become INVALID; ``dropped`` are copies the worker held that the ledger does
-    not list live (it drops them; no replica changes). ``kept`` counts the rest.
+    them READY; the worker no longer holds those bytes, or holds another generation or
+    checksum) become INVALID; ``dropped`` counts copies the worker held that the ledger
+    does not list live (it drops them; no replica changes). ``kept`` counts the rest.
     """
 
     worker_id: str
     epoch: int
     kept: NonNeg = 0
     invalidated: list[RKey] = []
-    dropped: list[RKey] = []
+    dropped: NonNeg = 0
 
 
 class WorkerDraining(_Event, tag="worker.draining", kw_only=True):

@@ -51,28 +51,33 @@ def interpolate(value: str, env: dict[str, str]) -> str:
 
 def test_services_and_start_order(compose: dict[str, Any]) -> None:
     s = services(compose)
-    assert set(s) == {"postgres", "nats", "migrate", "coordinator", "worker-0", "worker-1", "prometheus"}
+    assert set(s) == {"postgres", "nats", "migrate", "coordinator", "coordinator-standby", "worker-0", "worker-1",
+                      "prometheus"}
     dep = {name: {k: v["condition"] for k, v in svc.get("depends_on", {}).items()} for name, svc in s.items()}
     assert dep["migrate"] == {"postgres": "service_healthy"}
     assert dep["coordinator"] == {"migrate": "service_completed_successfully", "postgres": "service_healthy",
                                   "nats": "service_healthy"}
+    assert dep["coordinator-standby"] == {"coordinator": "service_healthy"}  # the first one leads
     assert dep["worker-0"] == dep["worker-1"] == {"coordinator": "service_healthy"}
     assert dep["prometheus"] == {"coordinator": "service_healthy"}
     assert s["migrate"]["command"] == ["kvledger", "db", "upgrade"] and s["migrate"]["restart"] == "no"
     assert s["coordinator"]["command"][:2] == ["kvledger", "coordinator"]
     # optional parts are behind profiles; the default `docker compose up` runs one GPU worker
     assert s["worker-1"]["profiles"] == ["multi-gpu"] and s["prometheus"]["profiles"] == ["monitoring"]
-    assert all("profiles" not in s[n] for n in ("postgres", "nats", "migrate", "coordinator", "worker-0"))
+    assert all("profiles" not in s[n] for n in ("postgres", "nats", "migrate", "coordinator", "coordinator-standby",
+                                                "worker-0"))
 
 
 def test_healthchecks(compose: dict[str, Any]) -> None:
     s = services(compose)
-    for name in ("postgres", "nats", "coordinator", "worker-0", "worker-1", "prometheus"):
+    for name in ("postgres", "nats", "coordinator", "coordinator-standby", "worker-0", "worker-1", "prometheus"):
         hc = s[name].get("healthcheck")
         assert hc and hc["test"] and hc.get("interval") and hc.get("retries"), name
     assert "pg_isready" in " ".join(s["postgres"]["healthcheck"]["test"])
     assert any("js-enabled-only=true" in t for t in s["nats"]["healthcheck"]["test"])
     assert any("8321/readyz" in t for t in s["coordinator"]["healthcheck"]["test"])
+    # a standby's /readyz is 503 while the other one leads: it is healthy when it is up
+    assert any("8321/healthz" in t for t in s["coordinator-standby"]["healthcheck"]["test"])
     assert any("8400/readyz" in t for t in s["worker-0"]["healthcheck"]["test"])
 
 
@@ -136,7 +141,7 @@ def test_every_variable_is_documented_and_every_setting_valid(compose: dict[str,
     undocumented = sorted(v for v in used if f"`{v}`" not in ops)
     assert not undocumented, f"not documented in docs/operations.md: {undocumented}"
     # What the kvledger containers get is a configuration the services accept.
-    for name in ("migrate", "coordinator", "worker-0"):
+    for name in ("migrate", "coordinator", "coordinator-standby", "worker-0"):
         env = {k: interpolate(str(v), example) for k, v in services(compose)[name]["environment"].items()}
         config_path = ROOT / "deploy" / "kvledger" / Path(env.pop("KVL_CONFIG")).name
         cfg = load_config(config_path, env=env)
@@ -145,8 +150,20 @@ def test_every_variable_is_documented_and_every_setting_valid(compose: dict[str,
             assert key.startswith("KVL_"), key
         if name.startswith("worker"):
             assert cfg.worker.port == 8400 and cfg.worker.host == "0.0.0.0" and cfg.auth.salt_secret
-        if name == "coordinator":
+        if name.startswith("coordinator"):
             assert env["KVL_ADMIN_TOKEN"]
+
+
+def test_the_standby_coordinator_shares_the_log_and_nats_on_its_own_port(compose: dict[str, Any]) -> None:
+    s = services(compose)
+    leader, standby = s["coordinator"], s["coordinator-standby"]
+    for key in ("image", "build", "command", "environment", "volumes", "restart", "stop_grace_period"):
+        assert standby[key] == leader[key], key
+    example = env_example()
+    env = {k: interpolate(str(v), example) for k, v in standby["environment"].items()}
+    assert env["KVL_DATABASE_URL"].endswith("@postgres:5432/kvledger") and env["KVL_NATS_URL"].endswith("@nats:4222")
+    assert leader["ports"] == ["${KVL_BIND:-127.0.0.1}:8321:8321"]
+    assert standby["ports"] == ["${KVL_BIND:-127.0.0.1}:8322:8321"]
 
 
 def test_prometheus_scrapes_both_and_alerts_use_real_metrics(compose: dict[str, Any]) -> None:

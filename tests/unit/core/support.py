@@ -9,8 +9,9 @@ from coordinator.core import (
     CoreParams, LedgerState, apply, encode_event, decode_event, state_hash,
 )
 from shared.forms import FormCatalogue, FormScope, FormSpec
+from shared.hashing import replica_digest
 from shared.messages import (
-    Heartbeat, InventoryItem, LeaseAcquire, LeaseRelease, LeaseRenew, ReplicaState, TransitionEvent, WorkerRegister,
+    Heartbeat, LeaseAcquire, LeaseRelease, LeaseRenew, ReplicaState, TransitionEvent, WorkerRegister,
     WorkerResume,
 )
 
@@ -100,14 +101,15 @@ def consistent(d: Driver) -> None:
     assert state_hash(from_snapshot(to_snapshot(d.state))) == d.hash
 
 
-def resume_msg(wid: str, epoch: int, items: list[InventoryItem], emitted_seq: int = 0, **kw: Any) -> WorkerResume:
-    """A resume as a worker sends it (the catalogue and pools it registered with, unless ``kw`` changes them)."""
+def resume_msg(wid: str, epoch: int, items: list[bytes], emitted_seq: int = 0, **kw: Any) -> WorkerResume:
+    """A resume as a worker sends it (the catalogue and pools it registered with, unless ``kw`` changes them);
+    ``items`` are :func:`held` digests."""
     base = register(wid)
     fields: dict[str, Any] = dict(namespace=base.namespace, catalogue=base.catalogue, pool_slots=base.pool_slots)
     fields.update(kw)
-    return WorkerResume(worker_id=wid, epoch=epoch, emitted_seq=emitted_seq, items=items, **fields)
+    return WorkerResume(worker_id=wid, epoch=epoch, emitted_seq=emitted_seq, held=b"".join(items), **fields)
 
 
-def held(block: str, form: str, location: str, generation: int = 7, checksum: str = "c0") -> InventoryItem:
-    return InventoryItem(block_hash=block, form=form, location=location, generation=generation,
-                         state=ReplicaState.READY, checksum=checksum)
+def held(block: str, form: str, location: str, generation: int = 7, checksum: str = "c0") -> bytes:
+    """The digest a worker sends for a replica it holds."""
+    return replica_digest(block, form, location, generation, checksum)

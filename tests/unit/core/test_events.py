@@ -42,7 +42,7 @@ SAMPLES = [
     Invalidated(scope="namespace", value=NS, reason="upgrade", affected=[K], at_ms=13),
     CoordinatorResumed(at_ms=14),
     WorkerSuspended(worker_id="w1", epoch=2, reason="coordinator takeover", at_ms=15),
-    WorkerResumed(worker_id="w1", epoch=2, kept=3, invalidated=[K], dropped=[(h(2), "swa", "gpu:w1")], at_ms=16),
+    WorkerResumed(worker_id="w1", epoch=2, kept=3, invalidated=[K], dropped=2, at_ms=16),
 ]
 
 

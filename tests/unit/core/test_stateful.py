@@ -27,6 +27,7 @@ from coordinator.core import (
     register_worker, release_lease, renew_lease, replay, resume, resume_worker, state_hash, to_snapshot,
 )
 from shared.forms import FormScope
+from shared.hashing import split_digests
 from shared.messages import ErrorCode, ErrorReply, LeaseGrant, ReplicaState as S, ResumeReply
 
 from .support import CAT, Driver, acquire, hb, held, register, release, renew, resume_msg, transition
@@ -271,21 +272,22 @@ class CoreMachine(RuleBasedStateMachine):
         if w is None:
             return
         self.now += dt
-        gpu, host = f"gpu:{wid}", f"host:{wid}"
+        gpu, host, other = f"gpu:{wid}", f"host:{wid}", WORKERS[1 - WORKERS.index(wid)]
         mine = sorted(k for k, r in self.m.replicas.items() if r.owner == wid and r.epoch == w.epoch
                       and r.state in LIVE and k[2] in (gpu, host))
         ready = [k for k in mine if self.m.replicas[k].state is S.READY]
-        items = {k: held(*k, self.m.replicas[k].generation, self.m.replicas[k].checksum) for k in ready}
+        truth = {k: held(*k, self.m.replicas[k].generation, self.m.replicas[k].checksum) for k in ready}
+        items = dict(truth)
         if damage == "lose" and ready:
             items.pop(data.draw(st.sampled_from(ready)))
         elif damage == "regenerate" and ready:
             k = data.draw(st.sampled_from(ready))
-            items[k] = held(*k, items[k].generation + 1, items[k].checksum)
+            items[k] = held(*k, self.m.replicas[k].generation + 1, self.m.replicas[k].checksum)
         elif damage == "corrupt" and ready:
             k = data.draw(st.sampled_from(ready))
-            items[k] = held(*k, items[k].generation, items[k].checksum + "x")
+            items[k] = held(*k, self.m.replicas[k].generation, self.m.replicas[k].checksum + "x")
         elif damage == "forge":
-            k = (data.draw(st.sampled_from(ALL_BLOCKS)), "swa", gpu)
+            k = (data.draw(st.sampled_from(ALL_BLOCKS)), "swa", data.draw(st.sampled_from([gpu, f"gpu:{other}"])))
             if k not in mine:
                 items[k] = held(*k)
         reply = self.d.run(resume_worker, resume_msg(wid, w.epoch, list(items.values()),
@@ -299,14 +301,12 @@ class CoreMachine(RuleBasedStateMachine):
             return
         assert isinstance(reply, ResumeReply), reply
         event(f"resumed ({damage})")
-        bad = [k for k in ready if items.get(k) != held(*k, self.m.replicas[k].generation,
-                                                          self.m.replicas[k].checksum)]
+        bad = [k for k in ready if items.get(k) != truth[k]]
         for k in bad:
             self.m.replicas[k].state = S.INVALID
             self.m.unpin(k)
         assert reply.kept == len(ready) - len(bad)
-        assert sorted((r.block_hash, r.form, r.location) for r in reply.drop) == sorted(
-            k for k in items if k in bad or k not in mine)
+        assert sorted(split_digests(reply.drop)) == sorted(d for k, d in items.items() if d != truth.get(k))
         w.suspended_at = 0
         self.seen[(wid, w.epoch)] = w.last_hb = self.now
 
