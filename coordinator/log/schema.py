@@ -63,12 +63,30 @@ snapshots = Table(
 )
 
 #: One row: who may write (``leader_epoch`` is the fencing token every append checks).
+#: Every append locks this row ``FOR UPDATE``, so nothing that must not wait behind an
+#: append (the leader's renewal) writes it. ``renewed_at`` is set when an epoch is taken and
+#: is no longer renewed (see ``leader_renewal``); coordinators older than migration 0002
+#: still renew it, and the staleness check reads the later of the two.
 leader = Table(
     "leader", metadata,
     Column("id", SmallInteger, primary_key=True, autoincrement=False),
     Column("leader_epoch", BigInteger, nullable=False),
     Column("holder", Text, nullable=False),
     Column("since", DateTime(timezone=True), nullable=True),
+    Column("renewed_at", DateTime(timezone=True), nullable=True),
+    CheckConstraint("id = 1", name="singleton"),
+)
+
+#: One row: the leader's liveness (migration 0002). Appends never lock it, so a renewal
+#: never waits for an append. Taking leadership writes it in the same statement as the
+#: epoch bump (``leader_epoch`` here always follows ``leader.leader_epoch``); a renewal
+#: updates it only ``WHERE leader_epoch = <own epoch>``, so a superseded leader's renewal
+#: matches no row and it steps down.
+leader_renewal = Table(
+    "leader_renewal", metadata,
+    Column("id", SmallInteger, primary_key=True, autoincrement=False),
+    Column("leader_epoch", BigInteger, nullable=False),
+    Column("holder", Text, nullable=False),
     Column("renewed_at", DateTime(timezone=True), nullable=True),
     CheckConstraint("id = 1", name="singleton"),
 )
