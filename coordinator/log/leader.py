@@ -11,11 +11,18 @@ hand a locked session to someone else. Losing that connection means losing leade
 
 A paused leader keeps its TCP connection (the kernel answers keepalives for a stopped
 process), so PostgreSQL would hold its lock forever. The leader therefore renews
-``leader.renewed_at`` (database clock) every ``renew_interval_s``; a standby that finds the
-lock held but the renewal older than ``takeover_after_s`` terminates the holder's sessions
-— the lock connection and any pooled connection mid-append, found by ``application_name``
-— and takes the lock. The epoch bump makes this safe even if the old leader was merely
-slow: its next append fails with ``NotLeader`` and it steps down.
+``leader_renewal.renewed_at`` (database clock) every ``renew_interval_s``; a standby that
+finds the lock held but the renewal older than ``takeover_after_s`` terminates the holder's
+sessions — the lock connection and any pooled connection mid-append, found by
+``application_name`` — and takes the lock. The epoch bump makes this safe even if the old
+leader was merely slow: its next append fails with ``NotLeader`` and it steps down.
+
+NOTE: the renewal must never wait for an append. Appends lock the ``leader`` row
+``FOR UPDATE`` for the whole append transaction, so a renewal on that row waited behind a
+slow append until it timed out and the leader stepped down (and replayed the log). The
+renewal therefore updates ``leader_renewal``, which appends never lock, and only
+``WHERE leader_epoch = <our epoch>``: after a takeover it updates no row and we step down
+(:data:`~coordinator.log.postgres.RENEW_LEADERSHIP`).
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ import asyncpg
 
 from coordinator.aio import bounded
 from coordinator.log.port import LogUnavailable
-from coordinator.log.postgres import TAKE_LEADERSHIP, PgSettings, describe
+from coordinator.log.postgres import (
+    LEADER_STALE, RENEW_LEADERSHIP, TAKE_LEADERSHIP, PgSettings, describe,
+)
 
 #: pg_advisory_lock(int4, int4) keys: "kvl", 1 = the coordinator leader.
 LOCK_CLASS = 0x6B766C
@@ -108,9 +117,7 @@ class LeaderElection:
     async def _maybe_take_over(self) -> bool:
         """Terminate a stale holder's sessions; True if there was one."""
         assert self._conn is not None
-        row = await self._conn.fetchrow(
-            "SELECT holder, leader_epoch, (renewed_at IS NULL OR now() - renewed_at > make_interval(secs => $1)) "
-            "FROM leader WHERE id = 1", self.takeover_after_s)
+        row = await self._conn.fetchrow(LEADER_STALE, self.takeover_after_s)
         if row is None or not row[2]:
             return False
         stale_holder, stale_epoch = row[0], row[1]
@@ -132,8 +139,7 @@ class LeaderElection:
         try:
             while True:
                 await asyncio.sleep(self.renew_interval_s)
-                renew = asyncio.ensure_future(self._conn.execute(
-                    "UPDATE leader SET renewed_at = now() WHERE id = 1 AND leader_epoch = $1", self.epoch))
+                renew = asyncio.ensure_future(self._conn.execute(RENEW_LEADERSHIP, self.epoch))
                 renew.add_done_callback(lambda t: t.cancelled() or t.exception())
                 done, _ = await asyncio.wait({renew}, timeout=timeout)
                 if not done:

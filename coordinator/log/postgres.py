@@ -10,13 +10,18 @@ Ordering and locking (see also :mod:`coordinator.log.schema`):
   order. The primary key on ``position`` would catch any mistake in that reasoning.
 * The epoch bump of a takeover updates the same row, so it waits for an in-flight append
   of the old leader to finish; every append after the bump sees the new epoch.
+* The leader's renewal never touches that row (it would wait behind every append in
+  flight, and a slow append would cost the leadership): it updates ``leader_renewal``,
+  which appends never lock, ``WHERE leader_epoch = <its epoch>``. The epoch bump rewrites
+  ``leader_renewal`` in the same statement (:data:`TAKE_LEADERSHIP`), so the two rows agree
+  on the epoch whenever either is visible, and a superseded leader's renewal matches nothing.
 * Duplicate source ids are filtered inside the same locked transaction, so the UNIQUE
   constraint on ``source_id`` is the guarantee and never the control flow.
 
 NOTE: the append path talks to asyncpg directly (the driver connection under the
 SQLAlchemy pool): one prepared statement with array parameters inserts the whole batch
 (``INSERT … SELECT FROM unnest(…)``) in a single round trip, where SQLAlchemy's
-executemany would bind and send row by row in pages. Reads, snapshots and the leader row
+executemany would bind and send row by row in pages. Reads, snapshots and the leader rows
 use SQLAlchemy Core on the same pool.
 
 Driver errors are translated once, here, into :mod:`coordinator.log.port` errors; only
@@ -34,13 +39,13 @@ from typing import Any
 
 import asyncpg
 import sqlalchemy.exc
-from sqlalchemy import Text, cast, select, text
+from sqlalchemy import Text, and_, cast, func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from coordinator.log.port import (
     LeaderInfo, LogError, LogUnavailable, NewEvent, NotLeader, Snapshot, StoredEvent, plan_append,
 )
-from coordinator.log.schema import events, leader, snapshots
+from coordinator.log.schema import events, leader, leader_renewal, snapshots
 from shared.embedded import asyncpg_url
 
 
@@ -148,8 +153,39 @@ INSERT INTO events (position, stream_id, stream_version, source_id, type, payloa
 SELECT p, s, v, src, t, pl::jsonb, $7
 FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], $5::text[], $6::text[]) AS u(p, s, v, src, t, pl)
 """
-TAKE_LEADERSHIP = ("UPDATE leader SET leader_epoch = leader_epoch + 1, holder = $1, since = now(), "
-                   "renewed_at = now() WHERE id = 1 RETURNING leader_epoch")
+#: The epoch bump and the renewal row, in one statement (one transaction). Updating ``leader``
+#: waits for an append in flight (it holds the row ``FOR UPDATE``); the renewal row is
+#: written after that (it reads ``bumped``), so an old leader's renewal is never blocked
+#: by the wait, and one that runs after the bump matches no row. An upsert, so a missing
+#: renewal row is recreated rather than leaving the new leader looking stale.
+TAKE_LEADERSHIP = """
+WITH bumped AS (
+    UPDATE leader SET leader_epoch = leader_epoch + 1, holder = $1, since = now(), renewed_at = now()
+    WHERE id = 1 RETURNING leader_epoch, holder, renewed_at
+), renewal AS (
+    INSERT INTO leader_renewal (id, leader_epoch, holder, renewed_at)
+    SELECT 1, leader_epoch, holder, renewed_at FROM bumped
+    ON CONFLICT (id) DO UPDATE
+        SET leader_epoch = excluded.leader_epoch, holder = excluded.holder, renewed_at = excluded.renewed_at
+    RETURNING leader_epoch
+)
+SELECT b.leader_epoch FROM bumped b JOIN renewal r ON r.leader_epoch = b.leader_epoch
+"""
+#: The leader's renewal: "UPDATE 1" while ``epoch`` ($1) is current, "UPDATE 0" once it was
+#: superseded. It locks only the renewal row; the check on ``leader`` is a plain read (a
+#: row locked ``FOR UPDATE`` by an append does not block it) and catches an epoch bumped
+#: by anything that did not also rewrite the renewal row (an older coordinator, a hand edit).
+RENEW_LEADERSHIP = ("UPDATE leader_renewal SET renewed_at = now() WHERE id = 1 AND leader_epoch = $1 "
+                    "AND EXISTS (SELECT 1 FROM leader WHERE id = 1 AND leader_epoch = $1)")
+#: holder, epoch, and whether the leader is stale ($1 = takeover_after_s). The renewal row
+#: counts only for the current epoch; ``leader.renewed_at`` is what a coordinator older
+#: than migration 0002 renews (``greatest`` ignores NULLs).
+LEADER_STALE = """
+SELECT l.holder, l.leader_epoch, coalesce(now() - greatest(l.renewed_at, r.renewed_at)
+                                          > make_interval(secs => $1), true)
+FROM leader l LEFT JOIN leader_renewal r ON r.id = 1 AND r.leader_epoch = l.leader_epoch
+WHERE l.id = 1
+"""
 
 
 class PostgresEventLog:
@@ -280,8 +316,12 @@ class PostgresEventLog:
         return int(epoch)
 
     async def leader(self) -> LeaderInfo:
+        # Same rule as LEADER_STALE: the renewal row counts for the current epoch only.
+        renewed_at = func.greatest(leader.c.renewed_at, leader_renewal.c.renewed_at)
+        current = and_(leader_renewal.c.id == 1, leader_renewal.c.leader_epoch == leader.c.leader_epoch)
         rows = await self._fetch(
-            select(leader.c.leader_epoch, leader.c.holder, leader.c.since, leader.c.renewed_at)
+            select(leader.c.leader_epoch, leader.c.holder, leader.c.since, renewed_at)
+            .select_from(leader.outerjoin(leader_renewal, current))
             .where(leader.c.id == 1), "leader")
         if not rows:
             raise LogError("the leader row is missing: run `kvledger db upgrade`")
