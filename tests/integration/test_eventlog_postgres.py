@@ -1,23 +1,25 @@
 """What only the real database can show: the append-only guard, the migration, fencing by
-the advisory lock and epoch, group commit into few transactions, and bounded failure when
-PostgreSQL cannot be reached."""
+the advisory lock and epoch, a renewal that never waits for an append, group commit into
+few transactions, and bounded failure when PostgreSQL cannot be reached."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
 from coordinator.log import LogUnavailable, NewEvent, NotLeader
 from coordinator.log.groupcommit import GroupCommitter
 from coordinator.log.leader import LeaderElection, make_holder_id
-from coordinator.log.migrate import current, head_revision, upgrade
-from coordinator.log.postgres import PgSettings, PostgresEventLog
+from coordinator.log.migrate import alembic_config, current, head_revision, upgrade
+from coordinator.log.postgres import LEADER_STALE, LOCK_LEADER, PgSettings, PostgresEventLog
 from coordinator.log.schema import metadata
 from shared.embedded import free_port
 
@@ -191,3 +193,155 @@ async def test_leader_notices_losing_its_lock_session(pg: PostgresEventLog, data
         assert not a.is_leader
     finally:
         await a.release()
+
+
+@contextlib.asynccontextmanager
+async def append_in_flight(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    """An append transaction that has taken the leader row (as every append does) and not finished."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        async with conn.transaction():
+            await conn.fetchval(LOCK_LEADER)
+            yield conn
+    finally:
+        await conn.close()
+
+
+async def test_renewal_never_waits_for_an_append_in_flight(pg: PostgresEventLog, database_url: str) -> None:
+    """A slow append holds the leader row for longer than the standby waits before taking over;
+    the leader keeps renewing all along, so it neither steps down nor looks stale."""
+    a = LeaderElection(PgSettings(url=database_url), make_holder_id(), renew_interval_s=0.1, takeover_after_s=1.0)
+    b = LeaderElection(PgSettings(url=database_url), make_holder_id(), renew_interval_s=0.1, takeover_after_s=1.0)
+    try:
+        epoch_a = await asyncio.wait_for(a.acquire(), 5)
+        standby = asyncio.create_task(b.acquire(poll_s=0.05))
+        async with append_in_flight(database_url):
+            t0 = time.monotonic()
+            ages = []
+            while time.monotonic() - t0 < 2.5:  # > takeover_after_s, and > the renewal's own timeout
+                await asyncio.sleep(0.25)
+                info = await pg.leader()
+                assert info.leader_epoch == epoch_a and info.renewed_at is not None
+                async with pg.engine.connect() as conn:
+                    now = (await conn.exec_driver_sql("SELECT now()")).scalar()
+                ages.append((now - info.renewed_at).total_seconds())
+            assert a.is_leader, f"the leader stepped down behind a slow append: {await a.lost()}"
+            assert not standby.done(), "the standby took over from a leader that was renewing"
+        assert max(ages) < 0.6, f"renewals stalled behind the append: ages {ages}"
+        assert await pg.append([ev("a")], epoch_a) == [1]
+        assert a.is_leader and not standby.done()
+    finally:
+        await a.release()
+        await b.release()
+
+
+async def test_the_epoch_bump_still_waits_for_an_append_in_flight(pg: PostgresEventLog, database_url: str) -> None:
+    """The fence is unchanged: the bump serialises with appends, and the renewal row learns the
+    new epoch in the same transaction."""
+    old = await pg.take_leadership("old")
+    async with append_in_flight(database_url) as append:
+        bump = asyncio.create_task(pg.take_leadership("new"))
+        await asyncio.sleep(0.5)
+        assert not bump.done(), "the epoch bump did not wait for the append in flight"
+        # the old leader's renewal is not blocked meanwhile: it is still the leader
+        assert await append.fetchval("SELECT leader_epoch FROM leader_renewal") == old
+        conn = await asyncpg.connect(database_url)
+        try:
+            assert await asyncio.wait_for(conn.execute(
+                "UPDATE leader_renewal SET renewed_at = now() WHERE leader_epoch = $1", old), 1) == "UPDATE 1"
+        finally:
+            await conn.close()
+    new = await asyncio.wait_for(bump, 5)
+    assert new == old + 1
+    conn = await asyncpg.connect(database_url)
+    try:
+        row = await conn.fetchrow("SELECT leader_epoch, holder, renewed_at FROM leader_renewal WHERE id = 1")
+        assert (row[0], row[1]) == (new, "new") and row[2] is not None
+    finally:
+        await conn.close()
+    with pytest.raises(NotLeader):
+        await pg.append([ev("a")], old)
+
+
+@pytest.mark.parametrize("bump", ["take_leadership", "epoch_only"])
+async def test_a_superseded_leaders_renewal_is_fenced_and_it_steps_down(pg: PostgresEventLog, database_url: str,
+                                                                         bump: str) -> None:
+    """epoch_only: the epoch moved without the renewal row (a hand edit, a coordinator older
+    than migration 0002): the renewal checks ``leader.leader_epoch`` too."""
+    a = LeaderElection(PgSettings(url=database_url), make_holder_id(), renew_interval_s=0.05, takeover_after_s=30)
+    try:
+        epoch_a = await asyncio.wait_for(a.acquire(), 5)
+        await asyncio.sleep(0.2)
+        assert a.is_leader
+        if bump == "take_leadership":
+            assert await pg.take_leadership("usurper") == epoch_a + 1
+        else:
+            conn = await asyncpg.connect(database_url)
+            try:
+                await conn.execute("UPDATE leader SET leader_epoch = leader_epoch + 1, holder = 'usurper'")
+            finally:
+                await conn.close()
+        reason = await asyncio.wait_for(a.lost(), 5)
+        assert reason == f"fenced: leader epoch {epoch_a} was superseded"
+        assert not a.is_leader
+    finally:
+        await a.release()
+
+
+async def test_staleness_reads_the_renewal_of_the_current_epoch(pg: PostgresEventLog, database_url: str) -> None:
+    """A leader older than migration 0002 renews ``leader.renewed_at``; a renewal row of an
+    earlier epoch does not make the current leader look alive."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        async def stale() -> bool:
+            return (await conn.fetchrow(LEADER_STALE, 10.0))[2]
+
+        assert await stale()  # never taken: no renewal at all
+        await pg.take_leadership("new")
+        assert not await stale()
+        await conn.execute("UPDATE leader_renewal SET renewed_at = now() - interval '1 hour'")
+        await conn.execute("UPDATE leader SET renewed_at = now() - interval '1 hour'")
+        assert await stale()
+        await conn.execute("UPDATE leader SET renewed_at = now()")  # an older coordinator renewing
+        assert not await stale()
+        # an older coordinator's epoch bump (leader row only), then its renewals stop
+        await conn.execute("UPDATE leader_renewal SET renewed_at = now()")
+        await conn.execute("UPDATE leader SET leader_epoch = leader_epoch + 1, "
+                           "renewed_at = now() - interval '1 hour'")
+        assert await stale()
+        assert (await pg.leader()).renewed_at == await conn.fetchval("SELECT renewed_at FROM leader")
+    finally:
+        await conn.close()
+
+
+async def test_migration_0002_round_trip_keeps_the_leader(database_url: str) -> None:
+    log = PostgresEventLog.connect(PgSettings(url=database_url))
+
+    def downgrade(conn, revision: str) -> None:  # type: ignore[no-untyped-def]
+        cfg = alembic_config()
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, revision)
+
+    try:
+        assert await upgrade(log.engine, "0001") == "0001"
+        async with log.engine.begin() as conn:
+            await conn.exec_driver_sql("UPDATE leader SET leader_epoch = 7, holder = 'h', since = now(), "
+                                       "renewed_at = now() - interval '1 minute'")
+        assert await upgrade(log.engine, "0002") == "0002"
+        info = await log.leader()
+        assert (info.leader_epoch, info.holder) == (7, "h") and info.renewed_at is not None
+        async with log.engine.begin() as conn:
+            await conn.exec_driver_sql("UPDATE leader_renewal SET renewed_at = now()")
+            renewed = (await conn.exec_driver_sql("SELECT renewed_at FROM leader_renewal")).scalar()
+        async with log.engine.begin() as conn:
+            await conn.run_sync(downgrade, "0001")
+        assert await current(log.engine) == "0001"
+        async with log.engine.connect() as conn:
+            row = (await conn.exec_driver_sql("SELECT leader_epoch, holder, renewed_at FROM leader")).one()
+            assert tuple(row) == (7, "h", renewed)  # the last renewal is kept where 0001 reads it
+            assert (await conn.exec_driver_sql("SELECT to_regclass('leader_renewal')")).scalar() is None
+        assert await upgrade(log.engine) == head_revision()
+        assert await log.take_leadership("next") == 8
+        assert await log.append([ev("a")], 8) == [1]
+    finally:
+        await log.close()
