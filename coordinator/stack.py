@@ -7,8 +7,11 @@ Theory of operation — a small process supervisor, threads and ``subprocess``, 
 2. **Migrations.** ``kvledger db upgrade`` in-process, so a schema problem is reported
    before anything else starts (the coordinator would also migrate; this makes the step
    visible and its failure one clear line, like compose's one-shot ``migrate`` service).
-3. **Coordinator.** ``python -m coordinator`` with the resolved URLs in its environment
+3. **Coordinators.** ``python -m coordinator`` with the resolved URLs in its environment
    (``KVL_DATABASE_URL``, ``KVL_NATS_URL``) and the admin port; wait for ``/readyz`` 200.
+   ``--coordinators 2`` (or 3) then starts hot standbys on the next admin ports and waits
+   only for their ``/healthz``: the event log's advisory lock lets one coordinator lead,
+   the others answer ``/readyz`` 503 ``standby`` until the leader goes away.
 4. **Workers.** N × ``python -m worker`` with per-worker overrides (``KVL_WORKER__WORKER_ID``,
    ``KVL_WORKER__PORT``); wait for each ``/readyz`` to say ``ready`` (registered, pools
    allocated). Port 0 means "any free port": the worker prints ``listening on URL``.
@@ -17,16 +20,22 @@ Theory of operation — a small process supervisor, threads and ``subprocess``, 
 6. **Supervision.** Every child runs in its own process group (Ctrl-C reaches only this
    process, which then stops the children in order). Its stdout and stderr go, line by
    line, to ``<state_dir>/logs/<name>.log`` unchanged (JSON) and to the terminal rendered
-   readably with a ``name |`` prefix. A child that exits while the stack is up is reported
-   with the end of its log, and **the whole stack stops** (exit 1) — no silent restarts: a
-   crashing worker is a fault to look at, and the coordinator already fences its epoch.
+   readably with a ``name |`` prefix. A coordinator or worker that exits while the stack is
+   up is reported with the end of its log and **restarted** with the same port and worker id,
+   after a backoff that doubles while it keeps dying (0.5 s up to 10 s); the others keep
+   running (a restarted worker registers again and the coordinator fences its old epoch; a
+   restarted coordinator replays the log, or stands by if another one took the lead). The
+   restarts are counted in the table, ``stack.json`` and a JSON line in the child's log. A
+   process that dies more than ``--max-restarts`` times within ``--restart-window`` seconds
+   is a crash loop, not bad luck: **the whole stack stops** (exit 1) and says so. An embedded
+   PostgreSQL or NATS that exits also stops the stack.
 7. **Shutdown** on SIGINT/SIGTERM (a second signal hurries: SIGKILL at once): workers, then
-   the coordinator, each by SIGTERM to its process group with a grace period, then SIGKILL;
+   the coordinators, each by SIGTERM to its process group with a grace period, then SIGKILL;
    then NATS and PostgreSQL. Finally every process this supervisor started, and anything
    still in their process groups or below them, is looked for; any survivor is killed and
    reported (exit 1).
 8. **A supervisor that was killed** (SIGKILL, OOM) cannot stop anything: the kernel sends
-   SIGTERM to the coordinator and workers (parent-death signal), and the next ``kvledger up``
+   SIGTERM to the coordinators and workers (parent-death signal), and the next ``kvledger up``
    with the same state_dir finds the ``stack.json`` it left and stops what is still running
    there (the embedded servers above all), or refuses if that supervisor is in fact alive.
 """
@@ -47,12 +56,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
 from shared.config import Config
 
-#: Colours of the log prefixes (coordinator first, then workers in turn).
+#: Colours of the log prefixes (coordinators first, then workers in turn).
 _COLOURS = ("cyan", "green", "magenta", "blue", "yellow", "bright_green", "bright_magenta", "bright_blue")
 _LEVEL_STYLE = {"debug": "dim", "info": "", "warning": "yellow", "error": "bold red", "critical": "bold red"}
 #: Keys of a structlog JSON line shown in the prefix, not as ``key=value``.
@@ -70,7 +80,9 @@ class Interrupted(Exception):
 @dataclass
 class StackOptions:
     workers: int = 1
-    #: None = the config's coordinator.port; 0 = any free port.
+    #: The first leads; the others are hot standbys on the next admin ports.
+    coordinators: int = 1
+    #: None = the config's coordinator.port; 0 = any free port (each).
     coordinator_port: int | None = None
     #: None = the config's worker.port; worker i listens on base + i; 0 = any free port each.
     worker_base_port: int | None = None
@@ -79,6 +91,13 @@ class StackOptions:
     stop_timeout_s: float = 20.0
     #: Echo the children's logs on the terminal (always written to the log files).
     echo_logs: bool = True
+    #: A child that exits is restarted after restart_backoff_s, doubled for each earlier exit
+    #: within restart_window_s (at most restart_backoff_max_s); more than max_restarts exits
+    #: within the window stop the stack (0 = stop at the first).
+    max_restarts: int = 5
+    restart_window_s: float = 60.0
+    restart_backoff_s: float = 0.5
+    restart_backoff_max_s: float = 10.0
 
 
 # --- the terminal ------------------------------------------------------------------------------
@@ -172,7 +191,8 @@ def _parent_death_signal() -> Callable[[], None] | None:
 
 
 class Child:
-    """A supervised process in its own process group; output to a log file and the terminal."""
+    """A supervised process in its own process group; output to a log file and the terminal.
+    :meth:`start` again after it exited runs it anew with the same command and environment."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path, console: Console,
                  colour: str, echo: bool) -> None:
@@ -188,9 +208,14 @@ class Child:
         self.popen: subprocess.Popen[str] | None = None
         self._reader: threading.Thread | None = None
         self._tail: list[str] = []
+        #: Supervision: restarts so far, recent exits (monotonic), when it is due to start again.
+        self.restarts = 0
+        self.exits: list[float] = []
+        self.restart_at: float | None = None
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._tail = []  # the end of the log shown when it exits is this run's
         self.popen = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace",
                                       start_new_session=True, preexec_fn=_parent_death_signal())
@@ -229,6 +254,14 @@ class Child:
 
     def tail(self, n: int = 15) -> str:
         return "\n".join(self._tail[-n:])
+
+    def note(self, event: str, level: str, **fields: Any) -> None:
+        """A JSON line of the supervisor's own in this child's log, so that the log says where one
+        run ended and why the next began. Only between runs (after :meth:`stop`): no reader writes."""
+        ts = datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+        doc = {"event": event, "level": level, "logger": "kvledger.up", "timestamp": ts, "name": self.name, **fields}
+        with open(self.log_path, "a", encoding="utf-8") as log:
+            log.write(json.dumps(doc) + "\n")
 
     def signal_group(self, sig: int) -> None:
         if self.popen is None:
@@ -299,14 +332,24 @@ class Stack:
         self.state_dir = Path(self.cfg.state_dir).resolve()
         self.log_dir = self.state_dir / "logs"
         self.services: Any = None
-        self.coordinator: Child | None = None
+        self.coordinators: list[Child] = []
         self.workers: list[Child] = []
-        self.coordinator_url = ""
         self._stop = threading.Event()
         self._hurry = threading.Event()
         self._signals = 0
+        #: The processes this supervisor runs now (a restarted child's old pid is no longer ours).
         self._pids: set[int] = set()
+        self._started = 0
         self._wrote_state = False
+
+    @property
+    def coordinator_url(self) -> str:
+        """The first coordinator's (the leader when the stack came up): where the hints point."""
+        return (self.coordinators[0].url or "") if self.coordinators else ""
+
+    @property
+    def children(self) -> list[Child]:
+        return [*self.coordinators, *self.workers]
 
     # --- signals ---------------------------------------------------------------------------
 
@@ -362,13 +405,7 @@ class Stack:
         cfg = self.cfg
         self.clean_stale()
         host = cfg.coordinator.host
-        cport = cfg.coordinator.port if self.opts.coordinator_port is None else self.opts.coordinator_port
-        if cport == 0:
-            from shared.embedded import free_port
-            cport = free_port(host)
-        elif not port_free(host, cport):
-            raise StackError(f"port {cport} on {host} is in use (another `kvledger up`?); "
-                             f"choose another with --coordinator-port (0 = any free port)")
+        cports = self._coordinator_ports(host)
         wbase = cfg.worker.port if self.opts.worker_base_port is None else self.opts.worker_base_port
         wports = [0 if wbase == 0 else wbase + i for i in range(self.opts.workers)]
         for p in wports:
@@ -382,8 +419,25 @@ class Stack:
         self._check_stop()
         self._migrate()
         self._check_stop()
-        self._start_coordinator(host, cport)
+        self._start_coordinators(host, cports)
         self._start_workers(wports)
+
+    def _coordinator_ports(self, host: str) -> list[int]:
+        """The admin ports: coordinator.port (or --coordinator-port) and the next ones for the
+        standbys; with 0, distinct free ports."""
+        from shared.embedded import free_port
+
+        first = self.cfg.coordinator.port if self.opts.coordinator_port is None else self.opts.coordinator_port
+        ports: list[int] = []
+        for i in range(self.opts.coordinators):
+            port = free_port(host) if first == 0 else first + i
+            while first == 0 and port in ports:
+                port = free_port(host)
+            if first and not port_free(host, port):
+                raise StackError(f"port {port} on {host} is in use (another `kvledger up`?); "
+                                 f"choose another with --coordinator-port (0 = any free port)")
+            ports.append(port)
+        return ports
 
     def _start_services(self) -> None:
         from shared.embedded import EmbeddedServiceError, start_services
@@ -399,6 +453,7 @@ class Stack:
         for emb in (self.services.postgres, self.services.nats):
             if emb is not None and emb.proc is not None:
                 self._pids.add(emb.proc.pid)
+                self._started += 1
 
     def _migrate(self) -> None:
         import asyncio
@@ -437,27 +492,41 @@ class Stack:
     def _spawn(self, name: str, argv: list[str], env: dict[str, str], colour: str) -> Child:
         self.console.width = max(self.console.width, len(name) + 1)
         child = Child(name, argv, env, self.log_dir / f"{name}.log", self.console, colour, self.opts.echo_logs)
-        child.start()
-        self._pids.add(child.pid)
+        self._run(child)
         return child
 
-    def _start_coordinator(self, host: str, port: int) -> None:
-        argv = [self.python, "-m", "coordinator", "--host", host, "--port", str(port)]
-        self.coordinator = self._spawn("coordinator", argv, self._child_env(), _COLOURS[0])
-        self.coordinator_url = f"http://{host}:{port}"
-        self.write_state_file(ready=False)
-        self.console.say(f"coordinator starting (pid {self.coordinator.pid}), waiting for {self.coordinator_url}/readyz")
-        deadline = time.monotonic() + self.opts.start_timeout_s
-        last: Any = None
-        while time.monotonic() < deadline:
-            self._died_while_starting(self.coordinator)
-            status, body = http_json(f"{self.coordinator_url}/readyz")
-            if status == 200:
-                return
-            last = body or status
-            self._sleep(0.2)
-        raise StackError(f"coordinator not ready within {self.opts.start_timeout_s:.0f}s (last /readyz: {last}); "
-                         f"see {self.coordinator.log_path}")
+    def _run(self, child: Child) -> None:
+        child.start()
+        self._pids.add(child.pid)
+        self._started += 1
+
+    def _start_coordinators(self, host: str, ports: list[int]) -> None:
+        """The first until its ``/readyz`` is 200: it takes the leader lock, so that the stack comes
+        up with a known leader. Then the standbys, each until its ``/healthz`` answers (their
+        ``/readyz`` stays 503 ``standby`` while the first leads)."""
+        for i, port in enumerate(ports):
+            name = "coordinator" if i == 0 else f"coordinator-{i + 1}"
+            argv = [self.python, "-m", "coordinator", "--host", host, "--port", str(port)]
+            c = self._spawn(name, argv, self._child_env(), _COLOURS[0])
+            c.url = f"http://{host}:{port}"
+            self.coordinators.append(c)
+            self.write_state_file(ready=False)
+            path = "/readyz" if i == 0 else "/healthz"
+            self.console.say(f"{name} starting (pid {c.pid}){' as a standby' if i else ''}, "
+                             f"waiting for {c.url}{path}")
+            deadline = time.monotonic() + self.opts.start_timeout_s
+            last: Any = None
+            while time.monotonic() < deadline:
+                for other in self.coordinators:
+                    self._died_while_starting(other)
+                status, body = http_json(f"{c.url}{path}")
+                if status == 200:
+                    break
+                last = body or status
+                self._sleep(0.2)
+            else:
+                raise StackError(f"{name} not ready within {self.opts.start_timeout_s:.0f}s (last {path}: {last}); "
+                                 f"see {c.log_path}")
 
     def _start_workers(self, ports: list[int]) -> None:
         base_id = self.cfg.worker.worker_id or "worker"
@@ -474,13 +543,14 @@ class Stack:
         deadline = time.monotonic() + self.opts.start_timeout_s
         for w in self.workers:
             self._wait_worker(w, deadline)
+            # a restart keeps the address that clients and the table know, also one that port 0 chose
+            w.env["KVL_WORKER__PORT"] = str(w.url).rsplit(":", 1)[1]
 
     def _wait_worker(self, w: Child, deadline: float) -> None:
         last: Any = None
         while time.monotonic() < deadline:
-            self._died_while_starting(w)
-            if self.coordinator is not None:
-                self._died_while_starting(self.coordinator)
+            for c in (w, *self.coordinators):
+                self._died_while_starting(c)
             if w.url is None:
                 self._sleep(0.2)
                 continue
@@ -501,13 +571,15 @@ class Stack:
     # --- while up ----------------------------------------------------------------------------
 
     def supervise(self) -> bool:
-        """Until a stop is requested (False) or a process dies (True, reported)."""
+        """Until a stop is requested (False) or the stack cannot go on (True, reported): a child
+        that exits is restarted (:meth:`_exited`, :meth:`_restart`), the others keep running."""
         while not self._stop.wait(0.25):
-            for child in [c for c in (self.coordinator, *self.workers) if c is not None]:
-                if not child.alive:
-                    self.console.say(f"{child.name} (pid {child.pid}) exited unexpectedly with code "
-                                     f"{child.returncode}; its last lines:\n{child.tail()}\n(full log: "
-                                     f"{child.log_path}); stopping the stack", style="bold red")
+            now = time.monotonic()
+            for child in self.children:
+                if child.restart_at is not None:
+                    if now >= child.restart_at and not self._restart(child):
+                        return True
+                elif not child.alive and not self._exited(child, now):
                     return True
             for name, emb in (("postgres", self.services.postgres), ("nats", self.services.nats)):
                 if emb is not None and emb.proc is not None and emb.proc.poll() is not None:
@@ -515,6 +587,45 @@ class Stack:
                                      f"(log under {emb.data_dir}); stopping the stack", style="bold red")
                     return True
         return False
+
+    def _exited(self, child: Child, now: float) -> bool:
+        """Report a child that exited and schedule its restart (True), or, when it exited more
+        than ``max_restarts`` times within ``restart_window_s``, say so (False: stop the stack)."""
+        o = self.opts
+        pid = child.pid
+        code = child.stop(0)  # what is left of its process group goes too: it could hold the port
+        self._pids.discard(pid)
+        child.exits = [t for t in child.exits if now - t < o.restart_window_s] + [now]
+        last = f"its last lines:\n{child.tail()}\n(full log: {child.log_path})"
+        if len(child.exits) > o.max_restarts:
+            why = (f"it exited {len(child.exits)} times within {o.restart_window_s:g}s "
+                   f"(--max-restarts {o.max_restarts})")
+            child.note("process_exited", "error", pid=pid, exit_code=code, action="stopping the stack", reason=why)
+            self.console.say(f"{child.name} (pid {pid}) exited (code {code}); {last}\n"
+                             f"not restarting it: {why}; stopping the stack", style="bold red")
+            return False
+        delay = min(o.restart_backoff_s * 2 ** (len(child.exits) - 1), o.restart_backoff_max_s)
+        child.restart_at = now + delay
+        child.note("process_exited", "warning", pid=pid, exit_code=code, action="restarting",
+                   restart=child.restarts + 1, delay_s=delay)
+        self.console.say(f"{child.name} (pid {pid}) exited (code {code}); restarting in {delay:g}s "
+                         f"(restart {child.restarts + 1}); {last}", style="bold yellow")
+        self.write_state_file()
+        return True
+
+    def _restart(self, child: Child) -> bool:
+        """Start ``child`` again (same command, environment, port and worker id); False if it cannot be."""
+        child.restart_at = None
+        child.restarts += 1
+        try:
+            self._run(child)
+        except OSError as e:
+            self.console.say(f"{child.name}: cannot restart it ({e}); stopping the stack", style="bold red")
+            return False
+        self.console.say(f"{child.name} restarted (pid {child.pid}, restart {child.restarts})", style="bold yellow")
+        self.write_state_file()
+        self.console.print(self.summary_table())
+        return True
 
     def rows(self) -> list[dict[str, Any]]:
         """What runs where: one row per service (also the content of stack.json)."""
@@ -526,25 +637,24 @@ class Stack:
                     ("nats", svc.nats_url, svc.nats, "nats/nats.log")):
                 out.append({"name": name, "url": url, "role": "embedded" if emb is not None else "configured",
                             "pid": emb.proc.pid if emb is not None and emb.proc is not None else None,
-                            "log": str(self.state_dir / log) if emb is not None else None})
-        if self.coordinator is not None:
-            out.append({"name": "coordinator", "url": self.coordinator_url, "role": "admin API",
-                        "pid": self.coordinator.pid, "log": str(self.coordinator.log_path)})
-        for w in self.workers:
-            out.append({"name": w.name, "url": w.url, "role": "OpenAI API", "pid": w.pid, "log": str(w.log_path)})
+                            "log": str(self.state_dir / log) if emb is not None else None, "restarts": None})
+        for c in self.children:
+            out.append({"name": c.name, "url": c.url, "role": "OpenAI API" if c in self.workers else "admin API",
+                        "pid": c.pid if c.alive else None, "log": str(c.log_path), "restarts": c.restarts})
         return out
 
     def summary_table(self) -> Any:
         from rich.table import Table
 
         t = Table(title="kvledger stack", title_justify="left", show_lines=False)
-        for col in ("service", "address", "", "pid", "log"):
+        for col in ("service", "address", "", "pid", "restarts", "log"):
             t.add_column(col, overflow="fold")
         for r in self.rows():
             url = r["url"] or ""
             if r["role"] == "OpenAI API":
                 url += "/v1"
-            t.add_row(r["name"], _redact_url(url), r["role"], str(r["pid"] or "-"), r["log"] or "-")
+            restarts = "-" if r["restarts"] is None else str(r["restarts"])
+            t.add_row(r["name"], _redact_url(url), r["role"], str(r["pid"] or "-"), restarts, r["log"] or "-")
         return t
 
     def hints(self) -> str:
@@ -563,7 +673,8 @@ class Stack:
         """``<state_dir>/stack.json``: what runs where (for scripts), and what to clean up if this
         supervisor is killed before it can stop its children (see :meth:`clean_stale`)."""
         doc = {"supervisor_pid": os.getpid(), "ready": ready, "state_dir": str(self.state_dir),
-               "coordinator_url": self.coordinator_url, "worker_urls": [w.url for w in self.workers],
+               "coordinator_url": self.coordinator_url, "coordinator_urls": [c.url for c in self.coordinators],
+               "worker_urls": [w.url for w in self.workers],
                "services": [{**r, "url": _redact_url(r["url"] or "")} for r in self.rows()]}
         path = self.state_dir / "stack.json"
         tmp = path.with_suffix(".json.tmp")
@@ -618,21 +729,22 @@ class Stack:
 
     def shutdown(self) -> list[str]:
         """Stop everything started, in reverse order; return descriptions of survivors (killed)."""
-        started = [c for c in (*reversed(self.workers), self.coordinator) if c is not None]
+        started = [*reversed(self.workers), *self.coordinators]
         below = descendants(self._pids)
         if started or self.services is not None:
             self.console.say("stopping")
         grace = 0.0 if self._hurry.is_set() else self.opts.stop_timeout_s
-        # Workers together (each releases its leases and drains its outbox), then the coordinator.
-        threads = [threading.Thread(target=w.stop, args=(grace, self._hurry)) for w in reversed(self.workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if self.coordinator is not None:
-            self.coordinator.stop(grace, self._hurry)
+        # Workers together (each releases its leases and drains its outbox), then the coordinators
+        # together (a standby stops at once, before the leader releases the lock at its end).
+        for group in (list(reversed(self.workers)), self.coordinators):
+            threads = [threading.Thread(target=c.stop, args=(grace, self._hurry)) for c in group]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         for c in started:
-            self.console.say(f"{c.name} stopped (exit code {c.returncode})", style="dim")
+            restarts = f", restarted {c.restarts} time(s)" if c.restarts else ""
+            self.console.say(f"{c.name} stopped (exit code {c.returncode}{restarts})", style="dim")
         if self.services is not None:
             try:
                 self.services.stop()
@@ -644,7 +756,7 @@ class Stack:
         if left:
             self.console.say("still running after stop (now killed): " + "; ".join(left), style="bold red")
         elif started or self.services is not None:
-            self.console.say(f"stopped; none of the {len(self._pids)} processes it started is left", style="bold")
+            self.console.say(f"stopped; none of the {self._started} processes it started is left", style="bold")
         return left
 
 
@@ -672,7 +784,7 @@ def _looks_like(p: Any, name: str, state_dir: Path) -> bool:
     cmd = " ".join(p.cmdline())
     if name in ("postgres", "nats"):
         return str(state_dir) in cmd
-    if name == "coordinator":
+    if name == "coordinator" or name.startswith("coordinator-"):
         return "-m coordinator" in cmd
     return "-m worker" in cmd
 
@@ -735,12 +847,20 @@ def _redact_url(url: str) -> str:
 
 def add_arguments(p: Any) -> None:
     p.add_argument("--workers", "-n", type=int, default=1, help="number of workers (default 1)")
+    p.add_argument("--coordinators", type=int, default=1, metavar="N",
+                   help="coordinator processes, 1 to 3 (default 1): the first leads, the others are hot "
+                        "standbys on the next admin ports")
     p.add_argument("--coordinator-port", type=int, default=None,
                    help="admin API port (default: coordinator.port, 8321; 0 = any free port)")
     p.add_argument("--worker-base-port", type=int, default=None,
                    help="worker i listens on BASE+i (default: worker.port, 8400; 0 = any free ports)")
     p.add_argument("--start-timeout", type=float, default=180.0, metavar="SECONDS",
                    help="how long each part may take to become ready (default 180)")
+    p.add_argument("--max-restarts", type=int, default=5, metavar="N",
+                   help="a coordinator or worker that exits is restarted; one that exits more than N times "
+                        "within --restart-window stops the stack (default 5; 0 = stop at the first exit)")
+    p.add_argument("--restart-window", type=float, default=60.0, metavar="SECONDS",
+                   help="the window of --max-restarts (default 60)")
     p.add_argument("--quiet", "-q", action="store_true",
                    help="do not echo the services' logs (they are still written under <state_dir>/logs)")
 
@@ -750,8 +870,15 @@ def cmd_up(args: Any) -> int:
 
     if args.workers < 0:
         raise SystemExit("kvledger up: --workers must be >= 0")
+    if not 1 <= args.coordinators <= 3:
+        raise SystemExit("kvledger up: --coordinators must be 1, 2 or 3")
+    if args.max_restarts < 0:
+        raise SystemExit("kvledger up: --max-restarts must be >= 0 (0 = stop the stack when a process exits)")
+    if not args.restart_window > 0:
+        raise SystemExit("kvledger up: --restart-window must be > 0 seconds")
     cfg = load_config(getattr(args, "config", None))
-    opts = StackOptions(workers=args.workers, coordinator_port=args.coordinator_port,
+    opts = StackOptions(workers=args.workers, coordinators=args.coordinators, coordinator_port=args.coordinator_port,
                         worker_base_port=args.worker_base_port, config_path=getattr(args, "config", None),
-                        start_timeout_s=args.start_timeout, echo_logs=not args.quiet)
+                        start_timeout_s=args.start_timeout, echo_logs=not args.quiet,
+                        max_restarts=args.max_restarts, restart_window_s=args.restart_window)
     return Stack(cfg, opts).run()

@@ -4,8 +4,10 @@ The first test runs the default path (no URLs configured: embedded PostgreSQL an
 two workers, requests to both through the openai client, the admin commands against the
 live coordinator (`kvledger audit` must come back clean), then SIGTERM: the supervisor must
 exit 0 and no process it started — nor any process that was below it — may still run.
-The second uses configured PostgreSQL/NATS, kills a worker with SIGKILL, and expects the
-supervisor to report it, stop the rest and exit 1, again leaving nothing behind.
+The second uses configured PostgreSQL/NATS and a worker that cannot come back: it is killed
+with SIGKILL while the test holds its port, so its restart exits at once; with --max-restarts 1
+that second exit stops the stack (exit 1, the reason said), again leaving nothing behind.
+Restarts that succeed, and standby coordinators: test_stack_supervision.py.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -200,12 +203,12 @@ def test_up_two_workers_requests_audit_and_sigterm_leaves_nothing(tmp_path: Path
     assert not (up.state / "stack.json").exists()
 
 
-def test_a_worker_that_dies_stops_the_stack_and_is_reported(tmp_path: Path, ups: list[UpProcess],
-                                                            database_url: str, nats_url: str,
-                                                            subjects: Subjects) -> None:
+def test_a_worker_that_keeps_dying_stops_the_stack_and_is_reported(tmp_path: Path, ups: list[UpProcess],
+                                                                  database_url: str, nats_url: str,
+                                                                  subjects: Subjects) -> None:
     up = UpProcess(tmp_path, {"database": {"url": database_url},
                               "nats": {"url": nats_url, "subject_prefix": subjects.prefix},
-                              "worker": {"pool_bytes": 4 * 2**20}}, "--workers", "1", "--quiet")
+                              "worker": {"pool_bytes": 4 * 2**20}}, "--workers", "1", "--quiet", "--max-restarts", "1")
     ups.append(up)
     up.wait_for(UP_READY, timeout_s=180)
     stack = up.stack()
@@ -213,10 +216,31 @@ def test_a_worker_that_dies_stops_the_stack_and_is_reported(tmp_path: Path, ups:
     assert not any(" | " in line for line in up.lines)  # --quiet: logs only in the files
     tree = up.tree()
     worker_pid = next(s["pid"] for s in stack["services"] if s["name"] == "worker-0")
+    port = int(stack["worker_urls"][0].rsplit(":", 1)[1])
     os.kill(worker_pid, signal.SIGKILL)
-    assert up.popen.wait(60) == 1, up.output()[-4000:]
+    with socket.socket() as squatter:  # the restarted worker must find its port taken
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                squatter.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"port {port} still taken after the kill"
+                time.sleep(0.02)
+        squatter.listen()
+        assert up.popen.wait(90) == 1, up.output()[-4000:]
     up._reader.join(5)
     out = up.output()
-    assert f"worker-0 (pid {worker_pid}) exited unexpectedly with code -9" in out
-    assert "stopping the stack" in out and "none of the 2 processes it started is left" in out
+    assert f"worker-0 (pid {worker_pid}) exited (code -9); restarting in 0.5s (restart 1)" in out
+    assert "worker-0 restarted (pid" in out
+    # the restart kept the port (and said so), then exited by itself: no third try
+    assert f"kvledger worker: cannot serve HTTP on 127.0.0.1:{port}" in out
+    assert "exited (code 2)" in out and "not restarting it: it exited 2 times within 60s (--max-restarts 1); " \
+        "stopping the stack" in out
+    assert "worker-0 stopped (exit code 2, restarted 1 time(s))" in out
+    assert "none of the 3 processes it started is left" in out
     assert still_running(tree) == []
+    log = [json.loads(line) for line in (up.state / "logs" / "worker-0.log").read_text().splitlines()
+           if line.startswith('{"event": "process_exited"')]
+    assert [(e["exit_code"], e["action"]) for e in log] == [(-9, "restarting"), (2, "stopping the stack")]
