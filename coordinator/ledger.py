@@ -22,6 +22,14 @@ the ledger stops and tells its owner to step down.
 
 Snapshots and audits *freeze* the ledger briefly: new decisions wait, queued events are
 flushed, and then the live state equals the log up to :attr:`position` exactly.
+
+Heartbeats never wait: they change nothing durable (liveness is soft state, :attr:`seen`;
+only the decisions taken from it — suspended, lost — are logged), so they are answered at
+once from the live state with the *durable* commit watermark (:attr:`durable`: what the
+worker may drop from its outbox must already be in the log, not merely applied).
+
+A standby *follows* the log (:meth:`follow`): it folds the leader's events as they are
+committed, so a takeover reads only the last few instead of replaying.
 """
 
 from __future__ import annotations
@@ -32,14 +40,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from coordinator.core import (
-    EVENT_TYPES, CoreParams, LedgerState, TransitionApplied, TransitionRejected, apply, encode_event, resume,
-    state_hash, stream_of, to_snapshot,
+    EVENT_TYPES, CoreParams, LedgerState, TransitionApplied, TransitionRejected, apply, encode_event, heartbeat,
+    resume, state_hash, stream_of, to_snapshot,
 )
 from coordinator.log.groupcommit import GroupCommitter, Submission
 from coordinator.log.port import EventLog, LogError, NewEvent, NotLeader, Snapshot
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.replay import LogCorrupt, load_state
-from shared.messages import ErrorCode, now_ms
+from shared.messages import ErrorCode, ErrorReply, Heartbeat, HeartbeatReply, now_ms
 
 R = TypeVar("R")
 Decision = Callable[[LedgerState], tuple[R, list[Any]]]
@@ -97,6 +105,12 @@ class Ledger:
         self._snapshotting: asyncio.Task[Any] | None = None
         self._since_snapshot = 0
         self.last_replay: dict[str, Any] = {}
+        #: ``(worker, epoch)`` → highest contiguous transition seq known to be committed.
+        self.durable: dict[tuple[str, int], int] = {}
+        #: ``(worker, epoch)`` → when it last heartbeat (soft state: never logged, lost on restart).
+        self.seen: dict[tuple[str, int], int] = {}
+        #: True while :attr:`state` is the log folded up to :attr:`position` (a standby following it).
+        self._following = False
 
     @property
     def serving(self) -> bool:
@@ -108,7 +122,10 @@ class Ledger:
         """Load the state (snapshot + tail), open the commit queue with ``epoch``, record the takeover."""
         self.epoch = epoch
         self.set_status("recovering", "replaying the log")
-        await self._load()
+        # A standby that followed the log folds only the tail the old leader wrote last.
+        incremental, self._following = self._following, False
+        await self._load(incremental=incremental)
+        self.seen.clear()
         self.committer = GroupCommitter(self.log, batch_ms=self.batch_ms, batch_max=self.batch_max,
                                         leader_epoch=epoch, on_commit=self._on_commit,
                                         on_failure=self._on_failure, on_batch=self.metrics.on_batch)
@@ -144,16 +161,63 @@ class Ledger:
         self.metrics.leader.set(1 if status == "serving" else 0)
         self.metrics.leader_epoch.set(self.epoch)
 
-    async def _load(self) -> None:
-        result = await load_state(self.log, self.params, logger=self.logger, progress_every=self.progress_every)
+    async def _load(self, incremental: bool = False) -> None:
+        start = (self.state, self.position) if incremental else None
+        if not incremental:
+            self._following = False
+        result = await load_state(self.log, self.params, logger=self.logger, progress_every=self.progress_every,
+                                  start=start, what="catch_up" if incremental else "replay")
         self.state = result.state
         self.position = result.position
-        self._since_snapshot = result.events
+        self.durable = {k: wm.contiguous for k, wm in self.state.watermarks.items()}
+        self._since_snapshot = result.events if start is None else self._since_snapshot + result.events
         self.metrics.replay_seconds.set(result.seconds)
         self.metrics.replay_events.set(result.events)
         self.metrics.log_position.set(self.position)
         self.last_replay = {"events": result.events, "seconds": round(result.seconds, 3),
                             "position": result.position, "snapshot_position": result.snapshot_position}
+
+    async def follow(self, interval_s: float = 0.2) -> None:
+        """While standby: fold what the leader commits, every ``interval_s`` (a task; cancel it to stop).
+
+        NOTE: positions are contiguous and appends are serialised by the leader row lock, so
+        reading past :attr:`position` never skips an event that commits later.
+        """
+        last_error = ""
+        while True:
+            try:
+                if self._following:
+                    # NOTE: not "following" until the catch-up completes: one cancelled halfway (a
+                    # takeover) leaves the state past :attr:`position`, and must not be continued.
+                    self._following = False
+                    result = await load_state(self.log, self.params, start=(self.state, self.position))
+                    self.position = result.position
+                    self._following = True
+                    self.metrics.log_position.set(self.position)
+                else:
+                    await self._load()
+                    self._following = True
+                    self.logger.info("following_log", position=self.position)
+                last_error = ""
+            except (LogError, LogCorrupt, OSError) as e:
+                self._following = False
+                if str(e) != last_error:
+                    self.logger.warning("follow_failed", error=str(e), action="retrying")
+                last_error = str(e)
+            await asyncio.sleep(interval_s)
+
+    # --- liveness: soft state, answered at once ----------------------------------------------
+
+    def heartbeat(self, msg: Heartbeat) -> HeartbeatReply | ErrorReply:
+        """A worker's heartbeat: no event, no wait (see the module docstring)."""
+        self.check_serving()
+        now = now_ms()
+        reply, _ = heartbeat(self.state, msg, now)
+        if isinstance(reply, ErrorReply):
+            return reply
+        key = (msg.worker_id, msg.epoch)
+        self.seen[key] = now
+        return HeartbeatReply(committed_seq=self.durable.get(key, 0))
 
     # --- the one way to change state -------------------------------------------------------
 
@@ -269,6 +333,10 @@ class Ledger:
             if sub.context:
                 for k, v in sub.context.items():
                     marks[k] = max(marks.get(k, 0), v)
+        durable = self.durable
+        for k, v in marks.items():
+            if v > durable.get(k, 0):
+                durable[k] = v
         self.metrics.log_position.set(self.position)
         if duplicate:
             # The core deduplicates by source id before the log does; if the log still found a

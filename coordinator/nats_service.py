@@ -1,7 +1,7 @@
 """The coordinator on NATS: request/reply service, transition consumer, watermarks, worker calls.
 
-* Request/reply (queue group ``COORDINATOR_QUEUE``): register, heartbeat, lease acquire /
-  renew / release. Every request is answered — with an ``ErrorReply`` when it cannot be
+* Request/reply (queue group ``COORDINATOR_QUEUE``): register, resume, heartbeat, lease
+  acquire / renew / release. Every request is answered — with an ``ErrorReply`` when it cannot be
   served; a malformed one gets ``INVALID`` and a warning in the log that names the
   operation and what was wrong with the shape, never the content.
 * JetStream: the stream is created or verified at start (limits retention, file storage,
@@ -12,7 +12,9 @@
   ``subjects.watermark(worker)``; the worker drops what it covers from its outbox.
 
 Every handler runs as its own task: a handler waits for its commit, and the next
-message's decision must not wait for that (that is what group commit batches).
+message's decision must not wait for that (that is what group commit batches). Heartbeats
+are the exception: they append nothing and wait for nothing, so they are answered inline,
+never queued behind decisions or commits.
 """
 
 from __future__ import annotations
@@ -33,14 +35,14 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
 
 from coordinator.core import (
-    CoreError, TransitionRejected, acquire_lease, heartbeat, ingest_transition, register_worker, release_lease,
-    renew_lease,
+    CoreError, TransitionRejected, acquire_lease, ingest_transition, register_worker, release_lease, renew_lease,
+    resume_worker,
 )
 from coordinator.ledger import Ledger, Unavailable
 from coordinator.metrics import CoordinatorMetrics
 from shared.messages import (
     CommitWatermark, Control, ErrorCode, ErrorReply, Heartbeat, InventoryReply, InventoryRequest, LeaseAcquire, LeaseRelease,
-    LeaseRenew, MessageError, TransitionEvent, WorkerRegister, decode, encode, now_ms,
+    LeaseRenew, MessageError, TransitionEvent, WorkerRegister, WorkerResume, decode, encode, now_ms,
 )
 from shared.subjects import COORDINATOR_QUEUE, Subjects
 
@@ -78,11 +80,13 @@ class _Op:
 
 _OPS = {
     "register": _Op("register", WorkerRegister, lambda req: lambda s: register_worker(s, req, now_ms())),
-    "heartbeat": _Op("heartbeat", Heartbeat, lambda req: lambda s: heartbeat(s, req, now_ms())),
+    "resume": _Op("resume", WorkerResume, lambda req: lambda s: resume_worker(s, req, now_ms())),
     "acquire": _Op("acquire", LeaseAcquire, lambda req: lambda s: acquire_lease(s, req, now_ms(), new_lease_id())),
     "renew": _Op("renew", LeaseRenew, lambda req: lambda s: renew_lease(s, req, now_ms())),
     "release": _Op("release", LeaseRelease, lambda req: lambda s: release_lease(s, req, now_ms())),
 }
+#: Answered inline by :meth:`Ledger.heartbeat` (nothing to decide or commit).
+_HEARTBEAT = _Op("heartbeat", Heartbeat, lambda req: lambda s: (None, []))
 
 
 class NatsService:
@@ -116,10 +120,11 @@ class NatsService:
         if self._subs:
             return
         s = self.subjects
-        for subject, op in ((s.worker_register, "register"), (s.worker_heartbeat, "heartbeat"),
+        for subject, op in ((s.worker_register, "register"), (s.worker_resume, "resume"),
                             (s.lease_acquire, "acquire"), (s.lease_renew, "renew"), (s.lease_release, "release")):
             self._subs.append(await self.nc.subscribe(subject, queue=COORDINATOR_QUEUE,
                                                       cb=self._dispatcher(_OPS[op])))
+        self._subs.append(await self.nc.subscribe(s.worker_heartbeat, queue=COORDINATOR_QUEUE, cb=self._heartbeat))
         self.log.info("requests_subscribed", queue=COORDINATOR_QUEUE, prefix=s.prefix)
 
     async def stop_requests(self) -> None:
@@ -147,18 +152,31 @@ class NatsService:
         self._tasks.discard(task)
         self._slots.release()
 
-    async def _handle(self, op: _Op, msg: Msg) -> None:
+    async def _heartbeat(self, msg: Msg) -> None:
         t0 = time.perf_counter()
-        reply: Any
+        reply = self._request(_HEARTBEAT, msg)
+        if not isinstance(reply, ErrorReply):
+            try:
+                reply = self.ledger.heartbeat(reply)
+            except Unavailable as e:
+                reply = ErrorReply(code=e.code, message=str(e)[:1000], retry_after_ms=e.retry_after_ms)
+        await self._answer(_HEARTBEAT, msg, t0, reply)
+
+    def _request(self, op: _Op, msg: Msg) -> Any:
+        """The decoded request, or the ErrorReply for a malformed one."""
         try:
-            req = decode(msg.data, expect=op.type)
+            return decode(msg.data, expect=op.type)
         except MessageError as e:
             self.metrics.malformed.labels(kind=op.name).inc()
             self.log.warning("malformed_request", op=op.name, size=len(msg.data), error_kind=error_kind(e))
-            reply = ErrorReply(code=ErrorCode.INVALID, message=str(e)[:1000])
-        else:
+            return ErrorReply(code=ErrorCode.INVALID, message=str(e)[:1000])
+
+    async def _handle(self, op: _Op, msg: Msg) -> None:
+        t0 = time.perf_counter()
+        reply = self._request(op, msg)
+        if not isinstance(reply, ErrorReply):
             try:
-                reply = await self.ledger.execute(op.decide(req))
+                reply = await self.ledger.execute(op.decide(reply))
             except Unavailable as e:
                 reply = ErrorReply(code=e.code, message=str(e)[:1000], retry_after_ms=e.retry_after_ms)
             except CoreError as e:
@@ -166,6 +184,9 @@ class NatsService:
             except Exception as e:  # noqa: BLE001 - every request is answered, whatever went wrong
                 self.log.error("request_failed", op=op.name, error_type=type(e).__name__, exc_info=True)
                 reply = ErrorReply(code=ErrorCode.UNAVAILABLE, message="internal error; retry", retry_after_ms=500)
+        await self._answer(op, msg, t0, reply)
+
+    async def _answer(self, op: _Op, msg: Msg, t0: float, reply: Any) -> None:
         outcome = reply.code.value if isinstance(reply, ErrorReply) else "ok"
         self.metrics.requests.labels(op=op.name, outcome=outcome).inc()
         self.metrics.request_latency.labels(op=op.name, outcome=outcome).observe(time.perf_counter() - t0)

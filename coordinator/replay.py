@@ -42,12 +42,17 @@ class ReplayResult:
 
 async def load_state(log: EventLog, params: CoreParams, *, upto: int | None = None, use_snapshot: bool = True,
                      check_streams: bool = False, page: int = 5000, progress_every: int = 50_000,
-                     logger: Any = None, what: str = "replay") -> ReplayResult:
+                     logger: Any = None, what: str = "replay",
+                     start: tuple[LedgerState, int] | None = None) -> ReplayResult:
+    """``start``: continue folding onto ``(state, position)`` (a standby following the log)
+    instead of loading a snapshot or starting from empty; the state is updated in place."""
     t0 = time.perf_counter()
     state: LedgerState | None = None
     pos = 0
     snap_pos: int | None = None
-    if use_snapshot:
+    if start is not None:
+        state, pos = start
+    elif use_snapshot:
         snap = await log.latest_snapshot()
         if snap is not None and (upto is None or snap.position <= upto):
             try:

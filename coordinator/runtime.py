@@ -68,6 +68,9 @@ class Coordinator:
         self._step_reason = ""
         self._stopping = False
         self._last_nats_error = ""
+        self._nats_down = False
+        #: While standby: the task folding the leader's events (see ``Ledger.follow``).
+        self._follower: asyncio.Task[None] | None = None
 
     # --- start / stop ----------------------------------------------------------------------
 
@@ -134,6 +137,7 @@ class Coordinator:
             self.service.pause_consumer()
             await self.service.wait_in_flight(timeout_s=10)
         step("requests")
+        await self._stop_following()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -193,7 +197,11 @@ class Coordinator:
     async def _lead_once(self) -> None:
         assert self.service is not None
         await self._ensure_schema()
-        epoch = await self.election.acquire(on_wait=self._waiting_for_lock)
+        # NOTE: a standby polls the lock often: a killed leader's lock is free at once, and a
+        # takeover within a second or two is what keeps workers' leases and epochs alive.
+        epoch = await self.election.acquire(poll_s=min(self.election.renew_interval_s, 0.25),
+                                            on_wait=self._waiting_for_lock)
+        await self._stop_following()
         self._stepped_down.clear()
         self.log.info("leader_elected", leader_epoch=epoch, holder=self.holder)
         try:
@@ -230,6 +238,15 @@ class Coordinator:
             await self.service.stop_requests()
             self.ledger.set_status("standby", "another coordinator is the leader")
             self.log.info("standing_by", reason="another coordinator holds the leader lock")
+        if why == "held" and self._follower is None:
+            self._follower = asyncio.create_task(self.ledger.follow(), name="follow-log")
+
+    async def _stop_following(self) -> None:
+        task, self._follower = self._follower, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def _stand_down(self, reason: str, *, still_ours: bool) -> None:
         """Stop serving. ``still_ours``: nobody else is known to lead (e.g. PostgreSQL went away)."""
@@ -242,12 +259,28 @@ class Coordinator:
         await self.election.release()
 
     async def _expire_loop(self) -> None:
+        """Liveness and lease decisions once per heartbeat interval.
+
+        Silence is blamed on a worker only while this coordinator could have heard it: a
+        stalled event loop (SIGSTOP, CPU starvation) or a lost NATS connection moves the
+        liveness floor to now, so workers get a full heartbeat timeout from then on.
+        """
         interval = max(self.config.coordinator.heartbeat_interval_ms, 100) / 1000
+        floor = 0
+        last = time.monotonic()
         while True:
             await asyncio.sleep(interval)
+            t = time.monotonic()
+            if t - last > 2 * interval or self._nats_down:
+                floor = now_ms()
+                if t - last > 2 * interval:
+                    self.log.warning("coordinator_stalled", seconds=round(t - last - interval, 2),
+                                     action="liveness clocks restart now")
+            last = t
             if self.ledger.serving:
+                seen = self.ledger.seen
                 with contextlib.suppress(Unavailable):
-                    await self.ledger.execute(lambda s: (None, expire(s, now_ms())))
+                    await self.ledger.execute(lambda s: (None, expire(s, now_ms(), seen, floor)))
 
     # --- views ---------------------------------------------------------------------------
 
@@ -265,8 +298,10 @@ class Coordinator:
             self.log.warning("nats_error", error=self._last_nats_error)
 
     async def _nats_disconnected(self) -> None:
+        self._nats_down = True
         if not self._stopping:
             self.log.warning("nats_disconnected")
 
     async def _nats_reconnected(self) -> None:
+        self._nats_down = False
         self.log.info("nats_reconnected")

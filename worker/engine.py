@@ -9,10 +9,13 @@
 * the coordinator port (:class:`worker.client.CoordinatorClient`) and the transition
   publisher (:class:`worker.publisher.TransitionPublisher`);
 * a supervisor task: register (an epoch), heartbeat, and — whenever the coordinator or
-  NATS is unreachable, the registration is fenced or the outbox is full — *degraded mode*:
-  every request is served by full recomputation (no leases, no reuse, no writes) until the
-  coordinator answers again and the worker re-registers with a new epoch (local GPU and
-  host copies of the old epoch are dropped: the coordinator fences them);
+  NATS is unreachable, the epoch is suspended or the outbox is full — *degraded mode*:
+  every request is served by full recomputation (no leases, no reuse, no writes), while
+  the cache is *kept*. When the coordinator answers again the worker carries on with the
+  same epoch: at once if the ledger never suspended it, after a *resume* (its inventory,
+  reconciled against the log) if it did. Only a fenced epoch, or an outage longer than the
+  coordinator's resume grace period, makes it register a new epoch and drop its GPU and
+  host copies (the coordinator has fenced them, or is about to);
 * a spill task that moves host-tier victims to the shared offload directory.
 
 Requests run as :class:`worker.session.Session` objects (see there for the life of one).
@@ -36,11 +39,11 @@ from typing import TypeVar
 import torch
 
 from shared.config import Config
-from shared.hashing import namespace_hash
+from shared.hashing import namespace_hash, replica_digest, split_digests
 from shared.logging import get_logger
 from shared.messages import (
     Control, ControlAck, ErrorCode, Heartbeat, InventoryItem, InventoryReply, InventoryRequest, LeaseGrant,
-    ReplicaRef, ReplicaState, TransitionEvent, WorkerRegister, now_ms,
+    RegisterReply, ReplicaRef, ReplicaState, ResumeReply, TransitionEvent, WorkerRegister, WorkerResume, now_ms,
 )
 from worker.cache import offload_file as of
 from worker.cache.planner import BlockMeta, Switches
@@ -74,6 +77,8 @@ class Health:
     host_tier_bytes: int = 0
     disk_tier: str = "off"
     active_sessions: int = 0
+    #: reachable | unreachable (no answer; the cache is kept) | suspended (resuming) | unregistered
+    contact: str = "reachable"
 
     @property
     def ok(self) -> bool:
@@ -128,10 +133,15 @@ class Engine:
         #: Degraded because the outbox is full (clears by itself once the watermark drains it).
         self._outbox_full = False
         #: A request-path call failed: degraded until a heartbeat says whether the coordinator is
-        #: really unreachable (then: re-register) or was only slow (then: carry on, same epoch).
+        #: really unreachable or was only slow (then: carry on, same epoch).
         self._suspect = ""
+        #: When (monotonic) the coordinator stopped answering (0 = it answers). The cache is kept.
+        self._away_since = 0.0
+        #: The ledger suspended our epoch: degraded until a resume reconciles our inventory.
+        self._suspended = False
         self.heartbeat_interval_ms = cfg.coordinator.heartbeat_interval_ms
         self.lease_ttl_ms = cfg.coordinator.lease_ttl_ms
+        self.resume_grace_ms = cfg.coordinator.resume_grace_ms
         self.sessions: set[Session] = set()
         self._background: set[asyncio.Task] = set()
         #: Closed sessions whose leases are released in the background (see Session.close).
@@ -203,7 +213,16 @@ class Engine:
 
     @property
     def degraded(self) -> bool:
-        return self.cache_enabled and (not self.registered or self._outbox_full or bool(self._suspect))
+        return self.cache_enabled and (not self.registered or self._outbox_full or bool(self._suspect)
+                                       or bool(self._away_since) or self._suspended)
+
+    @property
+    def contact(self) -> str:
+        if not self.cache_enabled:
+            return "disabled"
+        if not self.registered:
+            return "unregistered"
+        return "unreachable" if self._away_since else "suspended" if self._suspended else "reachable"
 
     def salt(self, tenant: str) -> bytes:
         s = self._salts.get(tenant)
@@ -220,20 +239,34 @@ class Engine:
                       pool_used={f: u for f, (u, _) in usage.items()},
                       outbox_depth=self.publisher.depth if self.publisher else 0, draining=self.draining,
                       host_tier_bytes=self.tiers.host.used_bytes if self.tiers.host else 0, disk_tier=disk,
-                      active_sessions=len(self.sessions))
+                      active_sessions=len(self.sessions), contact=self.contact)
 
     def pool_addresses(self) -> dict[str, int]:
         return self.store.addresses() if self.store is not None else {}
 
-    def _enter_degraded(self, reason: str) -> None:
-        """Lost contact or registration: recompute everything until re-registered (new epoch)."""
+    def _degrade(self, reason: str) -> None:
         if not self.degraded:
             self.log.warning("degraded: serving by recomputation", reason=reason)
             self.metrics.degraded_entries.labels(reason=reason.split(":", 1)[0][:40]).inc()
         self._reason = reason
-        self.registered = False
         self.metrics.degraded.set(1)
         self._wake_supervisor.set()
+
+    def _lose_contact(self, reason: str) -> None:
+        """No answer from the coordinator: recompute everything, keep the cache and the epoch."""
+        self._degrade(reason)
+        if not self._away_since:
+            self._away_since = time.monotonic()
+
+    def _suspend(self, reason: str) -> None:
+        """The ledger suspended our epoch: resume (with our inventory) before reusing anything."""
+        self._degrade(reason)
+        self._suspended = True
+
+    def _registration_lost(self, reason: str) -> None:
+        """Our epoch is fenced (or unknown): register a new one; the cache goes with the old."""
+        self._degrade(reason)
+        self.registered = False
 
     def _suspect_contact(self, reason: str) -> None:
         if not self.degraded:
@@ -260,15 +293,17 @@ class Engine:
             out = await coro
         except CoordinatorUnavailable as e:
             self.metrics.lease_errors.labels(op=op, code="unavailable").inc()
-            if op in ("register", "heartbeat"):
-                self._enter_degraded(f"coordinator unreachable: {e}")
+            if op in ("register", "heartbeat", "resume"):
+                self._lose_contact(f"coordinator unreachable: {e}")
             else:
                 self._suspect_contact(f"coordinator unreachable: {e}")
             raise
         except CoordinatorRefused as e:
             self.metrics.lease_errors.labels(op=op, code=e.code.value).inc()
-            if e.code in (ErrorCode.FENCED, ErrorCode.NOT_FOUND) and op in ("acquire", "heartbeat"):
-                self._enter_degraded(f"registration lost: {e}")
+            if e.code is ErrorCode.SUSPENDED:
+                self._suspend(f"epoch suspended: {e}")
+            elif e.code in (ErrorCode.FENCED, ErrorCode.NOT_FOUND) and op in ("acquire", "heartbeat", "resume"):
+                self._registration_lost(f"registration lost: {e}")
             raise
         finally:
             self.metrics.lease_seconds.labels(op=op).observe(time.perf_counter() - t0)
@@ -279,17 +314,32 @@ class Engine:
     async def _supervise(self) -> None:
         backoff = 0.1
         while True:
+            if self.registered and self._away_since and self._away_too_long():
+                self._registration_lost(f"out of contact for more than the resume grace period "
+                                        f"({self.resume_grace_ms} ms): the epoch is fenced by now")
             if not self.registered:
-                if await self._register():
-                    backoff = 0.1
-                else:
+                ok = await self._register()
+            elif self._suspended:
+                ok = await self._resume()
+            else:
+                ok = True
+            if not ok:
+                await self._sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            if self.registered and not self._suspended:
+                if self._away_since:
                     await self._sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
-                    continue
-            if not self._suspect:
-                await self._sleep(self.heartbeat_interval_ms / 1000)
-            if self.registered:
+                elif not self._suspect:
+                    backoff = 0.1
+                    await self._sleep(self.heartbeat_interval_ms / 1000)
                 await self._heartbeat()
+
+    def _away_too_long(self) -> bool:
+        # NOTE: the coordinator fences a silent epoch after the heartbeat timeout plus the grace;
+        # past the grace alone a resume would race that decision, and losing it costs only the cache.
+        return (time.monotonic() - self._away_since) * 1000 > self.resume_grace_ms
 
     async def _sleep(self, seconds: float) -> None:
         try:
@@ -323,18 +373,83 @@ class Engine:
         dropped_host = self.tiers.host_clear()
         dropped_events = self.publisher.new_epoch(self.worker_id, reply.epoch)
         self.epoch = reply.epoch
-        self.heartbeat_interval_ms = reply.heartbeat_interval_ms
-        self.lease_ttl_ms = reply.lease_ttl_ms
+        self._timing(reply)
         self.registered = True
         self._outbox_full = False
-        self._suspect = ""
-        self._reason = ""
-        self.metrics.degraded.set(0)
+        self._in_contact()
         self.metrics.epoch.set(self.epoch)
         self._update_pool_metrics()
         self.log.info("registered", worker_id=self.worker_id, epoch=self.epoch, dropped_gpu=dropped_gpu,
                       dropped_host=dropped_host, dropped_events=dropped_events)
         self._registered_once.set()
+        return True
+
+    def _timing(self, reply: RegisterReply | ResumeReply) -> None:
+        self.heartbeat_interval_ms = reply.heartbeat_interval_ms
+        self.lease_ttl_ms = reply.lease_ttl_ms
+        if reply.resume_grace_ms:
+            self.resume_grace_ms = reply.resume_grace_ms
+
+    def _in_contact(self) -> None:
+        """The coordinator answers for our epoch: leave degraded mode (unless the outbox is full)."""
+        self._suspect = ""
+        self._suspended = False
+        self._away_since = 0.0
+        if not self._outbox_full:
+            self._reason = ""
+            self.metrics.degraded.set(0)
+
+    def inventory_digests(self) -> dict[bytes, tuple[str, str, str, int]]:
+        """What this worker holds on its GPU and host tier, by :func:`replica_digest`:
+        ``digest → (location, form, block_hash, generation)``."""
+        out: dict[bytes, tuple[str, str, str, int]] = {}
+        if self.store is not None:
+            for f, _, m in self.store.items():
+                out[replica_digest(m.block_hash, f, self.gpu, m.generation, m.checksum)] = (
+                    self.gpu, f, m.block_hash, m.generation)
+        for m in self.tiers.host_items():
+            # host copies are offloaded as generation 0 (see _offload)
+            out[replica_digest(m.block_hash, m.form, self.host_location, 0, m.checksum)] = (
+                self.host_location, m.form, m.block_hash, 0)
+        return out
+
+    async def _resume(self) -> bool:
+        """Keep our epoch and cache: settle the outbox, send our inventory, drop what the ledger disowns."""
+        assert self.client is not None and self.publisher is not None and self.store is not None
+        try:
+            await self.client.connect()
+            if self.publisher.depth:
+                # The coordinator reconciles only once the log holds every transition we emitted.
+                await self.publisher.publish_due()
+                await self.publisher.wait_empty(timeout=1.0)
+            held = self.inventory_digests()
+            emitted = self.publisher.outbox.next_seq - 1 if self.publisher.outbox is not None else 0
+            t0 = time.perf_counter()
+            reply = await self.call("resume", self.client.resume(WorkerResume(
+                worker_id=self.worker_id, epoch=self.epoch, namespace=self.namespace, catalogue=self.catalogue,
+                pool_slots=dict(self.slots), endpoint=self.endpoint, emitted_seq=emitted, held=b"".join(held))))
+            await self.client.listen(self.worker_id, self.publisher.on_watermark, self.on_inventory,
+                                     self.on_control)
+        except (CoordinatorUnavailable, CoordinatorRefused) as e:
+            self.log.info("resume not accepted yet", epoch=self.epoch, reason=str(e)[:200])
+            return False
+        dropped = 0
+        for d in split_digests(reply.drop):
+            where = held.get(d)
+            if where is None:
+                continue
+            loc, form, block_hash, generation = where
+            if loc == self.gpu:
+                dropped += self.store.drop(form, block_hash, generation) is not None
+            else:
+                dropped += self.tiers.host_drop(block_hash, form)
+        self._update_pool_metrics()
+        self._timing(reply)
+        self.publisher.ack(self.epoch, reply.committed_seq)
+        self._in_contact()
+        self.metrics.resumes.inc()
+        self.log.info("resumed", worker_id=self.worker_id, epoch=self.epoch, kept=reply.kept, dropped=dropped,
+                      held=len(held), seconds=round(time.perf_counter() - t0, 3))
         return True
 
     async def _heartbeat(self) -> None:
@@ -345,14 +460,12 @@ class Engine:
         except (CoordinatorUnavailable, CoordinatorRefused):
             return
         self.publisher.ack(self.epoch, reply.committed_seq)
-        if self._suspect:
-            # NOTE: the coordinator answers for this epoch: it was slow, not gone; our replicas
-            # are still its replicas, so there is nothing to fence.
-            self.log.info("coordinator answers again; same epoch", epoch=self.epoch, after=self._suspect)
-            self._suspect = ""
-            if not self._outbox_full:
-                self._reason = ""
-                self.metrics.degraded.set(0)
+        if self._suspect or self._away_since:
+            # NOTE: the coordinator answers for this epoch and never suspended it: it was slow or
+            # briefly unreachable, not gone; our replicas are still its replicas.
+            self.log.info("coordinator answers again; same epoch", epoch=self.epoch,
+                          after=self._suspect or self._reason)
+            self._in_contact()
         if self._outbox_full and self.publisher.depth <= self.publisher.capacity // 2:
             self._outbox_full = False
             self._reason = ""
@@ -514,9 +627,9 @@ class Engine:
         items: list[InventoryItem] = []
         if self.store is not None:
             items += [InventoryItem(block_hash=m.block_hash, form=f, location=self.gpu, generation=m.generation,
-                                    state=R.READY) for f, _, m in self.store.items()]
+                                    state=R.READY, checksum=m.checksum) for f, _, m in self.store.items()]
         items += [InventoryItem(block_hash=m.block_hash, form=m.form, location=self.host_location, generation=0,
-                                state=R.READY) for m in self.tiers.host_items()]
+                                state=R.READY, checksum=m.checksum) for m in self.tiers.host_items()]
         return InventoryReply(worker_id=self.worker_id, epoch=max(1, self.epoch), items=items)
 
     async def on_control(self, msg: Control) -> ControlAck:

@@ -53,6 +53,8 @@ class WorkerMetrics:
         self.degraded_entries = Counter(p + "degraded_entries", "Times the worker entered degraded mode",
                                         ["reason"], registry=r)
         self.epoch = Gauge(p + "epoch", "Current registration epoch (0 = unregistered)", registry=r)
+        self.resumes = Counter(p + "resumes", "Times the worker kept its epoch and cache after an outage "
+                               "(its inventory reconciled by the coordinator)", registry=r)
         self.lease_seconds = Histogram(p + "lease_seconds", "Coordinator round trips", ["op"], buckets=_FAST,
                                        registry=r)
         self.lease_errors = Counter(p + "lease_errors", "Coordinator requests that failed", ["op", "code"],

@@ -12,8 +12,8 @@ coordinator-to-worker subjects (commit watermark, inventory, control). Two adapt
 
 Errors are split by what the engine should do about them: :class:`CoordinatorUnavailable`
 (timeout, no responders, connection lost, the coordinator's log unavailable) sends the
-worker into degraded mode; :class:`CoordinatorRefused` (fenced, over capacity, invalid)
-is an answer, handled per code.
+worker into degraded mode, cache kept; :class:`CoordinatorRefused` (fenced, suspended,
+over capacity, invalid) is an answer, handled per code.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Protocol
 
 from shared.messages import (
     CommitWatermark, Control, ControlAck, ErrorCode, Heartbeat, HeartbeatReply, InventoryReply, InventoryRequest,
-    LeaseAcquire, LeaseGrant, LeaseRelease, LeaseReleased, LeaseRenew, LeaseRenewed, RegisterReply,
-    TransitionEvent, WorkerRegister,
+    LeaseAcquire, LeaseGrant, LeaseRelease, LeaseReleased, LeaseRenew, LeaseRenewed, RegisterReply, ResumeReply,
+    TransitionEvent, WorkerRegister, WorkerResume,
 )
 
 
@@ -61,6 +61,8 @@ class CoordinatorClient(Protocol):
     async def close(self) -> None: ...
 
     async def register(self, msg: WorkerRegister) -> RegisterReply: ...
+
+    async def resume(self, msg: WorkerResume) -> ResumeReply: ...
 
     async def heartbeat(self, msg: Heartbeat) -> HeartbeatReply: ...
 

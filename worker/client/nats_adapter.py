@@ -97,6 +97,9 @@ class NatsCoordinatorClient:
     async def register(self, msg: m.WorkerRegister) -> m.RegisterReply:
         return await self._request(self.subjects.worker_register, msg, m.RegisterReply, "register")
 
+    async def resume(self, msg: m.WorkerResume) -> m.ResumeReply:
+        return await self._request(self.subjects.worker_resume, msg, m.ResumeReply, "resume")
+
     async def heartbeat(self, msg: m.Heartbeat) -> m.HeartbeatReply:
         return await self._request(self.subjects.worker_heartbeat, msg, m.HeartbeatReply, "heartbeat")
 

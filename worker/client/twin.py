@@ -18,8 +18,8 @@ import time
 import uuid
 
 from coordinator.core import (
-    CoreParams, LedgerState, acquire_lease, apply, heartbeat, ingest_transition, register_worker, release_lease,
-    renew_lease,
+    CoreParams, LedgerState, acquire_lease, apply, expire, heartbeat, ingest_transition, register_worker,
+    release_lease, renew_lease, resume, resume_worker,
 )
 from shared import messages as m
 from worker.client import (
@@ -42,6 +42,8 @@ class InProcessCoordinator:
         self._ids = itertools.count(1)
         self._listeners: dict[str, tuple[OnWatermark, OnInventory, OnControl]] = {}
         self._announced: dict[tuple[str, int], int] = {}
+        #: Soft liveness, as the real coordinator keeps it (heartbeats are not events).
+        self.seen: dict[tuple[str, int], int] = {}
 
     # --- the port -----------------------------------------------------------------------------
 
@@ -71,9 +73,14 @@ class InProcessCoordinator:
         self._check()
         return self._run(register_worker(self.state, msg, _now()))  # type: ignore[return-value]
 
+    async def resume(self, msg: m.WorkerResume) -> m.ResumeReply:
+        self._check()
+        return self._run(resume_worker(self.state, msg, _now()))  # type: ignore[return-value]
+
     async def heartbeat(self, msg: m.Heartbeat) -> m.HeartbeatReply:
         self._check()
         reply = self._run(heartbeat(self.state, msg, _now()))
+        self.seen[(msg.worker_id, msg.epoch)] = _now()
         if self.hold_watermark:  # a stalled log: the reply reports only what was announced before
             return m.HeartbeatReply(committed_seq=self._announced.get((msg.worker_id, msg.epoch), 0))
         return reply  # type: ignore[return-value]
@@ -110,6 +117,18 @@ class InProcessCoordinator:
         self._listeners[worker_id] = (on_watermark, on_inventory, on_control)
 
     # --- test helpers -------------------------------------------------------------------------
+
+    def take_over(self) -> None:
+        """As a new leader does after replay: every live epoch is suspended until it resumes."""
+        for e in resume(self.state, _now()):
+            apply(self.state, e)
+
+    def expire(self, now_ms: int | None = None) -> list[object]:
+        """Run the liveness and lease decisions now (or at ``now_ms``)."""
+        events = expire(self.state, _now() if now_ms is None else now_ms, self.seen)
+        for e in events:
+            apply(self.state, e)
+        return events
 
     def send_watermark(self, worker_id: str, epoch: int) -> None:
         seq = self.state.committed_seq(worker_id, epoch)
