@@ -21,8 +21,9 @@ from shared.embedded import free_port
 from shared.forms import FormCatalogue, FormScope, FormSpec
 from shared.messages import (
     CommitWatermark, ErrorReply, Heartbeat, LeaseAcquire, LeaseRelease, LeaseRenew, ReplicaState, TransitionEvent,
-    WorkerRegister, decode, encode,
+    WorkerRegister, WorkerResume, decode, encode,
 )
+from shared.hashing import replica_digest
 from shared.subjects import Subjects
 
 NS = "ab" * 16
@@ -95,6 +96,8 @@ class Worker:
         self.seq = 0
         self.watermark = 0
         self._wm_sub: Any = None
+        #: Replica digests of what this worker committed (what it "holds"), for a resume.
+        self.held: dict[str, bytes] = {}
 
     async def request(self, subject: str, msg: Any, timeout: float = 5.0) -> Any:
         reply = await self.nc.request(subject, encode(msg), timeout=timeout)
@@ -106,7 +109,14 @@ class Worker:
         assert not isinstance(reply, ErrorReply), reply
         self.epoch = reply.epoch
         self.seq = 0
+        self.held.clear()
         return reply
+
+    async def resume(self, timeout: float = 5.0) -> Any:
+        """Keep the epoch after an outage, claiming every replica this worker committed."""
+        return await self.request(self.subjects.worker_resume, WorkerResume(
+            worker_id=self.worker_id, epoch=self.epoch, namespace=NS, catalogue=CATALOGUE,
+            pool_slots={"compressed": self.slots}, emitted_seq=self.seq, held=b"".join(self.held.values())), timeout)
 
     async def heartbeat(self, timeout: float = 5.0) -> Any:
         return await self.request(self.subjects.worker_heartbeat,
@@ -130,6 +140,8 @@ class Worker:
         if seq is None:
             self.seq += 1
             seq = self.seq
+        self.held[hashes[index]] = replica_digest(hashes[index], "compressed", f"gpu:{self.worker_id}", 1,
+                                                  f"c{index}")
         return TransitionEvent(
             worker_id=self.worker_id, epoch=self.epoch, seq=seq, namespace=NS, block_hash=hashes[index],
             parent_hash=hashes[index - 1] if index else "0" * 32, token_start=16 * index,

@@ -12,11 +12,12 @@ import pytest
 from nats.js.api import AckPolicy, RetentionPolicy, StorageType
 from structlog.testing import capture_logs
 
-from coordinator.core import CoordinatorResumed, apply, state_hash
+from coordinator.core import apply, resume, state_hash
 from coordinator.app import COORDINATOR
 from coordinator.nats_service import CONSUMER_NAME
 from shared.messages import (
-    ErrorCode, ErrorReply, HeartbeatReply, LeaseGrant, LeaseReleased, LeaseRenewed, RegisterReply, decode,
+    ErrorCode, ErrorReply, HeartbeatReply, LeaseGrant, LeaseReleased, LeaseRenewed, RegisterReply, ResumeReply,
+    decode,
 )
 from shared.subjects import Subjects
 from tests.integration.coordinator_kit import Worker, block, fast_config, running_coordinator
@@ -194,8 +195,10 @@ async def test_restart_from_snapshot_and_tail_reproduces_the_state(
             assert ledger.last_replay["snapshot_position"] == snap["position"]
             assert ledger.last_replay["position"] == position_before
             assert ledger.last_replay["events"] == position_before - snap["position"]
-            # restart = the state before + the takeover's CoordinatorResumed, exactly
-            apply(before.state, CoordinatorResumed(at_ms=ledger.state.resumed_at_ms))
+            # restart = the state before + the takeover's decisions (CoordinatorResumed, every live
+            # epoch suspended), exactly
+            for e in resume(before.state, ledger.state.resumed_at_ms):
+                apply(before.state, e)
             assert state_hash(ledger.state) == state_hash(before.state)
             assert grant.lease_id in ledger.state.leases
             async with aiohttp.ClientSession() as http:
@@ -211,9 +214,10 @@ async def test_restart_from_snapshot_and_tail_reproduces_the_state(
         await nc.drain()
 
 
-async def test_a_silent_worker_is_declared_lost_by_periodic_expiry(
+async def test_a_silent_worker_is_suspended_then_declared_lost_by_periodic_expiry(
         database_url: str, nats_url: str, subjects: Subjects) -> None:
-    cfg = fast_config(database_url, nats_url, subjects, missed_heartbeats=3)  # 600 ms of silence
+    # 600 ms of silence suspends; 600 ms more without a resume fences
+    cfg = fast_config(database_url, nats_url, subjects, missed_heartbeats=3, lease_ttl_ms=500, resume_grace_ms=600)
     async with running_coordinator(cfg) as (app, base):
         nc = await nats.connect(nats_url)
         try:
@@ -222,14 +226,61 @@ async def test_a_silent_worker_is_declared_lost_by_periodic_expiry(
             grant = await w.acquire([block(1), block(2)])
             assert isinstance(grant, LeaseGrant)
             ledger = app[COORDINATOR].ledger
+            await _until(lambda: ledger.state.workers["w1"].suspended, timeout_s=5)
+            assert ledger.state.workers["w1"].alive
+            suspended = await w.heartbeat()
+            assert isinstance(suspended, ErrorReply) and suspended.code == ErrorCode.SUSPENDED
             await _until(lambda: not ledger.state.workers["w1"].alive, timeout_s=5)
             assert grant.lease_id not in ledger.state.leases
             fenced = await w.heartbeat()
             assert isinstance(fenced, ErrorReply) and fenced.code == ErrorCode.FENCED
+            refused = await w.resume()
+            assert isinstance(refused, ErrorReply) and refused.code == ErrorCode.FENCED
             again = await w.register()
             assert again.epoch == 2
+            kinds = [e["type"] for e in await _events(base) if e["stream_id"] == "worker:w1"]
+            assert kinds == ["worker.registered", "worker.suspended", "worker.lost", "worker.registered"], kinds
         finally:
             await nc.drain()
+
+
+async def test_heartbeats_are_soft_state_and_a_resumed_worker_keeps_its_cache(
+        database_url: str, nats_url: str, subjects: Subjects) -> None:
+    cfg = fast_config(database_url, nats_url, subjects)
+    nc = await nats.connect(nats_url)
+    try:
+        async with running_coordinator(cfg) as (app, base):
+            w = Worker(nc, subjects)
+            await w.register()
+            hashes = [block(i) for i in range(3)]
+            grant = await w.acquire(hashes)
+            for i in range(3):
+                await w.publish(w.commit(hashes, i, grant.lease_id))
+            ledger = app[COORDINATOR].ledger
+            await _until(lambda: ledger.state.committed_seq("w1", 1) == 3)
+            await w.release(grant.lease_id)
+            head = ledger.position
+            for _ in range(20):
+                assert isinstance(await w.heartbeat(), HeartbeatReply)
+            assert ledger.position == head                          # no event per heartbeat
+        async with running_coordinator(cfg) as (app, base):         # a restart: w1 suspended
+            ledger = app[COORDINATOR].ledger
+            assert ledger.state.workers["w1"].suspended
+            hb = await w.heartbeat()
+            assert isinstance(hb, ErrorReply) and hb.code == ErrorCode.SUSPENDED
+            reply = await w.resume()
+            assert isinstance(reply, ResumeReply) and reply.kept == 3 and reply.drop == b"" and reply.epoch == 1, (
+                reply, [(k, r.state, r.generation, r.checksum) for k, r in ledger.state.replicas.items()])
+            again = await w.acquire(hashes + [block(7)])
+            assert isinstance(again, LeaseGrant) and again.usable_blocks == 3
+    finally:
+        await nc.drain()
+
+
+async def _events(base: str) -> list[dict]:  # type: ignore[type-arg]
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{base}/v1/events", params={"limit": "500"}) as r:
+            return (await r.json())["events"]  # type: ignore[no-any-return]
 
 
 async def _until(cond, timeout_s: float = 10) -> None:  # type: ignore[no-untyped-def]

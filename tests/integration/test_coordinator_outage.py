@@ -11,7 +11,7 @@ import aiohttp
 import nats
 
 from shared.embedded import EmbeddedPostgres
-from shared.messages import ErrorCode, ErrorReply, LeaseGrant
+from shared.messages import ErrorCode, ErrorReply, LeaseGrant, ResumeReply
 from shared.subjects import Subjects
 from tests.integration.coordinator_kit import Worker, block, fast_config, running_coordinator, wait_ready
 
@@ -50,6 +50,11 @@ async def test_postgres_outage_is_answered_unavailable_and_recovers_by_itself(
                 t0 = time.monotonic()
                 status = await wait_ready(base, 30)
                 assert status["leader_epoch"] == 2, status
+                # the new leader epoch suspended w1; it resumes its epoch rather than re-registering
+                suspended = await w.acquire([block(200)])
+                assert isinstance(suspended, ErrorReply) and suspended.code == ErrorCode.SUSPENDED, suspended
+                resumed = await w.resume()
+                assert isinstance(resumed, ResumeReply) and resumed.epoch == w.epoch == 1, resumed
                 after = await w.acquire([block(200)])
                 assert isinstance(after, LeaseGrant), after
                 recovery_s = time.monotonic() - t0
