@@ -111,6 +111,9 @@ class Ledger:
         self.seen: dict[tuple[str, int], int] = {}
         #: True while :attr:`state` is the log folded up to :attr:`position` (a standby following it).
         self._following = False
+        #: Whether this process may still speak for the ledger without writing (see
+        #: ``LeaderElection.confirmed``); appends are fenced by the epoch instead.
+        self.leadership_confirmed: Callable[[], bool] = lambda: True
 
     @property
     def serving(self) -> bool:
@@ -211,6 +214,10 @@ class Ledger:
     def heartbeat(self, msg: Heartbeat) -> HeartbeatReply | ErrorReply:
         """A worker's heartbeat: no event, no wait (see the module docstring)."""
         self.check_serving()
+        if not self.leadership_confirmed():
+            # NOTE: nothing is appended, so no epoch check fences this answer: a leader that was
+            # paused (or starved) past its renewal may already be replaced.
+            raise Unavailable("leadership not confirmed recently (renewal pending); retry")
         now = now_ms()
         reply, _ = heartbeat(self.state, msg, now)
         if isinstance(reply, ErrorReply):

@@ -58,6 +58,7 @@ class Coordinator:
         self.ledger = Ledger(self.event_log, CoreParams.from_config(c), batch_ms=c.commit_batch_ms,
                              batch_max=c.commit_batch_max, snapshot_every=c.snapshot_every_events,
                              metrics=self.metrics, logger=logger, on_not_leader=self._not_leader)
+        self.ledger.leadership_confirmed = self.election.confirmed
         self.metrics.watch_pools(self.pool_usage)
         self.nc: NatsClient | None = None
         self.service: NatsService | None = None

@@ -31,6 +31,7 @@ import asyncio
 import os
 import secrets
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -62,6 +63,8 @@ class LeaderElection:
         self.takeover_after_s = takeover_after_s
         self.log = logger
         self.epoch = 0
+        #: When (monotonic) the last renewal that succeeded was sent.
+        self.confirmed_at = 0.0
         self._conn: asyncpg.Connection | None = None
         self._renew: asyncio.Task[None] | None = None
         self._lost: asyncio.Future[str] | None = None
@@ -96,8 +99,10 @@ class LeaderElection:
                     self._conn = await self._connect()
                 got = await self._conn.fetchval("SELECT pg_try_advisory_lock($1, $2)", LOCK_CLASS, LOCK_ID)
                 if got:
+                    t0 = time.monotonic()
                     epoch = await self._conn.fetchval(TAKE_LEADERSHIP, self.holder)
                     self.epoch = int(epoch)
+                    self.confirmed_at = t0
                     self._lost = asyncio.get_running_loop().create_future()
                     self._renew = asyncio.create_task(self._renew_loop(), name="leader-renew")
                     return self.epoch
@@ -139,6 +144,7 @@ class LeaderElection:
         try:
             while True:
                 await asyncio.sleep(self.renew_interval_s)
+                t0 = time.monotonic()
                 renew = asyncio.ensure_future(self._conn.execute(RENEW_LEADERSHIP, self.epoch))
                 renew.add_done_callback(lambda t: t.cancelled() or t.exception())
                 done, _ = await asyncio.wait({renew}, timeout=timeout)
@@ -150,11 +156,22 @@ class LeaderElection:
                 if renew.result() != "UPDATE 1":
                     self._set_lost(f"fenced: leader epoch {self.epoch} was superseded")
                     return
+                self.confirmed_at = t0
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure of the lock session ends leadership
             self._set_lost(f"lock connection lost: {describe(e)}")
             await self._close_conn()
+
+    def confirmed(self) -> bool:
+        """True while no standby can yet consider this leader stale.
+
+        The renewal sent at :attr:`confirmed_at` (or later) is in the database, so a standby
+        takes over no earlier than ``takeover_after_s`` after it; one renewal interval is kept
+        as margin. Answers that write nothing (heartbeats) are given only while this holds:
+        a leader paused past it may already be replaced and must not speak for the ledger.
+        """
+        return self.is_leader and time.monotonic() - self.confirmed_at < self.takeover_after_s - self.renew_interval_s
 
     def _set_lost(self, reason: str) -> None:
         if self._lost is not None and not self._lost.done():

@@ -119,7 +119,7 @@ async def test_killed_worker_is_fenced_and_nothing_stale_is_reused(cluster, refe
     assert (await check(cluster, reference, "wa", p))["cached_tokens"] == 64
 
 
-async def test_coordinator_stopped_recomputes_then_reuse_resumes(cluster, reference) -> None:
+async def test_coordinator_killed_recomputes_then_resumes_with_its_cache(cluster, reference) -> None:
     cluster.start_coordinator()
     cluster.start_worker("wa", cache={"offload_dir": ""})
     await cluster.wait_coordinator()
@@ -135,13 +135,15 @@ async def test_coordinator_stopped_recomputes_then_reuse_resumes(cluster, refere
     assert "kvl_worker_degraded 1.0" in await cluster.debug("wa", "metrics")
     r = await check(cluster, reference, "wa", p)         # still degraded: no coordinator round trip
     assert r["degraded"]
+    h = await cluster.wait_worker("wa", contact="unreachable")
+    assert h["epoch"] == 1 and h["pool_used"]["compressed"] > 0    # epoch and cache kept
     cluster.start_coordinator()
     await cluster.wait_coordinator()
-    h = await cluster.wait_worker("wa", epoch_above=1)
-    assert not h["degraded"]
-    await check(cluster, reference, "wa", p)
-    r = await check(cluster, reference, "wa", p)
-    assert r["cached_tokens"] == 48 and not r["degraded"] and r["epoch"] == h["epoch"]
+    h = await cluster.wait_worker("wa", contact="reachable")
+    assert not h["degraded"] and h["epoch"] == 1                  # resumed (the restart suspended it)
+    assert "kvl_worker_resumes_total 1.0" in await cluster.debug("wa", "metrics")
+    r = await check(cluster, reference, "wa", p)                   # the first request after: reuse
+    assert r["cached_tokens"] == 48 and not r["degraded"] and r["epoch"] == 1
 
 
 SMALL = {"compressed_pool_limit": 0.1, "swa_pool_limit": 0.7, "tail_pool_limit": 0.18,

@@ -188,14 +188,16 @@ class Cluster:
             return None
 
     async def wait_worker(self, worker_id: str, *, registered: bool = True, epoch_above: int = 0,
-                          timeout: float = 60) -> dict[str, Any]:
+                          timeout: float = 60, contact: str = "") -> dict[str, Any]:
+        """Until the worker's health matches (``contact``: e.g. ``reachable``; "" = any)."""
         deadline = time.monotonic() + timeout
         h = None
         while time.monotonic() < deadline:
             proc = self.workers[worker_id]
             assert proc.alive, f"{worker_id} exited\n{self.logs()}"
             h = await self.health(worker_id)
-            if h is not None and h["registered"] == registered and (not registered or h["epoch"] > epoch_above):
+            if (h is not None and h["registered"] == registered and (not registered or h["epoch"] > epoch_above)
+                    and (not contact or h.get("contact") == contact)):
                 return h
             await asyncio.sleep(0.1)
         raise AssertionError(f"{worker_id} not in the wanted state in {timeout}s: {h}\n{self.logs()}")

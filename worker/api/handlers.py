@@ -247,18 +247,19 @@ async def readyz(request: web.Request) -> web.Response:
     503 (``starting``) until the worker has registered with the coordinator once — a new
     worker joins only once the ledger knows it — and (``not_ready``) while the pools are
     missing, the worker drains or shuts down. A registered worker that loses the coordinator
-    stays 200 with status ``degraded``.
+    stays 200 with status ``degraded`` (``coordinator``: ``unreachable``, or ``suspended`` while
+    its epoch is being resumed); it keeps its cache meanwhile.
     """
     engine = request.app[ENGINE]
     sched = request.app[SCHEDULER]
     h = engine.health()
     pools = h.pools_allocated or not h.cache_enabled
-    if not h.cache_enabled:
-        coordinator = "disabled"
-    elif h.degraded:
-        coordinator = "unreachable" if not h.registered else "degraded"
+    if h.contact == "unregistered":
+        coordinator = "unreachable"
+    elif h.contact == "reachable" and h.degraded:
+        coordinator = "degraded"
     else:
-        coordinator = "reachable"
+        coordinator = h.contact   # disabled | reachable | unreachable (cache kept) | suspended (resuming)
     starting = h.cache_enabled and h.epoch == 0
     ready = pools and not h.draining and not sched.closed and not starting
     if starting:
