@@ -132,14 +132,15 @@ class CoordinatorProc:
         self.port = free_port()
         self.config = tmp / f"{name}.yaml"
         self.logfile = tmp / f"{name}.log"
-        # Production defaults except: a worker is declared lost after 20 missed heartbeats
-        # (not 5) and leases live 10 minutes (not 30 s; the bench holds thousands of them until
-        # its release phase), so a saturated 2-core machine cannot expire them mid-run.
+        # Production defaults except: a worker is suspended after 20 missed heartbeats (not 5)
+        # and leases live 10 minutes (not 30 s; the bench holds thousands of them until its
+        # release phase), so a saturated 2-core machine cannot expire them mid-run; the resume
+        # grace is as long as the lease TTL (the config requires at least that).
         self.config.write_text(yaml.safe_dump({
             "database": {"url": database_url},
             "nats": {"url": nats_url, "subject_prefix": prefix, "request_timeout_ms": 5000},
             "coordinator": {"host": "127.0.0.1", "port": self.port, "missed_heartbeats": 20,
-                            "lease_ttl_ms": LEASE_TTL_MS},
+                            "lease_ttl_ms": LEASE_TTL_MS, "resume_grace_ms": LEASE_TTL_MS},
             "logging": {"format": "json", "level": "warning"},
             "state_dir": str(tmp / f"{name}-state"),
         }))
