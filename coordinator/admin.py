@@ -204,11 +204,15 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 async def list_workers(request: web.Request) -> web.Response:
-    s = (await _serving_ledger(request)).state
+    ledger = await _serving_ledger(request)
+    s = ledger.state
     workers = [{"worker_id": w.worker_id, "epoch": w.epoch, "alive": w.alive, "draining": w.draining,
+                "suspended": w.suspended, "suspended_at_ms": w.suspended_at_ms or None,
                 "namespace": w.namespace, "model_id": w.catalogue.model_id, "forms": list(w.catalogue.names),
                 "endpoint": w.endpoint, "node": w.node, "registered_at_ms": w.registered_at_ms,
-                "last_heartbeat_ms": w.last_heartbeat_ms, "pool_slots": dict(w.pool_slots),
+                # soft state: heartbeats are not logged; registration and resume times are
+                "last_heartbeat_ms": max(w.last_heartbeat_ms, ledger.seen.get((w.worker_id, w.epoch), 0)),
+                "pool_slots": dict(w.pool_slots),
                 "gpu_replicas": sum(s.pool_used(w.worker_id, f) for f in w.catalogue.names) if w.alive else 0,
                 "leases": len(w.leases),
                 "committed_seq": s.committed_seq(w.worker_id, w.epoch)}

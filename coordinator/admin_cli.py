@@ -167,7 +167,7 @@ def cmd_workers(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(doc)
         return 0
-    rows = [[w["worker_id"], w["epoch"], "yes" if w["alive"] else "LOST", "yes" if w["draining"] else "",
+    rows = [[w["worker_id"], w["epoch"], ("SUSPENDED" if w.get("suspended") else "yes") if w["alive"] else "LOST", "yes" if w["draining"] else "",
              w.get("endpoint") or "", w["model_id"], w["gpu_replicas"], w["leases"],
              _age(w.get("last_heartbeat_ms"))] for w in doc["workers"]]
     _console().print(_table(f"workers ({len(rows)})", ["worker", "#epoch", "alive", "draining", "endpoint", "model",

@@ -173,10 +173,10 @@ class NatsService:
 
     async def _handle(self, op: _Op, msg: Msg) -> None:
         t0 = time.perf_counter()
-        reply = self._request(op, msg)
+        reply = req = self._request(op, msg)
         if not isinstance(reply, ErrorReply):
             try:
-                reply = await self.ledger.execute(op.decide(reply))
+                reply = await self.ledger.execute(op.decide(req))
             except Unavailable as e:
                 reply = ErrorReply(code=e.code, message=str(e)[:1000], retry_after_ms=e.retry_after_ms)
             except CoreError as e:
@@ -184,6 +184,10 @@ class NatsService:
             except Exception as e:  # noqa: BLE001 - every request is answered, whatever went wrong
                 self.log.error("request_failed", op=op.name, error_type=type(e).__name__, exc_info=True)
                 reply = ErrorReply(code=ErrorCode.UNAVAILABLE, message="internal error; retry", retry_after_ms=500)
+            if op.name == "resume" and isinstance(reply, ErrorReply) and reply.code is not ErrorCode.UNAVAILABLE:
+                # a refused resume changes nothing in the log; an operator still wants to see it
+                self.log.warning("resume_refused", worker_id=req.worker_id, epoch=req.epoch, code=reply.code.value,
+                                 reason=reply.message[:300])
         await self._answer(op, msg, t0, reply)
 
     async def _answer(self, op: _Op, msg: Msg, t0: float, reply: Any) -> None:

@@ -72,6 +72,7 @@ class Coordinator:
         self._nats_down = False
         #: While standby: the task folding the leader's events (see ``Ledger.follow``).
         self._follower: asyncio.Task[None] | None = None
+        self._reclaim: asyncio.Task[None] | None = None
 
     # --- start / stop ----------------------------------------------------------------------
 
@@ -259,6 +260,13 @@ class Coordinator:
             await self.service.stop_requests()
         await self.election.release()
 
+    async def _reclaim_in_flight(self) -> None:
+        assert self.service is not None
+        try:
+            await self.service.reclaim_in_flight()
+        except Exception as e:  # noqa: BLE001 - only a delay: un-acked messages come back after ack_wait
+            self.log.warning("consumer_reclaim_failed", error=f"{type(e).__name__}: {e}")
+
     async def _expire_loop(self) -> None:
         """Liveness and lease decisions once per heartbeat interval.
 
@@ -276,7 +284,11 @@ class Coordinator:
                 floor = now_ms()
                 if t - last > 2 * interval:
                     self.log.warning("coordinator_stalled", seconds=round(t - last - interval, 2),
-                                     action="liveness clocks restart now")
+                                     action="liveness clocks restart now; un-acked transitions redelivered")
+                    # NOTE: pull requests that expired while we were stopped leave their messages
+                    # un-acked until ack_wait (10 s): watermarks, and so reuse, would stall that long.
+                    if t - last > 1.0 and self.service is not None and self.ledger.serving:
+                        self._reclaim = asyncio.create_task(self._reclaim_in_flight())
             last = t
             if self.ledger.serving:
                 seen = self.ledger.seen

@@ -94,6 +94,8 @@ class Report:
     gaps: list[str] = field(default_factory=list)
     registrations: int = 0
     losses: int = 0
+    suspensions: int = 0
+    resumes: int = 0
     grants: int = 0
     pins: int = 0
     types: Counter[str] = field(default_factory=Counter)
@@ -115,7 +117,8 @@ class Report:
                 "lost": len(self.lost), "duplicated": len(self.duplicated), "unexpected": len(self.unexpected),
                 "unknown": self.unknown, "recovered": self.recovered, "unobserved": self.unobserved,
                 "illegal": len(self.illegal), "fenced_reuse": len(self.fenced), "gaps": len(self.gaps),
-                "registrations": self.registrations, "workers_lost": self.losses, "grants": self.grants,
+                "registrations": self.registrations, "workers_lost": self.losses, "suspensions": self.suspensions,
+                "resumes": self.resumes, "grants": self.grants,
                 "pins_checked": self.pins}
 
 
@@ -157,6 +160,7 @@ class _Worker:
     epoch: int
     alive: bool
     node: str
+    suspended: bool = False
 
 
 def check(log: list[dict[str, Any]], observed: Observed) -> Report:
@@ -224,16 +228,41 @@ def check(log: list[dict[str, Any]], observed: Observed) -> Report:
                     unpin(tuple(key))
             if w is not None:
                 w.alive = False
+                w.suspended = False
                 left = [k for k, r in replicas.items() if r.owner == (e["worker_id"], e["epoch"])
                         and r.state in LIVE and k[2] != "disk"]
                 if left:
                     note(rep.fenced, pos, f"{e['worker_id']} epoch {e['epoch']} lost but {len(left)} of its "
                                           f"GPU/host replicas stay live, e.g. {left[0]}")
+        elif typ == "worker.suspended":
+            rep.suspensions += 1
+            w = workers.get(e["worker_id"])
+            if w is None or w.epoch != e["epoch"] or not w.alive or w.suspended:
+                note(rep.illegal, pos, f"suspension of {e['worker_id']} epoch {e['epoch']}, not its live, "
+                                       "unsuspended epoch")
+            else:
+                w.suspended = True
+        elif typ == "worker.resumed":
+            rep.resumes += 1
+            w = workers.get(e["worker_id"])
+            if w is None or w.epoch != e["epoch"] or not w.alive:
+                note(rep.fenced, pos, f"resume of {e['worker_id']} epoch {e['epoch']}, which is fenced")
+                continue
+            w.suspended = False
+            for key in e.get("invalidated", []):
+                r = replicas.get(tuple(key))
+                if r is None or r.state != "READY" or r.owner != (e["worker_id"], e["epoch"]):
+                    note(rep.illegal, pos, f"resume invalidates {key}, which is not a READY replica of that epoch")
+                else:
+                    r.state = "INVALID"
+                    unpin(tuple(key))
         elif typ == "lease.granted":
             rep.grants += 1
             holder = (e["worker_id"], e["epoch"])
             if fenced(holder):
                 note(rep.fenced, pos, f"lease {e['lease_id']} granted to fenced {holder}")
+            elif workers[holder[0]].suspended:
+                note(rep.fenced, pos, f"lease {e['lease_id']} granted to suspended {holder} before it resumed")
             pins: set[tuple[str, str, str]] = set()
             leases[e["lease_id"]] = (holder, pins)
             w = workers.get(holder[0])

@@ -11,6 +11,13 @@ kind this fault explains. Evidence that the fault really hit the path it aims at
 failed disk writes, rejected reloads, refused capacity, 429s) is recorded, and asserted where
 the stack must show it.
 
+Control-plane drills (coordinator, standby takeover, NATS, PostgreSQL, stalls, CPU starvation)
+also measure **cache retention** on ``wr``, a worker no load touches: a few prompts warmed
+before the fault are sent again once the worker and the ledger agree it is back, and the
+cached tokens of that first resend ÷ before the fault is ``cache_retained_pct``. A fault
+shorter than the resume grace period must keep ≥ 99 %; a stall past the grace and a worker
+kill -9 fence the epoch (0 %).
+
 The history over all drills is checked at the end (:func:`final_check`).
 """
 
@@ -19,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
+import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -26,16 +34,20 @@ from pathlib import Path
 from typing import Any
 
 from shared import messages as m
+from shared.forms import FormCatalogue, FormScope, FormSpec
 from shared.messages import ReplicaState
 from tests.faults import checker
-from tests.faults.harness import Observer, Stack, WorkerSpec, damage, make_read_only, make_writable, offload_files
+from tests.faults.harness import (
+    RESUME_GRACE_MS, Observer, Stack, WorkerSpec, damage, make_read_only, make_writable, offload_files,
+)
 from tests.faults.workload import (
     Conversation, History, Load, Reference, Script, ask, probe_prompt, probe_reuse, rand_tokens,
 )
 
 #: Drills in the order the suite runs them (also the tenants that get API keys).
-DRILLS = ("coordinator-kill", "worker-kill", "nats-kill", "postgres-outage", "offload-readonly",
-          "offload-damage", "pool-exhausted", "spike")
+DRILLS = ("coordinator-kill", "standby-takeover", "coordinator-stall", "cpu-starvation", "worker-kill",
+          "nats-kill", "postgres-outage", "coordinator-stall-past-grace", "offload-readonly", "offload-damage",
+          "pool-exhausted", "spike")
 #: Failures a drill's fault explains; anything else fails the drill.
 KILLED_WORKER = {"connection refused", "connection reset", "killed mid-request", "nats no responders"}
 NATS_DOWN = {"killed mid-request", "nats no responders", "nats disconnected", "nats timeout"}
@@ -44,6 +56,10 @@ QUEUE = {"http 429 queue_full", "http 504 queue_timeout"}
 CHURN = 2
 #: How long a worker leaves the disk tier alone after a failed write (worker.cache.tiers.Tiers).
 OFFLOAD_RETRY_S = 5.0
+#: Prompts (6 blocks each) warmed on wr before a control-plane fault, resent after it.
+RETAINED_PROMPTS = 4
+#: cache_retained_pct a fault shorter than the resume grace period must reach.
+RETENTION_GOAL_PCT = 99.0
 
 
 #: wa, wb: pools small enough (20 compressed+indexer, 17 tail, 14 window slots) that the drills'
@@ -60,12 +76,15 @@ QUEUE_SIZE = 4
 def worker_specs() -> list[WorkerSpec]:
     """wa, wb: ordinary workers with small pools; wa offloads straight to disk, wb through a small
     host tier (~8 window blocks) that spills to disk. wp: one form's pool (``tail``, 2 slots) far
-    too small for its load."""
+    too small for its load. wr: untouched by the load; it holds the prompts retention is measured on."""
     service = {"max_concurrency": MAX_CONCURRENCY, "queue_size": QUEUE_SIZE}
     return [WorkerSpec("wa", cache=SMALL_POOLS, worker={"pool_bytes": 2**20}, service=service),
             WorkerSpec("wb", cache={**SMALL_POOLS, "host_tier_bytes": 200_000}, worker={"pool_bytes": 2**20},
                        service=service),
-            WorkerSpec("wp", cache={"tail_pool_limit": 0.005}, service=service)]
+            WorkerSpec("wp", cache={"tail_pool_limit": 0.005}, service=service),
+            # the retention witness: no load, no host or disk tier (only its GPU pools can retain)
+            WorkerSpec("wr", cache={"host_tier_bytes": 0, "offload_dir": ""}, worker={"pool_bytes": 16 * 2**20},
+                       service=service)]
 
 
 def conversations(n: int) -> list[Conversation]:
@@ -106,6 +125,14 @@ class Fault:
     errors: dict[str, int] = field(default_factory=dict)
     mismatches: int = 0
     not_exercised: str = ""                # the path the drill aims at was not reached (why)
+    retained_pct: float | None = None      # cache_retained_pct on wr (control-plane drills)
+
+
+@dataclass
+class Retention:
+    prompts: list[list[int]]
+    #: Cached tokens the resends got before the fault.
+    cached: int
 
 
 @dataclass
@@ -115,6 +142,11 @@ class Settings:
     coordinator_down_s: float = 1.0
     nats_down_s: float = 1.5
     postgres_down_s: float = 4.0
+    stall_s: float = 3.0
+    #: CPU starvation: the coordinator gets ``starve_run_ms`` of every ``starve_period_ms`` for ``starve_s``.
+    starve_s: float = 6.0
+    starve_period_ms: int = 250
+    starve_run_ms: int = 50
     spike_factor: int = 5
     #: Requests a drill lets through before injecting its fault, and after recovering.
     before: int = 3
@@ -145,6 +177,8 @@ class Run:
         self.forged: dict[str, tuple[str, str, str]] = {}
         #: worker → its host tier against the ledger at the end (see :func:`host_drift`)
         self.host_drift: dict[str, dict[str, int]] = {}
+        #: forged resume → (the reply's code, whether the refusal was logged)
+        self.forged_resumes: dict[str, tuple[str, str]] = {}
 
     async def _warm(self) -> None:
         """Every reference the drills need, computed while the stack starts."""
@@ -219,6 +253,39 @@ class Run:
                 reply = await ask(self.stack, "debug", wid, prompt, 1, tenant)
                 self.history.add(drill, -3, i, prompt, reply, want)
 
+    async def warm_retained(self, drill: str) -> Retention:
+        """Warm wr with fresh prompts (the drill's tenant), settle its outbox, and note what a
+        resend reuses now."""
+        k = self.count(Run.warm_retained)
+        prompts = [rand_tokens(96, drill, "retained", k, i) for i in range(RETAINED_PROMPTS)]
+        for _ in range(2):                        # the first fills the cache, the second reads it
+            cached = await self._send_retained(drill, prompts)
+            assert await self.stack.flush("wr"), "wr: transitions not settled before the fault"
+        assert cached > 0, f"{drill}: wr reused nothing before the fault"
+        return Retention(prompts, cached)
+
+    async def retained_pct(self, drill: str, warm: Retention) -> float:
+        """The first resend's cached tokens ÷ before, once wr and the ledger agree it is back."""
+        await self.stack.wait_worker("wr")
+        deadline = time.monotonic() + 60
+        while True:
+            w = next(w for w in (await self.stack.admin_get("/v1/workers"))["workers"] if w["worker_id"] == "wr")
+            if w["alive"] and not w["suspended"] and (await self.stack.worker_readyz("wr"))[0] == 200:
+                break
+            assert time.monotonic() < deadline, f"{drill}: wr not back in contact within 60 s: {w}"
+            await asyncio.sleep(0.1)
+        return round(100 * await self._send_retained(drill, warm.prompts) / warm.cached, 1)
+
+    async def _send_retained(self, drill: str, prompts: list[list[int]]) -> int:
+        cached = 0
+        for i, prompt in enumerate(prompts):
+            want = await self.reference.get(prompt, 1)
+            reply = await ask(self.stack, "debug", "wr", prompt, 1, drill)
+            self.history.add(drill, -4, i, prompt, reply, want)
+            assert reply.ok, f"{drill}: wr failed a retention request: {reply.error} {reply.detail}"
+            cached += reply.cached_tokens
+        return cached
+
     async def epochs(self) -> dict[str, int]:
         body = await self.stack.admin_get("/v1/workers")
         return {w["worker_id"]: w["epoch"] for w in body["workers"] if w["alive"]}
@@ -250,8 +317,19 @@ class Run:
 
 # --- the drills -----------------------------------------------------------------------------------
 
+def kept_cache(f: Fault, before: dict[str, int], after: dict[str, int]) -> None:
+    """A fault shorter than the resume grace period: no epoch changed, wr kept its cache."""
+    f.evidence["epochs"] = {w: f"{before.get(w)}→{after.get(w)}" for w in sorted(after)}
+    f.evidence["cache_retained_pct"] = f.retained_pct
+    assert after == before, f"{f.drill}: epochs changed (the fleet lost its cache): {f.evidence['epochs']}"
+    assert f.retained_pct is not None and f.retained_pct >= RETENTION_GOAL_PCT, \
+        f"{f.drill}: cache_retained_pct {f.retained_pct} < {RETENTION_GOAL_PCT}"
+
+
 async def coordinator_kill(run: Run, drill: str) -> Fault:
-    """kill -9 the coordinator under load; restart it after a moment; it replays the log."""
+    """kill -9 the coordinator under load; restart it after a moment; it replays the log, and the
+    workers resume their epochs with their caches."""
+    warm = await run.warm_retained(drill)
     load = await run.begin(drill)
     before = await run.epochs()
     f = Fault(drill, f"coordinator kill -9, restarted after {run.settings.coordinator_down_s}s", run.history.now())
@@ -267,10 +345,127 @@ async def coordinator_kill(run: Run, drill: str) -> Fault:
     f.recovery_s = max(await probe)
     await load.wait_done(run.settings.after)
     await load.stop()
-    after = await run.epochs()
+    f.retained_pct = await run.retained_pct(drill, warm)
     ready = await run.stack.admin_get("/readyz")
-    f.evidence.update({"epochs": {w: f"{before.get(w)}→{after.get(w)}" for w in sorted(after)},
-                       "replayed_events": (ready.get("last_replay") or {}).get("events")})
+    f.evidence["replayed_events"] = (ready.get("last_replay") or {}).get("events")
+    kept_cache(f, before, await run.epochs())
+    return run.close(f, set(), load)
+
+
+async def standby_takeover(run: Run, drill: str) -> Fault:
+    """A hot standby follows the log; the leader is killed -9; the standby takes over from the
+    log's tail, and the workers follow it and resume their epochs."""
+    stack = run.stack
+    stack.start_standby()
+    deadline = time.monotonic() + 60
+    while not isinstance((st := await stack.standby_status())[1], dict) or st[1].get("status") != "standby":
+        assert time.monotonic() < deadline, f"the standby never reported standby: {st}\n{stack.log_tails()}"
+        await asyncio.sleep(0.1)
+    warm = await run.warm_retained(drill)
+    load = await run.begin(drill)
+    before = await run.epochs()
+    f = Fault(drill, "leader kill -9 while a second coordinator stands by", run.history.now())
+    t0 = time.monotonic()
+    stack.kill_coordinator()
+    probe = run.probe(drill, t0, "wa", "wb")
+    while (await stack.standby_status())[0] != 200:
+        assert time.monotonic() - t0 < 60, f"the standby did not take over within 60 s\n{stack.log_tails()}"
+        await asyncio.sleep(0.02)
+    f.ready_s = time.monotonic() - t0
+    stack.promote_standby()
+    await asyncio.gather(*[stack.wait_worker(w) for w in stack.specs])
+    f.evidence["workers_ready_s"] = round(time.monotonic() - t0, 2)
+    f.recovery_s = max(await probe)
+    await load.wait_done(run.settings.after)
+    await load.stop()
+    f.retained_pct = await run.retained_pct(drill, warm)
+    replay = (await stack.admin_get("/readyz")).get("last_replay") or {}
+    f.evidence["takeover_s"] = round(f.ready_s, 2)
+    f.evidence["caught_up_events"] = replay.get("events")
+    kept_cache(f, before, await run.epochs())
+    return run.close(f, set(), load)
+
+
+async def coordinator_stall(run: Run, drill: str) -> Fault:
+    """SIGSTOP the coordinator for a few seconds (a GC pause, a stuck host), then SIGCONT."""
+    warm = await run.warm_retained(drill)
+    load = await run.begin(drill)
+    before = await run.epochs()
+    f = Fault(drill, f"coordinator SIGSTOP {run.settings.stall_s}s, then SIGCONT", run.history.now())
+    t0 = time.monotonic()
+    run.stack.signal_coordinator(signal.SIGSTOP)
+    probe = run.probe(drill, t0, "wa", "wb")
+    try:
+        await asyncio.sleep(run.settings.stall_s)
+    finally:
+        run.stack.signal_coordinator(signal.SIGCONT)
+    await run.stack.wait_coordinator()
+    f.ready_s = time.monotonic() - t0
+    f.recovery_s = max(await probe)
+    await load.wait_done(run.settings.after)
+    await load.stop()
+    f.retained_pct = await run.retained_pct(drill, warm)
+    kept_cache(f, before, await run.epochs())
+    return run.close(f, set(), load)
+
+
+async def cpu_starvation(run: Run, drill: str) -> Fault:
+    """The coordinator gets a fifth of a CPU for a while (SIGSTOP/SIGCONT duty cycle): heartbeats
+    and leases wait, ingest backs up; nobody may be declared lost for it."""
+    st = run.settings
+    warm = await run.warm_retained(drill)
+    load = await run.begin(drill)
+    before = await run.epochs()
+    f = Fault(drill, f"coordinator runs {st.starve_run_ms} ms of every {st.starve_period_ms} ms for {st.starve_s}s",
+              run.history.now())
+    t0 = time.monotonic()
+    probe = run.probe(drill, t0, "wa", "wb")
+    try:
+        while time.monotonic() - t0 < st.starve_s:
+            run.stack.signal_coordinator(signal.SIGSTOP)
+            await asyncio.sleep((st.starve_period_ms - st.starve_run_ms) / 1000)
+            run.stack.signal_coordinator(signal.SIGCONT)
+            await asyncio.sleep(st.starve_run_ms / 1000)
+    finally:
+        run.stack.signal_coordinator(signal.SIGCONT)
+    await run.stack.wait_coordinator()
+    f.ready_s = time.monotonic() - t0
+    f.recovery_s = max(await probe)
+    await load.wait_done(run.settings.after)
+    await load.stop()
+    f.retained_pct = await run.retained_pct(drill, warm)
+    kept_cache(f, before, await run.epochs())
+    return run.close(f, set(), load)
+
+
+async def coordinator_stall_past_grace(run: Run, drill: str) -> Fault:
+    """SIGSTOP the coordinator for longer than the resume grace period: the workers give their
+    epochs up and register anew — the fence, by design (0 % retained)."""
+    stall = RESUME_GRACE_MS / 1000 + 3
+    warm = await run.warm_retained(drill)
+    load = await run.begin(drill)
+    before = await run.epochs()
+    f = Fault(drill, f"coordinator SIGSTOP {stall:.0f}s (resume grace {RESUME_GRACE_MS / 1000:.0f}s), then SIGCONT",
+              run.history.now())
+    t0 = time.monotonic()
+    run.stack.signal_coordinator(signal.SIGSTOP)
+    probe = run.probe(drill, t0, "wa", "wb")
+    try:
+        await asyncio.sleep(stall)
+    finally:
+        run.stack.signal_coordinator(signal.SIGCONT)
+    await run.stack.wait_coordinator()
+    await asyncio.gather(*[run.stack.wait_worker(w, epoch_above=before[w]) for w in run.stack.specs])
+    f.ready_s = time.monotonic() - t0
+    f.recovery_s = max(await probe)
+    await load.wait_done(run.settings.after)
+    await load.stop()
+    f.retained_pct = await run.retained_pct(drill, warm)
+    after = await run.epochs()
+    f.evidence = {"epochs": {w: f"{before.get(w)}→{after.get(w)}" for w in sorted(after)},
+                  "cache_retained_pct": f.retained_pct}
+    assert all(after[w] > before[w] for w in run.stack.specs), f"{drill}: an epoch outlived the grace: {after}"
+    assert f.retained_pct == 0, f"{drill}: a fenced epoch's cache was reused ({f.retained_pct} %)"
     return run.close(f, set(), load)
 
 
@@ -291,12 +486,22 @@ async def worker_kill(run: Run, drill: str) -> Fault:
     await load.stop()
     new = (await run.epochs())[victim]
     assert new > old, f"{victim} came back with epoch {new}, not above {old}"
-    f.evidence = {f"{victim}_epoch": f"{old}→{new}"}
+    # the same fault on the retention witness: a process that lost its memory starts cold
+    warm = await run.warm_retained(drill)
+    wr_old = (await run.epochs())["wr"]
+    run.stack.kill_worker("wr")
+    run.stack.start_worker("wr")
+    await run.stack.wait_worker("wr", epoch_above=wr_old)
+    f.retained_pct = await run.retained_pct(drill, warm)
+    f.evidence = {f"{victim}_epoch": f"{old}→{new}", "wr_epoch": f"{wr_old}→{(await run.epochs())['wr']}",
+                  "cache_retained_pct (wr killed too)": f.retained_pct}
+    assert f.retained_pct == 0, f"{drill}: a killed worker's fenced cache was reused ({f.retained_pct} %)"
     return run.close(f, KILLED_WORKER, load, only_on={victim})
 
 
 async def nats_kill(run: Run, drill: str) -> Fault:
     """kill -9 nats-server (JetStream loses what it had not synced); restart it on the same port."""
+    warm = await run.warm_retained(drill)
     load = await run.begin(drill)
     before = await run.epochs()
     f = Fault(drill, f"nats-server kill -9, restarted after {run.settings.nats_down_s}s", run.history.now())
@@ -311,9 +516,9 @@ async def nats_kill(run: Run, drill: str) -> Fault:
     f.recovery_s = max(await probe)
     await load.wait_done(run.settings.after)
     await load.stop()
-    after = await run.epochs()
-    f.evidence = {"epochs": {w: f"{before.get(w)}→{after.get(w)}" for w in sorted(after)},
-                  "observer_disconnects": run.observer.disconnects}
+    f.retained_pct = await run.retained_pct(drill, warm)
+    f.evidence["observer_disconnects"] = run.observer.disconnects
+    kept_cache(f, before, await run.epochs())
     return run.close(f, NATS_DOWN, load)
 
 
@@ -321,7 +526,9 @@ async def postgres_outage(run: Run, drill: str) -> Fault:
     """PostgreSQL down a while (requests must still be answered), then started again: killed -9
     (crash recovery) the first time, a clean fast shutdown the next, in turn."""
     crash = run.count(postgres_outage) % 2 == 0
+    warm = await run.warm_retained(drill)
     load = await run.begin(drill)
+    before = await run.epochs()
     how = "kill -9 (crash recovery on start)" if crash else "fast shutdown"
     f = Fault(drill, f"PostgreSQL {how}, down {run.settings.postgres_down_s}s, started again", run.history.now())
     t0, down_at = time.monotonic(), run.history.now()
@@ -344,9 +551,11 @@ async def postgres_outage(run: Run, drill: str) -> Fault:
     f.recovery_s = max(await probe)
     await load.wait_done(run.settings.after)
     await load.stop()
+    f.retained_pct = await run.retained_pct(drill, warm)
     f.evidence = {"answered_while_down": served_while_down, "coordinator_readyz_while_down": dict(statuses)}
     assert served_while_down > 0, "no request was answered while PostgreSQL was down (workers must recompute)"
     assert statuses["not serving"] > 0, "the coordinator said it was serving with PostgreSQL down"
+    kept_cache(f, before, await run.epochs())
     return run.close(f, set(), load)
 
 
@@ -497,9 +706,11 @@ async def _until(probe: Any, *, above: float, timeout_s: float) -> float:
     return v
 
 
-ALL = {"coordinator-kill": coordinator_kill, "worker-kill": worker_kill, "nats-kill": nats_kill,
-       "postgres-outage": postgres_outage, "offload-readonly": offload_readonly, "offload-damage": offload_damage,
-       "pool-exhausted": pool_exhausted, "spike": spike}
+ALL = {"coordinator-kill": coordinator_kill, "standby-takeover": standby_takeover,
+       "coordinator-stall": coordinator_stall, "cpu-starvation": cpu_starvation, "worker-kill": worker_kill,
+       "nats-kill": nats_kill, "postgres-outage": postgres_outage,
+       "coordinator-stall-past-grace": coordinator_stall_past_grace, "offload-readonly": offload_readonly,
+       "offload-damage": offload_damage, "pool-exhausted": pool_exhausted, "spike": spike}
 
 
 # --- the end of a run -----------------------------------------------------------------------------
@@ -552,6 +763,34 @@ async def host_drift(run: Run, wid: str) -> dict[str, int]:
             "worker_only": len(has - ledger)}
 
 
+async def forge_resumes(run: Run) -> dict[str, tuple[str, str]]:
+    """Resumes the coordinator must refuse, as a stale or confused worker would send them;
+    returns ``{what is wrong: (the reply's code, whether the coordinator logged the refusal)}``.
+
+    NOTE: the refusal comes before any inventory is looked at, so the forged inventory and
+    catalogue need only be well formed.
+    """
+    stack = run.stack
+    workers = {w["worker_id"]: w for w in (await stack.admin_get("/v1/workers"))["workers"]}
+    wa = workers["wa"]
+    stale = ("wa", 1, "wa's first epoch, fenced since") if wa["epoch"] > 1 else \
+        ("wa", wa["epoch"] + 100, "an epoch wa never registered")
+    catalogue = FormCatalogue(model_id="forged", block_size=16, forms=(
+        FormSpec(name="swa", scope=FormScope.WINDOW, bytes_per_block=32, dtype="float32", window_tokens=16),))
+    out = {}
+    for wid, epoch, why in (stale, ("ghost", 1, "a worker that never registered")):
+        res = m.WorkerResume(worker_id=wid, epoch=epoch, namespace=wa["namespace"], catalogue=catalogue,
+                             held=bytes(8))
+        reply = m.decode((await stack.nc.request(stack.subjects.worker_resume, m.encode(res), timeout=10)).data)
+        out[why] = (reply.code.value if isinstance(reply, m.ErrorReply) else type(reply).__name__, wid, epoch)
+    await asyncio.sleep(0.5)
+    log = stack.coordinator.tail(20_000) if stack.coordinator is not None else ""
+    refused = [line for line in log.splitlines() if "resume_refused" in line]
+    return {why: (code, "logged" if any(f'"worker_id": "{wid}"' in line and f'"epoch": {epoch}' in line
+                                        for line in refused) else "not logged")
+            for why, (code, wid, epoch) in out.items()}
+
+
 async def final_check(run: Run) -> tuple[checker.Report, dict[str, Any]]:
     """Heal, settle every outbox, forge illegal transitions, then check the whole history and
     audit the ledger."""
@@ -560,6 +799,7 @@ async def final_check(run: Run) -> tuple[checker.Report, dict[str, Any]]:
     for w in stack.specs:
         assert await stack.flush(w, 30), f"{w}: outbox not drained by the commit watermark within 30s"
     forged = await forge_illegal(run)
+    run.forged_resumes = await forge_resumes(run)
     deadline = time.monotonic() + 30
     while True:
         log = await stack.events()

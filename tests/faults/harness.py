@@ -45,6 +45,9 @@ from worker.tenants import key_sha256
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = "kvlf"
 SALT_SECRET = "kvl-fault-drills"
+#: coordinator.lease_ttl_ms and resume_grace_ms: short, so that a stall past the grace fits a drill.
+LEASE_TTL_MS = 8000
+RESUME_GRACE_MS = 15000
 
 
 def api_key(tenant: str) -> str:
@@ -93,6 +96,9 @@ class Stack:
         self.subjects = Subjects(PREFIX)
         self.admin_port = free_port()
         self.admin = f"http://127.0.0.1:{self.admin_port}"
+        #: A second coordinator's admin port (the standby, while a drill runs one).
+        self.standby_port = free_port()
+        self.standby: Proc | None = None
         self.offload_dir = root / "offload"
         self.specs = {s.worker_id: s for s in specs}
         self.ports = {wid: free_port() for wid in self.specs}
@@ -113,7 +119,8 @@ class Stack:
             "database": {"url": self.pg.url, "connect_timeout_ms": 1000},
             "nats": {"url": self.nats.url, "subject_prefix": PREFIX, "request_timeout_ms": 1500},
             "coordinator": {"host": "127.0.0.1", "port": self.admin_port, "heartbeat_interval_ms": 200,
-                            "missed_heartbeats": 25, "commit_batch_ms": 2},
+                            "missed_heartbeats": 25, "commit_batch_ms": 2, "lease_ttl_ms": LEASE_TTL_MS,
+                            "resume_grace_ms": RESUME_GRACE_MS},
             "logging": {"format": "json", "level": "info"},
         }
 
@@ -159,18 +166,47 @@ class Stack:
         await self.wait_coordinator(timeout_s)
         await asyncio.gather(*[self.wait_worker(wid, timeout_s) for wid in self.specs])
 
+    def _coordinator_proc(self, name: str, port: int) -> Proc:
+        doc = self._base()
+        doc["coordinator"]["port"] = port
+        doc["state_dir"] = str(self.root / f"{name}-state")
+        cfg = self._write(name, doc)
+        return Proc(name, [sys.executable, "-m", "coordinator", "--config", str(cfg)], self.logs / f"{name}.log",
+                    self._env())
+
     def start_coordinator(self) -> Proc:
         assert self.coordinator is None or not self.coordinator.alive, "the coordinator is running"
-        doc = self._base()
-        doc["state_dir"] = str(self.root / "coordinator-state")
-        cfg = self._write("coordinator", doc)
-        self.coordinator = Proc("coordinator", [sys.executable, "-m", "coordinator", "--config", str(cfg)],
-                                self.logs / "coordinator.log", self._env())
+        self.coordinator = self._coordinator_proc("coordinator", self.admin_port)
         return self.coordinator
 
     def kill_coordinator(self) -> None:
         assert self.coordinator is not None
         self.coordinator.kill(signal.SIGKILL)
+
+    def signal_coordinator(self, sig: int) -> None:
+        """SIGSTOP / SIGCONT the leader (returns at once)."""
+        assert self.coordinator is not None
+        self.coordinator.signal(sig)
+
+    def start_standby(self) -> Proc:
+        """A second coordinator on the same database and NATS: it waits for the lock, following the log."""
+        assert self.standby is None or not self.standby.alive, "a standby is running"
+        self.standby = self._coordinator_proc("standby", self.standby_port)
+        return self.standby
+
+    async def standby_status(self) -> tuple[int, Any]:
+        return await self._get(f"http://127.0.0.1:{self.standby_port}/readyz", 2.0)
+
+    def promote_standby(self) -> None:
+        """The standby leads now: it becomes *the* coordinator (admin API included); the old
+        coordinator's port is the next standby's."""
+        assert self.standby is not None
+        old = self.coordinator
+        self.coordinator, self.standby = self.standby, None
+        self.admin_port, self.standby_port = self.standby_port, self.admin_port
+        self.admin = f"http://127.0.0.1:{self.admin_port}"
+        if old is not None:
+            old.kill(signal.SIGKILL)
 
     def start_worker(self, wid: str) -> Proc:
         old = self.workers.get(wid)
@@ -216,9 +252,14 @@ class Stack:
             self.nats.proc = None
             await self.start_nats()
             done.append("nats")
+        if self.coordinator is not None:
+            self.coordinator.signal(signal.SIGCONT)   # a drill that failed while it was stopped
         if self.coordinator is None or not self.coordinator.alive:
             self.start_coordinator()
             done.append("coordinator")
+        if self.standby is not None:
+            self.standby.kill(signal.SIGKILL)
+            self.standby = None
         for wid in self.specs:
             if not self.workers[wid].alive:
                 self.start_worker(wid)
@@ -233,7 +274,7 @@ class Stack:
                 await asyncio.wait_for(self.nc.close(), 5)
         if self.http is not None:
             await self.http.close()
-        procs = [p for p in (*self.workers.values(), self.coordinator) if p is not None]
+        procs = [p for p in (*self.workers.values(), self.coordinator, self.standby) if p is not None]
         await asyncio.gather(*[asyncio.to_thread(p.stop) for p in procs], return_exceptions=True)
         for p in procs:
             p.kill()
@@ -241,7 +282,7 @@ class Stack:
         await asyncio.to_thread(self.pg.stop)
 
     def log_tails(self, n: int = 25) -> str:
-        procs = [p for p in (self.coordinator, *self.workers.values()) if p is not None]
+        procs = [p for p in (self.coordinator, self.standby, *self.workers.values()) if p is not None]
         return "\n".join(f"--- {p.name} ({'alive' if p.alive else 'dead'}) ---\n{p.tail(n)}" for p in procs)
 
     # --- readiness -----------------------------------------------------------------------------

@@ -19,9 +19,10 @@ drives the real stack while faults are injected, then checks the whole history. 
 below is one real run, written by the run itself (`KVL_WRITE_RELIABILITY=1`).
 
 * **Stack**: embedded PostgreSQL and nats-server owned by the test (so they can be killed),
-  a coordinator process, three worker processes — `wa` and `wb` with small pools that spill
-  to a shared offload directory (`wa` straight to disk, `wb` through a small host tier), `wp`
-  with a 2-slot `tail` pool — the tiny seeded model on CPU.
+  a coordinator process (and, in the takeover drill, a standby coordinator following the log),
+  four worker processes — `wa` and `wb` with small pools that spill to a shared offload
+  directory (`wa` straight to disk, `wb` through a small host tier), `wp` with a 2-slot `tail`
+  pool, `wr` the untouched retention witness — the tiny seeded model on CPU.
 * **Load**: multi-turn conversations, each turn = previous prompt + previous answer + new
   tokens, greedy, over the OpenAI HTTP API (token-id prompts) and the workers' NATS debug
   subject (token ids and logits), with bounded retries after errors; each drill uses its own
@@ -44,6 +45,12 @@ below is one real run, written by the run itself (`KVL_WRITE_RELIABILITY=1`).
 * **Recovery**: seconds from the injection until a worker answers a request *with reuse*
   again (probes poll every 0.2 s from the moment of injection); "ready" is until the restarted
   part answered its readiness probe (workers: registered, not degraded).
+* **Cache retained** (control-plane drills): `wr`, a worker the load never touches, holds four
+  6-block prompts warmed just before the fault; once `wr` and the ledger agree it is back (ready,
+  epoch not suspended), each is sent once more: cached tokens of that first resend ÷ before the
+  fault. Goal ≥ 99 % for every fault shorter than the resume grace period (15 s here), 0 % (the
+  fence) for a stall past it and for a worker kill -9. Two forged resumes (a fenced epoch, an
+  unknown worker) must be refused and logged.
 
 Reproduce: `make test` runs one pass of every drill (`tests/faults/test_drills.py`, 1.5–3
 minutes on 2 shared cores); `pytest tests/faults --soak` (or `KVL_SOAK=1` with any pytest
@@ -119,7 +126,8 @@ def terminal(run: Run, title: str) -> str:
         held = Counter(typ for _, typ, _ in run.forged.values())
         lines.append(f"  forged illegal transitions: {len(run.forged)}, in the log as {_kinds(held)}")
     for f in run.faults:
-        lines.append(f"  {f.drill:<17} ready {_s(f.ready_s):>6}  recovery {_s(f.recovery_s):>6}  requests "
+        kept = "" if f.retained_pct is None else f"  retained {f.retained_pct:g}%"
+        lines.append(f"  {f.drill:<28} ready {_s(f.ready_s):>6}  recovery {_s(f.recovery_s):>6}{kept}  requests "
                      f"{f.requests:>4}  mismatches {f.mismatches}  errors {_kinds(f.errors)}"
                      + (f"  [NOT EXERCISED: {f.not_exercised}]" if f.not_exercised else ""))
     for name, err in run.failures:
@@ -162,7 +170,8 @@ def section(run: Run, title: str, command: str) -> str:
                    f"recovered {rep['recovered']}, unobserved {rep['unobserved']}; {rep['grants']} grants with "
                    f"{rep['pins_checked']} pins checked: **illegal {rep['illegal']}, fenced reuse "
                    f"{rep['fenced_reuse']}**, position gaps {rep['gaps']}; {rep['registrations']} registrations, "
-                   f"{rep['workers_lost']} epochs fenced |")
+                   f"{rep['workers_lost']} epochs fenced, {rep['suspensions']} suspended and {rep['resumes']} "
+                   "resumed |")
     out.append(f"| audit | {'**clean**' if audit.get('ok') else '**NOT clean**'}: hash match "
                f"{audit.get('hash_match')}, {audit.get('replayed_events')} events replayed from empty, invariant "
                f"violations {len(audit.get('invariant_violations') or [])}, drift "
@@ -174,11 +183,12 @@ def section(run: Run, title: str, command: str) -> str:
                f"{_kinds(n['load_errors'])}; the rest are recovery probes polling a part that was down, and "
                f"the spike's refusals) |")
     out += ["", "| drill | injected | requests | errors by kind | mismatches | ready after | recovery (first reuse) "
-            "| evidence |", "|---|---|---:|---|---:|---:|---:|---|"]
+            "| cache retained | evidence |", "|---|---|---:|---|---:|---:|---:|---:|---|"]
     for f in run.faults:
         ev = _evidence(f.evidence) + (f" **Not exercised:** {f.not_exercised}" if f.not_exercised else "")
+        kept = "—" if f.retained_pct is None else f"{f.retained_pct:g} %"
         out.append(f"| {f.drill} | {f.injected} | {f.requests} | {_kinds(f.errors)} | {f.mismatches} | "
-                   f"{_s(f.ready_s)} | {_s(f.recovery_s)} | {ev} |")
+                   f"{_s(f.ready_s)} | {_s(f.recovery_s)} | {kept} | {ev} |")
     if run.failures:
         out += ["", "Drills that failed:", ""]
         out += [f"* `{name}`: {err.splitlines()[0][:300]}" for name, err in run.failures]
@@ -190,6 +200,9 @@ def section(run: Run, title: str, command: str) -> str:
                 + "; ".join(f"{w}: ledger {d['ledger']} READY, worker {d['worker']}, only in the ledger "
                             f"{d['ledger_only']}, only on the worker {d['worker_only']}"
                             for w, d in run.host_drift.items()) + "."]
+    if run.forged_resumes:
+        out += ["", "Resumes forged at the end: " + "; ".join(f"{why}: {code}, {seen}"
+                                                         for why, (code, seen) in run.forged_resumes.items()) + "."]
     if run.forged:
         out += ["", "Illegal transitions published on purpose at the end (JetStream, as a confused or stale "
                 "worker would), and how the log holds them:", "",

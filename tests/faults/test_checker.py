@@ -199,3 +199,30 @@ def test_rejection_reasons_are_grouped_without_their_numbers() -> None:
     assert reason_kind("stale generation 3 for ('ab', 'swa', 'gpu:w') (current 4)") == "stale generation"
     assert reason_kind("replica ('ab', 'swa', 'disk') already exists (READY)") == "offload target already live"
     assert reason_kind("something new 1234 about " + "f" * 32) == "something new # about #"
+
+
+def test_suspension_and_resume_keep_the_epoch_and_invalidations_unpin() -> None:
+    log = Log().register().grant("L1", alloc=[(B1, "swa"), (B2, "swa")])
+    log.transition(1, "ALLOCATED", "READY").transition(2, "ALLOCATED", "READY", block=B2)
+    log.add("lease.released", lease_id="L1")
+    pin = {"block_hash": B1, "form": "swa", "location": "gpu:w1", "generation": 1}
+    log.add("worker.suspended", worker_id="w1", epoch=1, reason="coordinator takeover")
+    log.add("worker.resumed", worker_id="w1", epoch=1, kept=1, invalidated=[[B2, "swa", "gpu:w1"]], dropped=0)
+    log.grant("L2", read=[pin])                                                   # same epoch reads B1 again
+    rep = check(log.rows, published(log, {("w1", 1): 2}))
+    assert rep.ok, rep.problems()
+    assert (rep.suspensions, rep.resumes, rep.registrations) == (1, 1, 1)
+    log.grant("L3", read=[{**pin, "block_hash": B2}])                             # B2 was invalidated by the resume
+    rep = check(log.rows, published(log, {("w1", 1): 2}))
+    assert any("which is INVALID" in p for p in rep.fenced), rep.fenced
+
+
+def test_a_lease_for_a_suspended_epoch_or_a_resume_of_a_fenced_one_is_caught() -> None:
+    log = Log().register()
+    log.add("worker.suspended", worker_id="w1", epoch=1, reason="no heartbeat")
+    log.grant("L1")                                                               # before any resume
+    log.add("worker.lost", worker_id="w1", epoch=1, lost=[], released=["L1"])
+    log.add("worker.resumed", worker_id="w1", epoch=1, kept=0, invalidated=[], dropped=0)
+    rep = check(log.rows, published(log))
+    assert any("suspended ('w1', 1)" in p for p in rep.fenced), rep.fenced
+    assert any("resume of w1 epoch 1, which is fenced" in p for p in rep.fenced), rep.fenced

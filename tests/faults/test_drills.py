@@ -55,5 +55,10 @@ async def test_history_is_clean_and_the_audit_passes(run: Run) -> None:
     assert n["mismatches"] == 0
     # the checker saw the run: transitions were published, acknowledged and logged
     assert report.acknowledged > 0 and report.logged >= report.acknowledged and report.pins > 0
-    if {f.drill for f in run.faults} & {"coordinator-kill", "worker-kill", "nats-kill", "postgres-outage"}:
+    if {f.drill for f in run.faults} & {"worker-kill", "coordinator-stall-past-grace"}:
         assert report.losses > 0 and report.registrations > len(run.stack.specs), "no epoch was ever fenced"
+    if {f.drill for f in run.faults} & {"coordinator-kill", "standby-takeover", "postgres-outage"}:
+        assert report.suspensions > 0 and report.resumes > 0, "no epoch was suspended and resumed"
+    # resumes for a fenced epoch or an unknown worker are refused, and the refusal is logged
+    assert run.forged_resumes and all(code in ("fenced", "not_found") and seen == "logged"
+                                      for code, seen in run.forged_resumes.values()), run.forged_resumes

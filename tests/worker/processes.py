@@ -51,7 +51,13 @@ class Proc:
                 self.popen.kill()
                 self.popen.wait(5)
 
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` and return at once (SIGSTOP, SIGCONT)."""
+        if self.alive:
+            self.popen.send_signal(sig)
+
     def stop(self) -> None:
+        self.signal(signal.SIGCONT)   # a stopped process cannot act on SIGTERM
         self.kill(signal.SIGTERM, wait=8.0)
         self._f.close()
 
