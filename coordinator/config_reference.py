@@ -199,6 +199,7 @@ def metric_rows() -> list[dict[str, str]]:
 
     cm = CoordinatorMetrics()
     cm.watch_pools(lambda: [("w", "f", 0, 0)])
+    cm.watch_workers(lambda: {"live": 0})
     wm = WorkerMetrics()
     ServingMetrics.of(wm.registry)
     rows = []

@@ -56,6 +56,23 @@ class CoordinatorMetrics:
         self.registry.register(_PoolCollector(usage))
 
 
+    def watch_workers(self, states: Callable[[], dict[str, int]]) -> None:
+        """Worker epochs by state (live, suspended, lost), read from the live state at scrape time."""
+        self.registry.register(_WorkerCollector(states))
+
+
+class _WorkerCollector(Collector):
+    def __init__(self, states: Callable[[], dict[str, int]]) -> None:
+        self.states = states
+
+    def collect(self) -> Iterator[Any]:
+        g = GaugeMetricFamily("kvl_coordinator_workers", "Workers by the state of their latest epoch "
+                              "(live, suspended: silent or awaiting a resume, lost: fenced)", labels=["state"])
+        for state, n in self.states().items():
+            g.add_metric([state], n)
+        yield g
+
+
 class _PoolCollector(Collector):
     def __init__(self, usage: Callable[[], list[tuple[str, str, int, int]]]) -> None:
         self.usage = usage

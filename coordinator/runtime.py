@@ -60,6 +60,7 @@ class Coordinator:
                              metrics=self.metrics, logger=logger, on_not_leader=self._not_leader)
         self.ledger.leadership_confirmed = self.election.confirmed
         self.metrics.watch_pools(self.pool_usage)
+        self.metrics.watch_workers(self.worker_states)
         self.nc: NatsClient | None = None
         self.service: NatsService | None = None
         self._tasks: list[asyncio.Task[Any]] = []
@@ -296,6 +297,12 @@ class Coordinator:
                     await self.ledger.execute(lambda s: (None, expire(s, now_ms(), seen, floor)))
 
     # --- views ---------------------------------------------------------------------------
+
+    def worker_states(self) -> dict[str, int]:
+        out = {"live": 0, "suspended": 0, "lost": 0}
+        for w in self.ledger.state.workers.values():
+            out["lost" if not w.alive else "suspended" if w.suspended else "live"] += 1
+        return out
 
     def pool_usage(self) -> list[tuple[str, str, int, int]]:
         s = self.ledger.state

@@ -173,13 +173,15 @@ def test_prometheus_scrapes_both_and_alerts_use_real_metrics(compose: dict[str, 
 
     prom = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
-    assert jobs["kvledger-coordinator"]["static_configs"][0]["targets"] == ["coordinator:8321"]
+    assert jobs["kvledger-coordinator"]["static_configs"][0]["targets"] == ["coordinator:8321",
+                                                                            "coordinator-standby:8321"]
     assert jobs["kvledger-worker"]["dns_sd_configs"][0]["names"] == ["worker-0", "worker-1"]
     assert prom["rule_files"] == ["/etc/prometheus/alerts.yml"]
 
     known = {"up"}
     cm = CoordinatorMetrics()
-    cm.watch_pools(lambda: [("w", "f", 1, 2)])  # pool gauges are collected at scrape time
+    cm.watch_pools(lambda: [("w", "f", 1, 2)])  # pool and worker gauges are collected at scrape time
+    cm.watch_workers(lambda: {"live": 1})
     wm = WorkerMetrics()
     ServingMetrics.of(wm.registry)
     for registry in (cm.registry, wm.registry):
