@@ -54,8 +54,9 @@ printed to stdout is one JSON object: every figure with its baseline and ratio, 
 phase, CPU microseconds per operation by process (``*_cpu_us_per_op_*``: coordinator, all
 postgres and nats-server processes on the machine, this process), the group-commit
 batches, how often the coordinator lost leadership, which goals were met, the load average.
-``--only ingest,leases,idle,replay`` runs a subset (replay includes restart and takeover). ``KVL_BENCH_PYSPY=<dir>`` (py-spy installed)
-samples the coordinator during the timed ingest and lease phases into ``<dir>``.
+``--only ingest,leases,idle,replay`` runs a subset (replay includes restart and takeover).
+``KVL_BENCH_PYSPY=<dir>`` (py-spy installed) samples the coordinator during the timed ingest
+and lease phases into ``<dir>``.
 """
 
 from __future__ import annotations
@@ -343,7 +344,8 @@ class EchoProc:
 # --- request driver ----------------------------------------------------------------------------
 
 async def drive(nc: Any, subject: str, payloads: list[bytes], inflight: int, timeout_s: float = 30,
-                recover: Callable[[bytes, float], Awaitable[bool]] | None = None) -> tuple[float, list[float], list[bytes]]:
+                recover: Callable[[bytes, float], Awaitable[bool]] | None = None
+                ) -> tuple[float, list[float], list[bytes]]:
     """``inflight`` concurrent request loops over ``payloads``: (wall seconds, latencies, replies).
 
     ``recover(reply, sent_at)``: True if the request is to be sent again (the worker was
@@ -1312,7 +1314,8 @@ async def takeover_phase(nc: Any, leader: CoordinatorProc, db_url: str, nats_url
             deadline = time.monotonic() + 60
             while not any(sent > t_kill for sent, _ in grants):
                 if load.done() or time.monotonic() > deadline:
-                    raise RuntimeError(f"no lease granted after the takeover: {load.exception() if load.done() else ''}")
+                    why = load.exception() if load.done() else "none within 60 s"
+                    raise RuntimeError(f"no lease granted after the takeover: {why}")
                 await asyncio.sleep(0.01)
             first_grant = min(done for sent, done in grants if sent > t_kill) - t_kill
             stop.set()
@@ -1408,6 +1411,7 @@ async def idle_phase(nc: Any, base_url: str, nats_url: str, tmp: Path, dbs: list
         _log(f"idle: counting events for {window_s:g} s (log at position {p0}) ...")
         await asyncio.sleep(window_s)
         p1, (ok1, all1) = await conn.fetchval(last), await heartbeats()
+        states = {lb.get("state", "?"): round(v) for lb, v in await coord.samples("kvl_coordinator_workers")}
         dt = time.perf_counter() - t0
         client = sum(w.heartbeats_ok for w in ws) - client0
         types = {r[0]: r[1] for r in await conn.fetch(
@@ -1426,7 +1430,7 @@ async def idle_phase(nc: Any, base_url: str, nats_url: str, tmp: Path, dbs: list
     return {"idle_workers": workers, "idle_window_s": round(dt, 2), "idle_heartbeat_interval_ms": interval_ms,
             "idle_events": events, "idle_event_types": types, "idle_heartbeats_answered": round(answered),
             "idle_heartbeats_refused": round(all1 - all0 - answered), **out,
-            "idle_leadership_losses": coord.log_events("leadership_lost")}
+            "idle_worker_states": states, "idle_leadership_losses": coord.log_events("leadership_lost")}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
