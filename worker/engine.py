@@ -302,7 +302,8 @@ class Engine:
             self.metrics.lease_errors.labels(op=op, code=e.code.value).inc()
             if e.code is ErrorCode.SUSPENDED:
                 self._suspend(f"epoch suspended: {e}")
-            elif e.code in (ErrorCode.FENCED, ErrorCode.NOT_FOUND) and op in ("acquire", "heartbeat", "resume"):
+            elif (e.code in (ErrorCode.FENCED, ErrorCode.NOT_FOUND) and op in ("acquire", "heartbeat", "resume")
+                  or op == "resume" and e.code is ErrorCode.INVALID):
                 self._registration_lost(f"registration lost: {e}")
             raise
         finally:
