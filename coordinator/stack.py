@@ -28,7 +28,8 @@ Theory of operation — a small process supervisor, threads and ``subprocess``, 
    restarts are counted in the table, ``stack.json`` and a JSON line in the child's log. A
    process that dies more than ``--max-restarts`` times within ``--restart-window`` seconds
    is a crash loop, not bad luck: **the whole stack stops** (exit 1) and says so. An embedded
-   PostgreSQL or NATS that exits also stops the stack.
+   PostgreSQL or NATS that exits is started again on the same port and data directory (the
+   coordinator and workers reconnect; the workers keep their caches), under the same limit.
 7. **Shutdown** on SIGINT/SIGTERM (a second signal hurries: SIGKILL at once): workers, then
    the coordinators, each by SIGTERM to its process group with a grace period, then SIGKILL;
    then NATS and PostgreSQL. Finally every process this supervisor started, and anything
@@ -339,6 +340,8 @@ class Stack:
         self._signals = 0
         #: The processes this supervisor runs now (a restarted child's old pid is no longer ours).
         self._pids: set[int] = set()
+        #: Exit times of the embedded services, for the same crash-loop limit as the children.
+        self._service_exits: dict[str, list[float]] = {}
         self._started = 0
         self._wrote_state = False
 
@@ -582,11 +585,38 @@ class Stack:
                 elif not child.alive and not self._exited(child, now):
                     return True
             for name, emb in (("postgres", self.services.postgres), ("nats", self.services.nats)):
-                if emb is not None and emb.proc is not None and emb.proc.poll() is not None:
-                    self.console.say(f"embedded {name} exited unexpectedly with code {emb.proc.returncode} "
-                                     f"(log under {emb.data_dir}); stopping the stack", style="bold red")
+                if emb is not None and emb.proc is not None and emb.proc.poll() is not None \
+                        and not self._restart_service(name, emb, now):
                     return True
         return False
+
+    def _restart_service(self, name: str, emb: Any, now: float) -> bool:
+        """An embedded PostgreSQL or NATS exited: start it again on the same port and data
+        directory (the coordinator and workers reconnect and carry on); False on a crash loop or
+        when it cannot start."""
+        o = self.opts
+        code = emb.proc.returncode
+        self._pids.discard(emb.proc.pid)
+        exits = [t for t in self._service_exits.get(name, []) if now - t < o.restart_window_s] + [now]
+        self._service_exits[name] = exits
+        if len(exits) > o.max_restarts:
+            self.console.say(f"embedded {name} exited (code {code}; log under {emb.data_dir}); not restarting it: "
+                             f"it exited {len(exits)} times within {o.restart_window_s:g}s "
+                             f"(--max-restarts {o.max_restarts}); stopping the stack", style="bold red")
+            return False
+        self.console.say(f"embedded {name} exited (code {code}; log under {emb.data_dir}); restarting it on the "
+                         "same port", style="bold yellow")
+        emb.proc = None
+        try:
+            emb.start(60.0)
+        except Exception as e:  # noqa: BLE001 - one readable line, then the stack stops
+            self.console.say(f"embedded {name}: cannot restart it ({e}); stopping the stack", style="bold red")
+            return False
+        self._pids.add(emb.proc.pid)
+        self._started += 1
+        self.console.say(f"embedded {name} restarted (pid {emb.proc.pid})", style="bold yellow")
+        self.write_state_file()
+        return True
 
     def _exited(self, child: Child, now: float) -> bool:
         """Report a child that exited and schedule its restart (True), or, when it exited more

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -156,3 +157,38 @@ def test_two_coordinators_one_leads_and_the_standby_takes_over_when_it_is_killed
     assert up.popen.poll() is None
 
     stop_cleanly(up, tree + up.tree(), processes=3)
+
+
+def complete(url: str, prompt: str) -> int:
+    """One completion; its cached tokens."""
+    req = urllib.request.Request(f"{url}/v1/completions", method="POST", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"prompt": prompt, "max_tokens": 1, "temperature": 0}).encode())
+    with urllib.request.urlopen(req, timeout=60) as r:
+        body = json.loads(r.read())
+    return int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_embedded_nats_killed_is_restarted_and_the_worker_keeps_its_cache(
+        tmp_path: Path, ups: list[UpProcess]) -> None:
+    """The issue's own drill, as a user of `kvledger up` meets it (embedded services): warm, kill
+    -9 nats-server, resend — the cache is still there."""
+    up = UpProcess(tmp_path, {"worker": {"pool_bytes": 4 * 2**20}}, "--quiet", "--workers", "1")
+    ups.append(up)
+    up.wait_for(UP_READY, timeout_s=240)
+    url = up.stack()["worker_urls"][0].removesuffix("/v1")
+    prompts = [f"kvledger continuity prompt {i}: " + "the ledger keeps every form of cached state. " * 3
+               for i in range(3)]
+    for p in prompts:
+        complete(url, p)
+    before = sum(complete(url, p) for p in prompts)
+    assert before > 0
+    nats = service(up, "nats")
+    os.kill(nats["pid"], signal.SIGKILL)
+    up.wait_for("embedded nats exited", timeout_s=10)
+    eventually("nats runs again", lambda: restarted(up, "nats", nats["pid"]), timeout_s=60)
+    up.wait_for("embedded nats restarted", timeout_s=30)
+    eventually(f"{url}/readyz 200 with the coordinator reachable", lambda: worker_ready(url), timeout_s=60)
+    after = sum(complete(url, p) for p in prompts)
+    assert after == before, (before, after)                      # 100 % retained
+    assert up.popen.poll() is None
+    stop_cleanly(up, up.tree(), processes=5)

@@ -73,9 +73,20 @@ class NatsCoordinatorClient:
             except (asyncio.TimeoutError, nats.errors.Error):
                 await nc.close()
 
-    async def _request(self, subject: str, msg: Any, expect: type, op: str) -> Any:
-        if self._nc is None or not self._nc.is_connected:
+    async def _connected(self, op: str) -> None:
+        """Return once connected; a connection in the middle of a reconnect gets up to the
+        request timeout (≤ 1 s) first: a restarted NATS is usually back in well under a second,
+        and recomputing a prompt costs more than that wait."""
+        nc = self._nc
+        if nc is not None and not nc.is_connected and nc.is_reconnecting:
+            deadline = asyncio.get_running_loop().time() + min(self.timeout_s, 1.0)
+            while not nc.is_connected and nc.is_reconnecting and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
+        if nc is None or not nc.is_connected:
             raise CoordinatorUnavailable(f"{op}: not connected to NATS")
+
+    async def _request(self, subject: str, msg: Any, expect: type, op: str) -> Any:
+        await self._connected(op)
         try:
             reply = await self._nc.request(subject, m.encode(msg), timeout=self.timeout_s)
         except nats.errors.NoRespondersError as e:
