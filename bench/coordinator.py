@@ -522,14 +522,22 @@ class BenchWorker:
         async with self._resume_lock:
             if len(self.resumes) > seen:
                 return self.resumes[-1][1]
+            import nats.errors
             msg = encode(WorkerResume(worker_id=self.worker_id, epoch=self.epoch, namespace=NS,
                                       catalogue=catalogue(), pool_slots={"compressed": self.slots},
                                       emitted_seq=self.emitted_seq, held=self.held()))
+            limit = getattr(self.nc, "max_payload", 0)
+            if limit and len(msg) > limit:
+                # NOTE: one message carries the whole inventory (8 bytes a replica, base64 in JSON):
+                # past ~98k replicas it exceeds NATS's default 1 MiB max_payload.
+                raise RuntimeError(f"worker {self.worker_id}: the resume of {len(self.committed):,} replicas is "
+                                   f"{len(msg):,} bytes, over the NATS max_payload ({limit:,})")
             deadline = time.monotonic() + 60
             while True:
                 try:
                     r = decode((await self.nc.request(self.subjects.worker_resume, msg, timeout=10)).data)
-                except Exception as e:  # noqa: BLE001 - no coordinator answering yet: retry
+                except (nats.errors.NoRespondersError, nats.errors.TimeoutError, asyncio.TimeoutError) as e:
+                    # no coordinator answering yet (between the old leader and the new one): retry
                     r = ErrorReply(code=ErrorCode.UNAVAILABLE, message=f"{type(e).__name__}: {e}",
                                    retry_after_ms=100)
                 if isinstance(r, ResumeReply):
@@ -1248,7 +1256,8 @@ async def commit_blocks(nc: Any, w: BenchWorker, hashes: list[str]) -> None:
 async def churn(w: BenchWorker, cached: list[str], stop: asyncio.Event, grants: list[tuple[float, float]]) -> int:
     """Until ``stop``: one lease at a time (12 cached blocks read, 4 new ones written), then its
     release (the writes abort). ``grants`` gets (sent, answered) perf_counter times of each
-    grant; returns how many requests got no grant (nobody answering during the takeover)."""
+    grant; returns how many requests got no answer or no grant (nobody answering during the
+    takeover; a request in flight at the kill waits for the timeout, TAKEOVER_REQUEST_TIMEOUT_S)."""
     from shared.messages import LeaseGrant
     rng = random.Random(11)
     misses, k = 0, 0
@@ -1270,8 +1279,12 @@ async def churn(w: BenchWorker, cached: list[str], stop: asyncio.Event, grants: 
             await asyncio.sleep(0.01)
             continue
         grants.append((t0, time.perf_counter()))
-        with contextlib.suppress(Exception):
+        try:
             await w.request(w.subjects.lease_release, w.release(g.lease_id), timeout=TAKEOVER_REQUEST_TIMEOUT_S)
+        except (RuntimeError, asyncio.CancelledError):
+            raise
+        except Exception:  # noqa: BLE001 - as above; the lease then stays until the worker's resume or its TTL
+            misses += 1
     return misses
 
 

@@ -156,6 +156,18 @@ async def test_a_fenced_epoch_is_an_error_not_a_new_registration() -> None:
         w.stop()
 
 
+async def test_an_inventory_over_the_nats_payload_limit_is_a_clear_error() -> None:
+    fake = FakeCoordinator()
+    w, hashes = await _worker_with_cache(fake, blocks=4)
+    try:
+        fake.takeover()
+        fake.max_payload = 200  # type: ignore[attr-defined]  # a real server's default is 1 MiB
+        with pytest.raises(RuntimeError, match="over the NATS max_payload"):
+            await w.request(SUBJECTS.lease_acquire, w.acquire(hashes[:1], write=False, reuse=True))
+    finally:
+        w.stop()
+
+
 def test_idle_rates_scale_to_the_default_heartbeat_interval() -> None:
     # 4 workers, 10 s at 100 ms = 100 intervals each: one event per heartbeat is 3600 an hour.
     r = idle_rates(events=400, heartbeats=400, workers=4, window_s=10, interval_ms=100)
