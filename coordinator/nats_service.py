@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import nats
 import nats.errors
 import nats.js.errors
@@ -42,8 +43,9 @@ from coordinator.ledger import Ledger, Unavailable
 from coordinator.metrics import CoordinatorMetrics
 from shared.messages import (
     CommitWatermark, Control, ErrorCode, ErrorReply, Heartbeat, InventoryReply, InventoryRequest, LeaseAcquire, LeaseRelease,
-    LeaseRenew, MessageError, TransitionEvent, WorkerRegister, WorkerResume, decode, encode, now_ms,
+    LeaseRenew, MessageError, ResumeReply, TransitionEvent, WorkerRegister, WorkerResume, decode, encode, now_ms,
 )
+from shared.hashing import REPLICA_DIGEST_BYTES
 from shared.subjects import COORDINATOR_QUEUE, Subjects
 
 #: Durable name of the coordinator's pull consumer (shared by leader and standbys; only the leader pulls).
@@ -80,11 +82,15 @@ class _Op:
 
 _OPS = {
     "register": _Op("register", WorkerRegister, lambda req: lambda s: register_worker(s, req, now_ms())),
-    "resume": _Op("resume", WorkerResume, lambda req: lambda s: resume_worker(s, req, now_ms())),
     "acquire": _Op("acquire", LeaseAcquire, lambda req: lambda s: acquire_lease(s, req, now_ms(), new_lease_id())),
     "renew": _Op("renew", LeaseRenew, lambda req: lambda s: renew_lease(s, req, now_ms())),
     "release": _Op("release", LeaseRelease, lambda req: lambda s: release_lease(s, req, now_ms())),
 }
+#: Resumes are decided with the NATS max payload in hand (see ``NatsService._decision``).
+_OPS["resume"] = _Op("resume", WorkerResume, lambda req: lambda s: resume_worker(s, req, now_ms()))
+#: Parts of one resume, and resumes assembling at once, at most.
+MAX_RESUME_PARTS = 1024
+MAX_PENDING_RESUMES = 1024
 #: Answered inline by :meth:`Ledger.heartbeat` (nothing to decide or commit).
 _HEARTBEAT = _Op("heartbeat", Heartbeat, lambda req: lambda s: (None, []))
 
@@ -109,6 +115,8 @@ class NatsService:
         self._marks: dict[tuple[str, int], int] = {}
         self._marks_ready = asyncio.Event()
         self._publisher: asyncio.Task[None] | None = None
+        #: ``(worker, epoch)`` → the parts of a multi-part resume received so far.
+        self._resume_parts: dict[tuple[str, int], list[bytes]] = {}
 
     # --- request/reply --------------------------------------------------------------------
 
@@ -171,24 +179,62 @@ class NatsService:
             self.log.warning("malformed_request", op=op.name, size=len(msg.data), error_kind=error_kind(e))
             return ErrorReply(code=ErrorCode.INVALID, message=str(e)[:1000])
 
+    def _assemble(self, req: WorkerResume) -> WorkerResume | ResumeReply | ErrorReply:
+        """A multi-part resume: keep the parts until the last; then the whole inventory."""
+        key = (req.worker_id, req.epoch)
+        if req.part == 0:
+            if len(self._resume_parts) >= MAX_PENDING_RESUMES and key not in self._resume_parts:
+                return ErrorReply(code=ErrorCode.UNAVAILABLE, message="too many resumes in progress; retry",
+                                  retry_after_ms=500)
+            self._resume_parts[key] = []
+        chunks = self._resume_parts.get(key)
+        if chunks is None or req.part != len(chunks) or req.part >= req.parts or req.parts > MAX_RESUME_PARTS:
+            self._resume_parts.pop(key, None)
+            return ErrorReply(code=ErrorCode.INVALID, message=f"resume part {req.part} of {req.parts} out of order "
+                              f"(expected part {len(chunks) if chunks is not None else 0}, at most "
+                              f"{MAX_RESUME_PARTS} parts); start again from part 0")
+        chunks.append(req.held)
+        if req.part < req.parts - 1:
+            return ResumeReply(worker_id=req.worker_id, epoch=req.epoch, complete=False)
+        del self._resume_parts[key]
+        return msgspec.structs.replace(req, held=b"".join(chunks), part=0, parts=1)
+
+    def _decision(self, op: _Op, req: Any) -> Callable[[Any], tuple[Any, list[Any]]]:
+        if isinstance(req, WorkerResume):
+            # NOTE: the reply lists the digests to drop; it must fit one message too (base64 in JSON).
+            max_drop = max(1, (self.nc.max_payload - 4096) * 3 // 4 // REPLICA_DIGEST_BYTES)
+            return lambda s: resume_worker(s, req, now_ms(), max_drop)
+        return op.decide(req)
+
     async def _handle(self, op: _Op, msg: Msg) -> None:
         t0 = time.perf_counter()
-        reply = req = self._request(op, msg)
-        if not isinstance(reply, ErrorReply):
-            try:
-                reply = await self.ledger.execute(op.decide(req))
-            except Unavailable as e:
-                reply = ErrorReply(code=e.code, message=str(e)[:1000], retry_after_ms=e.retry_after_ms)
-            except CoreError as e:
-                reply = ErrorReply(code=ErrorCode.INVALID, message=str(e)[:1000])
-            except Exception as e:  # noqa: BLE001 - every request is answered, whatever went wrong
-                self.log.error("request_failed", op=op.name, error_type=type(e).__name__, exc_info=True)
-                reply = ErrorReply(code=ErrorCode.UNAVAILABLE, message="internal error; retry", retry_after_ms=500)
-            if op.name == "resume" and isinstance(reply, ErrorReply) and reply.code is not ErrorCode.UNAVAILABLE:
-                # a refused resume changes nothing in the log; an operator still wants to see it
-                self.log.warning("resume_refused", worker_id=req.worker_id, epoch=req.epoch, code=reply.code.value,
-                                 reason=reply.message[:300])
+        req = self._request(op, msg)
+        if isinstance(req, WorkerResume) and req.parts > 1:
+            req = self._assemble(req)   # the whole inventory, or already the answer to one part
+        reply = req if isinstance(req, (ErrorReply, ResumeReply)) else await self._decide(op, req)
+        if isinstance(req, WorkerResume):
+            self._resume_answered(req, reply)
         await self._answer(op, msg, t0, reply)
+
+    async def _decide(self, op: _Op, req: Any) -> Any:
+        try:
+            return await self.ledger.execute(self._decision(op, req))
+        except Unavailable as e:
+            return ErrorReply(code=e.code, message=str(e)[:1000], retry_after_ms=e.retry_after_ms)
+        except CoreError as e:
+            return ErrorReply(code=ErrorCode.INVALID, message=str(e)[:1000])
+        except Exception as e:  # noqa: BLE001 - every request is answered, whatever went wrong
+            self.log.error("request_failed", op=op.name, error_type=type(e).__name__, exc_info=True)
+            return ErrorReply(code=ErrorCode.UNAVAILABLE, message="internal error; retry", retry_after_ms=500)
+
+    def _resume_answered(self, req: WorkerResume, reply: Any) -> None:
+        if isinstance(reply, ErrorReply) and reply.code is not ErrorCode.UNAVAILABLE:
+            # a refused resume changes nothing in the log; an operator still wants to see it
+            self.log.warning("resume_refused", worker_id=req.worker_id, epoch=req.epoch, code=reply.code.value,
+                             reason=reply.message[:300])
+        elif isinstance(reply, ResumeReply):
+            self.log.info("worker_resumed", worker_id=req.worker_id, epoch=req.epoch, kept=reply.kept,
+                          dropped=len(reply.drop) // REPLICA_DIGEST_BYTES)
 
     async def _answer(self, op: _Op, msg: Msg, t0: float, reply: Any) -> None:
         outcome = reply.code.value if isinstance(reply, ErrorReply) else "ok"

@@ -103,11 +103,17 @@ class WorkerResume(_Msg, tag="worker.resume", kw_only=True):
     endpoint: str = ""
     emitted_seq: NonNeg = 0
     held: bytes = b""
+    #: A large inventory comes in ``parts`` messages (each within NATS max_payload), numbered
+    #: from 0; the coordinator decides on the last one.
+    part: NonNeg = 0
+    parts: Pos = 1
 
 
 class ResumeReply(_Msg, tag="worker.resumed", kw_only=True):
     worker_id: Name
     epoch: Pos
+    #: False: a part of a multi-part inventory was received; send the next one.
+    complete: bool = True
     #: Replicas the ledger keeps READY (the worker holds them as the ledger says).
     kept: NonNeg = 0
     #: Digests (from ``held``) of copies the worker must drop: the ledger does not list them live.

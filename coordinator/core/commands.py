@@ -151,8 +151,8 @@ def _same_worker(w: WorkerRecord, msg: m.WorkerResume) -> str:
     return ""
 
 
-def resume_worker(state: LedgerState, msg: m.WorkerResume,
-                  now_ms: int) -> tuple[m.ResumeReply | m.ErrorReply, Events]:
+def resume_worker(state: LedgerState, msg: m.WorkerResume, now_ms: int,
+                  max_drop: int | None = None) -> tuple[m.ResumeReply | m.ErrorReply, Events]:
     """A worker that kept its memory keeps its epoch: its inventory is reconciled with the ledger.
 
     Refused (``FENCED``/``NOT_FOUND``: register anew, dropping the cache) for an unknown or
@@ -164,6 +164,8 @@ def resume_worker(state: LedgerState, msg: m.WorkerResume,
     epoch are sent back to drop. Nothing the worker claims is ever added to the ledger.
     ALLOCATED replicas (writes of live leases) are left to their leases. Disk replicas are
     shared and verified on every reload, so they are not part of a worker's inventory.
+    More than ``max_drop`` copies to drop (a reply that would not fit one message, and a worker
+    the ledger mostly disowns) is refused with ``FENCED`` and changes nothing: register anew.
     """
     w = _live_worker(state, msg.worker_id, msg.epoch, suspended_ok=True)
     if isinstance(w, m.ErrorReply):
@@ -202,6 +204,9 @@ def resume_worker(state: LedgerState, msg: m.WorkerResume,
             invalidated.append(key)
     invalidated.sort()
     drop = sorted(held - matched)
+    if max_drop is not None and len(drop) > max_drop:
+        return _error(m.ErrorCode.FENCED, f"worker {w.worker_id} holds {len(drop)} copies the ledger does not list "
+                      f"live (at most {max_drop} can be dropped by a resume); register for a new epoch"), []
     event = ev.WorkerResumed(worker_id=w.worker_id, epoch=w.epoch, kept=len(matched),
                              invalidated=invalidated, dropped=len(drop), at_ms=now_ms)  # type: ignore[arg-type]
     return m.ResumeReply(worker_id=w.worker_id, epoch=w.epoch, kept=len(matched), drop=b"".join(drop),

@@ -7,6 +7,7 @@ import asyncio
 
 import aiohttp
 import asyncpg
+import msgspec
 import nats
 import pytest
 from nats.js.api import AckPolicy, RetentionPolicy, StorageType
@@ -20,7 +21,10 @@ from shared.messages import (
     decode,
 )
 from shared.subjects import Subjects
-from tests.integration.coordinator_kit import Worker, block, fast_config, running_coordinator
+from shared.hashing import replica_digest
+from shared.messages import WorkerResume
+from tests.integration.coordinator_kit import CATALOGUE, NS, Worker, block, fast_config, running_coordinator
+from worker.client.nats_adapter import NatsCoordinatorClient
 
 
 async def test_lease_round_trip_is_answered_only_after_its_event_is_durable(
@@ -295,3 +299,34 @@ async def _until(cond, timeout_s: float = 10) -> None:  # type: ignore[no-untype
 def _no_env_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVL_ADMIN_TOKEN", raising=False)
 
+
+
+async def test_a_large_inventory_resumes_in_parts(database_url: str, nats_url: str, subjects: Subjects) -> None:
+    """The worker's NATS client splits an inventory larger than one message into ordered parts;
+    the coordinator decides on the last; parts out of order are refused."""
+    cfg = fast_config(database_url, nats_url, subjects)
+    nc = await nats.connect(nats_url)
+    client = NatsCoordinatorClient(nats_url, subjects, max_part_bytes=60)   # 5 digests per part
+    try:
+        async with running_coordinator(cfg):
+            w = Worker(nc, subjects)
+            await w.register()
+            hashes = [block(i) for i in range(12)]
+            grant = await w.acquire(hashes)
+            for i in range(12):
+                await w.publish(w.commit(hashes, i, grant.lease_id))
+        async with running_coordinator(cfg) as (app, base):    # restarted: w1 suspended
+            await client.connect()
+            forged = replica_digest(block(99), "compressed", "gpu:w1", 1, "c99")
+            held = b"".join(w.held.values()) + forged
+            msg = WorkerResume(worker_id="w1", epoch=1, namespace=NS, catalogue=CATALOGUE,
+                               pool_slots={"compressed": w.slots}, emitted_seq=w.seq, held=held)
+            bad = await w.request(subjects.worker_resume, msgspec.structs.replace(msg, held=held[:40], part=1,
+                                                                                 parts=3))
+            assert isinstance(bad, ErrorReply) and bad.code == ErrorCode.INVALID and "out of order" in bad.message
+            reply = await client.resume(msg)                      # 13 digests: 3 parts
+            assert reply.complete and reply.kept == 12 and reply.drop == forged
+            assert not app[COORDINATOR].ledger.state.workers["w1"].suspended
+    finally:
+        await client.close()
+        await nc.drain()

@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import nats
 import nats.errors
 import nats.js.errors
 
 from shared import messages as m
+from shared.hashing import REPLICA_DIGEST_BYTES
 from shared.logging import get_logger, mask_credentials
 from shared.subjects import Subjects
 from worker.client import (
@@ -29,11 +31,14 @@ _TRANSIENT_CODES = (m.ErrorCode.UNAVAILABLE, m.ErrorCode.NOT_LEADER)
 
 
 class NatsCoordinatorClient:
-    def __init__(self, url: str, subjects: Subjects, *, timeout_s: float = 2.0, name: str = "kvl-worker") -> None:
+    def __init__(self, url: str, subjects: Subjects, *, timeout_s: float = 2.0, name: str = "kvl-worker",
+                 max_part_bytes: int = 0) -> None:
         self.url = url
         self.subjects = subjects
         self.timeout_s = timeout_s
         self.name = name
+        #: Largest resume message (0 = the server's max_payload less a margin).
+        self.max_part_bytes = max_part_bytes
         self._nc: Any = None
         self._js: Any = None
         self._subs: list[Any] = []
@@ -109,7 +114,20 @@ class NatsCoordinatorClient:
         return await self._request(self.subjects.worker_register, msg, m.RegisterReply, "register")
 
     async def resume(self, msg: m.WorkerResume) -> m.ResumeReply:
-        return await self._request(self.subjects.worker_resume, msg, m.ResumeReply, "resume")
+        """One request, or (an inventory larger than one NATS message) parts sent in order; the
+        coordinator answers the last part with its decision."""
+        limit = self.max_part_bytes or (self._nc.max_payload if self._nc is not None else 1 << 20) - 16 * 1024
+        per_part = max(1, limit * 3 // 4 // REPLICA_DIGEST_BYTES) * REPLICA_DIGEST_BYTES   # base64 in JSON
+        held = msg.held
+        n = max(1, -(-len(held) // per_part))
+        reply: m.ResumeReply | None = None
+        for i in range(n):
+            part = msgspec.structs.replace(msg, held=held[i * per_part:(i + 1) * per_part], part=i, parts=n)
+            reply = await self._request(self.subjects.worker_resume, part, m.ResumeReply, "resume")
+            if reply.complete != (i == n - 1):
+                raise CoordinatorRefused(m.ErrorCode.INVALID, f"resume part {i} of {n}: unexpected reply")
+        assert reply is not None
+        return reply
 
     async def heartbeat(self, msg: m.Heartbeat) -> m.HeartbeatReply:
         return await self._request(self.subjects.worker_heartbeat, msg, m.HeartbeatReply, "heartbeat")

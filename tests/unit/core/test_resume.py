@@ -148,3 +148,16 @@ def test_suspend_resume_and_expiry_replay_to_the_same_state() -> None:
     assert d.state.workers["w1"].alive and not d.state.workers["w2"].alive
     assert state_hash(replay(d.log, d.state.params)) == state_hash(d.state)
     consistent(d)
+
+
+def test_a_resume_with_more_to_drop_than_a_reply_can_carry_is_refused_and_changes_nothing() -> None:
+    d, seq = fresh(), Seq()
+    warm(d, [h(0)], seq)
+    d.run(resume, 10)
+    before = state_hash(d.state)
+    strangers = [held(h(100 + i), "swa", "gpu:w1") for i in range(5)]
+    err(d.run(resume_worker, resume_msg("w1", 1, _inventory(d) + strangers, emitted_seq=seq.n), 20, 4),
+        ErrorCode.FENCED, "5 copies", "register")
+    assert state_hash(d.state) == before
+    reply = d.run(resume_worker, resume_msg("w1", 1, _inventory(d) + strangers, emitted_seq=seq.n), 20, 5)
+    assert isinstance(reply, ResumeReply) and reply.kept == 3 and len(split_digests(reply.drop)) == 5
