@@ -349,14 +349,17 @@ class Engine:
             pass
         self._wake_supervisor.clear()
 
+    async def _settle_outbox(self, timeout_s: float = 1.0) -> None:
+        assert self.publisher is not None
+        if self.publisher.depth:
+            await self.publisher.publish_due()
+            await self.publisher.wait_empty(timeout=timeout_s)
+
     async def _register(self) -> bool:
         assert self.client is not None and self.publisher is not None and self.store is not None
         try:
             await self.client.connect()
-            if self.publisher.depth:
-                # Settle what the old epoch still owes the ledger before fencing it.
-                await self.publisher.publish_due()
-                await self.publisher.wait_empty(timeout=1.0)
+            await self._settle_outbox()   # what the old epoch still owes the ledger, before fencing it
             reply = await self.call("register", self.client.register(WorkerRegister(
                 worker_id=self.worker_id, namespace=self.namespace, catalogue=self.catalogue,
                 pool_slots=dict(self.slots), endpoint=self.endpoint)))
@@ -419,10 +422,7 @@ class Engine:
         assert self.client is not None and self.publisher is not None and self.store is not None
         try:
             await self.client.connect()
-            if self.publisher.depth:
-                # The coordinator reconciles only once the log holds every transition we emitted.
-                await self.publisher.publish_due()
-                await self.publisher.wait_empty(timeout=1.0)
+            await self._settle_outbox()   # the coordinator reconciles once the log holds all we emitted
             held = self.inventory_digests()
             emitted = self.publisher.outbox.next_seq - 1 if self.publisher.outbox is not None else 0
             t0 = time.perf_counter()

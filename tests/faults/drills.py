@@ -386,6 +386,19 @@ async def standby_takeover(run: Run, drill: str) -> Fault:
     return run.close(f, set(), load)
 
 
+async def _coordinator_back(run: Run, f: Fault, t0: float, probe: asyncio.Future[list[float]], load: Load,
+                            warm: Retention, before: dict[str, int]) -> Fault:
+    """The end of a drill that held the coordinator back: ready again, reuse again, cache kept."""
+    await run.stack.wait_coordinator()
+    f.ready_s = time.monotonic() - t0
+    f.recovery_s = max(await probe)
+    await load.wait_done(run.settings.after)
+    await load.stop()
+    f.retained_pct = await run.retained_pct(f.drill, warm)
+    kept_cache(f, before, await run.epochs())
+    return run.close(f, set(), load)
+
+
 async def coordinator_stall(run: Run, drill: str) -> Fault:
     """SIGSTOP the coordinator for a few seconds (a GC pause, a stuck host), then SIGCONT."""
     warm = await run.warm_retained(drill)
@@ -399,14 +412,7 @@ async def coordinator_stall(run: Run, drill: str) -> Fault:
         await asyncio.sleep(run.settings.stall_s)
     finally:
         run.stack.signal_coordinator(signal.SIGCONT)
-    await run.stack.wait_coordinator()
-    f.ready_s = time.monotonic() - t0
-    f.recovery_s = max(await probe)
-    await load.wait_done(run.settings.after)
-    await load.stop()
-    f.retained_pct = await run.retained_pct(drill, warm)
-    kept_cache(f, before, await run.epochs())
-    return run.close(f, set(), load)
+    return await _coordinator_back(run, f, t0, probe, load, warm, before)
 
 
 async def cpu_starvation(run: Run, drill: str) -> Fault:
@@ -428,14 +434,7 @@ async def cpu_starvation(run: Run, drill: str) -> Fault:
             await asyncio.sleep(st.starve_run_ms / 1000)
     finally:
         run.stack.signal_coordinator(signal.SIGCONT)
-    await run.stack.wait_coordinator()
-    f.ready_s = time.monotonic() - t0
-    f.recovery_s = max(await probe)
-    await load.wait_done(run.settings.after)
-    await load.stop()
-    f.retained_pct = await run.retained_pct(drill, warm)
-    kept_cache(f, before, await run.epochs())
-    return run.close(f, set(), load)
+    return await _coordinator_back(run, f, t0, probe, load, warm, before)
 
 
 async def coordinator_stall_past_grace(run: Run, drill: str) -> Fault:
