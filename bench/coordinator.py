@@ -428,8 +428,9 @@ class BenchWorker:
 
     A takeover (a restart, a standby taking over, or the leader stepping down and back up)
     suspends every live epoch: heartbeats, acquires and renewals then get
-    ``ErrorReply(code=suspended)``. The bench worker then resumes (``WorkerResume``) with the
-    digests of the replicas it committed (:meth:`note_committed`); it never re-registers, since
+    ``ErrorReply(code=suspended)``. The bench worker then resumes (``WorkerResume``, in ordered
+    parts when the inventory exceeds one NATS message) with the digests of the replicas it
+    committed (:meth:`note_committed`); it never re-registers, since
     a new epoch would lose what the timed phases set up. It does not track evictions (the
     bench's pools never fill), so every committed replica is still held.
     """
@@ -523,28 +524,37 @@ class BenchWorker:
             if len(self.resumes) > seen:
                 return self.resumes[-1][1]
             import nats.errors
-            msg = encode(WorkerResume(worker_id=self.worker_id, epoch=self.epoch, namespace=NS,
-                                      catalogue=catalogue(), pool_slots={"compressed": self.slots},
-                                      emitted_seq=self.emitted_seq, held=self.held()))
-            limit = getattr(self.nc, "max_payload", 0)
-            if limit and len(msg) > limit:
-                # NOTE: one message carries the whole inventory (8 bytes a replica, base64 in JSON):
-                # past ~98k replicas it exceeds NATS's default 1 MiB max_payload.
-                raise RuntimeError(f"worker {self.worker_id}: the resume of {len(self.committed):,} replicas is "
-                                   f"{len(msg):,} bytes, over the NATS max_payload ({limit:,})")
+
+            from shared.hashing import REPLICA_DIGEST_BYTES
+            held = self.held()
+            # NOTE: one 8-byte digest per replica, base64 in JSON: past ~98k replicas an inventory
+            # exceeds NATS's default 1 MiB max_payload, so it goes in ordered parts, each well
+            # within it (as the worker's client sends them); the last part's answer decides.
+            limit = (getattr(self.nc, "max_payload", 0) or 1 << 20) - 16 * 1024
+            per_part = max(1, limit * 3 // 4 // REPLICA_DIGEST_BYTES) * REPLICA_DIGEST_BYTES
+            n = max(1, -(-len(held) // per_part))
+            parts = [encode(WorkerResume(worker_id=self.worker_id, epoch=self.epoch, namespace=NS,
+                                         catalogue=catalogue(), pool_slots={"compressed": self.slots},
+                                         emitted_seq=self.emitted_seq, part=i, parts=n,
+                                         held=held[i * per_part:(i + 1) * per_part])) for i in range(n)]
             deadline = time.monotonic() + 60
+            i = 0
             while True:
                 try:
-                    r = decode((await self.nc.request(self.subjects.worker_resume, msg, timeout=10)).data)
+                    r = decode((await self.nc.request(self.subjects.worker_resume, parts[i], timeout=10)).data)
                 except (nats.errors.NoRespondersError, nats.errors.TimeoutError, asyncio.TimeoutError) as e:
                     # no coordinator answering yet (between the old leader and the new one): retry
                     r = ErrorReply(code=ErrorCode.UNAVAILABLE, message=f"{type(e).__name__}: {e}",
                                    retry_after_ms=100)
-                if isinstance(r, ResumeReply):
+                if isinstance(r, ResumeReply) and r.complete == (i == n - 1):
+                    if not r.complete:
+                        i += 1
+                        continue
                     self.resumes.append((time.perf_counter(), r))
                     self._resumed.set()
                     return r
-                assert isinstance(r, ErrorReply), r
+                if not isinstance(r, ErrorReply):
+                    raise RuntimeError(f"worker {self.worker_id}: unexpected answer to resume part {i} of {n}: {r}")
                 if r.code in (ErrorCode.FENCED, ErrorCode.NOT_FOUND, ErrorCode.INVALID):
                     # NOTE: a bench worker never re-registers: a new epoch would lose what the
                     # timed phases set up, and the figures would silently measure something else.
@@ -552,6 +562,7 @@ class BenchWorker:
                                        f"{r.code}: {r.message}")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"worker {self.worker_id} could not resume within 60 s: {r.code}: {r.message}")
+                i = 0  # a multi-part resume starts again from its first part
                 await asyncio.sleep(max(r.retry_after_ms, 20) / 1000)
 
     async def recover(self, data: bytes, sent_at: float) -> bool:

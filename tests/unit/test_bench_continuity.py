@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import pytest
 
 from bench.coordinator import BenchWorker, commit_transition, drive, goals, h, idle_rates
@@ -33,6 +34,7 @@ class FakeCoordinator:
         self.now = 1_000_000
         self.leases = 0
         self.seen: list[str] = []
+        self.parts: list[bytes] = []
 
     def _apply(self, events: list[Any]) -> None:
         for e in events:
@@ -63,8 +65,14 @@ class FakeCoordinator:
         s = self.state
         if isinstance(msg, m.WorkerRegister):
             reply, events = core.register_worker(s, msg, self.now)
+        elif isinstance(msg, m.WorkerResume) and msg.parts > 1 and msg.part < msg.parts - 1:
+            # a part of a multi-part inventory (as coordinator.nats_service assembles them)
+            assert msg.part == len(self.parts), "parts out of order"
+            self.parts.append(msg.held)
+            reply, events = m.ResumeReply(worker_id=msg.worker_id, epoch=msg.epoch, complete=False), []
         elif isinstance(msg, m.WorkerResume):
-            reply, events = core.resume_worker(s, msg, self.now)
+            held, self.parts = b"".join(self.parts) + msg.held, []
+            reply, events = core.resume_worker(s, msgspec.structs.replace(msg, held=held, part=0, parts=1), self.now)
         elif isinstance(msg, m.Heartbeat):
             reply, events = core.heartbeat(s, msg, self.now)
         elif isinstance(msg, m.LeaseAcquire):
@@ -82,7 +90,7 @@ class FakeCoordinator:
 
 
 async def _worker_with_cache(fake: FakeCoordinator, blocks: int = 8) -> tuple[BenchWorker, list[str]]:
-    w = BenchWorker(fake, SUBJECTS, slots=64)
+    w = BenchWorker(fake, SUBJECTS, slots=max(64, blocks))
     await w.register()
     hashes = [h(i + 1) for i in range(blocks)]
     g = await w.request(SUBJECTS.lease_acquire, w.acquire(hashes, write=True, reuse=False))
@@ -156,14 +164,17 @@ async def test_a_fenced_epoch_is_an_error_not_a_new_registration() -> None:
         w.stop()
 
 
-async def test_an_inventory_over_the_nats_payload_limit_is_a_clear_error() -> None:
+async def test_an_inventory_larger_than_one_message_goes_in_parts() -> None:
     fake = FakeCoordinator()
-    w, hashes = await _worker_with_cache(fake, blocks=4)
+    w, hashes = await _worker_with_cache(fake, blocks=100)
     try:
         fake.takeover()
-        fake.max_payload = 200  # type: ignore[attr-defined]  # a real server's default is 1 MiB
-        with pytest.raises(RuntimeError, match="over the NATS max_payload"):
-            await w.request(SUBJECTS.lease_acquire, w.acquire(hashes[:1], write=False, reuse=True))
+        # a real server's default is 1 MiB (~98k replicas); here 400 bytes a part: 37 digests
+        fake.max_payload = 16 * 1024 + 400  # type: ignore[attr-defined]
+        g = await w.request(SUBJECTS.lease_acquire, w.acquire(hashes[:2], write=False, reuse=True))
+        assert isinstance(g, m.LeaseGrant)
+        assert fake.seen.count("WorkerResume") == 3
+        assert w.resumes[0][1].kept == 100 and not fake.suspended(w.worker_id)
     finally:
         w.stop()
 
