@@ -180,14 +180,15 @@ class Ledger:
         self.last_replay = {"events": result.events, "seconds": round(result.seconds, 3),
                             "position": result.position, "snapshot_position": result.snapshot_position}
 
-    async def follow(self, interval_s: float = 0.2) -> None:
-        """While standby: fold what the leader commits, every ``interval_s`` (a task; cancel it to stop).
+    async def follow(self, stop: asyncio.Event, interval_s: float = 0.2) -> None:
+        """While standby: fold what the leader commits, every ``interval_s``, until ``stop`` is set
+        (a catch-up under way is finished first, so a takeover continues from it).
 
         NOTE: positions are contiguous and appends are serialised by the leader row lock, so
         reading past :attr:`position` never skips an event that commits later.
         """
         last_error = ""
-        while True:
+        while not stop.is_set():
             try:
                 if self._following:
                     # NOTE: not "following" until the catch-up completes: one cancelled halfway (a
@@ -207,7 +208,8 @@ class Ledger:
                 if str(e) != last_error:
                     self.logger.warning("follow_failed", error=str(e), action="retrying")
                 last_error = str(e)
-            await asyncio.sleep(interval_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
 
     # --- liveness: soft state, answered at once ----------------------------------------------
 

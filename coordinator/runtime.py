@@ -73,6 +73,7 @@ class Coordinator:
         self._nats_down = False
         #: While standby: the task folding the leader's events (see ``Ledger.follow``).
         self._follower: asyncio.Task[None] | None = None
+        self._follow_stop = asyncio.Event()
         self._reclaim: asyncio.Task[None] | None = None
 
     # --- start / stop ----------------------------------------------------------------------
@@ -242,11 +243,17 @@ class Coordinator:
             self.ledger.set_status("standby", "another coordinator is the leader")
             self.log.info("standing_by", reason="another coordinator holds the leader lock")
         if why == "held" and self._follower is None:
-            self._follower = asyncio.create_task(self.ledger.follow(), name="follow-log")
+            self._follow_stop = asyncio.Event()
+            self._follower = asyncio.create_task(self.ledger.follow(self._follow_stop), name="follow-log")
 
     async def _stop_following(self) -> None:
+        """Let the follower finish the catch-up under way (a takeover continues from it rather
+        than reloading), then stop it; cancelled if it does not end within a few seconds."""
         task, self._follower = self._follower, None
-        if task is not None:
+        if task is None:
+            return
+        self._follow_stop.set()
+        if not await bounded(task, 5):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

@@ -139,6 +139,8 @@ class Engine:
         self._away_since = 0.0
         #: The ledger suspended our epoch: degraded until a resume reconciles our inventory.
         self._suspended = False
+        #: Set while the coordinator answers for our epoch (requests told "suspended" wait on it).
+        self._contact = asyncio.Event()
         self.heartbeat_interval_ms = cfg.coordinator.heartbeat_interval_ms
         self.lease_ttl_ms = cfg.coordinator.lease_ttl_ms
         self.resume_grace_ms = cfg.coordinator.resume_grace_ms
@@ -262,6 +264,7 @@ class Engine:
         """The ledger suspended our epoch: resume (with our inventory) before reusing anything."""
         self._degrade(reason)
         self._suspended = True
+        self._contact.clear()
 
     def _registration_lost(self, reason: str) -> None:
         """Our epoch is fenced (or unknown): register a new one; the cache goes with the old."""
@@ -394,11 +397,20 @@ class Engine:
         if reply.resume_grace_ms:
             self.resume_grace_ms = reply.resume_grace_ms
 
+    async def wait_resumed(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until the coordinator answers for our epoch again; True if it does."""
+        try:
+            await asyncio.wait_for(self._contact.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return self.registered and not self._suspended
+
     def _in_contact(self) -> None:
         """The coordinator answers for our epoch: leave degraded mode (unless the outbox is full)."""
         self._suspect = ""
         self._suspended = False
         self._away_since = 0.0
+        self._contact.set()
         if not self._outbox_full:
             self._reason = ""
             self.metrics.degraded.set(0)

@@ -47,7 +47,7 @@ import torch
 from shared.hashing import chain_hashes
 from shared.ids import ROOT_HASH
 from shared.forms import FormScope
-from shared.messages import LeaseAcquire, LeaseGrant, LeaseRelease, LeaseRenew, ReplicaRef
+from shared.messages import ErrorCode, LeaseAcquire, LeaseGrant, LeaseRelease, LeaseRenew, ReplicaRef
 from worker.cache.planner import (
     ALL_PASS, LAYERS, BlockMeta, Expect, Layer, Need, Observed, all_pass, best_boundary, grid_floor, map_reads, needs, resume_cap, validate,
 )
@@ -60,6 +60,8 @@ if TYPE_CHECKING:
 
 #: Read-only leases a session may take after its first grant (cap/grid or failed validation).
 MAX_EXTRA_LEASES = 2
+#: How long a request told "suspended" waits for the engine's resume before it recomputes.
+RESUME_WAIT_S = 2.0
 
 
 class CacheValidationError(RuntimeError):
@@ -410,7 +412,14 @@ class Session:
                            ttl_ms=e.lease_ttl_ms)
         t0 = time.perf_counter()
         try:
-            grant = await e.call("acquire", e.client.acquire(msg))
+            try:
+                grant = await e.call("acquire", e.client.acquire(msg))
+            except CoordinatorRefused as err:
+                # NOTE: suspended = a coordinator took over and has not heard from us yet; the
+                # engine resumes at once (milliseconds), far cheaper than recomputing the prompt.
+                if err.code is not ErrorCode.SUSPENDED or not await e.wait_resumed(RESUME_WAIT_S):
+                    raise
+                grant = await e.call("acquire", e.client.acquire(msg))
         except CoordinatorRefused as err:
             self.fallback(f"lease:{err.code.value}")
             return None

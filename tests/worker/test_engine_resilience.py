@@ -59,10 +59,12 @@ async def test_a_takeover_suspends_the_epoch_and_a_resume_keeps_the_cache(make_e
         await e.generate(toks, max_tokens=2)
         await e.flush()
         twin.take_over()                                   # a new leader: every epoch suspended
-        await until(lambda: e.metrics.value("kvl_worker_resumes_total") == 1 and not e.degraded)
-        assert e.epoch == 1 and twin.state.workers["w1"].alive and not twin.state.workers["w1"].suspended
+        # the next request, before any heartbeat told the worker: its lease is refused "suspended",
+        # it waits for the resume that this starts, and reuses
         warm = await e.generate(toks, max_tokens=2)
         assert same(cold, warm) and warm.cached_tokens == 64 and warm.epoch == 1
+        assert e.metrics.value("kvl_worker_resumes_total") == 1 and not e.degraded
+        assert e.epoch == 1 and twin.state.workers["w1"].alive and not twin.state.workers["w1"].suspended
 
 
 async def test_a_resume_reconciles_what_the_worker_lost(make_engine, reference) -> None:
