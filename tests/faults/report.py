@@ -62,6 +62,13 @@ lease pins; the ledger rejects the eviction ("evict of a pinned replica" below) 
 listing the replica READY after the lease ends, so a later lease pins bytes that are gone and
 that request's hit validation fails at its presence layer (it recomputes). Reduced to a
 strict-xfail test: `tests/faults/test_host_tier_pins.py`.
+
+Finding (no wrong answer, cache kept): after a coordinator stall, reuse of the prompts whose
+lease requests were in flight at the stop comes back only after `lease_ttl_ms` (8 s here): the
+stopped coordinator still grants those requests when it wakes, after their senders gave up and
+recomputed, and nobody releases the orphaned grants, whose write reservations keep the blocks
+ALLOCATED until they expire. Hence `coordinator-stall`'s recovery ≈ stall + lease TTL, while
+retention is 100 %.
 """
 
 
