@@ -306,11 +306,16 @@ def encode(msg: _Msg) -> bytes:
     return _encoder.encode(msg)
 
 
+#: What a message that cannot be decoded raises inside msgspec (nesting too deep → RecursionError).
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
+
+
 def decode(data: bytes | memoryview | str, expect: type[_Msg] | tuple[type[_Msg], ...] | None = None) -> Any:
-    """Decode and validate one message; ``expect`` restricts the accepted types."""
+    """Decode and validate one message; ``expect`` restricts the accepted types. Anything that is
+    not a valid message, however malformed (deeply nested JSON included), is a :class:`MessageError`."""
     try:
         env = _envelope.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except _DECODE_ERRORS as e:
         raise MessageError(f"not a kvledger message (expected a JSON object with 'type' and 'v'): {e}") from e
     if env.type not in MESSAGE_TYPES:
         raise MessageError(f"unknown message type {env.type!r}; known: {sorted(MESSAGE_TYPES)}")
@@ -318,7 +323,7 @@ def decode(data: bytes | memoryview | str, expect: type[_Msg] | tuple[type[_Msg]
         raise MessageError(f"message {env.type!r} has schema version {env.v}; this build speaks v{SCHEMA_VERSION}")
     try:
         msg = _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except _DECODE_ERRORS as e:
         raise MessageError(f"invalid {env.type!r} message: {e}") from e
     if expect is not None and not isinstance(msg, expect):
         names = [t.__struct_config__.tag for t in (expect if isinstance(expect, tuple) else (expect,))]

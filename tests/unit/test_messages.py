@@ -106,3 +106,9 @@ def test_spec_digest_tracks_meaning() -> None:
     for change in (dict(dtype="bfloat16"), dict(layout_version=2), dict(params={"ratio": 16}),
                    dict(bytes_per_block=128)):
         assert msgspec.structs.replace(base, **change).spec_digest != base.spec_digest
+
+
+def test_deeply_nested_json_is_a_message_error_not_a_crash() -> None:
+    deep = b'{"type": "lease.acquire", "v": 1, "worker_id": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    with pytest.raises(MessageError, match="invalid 'lease.acquire' message"):
+        decode(deep, expect=LeaseAcquire)
