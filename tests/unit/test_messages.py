@@ -110,5 +110,5 @@ def test_spec_digest_tracks_meaning() -> None:
 
 def test_deeply_nested_json_is_a_message_error_not_a_crash() -> None:
     deep = b'{"type": "lease.acquire", "v": 1, "worker_id": ' + b"[" * 5000 + b"]" * 5000 + b"}"
-    with pytest.raises(MessageError, match="invalid 'lease.acquire' message"):
+    with pytest.raises(MessageError, match="maximum recursion depth"):
         decode(deep, expect=LeaseAcquire)
