@@ -122,6 +122,10 @@ class WorkerConfig(_Section):
     pool_bytes: PosInt = 64 * 2**20
     outbox_max: PosInt = 100_000
     outbox_resend_ms: PosInt = 2000
+    #: Serve the NATS debug subjects (generate with logits, health, metrics, flush) for tests and
+    #: operators. Off by default: ``generate`` bypasses the HTTP API's admission control; its
+    #: tenant comes only from an API key, as over HTTP.
+    debug_subjects: bool = False
 
 
 class ApiKey(_Section):

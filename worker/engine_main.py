@@ -2,15 +2,18 @@
 
 Runs the cache engine against the coordinator over NATS and serves the OpenAI-compatible
 HTTP API on ``worker.host:worker.port`` (:mod:`worker.http_server`). So that tests and
-operators can drive the engine directly, it also answers a few NATS request/reply subjects::
+operators can drive the engine directly, it also answers a few NATS request/reply subjects
+when ``worker.debug_subjects`` is on (off by default)::
 
-    <prefix>.worker.<id>.debug.generate   {"tokens": [...], "max_tokens": 4, "tenant": "default",
+    <prefix>.worker.<id>.debug.generate   {"tokens": [...], "max_tokens": 4, "api_key": "sk-…",
                                            "reuse": true, "return_logits": true}
     <prefix>.worker.<id>.debug.health     {}
     <prefix>.worker.<id>.debug.metrics    {}      (Prometheus text)
     <prefix>.worker.<id>.debug.flush      {"timeout_s": 5}
 
-Replies are JSON; logits travel as base64 of little-endian float32 with their shape, so a
+``generate`` names its tenant the way the HTTP API does, by an API key (none needed when no
+keys are configured): a tenant *name* is refused, so the subject cannot read another tenant's
+cache. Replies are JSON; logits travel as base64 of little-endian float32 with their shape, so a
 test can compare them bit for bit. ``KVL_TORCH_THREADS`` sets torch's intra-op threads
 (default 1: the tiny model is overhead-bound, and a fixed count keeps bits reproducible).
 """
@@ -38,6 +41,7 @@ from worker.client.nats_adapter import NatsCoordinatorClient
 from worker.engine import Engine, Sampling
 from worker.http_server import bound_address, start_http
 from worker.model import HybridAttentionLM, ModelConfig, build_model, load_safetensors
+from worker.tenants import AuthError, TenantDirectory
 
 log = get_logger("kvl.worker.main")
 
@@ -81,10 +85,11 @@ def decode_logits(reply: dict[str, Any]) -> torch.Tensor | None:
 class DebugService:
     """The worker's debug subjects, on a NATS connection of their own."""
 
-    def __init__(self, engine: Engine, url: str, subjects: Subjects) -> None:
+    def __init__(self, engine: Engine, url: str, subjects: Subjects, tenants: TenantDirectory) -> None:
         self.engine = engine
         self.url = url
         self.subjects = subjects
+        self.tenants = tenants
         self._nc: Any = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -116,8 +121,15 @@ class DebugService:
                 await self._nc.publish(msg.reply, body)
 
     async def _generate(self, req: dict[str, Any]) -> dict[str, Any]:
+        if "tenant" in req:
+            raise ValueError("the debug subject takes an 'api_key' (as the HTTP API's bearer key), never a tenant name")
+        key = req.get("api_key")
+        try:
+            tenant = self.tenants.authenticate(f"Bearer {key}" if key else None)
+        except AuthError as e:
+            return {"error": f"unauthorized: {e}"}
         r = await self.engine.generate(
-            [int(t) for t in req["tokens"]], tenant=req.get("tenant", "default"),
+            [int(t) for t in req["tokens"]], tenant=tenant.id,
             max_tokens=int(req.get("max_tokens", 16)), reuse=bool(req.get("reuse", True)),
             sampling=Sampling(temperature=float(req.get("temperature", 0.0)), top_k=int(req.get("top_k", 0)),
                               seed=req.get("seed")),
@@ -154,7 +166,8 @@ async def serve(cfg: Config) -> int:
     client = NatsCoordinatorClient(cfg.nats.url, subjects, timeout_s=cfg.nats.request_timeout_ms / 1000)
     engine = Engine(model, cfg, client)
     client.name = f"kvl-worker-{engine.worker_id}"
-    debug = DebugService(engine, cfg.nats.url, subjects)
+    debug = DebugService(engine, cfg.nats.url, subjects, TenantDirectory.from_config(cfg.auth)) \
+        if cfg.worker.debug_subjects else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -171,7 +184,10 @@ async def serve(cfg: Config) -> int:
     engine.endpoint = f"http://{host}:{port}"
     await engine.start(wait_s=0)
     try:
-        await debug.start()
+        if debug is not None:
+            await debug.start()
+            log.warning("debug_subjects_enabled", subject=debug_subject(subjects, engine.worker_id, "*"),
+                        note="anyone who may publish there can run requests (API keys still apply)")
     except Exception as e:  # noqa: BLE001 - NATS unreachable at start
         print(f"kvledger worker: cannot reach NATS at {mask_credentials(cfg.nats.url)}: {e}", file=sys.stderr, flush=True)
         await http.cleanup()
@@ -183,7 +199,8 @@ async def serve(cfg: Config) -> int:
     await stop.wait()
     log.info("worker_stopping")
     await http.cleanup()
-    await debug.stop()
+    if debug is not None:
+        await debug.stop()
     await engine.stop()
     return 0
 

@@ -192,3 +192,23 @@ async def test_offload_to_host_and_disk_then_reload_in_another_worker(cluster, r
     assert float(line.split()[-1]) >= 2
     assert await cluster.flush("wb")
     assert await cluster.replicas(location="disk", state="INVALID")
+
+
+async def test_the_debug_subjects_are_off_unless_enabled(cluster) -> None:
+    import asyncio
+
+    import nats.errors
+
+    cluster.start_coordinator()
+    p = cluster.start_worker("wd", worker={"debug_subjects": False})
+    await cluster.wait_coordinator()
+    for _ in range(600):
+        if "worker_started" in p.tail(200):
+            break
+        assert p.alive, p.tail()
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError(f"wd did not start\n{p.tail()}")
+    for what in ("generate", "health", "metrics", "flush"):
+        with pytest.raises(nats.errors.NoRespondersError):
+            await cluster.debug("wd", what, {"tokens": [1] * 20, "max_tokens": 1}, timeout=2)

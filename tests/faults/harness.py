@@ -54,6 +54,13 @@ def api_key(tenant: str) -> str:
     return f"sk-drill-{tenant}"
 
 
+def tenant_family(tenant: str) -> list[str]:
+    """A drill's tenant and the fresh tenants its churn uses (``<t>-ro-<k>``, ``<t>-rm-<k>``,
+    ``<t>-push<k>``): every request names its tenant by an API key, so each needs one."""
+    return [tenant, *(f"{tenant}-{what}-{k}" for what in ("ro", "rm") for k in range(6)),
+            *(f"{tenant}-push{k}" for k in range(2))]
+
+
 @dataclass
 class WorkerSpec:
     """One worker process: its id and the config sections that differ from the drill default."""
@@ -141,10 +148,11 @@ class Stack:
         doc["cache"] = {"chunk_blocks": 1, "offload_dir": str(self.offload_dir), "host_tier_bytes": 0,
                         **spec.cache}
         doc["worker"] = {"worker_id": wid, "host": "127.0.0.1", "port": self.ports[wid], "pool_bytes": 4 * 2**20,
-                         "outbox_resend_ms": 500, **spec.worker}
+                         "outbox_resend_ms": 500, "debug_subjects": True, **spec.worker}
         doc["service"] = {"batch_window_ms": 5, **spec.service}
         doc["auth"] = {"salt_secret": SALT_SECRET,
-                       "keys": [{"key_sha256": key_sha256(api_key(t)), "tenant": t} for t in self.tenants]}
+                       "keys": [{"key_sha256": key_sha256(api_key(t)), "tenant": t}
+                                for t in self.tenants for t in tenant_family(t)]}
         doc["state_dir"] = str(self.root / f"{wid}-state")
         return doc
 
@@ -434,7 +442,7 @@ class Stack:
     async def debug_generate(self, wid: str, tokens: list[int], max_tokens: int, tenant: str, *,
                              reuse: bool = True, timeout_s: float = 60) -> Reply:
         """The worker's NATS debug subject: token ids and logits (bit-exact comparison)."""
-        payload = {"tokens": tokens, "max_tokens": max_tokens, "tenant": tenant, "reuse": reuse,
+        payload = {"tokens": tokens, "max_tokens": max_tokens, "api_key": api_key(tenant), "reuse": reuse,
                    "return_logits": True}
         t0 = time.monotonic()
         request = asyncio.ensure_future(self.nc.request(debug_subject(self.subjects, wid, "generate"),

@@ -123,7 +123,7 @@ class Cluster:
         doc["cache"] = {"chunk_blocks": 1, "offload_dir": str(self.offload_dir), "host_tier_bytes": 4 * 2**20,
                         **(cache or {})}
         doc["worker"] = {"worker_id": worker_id, "pool_bytes": 4 * 2**20, "outbox_resend_ms": 500,
-                         "port": free_port(), **(worker or {})}
+                         "port": free_port(), "debug_subjects": True, **(worker or {})}
         doc["state_dir"] = str(self.tmp / f"{worker_id}-state")
         cfg = self._write(worker_id, doc)
         p = Proc(worker_id, [sys.executable, "-m", "worker", "--config", str(cfg)],
