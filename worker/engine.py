@@ -597,33 +597,49 @@ class Engine:
                 self.log.error("spill failed", error=repr(e))
 
     async def _spill_once(self) -> None:
+        """Write the spill queue to the disk tier. A block that fails on its own (anything but
+        the tier being unavailable: an unsafe key, a bug) is logged without content, counted in
+        ``offload_failures{reason="error"}`` and dropped from the queue; the others go on."""
         for meta, data, from_host in self.tiers.take_spills():
-            written = False
-            if self.tiers.disk_available():
-                t0 = time.perf_counter()
-                try:
-                    digest = await self.io(lambda m=meta, d=data: self.tiers.disk_write(m, d))
-                except of.OffloadUnavailable as e:
-                    self.tiers.mark_disk_down(str(e))
-                    self.metrics.offload_failures.labels(tier="disk", reason="unavailable").inc()
+            try:
+                written = False
+                if self.tiers.disk_available():
+                    t0 = time.perf_counter()
+                    try:
+                        digest = await self.io(lambda m=meta, d=data: self.tiers.disk_write(m, d))
+                    except of.OffloadUnavailable as e:
+                        self.tiers.mark_disk_down(str(e))
+                        self.metrics.offload_failures.labels(tier="disk", reason="unavailable").inc()
+                        self.metrics.tier_unavailable.labels(tier="disk").inc()
+                        self.log.warning("disk tier unavailable; serving without it", error=str(e),
+                                         retry_s=self.tiers.retry_s)
+                    else:
+                        self.metrics.offload_seconds.labels(tier="disk").observe(time.perf_counter() - t0)
+                        self.metrics.offloaded_bytes.labels(tier="disk").inc(data.numel())
+                        written = digest == meta.checksum
+                        if not written:
+                            self.metrics.offload_failures.labels(tier="disk", reason="checksum").inc()
+                elif self.tiers.disk_root is not None:
                     self.metrics.tier_unavailable.labels(tier="disk").inc()
-                    self.log.warning("disk tier unavailable; serving without it", error=str(e),
-                                     retry_s=self.tiers.retry_s)
-                else:
-                    self.metrics.offload_seconds.labels(tier="disk").observe(time.perf_counter() - t0)
-                    self.metrics.offloaded_bytes.labels(tier="disk").inc(data.numel())
-                    written = digest == meta.checksum
-                    if not written:
-                        self.metrics.offload_failures.labels(tier="disk", reason="checksum").inc()
-            elif self.tiers.disk_root is not None:
-                self.metrics.tier_unavailable.labels(tier="disk").inc()
-            if not self.tiers.is_spilling(meta):
-                continue  # put back into the host tier meanwhile: it stays there
-            if written:
-                self._emit(meta, "disk", None, R.READY, 0, kind="offload")
-            if from_host:
-                self._emit(meta, self.host_location, R.READY, R.EVICTED, 0, kind="evict", reason="host lru")
-            self.tiers.spilled(meta)
+                if not self.tiers.is_spilling(meta):
+                    continue  # put back into the host tier meanwhile: it stays there
+                if written:
+                    self._emit(meta, "disk", None, R.READY, 0, kind="offload")
+                if from_host:
+                    self._emit(meta, self.host_location, R.READY, R.EVICTED, 0, kind="evict", reason="host lru")
+                self.tiers.spilled(meta)
+            except Exception as e:  # noqa: BLE001 - one bad block must not stop the writer for good
+                self.metrics.offload_failures.labels(tier="disk", reason="error").inc()
+                self.log.error("spill_item_failed", block=meta.block_hash[:12], form=meta.form,
+                               error=type(e).__name__)
+                if self.tiers.is_spilling(meta):
+                    self.tiers.spilled(meta)
+                    if from_host:   # its host replica is gone (LRU victim): say so, as a spill would
+                        try:
+                            self._emit(meta, self.host_location, R.READY, R.EVICTED, 0, kind="evict",
+                                       reason="host lru")
+                        except Exception:  # noqa: BLE001, S110 - already counted and logged above
+                            pass
 
     def pool_metrics(self) -> None:
         self._update_pool_metrics()
