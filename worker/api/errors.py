@@ -7,9 +7,9 @@ its status here and nowhere else:
 =================================  ======  ========================  =====================
 error                              status  type                      code
 =================================  ======  ========================  =====================
-bad JSON, wrong types, limits      400     invalid_request_error     (per case)
+bad JSON, nesting > 64, limits     400     invalid_request_error     (per case)
 prompt + max_tokens > context      400     invalid_request_error     context_length_exceeded
-missing / wrong API key            401     authentication_error      invalid_api_key
+missing / wrong / malformed key    401     authentication_error      invalid_api_key
 unknown model                      404     invalid_request_error     model_not_found
 unknown route                      404     invalid_request_error     not_found
 wrong method                       405     invalid_request_error     method_not_allowed

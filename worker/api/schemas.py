@@ -28,6 +28,9 @@ from worker.api.errors import ApiError
 
 MAX_STOP = 4
 DEFAULT_MAX_TOKENS = 16
+#: Deepest JSON nesting a request body may have (the schemas need 4 levels); checked on the raw
+#: bytes before parsing, so a body nested thousands deep is a 400, not a RecursionError.
+MAX_JSON_DEPTH = 64
 
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
@@ -171,6 +174,28 @@ class ChatCompletionRequest(BaseRequest, kw_only=True):
         return "".join(out)
 
 
+#: A JSON string (escapes included; an unterminated one runs to the end) or one bracket.
+_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{}]', re.DOTALL)
+
+
+def json_too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``body`` nests arrays/objects deeper than ``limit`` (brackets inside strings do
+    not count). A cheap scan of the raw bytes, done before any parsing: with no more than
+    ``limit`` opening brackets in all (the usual case) it is two ``bytes.count`` calls."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    depth = 0
+    for m in _JSON_TOKEN.finditer(body):
+        c = m.group()[0]
+        if c in (0x5B, 0x7B):           # [ {
+            depth += 1
+            if depth > limit:
+                return True
+        elif c in (0x5D, 0x7D):         # ] }
+            depth = max(0, depth - 1)
+    return False
+
+
 _AT = re.compile(r" - at `\$((?:\.[A-Za-z0-9_]+|\[\d+\])*)`$")
 _MISSING = re.compile(r"Object missing required field `([^`]+)`")
 
@@ -179,8 +204,12 @@ def decode(body: bytes, kind: type[Any]) -> Any:
     """Decode and validate a JSON body; errors are 400s naming the parameter and what was expected."""
     if not body.strip():
         raise ApiError.invalid("the request body is empty; send a JSON object", None)
+    if json_too_deep(body):
+        raise ApiError.invalid(f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels", None)
     try:
         return msgspec.json.decode(body, type=kind)
+    except RecursionError:                # belt and braces: the scan above should have caught it
+        raise ApiError.invalid(f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels", None) from None
     except msgspec.ValidationError as e:
         msg = str(e)
         m = _AT.search(msg)

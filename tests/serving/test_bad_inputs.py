@@ -1,0 +1,66 @@
+"""Hostile input over HTTP fails cleanly: 4xx in the OpenAI error shape, never a 5xx, never a
+held slot or connection (issue 12, part 4)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+import worker.api.app as api_app
+import worker.api.handlers as api_handlers
+from shared.config import ApiKey, ConfigError
+from tests.serving.conftest import sha
+from worker.tenants import AuthError, TenantDirectory
+
+PROMPT = "sixteen bytes..!" * 2
+KEYS = [{"key_sha256": sha("key-a"), "tenant": "acme"}]
+
+
+def err(doc) -> dict:
+    assert set(doc) == {"error"} and set(doc["error"]) == {"message", "type", "param", "code"}, doc
+    return doc["error"]
+
+
+async def _raw(url: str, data: bytes, *, wait_s: float = 5.0) -> bytes:
+    """Send ``data`` on a fresh connection; everything the server sends until it closes (or ``wait_s``)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(data)
+        await writer.drain()
+        out = b""
+        async with asyncio.timeout(wait_s):
+            while chunk := await reader.read(65536):
+                out += chunk
+                if b"\r\n\r\n" in out and b"Content-Length: " in out:
+                    head, _, body = out.partition(b"\r\n\r\n")
+                    n = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+                    if len(body) >= n:
+                        break
+        return out
+    finally:
+        writer.close()
+
+
+# --- 1. nesting -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("raw", [
+    b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}",
+    b'{"prompt": "x", "tools": ' + b'{"a": ' * 1000 + b"1" + b"}" * 1000 + b"}",
+    b"[" * 100_000,
+    b'{"messages": [{"role": "user", "content": "hi"}], "response_format": ' + b"[" * 5000 + b"}",
+])
+async def test_deeply_nested_json_is_a_400_not_a_recursion_error(serve, raw) -> None:
+    async with serve() as s:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            status, doc, _ = await s.post(path, raw=raw)
+            e = err(doc)
+            assert status == 400 and e["type"] == "invalid_request_error" and "nests JSON deeper" in e["message"]
+        # brackets inside strings are text, not nesting
+        status, doc, _ = await s.post("/v1/completions", {"prompt": "[" * 200, "max_tokens": 1})
+        assert status == 200, doc
+
+
