@@ -24,6 +24,7 @@ tenant; they must then agree on its limits.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,10 @@ import yaml
 from shared.config import ApiKey, AuthConfig, ConfigError
 
 DEFAULT_TENANT = "default"
+#: What a tenant name may be (``shared.config.ApiKey``'s pattern). Checked again here, where
+#: keys are loaded, because an ApiKey built in code skips the config's validation, and the
+#: name becomes a directory of the shared offload tier: ``..`` or ``a/b`` must never get there.
+TENANT_NAME = re.compile(r"[A-Za-z0-9_\-]{1,64}")
 
 
 class AuthError(Exception):
@@ -75,6 +80,9 @@ class TenantDirectory:
         self._tenants: dict[str, Tenant] = {DEFAULT_TENANT: Tenant(DEFAULT_TENANT)}
         from_keys: dict[str, Tenant] = {}
         for k in keys:
+            if not isinstance(k.tenant, str) or not TENANT_NAME.fullmatch(k.tenant):
+                raise ConfigError(f"auth keys: tenant name {k.tenant!r} is not allowed; use 1 to 64 letters, "
+                                  f"digits, '_' or '-' (key hash {str(k.key_sha256)[:12]}…)")
             t = Tenant(k.tenant, k.max_concurrency, k.cache_quota_blocks)
             known = self._by_hash.get(k.key_sha256)
             if known is not None and known.id != t.id:

@@ -64,3 +64,20 @@ async def test_deeply_nested_json_is_a_400_not_a_recursion_error(serve, raw) -> 
         assert status == 200, doc
 
 
+# --- 7. tenant names --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["..", ".", "a/b", "../etc", "", "x" * 65, "tab\there", "é"])
+def test_unsafe_tenant_names_are_refused_where_keys_are_loaded(name) -> None:
+    with pytest.raises(ConfigError, match="tenant name"):
+        TenantDirectory([ApiKey(key_sha256=sha("k1"), tenant=name)])
+
+
+def test_keys_file_tenant_names_are_checked(tmp_path) -> None:
+    from shared.config import AuthConfig
+    f = tmp_path / "keys.yaml"
+    f.write_text(f"keys:\n  - key_sha256: {sha('k')}\n    tenant: '..'\n")
+    with pytest.raises(ConfigError, match="auth.keys_file"):
+        TenantDirectory.from_config(AuthConfig(keys_file=str(f)))
+    f.write_text(f"keys:\n  - key_sha256: {sha('k')}\n    tenant: ok-name_1\n")
+    assert TenantDirectory.from_config(AuthConfig(keys_file=str(f), required=True)).authenticate("Bearer k").id \
+        == "ok-name_1"
