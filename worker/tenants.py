@@ -109,17 +109,24 @@ class TenantDirectory:
         return self._tenants.get(tenant_id) or Tenant(tenant_id)
 
     def authenticate(self, authorization: str | None) -> Tenant:
-        """The tenant of an ``Authorization`` header value (``Bearer <key>``); raises :class:`AuthError`."""
+        """The tenant of an ``Authorization`` header value (``Bearer <key>``, the scheme in any case,
+        any whitespace after it); raises :class:`AuthError` (a 401), whatever the header holds."""
         if not self.has_keys and not self.required:
             return self._tenants[DEFAULT_TENANT]
         if not authorization:
             if self.required:
                 raise AuthError("an API key is required: send 'Authorization: Bearer <key>'")
             return self._tenants[DEFAULT_TENANT]
-        scheme, _, key = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
+        parts = authorization.split(None, 1)
+        if len(parts) != 2 or parts[0].lower() != "bearer" or not parts[1].strip():
             raise AuthError("malformed Authorization header: expected 'Bearer <key>'")
-        tenant = self._by_hash.get(key_sha256(key.strip()))
+        key = parts[1].strip()
+        try:
+            digest = key_sha256(key)
+        except UnicodeEncodeError:
+            # aiohttp hands undecodable header bytes over as surrogates: not a key anyone holds
+            raise AuthError("malformed Authorization header: the key is not valid UTF-8") from None
+        tenant = self._by_hash.get(digest)
         if tenant is None:
             raise AuthError("invalid API key")
         return tenant

@@ -64,6 +64,32 @@ async def test_deeply_nested_json_is_a_400_not_a_recursion_error(serve, raw) -> 
         assert status == 200, doc
 
 
+# --- 2. Authorization header ------------------------------------------------------------------------
+
+async def test_undecodable_authorization_header_is_a_401(serve) -> None:
+    async with serve(**{"auth.required": True, "auth.keys": KEYS}) as s:
+        body = b'{"prompt": "x", "max_tokens": 1}'
+        for auth in (b"Bearer \xff\xfe\x80", b"\xff\xfe key-a", b"Bearer key-a\xc3"):
+            raw = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: " + auth
+                   + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                   % len(body) + body)
+            out = await _raw(s.url, raw)
+            assert out.startswith(b"HTTP/1.1 401"), (auth, out[:200])
+            assert b'"authentication_error"' in out and b'"invalid_api_key"' in out
+        # the scheme in any case, any whitespace after it
+        for header in ("bearer key-a", "BEARER key-a", "Bearer\tkey-a", "Bearer   key-a  "):
+            status, doc, _ = await s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1},
+                                          headers={"Authorization": header})
+            assert status == 200, (header, doc)
+
+
+def test_directory_refuses_a_key_that_is_not_utf8() -> None:
+    d = TenantDirectory([ApiKey(key_sha256=sha("k1"), tenant="t1")], required=True)
+    with pytest.raises(AuthError, match="not valid UTF-8"):
+        d.authenticate("Bearer k\udcff1")       # how aiohttp passes on an undecodable byte
+    assert d.authenticate("bearer\tk1").id == "t1"
+
+
 # --- 7. tenant names --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["..", ".", "a/b", "../etc", "", "x" * 65, "tab\there", "é"])
