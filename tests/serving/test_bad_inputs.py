@@ -90,6 +90,24 @@ def test_directory_refuses_a_key_that_is_not_utf8() -> None:
     assert d.authenticate("bearer\tk1").id == "t1"
 
 
+# --- 3. a refused request never runs ----------------------------------------------------------------
+
+async def test_invalid_requests_never_occupy_a_slot(serve) -> None:
+    async with serve(**{"service.max_concurrency": 2, "service.queue_size": 0, "service.batch_window_ms": 0}) as s:
+        bad = {"prompt": PROMPT, "max_tokens": 200, "stop": ["a", "b", "c", "d", "e"]}
+        results = await asyncio.gather(*(s.post(path, dict(bad, **extra)) for path, extra in
+                                         [("/v1/completions", {})] * 20
+                                         + [("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                                    "content": "hi"}]})] * 20))
+        assert [r[0] for r in results] == [400] * 40, [r[1] for r in results if r[0] != 400][:2]
+        assert all(err(doc)["param"] == "stop" for _, doc, _ in results)
+        assert s.scheduler.running == 0 and s.scheduler.queue_depth == 0
+        t0 = time.perf_counter()
+        status, doc, _ = await s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
+        assert status == 200, doc
+        assert time.perf_counter() - t0 < 5
+
+
 # --- 7. tenant names --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["..", ".", "a/b", "../etc", "", "x" * 65, "tab\there", "é"])

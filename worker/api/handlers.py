@@ -114,8 +114,10 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
 async def _generate(request: web.Request, body: BaseRequest, shape: _Shape, tokens: list[int],
                     max_tokens: int | None) -> web.StreamResponse:
     sched = request.app[SCHEDULER]
-    job = sched.submit(gen_request(request, body, tokens, max_tokens))
+    # NOTE: everything that can refuse the request happens before submit: a request answered
+    # 400 must never be left running in the scheduler (it would hold a slot to max_tokens).
     text = TextStream(request.app[TOKENIZER].detokenizer(), body.stops())
+    job = sched.submit(gen_request(request, body, tokens, max_tokens))
     try:
         if body.stream:
             return await _stream(request, body, shape, job, text)

@@ -74,6 +74,7 @@ class BaseRequest(msgspec.Struct, kw_only=True):
             raise ApiError.invalid("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ApiError.invalid("stream_options: only allowed when stream is true", "stream_options")
+        self.stops()   # validated here, before the request reaches the scheduler
 
     def stops(self) -> list[str]:
         if self.stop is None:
