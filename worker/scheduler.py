@@ -399,6 +399,10 @@ class TurnGate:
 
 # --- the scheduler -------------------------------------------------------------------------------
 
+#: The range of a 429's ``Retry-After`` (seconds): see :meth:`Scheduler._retry_after`.
+RETRY_AFTER_MIN_S = 1
+RETRY_AFTER_MAX_S = 300
+
 class Scheduler:
     def __init__(self, engine: Engine, service: ServiceConfig, *, prefill_units_per_round: int = 1) -> None:
         self.engine = engine
@@ -412,8 +416,8 @@ class Scheduler:
         self._jobs: set[Job] = set()
         self._window: asyncio.TimerHandle | None = None
         self._closed = False
-        #: Moving average of admitted requests' running time (for Retry-After).
-        self._avg_run_s = 1.0
+        #: Moving average of admitted requests' running time (for Retry-After); None until one ended.
+        self._avg_run_s: float | None = None
 
     # --- state -------------------------------------------------------------------------------
 
@@ -473,9 +477,24 @@ class Scheduler:
             self._window = asyncio.get_running_loop().call_later(self.cfg.batch_window_ms / 1000, self._close_window)
         return job
 
-    def _retry_after(self) -> int:
-        ahead = len(self._waiting) + 1
-        return max(1, min(60, math.ceil(self._avg_run_s * ahead / self.cfg.max_concurrency)))
+    def _retry_after(self, now: float | None = None) -> int:
+        """Seconds a request refused now should wait: its estimated queue wait, clamped to
+        [:data:`RETRY_AFTER_MIN_S`, :data:`RETRY_AFTER_MAX_S`].
+
+        ``wait = S × (queued + 1) / max_concurrency``: slots free at ``max_concurrency / S``
+        per second on average, and the refused request would be ``queued + 1`` in line. The
+        service time ``S`` is the moving average of finished requests' running time, but never
+        less than the mean age of the requests running now: those have run that long already
+        and are not done — and before any request has finished (a burst of long requests
+        filling every slot) they are all there is to go on. So a worker whose requests take
+        30–60 s no longer says "retry in 1 s". Nothing running and nothing finished: 1 s.
+        """
+        now = time.perf_counter() if now is None else now
+        ages = [max(0.0, now - j.admitted_at) for j in self._running]
+        mean_age = sum(ages) / len(ages) if ages else 0.0
+        service_s = max(self._avg_run_s or 0.0, mean_age) or 1.0
+        wait_s = service_s * (len(self._waiting) + 1) / self.cfg.max_concurrency
+        return max(RETRY_AFTER_MIN_S, min(RETRY_AFTER_MAX_S, math.ceil(wait_s)))
 
     def _close_window(self) -> None:
         self._window = None
@@ -510,7 +529,7 @@ class Scheduler:
             if self._tenant_running[job.req.tenant.id] <= 0:
                 del self._tenant_running[job.req.tenant.id]
             run_s = time.perf_counter() - job.admitted_at
-            self._avg_run_s = 0.8 * self._avg_run_s + 0.2 * run_s
+            self._avg_run_s = run_s if self._avg_run_s is None else 0.8 * self._avg_run_s + 0.2 * run_s
         self.gate.forget(job)
         self._jobs.discard(job)
         self._gauges()

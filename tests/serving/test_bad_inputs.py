@@ -108,6 +108,58 @@ async def test_invalid_requests_never_occupy_a_slot(serve) -> None:
         assert time.perf_counter() - t0 < 5
 
 
+# --- 4. Retry-After from the real queue wait --------------------------------------------------------
+
+async def test_retry_after_reflects_how_long_running_requests_take(serve) -> None:
+    async with serve(**{"service.max_concurrency": 1, "service.queue_size": 0, "service.batch_window_ms": 0}) as s:
+        slow = asyncio.create_task(s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 400}))
+        try:
+            while s.scheduler.running < 1:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(2.2)
+            assert s.scheduler.running == 1, "the slow request ended too soon for this test"
+            status, doc, headers = await s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
+            assert status == 429 and err(doc)["code"] == "queue_full"
+            # it has run 2.2 s and not finished: a retry in 1 s would only be refused again
+            assert int(headers["Retry-After"]) >= 2, headers["Retry-After"]
+        finally:
+            slow.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await slow
+
+
+async def test_retry_after_estimate(serve) -> None:
+    async with serve(**{"service.max_concurrency": 4, "service.queue_size": 100}) as s:
+        sched = s.scheduler
+        now = 1000.0
+
+        class _Job(SimpleNamespace):
+            __hash__ = object.__hash__
+
+        def running(*ages: float) -> set:
+            return {_Job(admitted_at=now - a) for a in ages}
+
+        try:
+            assert sched._retry_after(now) == 1                 # nothing known: the floor
+            # a burst of 40 s requests filling every slot, none finished yet: 4 slots free
+            # about every 10 s, and the refused request is next in line
+            sched._running = running(40, 40, 40, 40)
+            assert sched._retry_after(now) == 10
+            sched._waiting = [object()] * 7                    # 8th in line: two rounds
+            assert sched._retry_after(now) == 80
+            # steady state: finished requests took 30 s on average; ages spread out
+            sched._waiting = []
+            sched._avg_run_s = 30.0
+            sched._running = running(1, 8, 15, 29)
+            assert sched._retry_after(now) == 8                 # ceil(30 / 4)
+            sched._waiting = [object()] * 1000
+            assert sched._retry_after(now) == 300               # clamped
+        finally:
+            sched._running = set()
+            sched._waiting = []
+            sched._avg_run_s = None
+
+
 # --- 7. tenant names --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["..", ".", "a/b", "../etc", "", "x" * 65, "tab\there", "é"])
