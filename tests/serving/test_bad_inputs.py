@@ -160,6 +160,27 @@ async def test_retry_after_estimate(serve) -> None:
             sched._avg_run_s = None
 
 
+# --- 5. slow senders --------------------------------------------------------------------------------
+
+async def test_slow_senders_do_not_hold_connections(serve, monkeypatch) -> None:
+    monkeypatch.setattr(api_app, "KEEPALIVE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(api_handlers, "BODY_READ_TIMEOUT_S", 0.5)
+    async with serve() as s:
+        t0 = time.perf_counter()
+        # headers never finished: the connection is closed
+        out = await _raw(s.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl", wait_s=5)
+        assert out == b"" and time.perf_counter() - t0 < 3
+        # headers in, body short of its Content-Length: a 408 in the API's error shape
+        t0 = time.perf_counter()
+        out = await _raw(s.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                b"Content-Length: 100\r\n\r\n{\"prompt\": ", wait_s=5)
+        assert out.startswith(b"HTTP/1.1 408"), out[:200]
+        assert b'"timeout_error"' in out and b'"body_timeout"' in out and time.perf_counter() - t0 < 3
+        # the worker serves on
+        status, doc, _ = await s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
+        assert status == 200, doc
+
+
 # --- 7. tenant names --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["..", ".", "a/b", "../etc", "", "x" * 65, "tab\there", "é"])

@@ -19,6 +19,14 @@ from worker.tokenizer import Tokenizer
 #: Routes that need an API key (everything under /v1/); probes and metrics do not.
 AUTH_PREFIX = "/v1/"
 
+#: Seconds a connection may stay open without a request in progress: idle between two
+#: requests, and also while a request's headers are still arriving (aiohttp's keep-alive
+#: timer runs from the connection's start and closes it if no complete request came) — so
+#: a client sending its headers slowly cannot hold a connection longer than this. The body
+#: has its own limit (:data:`worker.api.handlers.BODY_READ_TIMEOUT_S`). (Would be
+#: ``service.keepalive_timeout_ms``; a module constant until the config has it.)
+KEEPALIVE_TIMEOUT_S = 15.0
+
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -37,7 +45,8 @@ def create_app(engine: Engine, cfg: Config, tokenizer: Tokenizer, scheduler: Sch
     """The worker's HTTP application. The scheduler is stopped when the app is cleaned up."""
     limit = cfg.service.max_body_bytes
     app = web.Application(client_max_size=limit,
-                          middlewares=[error_middleware(limit, _count_status), auth_middleware])
+                          middlewares=[error_middleware(limit, _count_status), auth_middleware],
+                          handler_args={"keepalive_timeout": KEEPALIVE_TIMEOUT_S})
     app[ENGINE] = engine
     app[CONFIG] = cfg
     app[TOKENIZER] = tokenizer

@@ -40,10 +40,21 @@ from worker.scheduler import GenRequest, Job, SamplingParams
 
 # --- input ---------------------------------------------------------------------------------------
 
+#: Seconds a client has to send its whole request body once the headers are in; a slower
+#: sender gets a 408 and its connection back instead of holding it (and a handler) open.
+#: (Would be ``service.body_read_timeout_ms``; a module constant until the config has it.)
+BODY_READ_TIMEOUT_S = 10.0
+
+
 async def read_body(request: web.Request, limit: int) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-    return await request.read()        # the app's client_max_size stops a longer chunked body
+    try:
+        async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+            return await request.read()    # the app's client_max_size stops a longer chunked body
+    except TimeoutError:
+        raise ApiError(408, f"the request body was not received within {BODY_READ_TIMEOUT_S:g} s; send it at once",
+                       type="timeout_error", code="body_timeout", headers={"Connection": "close"}) from None
 
 
 def check_model(served: Served, model: str | None) -> None:
