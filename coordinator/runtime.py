@@ -169,12 +169,31 @@ class Coordinator:
         self._stepped_down.set()
 
     async def _ensure_schema(self) -> None:
-        delay, last = 0.1, ""
+        """Migrate the schema to head if it is behind. The coordinator's own role (a member of
+        ``kvledger_writer``, migration 0003) may not migrate: then it waits, saying so, for the
+        owner to run ``kvledger db upgrade`` (``database.owner_url``), and leads once that is done."""
+        from coordinator.log.migrate import current, head_revision
+        from coordinator.log.postgres import sqlstate
+
+        head = head_revision()
+        delay, last, rev = 0.1, "", None
         while True:
             try:
+                rev = await current(self.event_log.engine)
+                if rev == head:
+                    return
                 await upgrade(self.event_log.engine)
                 return
             except Exception as e:  # noqa: BLE001 - waits for an unreachable database; anything else is fatal
+                if sqlstate(e) == "42501":  # insufficient_privilege: not the owner
+                    why = f"schema at revision {rev or 'none'}, this coordinator needs {head}: {describe(e)}"
+                    if why != last:
+                        self.log.warning("event_log_schema_behind", error=why, action=(
+                            "waiting: this role may not migrate; run `kvledger db upgrade` as the schema owner "
+                            "(database.owner_url)"))
+                    last = why
+                    await asyncio.sleep(1.0)
+                    continue
                 if not is_unavailable(e):
                     raise StartupError(f"cannot migrate the event log schema: {describe(e)}") from e
                 if describe(e) != last:

@@ -458,29 +458,64 @@ class Stack:
                 self._pids.add(emb.proc.pid)
                 self._started += 1
 
+    #: The coordinators' own login role on the embedded PostgreSQL (a ``kvledger_writer`` member).
+    COORDINATOR_ROLE = "kvledger_coordinator"
+
     def _migrate(self) -> None:
+        """Migrate as the owner: ``database.owner_url`` if set, else the database URL (the embedded
+        server's superuser). With the embedded PostgreSQL, also make the coordinators' login role
+        (password kept in ``<state_dir>/postgres-coordinator.password``, mode 0600) and give the
+        coordinators its URL (:attr:`_coordinator_database_url`)."""
         import asyncio
 
         from coordinator.log.migrate import upgrade
         from coordinator.log.postgres import PgSettings, create_engine, describe
+        from coordinator.log.roles import RoleError, ensure_login_role, with_credentials
+
+        owner_url = self.cfg.database.owner_url or self.services.database_url
+        embedded = not self.cfg.database.url
 
         async def go() -> str:
-            engine = create_engine(PgSettings.from_config(self.services.database_url, self.cfg.database,
+            engine = create_engine(PgSettings.from_config(owner_url, self.cfg.database,
                                                           application_name="kvledger-up-migrate"))
             try:
-                return await upgrade(engine, "head")
+                rev = await upgrade(engine, "head")
             finally:
                 await engine.dispose()
+            if embedded:
+                password = self._coordinator_password()
+                await ensure_login_role(owner_url, self.COORDINATOR_ROLE, password)
+                self._coordinator_database_url = with_credentials(self.services.database_url,
+                                                                  self.COORDINATOR_ROLE, password)
+            return rev
 
         try:
             rev = asyncio.run(go())
+        except RoleError as e:
+            raise StackError(f"database role: {e}") from None
         except Exception as e:  # noqa: BLE001 - one readable line
             raise StackError(f"migrations failed: {describe(e)}") from None
         self.console.say(f"event log schema at revision {rev}")
 
+    def _coordinator_password(self) -> str:
+        """The embedded coordinators' role password: generated once, kept 0600 in the state dir."""
+        import secrets
+
+        path = self.state_dir / "postgres-coordinator.password"
+        with contextlib.suppress(FileNotFoundError):
+            if (password := path.read_text().strip()):
+                return password
+        password = secrets.token_urlsafe(24)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(password + "\n")
+        os.chmod(path, 0o600)
+        return password
+
     def _child_env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
-        env["KVL_DATABASE_URL"] = self.services.database_url
+        # The coordinators' own role where `_migrate` made one (embedded PostgreSQL), else the configured URL.
+        env["KVL_DATABASE_URL"] = getattr(self, "_coordinator_database_url", "") or self.services.database_url
         env["KVL_NATS_URL"] = self.services.nats_url
         if self.opts.config_path:
             env["KVL_CONFIG"] = str(Path(self.opts.config_path).resolve())

@@ -77,6 +77,9 @@ class ServiceConfig(_Section):
 class DatabaseConfig(_Section):
     #: ``postgresql+asyncpg://…``; empty = start an embedded PostgreSQL (pgserver).
     url: str = ""
+    #: URL of the schema owner, used only to migrate (``kvledger up``, ``python -m coordinator.log.roles``);
+    #: empty = ``url``. The coordinator itself connects with ``url``, a ``kvledger_writer`` member.
+    owner_url: str = ""
     pool_size: PosInt = 5
     connect_timeout_ms: PosInt = 3000
 

@@ -91,6 +91,9 @@ leader_renewal = Table(
     CheckConstraint("id = 1", name="singleton"),
 )
 
-#: The function and triggers that make ``events`` append-only (see migration 0001).
+#: The function and triggers that make ``events`` and ``snapshots`` append-only (migrations 0001, 0003).
 APPEND_ONLY_FUNCTION = "kvl_refuse_log_change"
-APPEND_ONLY_TRIGGERS = ("events_refuse_update_delete", "events_refuse_truncate", "snapshots_refuse_update")
+APPEND_ONLY_TRIGGERS = ("events_refuse_update_delete", "events_refuse_truncate", "snapshots_refuse_update",
+                        "snapshots_refuse_delete", "snapshots_refuse_truncate")
+#: The NOLOGIN group role holding exactly the coordinator's privileges (migration 0003).
+WRITER_ROLE = "kvledger_writer"

@@ -69,7 +69,8 @@ async def test_migration_matches_the_declared_schema(pg: PostgresEventLog) -> No
         assert await conn.run_sync(diff) == []
         triggers = (await conn.exec_driver_sql(
             "SELECT tgname FROM pg_trigger WHERE NOT tgisinternal ORDER BY tgname")).scalars().all()
-    assert triggers == ["events_refuse_truncate", "events_refuse_update_delete", "snapshots_refuse_update"]
+    assert triggers == ["events_refuse_truncate", "events_refuse_update_delete", "snapshots_refuse_delete",
+                        "snapshots_refuse_truncate", "snapshots_refuse_update"]
 
 
 async def test_group_commit_batches_concurrent_appends_and_answers_after_commit(pg: PostgresEventLog,

@@ -60,7 +60,9 @@ def test_services_and_start_order(compose: dict[str, Any]) -> None:
     assert dep["coordinator-standby"] == {"coordinator": "service_healthy"}  # the first one leads
     assert dep["worker-0"] == dep["worker-1"] == {"coordinator": "service_healthy"}
     assert dep["prometheus"] == {"coordinator": "service_healthy"}
-    assert s["migrate"]["command"] == ["kvledger", "db", "upgrade"] and s["migrate"]["restart"] == "no"
+    # the migrations, then the coordinators' login role (a kvledger_writer member), both as the owner
+    assert s["migrate"]["command"] == ["sh", "-c", "kvledger db upgrade && python -m coordinator.log.roles"]
+    assert s["migrate"]["restart"] == "no"
     assert s["coordinator"]["command"][:2] == ["kvledger", "coordinator"]
     # optional parts are behind profiles; the default `docker compose up` runs one GPU worker
     assert s["worker-1"]["profiles"] == ["multi-gpu"] and s["prometheus"]["profiles"] == ["monitoring"]
@@ -145,7 +147,12 @@ def test_every_variable_is_documented_and_every_setting_valid(compose: dict[str,
         env = {k: interpolate(str(v), example) for k, v in services(compose)[name]["environment"].items()}
         config_path = ROOT / "deploy" / "kvledger" / Path(env.pop("KVL_CONFIG")).name
         cfg = load_config(config_path, env=env)
-        assert cfg.database.url.startswith("postgresql://kvledger:") and cfg.nats.url.startswith("nats://kvledger:")
+        assert cfg.nats.url.startswith("nats://kvledger:")
+        # least privilege: only `migrate` connects as the owner; the rest use the coordinators' role
+        owner = name == "migrate"
+        assert cfg.database.url.startswith("postgresql://kvledger:" if owner else "postgresql://kvledger_coordinator:")
+        if owner:
+            assert env["KVL_APP_DB_USER"] == "kvledger_coordinator" and env["KVL_APP_DB_PASSWORD"]
         for key in env:
             assert key.startswith("KVL_"), key
         if name.startswith("worker"):
@@ -207,3 +214,21 @@ def test_operations_reference_is_current() -> None:
     assert update(text) == text, "run: python -m coordinator.config_reference --write docs/operations.md"
     missing = [r["key"] for r in config_rows() if not r["description"]]
     assert not missing, f"config keys without a description (shared/config.py `#:` or config_reference.EXTRA): {missing}"
+
+
+def test_least_privilege_database_roles(compose: dict[str, Any]) -> None:
+    """The coordinators log in as the role `migrate` creates (kvledger_writer member), never the owner;
+    leader and standby share it (a takeover may terminate only sessions of its own role)."""
+    s = services(compose)
+    example = env_example()
+    env = {name: {k: interpolate(str(v), example) for k, v in s[name]["environment"].items()}
+           for name in ("migrate", "coordinator", "coordinator-standby")}
+    owner = f"postgresql://{example['POSTGRES_USER']}:{example['POSTGRES_PASSWORD']}@"
+    app = f"postgresql://{example['KVL_APP_DB_USER']}:{example['KVL_APP_DB_PASSWORD']}@"
+    assert example["KVL_APP_DB_USER"] != example["POSTGRES_USER"]
+    assert env["migrate"]["KVL_DATABASE_URL"].startswith(owner)
+    assert env["migrate"]["KVL_APP_DB_PASSWORD"] == example["KVL_APP_DB_PASSWORD"]
+    assert env["coordinator"]["KVL_DATABASE_URL"] == env["coordinator-standby"]["KVL_DATABASE_URL"]
+    assert env["coordinator"]["KVL_DATABASE_URL"].startswith(app)
+    for name in ("coordinator", "coordinator-standby"):
+        assert example["POSTGRES_PASSWORD"] not in " ".join(env[name].values()), name
