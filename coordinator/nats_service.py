@@ -174,10 +174,12 @@ class NatsService:
         """The decoded request, or the ErrorReply for a malformed one."""
         try:
             return decode(msg.data, expect=op.type)
-        except MessageError as e:
+        except Exception as e:  # noqa: BLE001 - whatever the bytes do to the decoder (RecursionError...), INVALID
+            kind = error_kind(e) if isinstance(e, MessageError) else "undecodable"
             self.metrics.malformed.labels(kind=op.name).inc()
-            self.log.warning("malformed_request", op=op.name, size=len(msg.data), error_kind=error_kind(e))
-            return ErrorReply(code=ErrorCode.INVALID, message=str(e)[:1000])
+            self.log.warning("malformed_request", op=op.name, size=len(msg.data), error_kind=kind)
+            text = str(e) if isinstance(e, MessageError) else f"undecodable message ({type(e).__name__})"
+            return ErrorReply(code=ErrorCode.INVALID, message=text[:1000])
 
     def _assemble(self, req: WorkerResume) -> WorkerResume | ResumeReply | ErrorReply:
         """A multi-part resume: keep the parts until the last; then the whole inventory."""
@@ -397,8 +399,10 @@ class NatsService:
                 t = decode(msg.data, expect=TransitionEvent)
                 if msg.subject != self.subjects.events(t.worker_id):
                     raise MessageError(f"transition of worker {t.worker_id} arrived on another worker's subject")
-            except (MessageError, ValueError) as e:
-                kind = error_kind(e) if isinstance(e, MessageError) else "bad_worker_id"
+            except Exception as e:  # noqa: BLE001 - a message that cannot be decoded is terminated, never redelivered
+                kind = (error_kind(e) if isinstance(e, MessageError) else "bad_worker_id" if isinstance(e, ValueError)
+                        else "undecodable")
+                self.metrics.malformed.labels(kind="transition").inc()
                 self.log.warning("malformed_transition", size=len(msg.data), error_kind=kind)
                 malformed.append(msg)
                 continue
