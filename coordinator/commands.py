@@ -54,12 +54,13 @@ def cmd_db_current(args: argparse.Namespace) -> int:
 
 
 def _with_database(cfg: Config, action: Any) -> Any:
-    """Run ``action(engine)`` against the configured database, or the embedded one in state_dir."""
+    """Run ``action(engine)`` against the configured database as its schema owner
+    (``database.owner_url``, else ``database.url``), or the embedded one in state_dir."""
     from coordinator.log.postgres import PgSettings, create_engine, describe
     from shared.embedded import EmbeddedPostgres, EmbeddedServiceError
 
     embedded = None
-    url = cfg.database.url
+    url = cfg.database.owner_url or cfg.database.url
     if not url:  # the same data directory the coordinator's embedded PostgreSQL uses
         try:
             embedded = EmbeddedPostgres(Path(cfg.state_dir) / "postgres").start()
