@@ -160,6 +160,10 @@ class AuditBody(msgspec.Struct, forbid_unknown_fields=True):
     replay_from: Literal["empty", "snapshot"] = "empty"
     check_workers: bool = True
     timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=60_000)] = 2000
+    #: Disk replicas (offload files) one live worker verifies, at most (0 = no disk check).
+    disk_checks: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 64
+    #: A difference with the workers must show again this much later to count (0 = no second look).
+    confirm_ms: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 500
 
 
 # --- serialisation ----------------------------------------------------------------------------
@@ -335,7 +339,8 @@ async def audit(request: web.Request) -> web.Response:
     ctx = _ctx(request)
     ledger = _ledger(request)
     report = await run_audit(ledger, ctx.inventory, from_snapshot=body.replay_from == "snapshot",
-                             check_workers=body.check_workers, timeout_s=body.timeout_ms / 1000)
+                             check_workers=body.check_workers, timeout_s=body.timeout_ms / 1000,
+                             disk_checks=body.disk_checks, confirm_s=body.confirm_ms / 1000)
     ctx.metrics.audits.labels(outcome="ok" if report["ok"] else "mismatch").inc()
     return web.json_response(report)
 

@@ -459,21 +459,41 @@ class NatsService:
                 except Exception as e:  # noqa: BLE001 - the heartbeat reply carries it too
                     self.log.warning("watermark_publish_failed", error=str(e))
 
-    async def inventory(self, worker_id: str, timeout_s: float | None = None) -> InventoryReply | str:
-        """Ask a worker what it holds; the reply, or why there is none."""
-        try:
-            msg = await self.nc.request(self.subjects.inventory(worker_id), encode(InventoryRequest(request_id="audit")),
-                                        timeout=timeout_s or self.request_timeout_s)
-        except nats.errors.NoRespondersError:
-            return "no responders"
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
-            return "timed out"
-        except ValueError:
-            return "worker id is not a subject token"
-        try:
-            return decode(msg.data, expect=InventoryReply)  # type: ignore[no-any-return]
-        except MessageError as e:
-            return f"malformed inventory reply ({error_kind(e)})"
+    async def inventory(self, worker_id: str, timeout_s: float | None = None, *, digests: bool = False,
+                        disk: list[Any] | None = None, page_bytes: int = 0) -> InventoryReply | str:
+        """Ask a worker what it holds; the reply, or why there is none. ``digests``: its replica
+        digests, every page fetched (within ``timeout_s`` in all) and joined into one reply;
+        ``disk``: a disk check of those replicas instead (see :class:`InventoryRequest`)."""
+        deadline = time.monotonic() + (timeout_s or self.request_timeout_s)
+        req = InventoryRequest(request_id=f"audit-{secrets.token_hex(6)}", digests=digests and not disk,
+                               page_bytes=page_bytes, disk=list(disk or ()))
+        pages: list[bytes] = []
+        first: InventoryReply | None = None
+        while True:
+            try:
+                msg = await self.nc.request(self.subjects.inventory(worker_id), encode(req),
+                                            timeout=max(0.05, deadline - time.monotonic()))
+            except nats.errors.NoRespondersError:
+                return "no responders"
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                return "timed out" if not pages else f"timed out after page {len(pages)}"
+            except ValueError:
+                return "worker id is not a subject token"
+            try:
+                reply = decode(msg.data, expect=(InventoryReply, ErrorReply))
+            except MessageError as e:
+                return f"malformed inventory reply ({error_kind(e)})"
+            if isinstance(reply, ErrorReply):
+                return f"inventory refused ({reply.code.value}: {reply.message[:200]})"
+            if not req.digests or reply.pages == 1 and reply.page == 0:
+                return reply  # type: ignore[no-any-return]
+            if reply.page != len(pages) or (first is not None and reply.pages != first.pages):
+                return f"inventory page {reply.page} of {reply.pages} out of order"
+            first = first or reply
+            pages.append(reply.digests)
+            if len(pages) == reply.pages:
+                return msgspec.structs.replace(first, digests=b"".join(pages), page=0, pages=1)
+            req = msgspec.structs.replace(req, page=len(pages))
 
     async def control(self, worker_id: str, control: Control, timeout_s: float | None = None) -> str:
         """Send a control message; ``acked``, or why not (the ledger change stands either way)."""

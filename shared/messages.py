@@ -253,16 +253,52 @@ class CommitWatermark(_Msg, tag="watermark", kw_only=True):
 
 # --- audit and control ---------------------------------------------------------------
 
+class DiskRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A READY disk replica (its offload file's name and the checksum recorded at commit) the
+    audit asks a worker to verify; in a reply, ``reason`` says what is wrong with it."""
+
+    block_hash: Hex32
+    form: Name
+    namespace: Hex32
+    tenant: Name
+    checksum: str = ""
+    reason: str = ""
+
+
 class InventoryRequest(_Msg, tag="inventory.request", kw_only=True):
+    """What a worker holds (for the audit). By default the reply lists ``items``; with
+    ``digests`` it carries the :func:`shared.hashing.replica_digest` of every replica held on
+    the GPU and host tier instead, in pages that fit NATS max_payload: page 0 takes the
+    inventory, later pages (same ``request_id``) come from that same inventory. A request with
+    ``disk`` refs is a disk check: the worker verifies those offload files (existence, header,
+    checksum) and the reply carries only the verdicts."""
+
     request_id: Name = "audit"
-
-
+    digests: bool = False
+    page: NonNeg = 0
+    #: Largest ``digests`` per page, in bytes (0 = what the connection's max_payload allows).
+    page_bytes: NonNeg = 0
+    disk: list[DiskRef] = []
 
 
 class InventoryReply(_Msg, tag="inventory.reply", kw_only=True):
     worker_id: Name
     epoch: Pos
     items: list[InventoryItem] = []
+    #: A digest inventory: this page's concatenated replica digests. The whole inventory is
+    #: grouped by location, in the order and counts of ``locations`` (``[location, count]``).
+    digests: bytes = b""
+    locations: list[tuple[str, NonNeg]] = []
+    page: NonNeg = 0
+    pages: Pos = 1
+    #: The last transition seq the worker had emitted when it took the inventory.
+    emitted_seq: NonNeg = 0
+    #: A disk check: whether this worker has the offload directory (configured and up), how
+    #: many files it verified, and those it could not find or that failed verification.
+    disk_tier: bool = False
+    disk_checked: NonNeg = 0
+    disk_missing: list[DiskRef] = []
+    disk_damaged: list[DiskRef] = []
 
 
 class Control(_Msg, tag="control", kw_only=True):

@@ -653,13 +653,54 @@ class Engine:
     # --- coordinator → worker ------------------------------------------------------------------
 
     async def on_inventory(self, req: InventoryRequest) -> InventoryReply:
+        """What we hold (items, or with ``req.digests`` every replica digest grouped by location,
+        whole: the transport pages it), or, for a disk check, the verdicts on ``req.disk``."""
+        import msgspec  # noqa: PLC0415
+
+        epoch = max(1, self.epoch)
+        if req.disk:
+            root = self.tiers.disk_root
+            if root is None or not self.tiers.disk_available():
+                return InventoryReply(worker_id=self.worker_id, epoch=epoch, disk_tier=False)
+
+            def check() -> tuple[int, list, list]:
+                checked, missing, damaged = 0, [], []
+                for ref in req.disk[:1024]:   # bounded whatever the request says
+                    spec = self.spec_digests.get(ref.form)
+                    if spec is None or ref.namespace != self.namespace:
+                        continue   # another model's file: this worker cannot name it
+                    key = of.BlockKey(namespace=ref.namespace, tenant=ref.tenant, block_hash=ref.block_hash,
+                                      form=ref.form, spec_digest=spec)
+                    verdict = of.check_block(root, key, ref.checksum)
+                    checked += 1
+                    if verdict == "missing":
+                        missing.append(ref)
+                    elif verdict:
+                        damaged.append(msgspec.structs.replace(ref, reason=verdict[:200]))
+                return checked, missing, damaged
+            try:
+                checked, missing, damaged = await self.io(check)
+            except of.OffloadUnavailable as e:
+                self.log.warning("audit disk check: offload directory unavailable", error=str(e))
+                return InventoryReply(worker_id=self.worker_id, epoch=epoch, disk_tier=False)
+            return InventoryReply(worker_id=self.worker_id, epoch=epoch, disk_tier=True, disk_checked=checked,
+                                  disk_missing=missing, disk_damaged=damaged)
+        emitted = self.publisher.outbox.next_seq - 1 \
+            if self.publisher is not None and self.publisher.outbox is not None else 0
+        if req.digests:
+            held = sorted((loc, d) for d, (loc, *_) in self.inventory_digests().items())
+            counts: dict[str, int] = {}
+            for loc, _ in held:
+                counts[loc] = counts.get(loc, 0) + 1
+            return InventoryReply(worker_id=self.worker_id, epoch=epoch, digests=b"".join(d for _, d in held),
+                                  locations=list(counts.items()), emitted_seq=emitted)
         items: list[InventoryItem] = []
         if self.store is not None:
             items += [InventoryItem(block_hash=m.block_hash, form=f, location=self.gpu, generation=m.generation,
                                     state=R.READY, checksum=m.checksum) for f, _, m in self.store.items()]
         items += [InventoryItem(block_hash=m.block_hash, form=m.form, location=self.host_location, generation=0,
                                 state=R.READY, checksum=m.checksum) for m in self.tiers.host_items()]
-        return InventoryReply(worker_id=self.worker_id, epoch=max(1, self.epoch), items=items)
+        return InventoryReply(worker_id=self.worker_id, epoch=epoch, items=items, emitted_seq=emitted)
 
     async def on_control(self, msg: Control) -> ControlAck:
         """Apply a coordinator decision locally (the ledger already records it: no transitions)."""

@@ -185,3 +185,16 @@ def remove_block(root: Path, key: BlockKey) -> bool:
         return False
     except OSError as e:
         raise OffloadUnavailable(f"offload delete failed: {e.strerror}") from e
+
+
+def check_block(root: Path, key: BlockKey, expected_checksum: str | None = None) -> str:
+    """Verify one block file without keeping it (for the audit): ``""`` if it is whole and as
+    expected, ``"missing"``, or what is wrong with it. Raises OffloadUnavailable (the directory
+    itself cannot be read)."""
+    try:
+        read_block(root, key, expected_checksum or None)
+    except OffloadMissing:
+        return "missing"
+    except (OffloadCorrupt, OffloadMismatch) as e:
+        return str(e) or type(e).__name__
+    return ""

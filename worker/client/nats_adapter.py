@@ -162,12 +162,37 @@ class NatsCoordinatorClient:
             except m.MessageError as e:
                 log.warning("bad watermark message", error=str(e))
 
+        taken: dict[str, m.InventoryReply] = {}   # request_id → the digest inventory its pages come from
+
         async def inventory(msg: Any) -> None:
             try:
                 req = m.decode(msg.data, expect=m.InventoryRequest)
-                reply: Any = await on_inventory(req)
+                if req.digests and req.page > 0:
+                    whole = taken.get(req.request_id)
+                    if whole is None:
+                        raise LookupError(f"no inventory taken for request {req.request_id!r}: ask for page 0")
+                else:
+                    whole = await on_inventory(req)
+                reply: Any = whole
+                if req.digests and isinstance(whole, m.InventoryReply) and not req.disk:
+                    # pages within max_payload (base64 in JSON); later pages from the same inventory
+                    limit = req.page_bytes or (self._nc.max_payload - 16 * 1024) * 3 // 4
+                    per_page = max(1, limit // REPLICA_DIGEST_BYTES) * REPLICA_DIGEST_BYTES
+                    pages = max(1, -(-len(whole.digests) // per_page))
+                    if req.page >= pages:
+                        raise LookupError(f"page {req.page} of an inventory of {pages} pages")
+                    taken.pop(req.request_id, None)
+                    if req.page < pages - 1:
+                        while len(taken) >= 2:   # two audits at once at most; the oldest is forgotten
+                            taken.pop(next(iter(taken)))
+                        taken[req.request_id] = whole
+                    reply = msgspec.structs.replace(
+                        whole, digests=whole.digests[req.page * per_page:(req.page + 1) * per_page],
+                        page=req.page, pages=pages)
             except m.MessageError as e:
                 reply = m.ErrorReply(code=m.ErrorCode.INVALID, message=str(e))
+            except LookupError as e:
+                reply = m.ErrorReply(code=m.ErrorCode.NOT_FOUND, message=str(e))
             if msg.reply:
                 await self._nc.publish(msg.reply, m.encode(reply))
 

@@ -140,5 +140,15 @@ class InProcessCoordinator:
     async def control(self, worker_id: str, msg: m.Control) -> m.ControlAck:
         return await self._listeners[worker_id][2](msg)
 
-    async def inventory(self, worker_id: str) -> m.InventoryReply:
-        return await self._listeners[worker_id][1](m.InventoryRequest())
+    async def inventory(self, worker_id: str, timeout_s: float | None = None, *,
+                        request: m.InventoryRequest | None = None) -> m.InventoryReply:
+        """Ask a worker what it holds (``request``: items by default; the whole reply, unpaged)."""
+        return await self._listeners[worker_id][1](request or m.InventoryRequest())
+
+    async def audit_inventory(self, worker_id: str, timeout_s: float | None = None, *, digests: bool = False,
+                              disk: list[m.DiskRef] | None = None) -> m.InventoryReply | str:
+        """The audit's ``inventory`` callable (see :func:`coordinator.audit.run_audit`) on this twin."""
+        if worker_id not in self._listeners:
+            return "no responders"
+        req = m.InventoryRequest(disk=disk) if disk else m.InventoryRequest(digests=digests)
+        return await self._listeners[worker_id][1](req)
