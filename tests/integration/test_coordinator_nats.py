@@ -308,13 +308,14 @@ async def test_a_large_inventory_resumes_in_parts(database_url: str, nats_url: s
     nc = await nats.connect(nats_url)
     client = NatsCoordinatorClient(nats_url, subjects, max_part_bytes=60)   # 5 digests per part
     try:
-        async with running_coordinator(cfg):
+        async with running_coordinator(cfg) as (app, base):
             w = Worker(nc, subjects)
             await w.register()
             hashes = [block(i) for i in range(12)]
             grant = await w.acquire(hashes)
             for i in range(12):
                 await w.publish(w.commit(hashes, i, grant.lease_id))
+            await _until(lambda: app[COORDINATOR].ledger.state.committed_seq("w1", 1) == 12)
         async with running_coordinator(cfg) as (app, base):    # restarted: w1 suspended
             await client.connect()
             forged = replica_digest(block(99), "compressed", "gpu:w1", 1, "c99")
