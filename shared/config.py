@@ -72,6 +72,11 @@ class ServiceConfig(_Section):
     queue_size: Annotated[int, msgspec.Meta(ge=0)] = 256
     queue_timeout_ms: PosInt = 30000
     max_body_bytes: PosInt = 4 * 2**20
+    #: Idle time allowed on a connection between requests, and the longest a client may take to
+    #: send a request's headers (slower connections are closed).
+    keepalive_timeout_ms: PosInt = 15000
+    #: Time allowed to receive a request body once its headers are in; slower is a 408.
+    body_read_timeout_ms: PosInt = 10000
 
 
 class DatabaseConfig(_Section):

@@ -9,8 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 
-import worker.api.app as api_app
-import worker.api.handlers as api_handlers
 from shared.config import ApiKey, ConfigError
 from tests.serving.conftest import sha
 from worker.tenants import AuthError, TenantDirectory
@@ -162,10 +160,8 @@ async def test_retry_after_estimate(serve) -> None:
 
 # --- 5. slow senders --------------------------------------------------------------------------------
 
-async def test_slow_senders_do_not_hold_connections(serve, monkeypatch) -> None:
-    monkeypatch.setattr(api_app, "KEEPALIVE_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(api_handlers, "BODY_READ_TIMEOUT_S", 0.5)
-    async with serve() as s:
+async def test_slow_senders_do_not_hold_connections(serve) -> None:
+    async with serve(**{"service.keepalive_timeout_ms": 500, "service.body_read_timeout_ms": 500}) as s:
         t0 = time.perf_counter()
         # headers never finished: the connection is closed
         out = await _raw(s.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl", wait_s=5)

@@ -19,15 +19,6 @@ from worker.tokenizer import Tokenizer
 #: Routes that need an API key (everything under /v1/); probes and metrics do not.
 AUTH_PREFIX = "/v1/"
 
-#: Seconds a connection may stay open without a request in progress: idle between two
-#: requests, and also while a request's headers are still arriving (aiohttp's keep-alive
-#: timer runs from the connection's start and closes it if no complete request came) — so
-#: a client sending its headers slowly cannot hold a connection longer than this. The body
-#: has its own limit (:data:`worker.api.handlers.BODY_READ_TIMEOUT_S`). (Would be
-#: ``service.keepalive_timeout_ms``; a module constant until the config has it.)
-KEEPALIVE_TIMEOUT_S = 15.0
-
-
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.path.startswith(AUTH_PREFIX):
@@ -46,7 +37,10 @@ def create_app(engine: Engine, cfg: Config, tokenizer: Tokenizer, scheduler: Sch
     limit = cfg.service.max_body_bytes
     app = web.Application(client_max_size=limit,
                           middlewares=[error_middleware(limit, _count_status), auth_middleware],
-                          handler_args={"keepalive_timeout": KEEPALIVE_TIMEOUT_S})
+                          # NOTE: aiohttp's keep-alive timer runs from the connection's start and
+                          # closes it if no complete request came, so it also bounds a client that
+                          # sends its headers slowly; the body has its own limit (read_body).
+                          handler_args={"keepalive_timeout": cfg.service.keepalive_timeout_ms / 1000})
     app[ENGINE] = engine
     app[CONFIG] = cfg
     app[TOKENIZER] = tokenizer
@@ -54,7 +48,8 @@ def create_app(engine: Engine, cfg: Config, tokenizer: Tokenizer, scheduler: Sch
     app[TENANTS] = TenantDirectory.from_config(cfg.auth)
     app[METRICS] = scheduler.metrics
     app[SERVED] = Served(model_id=engine.model.cfg.model_id, fingerprint=f"kvl-{engine.namespace[:16]}",
-                         created=int(time.time()), max_body_bytes=limit)
+                         created=int(time.time()), max_body_bytes=limit,
+                         body_read_timeout_s=cfg.service.body_read_timeout_ms / 1000)
 
     async def scheduler_ctx(app: web.Application) -> AsyncIterator[None]:
         yield

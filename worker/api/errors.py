@@ -13,7 +13,7 @@ missing / wrong / malformed key    401     authentication_error      invalid_api
 unknown model                      404     invalid_request_error     model_not_found
 unknown route                      404     invalid_request_error     not_found
 wrong method                       405     invalid_request_error     method_not_allowed
-body not sent within 10 s          408     timeout_error             body_timeout
+body not sent in body_read_timeout 408     timeout_error             body_timeout
 body larger than max_body_bytes    413     invalid_request_error     request_too_large
 queue full                         429     rate_limit_error          queue_full (+ Retry-After)
 shutting down                      503     service_unavailable       shutting_down

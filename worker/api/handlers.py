@@ -40,20 +40,17 @@ from worker.scheduler import GenRequest, Job, SamplingParams
 
 # --- input ---------------------------------------------------------------------------------------
 
-#: Seconds a client has to send its whole request body once the headers are in; a slower
-#: sender gets a 408 and its connection back instead of holding it (and a handler) open.
-#: (Would be ``service.body_read_timeout_ms``; a module constant until the config has it.)
-BODY_READ_TIMEOUT_S = 10.0
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
+async def read_body(request: web.Request, served: Served) -> bytes:
+    """The body, within ``service.max_body_bytes`` and ``service.body_read_timeout_ms``: a slower
+    sender gets a 408 and its connection back instead of holding it (and a handler) open."""
+    limit, timeout_s = served.max_body_bytes, served.body_read_timeout_s
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
     try:
-        async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+        async with asyncio.timeout(timeout_s):
             return await request.read()    # the app's client_max_size stops a longer chunked body
     except TimeoutError:
-        raise ApiError(408, f"the request body was not received within {BODY_READ_TIMEOUT_S:g} s; send it at once",
+        raise ApiError(408, f"the request body was not received within {timeout_s:g} s; send it at once",
                        type="timeout_error", code="body_timeout", headers={"Connection": "close"}) from None
 
 
@@ -222,7 +219,7 @@ def _shape(request: web.Request, chat: bool) -> _Shape:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     served = request.app[SERVED]
-    body: CompletionRequest = decode(await read_body(request, served.max_body_bytes), CompletionRequest)
+    body: CompletionRequest = decode(await read_body(request, served), CompletionRequest)
     body.checks()
     check_model(served, body.model)
     prompt = body.prompt_value()
@@ -232,7 +229,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     served = request.app[SERVED]
-    body: ChatCompletionRequest = decode(await read_body(request, served.max_body_bytes), ChatCompletionRequest)
+    body: ChatCompletionRequest = decode(await read_body(request, served), ChatCompletionRequest)
     body.checks()
     check_model(served, body.model)
     messages = [ChatMessage(m.role, body.text_of(i)) for i, m in enumerate(body.messages)]

@@ -22,6 +22,7 @@ class Served:
     fingerprint: str
     created: int
     max_body_bytes: int
+    body_read_timeout_s: float = 10.0
 
 
 ENGINE = web.AppKey("engine", Engine)
