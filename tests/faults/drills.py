@@ -790,6 +790,35 @@ async def forge_resumes(run: Run) -> dict[str, tuple[str, str]]:
             for why, (code, wid, epoch) in out.items()}
 
 
+def audit_findings(run: Run, audit: dict[str, Any]) -> dict[str, Any]:
+    """What the audit found that the run does not explain (empty = clean but for the known).
+
+    The audit compares every tier. Explained: on the disk tier, files the drills damaged or
+    removed on purpose (offload-damage, offload-readonly), and only when those drills ran; on a
+    host tier, replicas the ledger lists READY that the worker dropped while a lease pinned
+    them (the known finding, ``test_host_tier_pins.py``): ledger-only, never worker-only, never
+    on a GPU.
+    """
+    out: dict[str, Any] = {}
+    for key in ("hash_match",):
+        if not audit.get(key):
+            out[key] = audit.get(key)
+    for key in ("log_errors", "invariant_violations", "replay_invariant_violations", "workers_unreachable"):
+        if audit.get(key):
+            out[key] = audit[key]
+    for wid, d in (audit.get("drift") or {}).items():
+        tiers = d.get("tiers") or {}
+        odd = {loc: t for loc, t in tiers.items() if not loc.startswith("host:") or t.get("worker_only")}
+        if odd or not tiers:
+            out[f"drift {wid}"] = d
+    disk = audit.get("disk") or {}
+    damaged = (disk.get("missing") or {}).get("count", 0) + (disk.get("damaged") or {}).get("count", 0)
+    injected = {f.drill for f in run.faults} & {"offload-damage", "offload-readonly"}
+    if damaged and not injected:
+        out["disk"] = disk
+    return out
+
+
 async def final_check(run: Run) -> tuple[checker.Report, dict[str, Any]]:
     """Heal, settle every outbox, forge illegal transitions, then check the whole history and
     audit the ledger."""

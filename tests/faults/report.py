@@ -12,6 +12,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tests.faults.drills import Run
 
+
+def unexplained(run: Run, audit: dict[str, Any]) -> dict[str, Any]:
+    from tests.faults.drills import audit_findings
+    return audit_findings(run, audit)
+
 HEADER = """# Reliability: fault drills and differential correctness
 
 The claim under test: **no wrong answer and no lost event, whatever fails.** `tests/faults`
@@ -41,7 +46,10 @@ below is one real run, written by the run itself (`KVL_WRITE_RELIABILITY=1`).
   applied transition was legal, every lease pinned READY replicas it could read at the pinned
   generation, and no GPU/host replica of a fenced epoch was pinned. Four illegal transitions
   are forged on JetStream at the end and must be in the log once each, rejected with a reason.
-  Then `POST /v1/audit` (replay from empty, workers' inventories) must be clean.
+  Then `POST /v1/audit` (replay from empty; every worker's GPU and host tiers against its
+  inventory; a sample of disk files verified) must find nothing the run does not explain: on
+  disk, the files the offload drills removed or damaged on purpose (and it must find those);
+  on a host tier, the known pin finding below.
 * **Recovery**: seconds from the injection until a worker answers a request *with reuse*
   again (probes poll every 0.2 s from the moment of injection); "ready" is until the restarted
   part answered its readiness probe (workers: registered, not degraded).
@@ -128,7 +136,7 @@ def terminal(run: Run, title: str) -> str:
                      f"{rep['applied']}, rejected {rep['rejected']}), acknowledged {rep['acknowledged']}, lost "
                      f"{rep['lost']}, duplicated {rep['duplicated']}, unexpected {rep['unexpected']}, illegal "
                      f"{rep['illegal']}, fenced reuse {rep['fenced_reuse']}; audit "
-                     f"{'clean' if run.audit and run.audit.get('ok') else 'NOT clean'}")
+                     f"{'clean' if run.audit and run.audit.get('ok') else 'clean but for what the run explains' if run.audit and not unexplained(run, run.audit) else 'NOT clean'}")
     if run.forged:
         held = Counter(typ for _, typ, _ in run.forged.values())
         lines.append(f"  forged illegal transitions: {len(run.forged)}, in the log as {_kinds(held)}")
@@ -179,10 +187,22 @@ def section(run: Run, title: str, command: str) -> str:
                    f"{rep['fenced_reuse']}**, position gaps {rep['gaps']}; {rep['registrations']} registrations, "
                    f"{rep['workers_lost']} epochs fenced, {rep['suspensions']} suspended and {rep['resumes']} "
                    "resumed |")
-    out.append(f"| audit | {'**clean**' if audit.get('ok') else '**NOT clean**'}: hash match "
-               f"{audit.get('hash_match')}, {audit.get('replayed_events')} events replayed from empty, invariant "
-               f"violations {len(audit.get('invariant_violations') or [])}, drift "
-               f"{len(audit.get('drift') or {})} on workers {audit.get('workers_checked')} |")
+    tiers: Counter[str] = Counter()
+    for d in (audit.get("drift") or {}).values():
+        for loc, t in (d.get("tiers") or {}).items():
+            tiers[f"{loc} ledger-only"] += t.get("ledger_only", 0)
+            tiers[f"{loc} worker-only"] += t.get("worker_only", 0)
+    disk = audit.get("disk") or {}
+    verdict = ("**clean**" if audit.get("ok") else
+               "**clean but for what the run explains**" if not unexplained(run, audit) else "**NOT clean**")
+    out.append(f"| audit (every tier) | {verdict}: hash match {audit.get('hash_match')}, "
+               f"{audit.get('replayed_events')} events replayed from empty, invariant violations "
+               f"{len(audit.get('invariant_violations') or [])}; GPU and host tiers of {audit.get('workers_checked')} "
+               f"against their inventories: {_kinds(+tiers)}; disk: {disk.get('checked', 0)} of "
+               f"{disk.get('ledger_ready', 0)} READY files verified by {disk.get('worker', '—')}, missing "
+               f"{(disk.get('missing') or {}).get('count', 0)}, damaged {(disk.get('damaged') or {}).get('count', 0)} "
+               "(the offload drills remove and damage files on purpose; a host tier's ledger-only replicas are "
+               "the pin finding above) |")
     out.append(f"| mismatches | **{n['mismatches']}** of {n['answered']} answers "
                f"(compared: {_kinds(n['compared'])}); replicas that failed hit validation on the way, by layer: "
                f"{_kinds(n['invalid_by_layer'])} (each recomputed) |")

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from tests.faults.drills import ALL, DRILLS, Run, Settings, final_check
+from tests.faults.drills import ALL, DRILLS, Run, Settings, audit_findings, final_check
 from tests.faults.report import numbers, publish
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow, pytest.mark.timeout(300)]
@@ -51,7 +51,12 @@ async def test_history_is_clean_and_the_audit_passes(run: Run) -> None:
     # illegal transitions published on purpose are each in the log once, rejected with a reason
     assert run.forged and all(typ == "transition.rejected" and reason for _, typ, reason in run.forged.values()), \
         run.forged
-    assert audit["ok"], f"audit: {audit}"
+    # the audit compares every tier: it must find nothing the run does not explain, and it must
+    # find the disk damage the drills injected
+    assert not audit_findings(run, audit), f"audit: {audit_findings(run, audit)}\n{audit}"
+    disk = audit.get("disk") or {}
+    if {f.drill for f in run.faults} & {"offload-damage", "offload-readonly"} and disk.get("checked"):
+        assert (disk.get("missing") or {}).get("count") or (disk.get("damaged") or {}).get("count"), disk
     assert n["mismatches"] == 0
     # the checker saw the run: transitions were published, acknowledged and logged
     assert report.acknowledged > 0 and report.logged >= report.acknowledged and report.pins > 0

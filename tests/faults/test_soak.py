@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from tests.faults.drills import ALL, DRILLS, Run, Settings, final_check
+from tests.faults.drills import ALL, DRILLS, Run, Settings, audit_findings, final_check
 from tests.faults.report import numbers, publish
 
 pytestmark = [pytest.mark.soak, pytest.mark.timeout(0)]
@@ -50,4 +50,4 @@ async def test_soak(tmp_path_factory: pytest.TempPathFactory) -> None:
     assert numbers(run)["mismatches"] == 0
     assert report.ok, f"history check: {report.problems()}"
     assert all(typ == "transition.rejected" and reason for _, typ, reason in run.forged.values()), run.forged
-    assert audit["ok"], f"audit: {audit}"
+    assert not audit_findings(run, audit), f"audit: {audit_findings(run, audit)}\n{audit}"
