@@ -12,8 +12,6 @@ each view first waits for everything queued before it to commit, then reads.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import hmac
 import ipaddress
@@ -37,9 +35,14 @@ from shared.messages import Control, ReplicaState, now_ms
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+# Every pattern is checked with ``fullmatch`` (Python's ``$`` also matches before a final newline;
+# JSON Schema's does not), and the same text is what /openapi.json declares.
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+#: A page cursor: the hex of the last key returned (any even-length hex is a valid position).
+CURSOR = re.compile(r"^(?:[0-9a-f]{2}){1,1024}$")
 MAX_PAGE = 1000
+MAX_AFTER = 2**62
 
 
 class ApiError(Exception):
@@ -98,8 +101,10 @@ async def _serving_ledger(request: web.Request) -> Ledger:
 
 def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
     raw = request.query.get(name)
-    if raw is None or raw == "":
+    if raw is None:
         return default
+    if not re.fullmatch(r"-?[0-9]{1,20}", raw):
+        raise ApiError(400, "invalid", f"query parameter {name!r} must be an integer in [{lo}, {hi}]")
     try:
         value = int(raw)
     except ValueError:
@@ -112,47 +117,80 @@ def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) 
 def _str_param(request: web.Request, name: str, pattern: re.Pattern[str] | None = None,
                allowed: list[str] | None = None) -> str | None:
     raw = request.query.get(name)
-    if raw is None or raw == "":
+    if raw is None:
         return None
     if allowed is not None and raw not in allowed:
         raise ApiError(400, "invalid", f"query parameter {name!r} must be one of {allowed}")
-    if pattern is not None and not pattern.match(raw):
+    if pattern is not None and not pattern.fullmatch(raw):
         raise ApiError(400, "invalid", f"query parameter {name!r} does not match {pattern.pattern}")
     return raw
 
 
-def _encode_cursor(key: Any) -> str:
-    return base64.urlsafe_b64encode(json.dumps(key).encode()).decode().rstrip("=")
+def _sort_key(*parts: str) -> bytes:
+    """A page's sort key as bytes: UTF-8 order is code point order, and NUL sorts first, so
+    comparing these compares the tuples."""
+    return "\x00".join(parts).encode()
 
 
-def _decode_cursor(request: web.Request) -> Any:
-    raw = request.query.get("cursor")
-    if not raw:
-        return None
-    try:
-        return json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
-    except (binascii.Error, ValueError, UnicodeDecodeError):
-        raise ApiError(400, "invalid", "query parameter 'cursor' is not a cursor this API returned") from None
+def _encode_cursor(*parts: str) -> str:
+    return _sort_key(*parts).hex()
 
 
-async def _body(request: web.Request, schema: type[Any]) -> Any:
+def _decode_cursor(request: web.Request) -> bytes | None:
+    """The position after which a page starts. Any value of the declared pattern is one (a
+    cursor names a place in the order, not a row), so the schema's cursors are all accepted."""
+    raw = _str_param(request, "cursor", CURSOR)
+    return None if raw is None else bytes.fromhex(raw)
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema's ``integer`` includes ``1.0``: so does this API (msgspec alone would refuse it)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _integral(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return value
+
+
+async def _body(request: web.Request, schema: Any) -> Any:
     raw = await request.read()
     try:
-        return msgspec.json.decode(raw or b"{}", type=schema)
+        return msgspec.convert(_integral(msgspec.json.decode(raw or b"{}")), type=schema)
     except msgspec.ValidationError as e:
         raise ApiError(400, "invalid", f"request body: {e}") from None
     except msgspec.DecodeError:
         raise ApiError(400, "invalid", "request body is not valid JSON") from None
 
 
-class InvalidateBody(msgspec.Struct, forbid_unknown_fields=True):
-    scope: Literal["namespace", "worker", "block"]
-    value: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
-    reason: Annotated[str, msgspec.Meta(max_length=256)] = ""
+Hex32 = Annotated[str, msgspec.Meta(pattern=HEX32.pattern)]
+WorkerId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=NAME.pattern)]
+Reason = Annotated[str, msgspec.Meta(max_length=256)]
+
+
+class InvalidateNamespace(msgspec.Struct, tag_field="scope", tag="namespace", forbid_unknown_fields=True):
+    value: Hex32
+    reason: Reason = ""
+
+
+class InvalidateWorker(msgspec.Struct, tag_field="scope", tag="worker", forbid_unknown_fields=True):
+    value: WorkerId
+    reason: Reason = ""
+
+
+class InvalidateBlock(msgspec.Struct, tag_field="scope", tag="block", forbid_unknown_fields=True):
+    value: Hex32
+    reason: Reason = ""
+
+
+#: ``{"scope": "namespace"|"worker"|"block", "value": ..., "reason": ...}``: the value's form
+#: depends on the scope, which the schema says with one alternative per scope.
+InvalidateBody = InvalidateNamespace | InvalidateWorker | InvalidateBlock
 
 
 class DrainBody(msgspec.Struct, forbid_unknown_fields=True):
-    reason: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    reason: Reason = ""
 
 
 class AuditBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -232,14 +270,11 @@ async def list_blocks(request: web.Request) -> web.Response:
     state = _str_param(request, "state", allowed=[s.value for s in ReplicaState])
     limit = _int_param(request, "limit", 100, 1, MAX_PAGE)
     after = _decode_cursor(request)
-    if after is not None and not (isinstance(after, list) and len(after) == 3 and all(isinstance(x, str) for x in after)):
-        raise ApiError(400, "invalid", "query parameter 'cursor' is not a cursor this API returned")
     s = (await _serving_ledger(request)).state
     out: list[dict[str, Any]] = []
     more = False
-    start = tuple(after) if after else None
     for key in sorted(s.replicas):
-        if start is not None and key <= start:
+        if after is not None and _sort_key(*key) <= after:
             continue
         r = s.replicas[key]
         if ((ns and r.namespace != ns) or (tenant and r.tenant != tenant) or (form and r.form != form)
@@ -250,13 +285,13 @@ async def list_blocks(request: web.Request) -> web.Response:
             break
         out.append(_replica(r))
     last = out[-1] if out else None
-    cursor = _encode_cursor([last["block_hash"], last["form"], last["location"]]) if more and last else None
+    cursor = _encode_cursor(last["block_hash"], last["form"], last["location"]) if more and last else None
     return web.json_response({"replicas": out, "next_cursor": cursor})
 
 
 async def get_block(request: web.Request) -> web.Response:
     block = request.match_info["hash"]
-    if not HEX32.match(block):
+    if not HEX32.fullmatch(block):
         raise ApiError(400, "invalid", "block hash must be 32 lowercase hex characters")
     ledger = await _serving_ledger(request)
     s = ledger.state
@@ -282,13 +317,11 @@ async def list_leases(request: web.Request) -> web.Response:
     tenant = _str_param(request, "tenant", NAME)
     limit = _int_param(request, "limit", 100, 1, MAX_PAGE)
     after = _decode_cursor(request)
-    if after is not None and not isinstance(after, str):
-        raise ApiError(400, "invalid", "query parameter 'cursor' is not a cursor this API returned")
     s = (await _serving_ledger(request)).state
     out: list[dict[str, Any]] = []
     more = False
     for lid in sorted(s.leases):
-        if after is not None and lid <= after:
+        if after is not None and _sort_key(lid) <= after:
             continue
         lease = s.leases[lid]
         if (worker and lease.worker_id != worker) or (tenant and lease.tenant != tenant):
@@ -324,7 +357,7 @@ async def list_pools(request: web.Request) -> web.Response:
 
 
 async def list_events(request: web.Request) -> web.Response:
-    after = _int_param(request, "after", 0, 0, 2**62)
+    after = _int_param(request, "after", 0, 0, MAX_AFTER)
     limit = _int_param(request, "limit", 100, 1, MAX_PAGE)
     try:
         events = await _ledger(request).log.read(after + 1, limit)
@@ -352,30 +385,31 @@ async def snapshot(request: web.Request) -> web.Response:
 
 async def post_invalidate(request: web.Request) -> web.Response:
     body = await _body(request, InvalidateBody)
-    if body.scope in ("namespace", "block") and not HEX32.match(body.value):
-        raise ApiError(400, "invalid", f"a {body.scope} is 32 lowercase hex characters")
-    if body.scope == "worker" and not NAME.match(body.value):
+    scope: str = type(body).__struct_config__.tag
+    if scope in ("namespace", "block") and not HEX32.fullmatch(body.value):
+        raise ApiError(400, "invalid", f"a {scope} is 32 lowercase hex characters")
+    if scope == "worker" and not NAME.fullmatch(body.value):
         raise ApiError(400, "invalid", "a worker id is letters, digits, '_', '.', ':' or '-'")
     ledger = _ledger(request)
     events = await ledger.execute(
-        lambda s: ((evs := invalidate(s, body.scope, body.value, body.reason, now_ms())), evs))
+        lambda s: ((evs := invalidate(s, scope, body.value, body.reason, now_ms())), evs))
     affected = events[0].affected if events else []
     notified: dict[str, str] = {}
     ctx = _ctx(request)
-    if ctx.control is not None and affected and body.scope != "worker":
+    if ctx.control is not None and affected and scope != "worker":
         control = (Control(action="invalidate_namespace", namespace=body.value, reason=body.reason)
-                   if body.scope == "namespace" else
+                   if scope == "namespace" else
                    Control(action="invalidate_block", block_hash=body.value, reason=body.reason))
         workers = sorted({k[2][4:] for k in affected if k[2].startswith("gpu:")})
         results = await asyncio.gather(*[ctx.control(w, control) for w in workers])
         notified = dict(zip(workers, results))
-    return web.json_response({"scope": body.scope, "value": body.value, "affected": len(affected),
+    return web.json_response({"scope": scope, "value": body.value, "affected": len(affected),
                               "workers_notified": notified})
 
 
 async def drain(request: web.Request) -> web.Response:
     worker = request.match_info["worker_id"]
-    if not NAME.match(worker):
+    if not NAME.fullmatch(worker):
         raise ApiError(400, "invalid", "a worker id is letters, digits, '_', '.', ':' or '-' (at most 128)")
     body = await _body(request, DrainBody)
     ledger = _ledger(request)
@@ -398,8 +432,12 @@ def _p(name: str, description: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {"name": name, "in": "path", "required": True, "description": description, "schema": schema}
 
 
+# What the handlers enforce, declared as such (an empty value is a value, and is refused).
+_HEX32 = {"type": "string", "pattern": HEX32.pattern}
+_NAME = {"type": "string", "pattern": NAME.pattern}
+_CURSOR = {"type": "string", "pattern": CURSOR.pattern}
 PAGE = [_q("limit", "page size", {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": 100}),
-        _q("cursor", "next_cursor of the previous page", {"type": "string"})]
+        _q("cursor", "next_cursor of the previous page (the position after which this page starts)", _CURSOR)]
 
 
 @dataclass(frozen=True)
@@ -410,38 +448,50 @@ class Route:
     summary: str
     auth: bool = True
     params: list[dict[str, Any]] = field(default_factory=list)
-    body: type[Any] | None = None
+    body: Any = None
+    #: Whether a request must carry a body (one whose fields all have defaults may be left out).
+    body_required: bool = False
     content_type: str = "application/json"
+    #: Error statuses this route answers besides 400/401/503 of every /v1/ route (404: what the
+    #: path or body names does not exist).
+    errors: tuple[int, ...] = ()
+    #: OpenAPI links from the 200 response: what a client may call next with what it returned.
+    links: dict[str, Any] = field(default_factory=dict)
 
 
 ROUTES: list[Route] = [
     Route("GET", "/healthz", healthz, "Liveness: the process is up", auth=False),
-    Route("GET", "/readyz", readyz, "Readiness: leader, replay done, log writable (503 otherwise)", auth=False),
+    Route("GET", "/readyz", readyz, "Readiness: leader, replay done, log writable (503 otherwise)", auth=False,
+          errors=(503,)),
     Route("GET", "/metrics", metrics, "Prometheus metrics", auth=False, content_type=CONTENT_TYPE_LATEST),
     Route("GET", "/openapi.json", openapi, "This document", auth=False),
-    Route("GET", "/v1/workers", list_workers, "Registered workers, their epochs and liveness"),
+    Route("GET", "/v1/workers", list_workers, "Registered workers, their epochs and liveness", links={
+        "DrainWorker": {"operationId": "drain",
+                        "parameters": {"worker_id": "$response.body#/workers/0/worker_id"}}}),
     Route("GET", "/v1/blocks", list_blocks, "Replicas, filtered and paged", params=[
-        _q("namespace", "namespace hash", {"type": "string", "pattern": HEX32.pattern}),
-        _q("tenant", "tenant id", {"type": "string"}),
-        _q("form", "cache form", {"type": "string"}),
-        _q("location", "gpu:<worker>, host:<node> or disk", {"type": "string"}),
+        _q("namespace", "namespace hash", _HEX32),
+        _q("tenant", "tenant id", _NAME),
+        _q("form", "cache form", _NAME),
+        _q("location", "gpu:<worker>, host:<node> or disk", _NAME),
         _q("state", "replica state", {"type": "string", "enum": [s.value for s in ReplicaState]}),
-        *PAGE]),
+        *PAGE], links={
+        "GetBlock": {"operationId": "get_block", "parameters": {"hash": "$response.body#/replicas/0/block_hash"}}}),
     Route("GET", "/v1/blocks/{hash}", get_block, "One block's replicas and their full event history",
-          params=[_p("hash", "block hash", {"type": "string", "pattern": HEX32.pattern})]),
+          params=[_p("hash", "block hash", _HEX32)], errors=(404,)),
     Route("GET", "/v1/leases", list_leases, "Live leases, filtered and paged", params=[
-        _q("worker", "holder worker id", {"type": "string"}), _q("tenant", "tenant id", {"type": "string"}), *PAGE]),
+        _q("worker", "holder worker id", _NAME), _q("tenant", "tenant id", _NAME), *PAGE]),
     Route("GET", "/v1/pools", list_pools, "Pool usage per worker and form against its limits"),
     Route("GET", "/v1/events", list_events, "The event log from a position", params=[
-        _q("after", "return events with position > after", {"type": "integer", "minimum": 0, "default": 0}),
+        _q("after", "return events with position > after",
+           {"type": "integer", "minimum": 0, "maximum": MAX_AFTER, "default": 0}),
         _q("limit", "page size", {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": 100})]),
     Route("POST", "/v1/audit", audit, "Replay the log and compare with the live state and the workers (read-only)",
           body=AuditBody),
     Route("POST", "/v1/snapshot", snapshot, "Save a snapshot of the live state now"),
     Route("POST", "/v1/invalidate", post_invalidate, "Invalidate every live replica of a namespace, worker or block",
-          body=InvalidateBody),
+          body=InvalidateBody, body_required=True, errors=(404,)),
     Route("POST", "/v1/workers/{worker_id}/drain", drain, "Stop granting writes to a worker; tell it to drain",
-          params=[_p("worker_id", "worker id", {"type": "string"})], body=DrainBody),
+          params=[_p("worker_id", "worker id", _NAME)], body=DrainBody, errors=(404,)),
 ]
 
 
@@ -450,31 +500,49 @@ def add_routes(app: web.Application) -> None:
         app.router.add_route(r.method, r.path, r.handler)
 
 
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["code", "message"],
+    "properties": {"code": {"type": "string"}, "message": {"type": "string"}}}}}
+_ERROR_TEXT = {400: "Bad input (the message names what was wrong and what is allowed)",
+               401: "Missing or wrong bearer token", 404: "What the path or body names does not exist",
+               413: "Request body too large",
+               503: "Not serving (starting, standby, replaying, log unavailable)"}
+
+
 def openapi_document() -> dict[str, Any]:
-    error = {"type": "object", "required": ["error"], "properties": {"error": {
-        "type": "object", "required": ["code", "message"],
-        "properties": {"code": {"type": "string"}, "message": {"type": "string"}}}}}
+    """The document for :data:`ROUTES`; request bodies' schemas live in ``components/schemas``."""
+    bodies = [r.body for r in ROUTES if r.body is not None]
+    body_schemas, components = msgspec.json.schema_components(bodies, ref_template="#/components/schemas/{name}")
+    body_schema = dict(zip(map(id, bodies), body_schemas))
+    ref = {"$ref": "#/components/schemas/Error"}
     paths: dict[str, Any] = {}
     for r in ROUTES:
-        op: dict[str, Any] = {
-            "summary": r.summary, "operationId": r.handler.__name__, "parameters": r.params,
-            "responses": {
-                "200": {"description": "OK", "content": {r.content_type: {"schema": {"type": "object"}}}},
-                "400": {"description": "Bad input", "content": {"application/json": {"schema": error}}},
-                "503": {"description": "Not serving (standby, replaying, log unavailable)",
-                        "content": {"application/json": {"schema": error}}}},
-        }
+        errors = set(r.errors)
+        if r.auth:
+            errors |= {400, 401, 503}
+        if r.body is not None:
+            errors |= {400, 413}
+        responses: dict[str, Any] = {"200": {"description": "OK", "content": {r.content_type: {"schema": {
+            "type": "object"}}}}}
+        if r.links:
+            responses["200"]["links"] = r.links
+        for status in sorted(errors):
+            # /readyz answers 503 with its own (readiness) body, not an error
+            schema = {"type": "object"} if r.handler is readyz else ref
+            responses[str(status)] = {"description": _ERROR_TEXT[status],
+                                      "content": {"application/json": {"schema": schema}}}
+        op: dict[str, Any] = {"summary": r.summary, "operationId": r.handler.__name__, "parameters": r.params,
+                              "responses": responses}
         if r.auth:
             op["security"] = [{"bearer": []}]
-            op["responses"]["401"] = {"description": "Missing or wrong bearer token",
-                                      "content": {"application/json": {"schema": error}}}
         if r.body is not None:
-            schema = msgspec.json.schema(r.body)
-            op["requestBody"] = {"required": False, "content": {"application/json": {"schema": schema}}}
+            op["requestBody"] = {"required": r.body_required,
+                                 "content": {"application/json": {"schema": body_schema[id(r.body)]}}}
         paths.setdefault(r.path, {})[r.method.lower()] = op
     return {"openapi": "3.1.0",
             "info": {"title": "kvledger coordinator admin API", "version": "1"},
-            "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+            "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+                           "schemas": {"Error": _ERROR_SCHEMA, **components}},
             "paths": paths}
 
 
@@ -494,7 +562,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return error_response(e.status, _HTTP_CODES.get(e.status, "error"), e.reason)
+        response = error_response(e.status, _HTTP_CODES.get(e.status, "error"), e.reason)
+        if "Allow" in e.headers:  # a 405 names the methods the path has (RFC 9110 15.5.6)
+            response.headers["Allow"] = e.headers["Allow"]
+        return response
     except Unavailable as e:
         return error_response(503, e.code.value, str(e))
     except (UnknownWorker, UnknownReplica) as e:
