@@ -23,9 +23,10 @@ from coordinator.admin import ADMIN, LOGGER, AdminContext, add_routes, auth_midd
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.nats_service import StartupError
 from coordinator.runtime import Coordinator
-from shared.config import Config
+from shared.config import Config, ConfigError
 from shared.embedded import EmbeddedServiceError, Services, start_services
 from shared.logging import configure_logging, get_logger
+from shared.tls import http_scheme, server_context
 
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 SERVICES = web.AppKey("services", Services)
@@ -99,6 +100,11 @@ def _coordinator_ctx(holder: str | None) -> Any:
 
 # --- the process -------------------------------------------------------------------------------
 
+def admin_site(runner: web.AppRunner, config: Config, host: str, port: int) -> web.TCPSite:
+    """The admin API's listener: HTTPS when ``tls.cert_file`` is set (see :mod:`shared.tls`)."""
+    return web.TCPSite(runner, host, port, ssl_context=server_context(config.tls))
+
+
 async def serve(config: Config, *, host: str | None = None, port: int | None = None) -> int:
     """Run until SIGTERM/SIGINT (exit 0) or until the coordinator cannot continue (exit 1)."""
     log = get_logger("coordinator")
@@ -116,9 +122,13 @@ async def serve(config: Config, *, host: str | None = None, port: int | None = N
         return 2
     host = host or config.coordinator.host
     port = config.coordinator.port if port is None else port
-    site = web.TCPSite(runner, host, port)
     try:
+        site = admin_site(runner, config, host, port)
         await site.start()
+    except ConfigError as e:
+        print(f"kvledger coordinator: {e}", file=sys.stderr, flush=True)
+        await runner.cleanup()
+        return 2
     except OSError as e:
         print(f"kvledger coordinator: cannot listen on {host}:{port}: {e.strerror}", file=sys.stderr, flush=True)
         await runner.cleanup()
@@ -126,7 +136,7 @@ async def serve(config: Config, *, host: str | None = None, port: int | None = N
     coord = app[COORDINATOR]
     if not app[ADMIN].admin_token and host not in ("127.0.0.1", "::1", "localhost"):
         log.warning("admin_api_without_token", host=host, note="only loopback clients are served")
-    log.info("coordinator_listening", url=f"http://{host}:{port}", holder=coord.holder)
+    log.info("coordinator_listening", url=f"{http_scheme(config.tls)}://{host}:{port}", holder=coord.holder)
     stopped = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait({stopped, coord.fatal}, return_when=asyncio.FIRST_COMPLETED)

@@ -37,6 +37,7 @@ from shared.logging import mask_credentials
 from shared.config import Config
 from shared.messages import now_ms
 from shared.subjects import Subjects
+from shared.tls import nats_tls_kwargs
 
 
 class Coordinator:
@@ -50,7 +51,7 @@ class Coordinator:
         self.holder = holder or make_holder_id()
         c = config.coordinator
         self.subjects = Subjects(config.nats.subject_prefix)
-        self.pg = PgSettings.from_config(database_url, config.database, application_name=self.holder)
+        self.pg = PgSettings.from_config(database_url, config.database, application_name=self.holder, tls=config.tls)
         self.event_log = PostgresEventLog.connect(self.pg)
         self.election = LeaderElection(
             self.pg, self.holder, renew_interval_s=c.heartbeat_interval_ms / 1000,
@@ -88,7 +89,7 @@ class Coordinator:
                 self.nats_url, name=f"kvl-coordinator {self.holder}", connect_timeout=timeout,
                 allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                 error_cb=self._nats_error, disconnected_cb=self._nats_disconnected,
-                reconnected_cb=self._nats_reconnected), timeout=2 * timeout)
+                reconnected_cb=self._nats_reconnected, **nats_tls_kwargs(self.config.tls)), timeout=2 * timeout)
         except Exception as e:  # noqa: BLE001 - one readable line for the operator
             await bounded(nc.close(), 2)
             why = self._last_nats_error or f"{type(e).__name__}: {e}"

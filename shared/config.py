@@ -159,6 +159,43 @@ class LoggingConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
 
 
+class TlsConfig(_Section):
+    """Optional TLS. Empty files = plain HTTP and the drivers' own URL-driven behaviour."""
+    #: PEM server certificate (chain) of this process: the worker HTTP API and the coordinator's admin
+    #: API listen with HTTPS (TLS 1.2+) when set; empty = plain HTTP. Also offered as the client
+    #: certificate to NATS and PostgreSQL when ``ca_file`` is set and they ask for one.
+    cert_file: str = ""
+    #: PEM private key of ``cert_file`` (required with it).
+    key_file: str = ""
+    #: PEM CA bundle that verifies peers. When set, NATS and PostgreSQL connections use TLS
+    #: verified against it (hostname checked; a PostgreSQL server without TLS is refused, and
+    #: NATS must require TLS or be given a ``tls://`` URL); and clients of the HTTPS listeners
+    #: when ``require_client_cert``. Empty = the drivers decide with the system CAs: NATS from a
+    #: ``tls://`` URL, PostgreSQL from ``PGSSLMODE``/``PGSSLROOTCERT`` in the environment.
+    ca_file: str = ""
+    #: Mutual TLS on the HTTPS listeners: refuse clients without a certificate signed by ``ca_file``.
+    require_client_cert: bool = False
+
+    def __post_init__(self) -> None:
+        if self.cert_file and not self.key_file:
+            raise ValueError("tls.cert_file is set but tls.key_file is empty; both are needed to serve HTTPS")
+        if self.key_file and not self.cert_file:
+            raise ValueError("tls.key_file is set but tls.cert_file is empty; both are needed to serve HTTPS")
+        if self.require_client_cert and not self.ca_file:
+            raise ValueError("tls.require_client_cert needs tls.ca_file (the CA that signs client certificates)")
+        if self.require_client_cert and not self.cert_file:
+            raise ValueError("tls.require_client_cert needs tls.cert_file and tls.key_file (an HTTPS listener)")
+        for key in ("cert_file", "key_file", "ca_file"):
+            path = getattr(self, key)
+            if not path:
+                continue
+            try:
+                with open(path, "rb") as f:
+                    f.read(1)
+            except OSError as e:
+                raise ValueError(f"tls.{key}: cannot read {path}: {e.strerror or e}") from None
+
+
 class Config(_Section):
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     service: ServiceConfig = msgspec.field(default_factory=ServiceConfig)
@@ -168,6 +205,7 @@ class Config(_Section):
     worker: WorkerConfig = msgspec.field(default_factory=WorkerConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
     #: Where embedded services and local state live.
     state_dir: str = ".kvl-state"
 

@@ -170,11 +170,16 @@ class EmbeddedNats:
     data_dir: Path
     host: str = "127.0.0.1"
     port: int = 0
+    #: PEM certificate and key: the server then requires TLS (``tls://`` URL).
+    tls_cert: str = ""
+    tls_key: str = ""
+    #: With ``tls_cert``: also require client certificates signed by this CA.
+    tls_ca: str = ""
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{'tls' if self.tls_cert else 'nats'}://{self.host}:{self.port}"
 
     @staticmethod
     def binary() -> str:
@@ -188,9 +193,12 @@ class EmbeddedNats:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port(self.host)
         log = self.data_dir / "nats.log"
+        tls = ["--tls", "--tlscert", self.tls_cert, "--tlskey", self.tls_key] if self.tls_cert else []
+        if self.tls_cert and self.tls_ca:
+            tls += ["--tlsverify", "--tlscacert", self.tls_ca]
         self.proc = subprocess.Popen(
             [self.binary(), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.data_dir / "js"),
-             "-l", str(log)],
+             "-l", str(log), *tls],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         wait_tcp(self.host, self.port, timeout_s, self.proc, "embedded nats-server", log)
         return self

@@ -2,7 +2,8 @@
 
 Binds ``worker.host:worker.port``; port 0 picks a free port. The bound address is logged
 and printed on stdout as one line ``listening on http://HOST:PORT`` (flushed), so that
-tests and supervisors can find it.
+tests and supervisors can find it; ``https://`` when ``tls.cert_file`` is set (see
+:mod:`shared.tls`: TLS 1.2+, mutual TLS with ``tls.require_client_cert``).
 
 The runner cancels a request's handler when its client disconnects
 (``handler_cancellation``): the scheduler then cancels the request's work and the engine
@@ -15,6 +16,7 @@ from aiohttp import web
 
 from shared.config import Config
 from shared.logging import get_logger
+from shared.tls import http_scheme, server_context
 from worker.api import create_app
 from worker.engine import Engine
 from worker.scheduler import Scheduler
@@ -34,17 +36,18 @@ async def start_http(engine: Engine, cfg: Config, *, tokenizer: Tokenizer | None
     """Build the app (tokenizer from ``worker.model_dir``, a scheduler on ``engine``), bind, serve."""
     tokenizer = tokenizer or load_tokenizer(cfg.worker.model_dir, engine.model.cfg.vocab_size)
     scheduler = scheduler or Scheduler(engine, cfg.service)
+    ssl_context = server_context(cfg.tls)
     app = create_app(engine, cfg, tokenizer, scheduler)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, cfg.worker.host, cfg.worker.port)
+        site = web.TCPSite(runner, cfg.worker.host, cfg.worker.port, ssl_context=ssl_context)
         await site.start()
     except BaseException:
         await runner.cleanup()
         raise
     host, port = bound_address(runner)
-    url = f"http://{host}:{port}"
+    url = f"{http_scheme(cfg.tls)}://{host}:{port}"
     log.info("http_listening", url=url, tokenizer=tokenizer.name, max_concurrency=cfg.service.max_concurrency)
     print(f"listening on {url}", flush=True)
     return runner

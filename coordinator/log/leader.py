@@ -82,7 +82,7 @@ class LeaderElection:
         dsn = self.settings.url.replace("postgresql+asyncpg://", "postgresql://")
         return await asyncpg.connect(dsn, timeout=self.settings.connect_timeout_s,
                                      command_timeout=self.settings.statement_timeout_s,
-                                     server_settings=settings)
+                                     server_settings=settings, ssl=self.settings.ssl)
 
     async def acquire(self, poll_s: float | None = None,
                       on_wait: Callable[[str], Awaitable[None]] | None = None) -> int:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,7 @@ from coordinator.log.port import (
 )
 from coordinator.log.schema import events, leader, leader_renewal, snapshots
 from shared.embedded import asyncpg_url
+from shared.tls import client_context
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +61,17 @@ class PgSettings:
     statement_timeout_s: float = 6.0
     #: ``application_name`` of every session (a takeover terminates the old holder's sessions by it).
     application_name: str = "kvledger"
+    #: TLS context of every connection (``shared.tls.client_context``: set when ``tls.ca_file`` is);
+    #: ``None`` = asyncpg decides (``PGSSLMODE``; default ``prefer``: try TLS, fall back to plain).
+    ssl: ssl.SSLContext | None = None
 
     @classmethod
-    def from_config(cls, url: str, db_cfg: Any, application_name: str = "kvledger") -> "PgSettings":
+    def from_config(cls, url: str, db_cfg: Any, application_name: str = "kvledger",
+                    tls: Any = None) -> "PgSettings":
         connect = db_cfg.connect_timeout_ms / 1000
         return cls(url=url, pool_size=db_cfg.pool_size, connect_timeout_s=connect,
-                   statement_timeout_s=max(2 * connect, 5.0), application_name=application_name[:63])
+                   statement_timeout_s=max(2 * connect, 5.0), application_name=application_name[:63],
+                   ssl=client_context(tls) if tls is not None else None)
 
     def server_settings(self) -> dict[str, str]:
         return {
@@ -86,6 +93,8 @@ def create_engine(settings: PgSettings) -> AsyncEngine:
             "timeout": settings.connect_timeout_s,
             "command_timeout": settings.statement_timeout_s,
             "server_settings": settings.server_settings(),
+            # only when set: an explicit ssl=None would override a ?ssl= in the URL
+            **({"ssl": settings.ssl} if settings.ssl is not None else {}),
         },
     )
 

@@ -127,3 +127,38 @@ def test_example_config_is_valid() -> None:
     example = Path(__file__).parents[2] / "kvledger.example.yaml"
     cfg = load_config(example, env={})
     assert cfg.cache.block_size == 16
+
+
+def test_tls_section(tmp_path: Path) -> None:
+    cert, key, ca = (tmp_path / n for n in ("c.pem", "k.pem", "ca.pem"))
+    for f in (cert, key, ca):
+        f.write_text("PEM\n")
+    assert parse_config({}).tls.cert_file == ""
+    cfg = parse_config({"tls": {"cert_file": str(cert), "key_file": str(key), "ca_file": str(ca),
+                                "require_client_cert": True}})
+    assert (cfg.tls.cert_file, cfg.tls.key_file, cfg.tls.ca_file, cfg.tls.require_client_cert) == (
+        str(cert), str(key), str(ca), True)
+    assert load_config(env={"KVL_TLS__CA_FILE": str(ca)}).tls.ca_file == str(ca)
+
+
+@pytest.mark.parametrize(("tls", "message"), [
+    ({"cert_file": "{cert}"}, "tls.cert_file is set but tls.key_file is empty"),
+    ({"key_file": "{key}"}, "tls.key_file is set but tls.cert_file is empty"),
+    ({"cert_file": "{cert}", "key_file": "{key}", "require_client_cert": True},
+     "tls.require_client_cert needs tls.ca_file"),
+    ({"ca_file": "{ca}", "require_client_cert": True}, "tls.require_client_cert needs tls.cert_file"),
+    ({"cert_file": "{missing}", "key_file": "{key}"}, "tls.cert_file: cannot read .*missing.pem: No such file"),
+    ({"cert_file": "{cert}", "key_file": "{missing}"}, "tls.key_file: cannot read .*missing.pem"),
+    ({"ca_file": "{missing}"}, "tls.ca_file: cannot read .*missing.pem"),
+    ({"ca_file": "{dir}"}, "tls.ca_file: cannot read"),
+    ({"require_client_cert": "yes"}, "config key tls.require_client_cert: Expected `bool`"),
+    ({"certfile": "x"}, "config key tls.certfile: unknown key; allowed here: ca_file, cert_file, key_file"),
+])
+def test_tls_errors_name_the_key(tmp_path: Path, tls: dict, message: str) -> None:
+    paths = {"cert": tmp_path / "c.pem", "key": tmp_path / "k.pem", "ca": tmp_path / "ca.pem",
+             "missing": tmp_path / "missing.pem", "dir": tmp_path}
+    for k in ("cert", "key", "ca"):
+        paths[k].write_text("PEM\n")
+    doc = {k: v.format(**{n: str(p) for n, p in paths.items()}) if isinstance(v, str) else v for k, v in tls.items()}
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"tls": doc})

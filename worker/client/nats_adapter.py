@@ -10,6 +10,7 @@ subscriptions are restored by nats-py after a reconnect.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from typing import Any
 
 import msgspec
@@ -32,8 +33,10 @@ _TRANSIENT_CODES = (m.ErrorCode.UNAVAILABLE, m.ErrorCode.NOT_LEADER)
 
 class NatsCoordinatorClient:
     def __init__(self, url: str, subjects: Subjects, *, timeout_s: float = 2.0, name: str = "kvl-worker",
-                 max_part_bytes: int = 0) -> None:
+                 max_part_bytes: int = 0, tls: ssl.SSLContext | None = None) -> None:
         self.url = url
+        #: TLS context (``shared.tls.client_context``); ``None`` = nats-py's default (``tls://`` URLs).
+        self.tls = tls
         self.subjects = subjects
         self.timeout_s = timeout_s
         self.name = name
@@ -56,7 +59,8 @@ class NatsCoordinatorClient:
         try:
             self._nc = await nats.connect(self.url, name=self.name, connect_timeout=1, reconnect_time_wait=0.5,
                                           max_reconnect_attempts=-1, allow_reconnect=True,
-                                          error_cb=self._on_error, disconnected_cb=self._on_disconnect)
+                                          error_cb=self._on_error, disconnected_cb=self._on_disconnect,
+                                          **({"tls": self.tls} if self.tls is not None else {}))
         except (OSError, asyncio.TimeoutError, nats.errors.Error) as e:
             self._nc = None
             raise CoordinatorUnavailable(f"cannot connect to NATS at {mask_credentials(self.url)}: {e}") from e
