@@ -15,6 +15,7 @@ import contextlib
 import shutil
 import ssl
 import subprocess
+import uuid
 import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -273,3 +274,28 @@ async def test_postgres_connections_carry_the_context(certs: dict[str, str], dat
         await log.close()
     conn = await LeaderElection(plain, make_holder_id(), renew_interval_s=1, takeover_after_s=5)._connect()
     await conn.close()
+
+
+async def test_coordinator_nats_connect_uses_the_ca(certs: dict[str, str], tls_nats: EmbeddedNats,
+                                                    database_url: str) -> None:
+    """``Coordinator.start``: with ``tls.ca_file`` it gets past NATS (what stops it, if anything, is
+    this test's PostgreSQL without TLS); without, the TLS-only NATS refuses it."""
+    from coordinator.nats_service import StartupError
+    from coordinator.runtime import Coordinator
+    from shared.logging import get_logger
+
+    base = _as_doc(fast_config(database_url, tls_nats.url, Subjects(f"tls{uuid.uuid4().hex[:8]}")))
+    for tls, nats_ok in (({"ca_file": certs["ca"]}, True), ({}, False)):
+        cfg = parse_config({**base, "tls": tls})
+        coord = Coordinator(cfg, database_url=database_url, nats_url=tls_nats.url, logger=get_logger("test"))
+        try:
+            try:
+                await coord.start()
+            except StartupError as e:
+                assert ("cannot connect to NATS" in str(e)) != nats_ok, e
+            if nats_ok:
+                assert coord.nc is not None and coord.nc.is_connected
+            else:
+                assert coord.nc is None
+        finally:
+            await coord.stop()
