@@ -70,7 +70,7 @@ def _with_database(cfg: Config, action: Any) -> Any:
         url = embedded.url
 
     async def go() -> Any:
-        engine = create_engine(PgSettings.from_config(url, cfg.database, application_name="kvledger-db"))
+        engine = create_engine(PgSettings.from_config(url, cfg.database, application_name="kvledger-db", tls=cfg.tls))
         try:
             return await action(engine)
         finally:

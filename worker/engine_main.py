@@ -37,6 +37,7 @@ import torch
 from shared.config import Config, ConfigError, load_config
 from shared.logging import configure_logging, get_logger, mask_credentials
 from shared.subjects import Subjects
+from shared.tls import client_context
 from worker.client.nats_adapter import NatsCoordinatorClient
 from worker.engine import Engine, Sampling
 from worker.http_server import bound_address, start_http
@@ -85,17 +86,20 @@ def decode_logits(reply: dict[str, Any]) -> torch.Tensor | None:
 class DebugService:
     """The worker's debug subjects, on a NATS connection of their own."""
 
-    def __init__(self, engine: Engine, url: str, subjects: Subjects, tenants: TenantDirectory) -> None:
+    def __init__(self, engine: Engine, url: str, subjects: Subjects, tenants: TenantDirectory,
+                 tls: Any = None) -> None:
         self.engine = engine
         self.url = url
         self.subjects = subjects
         self.tenants = tenants
+        self.tls = tls
         self._nc: Any = None
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         import nats
         self._nc = await nats.connect(self.url, name=f"kvl-worker-debug-{self.engine.worker_id}",
+                                      **({"tls": self.tls} if self.tls is not None else {}),
                                       max_reconnect_attempts=-1, reconnect_time_wait=0.5)
         for what, handler in (("generate", self._generate), ("health", self._health),
                               ("metrics", self._metrics), ("flush", self._flush)):
@@ -163,11 +167,12 @@ async def serve(cfg: Config) -> int:
     torch.set_num_threads(int(os.environ.get("KVL_TORCH_THREADS", "1")))
     model = load_model(cfg)
     subjects = Subjects(cfg.nats.subject_prefix)
-    client = NatsCoordinatorClient(cfg.nats.url, subjects, timeout_s=cfg.nats.request_timeout_ms / 1000)
+    client = NatsCoordinatorClient(cfg.nats.url, subjects, timeout_s=cfg.nats.request_timeout_ms / 1000,
+                                   tls=client_context(cfg.tls))
     engine = Engine(model, cfg, client)
     client.name = f"kvl-worker-{engine.worker_id}"
-    debug = DebugService(engine, cfg.nats.url, subjects, TenantDirectory.from_config(cfg.auth)) \
-        if cfg.worker.debug_subjects else None
+    debug = DebugService(engine, cfg.nats.url, subjects, TenantDirectory.from_config(cfg.auth),
+                         client_context(cfg.tls)) if cfg.worker.debug_subjects else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
