@@ -161,6 +161,15 @@ class Worker:
                 self.watermark = max(self.watermark, wm.seq)
         self._wm_sub = await self.nc.subscribe(self.subjects.watermark(self.worker_id), cb=on)
 
+    async def fill(self, hashes: list[str]) -> Any:
+        """A write lease for ``hashes``, every block committed and acknowledged by the watermark
+        (call :meth:`watch_watermarks` first); returns the grant."""
+        grant = await self.acquire(hashes)
+        for i in range(len(hashes)):
+            await self.publish(self.commit(hashes, i, grant.lease_id))
+        await self.wait_watermark(self.seq)
+        return grant
+
     async def wait_watermark(self, seq: int, timeout_s: float = 10) -> None:
         deadline = time.monotonic() + timeout_s
         while self.watermark < seq:

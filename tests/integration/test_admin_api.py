@@ -34,10 +34,7 @@ async def stack(database_url: str, nats_url: str, subjects: Subjects) -> AsyncIt
             await w.register()
             await w.watch_watermarks()
             hashes = [block(i) for i in range(4)]
-            grant = await w.acquire(hashes)
-            for i in range(4):
-                await w.publish(w.commit(hashes, i, grant.lease_id))
-            await w.wait_watermark(4)
+            grant = await w.fill(hashes)
             reader = await w.acquire(hashes, write=False)  # pins the four READY replicas
             yield {"app": app, "base": base, "http": http, "nc": nc, "worker": w, "hashes": hashes,
                    "lease": reader.lease_id, "subjects": subjects}

@@ -46,10 +46,7 @@ async def stack(database_url: str, nats_url: str, subjects: Subjects) -> AsyncIt
             await w.register()
             await w.watch_watermarks()
             hashes = [block(i) for i in range(4)]
-            grant = await w.acquire(hashes)
-            for i in range(4):
-                await w.publish(w.commit(hashes, i, grant.lease_id))
-            await w.wait_watermark(4)
+            await w.fill(hashes)
             yield {"app": app, "base": base}
         finally:
             await nc.drain()
