@@ -307,6 +307,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     if isinstance(status_doc, dict):
         total = status_doc.get("position")
     body = {"replay_from": args.replay_from, "check_workers": not args.no_workers, "timeout_ms": args.worker_timeout_ms}
+    if args.disk_checks is not None:
+        body["disk_checks"] = args.disk_checks
     what = f"auditing: replaying {total:,} events" if total else "auditing"
     with progress(what, None, not args.json):
         report = client.call("POST", "/v1/audit", body=body, timeout_s=max(args.timeout, 600.0))
@@ -333,7 +335,10 @@ def _print_audit(r: dict[str, Any]) -> None:
         ["log errors", len(r.get("log_errors", []))],
         ["workers checked", ", ".join(r.get("workers_checked", [])) or "-"],
         ["workers unreachable", ", ".join(f"{w} ({why})" for w, why in r.get("workers_unreachable", {}).items()) or "-"],
+        ["workers skipped", ", ".join(f"{w} ({why})" for w, why in (r.get("workers_skipped") or {}).items()) or "-"],
+        ["tiers (ledger READY / held)", _tiers(r.get("inventory") or {}) or "-"],
         ["drift", ", ".join(r.get("drift", {})) or "none"],
+        ["disk", _disk(r.get("disk"))],
         ["took", f"{r.get('duration_ms')} ms"],
     ]
     from rich.table import Table
@@ -349,8 +354,44 @@ def _print_audit(r: dict[str, Any]) -> None:
             con.print(f"  {key}: {line}")
     for wid, d in r.get("drift", {}).items():
         for kind, detail in d.items():
+            if kind == "tiers":
+                for loc, t in detail.items():
+                    con.print(f"  drift on {wid}: {loc}: {t.get('ledger_only', 0)} listed READY but not held, "
+                              f"{t.get('worker_only', 0)} held but not listed")
+                continue
             count = detail.get("count") if isinstance(detail, dict) and "count" in detail else detail
             con.print(f"  drift on {wid}: {kind}: {count}")
+    disk = r.get("disk") or {}
+    for kind in ("missing", "damaged"):
+        for ref in (disk.get(kind) or {}).get("replicas", [])[:20]:
+            con.print(f"  disk {kind}: {' '.join(map(str, ref))}")
+
+
+def _disk_checks(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 1024:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of files from 0 to 1024")
+    return n
+
+
+def _tiers(inventory: dict[str, Any]) -> str:
+    """``worker: gpu:w 71/71, host:w 23/21`` per worker (ledger READY / held by the worker)."""
+    return "; ".join(f"{wid}: " + ", ".join(f"{loc} {c.get('ledger_ready', '?')}/{c.get('worker', '?')}"
+                                            for loc, c in sorted(tiers.items()))
+                     for wid, tiers in sorted(inventory.items()) if isinstance(tiers, dict))
+
+
+def _disk(disk: Any) -> str:
+    if not isinstance(disk, dict) or not disk:
+        return "-"
+    if disk.get("skipped"):
+        return f"not checked: {disk['skipped']}"
+    return (f"{disk.get('checked', 0)} of {disk.get('ledger_ready', 0)} READY files verified by "
+            f"{disk.get('worker', '-')}{' (a sample)' if disk.get('sampled') else ''}: missing "
+            f"{(disk.get('missing') or {}).get('count', 0)}, damaged {(disk.get('damaged') or {}).get('count', 0)}")
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
@@ -512,6 +553,8 @@ def register(sub: Any) -> None:
                    help="replay from an empty state (default, the strongest check) or the latest snapshot")
     p.add_argument("--no-workers", action="store_true", help="do not ask the workers for their inventories")
     p.add_argument("--worker-timeout-ms", type=int, default=2000, help="how long each worker may take to answer")
+    p.add_argument("--disk-checks", type=_disk_checks, metavar="N", default=None,
+                   help="disk-tier files one worker verifies (a random sample; 0 = none; default: the server's, 64)")
 
     add("snapshot", cmd_snapshot, "save a snapshot of the live state now (replay after a restart starts there)")
 

@@ -141,11 +141,20 @@ def test_audit_exit_code_and_report(stub: Stub, capsys: pytest.CaptureFixture[st
     assert stub.requests[-1]["body"] == {"replay_from": "snapshot", "check_workers": False, "timeout_ms": 2000}
 
     bad = {**report, "ok": False, "hash_match": False, "replay_hash": "x",
-           "drift": {"worker-0": {"missing_on_worker": {"count": 2, "replicas": []}}}}
+           "drift": {"worker-0": {"missing_on_worker": {"count": 2, "replicas": []},
+                                  "tiers": {"host:worker-0": {"ledger_only": 2, "worker_only": 0}}}},
+           "inventory": {"worker-0": {"gpu:worker-0": {"ledger_ready": 71, "worker": 71},
+                                      "host:worker-0": {"ledger_ready": 23, "worker": 21}}},
+           "disk": {"ledger_ready": 584, "checked": 64, "worker": "worker-0", "sampled": True,
+                    "missing": {"count": 1, "replicas": [["ab" * 16, "swa", "disk"]]}, "damaged": {"count": 0}}}
     stub.routes[("POST", "/v1/audit")] = (200, bad)
-    assert run(stub, "audit") == 3
+    assert run(stub, "audit", "--disk-checks", "8") == 3
     out = capsys.readouterr().out
     assert "PROBLEMS FOUND" in out and "DIFFERENT" in out and "drift on worker-0: missing_on_worker: 2" in out
+    assert "host:worker-0: 2 listed READY but not held, 0 held but not listed" in out
+    assert "64 of 584 READY files verified by worker-0 (a sample): missing 1, damaged 0" in out
+    assert "host:worker-0 23/21" in out and f"disk missing: {'ab' * 16} swa disk" in out
+    assert stub.requests[-1]["body"]["disk_checks"] == 8
 
 
 def test_events_follow_polls_after_the_last_position(stub: Stub, capsys: pytest.CaptureFixture[str],
