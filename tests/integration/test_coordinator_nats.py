@@ -256,12 +256,11 @@ async def test_heartbeats_are_soft_state_and_a_resumed_worker_keeps_its_cache(
         async with running_coordinator(cfg) as (app, base):
             w = Worker(nc, subjects)
             await w.register()
+            await w.watch_watermarks()
             hashes = [block(i) for i in range(3)]
-            grant = await w.acquire(hashes)
-            for i in range(3):
-                await w.publish(w.commit(hashes, i, grant.lease_id))
+            grant = await w.fill(hashes)                            # committed, acknowledged
             ledger = app[COORDINATOR].ledger
-            await _until(lambda: ledger.state.committed_seq("w1", 1) == 3)
+            assert ledger.state.committed_seq("w1", 1) == 3
             await w.release(grant.lease_id)
             head = ledger.position
             for _ in range(20):
@@ -311,11 +310,8 @@ async def test_a_large_inventory_resumes_in_parts(database_url: str, nats_url: s
         async with running_coordinator(cfg) as (app, base):
             w = Worker(nc, subjects)
             await w.register()
-            hashes = [block(i) for i in range(12)]
-            grant = await w.acquire(hashes)
-            for i in range(12):
-                await w.publish(w.commit(hashes, i, grant.lease_id))
-            await _until(lambda: app[COORDINATOR].ledger.state.committed_seq("w1", 1) == 12)
+            await w.watch_watermarks()
+            await w.fill([block(i) for i in range(12)])            # all in the log before the restart
         async with running_coordinator(cfg) as (app, base):    # restarted: w1 suspended
             await client.connect()
             forged = replica_digest(block(99), "compressed", "gpu:w1", 1, "c99")

@@ -265,14 +265,9 @@ async def test_the_coordinator_works_end_to_end_as_the_app_role(
         async with running_coordinator(cfg) as (app, base):
             w = Worker(nc, subjects)
             await w.register()
-            hashes = [block(i) for i in range(3)]
-            grant = await w.acquire(hashes)
-            for i in range(3):
-                await w.publish(w.commit(hashes, i, grant.lease_id))
-            deadline = time.monotonic() + 10
-            while app[COORDINATOR].ledger.state.committed_seq("w1", 1) != 3:
-                assert time.monotonic() < deadline, "the transitions were not committed"
-                await asyncio.sleep(0.05)
+            await w.watch_watermarks()
+            grant = await w.fill([block(i) for i in range(3)])     # the transitions are committed
+            assert app[COORDINATOR].ledger.state.committed_seq("w1", 1) == 3
             async with aiohttp.ClientSession() as http:
                 async with http.post(f"{base}/v1/snapshot") as r:
                     snap = await r.json()
