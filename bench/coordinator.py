@@ -469,7 +469,7 @@ class BenchWorker:
 
     async def register(self) -> None:
         from shared.messages import ErrorReply, WorkerRegister
-        r = await self.request(self.subjects.worker_register, WorkerRegister(
+        r = await self.request(self.subjects.request("register", self.worker_id), WorkerRegister(
             worker_id=self.worker_id, namespace=NS, catalogue=catalogue(), pool_slots={"compressed": self.slots}))
         if isinstance(r, ErrorReply):
             raise RuntimeError(f"register refused: {r.code}: {r.message}")
@@ -493,7 +493,7 @@ class BenchWorker:
             await asyncio.sleep(interval)
             seen = len(self.resumes)
             try:
-                r = decode((await self.nc.request(self.subjects.worker_heartbeat, data, timeout=10)).data)
+                r = decode((await self.nc.request(self.subjects.request("heartbeat", self.worker_id), data, timeout=10)).data)
             except Exception:  # noqa: BLE001 - no coordinator answering (a takeover under way): next beat
                 self.heartbeats_refused += 1
                 continue
@@ -541,7 +541,7 @@ class BenchWorker:
             i = 0
             while True:
                 try:
-                    r = decode((await self.nc.request(self.subjects.worker_resume, parts[i], timeout=10)).data)
+                    r = decode((await self.nc.request(self.subjects.request("resume", self.worker_id), parts[i], timeout=10)).data)
                 except (nats.errors.NoRespondersError, nats.errors.TimeoutError, asyncio.TimeoutError) as e:
                     # no coordinator answering yet (between the old leader and the new one): retry
                     r = ErrorReply(code=ErrorCode.UNAVAILABLE, message=f"{type(e).__name__}: {e}",
@@ -655,7 +655,7 @@ async def ingest_phase(nc: Any, coord: CoordinatorProc, w: BenchWorker, db_url: 
     leases: list[tuple[str, list[str]]] = []
     for k in range(0, n, SETUP_LEASE_BLOCKS):
         chunk = hashes[k:k + SETUP_LEASE_BLOCKS]
-        g = await w.request(w.subjects.lease_acquire, w.acquire(chunk, write=True, reuse=False))
+        g = await w.request(w.subjects.request("acquire", w.worker_id), w.acquire(chunk, write=True, reuse=False))
         if isinstance(g, ErrorReply) or not isinstance(g, LeaseGrant):
             raise RuntimeError(f"setup lease refused: {g}")
         if g.write.get("compressed") != list(range(len(chunk))):
@@ -714,7 +714,7 @@ async def ingest_phase(nc: Any, coord: CoordinatorProc, w: BenchWorker, db_url: 
 
     # Put the log back as a worker would leave it: every lease released (nothing to abort).
     for lease_id, _ in leases:
-        await w.request(w.subjects.lease_release, w.release(lease_id))
+        await w.request(w.subjects.request("release", w.worker_id), w.release(lease_id))
 
     copy_rate = statistics.fmean([n / copy1, n / copy2])
     rate = n / t_ingest
@@ -751,7 +751,7 @@ async def lease_phase(nc: Any, nats_url: str, coord: CoordinatorProc, w: BenchWo
     s = w.subjects
 
     async def leases(payloads: list[bytes], inflight: int = inflight) -> tuple[float, list[float], list[LeaseGrant]]:
-        wall, lat, replies = await drive(nc, s.lease_acquire, payloads, inflight, recover=w.recover)
+        wall, lat, replies = await drive(nc, s.request("acquire", w.worker_id), payloads, inflight, recover=w.recover)
         grants = [decode(r) for r in replies]
         bad = [g for g in grants if not isinstance(g, LeaseGrant)]
         if bad:
@@ -760,7 +760,7 @@ async def lease_phase(nc: Any, nats_url: str, coord: CoordinatorProc, w: BenchWo
 
     async def releases(grants: list[LeaseGrant]) -> tuple[float, list[float], list[bytes]]:
         payloads = [encode(w.release(g.lease_id)) for g in grants]
-        wall, lat, replies = await drive(nc, s.lease_release, payloads, inflight, recover=w.recover)
+        wall, lat, replies = await drive(nc, s.request("release", w.worker_id), payloads, inflight, recover=w.recover)
         bad = [r for r in map(decode, replies) if not isinstance(r, LeaseReleased)]
         if bad:
             raise RuntimeError(f"{len(bad)} of {len(replies)} releases refused, e.g. {bad[0]}")
@@ -1248,7 +1248,7 @@ async def commit_blocks(nc: Any, w: BenchWorker, hashes: list[str]) -> None:
     """Fill ``hashes`` as a worker would: a write lease, one commit transition per block through
     JetStream, the commit watermark, then the release; the worker then holds them READY."""
     from shared.messages import LeaseGrant, encode, now_ms
-    g = await w.request(w.subjects.lease_acquire, w.acquire(hashes, write=True, reuse=False))
+    g = await w.request(w.subjects.request("acquire", w.worker_id), w.acquire(hashes, write=True, reuse=False))
     if not isinstance(g, LeaseGrant) or g.write.get("compressed") != list(range(len(hashes))):
         raise RuntimeError(f"setup lease refused or partial: {g}")
     js = nc.jetstream(timeout=30)
@@ -1261,7 +1261,7 @@ async def commit_blocks(nc: Any, w: BenchWorker, hashes: list[str]) -> None:
         pairs.append((hashes[i], w.emitted_seq))
     await w.wait_watermark(w.emitted_seq, 60)
     w.note_committed(pairs)
-    await w.request(w.subjects.lease_release, w.release(g.lease_id))
+    await w.request(w.subjects.request("release", w.worker_id), w.release(g.lease_id))
 
 
 async def churn(w: BenchWorker, cached: list[str], stop: asyncio.Event, grants: list[tuple[float, float]]) -> int:
@@ -1279,7 +1279,7 @@ async def churn(w: BenchWorker, cached: list[str], stop: asyncio.Event, grants: 
                                             for j in range(PROMPT_BLOCKS - CACHED_BLOCKS)]
         t0 = time.perf_counter()
         try:
-            g = await w.request(w.subjects.lease_acquire, w.acquire(hs, write=True, reuse=True, request_id=f"t{k}"),
+            g = await w.request(w.subjects.request("acquire", w.worker_id), w.acquire(hs, write=True, reuse=True, request_id=f"t{k}"),
                                 timeout=TAKEOVER_REQUEST_TIMEOUT_S)
         except (RuntimeError, asyncio.CancelledError):
             raise
@@ -1291,7 +1291,7 @@ async def churn(w: BenchWorker, cached: list[str], stop: asyncio.Event, grants: 
             continue
         grants.append((t0, time.perf_counter()))
         try:
-            await w.request(w.subjects.lease_release, w.release(g.lease_id), timeout=TAKEOVER_REQUEST_TIMEOUT_S)
+            await w.request(w.subjects.request("release", w.worker_id), w.release(g.lease_id), timeout=TAKEOVER_REQUEST_TIMEOUT_S)
         except (RuntimeError, asyncio.CancelledError):
             raise
         except Exception:  # noqa: BLE001 - as above; the lease then stays until the worker's resume or its TTL

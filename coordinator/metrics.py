@@ -43,6 +43,9 @@ class CoordinatorMetrics:
         self.log_position = Gauge("kvl_coordinator_log_position", "Last committed log position", registry=r)
         self.malformed = Counter("kvl_coordinator_malformed_messages", "Malformed NATS messages by subject kind",
                                  ["kind"], registry=r)
+        self.forbidden = Counter("kvl_coordinator_forbidden_messages",
+                                 "Messages refused because they speak for another worker than their subject's", ["op"],
+                                 registry=r)
 
     def on_batch(self, events: int, seconds: float, ok: bool) -> None:
         if ok:

@@ -66,7 +66,8 @@ def error_kind(e: MessageError) -> str:
     """What was wrong with a message's shape, without repeating any of its content."""
     text = str(e)
     for prefix, kind in (("not a kvledger message", "not_json_object"), ("unknown message type", "unknown_type"),
-                         ("expected a message of type", "wrong_type")):
+                         ("expected a message of type", "wrong_type"),
+                         ("transition of worker", "identity_mismatch")):
         if text.startswith(prefix):
             return kind
     return "bad_version" if "schema version" in text else "invalid_fields"
@@ -128,11 +129,11 @@ class NatsService:
         if self._subs:
             return
         s = self.subjects
-        for subject, op in ((s.worker_register, "register"), (s.worker_resume, "resume"),
-                            (s.lease_acquire, "acquire"), (s.lease_renew, "renew"), (s.lease_release, "release")):
-            self._subs.append(await self.nc.subscribe(subject, queue=COORDINATOR_QUEUE,
+        for op in ("register", "resume", "acquire", "renew", "release"):
+            self._subs.append(await self.nc.subscribe(s.requests_wildcard(op), queue=COORDINATOR_QUEUE,
                                                       cb=self._dispatcher(_OPS[op])))
-        self._subs.append(await self.nc.subscribe(s.worker_heartbeat, queue=COORDINATOR_QUEUE, cb=self._heartbeat))
+        self._subs.append(await self.nc.subscribe(s.requests_wildcard("heartbeat"), queue=COORDINATOR_QUEUE,
+                                                  cb=self._heartbeat))
         self.log.info("requests_subscribed", queue=COORDINATOR_QUEUE, prefix=s.prefix)
 
     async def stop_requests(self) -> None:
@@ -171,15 +172,26 @@ class NatsService:
         await self._answer(_HEARTBEAT, msg, t0, reply)
 
     def _request(self, op: _Op, msg: Msg) -> Any:
-        """The decoded request, or the ErrorReply for a malformed one."""
+        """The decoded request, or the ErrorReply for a malformed one or one that speaks for
+        another worker than the subject it arrived on (the subject is what NATS permissions
+        bind to the sender's identity)."""
         try:
-            return decode(msg.data, expect=op.type)
+            req = decode(msg.data, expect=op.type)
         except Exception as e:  # noqa: BLE001 - whatever the bytes do to the decoder (RecursionError...), INVALID
             kind = error_kind(e) if isinstance(e, MessageError) else "undecodable"
             self.metrics.malformed.labels(kind=op.name).inc()
             self.log.warning("malformed_request", op=op.name, size=len(msg.data), error_kind=kind)
             text = str(e) if isinstance(e, MessageError) else f"undecodable message ({type(e).__name__})"
             return ErrorReply(code=ErrorCode.INVALID, message=text[:1000])
+        sender = self.subjects.request_worker(msg.subject)
+        if sender != req.worker_id:
+            self.metrics.forbidden.labels(op=op.name).inc()
+            self.log.warning("request_identity_mismatch", op=op.name, subject_worker=sender,
+                             message_worker=req.worker_id)
+            return ErrorReply(code=ErrorCode.FORBIDDEN,
+                              message=f"a request for worker {req.worker_id} must arrive on its own subject "
+                                      f"({self.subjects.request(op.name, req.worker_id)}), not on {msg.subject}")
+        return req
 
     def _assemble(self, req: WorkerResume) -> WorkerResume | ResumeReply | ErrorReply:
         """A multi-part resume: keep the parts until the last; then the whole inventory."""
@@ -398,6 +410,7 @@ class NatsService:
             try:
                 t = decode(msg.data, expect=TransitionEvent)
                 if msg.subject != self.subjects.events(t.worker_id):
+                    self.metrics.forbidden.labels(op="transition").inc()
                     raise MessageError(f"transition of worker {t.worker_id} arrived on another worker's subject")
             except Exception as e:  # noqa: BLE001 - a message that cannot be decoded is terminated, never redelivered
                 kind = (error_kind(e) if isinstance(e, MessageError) else "bad_worker_id" if isinstance(e, ValueError)

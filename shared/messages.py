@@ -43,6 +43,7 @@ class ErrorCode(enum.StrEnum):
     NOT_FOUND = "not_found"            # unknown lease, worker or block
     NOT_LEADER = "not_leader"          # this coordinator is a standby
     SUSPENDED = "suspended"            # the caller's epoch is suspended: resume with an inventory first
+    FORBIDDEN = "forbidden"            # the message speaks for another identity than the one it came from
 
 
 class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type", kw_only=True):

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
 #: Queue group of the coordinator's request/reply service.
 COORDINATOR_QUEUE = "kvl-coordinator"
+#: Worker → coordinator requests; each has its own subject per worker (:meth:`Subjects.request`).
+REQUEST_OPS = ("register", "resume", "heartbeat", "acquire", "renew", "release")
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,19 +23,25 @@ class Subjects:
         if not all(_TOKEN.match(p) for p in self.prefix.split(".")):
             raise ValueError(f"subject prefix {self.prefix!r}: dot-separated tokens of letters, digits, '_' or '-'")
 
-    # request/reply to the coordinator
-    @property
-    def lease_acquire(self) -> str: return f"{self.prefix}.lease.acquire"
-    @property
-    def lease_renew(self) -> str: return f"{self.prefix}.lease.renew"
-    @property
-    def lease_release(self) -> str: return f"{self.prefix}.lease.release"
-    @property
-    def worker_register(self) -> str: return f"{self.prefix}.worker.register"
-    @property
-    def worker_heartbeat(self) -> str: return f"{self.prefix}.worker.heartbeat"
-    @property
-    def worker_resume(self) -> str: return f"{self.prefix}.worker.resume"
+    # request/reply to the coordinator: one subject per worker and operation, so that NATS
+    # permissions can confine each worker to its own (``<prefix>.req.<worker>.<op>``)
+    def request(self, op: str, worker_id: str) -> str:
+        if op not in REQUEST_OPS:
+            raise ValueError(f"unknown request operation {op!r}")
+        _check_token(worker_id)
+        return f"{self.prefix}.req.{worker_id}.{op}"
+    def requests_wildcard(self, op: str) -> str:
+        """What the coordinator subscribes to for ``op`` (every worker's)."""
+        if op not in REQUEST_OPS:
+            raise ValueError(f"unknown request operation {op!r}")
+        return f"{self.prefix}.req.*.{op}"
+    def request_worker(self, subject: str) -> str | None:
+        """The worker id a request subject names (``None``: not a request subject of this prefix)."""
+        head = f"{self.prefix}.req."
+        if not subject.startswith(head):
+            return None
+        rest = subject[len(head):].split(".")
+        return rest[0] if len(rest) == 2 and rest[1] in REQUEST_OPS else None
 
     # JetStream transitions
     @property

@@ -780,7 +780,7 @@ async def forge_resumes(run: Run) -> dict[str, tuple[str, str]]:
     for wid, epoch, why in (stale, ("ghost", 1, "a worker that never registered")):
         res = m.WorkerResume(worker_id=wid, epoch=epoch, namespace=wa["namespace"], catalogue=catalogue,
                              held=bytes(8))
-        reply = m.decode((await stack.nc.request(stack.subjects.worker_resume, m.encode(res), timeout=10)).data)
+        reply = m.decode((await stack.nc.request(stack.subjects.request("resume", wid), m.encode(res), timeout=10)).data)
         out[why] = (reply.code.value if isinstance(reply, m.ErrorReply) else type(reply).__name__, wid, epoch)
     await asyncio.sleep(0.5)
     log = stack.coordinator.tail(20_000) if stack.coordinator is not None else ""

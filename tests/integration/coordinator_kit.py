@@ -104,7 +104,7 @@ class Worker:
         return decode(reply.data)
 
     async def register(self) -> Any:
-        reply = await self.request(self.subjects.worker_register, WorkerRegister(
+        reply = await self.request(self.subjects.request("register", self.worker_id), WorkerRegister(
             worker_id=self.worker_id, namespace=NS, catalogue=CATALOGUE, pool_slots={"compressed": self.slots}))
         assert not isinstance(reply, ErrorReply), reply
         self.epoch = reply.epoch
@@ -114,25 +114,25 @@ class Worker:
 
     async def resume(self, timeout: float = 5.0) -> Any:
         """Keep the epoch after an outage, claiming every replica this worker committed."""
-        return await self.request(self.subjects.worker_resume, WorkerResume(
+        return await self.request(self.subjects.request("resume", self.worker_id), WorkerResume(
             worker_id=self.worker_id, epoch=self.epoch, namespace=NS, catalogue=CATALOGUE,
             pool_slots={"compressed": self.slots}, emitted_seq=self.seq, held=b"".join(self.held.values())), timeout)
 
     async def heartbeat(self, timeout: float = 5.0) -> Any:
-        return await self.request(self.subjects.worker_heartbeat,
+        return await self.request(self.subjects.request("heartbeat", self.worker_id),
                                   Heartbeat(worker_id=self.worker_id, epoch=self.epoch), timeout)
 
     async def acquire(self, hashes: list[str], write: bool = True, timeout: float = 5.0) -> Any:
-        return await self.request(self.subjects.lease_acquire, LeaseAcquire(
+        return await self.request(self.subjects.request("acquire", self.worker_id), LeaseAcquire(
             worker_id=self.worker_id, epoch=self.epoch, namespace=NS, block_hashes=hashes,
             write_forms=["compressed"] if write else []), timeout)
 
     async def renew(self, lease_id: str) -> Any:
-        return await self.request(self.subjects.lease_renew,
+        return await self.request(self.subjects.request("renew", self.worker_id),
                                   LeaseRenew(worker_id=self.worker_id, epoch=self.epoch, lease_id=lease_id))
 
     async def release(self, lease_id: str) -> Any:
-        return await self.request(self.subjects.lease_release,
+        return await self.request(self.subjects.request("release", self.worker_id),
                                   LeaseRelease(worker_id=self.worker_id, epoch=self.epoch, lease_id=lease_id))
 
     def commit(self, hashes: list[str], index: int, lease_id: str, seq: int | None = None) -> TransitionEvent:

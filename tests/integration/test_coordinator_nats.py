@@ -144,13 +144,13 @@ async def test_malformed_requests_get_an_error_reply_and_a_warning_without_conte
         nc = await nats.connect(nats_url)
         try:
             bad = [
-                (subjects.lease_acquire, b"\x00\xff not json"),
-                (subjects.lease_acquire, b'{"type": "worker.heartbeat", "v": 1, "worker_id": "w", "epoch": 1}'),
-                (subjects.worker_register, b'{"type": "worker.register", "v": 1, "worker_id": 7}'),
-                (subjects.lease_renew, ('{"type": "%s", "v": 1}' % secret).encode()),
-                (subjects.worker_heartbeat, b'{"type": "worker.heartbeat", "v": 999, "worker_id": "w", "epoch": 1}'),
-                (subjects.lease_release, b""),
-                (subjects.worker_heartbeat, b"[1, 2, 3]"),
+                (subjects.request("acquire", "w"), b"\x00\xff not json"),
+                (subjects.request("acquire", "w"), b'{"type": "worker.heartbeat", "v": 1, "worker_id": "w", "epoch": 1}'),
+                (subjects.request("register", "w"), b'{"type": "worker.register", "v": 1, "worker_id": 7}'),
+                (subjects.request("renew", "w"), ('{"type": "%s", "v": 1}' % secret).encode()),
+                (subjects.request("heartbeat", "w"), b'{"type": "worker.heartbeat", "v": 999, "worker_id": "w", "epoch": 1}'),
+                (subjects.request("release", "w"), b""),
+                (subjects.request("heartbeat", "w"), b"[1, 2, 3]"),
             ]
             with capture_logs() as logs:
                 for subject, data in bad:
@@ -318,7 +318,7 @@ async def test_a_large_inventory_resumes_in_parts(database_url: str, nats_url: s
             held = b"".join(w.held.values()) + forged
             msg = WorkerResume(worker_id="w1", epoch=1, namespace=NS, catalogue=CATALOGUE,
                                pool_slots={"compressed": w.slots}, emitted_seq=w.seq, held=held)
-            bad = await w.request(subjects.worker_resume, msgspec.structs.replace(msg, held=held[:40], part=1,
+            bad = await w.request(subjects.request("resume", "w1"), msgspec.structs.replace(msg, held=held[:40], part=1,
                                                                                  parts=3))
             assert isinstance(bad, ErrorReply) and bad.code == ErrorCode.INVALID and "out of order" in bad.message
             reply = await client.resume(msg)                      # 13 digests: 3 parts

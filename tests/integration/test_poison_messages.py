@@ -48,8 +48,8 @@ async def test_poison_requests_are_answered_invalid(database_url: str, nats_url:
     async with running_coordinator(cfg) as (app, _):
         nc = await nats.connect(nats_url)
         try:
-            for subject in (subjects.worker_heartbeat, subjects.lease_acquire, subjects.worker_register,
-                            subjects.worker_resume):
+            for subject in (subjects.request("heartbeat", "w"), subjects.request("acquire", "w"), subjects.request("register", "w"),
+                            subjects.request("resume", "w")):
                 for data in (DEEP, POISON + b"{}"):
                     reply = decode((await nc.request(subject, data, timeout=5)).data)
                     assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.INVALID, (subject, reply)

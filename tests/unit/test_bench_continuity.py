@@ -93,10 +93,10 @@ async def _worker_with_cache(fake: FakeCoordinator, blocks: int = 8) -> tuple[Be
     w = BenchWorker(fake, SUBJECTS, slots=max(64, blocks))
     await w.register()
     hashes = [h(i + 1) for i in range(blocks)]
-    g = await w.request(SUBJECTS.lease_acquire, w.acquire(hashes, write=True, reuse=False))
+    g = await w.request(SUBJECTS.request("acquire", w.worker_id), w.acquire(hashes, write=True, reuse=False))
     assert isinstance(g, m.LeaseGrant) and g.write["compressed"] == list(range(blocks))
     fake.commit(w, hashes, g.lease_id)
-    assert isinstance(await w.request(SUBJECTS.lease_release, w.release(g.lease_id)), m.LeaseReleased)
+    assert isinstance(await w.request(SUBJECTS.request("release", w.worker_id), w.release(g.lease_id)), m.LeaseReleased)
     return w, hashes
 
 
@@ -106,7 +106,7 @@ async def test_a_suspended_request_resumes_with_what_the_worker_committed() -> N
     try:
         fake.takeover()
         assert fake.suspended(w.worker_id)
-        g = await w.request(SUBJECTS.lease_acquire, w.acquire(hashes[:4], write=False, reuse=True))
+        g = await w.request(SUBJECTS.request("acquire", w.worker_id), w.acquire(hashes[:4], write=False, reuse=True))
         assert isinstance(g, m.LeaseGrant) and g.usable_blocks == 4
         assert len(w.resumes) == 1 and w.resumes[0][1].kept == len(hashes) and w.resumes[0][1].drop == b""
         assert not fake.suspended(w.worker_id)
@@ -122,7 +122,7 @@ async def test_concurrent_suspended_answers_cause_one_resume() -> None:
     w, hashes = await _worker_with_cache(fake)
     try:
         fake.takeover()
-        replies = await asyncio.gather(*(w.request(SUBJECTS.lease_acquire,
+        replies = await asyncio.gather(*(w.request(SUBJECTS.request("acquire", w.worker_id),
                                                    w.acquire(hashes[:2], write=False, reuse=True, request_id=f"r{i}"))
                                          for i in range(5)))
         assert all(isinstance(r, m.LeaseGrant) for r in replies)
@@ -130,7 +130,7 @@ async def test_concurrent_suspended_answers_cause_one_resume() -> None:
 
         fake.takeover()
         payloads = [m.encode(w.acquire(hashes[:3], write=False, reuse=True, request_id=f"d{i}")) for i in range(8)]
-        _, _, out = await drive(fake, SUBJECTS.lease_acquire, payloads, inflight=4, recover=w.recover)
+        _, _, out = await drive(fake, SUBJECTS.request("acquire", w.worker_id), payloads, inflight=4, recover=w.recover)
         assert all(isinstance(m.decode(r), m.LeaseGrant) for r in out)
         assert fake.seen.count("WorkerResume") == 2
     finally:
@@ -158,7 +158,7 @@ async def test_a_fenced_epoch_is_an_error_not_a_new_registration() -> None:
         fake.takeover()
         fake.now += fake.state.params.resume_grace_ms + 1  # suspended past the grace: resume fences it
         with pytest.raises(RuntimeError, match="cannot resume"):
-            await w.request(SUBJECTS.lease_acquire, w.acquire([h(1)], write=False, reuse=True))
+            await w.request(SUBJECTS.request("acquire", w.worker_id), w.acquire([h(1)], write=False, reuse=True))
         assert "WorkerRegister" not in fake.seen[1:]
     finally:
         w.stop()
@@ -171,7 +171,7 @@ async def test_an_inventory_larger_than_one_message_goes_in_parts() -> None:
         fake.takeover()
         # a real server's default is 1 MiB (~98k replicas); here 400 bytes a part: 37 digests
         fake.max_payload = 16 * 1024 + 400  # type: ignore[attr-defined]
-        g = await w.request(SUBJECTS.lease_acquire, w.acquire(hashes[:2], write=False, reuse=True))
+        g = await w.request(SUBJECTS.request("acquire", w.worker_id), w.acquire(hashes[:2], write=False, reuse=True))
         assert isinstance(g, m.LeaseGrant)
         assert fake.seen.count("WorkerResume") == 3
         assert w.resumes[0][1].kept == 100 and not fake.suspended(w.worker_id)

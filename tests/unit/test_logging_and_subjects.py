@@ -33,7 +33,14 @@ def test_console_format_readable() -> None:
 
 def test_subjects_under_prefix() -> None:
     s = Subjects("kvl")
-    assert s.lease_acquire == "kvl.lease.acquire" and s.events("w1") == "kvl.events.w1"
+    assert s.request("acquire", "w1") == "kvl.req.w1.acquire" and s.events("w1") == "kvl.events.w1"
+    assert s.requests_wildcard("heartbeat") == "kvl.req.*.heartbeat"
+    assert s.request_worker("kvl.req.w1.acquire") == "w1"
+    assert s.request_worker("kvl.req.w1.steal") is None and s.request_worker("other.req.w1.acquire") is None
+    with pytest.raises(ValueError, match="subject token"):
+        s.request("acquire", "w.1")
+    with pytest.raises(ValueError, match="unknown request"):
+        s.request("steal", "w1")
     assert s.stream_name == "KVL_EVENTS" and s.events_wildcard == "kvl.events.>"
     assert s.inventory("w1") == "kvl.worker.w1.inventory" and s.control("w1") == "kvl.worker.w1.control"
     assert Subjects("test.a-1").stream_name == "TEST_A-1_EVENTS"
