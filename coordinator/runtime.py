@@ -33,6 +33,7 @@ from coordinator.log.postgres import PgSettings, PostgresEventLog, describe, is_
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.nats_service import NatsService, StartupError
 from coordinator.replay import LogCorrupt
+from shared import nats_auth
 from shared.logging import mask_credentials
 from shared.config import Config
 from shared.messages import now_ms
@@ -81,6 +82,10 @@ class Coordinator:
 
     async def start(self) -> None:
         timeout = max(self.config.nats.request_timeout_ms / 1000, 2.0)
+        user = self.config.nats.user
+        if user and nats_auth.Identity.parse(user).role != "coordinator":
+            raise StartupError(f"config key nats.user: the coordinator connects as 'coordinator', not {user!r} "
+                               "(each identity may act only on its own subjects)")
         nc = NatsClient()
         try:
             # NOTE: with unlimited reconnects nats-py retries the *first* connection forever too;
@@ -89,7 +94,8 @@ class Coordinator:
                 self.nats_url, name=f"kvl-coordinator {self.holder}", connect_timeout=timeout,
                 allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                 error_cb=self._nats_error, disconnected_cb=self._nats_disconnected,
-                reconnected_cb=self._nats_reconnected, **nats_tls_kwargs(self.config.tls)), timeout=2 * timeout)
+                reconnected_cb=self._nats_reconnected, **nats_tls_kwargs(self.config.tls),
+                **nats_auth.connect_kwargs(self.config.nats)), timeout=2 * timeout)
         except Exception as e:  # noqa: BLE001 - one readable line for the operator
             await bounded(nc.close(), 2)
             why = self._last_nats_error or f"{type(e).__name__}: {e}"

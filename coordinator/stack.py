@@ -61,7 +61,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
+from shared import nats_auth
 from shared.config import Config
+from shared.nats_auth import CredentialStore
+from shared.subjects import Subjects
 
 #: Colours of the log prefixes (coordinators first, then workers in turn).
 _COLOURS = ("cyan", "green", "magenta", "blue", "yellow", "bright_green", "bright_magenta", "bright_blue")
@@ -333,6 +336,8 @@ class Stack:
         self.state_dir = Path(self.cfg.state_dir).resolve()
         self.log_dir = self.state_dir / "logs"
         self.services: Any = None
+        #: The embedded NATS's users and passwords (``None`` with a configured NATS).
+        self.credentials: CredentialStore | None = None
         self.coordinators: list[Child] = []
         self.workers: list[Child] = []
         self._stop = threading.Event()
@@ -449,8 +454,14 @@ class Stack:
         what = [n for n, url in (("PostgreSQL", cfg.database.url), ("NATS", cfg.nats.url)) if not url]
         if what:
             self.console.say(f"starting embedded {' and '.join(what)} under {self.state_dir}")
+        nats_config = ""
+        if not cfg.nats.url:
+            # Every participant its own NATS user, confined to its own subjects (shared.nats_auth).
+            self.credentials = CredentialStore(self.state_dir / "nats" / "credentials")
+            workers = [nats_auth.worker(wid) for wid in self.worker_ids]
+            nats_config = str(self.credentials.write_server_config(workers, Subjects(cfg.nats.subject_prefix)))
         try:
-            self.services = start_services(cfg.database.url, cfg.nats.url, self.state_dir)
+            self.services = start_services(cfg.database.url, cfg.nats.url, self.state_dir, nats_config=nats_config)
         except EmbeddedServiceError as e:
             raise StackError(f"embedded services: {e}") from None
         for emb in (self.services.postgres, self.services.nats):
@@ -545,7 +556,8 @@ class Stack:
         for i, port in enumerate(ports):
             name = "coordinator" if i == 0 else f"coordinator-{i + 1}"
             argv = [self.python, "-m", "coordinator", "--host", host, "--port", str(port)]
-            c = self._spawn(name, argv, self._child_env(), _COLOURS[0])
+            c = self._spawn(name, argv, self._child_env(**self._identity_env(nats_auth.Identity("coordinator"))),
+                            _COLOURS[0])
             c.url = f"http://{host}:{port}"
             self.coordinators.append(c)
             self.write_state_file(ready=False)
@@ -566,11 +578,19 @@ class Stack:
                 raise StackError(f"{name} not ready within {self.opts.start_timeout_s:.0f}s (last {path}: {last}); "
                                  f"see {c.log_path}")
 
-    def _start_workers(self, ports: list[int]) -> None:
+    @property
+    def worker_ids(self) -> list[str]:
         base_id = self.cfg.worker.worker_id or "worker"
-        for i, port in enumerate(ports):
-            wid = f"{base_id}-{i}"
-            env = self._child_env(KVL_WORKER__WORKER_ID=wid, KVL_WORKER__PORT=str(port))
+        return [f"{base_id}-{i}" for i in range(self.opts.workers)]
+
+    def _identity_env(self, ident: nats_auth.Identity) -> dict[str, str]:
+        """The NATS user a child connects as (embedded NATS); none with a configured NATS."""
+        return self.credentials.env(ident) if self.credentials is not None else {}
+
+    def _start_workers(self, ports: list[int]) -> None:
+        for i, (wid, port) in enumerate(zip(self.worker_ids, ports)):
+            env = self._child_env(KVL_WORKER__WORKER_ID=wid, KVL_WORKER__PORT=str(port),
+                                  **self._identity_env(nats_auth.worker(wid)))
             w = self._spawn(wid, [self.python, "-m", "worker"], env, _COLOURS[1 + i % (len(_COLOURS) - 1)])
             if port:
                 w.url = f"http://{self.cfg.worker.host}:{port}"
@@ -732,6 +752,9 @@ class Stack:
             f" --coordinator-url {self.coordinator_url}"
         lines.append(f"  kvledger workers{flag}    kvledger audit{flag}    kvledger events --follow{flag}")
         lines.append(f"  state and logs: {self.state_dir}/ (stack.json lists the addresses)")
+        if self.credentials is not None:
+            lines.append(f"  NATS users (operator, observer, ...): passwords in {self.credentials.dir}/ "
+                         "(docs/operations.md, \"Identity on the bus\")")
         return "try:\n" + "\n".join(lines)
 
     def write_state_file(self, ready: bool = True) -> None:

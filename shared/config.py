@@ -21,6 +21,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from shared.nats_auth import AuthConfigError, Identity
+
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 PosInt = Annotated[int, msgspec.Meta(gt=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -94,6 +96,13 @@ class NatsConfig(_Section):
     url: str = ""
     subject_prefix: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")] = "kvl"
     request_timeout_ms: PosInt = 2000
+    #: This process's NATS user: ``coordinator``, ``worker.<worker id>``, ``operator`` or ``observer``
+    #: (``shared.nats_auth``: each is confined to its own subjects); empty = connect without one.
+    user: Annotated[str, msgspec.Meta(pattern=r"^([A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)?)?$")] = ""
+    #: Its password (``KVL_NATS__PASSWORD``); ``password_file`` is preferred.
+    password: str = ""
+    #: A file holding the password (read at start; 0600). Wins over ``password``.
+    password_file: str = ""
     #: JetStream duplicate window: redeliveries inside it are dropped by the broker too.
     duplicate_window_s: PosInt = 120
     stream_max_age_s: PosInt = 7 * 86400
@@ -276,7 +285,8 @@ def apply_env(doc: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError as e:
             raise ConfigError(f"{name}: value is not a YAML scalar: {e}") from e
-        if name.endswith("URL") or path[-1] in ("url", "admin_token", "salt_secret", "offload_dir", "state_dir"):
+        if name.endswith("URL") or path[-1] in ("url", "admin_token", "salt_secret", "offload_dir", "state_dir", "user",
+                                                 "password", "password_file"):
             value = raw  # never reinterpret strings such as URLs or secrets
         _set_path(doc, path, value, name)
     return doc
@@ -336,6 +346,14 @@ def _cross_check(cfg: Config) -> None:
         raise ConfigError("config key database.url: expected a postgresql:// or postgresql+asyncpg:// URL")
     if cfg.nats.url and not cfg.nats.url.startswith(("nats://", "tls://", "ws://", "wss://")):
         raise ConfigError("config key nats.url: expected a nats:// URL")
+    if cfg.nats.user:
+        try:
+            ident = Identity.parse(cfg.nats.user)
+        except AuthConfigError as e:
+            raise ConfigError(f"config key nats.user: {e}") from None
+        if ident.role == "worker" and cfg.worker.worker_id and ident.name != cfg.worker.worker_id:
+            raise ConfigError(f"config key nats.user: {cfg.nats.user!r} is another worker's identity "
+                              f"(worker.worker_id is {cfg.worker.worker_id!r}); it may act only on its own subjects")
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -175,6 +175,9 @@ class EmbeddedNats:
     tls_key: str = ""
     #: With ``tls_cert``: also require client certificates signed by this CA.
     tls_ca: str = ""
+    #: A nats-server configuration file (``-c``): the ``authorization`` block of
+    #: ``shared.nats_auth.CredentialStore``; empty = no authentication.
+    config_file: str = ""
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -196,8 +199,9 @@ class EmbeddedNats:
         tls = ["--tls", "--tlscert", self.tls_cert, "--tlskey", self.tls_key] if self.tls_cert else []
         if self.tls_cert and self.tls_ca:
             tls += ["--tlsverify", "--tlscacert", self.tls_ca]
+        conf = ["-c", self.config_file] if self.config_file else []
         self.proc = subprocess.Popen(
-            [self.binary(), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.data_dir / "js"),
+            [self.binary(), *conf, "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.data_dir / "js"),
              "-l", str(log), *tls],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         wait_tcp(self.host, self.port, timeout_s, self.proc, "embedded nats-server", log)
@@ -207,6 +211,11 @@ class EmbeddedNats:
         if self.proc is not None:
             _stop(self.proc, signal.SIGTERM, 15)
             self.proc = None
+
+    def reload(self) -> None:
+        """Re-read the configuration file (new users, changed permissions) without a restart."""
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGHUP)
 
     def kill(self) -> None:
         if self.proc is not None:
@@ -238,8 +247,10 @@ def asyncpg_url(url: str) -> str:
     raise ValueError(f"not a PostgreSQL URL: {url.split('@')[-1]!r}")
 
 
-def start_services(database_url: str, nats_url: str, state_dir: str | os.PathLike[str]) -> Services:
-    """Start whichever of the two is not configured. Caller must ``stop()`` the result."""
+def start_services(database_url: str, nats_url: str, state_dir: str | os.PathLike[str],
+                   nats_config: str = "") -> Services:
+    """Start whichever of the two is not configured. Caller must ``stop()`` the result.
+    ``nats_config``: the embedded nats-server's configuration file (its users)."""
     state = Path(state_dir)
     pg = nats = None
     try:
@@ -247,7 +258,7 @@ def start_services(database_url: str, nats_url: str, state_dir: str | os.PathLik
             pg = EmbeddedPostgres(state / "postgres").start()
             database_url = pg.url
         if not nats_url:
-            nats = EmbeddedNats(state / "nats").start()
+            nats = EmbeddedNats(state / "nats", config_file=nats_config).start()
             nats_url = nats.url
     except BaseException:
         if pg is not None:

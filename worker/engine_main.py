@@ -36,6 +36,7 @@ import torch
 
 from shared.config import Config, ConfigError, load_config
 from shared.logging import configure_logging, get_logger, mask_credentials
+from shared import nats_auth
 from shared.subjects import Subjects
 from shared.tls import client_context
 from worker.client.nats_adapter import NatsCoordinatorClient
@@ -87,8 +88,9 @@ class DebugService:
     """The worker's debug subjects, on a NATS connection of their own."""
 
     def __init__(self, engine: Engine, url: str, subjects: Subjects, tenants: TenantDirectory,
-                 tls: Any = None) -> None:
+                 tls: Any = None, auth: dict[str, Any] | None = None) -> None:
         self.engine = engine
+        self.auth = dict(auth or {})
         self.url = url
         self.subjects = subjects
         self.tenants = tenants
@@ -100,7 +102,7 @@ class DebugService:
         import nats
         self._nc = await nats.connect(self.url, name=f"kvl-worker-debug-{self.engine.worker_id}",
                                       **({"tls": self.tls} if self.tls is not None else {}),
-                                      max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+                                      max_reconnect_attempts=-1, reconnect_time_wait=0.5, **self.auth)
         for what, handler in (("generate", self._generate), ("health", self._health),
                               ("metrics", self._metrics), ("flush", self._flush)):
             await self._nc.subscribe(debug_subject(self.subjects, self.engine.worker_id, what),
@@ -167,12 +169,22 @@ async def serve(cfg: Config) -> int:
     torch.set_num_threads(int(os.environ.get("KVL_TORCH_THREADS", "1")))
     model = load_model(cfg)
     subjects = Subjects(cfg.nats.subject_prefix)
+    try:
+        auth = nats_auth.connect_kwargs(cfg.nats)
+    except nats_auth.AuthConfigError as e:
+        print(f"kvledger worker: {e}", file=sys.stderr)
+        return 2
     client = NatsCoordinatorClient(cfg.nats.url, subjects, timeout_s=cfg.nats.request_timeout_ms / 1000,
-                                   tls=client_context(cfg.tls))
+                                   tls=client_context(cfg.tls), auth=auth)
     engine = Engine(model, cfg, client)
+    if cfg.nats.user and cfg.nats.user != nats_auth.worker(engine.worker_id).user:
+        print(f"kvledger worker: config key nats.user: worker {engine.worker_id} connects as "
+              f"{nats_auth.worker(engine.worker_id).user!r}, not {cfg.nats.user!r} (NATS lets each identity act "
+              "only on its own subjects)", file=sys.stderr)
+        return 2
     client.name = f"kvl-worker-{engine.worker_id}"
     debug = DebugService(engine, cfg.nats.url, subjects, TenantDirectory.from_config(cfg.auth),
-                         client_context(cfg.tls)) if cfg.worker.debug_subjects else None
+                         client_context(cfg.tls), auth) if cfg.worker.debug_subjects else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -98,17 +98,39 @@ def test_volumes_and_gpu(compose: dict[str, Any]) -> None:
         assert devices == [{"driver": "nvidia", "device_ids": [gpu], "capabilities": ["gpu"]}]
 
 
-def test_nats_jetstream_and_credentials(compose: dict[str, Any]) -> None:
-    nats = services(compose)["nats"]
+def test_nats_jetstream_and_one_user_per_service(compose: dict[str, Any]) -> None:
+    """The server's users are exactly what `kvledger nats-auth` generates for the compose workers
+    (no drift), each password comes from the server's environment, and each kvledger service
+    connects as its own user with only its own password."""
+    from shared import nats_auth
+    from shared.subjects import Subjects
+
+    s = services(compose)
+    nats = s["nats"]
     assert nats["command"] == ["--config", "/etc/nats/nats.conf"]
     mount = next(v for v in nats["volumes"] if isinstance(v, dict))
-    assert mount["target"] == "/etc/nats/nats.conf" and mount["read_only"] is True
-    conf = (ROOT / mount["source"]).read_text()
+    assert mount["target"] == "/etc/nats" and mount["read_only"] is True
+    conf = (ROOT / mount["source"] / "nats.conf").read_text()
     assert re.search(r"^jetstream\s*\{[^}]*store_dir:\s*/data/jetstream", conf, re.M | re.S)
-    assert re.search(r"authorization\s*\{[^}]*user:\s*\$NATS_USER[^}]*password:\s*\$NATS_PASSWORD", conf, re.S)
+    assert re.search(r"^include \./auth\.conf$", conf, re.M) and "authorization" not in conf
     assert re.search(r"^http_port:\s*8222", conf, re.M)  # what the healthcheck asks
-    url = services(compose)["coordinator"]["environment"]["KVL_NATS_URL"]
-    assert url.startswith("nats://${NATS_USER") and "${NATS_PASSWORD" in url
+    workers = sorted(n for n in s if n.startswith("worker-"))
+    idents = [*nats_auth.STANDARD, *(nats_auth.worker(w) for w in workers)]
+    auth = (ROOT / mount["source"] / "auth.conf").read_text()
+    expected = nats_auth.server_config({i: nats_auth.password_env(i) for i in idents}, Subjects("kvl"))
+    assert expected in auth, "regenerate: kvledger nats-auth --worker worker-0 --worker worker-1 > deploy/nats/auth.conf"
+    for i in idents:
+        var = nats_auth.password_env(i).name
+        assert nats["environment"][var] == f"${{{var}:?set {var} in .env}}"
+    assert "@" not in s["coordinator"]["environment"]["KVL_NATS_URL"]   # no credentials in URLs
+    users = {"coordinator": "coordinator", "coordinator-standby": "coordinator",
+             **{w: f"worker.{w}" for w in workers}}
+    for name, user in users.items():
+        env = s[name]["environment"]
+        assert env["KVL_NATS__USER"] == user
+        assert env["KVL_NATS__PASSWORD"].startswith("${" + nats_auth.password_env(nats_auth.Identity.parse(user)).name)
+        if name.startswith("worker"):
+            assert env["KVL_WORKER__WORKER_ID"] == name
 
 
 def test_no_secret_is_baked_in_or_defaulted(compose: dict[str, Any]) -> None:
@@ -147,7 +169,9 @@ def test_every_variable_is_documented_and_every_setting_valid(compose: dict[str,
         env = {k: interpolate(str(v), example) for k, v in services(compose)[name]["environment"].items()}
         config_path = ROOT / "deploy" / "kvledger" / Path(env.pop("KVL_CONFIG")).name
         cfg = load_config(config_path, env=env)
-        assert cfg.nats.url.startswith("nats://kvledger:")
+        assert cfg.nats.url == "nats://nats:4222"
+        if name != "migrate":   # the one-shot migration does not use NATS
+            assert cfg.nats.user and cfg.nats.password.startswith("change-me-nats-")
         # least privilege: only `migrate` connects as the owner; the rest use the coordinators' role
         owner = name == "migrate"
         assert cfg.database.url.startswith("postgresql://kvledger:" if owner else "postgresql://kvledger_coordinator:")
@@ -168,7 +192,7 @@ def test_the_standby_coordinator_shares_the_log_and_nats_on_its_own_port(compose
         assert standby[key] == leader[key], key
     example = env_example()
     env = {k: interpolate(str(v), example) for k, v in standby["environment"].items()}
-    assert env["KVL_DATABASE_URL"].endswith("@postgres:5432/kvledger") and env["KVL_NATS_URL"].endswith("@nats:4222")
+    assert env["KVL_DATABASE_URL"].endswith("@postgres:5432/kvledger") and env["KVL_NATS_URL"].endswith("//nats:4222")
     assert leader["ports"] == ["${KVL_BIND:-127.0.0.1}:8321:8321"]
     assert standby["ports"] == ["${KVL_BIND:-127.0.0.1}:8322:8321"]
 

@@ -33,8 +33,11 @@ _TRANSIENT_CODES = (m.ErrorCode.UNAVAILABLE, m.ErrorCode.NOT_LEADER)
 
 class NatsCoordinatorClient:
     def __init__(self, url: str, subjects: Subjects, *, timeout_s: float = 2.0, name: str = "kvl-worker",
-                 max_part_bytes: int = 0, tls: ssl.SSLContext | None = None) -> None:
+                 max_part_bytes: int = 0, tls: ssl.SSLContext | None = None,
+                 auth: dict[str, Any] | None = None) -> None:
         self.url = url
+        #: ``shared.nats_auth.connect_kwargs``: this worker's NATS user, password and inbox prefix.
+        self.auth = dict(auth or {})
         #: TLS context (``shared.tls.client_context``); ``None`` = nats-py's default (``tls://`` URLs).
         self.tls = tls
         self.subjects = subjects
@@ -60,7 +63,7 @@ class NatsCoordinatorClient:
             self._nc = await nats.connect(self.url, name=self.name, connect_timeout=1, reconnect_time_wait=0.5,
                                           max_reconnect_attempts=-1, allow_reconnect=True,
                                           error_cb=self._on_error, disconnected_cb=self._on_disconnect,
-                                          **({"tls": self.tls} if self.tls is not None else {}))
+                                          **({"tls": self.tls} if self.tls is not None else {}), **self.auth)
         except (OSError, asyncio.TimeoutError, nats.errors.Error) as e:
             self._nc = None
             raise CoordinatorUnavailable(f"cannot connect to NATS at {mask_credentials(self.url)}: {e}") from e
@@ -115,7 +118,7 @@ class NatsCoordinatorClient:
         return out
 
     async def register(self, msg: m.WorkerRegister) -> m.RegisterReply:
-        return await self._request(self.subjects.worker_register, msg, m.RegisterReply, "register")
+        return await self._request(self.subjects.request("register", msg.worker_id), msg, m.RegisterReply, "register")
 
     async def resume(self, msg: m.WorkerResume) -> m.ResumeReply:
         """One request, or (an inventory larger than one NATS message) parts sent in order; the
@@ -127,23 +130,23 @@ class NatsCoordinatorClient:
         reply: m.ResumeReply | None = None
         for i in range(n):
             part = msgspec.structs.replace(msg, held=held[i * per_part:(i + 1) * per_part], part=i, parts=n)
-            reply = await self._request(self.subjects.worker_resume, part, m.ResumeReply, "resume")
+            reply = await self._request(self.subjects.request("resume", msg.worker_id), part, m.ResumeReply, "resume")
             if reply.complete != (i == n - 1):
                 raise CoordinatorRefused(m.ErrorCode.INVALID, f"resume part {i} of {n}: unexpected reply")
         assert reply is not None
         return reply
 
     async def heartbeat(self, msg: m.Heartbeat) -> m.HeartbeatReply:
-        return await self._request(self.subjects.worker_heartbeat, msg, m.HeartbeatReply, "heartbeat")
+        return await self._request(self.subjects.request("heartbeat", msg.worker_id), msg, m.HeartbeatReply, "heartbeat")
 
     async def acquire(self, msg: m.LeaseAcquire) -> m.LeaseGrant:
-        return await self._request(self.subjects.lease_acquire, msg, m.LeaseGrant, "lease.acquire")
+        return await self._request(self.subjects.request("acquire", msg.worker_id), msg, m.LeaseGrant, "lease.acquire")
 
     async def renew(self, msg: m.LeaseRenew) -> m.LeaseRenewed:
-        return await self._request(self.subjects.lease_renew, msg, m.LeaseRenewed, "lease.renew")
+        return await self._request(self.subjects.request("renew", msg.worker_id), msg, m.LeaseRenewed, "lease.renew")
 
     async def release(self, msg: m.LeaseRelease) -> m.LeaseReleased:
-        return await self._request(self.subjects.lease_release, msg, m.LeaseReleased, "lease.release")
+        return await self._request(self.subjects.request("release", msg.worker_id), msg, m.LeaseReleased, "lease.release")
 
     async def publish(self, event: m.TransitionEvent) -> None:
         if self._js is None or self._nc is None or not self._nc.is_connected:

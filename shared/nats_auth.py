@@ -1,0 +1,211 @@
+"""Identities on the bus: each participant is its own NATS user, confined to its own subjects.
+
+NATS enforces it (users with publish/subscribe permissions in the server's ``authorization``
+block), so a participant cannot even emit a message outside its role — no homemade signature
+scheme. The coordinator also checks that the worker id inside a request matches the subject it
+arrived on (``coordinator.nats_service``), so a message is attributable to the connection
+that sent it.
+
+======================  =====================================================================
+user                    may
+======================  =====================================================================
+``coordinator``         take every worker's requests (``<p>.req.*.*``) and answer them;
+                        publish watermarks, inventory and control to workers; use JetStream's
+                        API and acknowledge its transitions. Never publish a transition.
+``worker.<id>``         request only ``<p>.req.<id>.*``; publish only ``<p>.events.<id>``;
+                        receive only ``<p>.worker.<id>.>`` and answer what it receives.
+``operator``            ask any worker's debug subjects (``<p>.worker.*.debug.>``) and read
+                        JetStream stream and consumer information.
+``observer``            read-only: subscribe to the bus (debug traffic excluded), read
+                        JetStream information.
+======================  =====================================================================
+
+Each user's replies arrive under its own inbox prefix (``_INBOX.<user>``), and it may subscribe
+only there, so no participant can read another's replies. Answers to requests are allowed by
+``allow_responses`` (one reply to a request actually received), not by a publish grant on inboxes.
+
+Passwords: :class:`CredentialStore` generates one per user (``<dir>/<user>.password``, 0600, in a
+0700 directory) and writes the server's configuration (0600) for the embedded nats-server;
+:func:`server_config` with :class:`EnvRef` values writes the same permissions for a server that
+reads its passwords from the environment (compose: ``deploy/nats/nats.conf``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared.subjects import Subjects
+
+ROLES = ("coordinator", "worker", "operator", "observer")
+_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+class AuthConfigError(ValueError):
+    """Credentials that cannot be used; the message names the key or file."""
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    role: str
+    #: The worker id, for a worker; empty otherwise.
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"unknown role {self.role!r}; one of {', '.join(ROLES)}")
+        if (self.role == "worker") != bool(self.name) or (self.name and not _TOKEN.match(self.name)):
+            raise ValueError("a worker identity needs a worker id of letters, digits, '_' or '-' (and only workers have one)")
+
+    @property
+    def user(self) -> str:
+        return f"worker.{self.name}" if self.role == "worker" else self.role
+
+    @classmethod
+    def parse(cls, user: str) -> "Identity":
+        role, _, name = user.partition(".")
+        try:
+            return cls(role, name)
+        except ValueError as e:
+            raise AuthConfigError(f"NATS user {user!r} is not a kvledger identity (coordinator, operator, observer "
+                                  f"or worker.<worker id>): {e}") from None
+
+
+def inbox_prefix(user: str) -> str:
+    """Where ``user``'s replies arrive; its permissions let it subscribe only below this."""
+    return f"_INBOX.{user}"
+
+
+def worker(worker_id: str) -> Identity:
+    return Identity("worker", worker_id)
+
+
+STANDARD = (Identity("coordinator"), Identity("operator"), Identity("observer"))
+
+_JS_INFO = ["$JS.API.INFO"]
+
+
+def permissions(identity: Identity, subjects: Subjects) -> dict[str, Any]:
+    """The NATS permissions block of ``identity`` (see the table in the module docstring)."""
+    p, stream, inbox = subjects.prefix, subjects.stream_name, inbox_prefix(identity.user) + ".>"
+    js_info = [*_JS_INFO, f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.CONSUMER.INFO.{stream}.*"]
+    if identity.role == "coordinator":
+        return {"publish": {"allow": [f"{p}.worker.*.watermark", f"{p}.worker.*.inventory", f"{p}.worker.*.control",
+                                      "$JS.API.>", f"$JS.ACK.{stream}.>"]},
+                "subscribe": {"allow": [f"{p}.req.*.*", inbox]},
+                "allow_responses": True}
+    if identity.role == "worker":
+        w = identity.name
+        return {"publish": {"allow": [f"{p}.req.{w}.*", f"{p}.events.{w}"]},
+                "subscribe": {"allow": [f"{p}.worker.{w}.>", inbox]},
+                "allow_responses": True}
+    if identity.role == "operator":
+        return {"publish": {"allow": [f"{p}.worker.*.debug.>", *js_info]},
+                "subscribe": {"allow": [inbox]}}
+    return {"publish": {"allow": js_info},   # observer
+            "subscribe": {"allow": [f"{p}.>", inbox], "deny": [f"{p}.worker.*.debug.>"]}}
+
+
+@dataclass(frozen=True, slots=True)
+class EnvRef:
+    """A password the server reads from its environment (``$NAME`` in its configuration)."""
+    name: str
+
+    def __post_init__(self) -> None:
+        if not re.match(r"^[A-Z_][A-Z0-9_]*$", self.name):
+            raise ValueError(f"{self.name!r} is not an environment variable name")
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, EnvRef):
+        return f"${v.name}"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k)}: {_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    return json.dumps(v)
+
+
+def password_env(ident: Identity) -> EnvRef:
+    """The environment variable a server configuration reads ``ident``'s password from
+    (``NATS_PASSWORD_WORKER_WORKER_0`` for ``worker.worker-0``)."""
+    return EnvRef("NATS_PASSWORD_" + re.sub(r"[^A-Z0-9]", "_", ident.user.upper()))
+
+
+def server_config(passwords: Mapping[Identity, str | EnvRef], subjects: Subjects) -> str:
+    """The ``authorization`` block for these users (nats-server configuration syntax)."""
+    lines = ["authorization {", "  users = ["]
+    for ident, password in passwords.items():
+        user = {"user": ident.user, "password": password, "permissions": permissions(ident, subjects)}
+        lines.append(f"    {_value(user)}")
+    lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)
+
+
+class CredentialStore:
+    """Passwords of a deployment's NATS users, one 0600 file each in a 0700 directory."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.dir = Path(directory)
+
+    def path(self, ident: Identity) -> Path:
+        return self.dir / f"{ident.user}.password"
+
+    def password(self, ident: Identity) -> str:
+        """The user's password, generated on first use and kept (restarts reuse it)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        path = self.path(ident)
+        try:
+            if (pw := path.read_text().strip()):
+                return pw
+        except FileNotFoundError:
+            pass
+        pw = secrets.token_urlsafe(32)
+        _write_private(path, pw + "\n")
+        return pw
+
+    def write_server_config(self, identities: Iterable[Identity], subjects: Subjects) -> Path:
+        """``<dir>/auth.conf`` for nats-server ``-c`` (0600: it holds the passwords)."""
+        idents = list(dict.fromkeys([*STANDARD, *identities]))
+        conf = self.dir / "auth.conf"
+        text = ("# Generated by kvledger (shared/nats_auth.py); regenerated at each start.\n"
+                + server_config({i: self.password(i) for i in idents}, subjects))
+        _write_private(conf, text)
+        return conf
+
+    def env(self, ident: Identity) -> dict[str, str]:
+        """Config overrides that make a child process connect as ``ident``."""
+        self.password(ident)
+        return {"KVL_NATS__USER": ident.user, "KVL_NATS__PASSWORD_FILE": str(self.path(ident))}
+
+
+def connect_kwargs(nats_cfg: Any) -> dict[str, Any]:
+    """``nats.connect`` keyword arguments for the configured identity (``nats.user``, and
+    ``nats.password`` or ``nats.password_file``); none when no user is configured."""
+    user = nats_cfg.user
+    if not user:
+        return {}
+    password = nats_cfg.password
+    if nats_cfg.password_file:
+        try:
+            password = Path(nats_cfg.password_file).read_text().strip()
+        except OSError as e:
+            raise AuthConfigError(f"config key nats.password_file: cannot read {nats_cfg.password_file}: "
+                                  f"{e.strerror}") from None
+    if not password:
+        raise AuthConfigError("config key nats.user is set but no password: set nats.password or nats.password_file")
+    return {"user": user, "password": password, "inbox_prefix": inbox_prefix(user)}
