@@ -2,14 +2,18 @@
 
 Every request has a timeout (``nats.request_timeout_ms``) and turns a timeout, "no
 responders" or a closed connection into :class:`CoordinatorUnavailable`. Transitions go to
-JetStream with ``Nats-Msg-Id = <worker>.<epoch>.<seq>`` so the broker drops duplicates in
-its window and the log's unique source id drops the rest. The client reconnects forever;
+JetStream with ``Nats-Msg-Id = <worker>.<epoch>.<seq>.<nonce>`` so the broker drops duplicates
+in its window and the log's unique source id drops the rest. The nonce (random, one per client)
+matters: JetStream deduplicates by id across the whole stream, whatever the subject, so a
+guessable id would let another worker publish junk under ids this worker is about to use (on
+its own subject, which its permissions allow) and have the real transitions dropped. The client reconnects forever;
 subscriptions are restored by nats-py after a reconnect.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import ssl
 from typing import Any
 
@@ -49,6 +53,9 @@ class NatsCoordinatorClient:
         self._js: Any = None
         self._subs: list[Any] = []
         self._listening: str | None = None
+        #: Makes this client's message ids unguessable (see the module docstring); the same for
+        #: every resend of an event, so the broker still drops this client's own duplicates.
+        self._msg_nonce = secrets.token_hex(8)
 
     @property
     def connected(self) -> bool:
@@ -153,7 +160,8 @@ class NatsCoordinatorClient:
             raise PublishFailed("not connected to NATS")
         try:
             await self._js.publish(self.subjects.events(event.worker_id), m.encode(event),
-                                   headers={"Nats-Msg-Id": event.source_id}, timeout=self.timeout_s)
+                                   headers={"Nats-Msg-Id": f"{event.source_id}.{self._msg_nonce}"},
+                                   timeout=self.timeout_s)
         except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as e:
             raise PublishFailed(f"publish {event.source_id}: {type(e).__name__}: {e}") from e
 
