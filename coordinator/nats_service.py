@@ -415,7 +415,8 @@ class NatsService:
             except Exception as e:  # noqa: BLE001 - a message that cannot be decoded is terminated, never redelivered
                 kind = (error_kind(e) if isinstance(e, MessageError) else "bad_worker_id" if isinstance(e, ValueError)
                         else "undecodable")
-                self.metrics.malformed.labels(kind="transition").inc()
+                if kind != "identity_mismatch":   # that one is counted as forbidden
+                    self.metrics.malformed.labels(kind="transition").inc()
                 self.log.warning("malformed_transition", size=len(msg.data), error_kind=kind)
                 malformed.append(msg)
                 continue
