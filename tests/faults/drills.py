@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from shared import messages as m
+from shared import nats_auth
 from shared.forms import FormCatalogue, FormScope, FormSpec
 from shared.messages import ReplicaState
 from tests.faults import checker
@@ -163,7 +164,8 @@ class Run:
         self.reference = Reference()
         self.script = Script(self.reference, turns=settings.turns)
         self.history = History()
-        self.observer = Observer(self.stack.nats.url, self.stack.subjects)
+        self.observer = Observer(self.stack.nats.url, self.stack.subjects,
+                                 self.stack.auth(nats_auth.Identity("observer")))
         self.faults: list[Fault] = []
         #: (drill, error) of drills that failed (the soak goes on after a failure and reports it).
         self.failures: list[tuple[str, str]] = []
@@ -735,9 +737,11 @@ async def forge_illegal(run: Run) -> dict[str, str]:
         ("wa", wa, 10**9, "gpu:wa", None, R.ALLOCATED): "a move only the coordinator makes (a grant)",
         ("wb", wb, 10**9, "gpu:wa", R.ALLOCATED, R.READY): "wb committing a replica on wa's GPU",
     }
-    js = stack.nc.jetstream()
     out = {}
     for (wid, epoch, seq, loc, frm, to), why in forged.items():
+        # each sent as the worker it names (NATS lets nobody else publish there): a stale, confused
+        # or compromised worker, and "ghost", an identity that never registered
+        js = (await stack.client(nats_auth.worker(wid))).jetstream()
         t = m.TransitionEvent(worker_id=wid, epoch=epoch, seq=seq, namespace=ns, block_hash=block,
                               parent_hash="0" * 32, token_start=0, token_end=16, form="swa", location=loc,
                               from_state=frm, to_state=to, generation=1, checksum="c" * 32, ts_ms=m.now_ms())
@@ -753,7 +757,9 @@ async def host_drift(run: Run, wid: str) -> dict[str, int]:
     this compares what one worker's inventory reports in its own host tier.
     """
     stack = run.stack
-    msg = await stack.nc.request(stack.subjects.inventory(wid), m.encode(m.InventoryRequest(request_id="drills")),
+    # as the coordinator asks it (only the coordinator may)
+    nc = await stack.client(nats_auth.Identity("coordinator"))
+    msg = await nc.request(stack.subjects.inventory(wid), m.encode(m.InventoryRequest(request_id="drills")),
                                  timeout=10)
     reply = m.decode(msg.data, expect=m.InventoryReply)
     has = {(i.block_hash, i.form) for i in reply.items if i.location == f"host:{wid}"}
@@ -780,7 +786,8 @@ async def forge_resumes(run: Run) -> dict[str, tuple[str, str]]:
     for wid, epoch, why in (stale, ("ghost", 1, "a worker that never registered")):
         res = m.WorkerResume(worker_id=wid, epoch=epoch, namespace=wa["namespace"], catalogue=catalogue,
                              held=bytes(8))
-        reply = m.decode((await stack.nc.request(stack.subjects.request("resume", wid), m.encode(res), timeout=10)).data)
+        nc = await stack.client(nats_auth.worker(wid))     # as that worker: nobody else may send it
+        reply = m.decode((await nc.request(stack.subjects.request("resume", wid), m.encode(res), timeout=10)).data)
         out[why] = (reply.code.value if isinstance(reply, m.ErrorReply) else type(reply).__name__, wid, epoch)
     await asyncio.sleep(0.5)
     log = stack.coordinator.tail(20_000) if stack.coordinator is not None else ""

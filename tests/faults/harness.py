@@ -35,7 +35,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared import messages as m
+from shared import nats_auth
 from shared.embedded import EmbeddedNats, EmbeddedPostgres, free_port
+from shared.nats_auth import CredentialStore, Identity
 from shared.subjects import Subjects
 from tests.faults.checker import Observed
 from tests.worker.processes import Proc
@@ -99,8 +101,15 @@ class Stack:
         self.logs = root / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.pg = EmbeddedPostgres(root / "postgres", port=free_port())
-        self.nats = EmbeddedNats(root / "nats", port=free_port())
         self.subjects = Subjects(PREFIX)
+        # Every process its own NATS user, as `kvledger up` runs them (shared.nats_auth); "ghost"
+        # is a worker identity that exists but never registers (forged-transition drills).
+        self.credentials = CredentialStore(root / "nats-credentials")
+        conf = self.credentials.write_server_config([nats_auth.worker(w) for w in (*(s.worker_id for s in specs), "ghost")],
+                                                    self.subjects)
+        self.nats = EmbeddedNats(root / "nats", port=free_port(), config_file=str(conf))
+        #: Connections as a given user (``client``), e.g. a worker's to replay its forgeries.
+        self._clients: dict[str, Any] = {}
         self.admin_port = free_port()
         self.admin = f"http://127.0.0.1:{self.admin_port}"
         #: A second coordinator's admin port (the standby, while a drill runs one).
@@ -131,6 +140,26 @@ class Stack:
             "logging": {"format": "json", "level": "info"},
         }
 
+    def identity(self, ident: Identity) -> dict[str, str]:
+        """The ``nats`` config keys that make a process connect as ``ident``."""
+        self.credentials.password(ident)
+        return {"user": ident.user, "password_file": str(self.credentials.path(ident))}
+
+    def auth(self, ident: Identity) -> dict[str, Any]:
+        """``nats.connect`` keyword arguments for ``ident``."""
+        return {"user": ident.user, "password": self.credentials.password(ident),
+                "inbox_prefix": nats_auth.inbox_prefix(ident.user)}
+
+    async def client(self, ident: Identity) -> Any:
+        """A connection as ``ident`` (one per identity, reconnecting forever)."""
+        if ident.user not in self._clients:
+            async def quiet(e: Exception) -> None:
+                self.nats_errors += 1
+            self._clients[ident.user] = await nats.connect(
+                self.nats.url, name=f"kvl-fault-drills-{ident.user}", max_reconnect_attempts=-1,
+                reconnect_time_wait=0.2, allow_reconnect=True, error_cb=quiet, **self.auth(ident))
+        return self._clients[ident.user]
+
     def _write(self, name: str, doc: dict[str, Any]) -> Path:
         path = self.root / f"{name}.yaml"
         path.write_text(yaml.safe_dump(doc))
@@ -154,6 +183,7 @@ class Stack:
                        "keys": [{"key_sha256": key_sha256(api_key(t)), "tenant": t}
                                 for t in self.tenants for t in tenant_family(t)]}
         doc["state_dir"] = str(self.root / f"{wid}-state")
+        doc["nats"].update(self.identity(nats_auth.worker(wid)))
         return doc
 
     # --- processes ---------------------------------------------------------------------------
@@ -166,8 +196,10 @@ class Stack:
         async def quiet(e: Exception) -> None:
             self.nats_errors += 1
 
+        # the operator: the debug subjects (generate with logits, health, metrics, flush)
         self.nc = await nats.connect(self.nats.url, name="kvl-fault-drills", max_reconnect_attempts=-1,
-                                     reconnect_time_wait=0.2, allow_reconnect=True, error_cb=quiet)
+                                     reconnect_time_wait=0.2, allow_reconnect=True, error_cb=quiet,
+                                     **self.auth(Identity("operator")))
         self.start_coordinator()
         for wid in self.specs:
             self.start_worker(wid)
@@ -178,6 +210,7 @@ class Stack:
         doc = self._base()
         doc["coordinator"]["port"] = port
         doc["state_dir"] = str(self.root / f"{name}-state")
+        doc["nats"].update(self.identity(Identity("coordinator")))
         cfg = self._write(name, doc)
         return Proc(name, [sys.executable, "-m", "coordinator", "--config", str(cfg)], self.logs / f"{name}.log",
                     self._env())
@@ -277,9 +310,10 @@ class Stack:
         return done
 
     async def stop(self) -> None:
-        if self.nc is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.nc.close(), 5)
+        for nc in (self.nc, *self._clients.values()):
+            if nc is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(nc.close(), 5)
         if self.http is not None:
             await self.http.close()
         procs = [p for p in (*self.workers.values(), self.coordinator, self.standby) if p is not None]
@@ -481,9 +515,11 @@ class Stack:
 class Observer:
     """Records what the workers publish and what the coordinator acknowledges (see checker)."""
 
-    def __init__(self, url: str, subjects: Subjects) -> None:
+    def __init__(self, url: str, subjects: Subjects, auth: dict[str, Any] | None = None) -> None:
         self.url = url
         self.subjects = subjects
+        #: ``nats.connect`` credentials: the read-only ``observer`` user.
+        self.auth = dict(auth or {})
         self.seen = Observed()
         self.nc: Any = None
         self.disconnects = 0
@@ -499,7 +535,7 @@ class Observer:
 
         self.nc = await nats.connect(self.url, name="kvl-fault-observer", max_reconnect_attempts=-1,
                                      reconnect_time_wait=0.1, allow_reconnect=True, disconnected_cb=gone,
-                                     error_cb=quiet, pending_size=64 * 2**20)
+                                     error_cb=quiet, pending_size=64 * 2**20, **self.auth)
         await self.nc.subscribe(self.subjects.events_wildcard, cb=self._transition, pending_msgs_limit=-1,
                                 pending_bytes_limit=-1)
         await self.nc.subscribe(f"{self.subjects.prefix}.worker.*.watermark", cb=self._watermark,
