@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.config import Config, load_config
+from shared.tls import client_context, http_scheme
 
 EXIT_FAILED = 1
 EXIT_FOUND_PROBLEMS = 3
@@ -47,6 +48,8 @@ class AdminClient:
     url: str
     token: str = ""
     timeout_s: float = 10.0
+    #: Verifies an ``https`` coordinator (``tls.ca_file``, and ``cert_file`` for mutual TLS); None = system CAs.
+    context: Any = None
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None,
              query: dict[str, Any] | None = None, timeout_s: float | None = None) -> Any:
@@ -60,7 +63,8 @@ class AdminClient:
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as r:  # noqa: S310 - operator's URL
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s,  # noqa: S310 - operator's URL
+                                        context=self.context) as r:
                 return json.loads(r.read() or b"null")
         except urllib.error.HTTPError as e:
             raise CliError(self._http_error(e)) from None
@@ -99,13 +103,13 @@ def coordinator_url(cfg: Config, given: str | None) -> str:
     host = cfg.coordinator.host
     if host in ("0.0.0.0", "::", ""):  # listening everywhere: talk to it over loopback
         host = "127.0.0.1"
-    return f"http://{host}:{cfg.coordinator.port}"
+    return f"{http_scheme(cfg.tls)}://{host}:{cfg.coordinator.port}"
 
 
 def client_for(args: argparse.Namespace) -> AdminClient:
     cfg = load_config(getattr(args, "config", None))
     token = args.token or cfg.coordinator.admin_token or os.environ.get("KVL_ADMIN_TOKEN", "")
-    return AdminClient(coordinator_url(cfg, args.coordinator_url), token, args.timeout)
+    return AdminClient(coordinator_url(cfg, args.coordinator_url), token, args.timeout, client_context(cfg.tls))
 
 
 # --- output -------------------------------------------------------------------------------------
@@ -443,7 +447,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
                        "(for a running `kvledger up`, the postgres URL it printed)")
 
     async def go() -> dict[str, Any]:
-        log = PostgresEventLog.connect(PgSettings.from_config(url, cfg.database, application_name="kvledger-replay"))
+        log = PostgresEventLog.connect(PgSettings.from_config(url, cfg.database, application_name="kvledger-replay",
+                                                                tls=cfg.tls))
         try:
             head = await log.head()
             with progress(f"replaying the log ({head:,} events)", head, not args.json) as update:

@@ -65,6 +65,7 @@ from shared import nats_auth
 from shared.config import Config
 from shared.nats_auth import CredentialStore
 from shared.subjects import Subjects
+from shared.tls import client_context, http_scheme
 
 #: Colours of the log prefixes (coordinators first, then workers in turn).
 _COLOURS = ("cyan", "green", "magenta", "blue", "yellow", "bright_green", "bright_magenta", "bright_blue")
@@ -308,10 +309,11 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-def http_json(url: str, timeout_s: float = 2.0) -> tuple[int, Any]:
-    """GET ``url``: ``(status, JSON body or None)``; status 0 when nothing answers."""
+def http_json(url: str, timeout_s: float = 2.0, context: Any = None) -> tuple[int, Any]:
+    """GET ``url``: ``(status, JSON body or None)``; status 0 when nothing answers. ``context``:
+    the TLS context for an ``https`` URL (``shared.tls.client_context``)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - our own loopback URL
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as r:  # noqa: S310 - our own URL
             return r.status, json.loads(r.read() or b"null")
     except urllib.error.HTTPError as e:
         try:
@@ -336,6 +338,8 @@ class Stack:
         self.state_dir = Path(self.cfg.state_dir).resolve()
         self.log_dir = self.state_dir / "logs"
         self.services: Any = None
+        #: How the supervisor's probes verify the children's HTTPS (``tls`` section; None = plain or system CAs).
+        self.tls_context = client_context(self.cfg.tls)
         #: The embedded NATS's users and passwords (``None`` with a configured NATS).
         self.credentials: CredentialStore | None = None
         self.coordinators: list[Child] = []
@@ -454,6 +458,10 @@ class Stack:
         what = [n for n, url in (("PostgreSQL", cfg.database.url), ("NATS", cfg.nats.url)) if not url]
         if what:
             self.console.say(f"starting embedded {' and '.join(what)} under {self.state_dir}")
+        if not cfg.database.url and cfg.tls.ca_file:
+            self.console.say("the embedded PostgreSQL speaks no TLS (loopback only): the coordinators reach it in "
+                             "plain text (database.tls false); a configured database.url gets verified TLS",
+                             style="yellow")
         nats_config = ""
         if not cfg.nats.url:
             # Every participant its own NATS user, confined to its own subjects (shared.nats_auth).
@@ -488,7 +496,8 @@ class Stack:
 
         async def go() -> str:
             engine = create_engine(PgSettings.from_config(owner_url, self.cfg.database,
-                                                          application_name="kvledger-up-migrate"))
+                                                          application_name="kvledger-up-migrate",
+                                                          tls=None if embedded else self.cfg.tls))
             try:
                 rev = await upgrade(engine, "head")
             finally:
@@ -528,6 +537,9 @@ class Stack:
         # The coordinators' own role where `_migrate` made one (embedded PostgreSQL), else the configured URL.
         env["KVL_DATABASE_URL"] = getattr(self, "_coordinator_database_url", "") or self.services.database_url
         env["KVL_NATS_URL"] = self.services.nats_url
+        if self.services.postgres is not None and self.cfg.tls.ca_file:
+            # the embedded PostgreSQL (pgserver's build) speaks no TLS; it listens on loopback only
+            env["KVL_DATABASE__TLS"] = "false"
         if self.opts.config_path:
             env["KVL_CONFIG"] = str(Path(self.opts.config_path).resolve())
         # Children always write JSON lines: the log files stay machine-readable, and the
@@ -558,7 +570,7 @@ class Stack:
             argv = [self.python, "-m", "coordinator", "--host", host, "--port", str(port)]
             c = self._spawn(name, argv, self._child_env(**self._identity_env(nats_auth.Identity("coordinator"))),
                             _COLOURS[0])
-            c.url = f"http://{host}:{port}"
+            c.url = f"{http_scheme(self.cfg.tls)}://{host}:{port}"
             self.coordinators.append(c)
             self.write_state_file(ready=False)
             path = "/readyz" if i == 0 else "/healthz"
@@ -569,7 +581,7 @@ class Stack:
             while time.monotonic() < deadline:
                 for other in self.coordinators:
                     self._died_while_starting(other)
-                status, body = http_json(f"{c.url}{path}")
+                status, body = http_json(f"{c.url}{path}", context=self.tls_context)
                 if status == 200:
                     break
                 last = body or status
@@ -593,7 +605,7 @@ class Stack:
                                   **self._identity_env(nats_auth.worker(wid)))
             w = self._spawn(wid, [self.python, "-m", "worker"], env, _COLOURS[1 + i % (len(_COLOURS) - 1)])
             if port:
-                w.url = f"http://{self.cfg.worker.host}:{port}"
+                w.url = f"{http_scheme(self.cfg.tls)}://{self.cfg.worker.host}:{port}"
             self.workers.append(w)
         self.write_state_file(ready=False)
         if self.workers:
@@ -612,7 +624,7 @@ class Stack:
             if w.url is None:
                 self._sleep(0.2)
                 continue
-            status, body = http_json(f"{w.url}/readyz")
+            status, body = http_json(f"{w.url}/readyz", context=self.tls_context)
             if status == 200 and isinstance(body, dict) and body.get("coordinator") == "reachable":
                 return
             last = body or status
@@ -746,7 +758,8 @@ class Stack:
         """Two commands to try, with this stack's addresses."""
         lines = []
         if self.workers and self.workers[0].url:
-            lines.append(f"  curl {self.workers[0].url}/v1/completions -H 'Content-Type: application/json' "
+            ca = f"--cacert {self.cfg.tls.ca_file} " if self.cfg.tls.ca_file and self.cfg.tls.cert_file else ""
+            lines.append(f"  curl {ca}{self.workers[0].url}/v1/completions -H 'Content-Type: application/json' "
                          "-d '{\"prompt\": \"Hello\", \"max_tokens\": 8}'")
         flag = "" if self.coordinator_url == _default_coordinator_url(self.cfg) else \
             f" --coordinator-url {self.coordinator_url}"
@@ -917,7 +930,7 @@ def survivors(pids: set[int], below: list[Any] | None = None) -> list[str]:
 
 
 def _default_coordinator_url(cfg: Config) -> str:
-    return f"http://{cfg.coordinator.host}:{cfg.coordinator.port}"
+    return f"{http_scheme(cfg.tls)}://{cfg.coordinator.host}:{cfg.coordinator.port}"
 
 
 def _redact_url(url: str) -> str:

@@ -89,6 +89,10 @@ class DatabaseConfig(_Section):
     owner_url: str = ""
     pool_size: PosInt = 5
     connect_timeout_ms: PosInt = 3000
+    #: Connect with the ``tls`` section's context (verified TLS, when ``tls.ca_file`` is set); false =
+    #: leave it to the URL and ``PGSSLMODE`` (``kvledger up`` sets it false for its embedded PostgreSQL,
+    #: whose build has no TLS and which listens on loopback only).
+    tls: bool = True
 
 
 class NatsConfig(_Section):

@@ -70,14 +70,37 @@ class EmbeddedPostgres:
     data_dir: Path
     host: str = "127.0.0.1"
     port: int = 0
+    #: PEM certificate and key: the server then offers TLS (``ssl=on``; plain connections still work).
+    tls_cert: str = ""
+    tls_key: str = ""
+    #: Another PostgreSQL's ``bin`` directory (pgserver's bundled build has no TLS support).
+    binaries: str = ""
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
         return f"postgresql://postgres@{self.host}:{self.port}/postgres"
 
-    @staticmethod
-    def bin_dir() -> Path:
+    def _tls_args(self) -> list[str]:
+        """Copies of the certificate and key the server's user may read (PostgreSQL refuses a
+        key that others can read), and the settings that point at them."""
+        if not self.tls_cert:
+            return []
+        pgdata = self.data_dir / "pgdata"
+        for src, name in ((self.tls_cert, "server.crt"), (self.tls_key, "server.key")):
+            dst = pgdata / name
+            shutil.copyfile(src, dst)
+            os.chmod(dst, 0o600)
+            if os.name == "posix" and os.geteuid() == 0:
+                import pwd
+                pw = pwd.getpwnam(PG_SYSTEM_USER)
+                os.chown(dst, pw.pw_uid, pw.pw_gid)
+        return ["-c", "ssl=on", "-c", f"ssl_cert_file={pgdata / 'server.crt'}",
+                "-c", f"ssl_key_file={pgdata / 'server.key'}"]
+
+    def bin_dir(self) -> Path:
+        if self.binaries:
+            return Path(self.binaries)
         try:
             import warnings
             with warnings.catch_warnings():  # pgserver's import warns about XDG_RUNTIME_DIR
@@ -134,7 +157,7 @@ class EmbeddedPostgres:
         self.proc = subprocess.Popen(
             [str(self.bin_dir() / "postgres"), "-D", str(self.data_dir / "pgdata"), "-h", self.host,
              "-p", str(self.port), "-k", str(self.data_dir), "-c", "max_connections=200",
-             "-c", "fsync=on", "-c", "synchronous_commit=on"],
+             "-c", "fsync=on", "-c", "synchronous_commit=on", *self._tls_args()],
             stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, **self._user_kwargs())  # type: ignore[arg-type]
         logf.close()
         wait_tcp(self.host, self.port, timeout_s, self.proc, "embedded PostgreSQL", log)

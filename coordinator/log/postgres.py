@@ -71,7 +71,7 @@ class PgSettings:
         connect = db_cfg.connect_timeout_ms / 1000
         return cls(url=url, pool_size=db_cfg.pool_size, connect_timeout_s=connect,
                    statement_timeout_s=max(2 * connect, 5.0), application_name=application_name[:63],
-                   ssl=client_context(tls) if tls is not None else None)
+                   ssl=client_context(tls) if tls is not None and db_cfg.tls else None)
 
     def server_settings(self) -> dict[str, str]:
         return {

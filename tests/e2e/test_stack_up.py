@@ -32,6 +32,7 @@ import yaml
 
 from shared.subjects import Subjects
 from tests.e2e.coordinator_processes import REPO, clean_env
+from tests.integration.test_tls import certs  # noqa: F401 - fixture (certificates made on the fly)
 
 KVLEDGER = [sys.executable, "-m", "coordinator.cli"]
 UP_READY = "up; Ctrl-C (or SIGTERM) stops everything"
@@ -97,11 +98,11 @@ def still_running(procs: list[psutil.Process]) -> list[str]:
     return out
 
 
-def wait_outbox_empty(worker_url: str, timeout_s: float = 30) -> None:
+def wait_outbox_empty(worker_url: str, timeout_s: float = 30, context: Any = None) -> None:
     deadline = time.monotonic() + timeout_s
     depth = None
     while time.monotonic() < deadline:
-        with urllib.request.urlopen(f"{worker_url}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"{worker_url}/metrics", timeout=5, context=context) as r:
             for line in r.read().decode().splitlines():
                 if line.startswith("kvl_worker_outbox_depth "):
                     depth = float(line.split()[1])
@@ -244,3 +245,36 @@ def test_a_worker_that_keeps_dying_stops_the_stack_and_is_reported(tmp_path: Pat
     log = [json.loads(line) for line in (up.state / "logs" / "worker-0.log").read_text().splitlines()
            if line.startswith('{"event": "process_exited"')]
     assert [(e["exit_code"], e["action"]) for e in log] == [(-9, "restarting"), (2, "stopping the stack")]
+
+
+def test_up_with_tls_serves_https_and_the_admin_commands_verify_it(tmp_path: Path, ups: list[UpProcess],
+                                                                   certs: dict[str, str]) -> None:
+    """The `tls` section in `kvledger up`'s config: the coordinator's admin API and the worker's
+    OpenAI API listen with HTTPS, the supervisor's probes verify them with `tls.ca_file` (the stack
+    comes up), a client trusting the CA is served, and `kvledger audit` verifies the coordinator."""
+    import httpx2 as httpx   # the HTTP client the openai package uses
+
+    tls = {"cert_file": certs["server"], "key_file": certs["server_key"], "ca_file": certs["ca"]}
+    up = UpProcess(tmp_path, {"worker": {"pool_bytes": 8 * 2**20}, "tls": tls}, "--workers", "1")
+    ups.append(up)
+    up.wait_for(UP_READY, timeout_s=240)
+    stack = up.stack()
+    assert stack["coordinator_url"].startswith("https://") and stack["worker_urls"][0].startswith("https://")
+    assert f"curl --cacert {certs['ca']} https://" in up.output()
+    with httpx.Client(verify=ssl_context(certs["ca"])) as http:
+        client = openai.OpenAI(base_url=f"{stack['worker_urls'][0]}/v1", api_key="unused", max_retries=0,
+                               timeout=60, http_client=http)
+        r = client.completions.create(model="kvledger/dsv4-tiny", prompt="Hello over TLS", max_tokens=2)
+        assert r.usage.completion_tokens == 2
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+        httpx.get(f"{stack['worker_urls'][0]}/healthz")      # the system CAs do not know the test CA
+    wait_outbox_empty(stack["worker_urls"][0], context=ssl_context(certs["ca"]))
+    audit = kvledger("--config", str(up.config), "audit", "--coordinator-url", stack["coordinator_url"])
+    assert audit.returncode == 0 and "CLEAN" in audit.stdout, audit.stdout + audit.stderr
+    up.popen.send_signal(signal.SIGTERM)
+    assert up.popen.wait(90) == 0, up.output()[-4000:]
+
+
+def ssl_context(ca: str) -> Any:
+    import ssl
+    return ssl.create_default_context(cafile=ca)

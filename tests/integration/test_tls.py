@@ -4,9 +4,9 @@ Certificates come from the ``openssl`` CLI (a CA, a server certificate for 127.0
 localhost, a client certificate). Covered end to end: the worker HTTP API (``start_http``)
 and the coordinator's admin API (``coordinator.app.admin_site`` on the real app) over HTTPS,
 mutual TLS, and NATS over TLS against an embedded nats-server started with a certificate.
-PostgreSQL: the test server has no TLS, so the test shows that the configured context reaches
-both connection paths (the pool and the leader's lock connection) by their refusing to go on
-in plain text, and that without ``tls.ca_file`` nothing changes.
+PostgreSQL: against an embedded server started with a certificate, both connection paths (the
+pool, migrations included, and the leader's lock connection) run over verified TLS; against the
+shared test server (no TLS) they refuse to go on in plain text.
 """
 
 from __future__ import annotations
@@ -299,3 +299,49 @@ async def test_coordinator_nats_connect_uses_the_ca(certs: dict[str, str], tls_n
                 assert coord.nc is None
         finally:
             await coord.stop()
+
+
+async def test_postgres_over_tls_end_to_end(certs: dict[str, str], tmp_path: Path) -> None:
+    """A PostgreSQL that offers TLS: with ``tls.ca_file`` the pool (migrations included) and the
+    leader's lock connection run encrypted, the server's certificate verified (``pg_stat_ssl``
+    says so for each session); a CA that did not sign it is refused; without the section the same
+    server is used in plain text, as the URL says."""
+    from sqlalchemy import text
+
+    from coordinator.log.migrate import upgrade
+    from shared.embedded import EmbeddedPostgres
+
+    # pgserver's bundled PostgreSQL is built without TLS: a system build (Debian's) is needed
+    builds = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"))
+    if not builds:
+        pytest.skip("needs a PostgreSQL build with TLS support under /usr/lib/postgresql (pgserver's has none)")
+    pg = EmbeddedPostgres(tmp_path / "pg", tls_cert=certs["server"], tls_key=certs["server_key"],
+                          binaries=str(builds[-1].parent)).start()
+    query = "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()"
+    try:
+        def settings(tls: dict[str, Any]) -> PgSettings:
+            cfg = parse_config({"database": {"url": pg.url, "connect_timeout_ms": 3000}, "tls": tls})
+            return PgSettings.from_config(pg.url, cfg.database, tls=cfg.tls)
+
+        log = PostgresEventLog.connect(settings({"ca_file": certs["ca"]}))
+        try:
+            assert await upgrade(log.engine, "head")
+            async with log.engine.connect() as conn:
+                assert (await conn.execute(text(query))).scalar_one() is True
+        finally:
+            await log.close()
+        lock = await LeaderElection(settings({"ca_file": certs["ca"]}), make_holder_id(), renew_interval_s=1,
+                                    takeover_after_s=5)._connect()
+        try:
+            assert await lock.fetchval(query) is True
+        finally:
+            await lock.close()
+        log = PostgresEventLog.connect(settings({"ca_file": certs["other"]}))
+        try:
+            with pytest.raises(Exception) as refused:  # noqa: B017
+                await log.ping()
+            assert "certificate" in repr(refused.value).lower(), refused.value
+        finally:
+            await log.close()
+    finally:
+        pg.stop()
