@@ -246,17 +246,21 @@ class Engine:
     def pool_addresses(self) -> dict[str, int]:
         return self.store.addresses() if self.store is not None else {}
 
-    def _degrade(self, reason: str) -> None:
+    def _degrade(self, reason: str, *, wake: bool = True) -> None:
         if not self.degraded:
             self.log.warning("degraded: serving by recomputation", reason=reason)
             self.metrics.degraded_entries.labels(reason=reason.split(":", 1)[0][:40]).inc()
         self._reason = reason
         self.metrics.degraded.set(1)
-        self._wake_supervisor.set()
+        if wake:
+            self._wake_supervisor.set()
 
     def _lose_contact(self, reason: str) -> None:
         """No answer from the coordinator: recompute everything, keep the cache and the epoch."""
-        self._degrade(reason)
+        # NOTE: wake the supervisor on losing contact, not on each failed retry: its own failed
+        # heartbeat would cut its backoff short, and it would spin (a "no responders" answer is
+        # instant) at full CPU, starving the model thread, for as long as the coordinator is away.
+        self._degrade(reason, wake=not self._away_since)
         if not self._away_since:
             self._away_since = time.monotonic()
 

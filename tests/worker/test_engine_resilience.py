@@ -42,6 +42,18 @@ async def test_coordinator_down_serves_by_recomputation_and_keeps_the_cache(make
         assert h.degraded and "unreachable" in h.reason and h.contact == "unreachable"
         assert e.registered and h.pool_used["compressed"] == used   # the cache and the epoch are kept
         assert e.metrics.value("kvl_worker_degraded") == 1
+        # while away, the supervisor retries with backoff: it never spins on its own failures
+        tries = 0
+        real = twin.heartbeat
+
+        async def counted(msg):  # type: ignore[no-untyped-def]
+            nonlocal tries
+            tries += 1
+            return await real(msg)
+
+        twin.heartbeat = counted  # type: ignore[method-assign]
+        await asyncio.sleep(1.5)
+        assert 1 <= tries <= 10, f"{tries} heartbeats in 1.5 s while the coordinator is down"
         r = await e.generate(toks, max_tokens=2)          # known degraded: no coordinator call at all
         assert same(cold, r) and r.degraded
         twin.down = False
