@@ -42,7 +42,6 @@ from typing import Any
 import msgspec
 import nats
 import nats.errors
-import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -54,7 +53,7 @@ from shared.messages import (CommitWatermark, Control, ErrorCode, ErrorReply, He
                              encode)
 from shared.subjects import Subjects
 from tests.e2e.test_stack_supervision import complete, eventually
-from tests.e2e.test_stack_up import UP_READY, UpProcess, kvledger, wait_outbox_empty
+from tests.e2e.test_stack_up import UP_READY, UpProcess, kill_tree, kvledger, wait_outbox_empty
 
 S = Subjects()                       # `kvledger up`'s default prefix, kvl
 VICTIM, MOLE = "worker-0", "worker-1"
@@ -157,11 +156,7 @@ def _stop(up: UpProcess) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):   # then by force
             up.popen.wait(60)
         up.kill_all()
-        for p in tree:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
+        kill_tree(tree)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ Restarts that succeed, and standby coordinators: test_stack_supervision.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -124,11 +125,13 @@ def ups() -> Iterator[list[UpProcess]]:
     for up in started:  # whatever happened: nothing of the test's stack survives it
         tree = up.tree() if up.popen.poll() is None else []
         up.kill_all()
-        for p in tree:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
+        kill_tree(tree)
+
+
+def kill_tree(tree: list[psutil.Process]) -> None:
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
 
 
 def test_up_two_workers_requests_audit_and_sigterm_leaves_nothing(tmp_path: Path, ups: list[UpProcess]) -> None:
