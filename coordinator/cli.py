@@ -38,13 +38,30 @@ def cmd_services(args: argparse.Namespace) -> int:
     """Run PostgreSQL and NATS (configured or embedded) in the foreground until Ctrl-C."""
     from shared.embedded import resolve_services
 
+    from pathlib import Path
+
+    from shared import nats_auth
+    from shared.subjects import Subjects
+
     cfg = _load(args)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with resolve_services(cfg.database.url, cfg.nats.url, cfg.state_dir) as svc:
+    nats_config, users = "", ""
+    if not cfg.nats.url and not args.no_auth:
+        # the same users as `kvledger up`: each process connects as its own (KVL_NATS__USER/_PASSWORD_FILE)
+        try:
+            store = nats_auth.CredentialStore(Path(cfg.state_dir).resolve() / "nats" / "credentials")
+            nats_config = str(store.write_server_config([nats_auth.worker(w) for w in args.worker],
+                                                        Subjects(cfg.nats.subject_prefix)))
+        except ValueError as e:
+            print(f"kvledger services: {e}", file=sys.stderr)
+            return 2
+        users = (f"nats users: passwords in {store.dir}/<user>.password (coordinator, operator, observer"
+                 + "".join(f", worker.{w}" for w in args.worker) + ")\n")
+    with resolve_services(cfg.database.url, cfg.nats.url, cfg.state_dir, nats_config=nats_config) as svc:
         print(f"postgres: {mask_credentials(svc.database_url)}\nnats:     {mask_credentials(svc.nats_url)}\n"
-              "(Ctrl-C stops them)", flush=True)
+              f"{users}(Ctrl-C stops them)", flush=True)
         stop.wait()
     print("stopped", flush=True)
     return 0
@@ -91,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     chk.set_defaults(func=cmd_config_check)
 
     svc = sub.add_parser("services", help="run PostgreSQL and NATS (embedded unless configured) until Ctrl-C")
+    svc.add_argument("--worker", action="append", default=[], metavar="ID",
+                     help="a worker id that gets its own NATS user worker.<ID> (repeat for each worker)")
+    svc.add_argument("--no-auth", action="store_true",
+                     help="an embedded NATS without users (anyone who reaches it may act as anyone)")
     svc.set_defaults(func=cmd_services)
 
     na = sub.add_parser("nats-auth", help="print (or write) the NATS users and permissions of a deployment")

@@ -291,8 +291,9 @@ def start_services(database_url: str, nats_url: str, state_dir: str | os.PathLik
 
 
 @contextlib.contextmanager
-def resolve_services(database_url: str, nats_url: str, state_dir: str | os.PathLike[str]) -> Iterator[Services]:
-    services = start_services(database_url, nats_url, state_dir)
+def resolve_services(database_url: str, nats_url: str, state_dir: str | os.PathLike[str],
+                     nats_config: str = "") -> Iterator[Services]:
+    services = start_services(database_url, nats_url, state_dir, nats_config=nats_config)
     try:
         yield services
     finally:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from shared.subjects import Subjects
 from tests.e2e.coordinator_processes import REPO, CoordinatorProcess, clean_env, coordinators  # noqa: F401
@@ -78,3 +79,31 @@ async def test_embedded_services_when_no_url_is_set_and_clean_sigterm(
     c.signal(signal.SIGINT)
     assert c.popen is not None and c.popen.wait(30) == 0
 
+
+
+async def test_services_start_a_nats_with_one_user_per_participant(tmp_path: Path, database_url: str) -> None:
+    """`kvledger services` (for processes run by hand) gives its embedded NATS the same users as
+    `kvledger up`: anonymous clients are refused, a worker's password file lets it in."""
+    import nats
+    import nats.errors
+
+    proc = subprocess.Popen([*KVLEDGER, "services", "--worker", "w0"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env=clean_env(KVL_STATE_DIR=str(tmp_path / "state"), KVL_DATABASE_URL=database_url))
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline() for _ in range(4)]
+        assert lines[-1].startswith("(Ctrl-C stops them)"), lines
+        url = lines[1].split()[1]
+        creds = tmp_path / "state" / "nats" / "credentials"
+        assert f"passwords in {creds}/<user>.password" in lines[2] and "worker.w0" in lines[2]
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
+        nc = await nats.connect(url, user="worker.w0", password=(creds / "worker.w0.password").read_text().strip(),
+                                inbox_prefix="_INBOX.worker.w0", allow_reconnect=False)
+        assert nc.is_connected
+        await nc.close()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "stopped" in out
