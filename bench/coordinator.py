@@ -987,12 +987,16 @@ async def build_log(db_url: str, n: int, tail: int) -> dict[str, Any]:
             "build_per_s": pos / build_s, "mix": {k: round(v / pos, 3) for k, v in sorted(counts.items())}}
 
 
-async def read_baseline(db_url: str, n: int, page: int = 5000) -> float:
-    """Seconds to read the log's rows as load_state does (same columns, pages), raw asyncpg."""
+async def read_baseline(db_url: str, n: int) -> float:
+    """Seconds to read the log's rows as load_state does (the same statement, columns and pages,
+    one page after another), raw asyncpg."""
     import asyncpg
+
+    from coordinator.log.postgres import READ_PAYLOADS
+    from coordinator.replay import REPLAY_PAGE
+    page = REPLAY_PAGE
     conn = await asyncpg.connect(db_url)
-    q = ("SELECT position, stream_id, stream_version, type, payload::text, source_id, leader_epoch, recorded_at "
-         "FROM events WHERE position >= $1 ORDER BY position LIMIT $2")
+    q = READ_PAYLOADS
     try:
         stmt = await conn.prepare(q)
         t0 = time.perf_counter()

@@ -10,6 +10,7 @@ leader's lock renewal or the health endpoints. Progress is logged every
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,8 +41,52 @@ class ReplayResult:
     stream_errors: list[str] = field(default_factory=list)
 
 
+#: Events per page of a replay's read (a page of payloads is a few MB).
+REPLAY_PAGE = 20_000
+
+
+def _read_ahead(log: EventLog, pos: int, upto: int | None, page: int) -> tuple[asyncio.Future[Any] | None, int]:
+    """The read of the page after ``pos``, started now, and its limit (None when ``upto`` is reached)."""
+    limit = page if upto is None else min(page, upto - pos)
+    if limit <= 0:
+        return None, 0
+    return asyncio.ensure_future(log.read_payloads(pos + 1, limit)), limit
+
+
+async def _fold_checked(log: EventLog, state: LedgerState, pos: int, upto: int | None, page: int,
+                        from_snapshot: bool) -> tuple[int, int, list[str]]:
+    """The audit's fold: whole rows, checking that each stream's versions run 1, 2, 3, …
+    Returns ``(position, events folded, stream errors)``."""
+    heads: dict[str, int] = {}
+    errors: list[str] = []
+    n = 0
+    while upto is None or pos < upto:
+        limit = page if upto is None else min(page, upto - pos)
+        batch = await log.read(pos + 1, limit)
+        if not batch:
+            break
+        for se in batch:
+            if se.position != pos + 1:
+                raise LogCorrupt(f"log gap: position {pos + 1} is missing (next stored is {se.position})")
+            try:
+                apply(state, decode_event(se.payload))
+            except (EventDecodeError, ReplayError, IllegalTransition) as e:
+                raise LogCorrupt(f"event at position {se.position} ({se.type}) cannot be folded: {e}") from e
+            # From a snapshot, a stream's first version seen may continue an earlier history.
+            prev = heads.get(se.stream_id, None if from_snapshot else 0)
+            expected = se.stream_version if prev is None else prev + 1
+            if se.stream_version != expected and len(errors) < 100:
+                errors.append(f"stream {se.stream_id}: version {se.stream_version} at position "
+                              f"{se.position}, expected {expected}")
+            heads[se.stream_id] = se.stream_version
+            pos = se.position
+        n += len(batch)
+        await asyncio.sleep(0)
+    return pos, n, errors
+
+
 async def load_state(log: EventLog, params: CoreParams, *, upto: int | None = None, use_snapshot: bool = True,
-                     check_streams: bool = False, page: int = 5000, progress_every: int = 50_000,
+                     check_streams: bool = False, page: int = REPLAY_PAGE, progress_every: int = 50_000,
                      logger: Any = None, what: str = "replay",
                      start: tuple[LedgerState, int] | None = None) -> ReplayResult:
     """``start``: continue folding onto ``(state, position)`` (a standby following the log)
@@ -69,41 +114,48 @@ async def load_state(log: EventLog, params: CoreParams, *, upto: int | None = No
         state = LedgerState.empty(params)
     if logger is not None:
         logger.info(f"{what}_started", from_position=pos + 1, snapshot_position=snap_pos, upto=upto)
-    heads: dict[str, int] = {}
-    errors: list[str] = []
     n = 0
     next_report = progress_every
     # NOTE: the cyclic GC is paused as in ``core.replay``: a replay allocates millions of
     # long-lived objects and every full collection would rescan all of them (a third of a
     # replay's CPU). It stays paused across the page reads' awaits; nothing else runs long then.
     with no_gc():
-        while upto is None or pos < upto:
-            limit = page if upto is None else min(page, upto - pos)
-            batch = await log.read(pos + 1, limit)
-            if not batch:
-                break
-            for se in batch:
-                if se.position != pos + 1:
-                    raise LogCorrupt(f"log gap: position {pos + 1} is missing (next stored is {se.position})")
-                try:
-                    apply(state, decode_event(se.payload))
-                except (EventDecodeError, ReplayError, IllegalTransition) as e:
-                    raise LogCorrupt(f"event at position {se.position} ({se.type}) cannot be folded: {e}") from e
-                if check_streams:
-                    # From a snapshot, a stream's first version seen may continue an earlier history.
-                    prev = heads.get(se.stream_id, None if snap_pos else 0)
-                    expected = se.stream_version if prev is None else prev + 1
-                    if se.stream_version != expected and len(errors) < 100:
-                        errors.append(f"stream {se.stream_id}: version {se.stream_version} at position "
-                                      f"{se.position}, expected {expected}")
-                    heads[se.stream_id] = se.stream_version
-                pos = se.position
-            n += len(batch)
-            if logger is not None and n >= next_report:
-                elapsed = time.perf_counter() - t0
-                logger.info(f"{what}_progress", events=n, position=pos, events_per_s=round(n / max(elapsed, 1e-9)))
-                next_report = (n // progress_every + 1) * progress_every
-            await asyncio.sleep(0)
+        if check_streams:
+            pos, n, errors = await _fold_checked(log, state, pos, upto, page, snap_pos is not None)
+        else:
+            errors = []
+            # The next page is read while this one is folded: PostgreSQL finds and sends rows
+            # while this process decodes and applies.
+            ahead, limit = _read_ahead(log, pos, upto, page)
+            try:
+                while ahead is not None:
+                    batch = await ahead
+                    ahead = None
+                    if not batch:
+                        break
+                    last = batch[-1][0]
+                    if len(batch) == limit and last - pos == limit:  # a full page, no gap: there may be more
+                        ahead, limit = _read_ahead(log, last, upto, page)
+                    for position, payload in batch:
+                        if position != pos + 1:
+                            raise LogCorrupt(f"log gap: position {pos + 1} is missing (next stored is {position})")
+                        try:
+                            apply(state, decode_event(payload))
+                        except (EventDecodeError, ReplayError, IllegalTransition) as e:
+                            raise LogCorrupt(f"event at position {position} cannot be folded: {e}") from e
+                        pos = position
+                    n += len(batch)
+                    if logger is not None and n >= next_report:
+                        elapsed = time.perf_counter() - t0
+                        logger.info(f"{what}_progress", events=n, position=pos,
+                                    events_per_s=round(n / max(elapsed, 1e-9)))
+                        next_report = (n // progress_every + 1) * progress_every
+                    await asyncio.sleep(0)
+            finally:
+                if ahead is not None:
+                    ahead.cancel()
+                    with contextlib.suppress(BaseException):
+                        await ahead
     seconds = time.perf_counter() - t0
     if logger is not None:
         logger.info(f"{what}_done", events=n, position=pos, seconds=round(seconds, 3),

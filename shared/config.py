@@ -124,7 +124,9 @@ class CoordinatorConfig(_Section):
     #: A worker silent past the heartbeat timeout is *suspended* this long (its cache kept,
     #: waiting for it to resume) before its epoch is fenced; at least ``lease_ttl_ms``.
     resume_grace_ms: PosInt = 60000
-    commit_batch_ms: Annotated[int, msgspec.Meta(ge=0)] = 2
+    #: Group commit: how long a lone submission waits for company before it is committed
+    #: (0 = commit at once; while a commit is in flight the next batch fills by itself).
+    commit_batch_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
     commit_batch_max: PosInt = 2000
     snapshot_every_events: PosInt = 100_000
     #: Per-tenant cap on READY+ALLOCATED replicas across all workers (0 = unlimited).

@@ -3,10 +3,11 @@
 Callers :meth:`~GroupCommitter.submit` their events (synchronously, so the log order is the
 order in which the caller applied them to its live state) and await the returned future,
 which resolves only after the transaction holding them has committed. A background task
-takes everything queued — waiting up to ``batch_ms`` after the first submission for more,
-or until ``batch_max`` events are queued — and appends it as one batch. One batch is in
-flight at a time (there is one writer), so while a commit is in progress the next batch
-fills up by itself: the busier the coordinator, the larger its batches.
+takes everything queued (up to ``batch_max`` events) and appends it as one batch. One batch
+is in flight at a time (there is one writer), so while a commit is in progress the next batch
+fills up by itself: the busier the coordinator, the larger its batches, and a lone request
+is committed at once. ``batch_ms`` > 0 makes a submission that finds the writer idle wait that
+long for company first (fewer, larger transactions for a slow disk, at that latency cost).
 
 A submission is never split across transactions: a request's events commit together.
 

@@ -79,8 +79,7 @@ class LeaderElection:
             # Let PostgreSQL notice a vanished host quickly (the lock is released with the session).
             "tcp_keepalives_idle": "5", "tcp_keepalives_interval": "2", "tcp_keepalives_count": "3",
         }
-        dsn = self.settings.url.replace("postgresql+asyncpg://", "postgresql://")
-        return await asyncpg.connect(dsn, timeout=self.settings.connect_timeout_s,
+        return await asyncpg.connect(self.settings.dsn, timeout=self.settings.connect_timeout_s,
                                      command_timeout=self.settings.statement_timeout_s,
                                      server_settings=settings, ssl=self.settings.ssl)
 

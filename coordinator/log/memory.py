@@ -44,6 +44,9 @@ class InMemoryEventLog:
         start = max(from_position, 1) - 1
         return self._events[start:start + max(limit, 0)]
 
+    async def read_payloads(self, from_position: int = 1, limit: int = 1000) -> list[tuple[int, bytes]]:
+        return [(e.position, e.payload) for e in await self.read(from_position, limit)]
+
     async def read_stream(self, stream_id: str, from_version: int = 1, limit: int = 10_000) -> list[StoredEvent]:
         start = max(from_version, 1) - 1
         return self._by_stream.get(stream_id, [])[start:start + max(limit, 0)]

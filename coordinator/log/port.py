@@ -150,6 +150,11 @@ class EventLog(Protocol):
         """Events with ``position >= from_position`` in position order, at most ``limit``."""
         ...
 
+    async def read_payloads(self, from_position: int = 1, limit: int = 1000) -> Sequence[tuple[int, str | bytes]]:
+        """``(position, payload)`` of the events with ``position >= from_position``, in position
+        order, at most ``limit``: the part of each event a replay folds (and only that)."""
+        ...
+
     async def read_stream(self, stream_id: str, from_version: int = 1, limit: int = 10_000) -> list[StoredEvent]:
         """One stream's events with ``stream_version >= from_version`` in version order."""
         ...

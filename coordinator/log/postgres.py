@@ -1,13 +1,13 @@
-"""The PostgreSQL event log: SQLAlchemy async engine for everything, raw asyncpg for appends.
+"""The PostgreSQL event log on asyncpg: one statement per append, reads without re-serialising.
 
 Ordering and locking (see also :mod:`coordinator.log.schema`):
 
-* Every append transaction first locks the single ``leader`` row ``FOR UPDATE`` and compares
-  its epoch with the caller's. That is the fence (a deposed leader's append fails inside
-  PostgreSQL, whatever it believes) and the serialisation point: appenders run one at a
-  time, so ``max(position) + 1`` read *after* the lock (a new statement, hence a fresh
-  READ COMMITTED snapshot) is the next position, and positions are dense and in commit
-  order. The primary key on ``position`` would catch any mistake in that reasoning.
+* Every append is one call of ``kvl_append`` (migration 0004), one statement in its own
+  transaction: it first locks the single ``leader`` row ``FOR UPDATE`` and compares its epoch
+  with the caller's. That is the fence (a deposed leader's append fails inside PostgreSQL,
+  whatever it believes) and the serialisation point: appenders run one at a time, so
+  ``max(position) + 1`` read after the lock is the next position, and positions are dense and
+  in commit order. The primary key on ``position`` would catch any mistake in that reasoning.
 * The epoch bump of a takeover updates the same row, so it waits for an in-flight append
   of the old leader to finish; every append after the bump sees the new epoch.
 * The leader's renewal never touches that row (it would wait behind every append in
@@ -15,17 +15,17 @@ Ordering and locking (see also :mod:`coordinator.log.schema`):
   which appends never lock, ``WHERE leader_epoch = <its epoch>``. The epoch bump rewrites
   ``leader_renewal`` in the same statement (:data:`TAKE_LEADERSHIP`), so the two rows agree
   on the epoch whenever either is visible, and a superseded leader's renewal matches nothing.
-* Duplicate source ids are filtered inside the same locked transaction, so the UNIQUE
-  constraint on ``source_id`` is the guarantee and never the control flow.
+* Duplicate source ids are filtered inside the same statement, so the UNIQUE constraint on
+  ``source_id`` is the guarantee and never the control flow.
 
-NOTE: the append path talks to asyncpg directly (the driver connection under the
-SQLAlchemy pool): one prepared statement with array parameters inserts the whole batch
-(``INSERT … SELECT FROM unnest(…)``) in a single round trip, where SQLAlchemy's
-executemany would bind and send row by row in pages. Reads, snapshots and the leader rows
-use SQLAlchemy Core on the same pool.
+NOTE: appends run on one held connection and are a single round trip plus the commit's
+WAL flush: no pool checkout, no pre-ping, no BEGIN/COMMIT. The earlier path (SQLAlchemy
+pool, pre-ping, lock, head, sources, stream heads, insert, commit: about ten round trips)
+cost more than the commit itself (docs/BENCHMARKS.md, Coordinator). Payloads are stored as
+the coordinator's own JSON text and read back as is.
 
 Driver errors are translated once, here, into :mod:`coordinator.log.port` errors; only
-errors that PostgreSQL guarantees rolled the transaction back and that may pass on their
+errors that PostgreSQL guarantees rolled the statement back and that may pass on their
 own (serialization failure, deadlock, lock timeout) are retried.
 """
 
@@ -34,19 +34,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
 import sqlalchemy.exc
-from sqlalchemy import Text, and_, cast, func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from coordinator.log.port import (
-    LeaderInfo, LogError, LogUnavailable, NewEvent, NotLeader, Snapshot, StoredEvent, plan_append,
+    LeaderInfo, LogError, LogUnavailable, NewEvent, NotLeader, Snapshot, StoredEvent, StreamConflict,
 )
-from coordinator.log.schema import events, leader, leader_renewal, snapshots
 from shared.embedded import asyncpg_url
 from shared.tls import client_context
 
@@ -73,6 +71,11 @@ class PgSettings:
                    statement_timeout_s=max(2 * connect, 5.0), application_name=application_name[:63],
                    ssl=client_context(tls) if tls is not None and db_cfg.tls else None)
 
+    @property
+    def dsn(self) -> str:
+        """The URL as asyncpg takes it (any SQLAlchemy driver suffix removed)."""
+        return _plain_dsn(self.url)
+
     def server_settings(self) -> dict[str, str]:
         return {
             "application_name": self.application_name[:63],
@@ -80,6 +83,13 @@ class PgSettings:
             "lock_timeout": str(int(self.connect_timeout_s * 1000)),
             "idle_in_transaction_session_timeout": str(int(self.statement_timeout_s * 2000)),
         }
+
+
+def _plain_dsn(url: str) -> str:
+    for prefix in ("postgresql+asyncpg://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql://" + url[len(prefix):]
+    return url
 
 
 def create_engine(settings: PgSettings) -> AsyncEngine:
@@ -153,15 +163,18 @@ def translate(e: BaseException, what: str, *, committed_unknown: bool = False) -
 
 LOCK_LEADER = "SELECT leader_epoch FROM leader WHERE id = 1 FOR UPDATE"
 HEAD = "SELECT coalesce(max(position), 0) FROM events"
-KNOWN_SOURCES = "SELECT source_id FROM events WHERE source_id = ANY($1::text[])"
-# One index probe per stream (max() on the unique (stream_id, stream_version) index).
-STREAM_HEADS = ("SELECT s, coalesce((SELECT max(stream_version) FROM events WHERE stream_id = s), 0) "
-                "FROM unnest($1::text[]) AS s")
-INSERT_BATCH = """
-INSERT INTO events (position, stream_id, stream_version, source_id, type, payload, leader_epoch)
-SELECT p, s, v, src, t, pl::jsonb, $7
-FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], $5::text[], $6::text[]) AS u(p, s, v, src, t, pl)
-"""
+#: A whole append, one statement (migration 0004): the fence, positions, stream versions,
+#: duplicate sources; returns each event's position (NULL for a duplicate source).
+APPEND = "SELECT kvl_append($1, $2, $3, $4, $5, $6)"
+#: kvl_append's own errors (migration 0004).
+SQLSTATE_NO_LEADER_ROW, SQLSTATE_NOT_LEADER, SQLSTATE_STREAM_CONFLICT = "KV001", "KV002", "KV003"
+#: Columns of a StoredEvent, in order.
+EVENT_COLUMNS = "position, stream_id, stream_version, type, payload, source_id, leader_epoch, recorded_at"
+READ = f"SELECT {EVENT_COLUMNS} FROM events WHERE position >= $1 ORDER BY position LIMIT $2"
+READ_STREAM = (f"SELECT {EVENT_COLUMNS} FROM events WHERE stream_id = $1 AND stream_version >= $2 "
+               "ORDER BY stream_version LIMIT $3")
+#: What a replay needs of each event, and nothing more.
+READ_PAYLOADS = "SELECT position, payload FROM events WHERE position >= $1 ORDER BY position LIMIT $2"
 #: The epoch bump and the renewal row, in one statement (one transaction). Updating ``leader``
 #: waits for an append in flight (it holds the row ``FOR UPDATE``); the renewal row is
 #: written after that (it reads ``bumped``), so an old leader's renewal is never blocked
@@ -195,173 +208,211 @@ SELECT l.holder, l.leader_epoch, coalesce(now() - greatest(l.renewed_at, r.renew
 FROM leader l LEFT JOIN leader_renewal r ON r.id = 1 AND r.leader_epoch = l.leader_epoch
 WHERE l.id = 1
 """
+#: The leader row, with the renewal time of the current epoch only (as LEADER_STALE reads it).
+LEADER_INFO = """
+SELECT l.leader_epoch, l.holder, l.since, greatest(l.renewed_at, r.renewed_at)
+FROM leader l LEFT JOIN leader_renewal r ON r.id = 1 AND r.leader_epoch = l.leader_epoch
+WHERE l.id = 1
+"""
+LATEST_SNAPSHOT = ("SELECT position, state_hash, state, leader_epoch, created_at FROM snapshots "
+                   "ORDER BY position DESC LIMIT 1")
+SAVE_SNAPSHOT = ("INSERT INTO snapshots (position, state_hash, state, leader_epoch) VALUES ($1, $2, $3, $4) "
+                 "ON CONFLICT (position) DO NOTHING")
 
 
 class PostgresEventLog:
-    """:class:`~coordinator.log.port.EventLog` on PostgreSQL (schema from ``migrations/``)."""
+    """:class:`~coordinator.log.port.EventLog` on PostgreSQL (schema from ``migrations/``).
 
-    def __init__(self, engine: AsyncEngine, *, max_attempts: int = 3) -> None:
-        self.engine = engine
+    Connections: one held *writer* connection for appends (one append is in flight at a time:
+    the group committer is the only caller), a small asyncpg pool for everything else, and a
+    SQLAlchemy engine only for the Alembic migrations (:attr:`engine`, created on first use).
+    """
+
+    def __init__(self, settings: PgSettings, *, max_attempts: int = 3) -> None:
+        self.settings = settings
         self._max_attempts = max_attempts
+        self._engine: AsyncEngine | None = None
+        self._writer: asyncpg.Connection | None = None
+        self._pool: asyncpg.Pool | None = None
+        self._pool_lock = asyncio.Lock()
 
     @classmethod
     def connect(cls, settings: PgSettings) -> "PostgresEventLog":
-        return cls(create_engine(settings))
+        """The adapter; connections are opened when first needed."""
+        return cls(settings)
 
-    @contextlib.asynccontextmanager
-    async def _driver(self, what: str) -> AsyncIterator[asyncpg.Connection]:
-        """A pooled connection's asyncpg driver connection; only checkout errors are translated here."""
-        conn = self.engine.connect()
-        try:
-            await conn.start()
-            drv = (await conn.get_raw_connection()).driver_connection
-        except BaseException as e:
-            with contextlib.suppress(Exception):
-                await conn.close()
-            if isinstance(e, Exception):
+    @property
+    def engine(self) -> AsyncEngine:
+        """A SQLAlchemy engine on the same database, for the Alembic migrations."""
+        if self._engine is None:
+            self._engine = create_engine(self.settings)
+        return self._engine
+
+    # --- connections ------------------------------------------------------------------------
+
+    async def _connect(self) -> asyncpg.Connection:
+        st = self.settings
+        return await asyncpg.connect(st.dsn, timeout=st.connect_timeout_s, command_timeout=st.statement_timeout_s,
+                                     server_settings=st.server_settings(), ssl=st.ssl)
+
+    async def _reader_pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            async with self._pool_lock:
+                if self._pool is None:
+                    st = self.settings
+                    self._pool = await asyncpg.create_pool(
+                        st.dsn, min_size=0, max_size=st.pool_size, timeout=st.connect_timeout_s,
+                        command_timeout=st.statement_timeout_s, server_settings=st.server_settings(), ssl=st.ssl,
+                        max_inactive_connection_lifetime=60.0)
+        return self._pool
+
+    async def _call(self, what: str, method: str, query: str, *args: Any) -> Any:
+        """One statement on a pooled connection, errors translated.
+
+        NOTE: a pooled connection whose server went away (a PostgreSQL restart) fails the next
+        statement sent on it; reads are idempotent, so that one failure is retried on a fresh
+        connection once instead of reaching the caller.
+        """
+        for attempt in (1, 2):
+            try:
+                pool = await self._reader_pool()
+                async with pool.acquire(timeout=self.settings.connect_timeout_s) as conn:
+                    return await getattr(conn, method)(query, *args)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - translated for the caller
+                if attempt == 1 and _connection_lost(e):
+                    continue
                 raise translate(e, what) from e
-            raise
-        try:
-            yield drv  # type: ignore[misc]
-        finally:
-            with contextlib.suppress(Exception):
-                await conn.close()
+        raise AssertionError("unreachable")
+
+    def _drop_writer(self) -> None:
+        conn, self._writer = self._writer, None
+        if conn is not None and not conn.is_closed():
+            conn.terminate()
+
+    # --- appends --------------------------------------------------------------------------
 
     async def append(self, batch: Sequence[NewEvent], leader_epoch: int) -> list[int | None]:
         if not batch:
             return []
+        args = ([e.stream_id for e in batch], [e.type for e in batch], [e.source_id for e in batch],
+                [e.payload.decode() for e in batch],
+                [e.expected_version for e in batch] if any(e.expected_version is not None for e in batch) else None)
         for attempt in range(1, self._max_attempts + 1):
             try:
-                return await self._append_once(batch, leader_epoch)
+                return await self._append_once(batch, leader_epoch, args)
             except _Retry as r:
                 if attempt == self._max_attempts:
                     raise translate(r.cause, "append") from r.cause
                 await asyncio.sleep(0.01 * 2 ** attempt)
         raise AssertionError("unreachable")
 
-    async def _append_once(self, batch: Sequence[NewEvent], leader_epoch: int) -> list[int | None]:
-        commit_sent = False
+    async def _append_once(self, batch: Sequence[NewEvent], leader_epoch: int,
+                           args: tuple[Any, ...]) -> list[int | None]:
+        sent = False
         try:
-            async with self._driver("append") as drv:
-                tx = drv.transaction()
-                await tx.start()
-                try:
-                    current = await drv.fetchval(LOCK_LEADER)
-                    if current is None:
-                        raise LogError("the leader row is missing: run `kvledger db upgrade`")
-                    if current != leader_epoch:
-                        raise NotLeader(leader_epoch, current)
-                    head = await drv.fetchval(HEAD)
-                    sources = [e.source_id for e in batch if e.source_id is not None]
-                    known = {r[0] for r in await drv.fetch(KNOWN_SOURCES, sources)} if sources else set()
-                    streams = list({e.stream_id for e in batch})
-                    heads = {r[0]: r[1] for r in await drv.fetch(STREAM_HEADS, streams)}
-                    rows, out = plan_append(batch, head, heads, known)
-                    if rows:
-                        await drv.execute(
-                            INSERT_BATCH,
-                            [p for p, _, _ in rows], [e.stream_id for _, _, e in rows], [v for _, v, _ in rows],
-                            [e.source_id for _, _, e in rows], [e.type for _, _, e in rows],
-                            [e.payload.decode() for _, _, e in rows], leader_epoch)
-                except BaseException:
-                    with contextlib.suppress(Exception):
-                        await tx.rollback()
-                    raise
-                commit_sent = True
-                await tx.commit()
-                return out
-        except LogUnavailable as e:
-            e.committed_unknown = commit_sent
+            conn = self._writer
+            if conn is None or conn.is_closed():
+                self._writer = None
+                conn = self._writer = await self._connect()
+            sent = True
+            positions = await conn.fetchval(APPEND, leader_epoch, *args)
+        except asyncio.CancelledError:
+            self._drop_writer()   # the statement's fate and the connection's state are unknown
             raise
-        except (LogError, asyncio.CancelledError):
-            raise
-        except Exception as e:
-            if not commit_sent and is_retryable(e):
+        except asyncpg.PostgresError as e:
+            state = e.sqlstate
+            if state == SQLSTATE_NOT_LEADER:
+                raise NotLeader(leader_epoch, int(e.detail or 0)) from None
+            if state == SQLSTATE_STREAM_CONFLICT:
+                ordinal, expected, actual = (e.detail or "0|0|0").split("|")
+                raise StreamConflict(batch[int(ordinal) - 1].stream_id, int(expected), int(actual)) from None
+            if state == SQLSTATE_NO_LEADER_ROW:
+                raise LogError("the leader row is missing: run `kvledger db upgrade`") from None
+            if state in RETRYABLE_SQLSTATES:
                 raise _Retry(e) from e
-            raise translate(e, "append", committed_unknown=commit_sent) from e
+            if is_unavailable(e):
+                self._drop_writer()
+                raise translate(e, "append", committed_unknown=sent) from e
+            # refused by the server: the statement (its implicit transaction) was rolled back
+            raise translate(e, "append") from e
+        except Exception as e:  # noqa: BLE001 - connection trouble: whether it committed is unknown once sent
+            self._drop_writer()
+            raise translate(e, "append", committed_unknown=sent) from e
+        return list(positions)
+
+    # --- reads ----------------------------------------------------------------------------
 
     async def read(self, from_position: int = 1, limit: int = 1000) -> list[StoredEvent]:
-        q = (select(events.c.position, events.c.stream_id, events.c.stream_version, events.c.type,
-                    cast(events.c.payload, Text), events.c.source_id, events.c.leader_epoch, events.c.recorded_at)
-             .where(events.c.position >= from_position).order_by(events.c.position).limit(max(limit, 0)))
-        return await self._read_events(q, "read")
-
-    async def read_stream(self, stream_id: str, from_version: int = 1, limit: int = 10_000) -> list[StoredEvent]:
-        q = (select(events.c.position, events.c.stream_id, events.c.stream_version, events.c.type,
-                    cast(events.c.payload, Text), events.c.source_id, events.c.leader_epoch, events.c.recorded_at)
-             .where(events.c.stream_id == stream_id, events.c.stream_version >= from_version)
-             .order_by(events.c.stream_version).limit(max(limit, 0)))
-        return await self._read_events(q, "read_stream")
-
-    async def _read_events(self, q: Any, what: str) -> list[StoredEvent]:
-        rows = await self._fetch(q, what)
+        rows = await self._call("read", "fetch", READ, from_position, max(limit, 0))
         return [StoredEvent(r[0], r[1], r[2], r[3], r[4].encode(), r[5], r[6], r[7]) for r in rows]
 
-    async def _fetch(self, q: Any, what: str, params: dict[str, Any] | None = None) -> Sequence[Any]:
-        try:
-            async with self.engine.connect() as conn:
-                return (await conn.execute(q, params or {})).all()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            raise translate(e, what) from e
+    async def read_payloads(self, from_position: int = 1, limit: int = 1000) -> Sequence[tuple[int, str]]:
+        """``(position, payload)`` of the events from ``from_position``: what a replay folds."""
+        return await self._call("read", "fetch", READ_PAYLOADS, from_position, max(limit, 0))  # type: ignore[no-any-return]
+
+    async def read_stream(self, stream_id: str, from_version: int = 1, limit: int = 10_000) -> list[StoredEvent]:
+        rows = await self._call("read_stream", "fetch", READ_STREAM, stream_id, from_version, max(limit, 0))
+        return [StoredEvent(r[0], r[1], r[2], r[3], r[4].encode(), r[5], r[6], r[7]) for r in rows]
 
     async def ping(self) -> None:
         """Raise the translated error if PostgreSQL cannot be used (unreachable, bad credentials…)."""
-        await self._fetch(text("SELECT 1"), "connect")
+        await self._call("connect", "fetchval", "SELECT 1")
 
     async def head(self) -> int:
-        rows = await self._fetch(text(HEAD), "head")
-        return int(rows[0][0])
+        return int(await self._call("head", "fetchval", HEAD))
+
+    # --- leadership and snapshots -----------------------------------------------------------
 
     async def take_leadership(self, holder: str) -> int:
-        async with self._driver("take_leadership") as drv:
-            try:
-                epoch = await drv.fetchval(TAKE_LEADERSHIP, holder)
-            except Exception as e:
-                raise translate(e, "take_leadership") from e
+        epoch = await self._call("take_leadership", "fetchval", TAKE_LEADERSHIP, holder)
         if epoch is None:
             raise LogError("the leader row is missing: run `kvledger db upgrade`")
         return int(epoch)
 
     async def leader(self) -> LeaderInfo:
-        # Same rule as LEADER_STALE: the renewal row counts for the current epoch only.
-        renewed_at = func.greatest(leader.c.renewed_at, leader_renewal.c.renewed_at)
-        current = and_(leader_renewal.c.id == 1, leader_renewal.c.leader_epoch == leader.c.leader_epoch)
-        rows = await self._fetch(
-            select(leader.c.leader_epoch, leader.c.holder, leader.c.since, renewed_at)
-            .select_from(leader.outerjoin(leader_renewal, current))
-            .where(leader.c.id == 1), "leader")
-        if not rows:
+        row = await self._call("leader", "fetchrow", LEADER_INFO)
+        if row is None:
             raise LogError("the leader row is missing: run `kvledger db upgrade`")
-        return LeaderInfo(*rows[0])
+        return LeaderInfo(row[0], row[1], row[2], row[3])
 
     async def latest_snapshot(self) -> Snapshot | None:
-        rows = await self._fetch(
-            select(snapshots.c.position, snapshots.c.state_hash, snapshots.c.state, snapshots.c.leader_epoch,
-                   snapshots.c.created_at).order_by(snapshots.c.position.desc()).limit(1), "latest_snapshot")
-        return Snapshot(rows[0][0], rows[0][1], bytes(rows[0][2]), rows[0][3], rows[0][4]) if rows else None
+        row = await self._call("latest_snapshot", "fetchrow", LATEST_SNAPSHOT)
+        return Snapshot(row[0], row[1], bytes(row[2]), row[3], row[4]) if row is not None else None
 
     async def save_snapshot(self, snapshot: Snapshot, leader_epoch: int) -> None:
         try:
-            async with self.engine.begin() as conn:
-                current = (await conn.execute(text(LOCK_LEADER))).scalar()
+            pool = await self._reader_pool()
+            async with pool.acquire(timeout=self.settings.connect_timeout_s) as conn, conn.transaction():
+                current = await conn.fetchval(LOCK_LEADER)
                 if current != leader_epoch:
                     raise NotLeader(leader_epoch, current or 0)
-                head = (await conn.execute(text(HEAD))).scalar() or 0
+                head = await conn.fetchval(HEAD)
                 if snapshot.position > head:
                     raise LogError(f"snapshot at position {snapshot.position} is past the head {head}")
-                await conn.execute(text(
-                    "INSERT INTO snapshots (position, state_hash, state, leader_epoch) "
-                    "VALUES (:p, :h, :s, :e) ON CONFLICT (position) DO NOTHING"),
-                    {"p": snapshot.position, "h": snapshot.state_hash, "s": snapshot.state, "e": leader_epoch})
+                await conn.execute(SAVE_SNAPSHOT, snapshot.position, snapshot.state_hash, snapshot.state, leader_epoch)
         except (LogError, asyncio.CancelledError):
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - translated for the caller
             raise translate(e, "save_snapshot") from e
 
     async def close(self) -> None:
-        await self.engine.dispose()
+        self._drop_writer()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(pool.close(), 5)
+            pool.terminate()
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            await engine.dispose()
+
+
+def _connection_lost(e: BaseException) -> bool:
+    """An error of a connection that had been working (not a refusal to connect)."""
+    return isinstance(e, (asyncpg.ConnectionDoesNotExistError, asyncpg.InterfaceError, ConnectionResetError,
+                          BrokenPipeError)) or getattr(e, "sqlstate", None) in ("57P01", "57P02")
 
 
 class _Retry(Exception):

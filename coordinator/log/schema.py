@@ -11,10 +11,12 @@ Choices worth stating:
   are handed out at insert time but become visible at commit time, so a tailing reader
   could skip a row that commits late; serialised explicit positions are dense and in
   commit order by construction.
-* ``payload`` is JSONB: events are msgspec JSON already (the same structs travel on NATS),
-  and operators can query the log with ``payload->>'block_hash'``. JSONB normalises key
-  order and whitespace, which is harmless: events are decoded by field name, and hashes
-  are computed over decoded state, never over stored bytes.
+* ``payload`` is ``text``: the JSON the coordinator encoded (msgspec), stored and read back
+  as is (migration 0004; it was JSONB, which parsed every payload on insert and
+  re-serialised it on every read). Operators query it as JSON through the view
+  ``events_json`` (``payload->>'block_hash'``). Events are decoded by field name, and hashes
+  are computed over decoded state, never over stored bytes, so the JSONB rendering of rows
+  written before 0004 decodes to the same events.
 * ``source_id`` is UNIQUE and NULL for events no worker transition caused (PostgreSQL's
   UNIQUE allows any number of NULLs).
 """
@@ -25,7 +27,6 @@ from sqlalchemy import (
     BigInteger, CheckConstraint, Column, DateTime, LargeBinary, MetaData, SmallInteger, Table, Text,
     UniqueConstraint, func,
 )
-from sqlalchemy.dialects.postgresql import JSONB
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -44,7 +45,7 @@ events = Table(
     Column("stream_version", BigInteger, nullable=False),
     Column("source_id", Text, nullable=True),
     Column("type", Text, nullable=False),
-    Column("payload", JSONB, nullable=False),
+    Column("payload", Text, nullable=False),
     Column("leader_epoch", BigInteger, nullable=False),
     Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     UniqueConstraint("stream_id", "stream_version"),

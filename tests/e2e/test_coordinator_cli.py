@@ -28,7 +28,7 @@ def test_db_upgrade_and_current(database_url: str) -> None:
     assert before.returncode == 1 and "current: (none)" in before.stdout and "not migrated" in before.stdout
     up = kvledger("db", "upgrade", env=env)
     assert up.returncode == 0, up.stderr
-    assert "event log schema at revision 0003" in up.stdout
+    assert "event log schema at revision 0004" in up.stdout
     after = kvledger("db", "current", env=env)
     assert after.returncode == 0 and "up to date" in after.stdout
 

@@ -90,7 +90,7 @@ async def test_kill_9_mid_stream_loses_nothing_acknowledged_and_replays_to_the_s
             covered = {t.source_id for t in commits if t.seq in acked and t.seq <= w.watermark}
             assert covered <= set(stored), f"lost: {sorted(covered - set(stored))[:10]}"
             assert all(n == 1 for n in stored.values())
-            rejected = await db.fetch("SELECT source_id, payload->>'reason' AS reason FROM events "
+            rejected = await db.fetch("SELECT source_id, payload::jsonb->>'reason' AS reason FROM events "
                                       "WHERE type = 'transition.rejected' LIMIT 5")
             assert not rejected, [dict(r) for r in rejected]
 
