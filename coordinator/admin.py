@@ -296,19 +296,27 @@ async def get_block(request: web.Request) -> web.Response:
     ledger = await _serving_ledger(request)
     s = ledger.state
     keys = sorted(k for k in s.replicas if k[0] == block)
-    if not keys:
-        raise ApiError(404, "not_found", f"block {block} has no replica in the ledger")
     replicas = [_replica(s.replicas[k]) for k in keys]
+    # Replicas that ended long ago have left the state (docs/architecture.md, "Retention"); their
+    # streams are looked up at every location a registered worker could have held them.
+    known = set(keys) | {(block, f.name, loc) for w in s.workers.values() for f in w.catalogue.forms
+                         for loc in (w.gpu, w.host, "disk")}
     # NOTE: events that change many replicas at once are kept in their own streams: a block
     # invalidation is included, a worker loss or a namespace/worker invalidation is not (see
     # worker:<id> and invalidation:* in /v1/events); the replicas' current state reflects them.
-    names = [replica_stream(*k) for k in keys] + [f"invalidation:block:{block}"]
+    # A grant reserves its writes and evicts its victims within the lease's own event, so the
+    # lease that allocated each live replica is included too.
+    leases = sorted({f"lease:{s.replicas[k].lease_id}" for k in keys if s.replicas[k].lease_id})
+    names = [replica_stream(*k) for k in sorted(known)] + [f"invalidation:block:{block}"] + leases
     try:
         streams = await asyncio.gather(*[ledger.log.read_stream(n) for n in names])
     except LogError as e:
         raise Unavailable(f"event log unavailable: {e}") from e
+    if not keys and not any(streams):
+        raise ApiError(404, "not_found", f"block {block} has no replica in the ledger and no history in the log")
+    found = [n for n, events in zip(names, streams) if events]
     history = sorted((se for events in streams for se in events), key=lambda se: se.position)
-    return web.json_response({"block_hash": block, "replicas": replicas, "streams": names,
+    return web.json_response({"block_hash": block, "replicas": replicas, "streams": found,
                               "history": [_event(e) for e in history]})
 
 

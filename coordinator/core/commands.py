@@ -31,7 +31,6 @@ from coordinator.core.prefix import longest_usable_prefix
 from coordinator.core.state import Lease, LedgerState, Replica, ReplicaKey, WorkerRecord
 from shared import messages as m
 from shared.hashing import replica_digest, split_digests
-from shared.ids import ROOT_HASH
 
 Events = list[Any]
 
@@ -351,7 +350,6 @@ def acquire_lease(state: LedgerState, msg: m.LeaseAcquire, now_ms: int,
         res = longest_usable_prefix(state, w.catalogue, hashes, readable_locations(w), p.max_rejected_reasons)
         usable, pin_keys, rejected = res.usable_blocks, res.replicas_to_pin, res.rejected
 
-    gpu = w.gpu
     replicas = state.replicas
     write, victims, wanted = ({}, [], n * len(msg.write_forms)) if w.draining else _plan_writes(
         state, w, msg, usable, pin_keys)
@@ -363,25 +361,16 @@ def acquire_lease(state: LedgerState, msg: m.LeaseAcquire, now_ms: int,
 
     expires = now_ms + min(msg.ttl_ms, p.lease_ttl_ms)
     reads = [_ref(replicas[k]) for k in pin_keys]
-    events: Events = [ev.ReplicaEvicted(block_hash=v.block_hash, form=v.form, location=v.location,
-                                        generation=v.generation, reason="lru", lease_id=lease_id, at_ms=now_ms)
-                      for v in victims]
-    events.append(ev.LeaseGranted(
+    evict = [_ref(v) for v in victims]
+    # One event holds the whole decision: the victims, the pins and the write reservations.
+    event = ev.LeaseGranted(
         lease_id=lease_id, worker_id=w.worker_id, epoch=w.epoch, tenant=msg.tenant, namespace=msg.namespace,
         request_id=msg.request_id, block_hashes=list(hashes), usable_blocks=usable,
-        read=[ev.PinRef.of(r) for r in reads], write=write,
-        expires_at_ms=expires, at_ms=now_ms))
-    bs = w.catalogue.block_size
-    for form, idx in write.items():
-        for i in idx:
-            events.append(ev.ReplicaAllocated(
-                block_hash=hashes[i], form=form, location=gpu, lease_id=lease_id, worker_id=w.worker_id,
-                epoch=w.epoch, tenant=msg.tenant, namespace=msg.namespace,
-                parent_hash=hashes[i - 1] if i else ROOT_HASH, token_start=i * bs, token_end=(i + 1) * bs,
-                at_ms=now_ms))
+        read=[ev.PinRef.of(r) for r in reads], write=write, expires_at_ms=expires,
+        evicted=[ev.PinRef.of(r) for r in evict], allocated=True, at_ms=now_ms)
     grant = m.LeaseGrant(lease_id=lease_id, expires_at_ms=expires, usable_blocks=usable, read=reads,
-                         write=write, evict=[_ref(v) for v in victims], rejected=rejected)
-    return grant, events
+                         write=write, evict=evict, rejected=rejected)
+    return grant, [event]
 
 
 def _lease_of(state: LedgerState, worker_id: str, epoch: int, lease_id: str) -> Lease | m.ErrorReply:
@@ -420,26 +409,13 @@ def renew_lease(state: LedgerState, msg: m.LeaseRenew,
             [ev.LeaseRenewed(lease_id=msg.lease_id, expires_at_ms=expires, at_ms=now_ms)])
 
 
-def _aborts(state: LedgerState, lease: Lease, now_ms: int) -> Events:
-    """``ReplicaEvicted(abort)`` for the lease's writes that were never committed."""
-    out: Events = []
-    for key in lease.write_keys(f"gpu:{lease.worker_id}"):
-        r = state.replicas.get(key)
-        if r is not None and r.state is ALLOCATED and r.lease_id == lease.lease_id:
-            out.append(ev.ReplicaEvicted(block_hash=key[0], form=key[1], location=key[2], generation=r.generation,
-                                         reason="abort", lease_id=lease.lease_id, at_ms=now_ms))
-    return out
-
-
 def release_lease(state: LedgerState, msg: m.LeaseRelease,
                   now_ms: int) -> tuple[m.LeaseReleased | m.ErrorReply, Events]:
-    """Unpin the reads; writes never committed are aborted (EVICTED, reason abort)."""
+    """Unpin the reads; writes never committed are aborted (EVICTED) by the release itself."""
     lease = _lease_of(state, msg.worker_id, msg.epoch, msg.lease_id)
     if isinstance(lease, m.ErrorReply):
         return lease, []
-    events = _aborts(state, lease, now_ms)
-    events.append(ev.LeaseReleased(lease_id=lease.lease_id, at_ms=now_ms))
-    return m.LeaseReleased(lease_id=lease.lease_id), events
+    return m.LeaseReleased(lease_id=lease.lease_id), [ev.LeaseReleased(lease_id=lease.lease_id, at_ms=now_ms)]
 
 
 def expire(state: LedgerState, now_ms: int, last_seen: Mapping[tuple[str, int], int] | None = None,
@@ -475,7 +451,6 @@ def expire(state: LedgerState, now_ms: int, last_seen: Mapping[tuple[str, int], 
     for lid in sorted(state.leases):
         lease = state.leases[lid]
         if lease.worker_id not in lost and now_ms >= lease_deadline(state, lease):
-            events.extend(_aborts(state, lease, now_ms))
             events.append(ev.LeaseExpired(lease_id=lid, at_ms=now_ms))
     return events
 

@@ -174,7 +174,16 @@ class WorkerLost(_Event, tag="worker.lost", kw_only=True):
 # --- leases ----------------------------------------------------------------------------
 
 class LeaseGranted(_Event, tag="lease.granted", kw_only=True):
-    """A lease: pins ``read`` replicas; its write replicas follow as ``ReplicaAllocated``."""
+    """A lease, the whole decision in one event: the LRU victims it ``evicted`` (READY
+    replicas on the holder's GPU, evicted first), the ``read`` replicas it pins, and — when
+    ``allocated`` — the write replicas it reserves: one ALLOCATED replica at ``gpu:<worker>``
+    per block index in ``write`` (its parent hash, token span, tenant and namespace follow from
+    the grant and the holder's block size).
+
+    NOTE: logs written before grants carried their effects hold the victims as
+    ``ReplicaEvicted`` events before the grant and the writes as ``ReplicaAllocated`` events
+    after it (``evicted`` empty, ``allocated`` false); both fold to the same state.
+    """
 
     lease_id: str
     worker_id: str
@@ -188,6 +197,10 @@ class LeaseGranted(_Event, tag="lease.granted", kw_only=True):
     #: Block indices (into ``block_hashes``) the worker may fill, per form.
     write: dict[str, list[NonNeg]] = {}
     expires_at_ms: NonNeg = 0
+    #: LRU victims at the holder's GPU, evicted to make room for ``write`` (in eviction order).
+    evicted: list[PinRef] = []
+    #: True: this event allocates the write replicas itself (see the class docstring).
+    allocated: bool = False
 
 
 class LeaseRenewed(_Event, tag="lease.renewed", kw_only=True):
@@ -196,13 +209,19 @@ class LeaseRenewed(_Event, tag="lease.renewed", kw_only=True):
 
 
 class LeaseReleased(_Event, tag="lease.released", kw_only=True):
-    """The holder released the lease: pins dropped (its unfilled writes were aborted first)."""
+    """The holder released the lease: its writes still ALLOCATED under it are aborted (EVICTED),
+    its pins dropped.
+
+    NOTE: the aborts are no choice (every unfilled write of the lease), so the event does not
+    list them; logs written before that hold them as ``ReplicaEvicted(abort)`` events just
+    before the release, which leave nothing for the release to abort.
+    """
 
     lease_id: str
 
 
 class LeaseExpired(_Event, tag="lease.expired", kw_only=True):
-    """The lease passed its TTL: as ``LeaseReleased``, decided by the clock."""
+    """The lease passed its TTL: as ``LeaseReleased`` (its unfilled writes abort), decided by the clock."""
 
     lease_id: str
 
@@ -210,7 +229,10 @@ class LeaseExpired(_Event, tag="lease.expired", kw_only=True):
 # --- replicas --------------------------------------------------------------------------
 
 class ReplicaAllocated(_Event, tag="replica.allocated", kw_only=True):
-    """A write grant reserved a pool slot: the replica is ALLOCATED at ``location``."""
+    """A write grant reserved a pool slot: the replica is ALLOCATED at ``location``.
+
+    Read from older logs only: a ``LeaseGranted`` with ``allocated`` does this for all its writes.
+    """
 
     block_hash: str
     form: str
@@ -226,7 +248,11 @@ class ReplicaAllocated(_Event, tag="replica.allocated", kw_only=True):
 
 
 class ReplicaEvicted(_Event, tag="replica.evicted", kw_only=True):
-    """The coordinator evicted a replica: an LRU victim of a grant, an abort, or control."""
+    """The coordinator evicted a replica: an operator's (control) eviction.
+
+    Older logs also hold the LRU victims of grants and the aborts of released or expired
+    leases as these; both are part of the lease events now.
+    """
 
     block_hash: str
     form: str

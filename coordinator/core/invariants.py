@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 from coordinator.core.lifecycle import ALLOCATED, LIVE, READY
-from coordinator.core.state import LedgerState, ReplicaKey, pool_of
+from coordinator.core.state import LedgerState, ReplicaKey, pool_of, tombstone_capacity
 
 
 def check_invariants(state: LedgerState) -> list[str]:
@@ -94,6 +94,23 @@ def check_invariants(state: LedgerState) -> list[str]:
     for key, r in state.replicas.items():
         if r.pins != pins.get(key, 0):
             out.append(f"replica {key}: pin count {r.pins} != {pins.get(key, 0)} pinning leases")
+
+    # Retention: every ended replica is a tombstone of its owner, within the owner's capacity.
+    buried: dict[ReplicaKey, str] = {}
+    for owner, ring in state.tombstones.items():
+        if not ring:
+            out.append(f"tombstones of {owner}: an empty ring is kept")
+        if len(ring) > tombstone_capacity(state, owner):
+            out.append(f"tombstones of {owner}: {len(ring)} > capacity {tombstone_capacity(state, owner)}")
+        for key in ring:
+            buried[key] = owner
+            r = state.replicas.get(key)
+            if r is None or r.state in LIVE or r.owner != owner:
+                out.append(f"tombstone {key} of {owner} is {'absent' if r is None else r.state.value} "
+                           f"(owner {r.owner if r else '-'}), not an ended replica of its owner")
+    for key, r in state.replicas.items():
+        if r.state not in LIVE and buried.get(key) != r.owner:
+            out.append(f"replica {key} is {r.state.value} but not among {r.owner}'s tombstones")
 
     # Watermarks: pending seqs lie above the contiguous prefix.
     for (wid, epoch), wm in state.watermarks.items():

@@ -13,6 +13,14 @@ against a recomputation by :func:`.invariants.check_invariants`.
 
 :func:`state_hash` is canonical: it sorts everything, so two states built in different
 orders (live, by replay, from a snapshot) hash equal exactly when they hold the same facts.
+
+Retention: the state is bounded by the cache, not by history. A replica that ends
+(EVICTED, INVALID, LOST) stays as a *tombstone* only while it is among the most recent
+terminal replicas of its owner worker — at most as many as that worker has pool slots —
+then leaves the state (:func:`_bury`). A tombstone is what lets an offload copy an LRU
+victim the worker heard of only from the grant that evicted it (the copy must carry the
+checksum the victim was committed with), and what shows an operator why a recent replica
+is gone; the whole history stays in the log, where the audit verifies it.
 """
 
 from __future__ import annotations
@@ -27,8 +35,9 @@ from typing import Any, Final
 import msgspec
 
 from coordinator.core import events as ev
-from coordinator.core.lifecycle import LIVE, READY, TRANSITIONS, IllegalTransition, step
+from coordinator.core.lifecycle import ALLOCATED, LIVE, READY, TERMINAL, TRANSITIONS, IllegalTransition, step
 from shared.forms import FormCatalogue
+from shared.ids import ROOT_HASH
 from shared.messages import ReplicaState
 
 #: ``(block_hash, form, location)``.
@@ -36,7 +45,7 @@ ReplicaKey = tuple[str, str, str]
 #: ``(worker_id, form)``: one pool of one worker.
 PoolKey = tuple[str, str]
 
-SNAPSHOT_VERSION: Final = 2
+SNAPSHOT_VERSION: Final = 3
 
 
 class ReplayError(RuntimeError):
@@ -191,6 +200,8 @@ class LedgerState:
     watermarks: dict[tuple[str, int], Watermark] = field(default_factory=dict)
     #: Time of the last coordinator takeover (liveness clocks restart there).
     resumed_at_ms: int = 0
+    #: Terminal replicas kept, per owner worker, oldest first (see "Retention" above).
+    tombstones: dict[str, dict[ReplicaKey, None]] = field(default_factory=dict)
     #: Events folded so far (not part of the state hash).
     applied: int = 0
     # derived:
@@ -281,11 +292,39 @@ def _move(s: LedgerState, key: ReplicaKey, kind: str) -> Replica:
     if r.pins and new is not READY:
         _unpin_everywhere(s, r, key)
     r.state = new
+    if new in TERMINAL:
+        _bury(s, r.owner, key)
     return r
 
 
+def tombstone_capacity(s: LedgerState, owner: str) -> int:
+    """How many terminal replicas of ``owner`` the state keeps: its pool slots (0 if unknown)."""
+    w = s.workers.get(owner)
+    return sum(w.pool_slots.values()) if w is not None else 0
+
+
+def _bury(s: LedgerState, owner: str, key: ReplicaKey) -> None:
+    """``key`` just ended: keep it as ``owner``'s newest tombstone, dropping the oldest past capacity."""
+    ring = s.tombstones.get(owner)
+    if ring is None:
+        ring = s.tombstones[owner] = {}
+    ring[key] = None
+    _trim(s, owner, ring)
+
+
+def _trim(s: LedgerState, owner: str, ring: dict[ReplicaKey, None]) -> None:
+    cap = tombstone_capacity(s, owner)
+    replicas = s.replicas
+    while len(ring) > cap:
+        oldest = next(iter(ring))
+        del ring[oldest]
+        del replicas[oldest]
+    if not ring:
+        del s.tombstones[owner]
+
+
 def _create(s: LedgerState, key: ReplicaKey, kind: str, owner: str, epoch: int) -> Replica:
-    """A new incarnation of ``key`` (a grant or an offload copy)."""
+    """A new incarnation of ``key`` (a grant or an offload copy); a tombstone of it is reused."""
     r = s.replicas.get(key)
     old = r.state if r is not None else None
     new = step(old, kind, key)
@@ -295,6 +334,10 @@ def _create(s: LedgerState, key: ReplicaKey, kind: str, owner: str, epoch: int) 
                     (loc[4:], f) if loc.startswith("gpu:") else None)
         s.replicas[key] = r
     else:
+        ring = s.tombstones[r.owner]
+        del ring[key]
+        if not ring:
+            del s.tombstones[r.owner]
         r.state = new
         r.owner, r.owner_epoch = owner, epoch
         r.pins = 0
@@ -333,11 +376,18 @@ def _worker(s: LedgerState, worker_id: str, epoch: int) -> WorkerRecord:
     return w
 
 
-def _end_lease(s: LedgerState, lease_id: str) -> None:
+def _end_lease(s: LedgerState, lease_id: str, abort: bool) -> None:
+    """End a lease: ``abort`` its writes still ALLOCATED under it (a release or an expiry; a
+    worker loss makes them LOST instead), drop its pins."""
     lease = s.leases.pop(lease_id, None)
     if lease is None:
         raise ReplayError(f"lease {lease_id} is not live in the ledger")
     replicas = s.replicas
+    if abort and lease.write:
+        for key in sorted(lease.write_keys(f"gpu:{lease.worker_id}")):  # sorted: the tombstones' order
+            r = replicas.get(key)
+            if r is not None and r.state is ALLOCATED and r.lease_id == lease_id:
+                _move(s, key, "abort")
     for key in lease.pins:
         replicas[key].pins -= 1
     w = s.workers.get(lease.worker_id)
@@ -356,6 +406,9 @@ def _apply_worker_registered(s: LedgerState, e: ev.WorkerRegistered) -> None:
         worker_id=e.worker_id, epoch=e.epoch, namespace=e.namespace, catalogue=e.catalogue,
         pool_slots=dict(e.pool_slots), endpoint=e.endpoint, node=e.node,
         registered_at_ms=e.at_ms, last_heartbeat_ms=e.at_ms, fenced_through=e.epoch - 1)
+    ring = s.tombstones.get(e.worker_id)
+    if ring is not None:  # the pool slots, hence the tombstones kept, may have changed
+        _trim(s, e.worker_id, ring)
 
 
 def _apply_heartbeat(s: LedgerState, e: ev.WorkerHeartbeat) -> None:
@@ -392,7 +445,7 @@ def _apply_draining(s: LedgerState, e: ev.WorkerDraining) -> None:
 def _apply_worker_lost(s: LedgerState, e: ev.WorkerLost) -> None:
     w = _worker(s, e.worker_id, e.epoch)
     for lid in e.released:
-        _end_lease(s, lid)
+        _end_lease(s, lid, abort=False)
     for key in e.lost:
         _move(s, tuple(key), "lose")  # type: ignore[arg-type]
     # NOTE: disk READY replicas of this epoch survive; they simply stop being tracked as
@@ -410,6 +463,8 @@ def _apply_lease_granted(s: LedgerState, e: ev.LeaseGranted) -> None:
     w = _worker(s, e.worker_id, e.epoch)
     if e.lease_id in s.leases:
         raise ReplayError(f"lease {e.lease_id} granted twice")
+    for v in e.evicted:
+        _move(s, (v.block_hash, v.form, v.location), "evict")
     pins: dict[ReplicaKey, None] = {}
     replicas = s.replicas
     at = e.at_ms
@@ -426,6 +481,29 @@ def _apply_lease_granted(s: LedgerState, e: ev.LeaseGranted) -> None:
         request_id=e.request_id, block_hashes=list(e.block_hashes), usable_blocks=e.usable_blocks, pins=pins,
         write={f: list(ix) for f, ix in e.write.items()}, expires_at_ms=e.expires_at_ms, granted_at_ms=at)
     w.leases[e.lease_id] = None
+    if e.allocated:
+        hashes = e.block_hashes
+        gpu = w.gpu
+        bs = w.catalogue.block_size
+        for form, idx in e.write.items():
+            for i in idx:
+                _allocate(s, (hashes[i], form, gpu), e.lease_id, e.worker_id, e.epoch, e.tenant, e.namespace,
+                          hashes[i - 1] if i else ROOT_HASH, i * bs, (i + 1) * bs, at)
+
+
+def _allocate(s: LedgerState, key: ReplicaKey, lease_id: str, worker_id: str, epoch: int, tenant: str,
+              namespace: str, parent_hash: str, token_start: int, token_end: int, at_ms: int) -> None:
+    r = _create(s, key, "grant", worker_id, epoch)
+    r.generation = 0
+    r.checksum = ""
+    r.tenant = tenant
+    r.namespace = namespace
+    r.parent_hash = parent_hash
+    r.token_start = token_start
+    r.token_end = token_end
+    r.lease_id = lease_id
+    r.last_used_ms = at_ms
+    _enter_live(s, r, key)
 
 
 def _apply_lease_renewed(s: LedgerState, e: ev.LeaseRenewed) -> None:
@@ -436,24 +514,14 @@ def _apply_lease_renewed(s: LedgerState, e: ev.LeaseRenewed) -> None:
 
 
 def _apply_lease_ended(s: LedgerState, e: ev.LeaseReleased | ev.LeaseExpired) -> None:
-    _end_lease(s, e.lease_id)
+    _end_lease(s, e.lease_id, abort=True)
 
 
 def _apply_replica_allocated(s: LedgerState, e: ev.ReplicaAllocated) -> None:
     if e.lease_id not in s.leases:
         raise ReplayError(f"replica {e.block_hash}/{e.form} allocated for lease {e.lease_id}, which is not live")
-    key = (e.block_hash, e.form, e.location)
-    r = _create(s, key, "grant", e.worker_id, e.epoch)
-    r.generation = 0
-    r.checksum = ""
-    r.tenant = e.tenant
-    r.namespace = e.namespace
-    r.parent_hash = e.parent_hash
-    r.token_start = e.token_start
-    r.token_end = e.token_end
-    r.lease_id = e.lease_id
-    r.last_used_ms = e.at_ms
-    _enter_live(s, r, key)
+    _allocate(s, (e.block_hash, e.form, e.location), e.lease_id, e.worker_id, e.epoch, e.tenant, e.namespace,
+              e.parent_hash, e.token_start, e.token_end, e.at_ms)
 
 
 def _apply_replica_evicted(s: LedgerState, e: ev.ReplicaEvicted) -> None:
@@ -591,7 +659,9 @@ def _canon(s: LedgerState) -> list[Any]:
     marks = [[w, e, m.contiguous, sorted(m.pending)] for (w, e), m in sorted(s.watermarks.items())]
     pools = sorted([w, f, len(p)] for (w, f), p in s.pools.items() if p)
     tenants = sorted(s.tenant_used.items())
-    return [SNAPSHOT_VERSION, workers, replicas, leases, marks, pools, tenants, s.resumed_at_ms]
+    # NOTE: in order: which tombstone leaves next is a fact of the state.
+    tombstones = [[owner, list(ring)] for owner, ring in sorted(s.tombstones.items())]
+    return [SNAPSHOT_VERSION, workers, replicas, leases, marks, pools, tenants, s.resumed_at_ms, tombstones]
 
 
 def state_hash(state: LedgerState) -> str:
@@ -670,6 +740,8 @@ class _Snapshot(msgspec.Struct):
     replicas: list[_SnapReplica]
     leases: list[_SnapLease]
     watermarks: list[tuple[str, int, int, list[int]]]
+    #: ``(owner, keys oldest first)`` per owner with tombstones.
+    tombstones: list[tuple[str, list[ReplicaKey]]] = []
 
 
 class SnapshotError(ValueError):
@@ -701,6 +773,7 @@ def _to_snapshot(state: LedgerState) -> bytes:
                            l.usable_blocks, list(l.pins), l.write, l.expires_at_ms, l.granted_at_ms)
                 for l in state.leases.values()],
         watermarks=[(w, e, m.contiguous, sorted(m.pending)) for (w, e), m in state.watermarks.items()],
+        tombstones=[(owner, list(ring)) for owner, ring in state.tombstones.items()],
     )
     return msgspec.msgpack.encode(snap)
 
@@ -758,11 +831,13 @@ def _from_snapshot(data: bytes, params: CoreParams | None) -> LedgerState:
             w.leases[sl.lease_id] = None
     for wid, epoch, contiguous, pending in snap.watermarks:
         s.watermarks[(wid, epoch)] = Watermark(contiguous, set(pending))
+    for owner, keys in snap.tombstones:
+        s.tombstones[owner] = {tuple(k): None for k in keys}  # type: ignore[misc]
     return s
 
 
 __all__ = [
     "CoreParams", "LedgerState", "Lease", "PoolKey", "Replica", "ReplicaKey", "ReplayError", "SnapshotError",
     "Watermark", "WorkerRecord", "apply", "from_snapshot", "no_gc", "pool_of", "replay", "state_hash", "to_snapshot",
-    "TRANSITIONS",
+    "tombstone_capacity", "TRANSITIONS",
 ]

@@ -153,6 +153,8 @@ class _Replica:
     owner: tuple[str, int]
     generation: int = 0
     checksum: str = ""
+    #: The lease whose grant allocated it ("" for offload copies).
+    lease: str = ""
 
 
 @dataclass
@@ -174,15 +176,36 @@ def check(log: list[dict[str, Any]], observed: Observed) -> Report:
     replicas: dict[tuple[str, str, str], _Replica] = {}
     workers: dict[str, _Worker] = {}
     registered: set[tuple[str, int]] = set()
-    #: live lease → (holder, the replicas it pins)
-    leases: dict[str, tuple[tuple[str, int], set[tuple[str, str, str]]]] = {}
+    #: live lease → (holder, the replicas it pins, the replicas it may write)
+    leases: dict[str, tuple[tuple[str, int], set[tuple[str, str, str]], list[tuple[str, str, str]]]] = {}
 
     def pinned(key: tuple[str, str, str]) -> bool:
-        return any(key in pins for _, pins in leases.values())
+        return any(key in pins for _, pins, _ in leases.values())
 
     def unpin(key: tuple[str, str, str]) -> None:
-        for _, pins in leases.values():
+        for _, pins, _ in leases.values():
             pins.discard(key)
+
+    def allocate(pos: int, key: tuple[str, str, str], lease_id: str, holder: tuple[str, int]) -> None:
+        """A grant's write reservation (a ``replica.allocated`` event, or part of a grant)."""
+        r = replicas.get(key)
+        if r is not None and r.state in LIVE:
+            note(rep.illegal, pos, f"grant of {key}, which is already {r.state}")
+        if lease_id not in leases:
+            note(rep.illegal, pos, f"grant of {key} for lease {lease_id}, which is not live")
+        if fenced(holder):
+            note(rep.fenced, pos, f"grant of {key} to fenced {holder}")
+        replicas[key] = _Replica("ALLOCATED", holder, lease=lease_id)
+
+    def evict(pos: int, key: tuple[str, str, str], why: str) -> None:
+        """The coordinator's eviction (an LRU victim of a grant, an abort, an operator's)."""
+        r = replicas.get(key)
+        if r is None or r.state not in LIVE:
+            note(rep.illegal, pos, f"eviction of {key}, which is {r.state if r else 'absent'}")
+        elif r.state == "READY" and pinned(key):
+            note(rep.illegal, pos, f"eviction ({why}) of {key}, which a live lease pins")
+        else:
+            r.state = "EVICTED"
 
     def fenced(owner: tuple[str, int]) -> bool:
         w = workers.get(owner[0])
@@ -263,8 +286,13 @@ def check(log: list[dict[str, Any]], observed: Observed) -> Report:
                 note(rep.fenced, pos, f"lease {e['lease_id']} granted to fenced {holder}")
             elif workers[holder[0]].suspended:
                 note(rep.fenced, pos, f"lease {e['lease_id']} granted to suspended {holder} before it resumed")
+            gpu = f"gpu:{holder[0]}"
+            for v in e.get("evicted", []):   # the grant's LRU victims, evicted before anything else
+                evict(pos, (v["block_hash"], v["form"], v["location"]), "lru")
             pins: set[tuple[str, str, str]] = set()
-            leases[e["lease_id"]] = (holder, pins)
+            hashes = e.get("block_hashes", [])
+            writes = [(hashes[i], form, gpu) for form, idx in e.get("write", {}).items() for i in idx]
+            leases[e["lease_id"]] = (holder, pins, writes)
             w = workers.get(holder[0])
             readable = {f"gpu:{holder[0]}", f"host:{w.node if w else holder[0]}", "disk"}
             for ref in e.get("read", []):
@@ -283,27 +311,21 @@ def check(log: list[dict[str, Any]], observed: Observed) -> Report:
                 if key[2] != "disk" and fenced(r.owner):
                     note(rep.fenced, pos, f"lease {e['lease_id']} pins {key} of fenced epoch {r.owner}")
                 pins.add(key)
+            if e.get("allocated"):
+                for key in writes:
+                    allocate(pos, key, e["lease_id"], holder)
         elif typ in ("lease.released", "lease.expired"):
-            leases.pop(e["lease_id"], None)
+            ended = leases.pop(e["lease_id"], None)
+            # the lease's writes never committed are aborted by its end (written out as
+            # replica.evicted events before the release in older logs)
+            for key in ended[2] if ended is not None else ():
+                r = replicas.get(key)
+                if r is not None and r.state == "ALLOCATED" and r.lease == e["lease_id"]:
+                    r.state = "EVICTED"
         elif typ == "replica.allocated":
-            key = (e["block_hash"], e["form"], e["location"])
-            r = replicas.get(key)
-            if r is not None and r.state in LIVE:
-                note(rep.illegal, pos, f"grant of {key}, which is already {r.state}")
-            if e["lease_id"] not in leases:
-                note(rep.illegal, pos, f"grant of {key} for lease {e['lease_id']}, which is not live")
-            if fenced((e["worker_id"], e["epoch"])):
-                note(rep.fenced, pos, f"grant of {key} to fenced {(e['worker_id'], e['epoch'])}")
-            replicas[key] = _Replica("ALLOCATED", (e["worker_id"], e["epoch"]))
+            allocate(pos, (e["block_hash"], e["form"], e["location"]), e["lease_id"], (e["worker_id"], e["epoch"]))
         elif typ == "replica.evicted":
-            key = (e["block_hash"], e["form"], e["location"])
-            r = replicas.get(key)
-            if r is None or r.state not in LIVE:
-                note(rep.illegal, pos, f"eviction of {key}, which is {r.state if r else 'absent'}")
-            elif r.state == "READY" and pinned(key):
-                note(rep.illegal, pos, f"eviction ({e.get('reason')}) of {key}, which a live lease pins")
-            else:
-                r.state = "EVICTED"
+            evict(pos, (e["block_hash"], e["form"], e["location"]), e.get("reason", ""))
         elif typ == "invalidated":
             for key in e.get("affected", []):
                 r = replicas.get(tuple(key))

@@ -147,8 +147,10 @@ async def test_views_of_the_live_state(stack: dict[str, Any]) -> None:
 
     status, one = await get(stack, f"/v1/blocks/{hashes[2]}")
     assert status == 200 and one["replicas"][0]["state"] == "READY" and one["replicas"][0]["pins"] == 1
-    assert [e["type"] for e in one["history"]] == ["replica.allocated", "transition.applied"]
+    # the grant that allocated it (the lease's own event), then its commit
+    assert [e["type"] for e in one["history"]] == ["lease.granted", "transition.applied"]
     assert one["history"][1]["source_id"] == "w1.1.3"
+    assert one["streams"] == [f"replica:{hashes[2]}:compressed:gpu:w1", f"lease:{one['replicas'][0]['lease_id']}"]
 
     status, body = await get(stack, "/v1/leases?worker=w1")
     assert status == 200 and len(body["leases"]) == 2

@@ -13,7 +13,7 @@ import pytest
 from nats.js.api import AckPolicy, RetentionPolicy, StorageType
 from structlog.testing import capture_logs
 
-from coordinator.core import apply, resume, state_hash
+from coordinator.core import LedgerState, apply, decode_event, replay, resume, state_hash
 from coordinator.app import COORDINATOR
 from coordinator.nats_service import CONSUMER_NAME
 from shared.messages import (
@@ -25,6 +25,11 @@ from shared.hashing import replica_digest
 from shared.messages import WorkerResume
 from tests.integration.coordinator_kit import CATALOGUE, NS, Worker, block, fast_config, running_coordinator
 from worker.client.nats_adapter import NatsCoordinatorClient
+
+
+async def _folded(db: asyncpg.Connection) -> LedgerState:
+    """The log as it stands, folded by the core."""
+    return replay(decode_event(r["payload"]) for r in await db.fetch("SELECT payload FROM events ORDER BY position"))
 
 
 async def test_lease_round_trip_is_answered_only_after_its_event_is_durable(
@@ -46,17 +51,20 @@ async def test_lease_round_trip_is_answered_only_after_its_event_is_durable(
             grant = await w.acquire(hashes)
             assert isinstance(grant, LeaseGrant)
             assert grant.usable_blocks == 0 and grant.write == {"compressed": [0, 1, 2]}
-            # the grant and its allocations were in the log before the reply was sent
-            stored = await db.fetch("SELECT type FROM events WHERE stream_id = $1", f"lease:{grant.lease_id}")
-            assert [r["type"] for r in stored] == ["lease.granted"]
-            assert await db.fetchval("SELECT count(*) FROM events WHERE type = 'replica.allocated'") == 3
+            # the grant, which allocates its writes itself, was in the log before the reply was sent
+            stored = await db.fetch("SELECT type, payload::jsonb->'allocated' AS allocated FROM events "
+                                    "WHERE stream_id = $1", f"lease:{grant.lease_id}")
+            assert [(r["type"], r["allocated"]) for r in stored] == [("lease.granted", "true")]
+            keys = [(bh, "compressed", "gpu:w1") for bh in hashes]
+            assert {k: v.state.value for k, v in (await _folded(db)).replicas.items()} == dict.fromkeys(keys, "ALLOCATED")
 
             renewed = await w.renew(grant.lease_id)
             assert isinstance(renewed, LeaseRenewed) and renewed.lease_id == grant.lease_id
             released = await w.release(grant.lease_id)
             assert isinstance(released, LeaseReleased)
-            # unfilled writes were aborted by the release
-            assert await db.fetchval("SELECT count(*) FROM events WHERE type = 'replica.evicted'") == 3
+            # unfilled writes were aborted by the release (no event of their own)
+            assert {k: v.state.value for k, v in (await _folded(db)).replicas.items()} == dict.fromkeys(keys, "EVICTED")
+            assert await db.fetchval("SELECT count(*) FROM events WHERE type = 'replica.evicted'") == 0
 
             # group commit through the service: concurrent requests share transactions
             beats = await asyncio.gather(*[w.heartbeat() for _ in range(100)])
@@ -173,7 +181,7 @@ async def test_malformed_requests_get_an_error_reply_and_a_warning_without_conte
 
 async def test_restart_from_snapshot_and_tail_reproduces_the_state(
         database_url: str, nats_url: str, subjects: Subjects) -> None:
-    cfg = fast_config(database_url, nats_url, subjects, snapshot_every_events=15)
+    cfg = fast_config(database_url, nats_url, subjects, snapshot_every_events=8)
     nc = await nats.connect(nats_url)
     try:
         async with running_coordinator(cfg) as (app, base):
@@ -185,7 +193,7 @@ async def test_restart_from_snapshot_and_tail_reproduces_the_state(
                 for i in range(4):
                     await w.publish(w.commit(hashes, i, grant.lease_id))
             await _until(lambda: app[COORDINATOR].ledger.state.committed_seq("w1", 1) == 16)
-            # 38 events so far with snapshot_every_events=15: periodic snapshots were taken
+            # 22 events so far with snapshot_every_events=8: periodic snapshots were taken
             await _until(lambda: app[COORDINATOR].metrics.snapshots._value.get() >= 2)
             async with aiohttp.ClientSession() as http:
                 async with http.post(f"{base}/v1/snapshot") as r:

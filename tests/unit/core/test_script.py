@@ -116,7 +116,10 @@ def test_life_of_a_worker() -> None:
     assert reply.epoch == 2
     assert (w := d.state.workers["w1"]).epoch == 2 and w.fenced_through == 1 and w.alive
     assert d.state.leases == {}
-    assert {v[0] for v in replicas(d.state).values()} == {"LOST", "EVICTED"}
+    # Every replica of epoch 1 ended: the worker's 12 GPU replicas are LOST, and the state keeps
+    # its 12 most recent ended replicas (its pool slots) as tombstones — here those 12.
+    assert {v[0] for v in replicas(d.state).values()} == {"LOST"} and len(d.state.replicas) == 12
+    assert list(d.state.tombstones["w1"]) == sorted(d.state.replicas)
     assert d.state.tenant_used == {} and all(d.state.pool_used("w1", f) == 0 for f in FORMS)
     late = d.run(ingest_transition, transition("w1", 1, seq + 1, other[0], "swa", S.ALLOCATED, S.READY), 85)
     assert type(late[0]).__name__ == "TransitionRejected" and "fenced" in late[0].reason

@@ -80,6 +80,27 @@ class Model:
     leases: dict[str, MLease] = field(default_factory=dict)
     workers: dict[str, MWorker] = field(default_factory=dict)
     resumed: int = 0
+    #: Ended replicas kept per owner, oldest first: at most ``tomb_capacity`` (the owner's pool slots).
+    tombs: dict[str, dict[tuple[str, str, str], None]] = field(default_factory=dict)
+    tomb_capacity: int = 0
+
+    def end(self, key: tuple[str, str, str], state: S) -> None:
+        """``key`` ends in ``state``; the owner's oldest ended replicas past the capacity are forgotten."""
+        r = self.replicas[key]
+        r.state = state
+        ring = self.tombs.setdefault(r.owner, {})
+        ring[key] = None
+        while len(ring) > self.tomb_capacity:
+            oldest = next(iter(ring))
+            del ring[oldest]
+            del self.replicas[oldest]
+
+    def create(self, key: tuple[str, str, str], r: MReplica) -> None:
+        old = self.replicas.get(key)
+        if old is not None:
+            assert old.state not in LIVE
+            del self.tombs[old.owner][key]
+        self.replicas[key] = r
 
     def state(self, key: tuple[str, str, str]) -> S | None:
         r = self.replicas.get(key)
@@ -94,19 +115,20 @@ class Model:
 
     def end_lease(self, lid: str) -> None:
         lease = self.leases.pop(lid)
-        for key in lease.writes:
+        for key in sorted(lease.writes):
             r = self.replicas.get(key)
             if r is not None and r.state is S.ALLOCATED and r.lease == lid:
-                r.state = S.EVICTED
+                self.end(key, S.EVICTED)
 
     def lose(self, wid: str) -> None:
         w = self.workers[wid]
         for lid in [lid for lid, l in self.leases.items() if l.worker == wid]:
             self.leases.pop(lid)
-        for key, r in self.replicas.items():
-            if r.owner == wid and r.epoch == w.epoch and r.state in LIVE:
+        for key in sorted(self.replicas):
+            r = self.replicas.get(key)
+            if r is not None and r.owner == wid and r.epoch == w.epoch and r.state in LIVE:
                 if r.state is S.ALLOCATED or key[2] != "disk":
-                    r.state = S.LOST
+                    self.end(key, S.LOST)
                     self.unpin(key)
         w.alive = False
         w.draining = False
@@ -161,6 +183,7 @@ class CoreMachine(RuleBasedStateMachine):
     def setup(self, slots: int, quota: int) -> None:
         self.slots = slots
         self.quota = quota
+        self.m.tomb_capacity = slots * len(CAT.forms)
         self.d = Driver(CoreParams(lease_ttl_ms=TTL, heartbeat_interval_ms=HB_INTERVAL, missed_heartbeats=MISSED,
                                    resume_grace_ms=GRACE, tenant_quota_replicas=quota))
         for wid in WORKERS:
@@ -302,8 +325,8 @@ class CoreMachine(RuleBasedStateMachine):
         assert isinstance(reply, ResumeReply), reply
         event(f"resumed ({damage})")
         bad = [k for k in ready if items.get(k) != truth[k]]
-        for k in bad:
-            self.m.replicas[k].state = S.INVALID
+        for k in sorted(bad):
+            self.m.end(k, S.INVALID)
             self.m.unpin(k)
         assert reply.kept == len(ready) - len(bad)
         assert sorted(split_digests(reply.drop)) == sorted(d for k, d in items.items() if d != truth.get(k))
@@ -356,7 +379,7 @@ class CoreMachine(RuleBasedStateMachine):
                       {(x.block_hash, x.form, x.location) for x in reply.evict}]
             assert all(lru(key) < lru(k) for k in spared), (key, spared)
         for v in reply.evict:
-            self.m.replicas[(v.block_hash, v.form, v.location)].state = S.EVICTED
+            self.m.end((v.block_hash, v.form, v.location), S.EVICTED)
         for key in pins:
             self.m.replicas[key].used = self.now
         # Writes: only blocks with no live GPU replica that the worker will compute or reload.
@@ -368,7 +391,7 @@ class CoreMachine(RuleBasedStateMachine):
                 assert self.m.state(key) not in LIVE
                 assert i >= usable or pinned_loc.get((blocks[i], form), gpu) != gpu
                 writes.add(key)
-                self.m.replicas[key] = MReplica(S.ALLOCATED, wid, w.epoch, lease=lid, tenant=tenant, used=self.now)
+                self.m.create(key, MReplica(S.ALLOCATED, wid, w.epoch, lease=lid, tenant=tenant, used=self.now))
         self.m.leases[lid] = MLease(wid, w.epoch, tenant, set(pins), writes,
                                     self.now + min(30000, TTL), self.now)
         # Whole blocks in order: every needed form of each granted block, up to the first block that
@@ -481,8 +504,8 @@ class CoreMachine(RuleBasedStateMachine):
     def _fill(self, lid: str) -> None:
         lease = self.m.leases[lid]
         for key in sorted(lease.writes):
-            r = self.m.replicas[key]
-            if r.state is not S.ALLOCATED or r.lease != lid:
+            r = self.m.replicas.get(key)
+            if r is None or r.state is not S.ALLOCATED or r.lease != lid:
                 continue
             t = transition(r.owner, r.epoch, self.next_seq(r.owner, r.epoch), key[0], key[1], S.ALLOCATED,
                            S.READY, location=key[2], generation=2, checksum="c1", tenant=r.tenant, lease_id=lid)
@@ -509,8 +532,8 @@ class CoreMachine(RuleBasedStateMachine):
         ok = not stale and (to is S.INVALID or self.m.pins(key) == 0)
         self.send(t, ok)
         if ok:
-            r.state = to
             self.m.unpin(key)
+            self.m.end(key, to)
 
     @precondition(lambda self: any(r.state in (S.READY, S.EVICTED) for r in self.m.replicas.values()))
     @rule(data=st.data(), tier=st.sampled_from(["disk", "host"]), corrupt=st.booleans())
@@ -535,8 +558,8 @@ class CoreMachine(RuleBasedStateMachine):
         ok = not corrupt and self.m.state(dest) not in LIVE
         self.send(t, ok)
         if ok:
-            self.m.replicas[dest] = MReplica(S.READY, wid, w.epoch, generation=r.generation, checksum=checksum,
-                                             tenant=r.tenant, used=self.now)
+            self.m.create(dest, MReplica(S.READY, wid, w.epoch, generation=r.generation, checksum=checksum,
+                                         tenant=r.tenant, used=self.now))
 
     @rule(data=st.data(), block=st.sampled_from(ALL_BLOCKS[:4] + FAMILIES["b"][:2]),
           form=st.sampled_from(["compressed", "swa", "tail"]),
@@ -574,8 +597,8 @@ class CoreMachine(RuleBasedStateMachine):
         expected = sorted(k for k, r in self.m.replicas.items() if k[0] == block and r.state in LIVE)
         assert e.affected == expected
         for k in expected:
-            self.m.replicas[k].state = S.INVALID
             self.m.unpin(k)
+            self.m.end(k, S.INVALID)
 
     # --- after every step ----------------------------------------------------------------
 
