@@ -644,13 +644,13 @@ async def copy_baseline(db_url: str, rows: list[tuple[Any, ...]], tag: str) -> f
         await conn.close()
 
 
-async def ingest_phase(nc: Any, coord: CoordinatorProc, w: BenchWorker, db_url: str, n: int) -> dict[str, Any]:
-    from coordinator.core.events import TransitionApplied, TransitionRecord
-    from coordinator.ledger import to_new_event
-    from shared.messages import ErrorReply, LeaseGrant, encode, now_ms
+async def grant_writes(w: BenchWorker, hashes: list[str], what: str) -> tuple[list[tuple[str, list[str]]], float]:
+    """Write leases on ``hashes`` (``SETUP_LEASE_BLOCKS`` per lease): ``[(lease id, its blocks)]``
+    and the seconds it took."""
+    from shared.messages import ErrorReply, LeaseGrant
 
-    hashes = [h(i + 1) for i in range(n)]
-    _log(f"ingest: granting write leases on {n} blocks ({SETUP_LEASE_BLOCKS} per lease) ...")
+    n = len(hashes)
+    _log(f"{what}: granting write leases on {n} blocks ({SETUP_LEASE_BLOCKS} per lease) ...")
     t0 = time.perf_counter()
     leases: list[tuple[str, list[str]]] = []
     for k in range(0, n, SETUP_LEASE_BLOCKS):
@@ -662,13 +662,22 @@ async def ingest_phase(nc: Any, coord: CoordinatorProc, w: BenchWorker, db_url: 
             raise RuntimeError(f"setup lease granted {len(g.write.get('compressed', []))} of {len(chunk)} writes")
         leases.append((g.lease_id, chunk))
     setup_s = time.perf_counter() - t0
-    _log(f"ingest: {n} ALLOCATED replicas in {setup_s:.1f} s ({n / setup_s:,.0f} grants/s, setup only)")
+    _log(f"{what}: {n} ALLOCATED replicas in {setup_s:.1f} s ({n / setup_s:,.0f} grants/s, setup only)")
+    return leases, setup_s
 
-    subject = w.subjects.events(w.worker_id)
+
+def commits(w: BenchWorker, leases: list[tuple[str, list[str]]], seq0: int
+            ) -> tuple[list[tuple[bytes, str]], list[tuple[Any, ...]]]:
+    """The commit transition of every block of ``leases`` (seqs from ``seq0 + 1``), encoded with its
+    source id, and the row the coordinator will store for each (for the COPY baseline)."""
+    from coordinator.core.events import TransitionApplied, TransitionRecord
+    from coordinator.ledger import to_new_event
+    from shared.messages import encode, now_ms
+
     ts = now_ms()
     msgs: list[tuple[bytes, str]] = []
     rows: list[tuple[Any, ...]] = []
-    seq = 0
+    seq = seq0
     for lease_id, chunk in leases:
         for i in range(len(chunk)):
             seq += 1
@@ -677,6 +686,29 @@ async def ingest_phase(nc: Any, coord: CoordinatorProc, w: BenchWorker, db_url: 
             # exactly what the coordinator will store for it
             ne = to_new_event(TransitionApplied(transition=TransitionRecord.of(t), kind="commit", at_ms=ts))
             rows.append((seq, ne.stream_id, 2, ne.source_id, ne.type, ne.payload.decode(), 1))
+    return msgs, rows
+
+
+async def publish_all(nc: Any, subject: str, msgs: list[tuple[bytes, str]]) -> float:
+    """Publish ``msgs`` to JetStream, pipelined, each with its source id as ``Nats-Msg-Id``; seconds
+    until JetStream has stored them all."""
+    js = nc.jetstream(timeout=30, publish_async_max_pending=4000)
+    futs = []
+    t0 = time.perf_counter()
+    for data, sid in msgs:
+        futs.append(await js.publish_async(subject, data, headers={"Nats-Msg-Id": sid}))
+    await js.publish_async_completed()
+    bad = [f for f in futs if f.exception() is not None]
+    if bad:
+        raise RuntimeError(f"{len(bad)} publishes failed: {bad[0].exception()}")
+    return time.perf_counter() - t0
+
+
+async def ingest_phase(nc: Any, coord: CoordinatorProc, w: BenchWorker, db_url: str, n: int) -> dict[str, Any]:
+    hashes = [h(i + 1) for i in range(n)]
+    leases, setup_s = await grant_writes(w, hashes, "ingest")
+    subject = w.subjects.events(w.worker_id)
+    msgs, rows = commits(w, leases, 0)
     msg_bytes = statistics.fmean(len(m) for m, _ in msgs)
     row_bytes = statistics.fmean(len(r[5]) for r in rows)
 
@@ -684,26 +716,18 @@ async def ingest_phase(nc: Any, coord: CoordinatorProc, w: BenchWorker, db_url: 
     copy1 = await copy_baseline(db_url, rows, "before")
     _log(f"ingest: COPY {n / copy1:,.0f} rows/s")
 
-    js = nc.jetstream(timeout=30, publish_async_max_pending=4000)
     _log(f"ingest: publishing {n} commit transitions ({msg_bytes:.0f} bytes each) to JetStream ...")
-    futs = []
     st0 = await coord.append_stats()
     with coord.spy("ingest"):
         cpu0 = cpu_seconds(coord.pid)
         t0 = time.perf_counter()
-        for data, sid in msgs:
-            futs.append(await js.publish_async(subject, data, headers={"Nats-Msg-Id": sid}))
         w.emitted_seq = n
-        await js.publish_async_completed()
-        t_pub = time.perf_counter() - t0
+        t_pub = await publish_all(nc, subject, msgs)
         _log(f"ingest: all published and stored by JetStream after {t_pub:.2f} s ({n / t_pub:,.0f}/s); "
              f"watermark at {w.watermark}")
         await w.wait_watermark(n, timeout_s=max(120, n / 500))
         t_ingest = time.perf_counter() - t0
     cpu = cpu_delta(cpu0, cpu_seconds(coord.pid), n, "ingest")
-    bad = [f for f in futs if f.exception() is not None]
-    if bad:
-        raise RuntimeError(f"{len(bad)} publishes failed: {bad[0].exception()}")
     _log(f"ingest: watermark {n} after {t_ingest:.2f} s: {n / t_ingest:,.0f} events/s durable")
     w.note_committed([(bh, k + 1) for k, bh in enumerate(bh for _, chunk in leases for bh in chunk)])
     appends = append_delta(st0, await coord.append_stats(), "ingest")
@@ -728,6 +752,45 @@ async def ingest_phase(nc: Any, coord: CoordinatorProc, w: BenchWorker, db_url: 
         "ingest_setup_grants_per_s": round(n / setup_s), **appends, **cpu,
         "_hashes": hashes,
     }
+
+
+#: Block numbers of the backlog phase's blocks (apart from the others').
+BACKLOG_BLOCK0 = 1 << 36
+
+
+async def backlog_phase(nc: Any, coord: CoordinatorProc, w: BenchWorker, n: int, copy_rate: float) -> dict[str, Any]:
+    """Durable ingest of a backlog: the coordinator is stopped, ``n`` commit transitions are
+    published (as workers keep doing while no coordinator runs), it is started again: from its
+    ``/readyz`` 200 until the watermark covers the last one. What a coordinator's own pipeline
+    (JetStream delivery, decode, judge, apply, append, ack) drains per second, without the
+    publisher competing for this machine's two cores as it does in :func:`ingest_phase`."""
+    hashes = [h(BACKLOG_BLOCK0 + i) for i in range(n)]
+    leases, _ = await grant_writes(w, hashes, "backlog")
+    seq0 = w.emitted_seq
+    msgs, _ = commits(w, leases, seq0)
+    _log("backlog: stopping the coordinator ...")
+    coord.stop()
+    t_pub = await publish_all(nc, w.subjects.events(w.worker_id), msgs)
+    w.emitted_seq = seq0 + n
+    _log(f"backlog: {n} commit transitions stored by JetStream in {t_pub:.2f} s; starting the coordinator ...")
+    coord.start()
+    ready_s, _ = await coord.wait_ready()
+    t0 = time.perf_counter()
+    st0 = await coord.append_stats()
+    cpu0 = cpu_seconds(coord.pid)
+    await w.wait_watermark(seq0 + n, timeout_s=max(120, n / 500))
+    t = time.perf_counter() - t0
+    cpu = cpu_delta(cpu0, cpu_seconds(coord.pid), n, "ingest_backlog")
+    appends = append_delta(st0, await coord.append_stats(), "ingest_backlog")
+    rate = n / t
+    _log(f"backlog: ready {ready_s:.2f} s after its start; watermark {seq0 + n} {t:.2f} s later: {rate:,.0f} "
+         f"events/s durable; {appends}; {cpu}")
+    w.note_committed([(bh, seq0 + k + 1) for k, bh in enumerate(bh for _, chunk in leases for bh in chunk)])
+    for lease_id, _ in leases:
+        await w.request(w.subjects.request("release", w.worker_id), w.release(lease_id))
+    return {"ingest_backlog_events": n, "ingest_backlog_events_per_s": round(rate),
+            "ingest_backlog_seconds": round(t, 3), "ingest_backlog_ratio_vs_copy": round(rate / copy_rate, 3),
+            "ingest_backlog_restart_to_ready_s": round(ready_s, 3), **appends, **cpu}
 
 
 # --- phase (b): leases ------------------------------------------------------------------------
@@ -923,6 +986,7 @@ async def build_log(db_url: str, n: int, tail: int) -> dict[str, Any]:
     import asyncpg
 
     from coordinator.core import CoreParams, state_hash, to_snapshot
+    from coordinator.core.lifecycle import LIVE
     from coordinator.ledger import to_new_event
     from coordinator.log.migrate import upgrade
     from coordinator.log.postgres import PgSettings, create_engine
@@ -947,7 +1011,8 @@ async def build_log(db_url: str, n: int, tail: int) -> dict[str, Any]:
         at = pos
         while at < limit:
             if not snap and at >= n - tail:
-                snap.extend((at, state_hash(b.state), to_snapshot(b.state)))
+                snap.extend((at, state_hash(b.state), to_snapshot(b.state), len(b.state.replicas),
+                             sum(r.state in LIVE for r in b.state.replicas.values())))
             for e in first or b.request():
                 ne = to_new_event(e)
                 v = heads.get(ne.stream_id, 0) + 1
@@ -978,12 +1043,13 @@ async def build_log(db_url: str, n: int, tail: int) -> dict[str, Any]:
             await copying
         build_s = time.perf_counter() - t0
         await conn.execute("INSERT INTO snapshots (position, state_hash, state, leader_epoch) VALUES ($1, $2, $3, 1)",
-                           *snap)
+                           *snap[:3])
         await conn.execute("ANALYZE events")
     finally:
         await conn.close()
     return {"events": pos, "payloads": payloads, "state_hash": state_hash(b.state), "snapshot_position": snap[0],
-            "snapshot_bytes": len(snap[2]), "requests": b.requests, "replicas": len(b.state.replicas),
+            "snapshot_bytes": len(snap[2]), "snapshot_replicas": snap[3], "snapshot_live_replicas": snap[4],
+            "requests": b.requests, "replicas": len(b.state.replicas),
             "build_per_s": pos / build_s, "mix": {k: round(v / pos, 3) for k, v in sorted(counts.items())}}
 
 
@@ -1059,7 +1125,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             result["start_empty_to_ready_s"] = round(empty_s, 3)
             _log(f"coordinator ready in {empty_s:.2f} s (empty log, schema created)")
             n_ingest = args.ingest if "ingest" in phases else 4 * CACHED_BLOCKS * 64
-            worker = BenchWorker(nc, subjects, slots=n_ingest + 20 * args.leases * PROMPT_BLOCKS + 1000)
+            worker = BenchWorker(nc, subjects, slots=2 * n_ingest + 20 * args.leases * PROMPT_BLOCKS + 1000)
             await worker.register()
             phase_s["start"] = time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -1067,6 +1133,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             cached = ing.pop("_hashes")
             if "ingest" in phases:
                 result.update(ing)
+                result.update(await backlog_phase(nc, coord, worker, n_ingest, ing["copy_rows_per_s"]))
             phase_s["ingest"] = time.perf_counter() - t0
             if "leases" in phases:
                 t0 = time.perf_counter()
@@ -1136,16 +1203,32 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-#: The issues' goals: (figure, comparison, bound).
-GOALS = (("ingest_ratio_vs_copy", ">=", 0.5), ("lease_ratio_vs_echo", ">=", 0.4), ("lease_p99_ms", "<=", 5.0),
-         ("replay_seconds_per_1m", "<=", 4.0), ("takeover_to_ready_s", "<=", 2.0),
-         ("idle_events_per_worker_per_hour", "<=", 10.0))
+#: The issues' goals: (figure, comparison, bound). A bound ``(key, factor)`` is that figure of the
+#: same run times ``factor`` (a ratio to a baseline measured alongside).
+GOALS: tuple[tuple[str, str, Any], ...] = (
+    ("lease_serial_p50_ms", "<=", ("echo_serial_p50_ms", 3)), ("lease_ratio_vs_echo", ">=", 0.4),
+    ("lease_p99_ms", "<=", ("echo_p99_ms", 5)), ("ingest_ratio_vs_copy", ">=", 0.5),
+    ("replay_seconds_per_1m", "<=", 4.0), ("replay_ratio_vs_read", ">=", 0.8),
+    ("restart_to_ready_s", "<=", 2.0), ("snapshot_bytes", "<=", 1_000_000),
+    ("takeover_to_ready_s", "<=", 2.0), ("idle_events_per_worker_per_hour", "<=", 10.0),
+)
 
 
 def goals(result: dict[str, Any]) -> dict[str, bool]:
     """``{"<figure> <op> <bound>": met}`` for each goal whose figure this run measured."""
-    return {f"{k} {op} {bound}": (result[k] >= bound if op == ">=" else result[k] <= bound)
-            for k, op, bound in GOALS if k in result}
+    out = {}
+    for k, op, bound in GOALS:
+        if isinstance(bound, tuple):
+            base, factor = bound
+            if k not in result or base not in result:
+                continue
+            name, limit = f"{k} {op} {factor} x {base}", factor * result[base]
+        else:
+            if k not in result:
+                continue
+            name, limit = f"{k} {op} {bound}", bound
+        out[name] = result[k] >= limit if op == ">=" else result[k] <= limit
+    return out
 
 
 async def pg_facts(db_url: str) -> dict[str, Any]:
@@ -1226,8 +1309,10 @@ async def replay_and_restart(nc: Any, base_url: str, nats_url: str, tmp: Path, n
         "replay_from_snapshot_s": round(t_snap, 3),
         "replay_log_mix": built["mix"], "replay_log_requests": built["requests"],
         "replay_state_replicas": built["replicas"], "replay_log_build_events_per_s": round(built["build_per_s"]),
+        "replay_us_per_request": round(1e6 * t_replay / built["requests"], 1),
         "snapshot_position": built["snapshot_position"], "snapshot_bytes": built["snapshot_bytes"],
-        "restart_to_ready_s": round(restart_s, 3), "restart_tail_events": lr.get("events"),
+        "snapshot_replicas": built["snapshot_replicas"], "snapshot_live_replicas": built["snapshot_live_replicas"],
+        "restart_to_ready_s": round(restart_s, 3), "restart_history_events": n, "restart_tail_events": lr.get("events"),
         "restart_replay_s": lr.get("seconds"),
         **takeover, "takeover_baseline_restart_to_ready_s": round(restart_s, 3),
         "takeover_ratio_vs_restart": round(takeover["takeover_to_ready_s"] / restart_s, 3),

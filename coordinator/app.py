@@ -14,7 +14,7 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -151,8 +151,25 @@ async def serve(config: Config, *, host: str | None = None, port: int | None = N
     return code
 
 
+def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop ``coordinator.event_loop`` names (None: asyncio's default)."""
+    if name == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError as e:
+        raise ConfigError("coordinator.event_loop: uvloop is not installed here (pip install uvloop), "
+                          "or set it to asyncio") from e
+    return uvloop.new_event_loop  # type: ignore[no-any-return]
+
+
 def run(config: Config, *, host: str | None = None, port: int | None = None) -> int:
     configure_logging(config.logging.format, config.logging.level)
-    with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(serve(config, host=host, port=port))
+    try:
+        factory = loop_factory(config.coordinator.event_loop)
+    except ConfigError as e:
+        print(f"kvledger coordinator: {e}", file=sys.stderr, flush=True)
+        return 2
+    with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(serve(config, host=host, port=port))
     return 130

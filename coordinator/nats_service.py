@@ -11,10 +11,11 @@
 * After each commit, each affected worker epoch's :class:`CommitWatermark` is published on
   ``subjects.watermark(worker)``; the worker drops what it covers from its outbox.
 
-Every handler runs as its own task: a handler waits for its commit, and the next
-message's decision must not wait for that (that is what group commit batches). Heartbeats
-are the exception: they append nothing and wait for nothing, so they are answered inline,
-never queued behind decisions or commits.
+Requests are decided in batches: every request taken while the previous batch was being
+decided joins the next one, which is decided in arrival order, submitted to the group commit
+as one, and answered once durable; the next batch's decisions need not wait for that commit
+(that is what group commit batches). Heartbeats are the exception: they append nothing and
+wait for nothing, so they are answered inline, never queued behind decisions or commits.
 """
 
 from __future__ import annotations
@@ -110,6 +111,10 @@ class NatsService:
         self._subs: list[Any] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._slots = asyncio.Semaphore(max_in_flight)
+        #: Requests taken, not yet decided: ``(op, msg, when taken)``; the task that will decide them.
+        self._queued: list[tuple[_Op, Msg, float]] = []
+        self._batch: asyncio.Task[None] | None = None
+        self._request_series: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._psub: Any = None
         self._consumer: asyncio.Task[None] | None = None
         self._pull = asyncio.Event()
@@ -151,15 +156,13 @@ class NatsService:
 
     def _dispatcher(self, op: _Op) -> Callable[[Msg], Any]:
         async def cb(msg: Msg) -> None:
-            await self._slots.acquire()
-            task = asyncio.create_task(self._handle(op, msg))
-            self._tasks.add(task)
-            task.add_done_callback(self._done)
+            await self._slots.acquire()   # backpressure: at most max_in_flight requests taken
+            self._queued.append((op, msg, time.perf_counter()))
+            if self._batch is None:
+                self._batch = task = asyncio.create_task(self._serve_queued())
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
         return cb
-
-    def _done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        self._slots.release()
 
     async def _heartbeat(self, msg: Msg) -> None:
         t0 = time.perf_counter()
@@ -220,26 +223,59 @@ class NatsService:
             return lambda s: resume_worker(s, req, now_ms(), max_drop)
         return op.decide(req)
 
-    async def _handle(self, op: _Op, msg: Msg) -> None:
-        t0 = time.perf_counter()
-        req = self._request(op, msg)
-        if isinstance(req, WorkerResume) and req.parts > 1:
-            req = self._assemble(req)   # the whole inventory, or already the answer to one part
-        reply = req if isinstance(req, (ErrorReply, ResumeReply)) else await self._decide(op, req)
-        if isinstance(req, WorkerResume):
-            self._resume_answered(req, reply)
-        await self._answer(op, msg, t0, reply)
+    async def _serve_queued(self) -> None:
+        """Decide every request taken since the last batch started, in arrival order, as one
+        submission to the ledger; answer each once the events of all are durable.
 
-    async def _decide(self, op: _Op, req: Any) -> Any:
+        NOTE: one task, one decision pass and one commit future per burst of requests instead
+        of a task, a future and a shield per request (that bookkeeping cost more than many a
+        decision). Batches start in the order they were created and decide before their
+        first real wait, so decisions (and the log) follow the order requests arrived in.
+        """
+        self._batch = None
+        batch, self._queued = self._queued, []
         try:
-            return await self.ledger.execute(self._decision(op, req))
-        except Unavailable as e:
-            return ErrorReply(code=e.code, message=str(e)[:1000], retry_after_ms=e.retry_after_ms)
-        except CoreError as e:
-            return ErrorReply(code=ErrorCode.INVALID, message=str(e)[:1000])
-        except Exception as e:  # noqa: BLE001 - every request is answered, whatever went wrong
-            self.log.error("request_failed", op=op.name, error_type=type(e).__name__, exc_info=True)
-            return ErrorReply(code=ErrorCode.UNAVAILABLE, message="internal error; retry", retry_after_ms=500)
+            replies: list[Any] = [None] * len(batch)
+            reqs: list[Any] = [None] * len(batch)
+            todo: list[int] = []
+            decisions: list[Callable[[Any], tuple[Any, list[Any]]]] = []
+            for i, (op, msg, _) in enumerate(batch):
+                req = self._request(op, msg)
+                if isinstance(req, WorkerResume) and req.parts > 1:
+                    req = self._assemble(req)   # the whole inventory, or already the answer to one part
+                reqs[i] = req
+                if isinstance(req, (ErrorReply, ResumeReply)):
+                    replies[i] = req
+                else:
+                    todo.append(i)
+                    decisions.append(self._decision(op, req))
+            if decisions:
+                try:
+                    results: list[Any] = await self.ledger.execute_all(decisions)
+                except Unavailable as e:
+                    results = [e] * len(decisions)
+                for i, r in zip(todo, results):
+                    replies[i] = self._reply_of(batch[i][0], r)
+            for (op, msg, t0), req, reply in zip(batch, reqs, replies):
+                if isinstance(req, WorkerResume):
+                    self._resume_answered(req, reply)
+                await self._answer(op, msg, t0, reply)
+        finally:
+            for _ in batch:
+                self._slots.release()
+
+    def _reply_of(self, op: _Op, result: Any) -> Any:
+        """A decision's reply, or the ErrorReply for what it raised."""
+        if not isinstance(result, Exception):
+            return result
+        if isinstance(result, Unavailable):
+            return ErrorReply(code=result.code, message=str(result)[:1000], retry_after_ms=result.retry_after_ms)
+        if isinstance(result, CoreError):
+            return ErrorReply(code=ErrorCode.INVALID, message=str(result)[:1000])
+        # every request is answered, whatever went wrong
+        self.log.error("request_failed", op=op.name, error_type=type(result).__name__,
+                       exc_info=(type(result), result, result.__traceback__))
+        return ErrorReply(code=ErrorCode.UNAVAILABLE, message="internal error; retry", retry_after_ms=500)
 
     def _resume_answered(self, req: WorkerResume, reply: Any) -> None:
         if isinstance(reply, ErrorReply) and reply.code is not ErrorCode.UNAVAILABLE:
@@ -252,8 +288,9 @@ class NatsService:
 
     async def _answer(self, op: _Op, msg: Msg, t0: float, reply: Any) -> None:
         outcome = reply.code.value if isinstance(reply, ErrorReply) else "ok"
-        self.metrics.requests.labels(op=op.name, outcome=outcome).inc()
-        self.metrics.request_latency.labels(op=op.name, outcome=outcome).observe(time.perf_counter() - t0)
+        count, latency = self._series(op.name, outcome)
+        count.inc()
+        latency.observe(time.perf_counter() - t0)
         if not msg.reply:
             self.log.warning("request_without_reply_subject", op=op.name)
             return
@@ -261,6 +298,16 @@ class NatsService:
             await msg.respond(encode(reply))
         except Exception as e:  # noqa: BLE001 - the requester may be gone; nothing to do but say so
             self.log.warning("reply_failed", op=op.name, error=str(e))
+
+    def _series(self, op: str, outcome: str) -> tuple[Any, Any]:
+        """The request counter and latency histogram of ``(op, outcome)`` (labelled once: a
+        ``labels()`` lookup takes a lock and builds a key on every call)."""
+        key = (op, outcome)
+        series = self._request_series.get(key)
+        if series is None:
+            series = self._request_series[key] = (self.metrics.requests.labels(op=op, outcome=outcome),
+                                                  self.metrics.request_latency.labels(op=op, outcome=outcome))
+        return series
 
     # --- JetStream ------------------------------------------------------------------------
 

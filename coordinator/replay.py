@@ -43,6 +43,8 @@ class ReplayResult:
 
 #: Events per page of a replay's read (a page of payloads is a few MB).
 REPLAY_PAGE = 20_000
+#: Events folded between two yields to the event loop while the next page is being read.
+YIELD_EVERY = 1_000
 
 
 def _read_ahead(log: EventLog, pos: int, upto: int | None, page: int) -> tuple[asyncio.Future[Any] | None, int]:
@@ -136,7 +138,7 @@ async def load_state(log: EventLog, params: CoreParams, *, upto: int | None = No
                     last = batch[-1][0]
                     if len(batch) == limit and last - pos == limit:  # a full page, no gap: there may be more
                         ahead, limit = _read_ahead(log, last, upto, page)
-                    for position, payload in batch:
+                    for k, (position, payload) in enumerate(batch, 1):
                         if position != pos + 1:
                             raise LogCorrupt(f"log gap: position {pos + 1} is missing (next stored is {position})")
                         try:
@@ -144,6 +146,10 @@ async def load_state(log: EventLog, params: CoreParams, *, upto: int | None = No
                         except (EventDecodeError, ReplayError, IllegalTransition) as e:
                             raise LogCorrupt(f"event at position {position} cannot be folded: {e}") from e
                         pos = position
+                        if not k % YIELD_EVERY:
+                            # let the next page's rows be read off the socket meanwhile: PostgreSQL
+                            # keeps sending only while its socket buffer has room
+                            await asyncio.sleep(0)
                     n += len(batch)
                     if logger is not None and n >= next_report:
                         elapsed = time.perf_counter() - t0

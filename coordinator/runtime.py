@@ -27,7 +27,6 @@ from coordinator.aio import bounded
 from coordinator.core import CoreParams, expire
 from coordinator.ledger import Ledger, Unavailable
 from coordinator.log.leader import LeaderElection, make_holder_id
-from coordinator.log.migrate import upgrade
 from coordinator.log.port import LogError, LogUnavailable
 from coordinator.log.postgres import PgSettings, PostgresEventLog, describe, is_unavailable
 from coordinator.metrics import CoordinatorMetrics
@@ -179,18 +178,25 @@ class Coordinator:
         """Migrate the schema to head if it is behind. The coordinator's own role (a member of
         ``kvledger_writer``, migration 0003) may not migrate: then it waits, saying so, for the
         owner to run ``kvledger db upgrade`` (``database.owner_url``), and leads once that is done."""
-        from coordinator.log.migrate import current, head_revision
-        from coordinator.log.postgres import sqlstate
+        from coordinator.log.postgres import SCHEMA_REVISION, sqlstate
 
-        head = head_revision()
+        head = SCHEMA_REVISION
         delay, last, rev = 0.1, "", None
         while True:
             try:
-                rev = await current(self.event_log.engine)
+                rev = await self.event_log.schema_revision()
                 if rev == head:
                     return
+                from coordinator.log.migrate import upgrade  # only when behind (Alembic is slow to import)
+
                 await upgrade(self.event_log.engine)
                 return
+            except LogUnavailable as e:
+                if str(e) != last:
+                    self.log.warning("database_unreachable", error=str(e), action="retrying")
+                last = str(e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
             except Exception as e:  # noqa: BLE001 - waits for an unreachable database; anything else is fatal
                 if sqlstate(e) == "42501":  # insufficient_privilege: not the owner
                     why = f"schema at revision {rev or 'none'}, this coordinator needs {head}: {describe(e)}"

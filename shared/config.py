@@ -131,6 +131,9 @@ class CoordinatorConfig(_Section):
     snapshot_every_events: PosInt = 100_000
     #: Per-tenant cap on READY+ALLOCATED replicas across all workers (0 = unlimited).
     tenant_quota_replicas: Annotated[int, msgspec.Meta(ge=0)] = 0
+    #: The coordinator process's asyncio event loop: ``uvloop`` (libuv; faster sockets and
+    #: scheduling) or ``asyncio`` (the standard library's).
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
 
 
 class WorkerConfig(_Section):

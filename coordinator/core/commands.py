@@ -239,7 +239,7 @@ def resume(state: LedgerState, now_ms: int) -> Events:
 # --- leases ------------------------------------------------------------------------------
 
 def _plan_writes(state: LedgerState, w: WorkerRecord, msg: m.LeaseAcquire, usable: int,
-                 pin_keys: list[ReplicaKey]) -> tuple[dict[str, list[int]], list[Replica], int]:
+                 pin_keys: list[ReplicaKey], mine: set[str]) -> tuple[dict[str, list[int]], list[Replica], int]:
     """``(write, victims, wanted)``: which blocks to fill per form, whom to evict for them.
 
     Writes are granted block by block, every needed form of a block together, stopping at
@@ -254,20 +254,20 @@ def _plan_writes(state: LedgerState, w: WorkerRecord, msg: m.LeaseAcquire, usabl
     """
     gpu = w.gpu
     hashes = msg.block_hashes
-    replicas = state.replicas
-    pinned_at = {(k[0], k[1]): k[2] for k in pin_keys}
-    # NOTE: the request's own blocks are never victims: READY ones past the prefix are kept
-    # (nothing would rewrite them), and the pinned ones must not move.
-    mine = set(hashes)
+    n = len(hashes)
+    get = state.replicas.get
+    # Blocks of the usable prefix read from host or disk (reloaded into GPU slots); the rest of
+    # the prefix is read from the GPU or not needed for the resume: nothing to fill there.
+    reloaded = {(k[0], k[1]) for k in pin_keys if k[2] != gpu}
+    # NOTE: the request's own blocks (``mine``) are never victims: READY ones past the prefix are
+    # kept (nothing would rewrite them), and the pinned ones must not move.
     need: dict[str, set[int]] = {}
     for form in msg.write_forms:
-        idx = set()
-        for i, bh in enumerate(hashes):
-            if i < usable and pinned_at.get((bh, form), gpu) == gpu:
-                continue  # read from the GPU (or not needed for the resume): nothing to fill
-            r = replicas.get((bh, form, gpu))
-            if r is None or r.state not in LIVE:
-                idx.add(i)
+        idx = {i for i in range(usable, n)
+               if (r := get((hashes[i], form, gpu))) is None or r.state not in LIVE}
+        if reloaded:
+            idx.update(i for i in range(usable) if (hashes[i], form) in reloaded
+                       and ((r := get((hashes[i], form, gpu))) is None or r.state not in LIVE))
         if idx:
             need[form] = idx
     wanted = sum(map(len, need.values()))
@@ -283,6 +283,7 @@ def _plan_writes(state: LedgerState, w: WorkerRecord, msg: m.LeaseAcquire, usabl
     def victims_available(form: str) -> int:
         c = candidates.get(form)
         if c is None:
+            replicas = state.replicas
             c = candidates[form] = [r for k in state.pools.get((w.worker_id, form), ())
                                     if (r := replicas[k]).state is READY and not r.pins and k[0] not in mine]
         return len(c)
@@ -330,7 +331,8 @@ def acquire_lease(state: LedgerState, msg: m.LeaseAcquire, now_ms: int,
         if form not in declared:
             return _error(m.ErrorCode.INVALID, f"write form {form!r} is not declared by worker "
                           f"{w.worker_id}'s catalogue; declared: {list(declared)}"), []
-    if len(set(msg.block_hashes)) != len(msg.block_hashes):
+    mine = set(msg.block_hashes)
+    if len(mine) != len(msg.block_hashes):
         seen: dict[str, int] = {}
         for i, bh in enumerate(msg.block_hashes):
             if bh in seen:
@@ -352,7 +354,7 @@ def acquire_lease(state: LedgerState, msg: m.LeaseAcquire, now_ms: int,
 
     replicas = state.replicas
     write, victims, wanted = ({}, [], n * len(msg.write_forms)) if w.draining else _plan_writes(
-        state, w, msg, usable, pin_keys)
+        state, w, msg, usable, pin_keys, mine)
 
     if wanted and not write and not usable:
         why = "worker is draining" if w.draining else "pool full of pinned replicas or tenant quota reached"
@@ -367,7 +369,7 @@ def acquire_lease(state: LedgerState, msg: m.LeaseAcquire, now_ms: int,
         lease_id=lease_id, worker_id=w.worker_id, epoch=w.epoch, tenant=msg.tenant, namespace=msg.namespace,
         request_id=msg.request_id, block_hashes=list(hashes), usable_blocks=usable,
         read=[ev.PinRef.of(r) for r in reads], write=write, expires_at_ms=expires,
-        evicted=[ev.PinRef.of(r) for r in evict], allocated=True, at_ms=now_ms)
+        evicted=[(v.block_hash, v.form, v.generation) for v in victims], allocated=True, at_ms=now_ms)
     grant = m.LeaseGrant(lease_id=lease_id, expires_at_ms=expires, usable_blocks=usable, read=reads,
                          write=write, evict=evict, rejected=rejected)
     return grant, [event]

@@ -29,6 +29,8 @@ EVENT_SCHEMA_VERSION: Final = 1
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 #: ``(block_hash, form, location)``: a replica's identity.
 RKey = tuple[str, str, str]
+#: ``(block_hash, form, generation)`` of a grant's LRU victim (at the holder's GPU).
+Victim = tuple[str, str, int]
 
 
 class _Event(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type", kw_only=True):
@@ -197,8 +199,9 @@ class LeaseGranted(_Event, tag="lease.granted", kw_only=True):
     #: Block indices (into ``block_hashes``) the worker may fill, per form.
     write: dict[str, list[NonNeg]] = {}
     expires_at_ms: NonNeg = 0
-    #: LRU victims at the holder's GPU, evicted to make room for ``write`` (in eviction order).
-    evicted: list[PinRef] = []
+    #: LRU victims, evicted to make room for ``write`` (in eviction order): ``[block_hash, form,
+    #: generation]`` of a READY replica at the holder's GPU.
+    evicted: list[Victim] = []
     #: True: this event allocates the write replicas itself (see the class docstring).
     allocated: bool = False
 

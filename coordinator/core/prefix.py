@@ -44,13 +44,13 @@ def longest_usable_prefix(state: LedgerState, catalogue: FormCatalogue, block_ha
     n = len(block_hashes)
     if n == 0:
         return PrefixResult(0)
-    replicas = state.replicas
+    get = state.replicas.get
     locs = tuple(readable_locations)
 
     def find(h: str, form: str) -> ReplicaKey | None:
         for loc in locs:
             key = (h, form, loc)
-            r = replicas.get(key)
+            r = get(key)
             if r is not None and r.state is READY:
                 return key
         return None
@@ -62,12 +62,19 @@ def longest_usable_prefix(state: LedgerState, catalogue: FormCatalogue, block_ha
     for spec in catalogue.forms:
         if spec.scope is not FormScope.FULL_HISTORY:
             continue
+        name = spec.name
         keys: list[ReplicaKey | None] = []
+        # NOTE: find() inlined: this loop runs for every block of every lease request.
         for i in range(bound):
-            k = find(block_hashes[i], spec.name)
-            if k is None:
+            h = block_hashes[i]
+            for loc in locs:
+                key = (h, name, loc)
+                r = get(key)
+                if r is not None and r.state is READY:
+                    keys.append(key)
+                    break
+            else:
                 break
-            keys.append(k)
         if len(keys) < bound:
             bound = len(keys)
             limit_reason = f"{spec.name} of block {bound} not READY"

@@ -35,7 +35,9 @@ from typing import Any, Final
 import msgspec
 
 from coordinator.core import events as ev
-from coordinator.core.lifecycle import ALLOCATED, LIVE, READY, TERMINAL, TRANSITIONS, IllegalTransition, step
+from coordinator.core.lifecycle import (
+    ALLOCATED, EVICTED, LIVE, READY, TERMINAL, TRANSITIONS, IllegalTransition, step,
+)
 from shared.forms import FormCatalogue
 from shared.ids import ROOT_HASH
 from shared.messages import ReplicaState
@@ -159,6 +161,11 @@ class WorkerRecord:
     offloaded: dict[ReplicaKey, None] = field(default_factory=dict)
     #: Leases of the current epoch.
     leases: dict[str, None] = field(default_factory=dict)
+    #: Its pool slots, all forms together: the tombstones it keeps (see "Retention").
+    slots_total: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.slots_total = sum(self.pool_slots.values())
 
     @property
     def gpu(self) -> str:
@@ -300,7 +307,7 @@ def _move(s: LedgerState, key: ReplicaKey, kind: str) -> Replica:
 def tombstone_capacity(s: LedgerState, owner: str) -> int:
     """How many terminal replicas of ``owner`` the state keeps: its pool slots (0 if unknown)."""
     w = s.workers.get(owner)
-    return sum(w.pool_slots.values()) if w is not None else 0
+    return w.slots_total if w is not None else 0
 
 
 def _bury(s: LedgerState, owner: str, key: ReplicaKey) -> None:
@@ -463,8 +470,8 @@ def _apply_lease_granted(s: LedgerState, e: ev.LeaseGranted) -> None:
     w = _worker(s, e.worker_id, e.epoch)
     if e.lease_id in s.leases:
         raise ReplayError(f"lease {e.lease_id} granted twice")
-    for v in e.evicted:
-        _move(s, (v.block_hash, v.form, v.location), "evict")
+    if e.evicted:
+        _evict_victims(s, w, e)
     pins: dict[ReplicaKey, None] = {}
     replicas = s.replicas
     at = e.at_ms
@@ -482,13 +489,77 @@ def _apply_lease_granted(s: LedgerState, e: ev.LeaseGranted) -> None:
         write={f: list(ix) for f, ix in e.write.items()}, expires_at_ms=e.expires_at_ms, granted_at_ms=at)
     w.leases[e.lease_id] = None
     if e.allocated:
-        hashes = e.block_hashes
-        gpu = w.gpu
-        bs = w.catalogue.block_size
-        for form, idx in e.write.items():
-            for i in idx:
-                _allocate(s, (hashes[i], form, gpu), e.lease_id, e.worker_id, e.epoch, e.tenant, e.namespace,
-                          hashes[i - 1] if i else ROOT_HASH, i * bs, (i + 1) * bs, at)
+        _allocate_writes(s, w, e)
+
+
+# NOTE: the two loops below are a grant's bulk (in steady state every block it writes evicts
+# one): _move/_create/_bury inlined for the one case each handles, which is most of a replay.
+
+def _evict_victims(s: LedgerState, w: WorkerRecord, e: ev.LeaseGranted) -> None:
+    """The grant's LRU victims: READY, unpinned replicas at the holder's GPU → EVICTED (tombstones)."""
+    replicas, pools, tenant_used = s.replicas, s.pools, s.tenant_used
+    gpu, cap = w.gpu, w.slots_total
+    for block_hash, form, _generation in e.evicted:
+        key = (block_hash, form, gpu)
+        r = replicas.get(key)
+        if r is None or r.state is not READY:
+            raise IllegalTransition(r.state if r is not None else None, "evict", key)
+        if r.pins:
+            raise ReplayError(f"lease {e.lease_id} evicts {key}, which is pinned by {r.pins} lease(s)")
+        del pools[r.pool][key]  # type: ignore[index]
+        n = tenant_used[r.tenant] - 1
+        if n:
+            tenant_used[r.tenant] = n
+        else:
+            del tenant_used[r.tenant]
+        r.state = EVICTED
+        owner = r.owner
+        if owner == w.worker_id:
+            ring = s.tombstones.get(owner)
+            if ring is None:
+                ring = s.tombstones[owner] = {}
+            ring[key] = None
+            if len(ring) > cap:
+                _trim(s, owner, ring)
+        else:
+            _bury(s, owner, key)
+
+
+def _allocate_writes(s: LedgerState, w: WorkerRecord, e: ev.LeaseGranted) -> None:
+    """The grant's write reservations: one ALLOCATED replica per (form, block index) at its GPU."""
+    replicas, pools, tombstones = s.replicas, s.pools, s.tombstones
+    hashes, wid, epoch, lid, at = e.block_hashes, w.worker_id, e.epoch, e.lease_id, e.at_ms
+    tenant, namespace = e.tenant, e.namespace
+    gpu, bs = w.gpu, w.catalogue.block_size
+    n = 0
+    for form, idx in e.write.items():
+        pool_key = (wid, form)
+        pool = pools.get(pool_key)
+        if pool is None:
+            pool = pools[pool_key] = {}
+        for i in idx:
+            block_hash = hashes[i]
+            key = (block_hash, form, gpu)
+            r = replicas.get(key)
+            parent = hashes[i - 1] if i else ROOT_HASH
+            if r is None:
+                replicas[key] = Replica(block_hash, form, gpu, ALLOCATED, 0, "", tenant, namespace, parent, i * bs,
+                                        (i + 1) * bs, 0, at, wid, epoch, lid, pool_key)
+            else:
+                if r.state in LIVE:
+                    raise IllegalTransition(r.state, "grant", key)
+                ring = tombstones[r.owner]  # a tombstone of this key: it lives again
+                del ring[key]
+                if not ring:
+                    del tombstones[r.owner]
+                r.state, r.owner, r.owner_epoch, r.pins = ALLOCATED, wid, epoch, 0
+                r.generation, r.checksum, r.tenant, r.namespace = 0, "", tenant, namespace
+                r.parent_hash, r.token_start, r.token_end, r.lease_id, r.last_used_ms = (
+                    parent, i * bs, (i + 1) * bs, lid, at)
+            pool[key] = None
+            n += 1
+    if n:
+        s.tenant_used[tenant] = s.tenant_used.get(tenant, 0) + n
 
 
 def _allocate(s: LedgerState, key: ReplicaKey, lease_id: str, worker_id: str, epoch: int, tenant: str,

@@ -36,17 +36,24 @@ import contextlib
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
-import sqlalchemy.exc
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from coordinator.log.port import (
     LeaderInfo, LogError, LogUnavailable, NewEvent, NotLeader, Snapshot, StoredEvent, StreamConflict,
 )
 from shared.embedded import asyncpg_url
 from shared.tls import client_context
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+#: The Alembic revision this build's statements need (a test keeps it equal to the head of
+#: ``migrations/``). NOTE: a constant, so that a coordinator's start checks the schema with one
+#: query and imports Alembic and SQLAlchemy only when it has to migrate (a third of its start).
+SCHEMA_REVISION = "0004"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +100,9 @@ def _plain_dsn(url: str) -> str:
 
 
 def create_engine(settings: PgSettings) -> AsyncEngine:
+    """A SQLAlchemy engine (for the Alembic migrations)."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
     return create_async_engine(
         asyncpg_url(settings.url),
         pool_size=settings.pool_size,
@@ -117,16 +127,27 @@ RETRYABLE_SQLSTATES = frozenset({"40001", "40P01", "55P03"})
 UNAVAILABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "53300", "57014"})
 
 
+def _sqlalchemy_error(e: BaseException, name: str) -> bool:
+    """Whether ``e`` is SQLAlchemy's ``name`` (only the migrations use SQLAlchemy: if it was never
+    imported, no error can be one of its)."""
+    exc = sys.modules.get("sqlalchemy.exc")
+    return exc is not None and isinstance(e, getattr(exc, name))
+
+
 def _root(e: BaseException) -> BaseException:
     """The driver's own exception under SQLAlchemy's wrappers."""
-    if isinstance(e, sqlalchemy.exc.DBAPIError) and e.orig is not None:
-        orig: BaseException = e.orig
+    if _sqlalchemy_error(e, "DBAPIError") and e.orig is not None:  # type: ignore[attr-defined]
+        orig: BaseException = e.orig  # type: ignore[attr-defined]
         return orig.__cause__ if isinstance(orig.__cause__, BaseException) else orig
     return e
 
 
 def sqlstate(e: BaseException) -> str | None:
-    return getattr(_root(e), "sqlstate", None)
+    """The SQLSTATE of a driver error, or of the one a translated :class:`LogError` came from."""
+    state = getattr(_root(e), "sqlstate", None)
+    if state is None and isinstance(e, LogError) and e.__cause__ is not None:
+        return sqlstate(e.__cause__)
+    return state
 
 
 def is_retryable(e: BaseException) -> bool:
@@ -138,9 +159,10 @@ def is_unavailable(e: BaseException) -> bool:
     state = getattr(root, "sqlstate", None) or ""
     return (
         isinstance(root, (OSError, TimeoutError, asyncio.TimeoutError, asyncpg.PostgresConnectionError,
-                          asyncpg.InterfaceError, sqlalchemy.exc.TimeoutError))
+                          asyncpg.InterfaceError))
+        or _sqlalchemy_error(root, "TimeoutError")
         or state.startswith("08") or state in UNAVAILABLE_SQLSTATES
-        or (isinstance(e, sqlalchemy.exc.DBAPIError) and e.connection_invalidated)
+        or (_sqlalchemy_error(e, "DBAPIError") and e.connection_invalidated)  # type: ignore[attr-defined]
     )
 
 
@@ -173,8 +195,11 @@ EVENT_COLUMNS = "position, stream_id, stream_version, type, payload, source_id, 
 READ = f"SELECT {EVENT_COLUMNS} FROM events WHERE position >= $1 ORDER BY position LIMIT $2"
 READ_STREAM = (f"SELECT {EVENT_COLUMNS} FROM events WHERE stream_id = $1 AND stream_version >= $2 "
                "ORDER BY stream_version LIMIT $3")
-#: What a replay needs of each event, and nothing more.
-READ_PAYLOADS = "SELECT position, payload FROM events WHERE position >= $1 ORDER BY position LIMIT $2"
+#: What a replay needs of each event, and nothing more. The payload comes back as bytes
+#: (``convert_to``: the stored UTF-8 as is), which the JSON decoder reads without the copy a
+#: ``str`` costs it.
+READ_PAYLOADS = ("SELECT position, convert_to(payload, 'UTF8') FROM events WHERE position >= $1 "
+                 "ORDER BY position LIMIT $2")
 #: The epoch bump and the renewal row, in one statement (one transaction). Updating ``leader``
 #: waits for an append in flight (it holds the row ``FOR UPDATE``); the renewal row is
 #: written after that (it reads ``bumped``), so an old leader's renewal is never blocked
@@ -348,7 +373,7 @@ class PostgresEventLog:
         rows = await self._call("read", "fetch", READ, from_position, max(limit, 0))
         return [StoredEvent(r[0], r[1], r[2], r[3], r[4].encode(), r[5], r[6], r[7]) for r in rows]
 
-    async def read_payloads(self, from_position: int = 1, limit: int = 1000) -> Sequence[tuple[int, str]]:
+    async def read_payloads(self, from_position: int = 1, limit: int = 1000) -> Sequence[tuple[int, bytes]]:
         """``(position, payload)`` of the events from ``from_position``: what a replay folds."""
         return await self._call("read", "fetch", READ_PAYLOADS, from_position, max(limit, 0))  # type: ignore[no-any-return]
 
@@ -362,6 +387,12 @@ class PostgresEventLog:
 
     async def head(self) -> int:
         return int(await self._call("head", "fetchval", HEAD))
+
+    async def schema_revision(self) -> str | None:
+        """The database's Alembic revision (None: never migrated)."""
+        if not await self._call("schema check", "fetchval", "SELECT to_regclass('alembic_version') IS NOT NULL"):
+            return None
+        return await self._call("schema check", "fetchval", "SELECT version_num FROM alembic_version LIMIT 1")  # type: ignore[no-any-return]
 
     # --- leadership and snapshots -----------------------------------------------------------
 

@@ -287,8 +287,8 @@ def check(log: list[dict[str, Any]], observed: Observed) -> Report:
             elif workers[holder[0]].suspended:
                 note(rep.fenced, pos, f"lease {e['lease_id']} granted to suspended {holder} before it resumed")
             gpu = f"gpu:{holder[0]}"
-            for v in e.get("evicted", []):   # the grant's LRU victims, evicted before anything else
-                evict(pos, (v["block_hash"], v["form"], v["location"]), "lru")
+            for block_hash, form, _ in e.get("evicted", []):   # the grant's LRU victims, evicted first
+                evict(pos, (block_hash, form, gpu), "lru")
             pins: set[tuple[str, str, str]] = set()
             hashes = e.get("block_hashes", [])
             writes = [(hashes[i], form, gpu) for form, idx in e.get("write", {}).items() for i in idx]

@@ -230,7 +230,7 @@ def test_a_lease_for_a_suspended_epoch_or_a_resume_of_a_fenced_one_is_caught() -
 
 def folded_grant(log: Log, lease: str, writes: dict[str, list[int]], hashes: list[str], *, w: str = "w1",
                  epoch: int = 1, read: list[dict[str, Any]] | None = None,
-                 evicted: list[dict[str, Any]] | None = None) -> Log:
+                 evicted: list[list[Any]] | None = None) -> Log:
     """A grant as the coordinator writes it now: its victims, pins and allocations in one event."""
     return log.add("lease.granted", lease_id=lease, worker_id=w, epoch=epoch, read=read or [],
                    block_hashes=hashes, write=writes, evicted=evicted or [], allocated=True)
@@ -248,7 +248,7 @@ def test_grants_that_carry_their_allocations_and_victims_are_checked_like_separa
     late.add("lease.released", lease_id="L1").transition(2, "ALLOCATED", "READY", block=B2)
     pin = {"block_hash": B1, "form": "swa", "location": "gpu:w1", "generation": 1}
     folded_grant(late, "L2", {}, [B1], read=[pin])
-    folded_grant(late, "L3", {"swa": [0]}, [B2], evicted=[pin])
+    folded_grant(late, "L3", {"swa": [0]}, [B2], evicted=[[B1, "swa", 1]])
     rep = check(late.rows, published(late, {("w1", 1): 2}))
     assert len(rep.illegal) == 2, rep.illegal
     assert "is EVICTED, not ALLOCATED" in rep.illegal[0] and "which a live lease pins" in rep.illegal[1]

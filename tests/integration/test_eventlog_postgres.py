@@ -19,7 +19,7 @@ from coordinator.log import LogUnavailable, NewEvent, NotLeader
 from coordinator.log.groupcommit import GroupCommitter
 from coordinator.log.leader import LeaderElection, make_holder_id
 from coordinator.log.migrate import alembic_config, current, head_revision, upgrade
-from coordinator.log.postgres import LEADER_STALE, LOCK_LEADER, PgSettings, PostgresEventLog
+from coordinator.log.postgres import LEADER_STALE, LOCK_LEADER, SCHEMA_REVISION, PgSettings, PostgresEventLog
 from coordinator.log.schema import metadata
 from shared.embedded import free_port
 
@@ -58,9 +58,19 @@ async def test_the_database_refuses_to_edit_history(pg: PostgresEventLog, databa
     assert [s.type for s in await pg.read()] == ["t", "t"]
 
 
+async def test_schema_revision_of_a_database_never_migrated_is_none(database_url: str) -> None:
+    log = PostgresEventLog.connect(PgSettings(url=database_url))
+    try:
+        assert await log.schema_revision() is None
+    finally:
+        await log.close()
+
+
 async def test_migration_matches_the_declared_schema(pg: PostgresEventLog) -> None:
     assert await current(pg.engine) == head_revision()
     assert await upgrade(pg.engine) == head_revision()  # idempotent
+    # the revision a coordinator checks at start without Alembic is the head of migrations/
+    assert SCHEMA_REVISION == head_revision() == await pg.schema_revision()
 
     def diff(conn):  # type: ignore[no-untyped-def]
         return compare_metadata(MigrationContext.configure(conn), metadata)

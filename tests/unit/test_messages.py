@@ -66,6 +66,8 @@ def test_transition_source_id() -> None:
     (b'{"type":"lease.steal","v":1}', "unknown message type 'lease.steal'"),
     (b'{"type":"lease.acquire","v":99}', "schema version 99"),
     (b'{"type":"lease.acquire"}', "schema version -1"),
+    # a message that is valid but for its missing version is refused too (not taken as v1)
+    (b'{"type":"worker.heartbeat","worker_id":"w1","epoch":1}', "schema version -1"),
     (b"\xff\x00garbage", "not a kvledger message"),
     (b"[1,2]", "not a kvledger message"),
     (b'{"type":"lease.acquire","v":1,"worker_id":"w","epoch":0,"namespace":"' + H.encode() + b'"}', "epoch"),
