@@ -72,6 +72,7 @@ class EventLogContract:
         # redelivered across batches, and twice within one batch
         assert await log.append([ev("a", source="w.1.2"), ev("b", source="w.1.3"), ev("b", source="w.1.3")],
                                 e) == [None, 3, None]
+        assert await log.append([ev("c", source="w.1.1")], e) == [None]   # alone in its batch, too
         stored = await log.read()
         assert [s.source_id for s in stored] == ["w.1.1", "w.1.2", "w.1.3"]
         assert [(s.stream_id, s.stream_version) for s in stored] == [("a", 1), ("a", 2), ("b", 1)]
