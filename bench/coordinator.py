@@ -14,6 +14,14 @@ SUSPENDED, it resumes with the digests of the replicas it committed (never re-re
   rows with the very payloads the coordinator stores into a scratch table ``LIKE events
   INCLUDING ALL`` (same columns, constraints and indexes), measured before and after the
   ingest (the baseline is their mean).
+* **backlog** — the same on a backlog: the coordinator is stopped, N more commit transitions
+  are published (as workers keep doing while no coordinator runs), and it is started again:
+  from its ``/readyz`` 200 until the watermark covers the last (``ingest_backlog_*``). The
+  coordinator's own drain rate, without the publisher competing for the machine's cores.
+* **full pool** — the core alone, in this process: the decision cost of a 16-block write grant
+  on a worker whose pool (100k slots; quick 10k) is full of READY replicas, so that every
+  written block evicts one (``grant_full_pool_us``). Baseline: scanning the pool for the same
+  victims (``grant_full_pool_scan_us``), what the core did before its LRU index.
 * **leases** — ``--inflight`` (64) concurrent LeaseAcquire requests, total N, each for a
   16-block prompt whose first 12 blocks are cached (READY: pinned for reading) and whose
   last 4 are not (write grants), ``reuse=True``; then every lease is released the same way
@@ -34,8 +42,9 @@ SUSPENDED, it resumes with the digests of the replicas it committed (never re-re
   same pages) with raw asyncpg, no decode or fold. Also the pure fold rate (decode + apply
   of the in-memory payloads, no I/O).
 * **restart** — a coordinator process started on that log with a snapshot taken 2% before
-  its end: process start → ``/readyz`` 200. Baseline: the same on an empty log (the first
-  coordinator's start, which also creates the schema).
+  its end: process start → ``/readyz`` 200 (``restart_history_events`` says how long the log
+  was; ``snapshot_bytes``, ``snapshot_replicas`` what the snapshot held). Baseline: the same on
+  an empty log (the first coordinator's start, which also creates the schema).
 * **takeover** — that coordinator leads; a worker commits 256 blocks, a second coordinator
   process on the same database and prefix waits as a hot standby (``/readyz`` 503
   ``standby``, the log followed up to the leader's position), the worker churns leases one at
@@ -793,6 +802,71 @@ async def backlog_phase(nc: Any, coord: CoordinatorProc, w: BenchWorker, n: int,
             "ingest_backlog_restart_to_ready_s": round(ready_s, 3), **appends, **cpu}
 
 
+# --- phase (b'): a write grant on a full pool (the core alone) ---------------------------------
+
+#: Slots of the full pool and write grants timed on it (the scan baseline costs O(slots) each):
+#: full run, quick run.
+FULL_POOL = {False: (100_000, 300), True: (10_000, 500)}
+
+
+def full_pool_phase(slots: int, grants: int) -> dict[str, Any]:
+    """The decision cost of a 16-block write grant on a worker whose pool is full of READY
+    replicas (every written block evicts one, least recently used first), in this process:
+    ``coordinator.core.acquire_lease`` + apply, with the pool's LRU index. Baseline: the same
+    victims found by scanning the pool (what the core did before the index: every READY
+    unpinned replica, then the k least recently used), timed on the same state."""
+    import heapq
+
+    from coordinator import core
+    from coordinator.core.lifecycle import READY
+    from shared import messages as m
+
+    s = core.LedgerState.empty(core.CoreParams(lease_ttl_ms=LEASE_TTL_MS))
+    now = m.now_ms()
+    reply, evs = core.register_worker(s, m.WorkerRegister(worker_id="w", namespace=NS, catalogue=catalogue(),
+                                                          pool_slots={"compressed": slots}), now)
+    for e in evs:
+        core.apply(s, e)
+    hashes = [h(i + 1) for i in range(slots)]
+    _, evs = core.acquire_lease(s, m.LeaseAcquire(worker_id="w", epoch=reply.epoch, request_id="fill", namespace=NS,
+                                                  block_hashes=hashes, write_forms=["compressed"], reuse=False,
+                                                  ttl_ms=LEASE_TTL_MS), now, "fill")
+    for e in evs:
+        core.apply(s, e)
+    for i in range(slots):
+        for e in core.ingest_transition(s, commit_transition(reply.epoch, i + 1, hashes, i, "fill", now, "w"), now + i):
+            core.apply(s, e)
+    for e in core.release_lease(s, m.LeaseRelease(worker_id="w", epoch=reply.epoch, lease_id="fill"), now)[1]:
+        core.apply(s, e)
+    pool = s.pools[("w", "compressed")]
+    t_index = t_scan = 0.0
+    with core.state.no_gc():
+        for k in range(grants):
+            hs = [h(slots + 10 + PROMPT_BLOCKS * k + j) for j in range(PROMPT_BLOCKS)]
+            msg = m.LeaseAcquire(worker_id="w", epoch=reply.epoch, request_id=f"g{k}", namespace=NS, block_hashes=hs,
+                                 write_forms=["compressed"], ttl_ms=LEASE_TTL_MS)
+            t0 = time.perf_counter()
+            mine = set(hs)
+            scan = heapq.nsmallest(PROMPT_BLOCKS, [r for key in pool if (r := s.replicas[key]).state is READY
+                                                   and not r.pins and key[0] not in mine],
+                                   key=lambda r: (r.last_used_ms, r.block_hash))
+            t1 = time.perf_counter()
+            grant, evs = core.acquire_lease(s, msg, now + slots + k, f"l{k}")
+            for e in evs:
+                core.apply(s, e)
+            t2 = time.perf_counter()
+            if [v.block_hash for v in grant.evict] != [r.block_hash for r in scan]:
+                raise RuntimeError("the LRU index chose other victims than a scan of the pool")
+            t_scan += t1 - t0
+            t_index += t2 - t1
+    if core.check_invariants(s):
+        raise RuntimeError(f"full-pool phase: invariants broken: {core.check_invariants(s)[:3]}")
+    return {"full_pool_slots": slots, "full_pool_grants": grants,
+            "grant_full_pool_us": round(1e6 * t_index / grants, 1),
+            "grant_full_pool_scan_us": round(1e6 * t_scan / grants, 1),
+            "grant_full_pool_speedup_vs_scan": round(t_scan / t_index, 1)}
+
+
 # --- phase (b): leases ------------------------------------------------------------------------
 
 async def lease_phase(nc: Any, nats_url: str, coord: CoordinatorProc, w: BenchWorker, cached: list[str], n: int,
@@ -909,9 +983,10 @@ class LogBuilder:
     transition path), then the lease is released. A heartbeat every simulated second (answered
     by the core with no event: heartbeats are soft state, so the log holds none).
 
-    NOTE: the pool is small because a write grant on a full pool scans the whole pool for
-    LRU victims (O(pool) per grant, see the report in docs/BENCHMARKS.md); the log's shape
-    (a third each of allocations, commits and evictions) does not depend on its size.
+    The pool is small (512 slots) so that it is full after a few requests, and the workload is
+    then the steady state of a busy worker: every block a grant writes evicts one (the victims
+    come from the pool's LRU index). The log is ~92% commit transitions; each grant carries its
+    victims, pins and allocations.
     """
 
     def __init__(self, params: Any, *, pool_slots: int = 512, prompt_blocks: int = 32, seed: int = 3) -> None:
@@ -1137,6 +1212,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             phase_s["ingest"] = time.perf_counter() - t0
             if "leases" in phases:
                 t0 = time.perf_counter()
+                slots, grants = FULL_POOL[args.quick]
+                _log(f"leases: a 16-block write grant on a full pool of {slots:,} slots (the core alone) ...")
+                fp = await asyncio.to_thread(full_pool_phase, slots, grants)
+                _log(f"leases: full pool: {fp['grant_full_pool_us']} us per grant with the LRU index, "
+                     f"{fp['grant_full_pool_scan_us']} us to scan the pool for the same victims")
+                result.update(fp)
                 result.update(await lease_phase(nc, nats_url, coord, worker, cached, args.leases, args.inflight,
                                                 n_ingest + 1))
                 phase_s["leases"] = time.perf_counter() - t0

@@ -38,8 +38,10 @@ def admin_token(config: Config) -> str:
 
 
 def create_app(config: Config, *, database_url: str | None = None, nats_url: str | None = None,
-               holder: str | None = None, logger: Any = None) -> web.Application:
-    """The coordinator as an aiohttp application (URLs default to the config, then embedded)."""
+               holder: str | None = None, logger: Any = None, owns_process: bool = False) -> web.Application:
+    """The coordinator as an aiohttp application (URLs default to the config, then embedded).
+    ``owns_process``: this app is the process (``serve``), so it may tune the process's garbage
+    collector (see ``Coordinator.freeze_gc``); an app run inside a test or a bench leaves it alone."""
     log = logger or get_logger("coordinator")
     app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=1 << 20)
     app[CONFIG] = config
@@ -48,7 +50,7 @@ def create_app(config: Config, *, database_url: str | None = None, nats_url: str
     db = database_url if database_url is not None else config.database.url
     nats_ = nats_url if nats_url is not None else config.nats.url
     app.cleanup_ctx.append(_services_ctx(db, nats_))
-    app.cleanup_ctx.append(_coordinator_ctx(holder))
+    app.cleanup_ctx.append(_coordinator_ctx(holder, owns_process))
     add_routes(app)
     return app
 
@@ -75,12 +77,12 @@ def _services_ctx(database_url: str, nats_url: str) -> Any:
     return ctx
 
 
-def _coordinator_ctx(holder: str | None) -> Any:
+def _coordinator_ctx(holder: str | None, owns_process: bool) -> Any:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         svc = app[SERVICES]
         admin = app[ADMIN]
         coord = Coordinator(app[CONFIG], database_url=svc.database_url, nats_url=svc.nats_url,
-                            logger=app[LOGGER], metrics=admin.metrics, holder=holder)
+                            logger=app[LOGGER], metrics=admin.metrics, holder=holder, freeze_gc=owns_process)
         app[COORDINATOR] = coord
         try:
             await coord.start()
@@ -108,7 +110,7 @@ def admin_site(runner: web.AppRunner, config: Config, host: str, port: int) -> w
 async def serve(config: Config, *, host: str | None = None, port: int | None = None) -> int:
     """Run until SIGTERM/SIGINT (exit 0) or until the coordinator cannot continue (exit 1)."""
     log = get_logger("coordinator")
-    app = create_app(config, logger=log)
+    app = create_app(config, logger=log, owns_process=True)
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

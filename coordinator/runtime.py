@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
 from typing import Any
 
@@ -42,8 +43,11 @@ from shared.tls import nats_tls_kwargs
 
 class Coordinator:
     def __init__(self, config: Config, *, database_url: str, nats_url: str, logger: Any,
-                 metrics: CoordinatorMetrics | None = None, holder: str | None = None) -> None:
+                 metrics: CoordinatorMetrics | None = None, holder: str | None = None,
+                 freeze_gc: bool = False) -> None:
         self.config = config
+        #: Freeze the garbage collector's view after each takeover (see ``_lead_once``).
+        self.freeze_gc = freeze_gc
         self.database_url = database_url
         self.nats_url = nats_url
         self.log = logger
@@ -247,6 +251,14 @@ class Coordinator:
                 await self.service.reclaim_in_flight()
             except Exception as e:  # noqa: BLE001 - only a delay: un-acked messages come back after ack_wait
                 self.log.warning("consumer_reclaim_failed", error=f"{type(e).__name__}: {e}")
+            if self.freeze_gc:
+                # NOTE: what exists now — every library's modules, classes and functions (the
+                # migration's too), the state just loaded — lives on: the cyclic collector need
+                # not walk it again. Without this each full collection walked ~100k such objects,
+                # a 30-80 ms pause while serving (a lease's p99 at 64 in flight: ~100 ms, with it
+                # ~20-40 ms). Frozen objects are still freed by reference counting.
+                gc.collect()
+                gc.freeze()
             self.service.resume_consumer()
         except (LogError, LogCorrupt, Unavailable) as e:
             self.log.error("takeover_failed", error=str(e), leader_epoch=epoch)

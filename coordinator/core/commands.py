@@ -276,38 +276,82 @@ def _plan_writes(state: LedgerState, w: WorkerRecord, msg: m.LeaseAcquire, usabl
     free: dict[str, int] = {}
     for form in need:
         free[form] = max(0, w.pool_slots.get(form, 0) - len(state.pools.get((w.worker_id, form), ())))
-    # NOTE: the LRU candidates are collected only for a pool that runs out of free slots: the
-    # scan is O(pool size), and with free slots it would dominate every write grant.
-    candidates: dict[str, list[Replica]] = {}
-
-    def victims_available(form: str) -> int:
-        c = candidates.get(form)
-        if c is None:
-            replicas = state.replicas
-            c = candidates[form] = [r for k in state.pools.get((w.worker_id, form), ())
-                                    if (r := replicas[k]).state is READY and not r.pins and k[0] not in mine]
-        return len(c)
-
+    # NOTE: victims come from each pool's LRU index, popped only when its free slots run out
+    # (a scan of the pool was O(pool size) per grant); see :class:`_Victims`.
+    victims: dict[str, _Victims] = {}
+    chosen: dict[str, list[Replica]] = {f: [] for f in need}
     quota = state.params.tenant_quota_replicas
     # NOTE: evicting the tenant's own replicas would free quota too; not counted (conservative).
     room = quota - state.tenant_used.get(msg.tenant, 0) if quota else wanted
     granted = dict.fromkeys(need, 0)
     blocks: list[int] = []
-    for i in sorted(set().union(*need.values())):
-        forms = [f for f in need if i in need[f]]
-        if len(forms) > room or any(granted[f] >= free[f] and granted[f] >= free[f] + victims_available(f)
-                                    for f in forms):
-            break
-        for f in forms:
-            granted[f] += 1
-        room -= len(forms)
-        blocks.append(i)
+    try:
+        for i in sorted(set().union(*need.values())):
+            forms = [f for f in need if i in need[f]]
+            if len(forms) > room:
+                break
+            picked: list[tuple[str, Replica]] = []
+            for f in forms:
+                if granted[f] < free[f]:
+                    continue
+                cursor = victims.get(f)
+                if cursor is None:
+                    cursor = victims[f] = _Victims(state, (w.worker_id, f), mine)
+                v = cursor.next()
+                if v is None:
+                    break
+                picked.append((f, v))
+            else:
+                for f in forms:
+                    granted[f] += 1
+                for f, v in picked:
+                    chosen[f].append(v)
+                room -= len(forms)
+                blocks.append(i)
+                continue
+            break   # a form of block i has neither a free slot nor a victim: the earlier blocks stay
+    finally:
+        for cursor in victims.values():
+            cursor.restore()
     write = {f: idx for f in need if (idx := [i for i in blocks if i in need[f]])}
-    victims: list[Replica] = []
-    for f, k in granted.items():
-        if k > free[f]:
-            victims.extend(heapq.nsmallest(k - free[f], candidates[f], key=lambda r: (r.last_used_ms, r.block_hash)))
-    return write, victims, wanted
+    return write, [v for f in granted for v in chosen[f]], wanted
+
+
+class _Victims:
+    """A pool's LRU victims for one grant, least recently used first (ties by block hash).
+
+    Pops the pool's LRU heap (``LedgerState.lru``) as victims are needed, skipping stale
+    entries (dropped: the replica was pinned, used again or has left) and the request's own
+    blocks; :meth:`restore` pushes back every valid entry it popped, so the index is as it was
+    (less its stale entries) whatever the grant decides: the decision does not change the state.
+    """
+
+    def __init__(self, state: LedgerState, pool: tuple[str, str], mine: set[str]) -> None:
+        self.heap = state.lru.get(pool, [])
+        self.replicas = state.replicas
+        self.mine = mine
+        self.popped: list[tuple[int, str, ReplicaKey]] = []
+        self.seen: set[ReplicaKey] = set()
+
+    def next(self) -> Replica | None:
+        heap, replicas = self.heap, self.replicas
+        while heap:
+            entry = heapq.heappop(heap)
+            key = entry[2]
+            r = replicas.get(key)
+            if r is None or r.state is not READY or r.pins or r.last_used_ms != entry[0] or key in self.seen:
+                continue
+            self.seen.add(key)
+            self.popped.append(entry)
+            if key[0] in self.mine:
+                continue
+            return r
+        return None
+
+    def restore(self) -> None:
+        for entry in self.popped:
+            heapq.heappush(self.heap, entry)
+        self.popped.clear()
 
 
 def acquire_lease(state: LedgerState, msg: m.LeaseAcquire, now_ms: int,

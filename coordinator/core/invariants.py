@@ -95,6 +95,15 @@ def check_invariants(state: LedgerState) -> list[str]:
         if r.pins != pins.get(key, 0):
             out.append(f"replica {key}: pin count {r.pins} != {pins.get(key, 0)} pinning leases")
 
+    # The LRU index: every READY unpinned replica of a GPU pool can be found there, as last used.
+    for pk, keys in state.pools.items():
+        heap = state.lru.get(pk, [])
+        indexed = {k for t, _, k in heap if (r := state.replicas.get(k)) is not None and r.last_used_ms == t}
+        missing = [k for k in keys if (r := state.replicas[k]).state is READY and not r.pins and k not in indexed]
+        if missing:
+            out.append(f"pool {pk[0]}/{pk[1]}: {len(missing)} evictable replicas missing from the LRU index, "
+                       f"e.g. {missing[0]}")
+
     # Retention: every ended replica is a tombstone of its owner, within the owner's capacity.
     buried: dict[ReplicaKey, str] = {}
     for owner, ring in state.tombstones.items():

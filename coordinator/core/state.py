@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import heapq
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -83,9 +84,14 @@ class CoreParams:
                    tenant_quota_replicas=coordinator.tenant_quota_replicas)
 
 
-@dataclass(slots=True, eq=False)
-class Replica:
-    """One form of one block at one location (the current incarnation of that key)."""
+class Replica(msgspec.Struct, gc=False, eq=False):
+    """One form of one block at one location (the current incarnation of that key).
+
+    NOTE: a struct the cyclic garbage collector does not track (``gc=False``: it refers only to
+    strings, numbers and tuples, so it can be in no reference cycle). The state holds tens of
+    thousands of these; as tracked objects every full collection walked all of them, a pause of
+    ~100 ms in the middle of serving leases (the p99 of a lease went from ~90 to ~20 ms).
+    """
 
     block_hash: str
     form: str
@@ -216,6 +222,10 @@ class LedgerState:
     pools: dict[PoolKey, dict[ReplicaKey, None]] = field(default_factory=dict)
     #: Live GPU replicas per tenant.
     tenant_used: dict[str, int] = field(default_factory=dict)
+    #: Per GPU pool, its READY unpinned replicas as a heap of ``(last_used_ms, block_hash, key)``:
+    #: the LRU victims of a grant, least recently used first (see :func:`lru_push`). Entries go
+    #: stale when a replica is pinned, used again or leaves; they are skipped when popped.
+    lru: dict[PoolKey, list[tuple[int, str, ReplicaKey]]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, params: CoreParams | None = None) -> LedgerState:
@@ -383,6 +393,33 @@ def _worker(s: LedgerState, worker_id: str, epoch: int) -> WorkerRecord:
     return w
 
 
+def lru_push(s: LedgerState, r: Replica, key: ReplicaKey) -> None:
+    """``r`` (READY, unpinned, in a GPU pool) is evictable from now on, as used at ``r.last_used_ms``.
+
+    NOTE: an index, not a scan: a write grant on a full pool needs its least recently used
+    victims, and scanning the pool cost O(pool) per grant (50 ms at 100k slots). Stale entries
+    are dropped when popped, and the heap is rebuilt from the pool once it holds more than
+    twice the pool's slots.
+    """
+    pool = r.pool
+    heap = s.lru.get(pool)  # type: ignore[arg-type]
+    if heap is None:
+        heap = s.lru[pool] = []  # type: ignore[index]
+    heapq.heappush(heap, (r.last_used_ms, r.block_hash, key))
+    w = s.workers.get(pool[0])  # type: ignore[index]
+    if len(heap) > 2 * (w.pool_slots.get(pool[1], 0) if w is not None else 0) + 64:  # type: ignore[index]
+        s.lru[pool] = lru_rebuild(s, pool)  # type: ignore[arg-type]
+
+
+def lru_rebuild(s: LedgerState, pool: PoolKey) -> list[tuple[int, str, ReplicaKey]]:
+    """The LRU heap of ``pool`` from its members (no stale entries)."""
+    replicas = s.replicas
+    heap = [(r.last_used_ms, r.block_hash, k) for k in s.pools.get(pool, ())
+            if (r := replicas[k]).state is READY and not r.pins]
+    heapq.heapify(heap)
+    return heap
+
+
 def _end_lease(s: LedgerState, lease_id: str, abort: bool) -> None:
     """End a lease: ``abort`` its writes still ALLOCATED under it (a release or an expiry; a
     worker loss makes them LOST instead), drop its pins."""
@@ -396,7 +433,10 @@ def _end_lease(s: LedgerState, lease_id: str, abort: bool) -> None:
             if r is not None and r.state is ALLOCATED and r.lease_id == lease_id:
                 _move(s, key, "abort")
     for key in lease.pins:
-        replicas[key].pins -= 1
+        r = replicas[key]
+        r.pins -= 1
+        if not r.pins and r.pool is not None:  # pinned replicas are READY: evictable again
+            lru_push(s, r, key)
     w = s.workers.get(lease.worker_id)
     if w is not None:
         w.leases.pop(lease_id, None)
@@ -617,6 +657,8 @@ def _apply_transition_applied(s: LedgerState, e: ev.TransitionApplied) -> None:
         r.generation = t.generation
         r.checksum = t.checksum
         r.last_used_ms = e.at_ms
+        if r.pool is not None:  # a commit makes a GPU replica READY (and unpinned: it was ALLOCATED)
+            lru_push(s, r, key)
     elif kind == "offload":
         r = _create(s, key, kind, t.worker_id, t.epoch)
         r.generation = t.generation
@@ -904,11 +946,13 @@ def _from_snapshot(data: bytes, params: CoreParams | None) -> LedgerState:
         s.watermarks[(wid, epoch)] = Watermark(contiguous, set(pending))
     for owner, keys in snap.tombstones:
         s.tombstones[owner] = {tuple(k): None for k in keys}  # type: ignore[misc]
+    for pool in s.pools:
+        s.lru[pool] = lru_rebuild(s, pool)
     return s
 
 
 __all__ = [
     "CoreParams", "LedgerState", "Lease", "PoolKey", "Replica", "ReplicaKey", "ReplayError", "SnapshotError",
     "Watermark", "WorkerRecord", "apply", "from_snapshot", "no_gc", "pool_of", "replay", "state_hash", "to_snapshot",
-    "tombstone_capacity", "TRANSITIONS",
+    "lru_push", "lru_rebuild", "tombstone_capacity", "TRANSITIONS",
 ]

@@ -1,0 +1,92 @@
+"""The LRU index a write grant takes its victims from: the same victims as a scan of the pool
+(least recently used first, ties by block hash), whatever pins, uses and evictions came before,
+and a decision that is not applied leaves it as it was."""
+
+from __future__ import annotations
+
+import random
+
+from coordinator.core import (
+    acquire_lease, check_invariants, from_snapshot, ingest_transition, register_worker, release_lease, state_hash,
+    to_snapshot,
+)
+from coordinator.core.state import LedgerState
+from shared.messages import LeaseGrant, ReplicaState as S
+
+from .support import Driver, acquire, h, register, release, transition
+
+
+def _brute_force_victims(state: LedgerState, form: str, k: int, mine: set[str]) -> list[str]:
+    pool = state.pools[("w1", form)]
+    cand = [state.replicas[key] for key in pool]
+    cand = [r for r in cand if r.state is S.READY and not r.pins and r.block_hash not in mine]
+    return [r.block_hash for r in sorted(cand, key=lambda r: (r.last_used_ms, r.block_hash))[:k]]
+
+
+def test_victims_are_those_a_scan_of_the_pool_would_choose() -> None:
+    rng = random.Random(5)
+    d = Driver()
+    slots = 40
+    d.run(register_worker, register("w1", slots=slots), 0)
+    seq, now, n_lease = 0, 1, 0
+    blocks = [h(1000 + i) for i in range(slots)]
+    d.run(acquire_lease, acquire("w1", 1, blocks, forms=("compressed",)), now, "fill")
+    for i, b in enumerate(blocks):
+        seq += 1
+        d.run(ingest_transition,
+              transition("w1", 1, seq, b, "compressed", S.ALLOCATED, S.READY, lease_id="fill", index=i), now + i % 3)
+    d.run(release_lease, release("w1", 1, "fill"), now)
+    held: list[str] = []
+    evicted = 0
+    fresh = iter(range(10_000, 10**9))
+    for step in range(300):
+        now += rng.choice([0, 0, 1, 2])          # equal times too: ties go by block hash
+        if held and rng.random() < 0.4:           # a reader lets go: its replicas are evictable again
+            lid = held.pop(rng.randrange(len(held)))
+            d.run(release_lease, release("w1", 1, lid), now)
+            continue
+        ready = [k[0] for k in d.state.pools[("w1", "compressed")] if d.state.replicas[k].state is S.READY]
+        reads = rng.sample(ready, min(len(ready), rng.randint(0, 3)))
+        new = [h(next(fresh)) for _ in range(rng.randint(0, 3))]
+        req = reads + new
+        if not req:
+            continue
+        n_lease += 1
+        lid = f"L{n_lease}"
+        mine = set(req)
+        # what a scan would evict, decided on the state before the grant
+        free = slots - len(d.state.pools[("w1", "compressed")])
+        expected = _brute_force_victims(d.state, "compressed", max(0, len(new) - free), mine)
+        reply, events = acquire_lease(d.state, acquire("w1", 1, req, forms=("compressed",)), now, lid)
+        again, _ = acquire_lease(d.state, acquire("w1", 1, req, forms=("compressed",)), now, lid + "b")
+        if isinstance(reply, LeaseGrant):
+            assert [v.block_hash for v in reply.evict] == expected[:len(reply.evict)]
+            assert [v.block_hash for v in again.evict] == [v.block_hash for v in reply.evict]  # index restored
+            evicted += len(reply.evict)
+            d.commit(events)
+            for form, idx in reply.write.items():
+                for i in idx:
+                    seq += 1
+                    d.run(ingest_transition,
+                          transition("w1", 1, seq, req[i], form, S.ALLOCATED, S.READY, lease_id=lid, index=i), now)
+            held.append(lid)
+    assert evicted > 100                         # the pool was full most of the time
+    assert check_invariants(d.state) == []
+    rebuilt = from_snapshot(to_snapshot(d.state))
+    assert state_hash(rebuilt) == state_hash(d.state) and check_invariants(rebuilt) == []
+
+
+def test_the_index_stays_bounded_by_the_pool() -> None:
+    d = Driver()
+    d.run(register_worker, register("w1", slots=8), 0)
+    seq = 0
+    for k in range(500):                           # every request writes two blocks and evicts two
+        bs = [h(5000 + 2 * k), h(5001 + 2 * k)]
+        g = d.run(acquire_lease, acquire("w1", 1, bs), k, f"L{k}")
+        for form, idx in g.write.items():
+            for i in idx:
+                seq += 1
+                d.run(ingest_transition, transition("w1", 1, seq, bs[i], form, S.ALLOCATED, S.READY, lease_id=f"L{k}", index=i), k)
+        d.run(release_lease, release("w1", 1, f"L{k}"), k)
+    assert all(len(heap) <= 2 * 8 + 64 for heap in d.state.lru.values())
+    assert check_invariants(d.state) == []
