@@ -276,11 +276,13 @@ def _plan_writes(state: LedgerState, w: WorkerRecord, msg: m.LeaseAcquire, usabl
     free: dict[str, int] = {}
     for form in need:
         free[form] = max(0, w.pool_slots.get(form, 0) - len(state.pools.get((w.worker_id, form), ())))
+    quota = state.params.tenant_quota_replicas
+    if not quota and all(len(idx) <= free[f] for f, idx in need.items()):
+        return {f: sorted(idx) for f, idx in need.items()}, [], wanted   # room for everything
     # NOTE: victims come from each pool's LRU index, popped only when its free slots run out
     # (a scan of the pool was O(pool size) per grant); see :class:`_Victims`.
     victims: dict[str, _Victims] = {}
     chosen: dict[str, list[Replica]] = {f: [] for f in need}
-    quota = state.params.tenant_quota_replicas
     # NOTE: evicting the tenant's own replicas would free quota too; not counted (conservative).
     room = quota - state.tenant_used.get(msg.tenant, 0) if quota else wanted
     granted = dict.fromkeys(need, 0)
@@ -370,11 +372,10 @@ def acquire_lease(state: LedgerState, msg: m.LeaseAcquire, now_ms: int,
     if msg.namespace != w.namespace:
         return _error(m.ErrorCode.INVALID, f"namespace {msg.namespace} is not worker {w.worker_id}'s "
                       f"namespace {w.namespace}"), []
-    declared = w.catalogue.names
     for form in msg.write_forms:
-        if form not in declared:
+        if form not in w.form_names:
             return _error(m.ErrorCode.INVALID, f"write form {form!r} is not declared by worker "
-                          f"{w.worker_id}'s catalogue; declared: {list(declared)}"), []
+                          f"{w.worker_id}'s catalogue; declared: {list(w.catalogue.names)}"), []
     mine = set(msg.block_hashes)
     if len(mine) != len(msg.block_hashes):
         seen: dict[str, int] = {}

@@ -169,9 +169,12 @@ class WorkerRecord:
     leases: dict[str, None] = field(default_factory=dict)
     #: Its pool slots, all forms together: the tombstones it keeps (see "Retention").
     slots_total: int = field(init=False)
+    #: The names of its catalogue's forms.
+    form_names: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
         self.slots_total = sum(self.pool_slots.values())
+        self.form_names = frozenset(self.catalogue.names)
 
     @property
     def gpu(self) -> str:
