@@ -495,10 +495,27 @@ def expire(state: LedgerState, now_ms: int, last_seen: Mapping[tuple[str, int], 
             events.append(ev.WorkerSuspended(worker_id=wid, epoch=w.epoch, at_ms=now_ms,
                                              reason=f"no heartbeat for {now_ms - heard} ms "
                                                     f"(limit {p.heartbeat_timeout_ms} ms)"))
-    for lid in sorted(state.leases):
-        lease = state.leases[lid]
-        if lease.worker_id not in lost and now_ms >= lease_deadline(state, lease):
-            events.append(ev.LeaseExpired(lease_id=lid, at_ms=now_ms))
+    # Leases come from their deadline index (state.lease_due): only those due by now are looked
+    # at. NOTE: what is popped is pushed back (a lease extended by a takeover with its new due
+    # time), so the index holds what it held, less its stale entries: the decision changes no state.
+    due, leases = state.lease_due, state.leases
+    popped: list[tuple[int, str, int]] = []
+    expired: set[str] = set()
+    while due and due[0][0] <= now_ms:
+        entry = heapq.heappop(due)
+        lease = leases.get(entry[1])
+        if lease is None or lease.expires_at_ms != entry[2]:
+            continue   # ended or renewed since
+        deadline = lease_deadline(state, lease)
+        if now_ms < deadline:
+            popped.append((deadline, entry[1], entry[2]))   # granted before a takeover: due later
+            continue
+        popped.append(entry)
+        if lease.worker_id not in lost:   # (a lost worker's leases end with its loss)
+            expired.add(entry[1])
+    for entry in popped:
+        heapq.heappush(due, entry)
+    events.extend(ev.LeaseExpired(lease_id=lid, at_ms=now_ms) for lid in sorted(expired))
     return events
 
 

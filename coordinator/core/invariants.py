@@ -104,6 +104,12 @@ def check_invariants(state: LedgerState) -> list[str]:
             out.append(f"pool {pk[0]}/{pk[1]}: {len(missing)} evictable replicas missing from the LRU index, "
                        f"e.g. {missing[0]}")
 
+    # The deadline index: every live lease can be found there, at its current expiry.
+    indexed_leases = {(lid, exp) for _, lid, exp in state.lease_due}
+    unindexed = [lid for lid, lease in state.leases.items() if (lid, lease.expires_at_ms) not in indexed_leases]
+    if unindexed:
+        out.append(f"{len(unindexed)} live leases missing from the deadline index, e.g. {unindexed[0]}")
+
     # Retention: every ended replica is a tombstone of its owner, within the owner's capacity.
     buried: dict[ReplicaKey, str] = {}
     for owner, ring in state.tombstones.items():

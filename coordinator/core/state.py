@@ -120,20 +120,26 @@ class Replica(msgspec.Struct, gc=False, eq=False):
         return (self.block_hash, self.form, self.location)
 
 
-@dataclass(slots=True, eq=False)
-class Lease:
+class Lease(msgspec.Struct, gc=False, eq=False):
+    """A live lease.
+
+    NOTE: untracked by the cyclic garbage collector (``gc=False``), its sequences tuples (which
+    the collector untracks once it has seen them): a coordinator holds thousands of live leases,
+    and as tracked objects each full collection walked all of them (a 20k-lease run's p99).
+    """
+
     lease_id: str
     worker_id: str
     epoch: int
     tenant: str
     namespace: str
     request_id: str
-    block_hashes: list[str]
+    block_hashes: tuple[str, ...]
     usable_blocks: int
     #: Replicas pinned for reading (an ordered set).
     pins: dict[ReplicaKey, None]
     #: Block indices the holder may fill, per form.
-    write: dict[str, list[int]]
+    write: dict[str, tuple[int, ...]]
     expires_at_ms: int
     granted_at_ms: int
 
@@ -229,6 +235,9 @@ class LedgerState:
     #: the LRU victims of a grant, least recently used first (see :func:`lru_push`). Entries go
     #: stale when a replica is pinned, used again or leaves; they are skipped when popped.
     lru: dict[PoolKey, list[tuple[int, str, ReplicaKey]]] = field(default_factory=dict)
+    #: Live leases by when they may expire: a heap of ``(due_ms, lease_id, expires_at_ms)``
+    #: (entries of ended or renewed leases are stale: skipped when popped; see :func:`due_push`).
+    lease_due: list[tuple[int, str, int]] = field(default_factory=list)
 
     @classmethod
     def empty(cls, params: CoreParams | None = None) -> LedgerState:
@@ -423,6 +432,25 @@ def lru_rebuild(s: LedgerState, pool: PoolKey) -> list[tuple[int, str, ReplicaKe
     return heap
 
 
+def due_push(s: LedgerState, lease: Lease) -> None:
+    """``lease`` may expire at its ``expires_at_ms``: index it for :func:`.commands.expire`.
+
+    NOTE: the expiry check runs every heartbeat interval; scanning every live lease took tens of
+    milliseconds with 20k of them, a pause in the middle of serving. The heap is rebuilt once it
+    holds more than twice the live leases.
+    """
+    due = s.lease_due
+    heapq.heappush(due, (lease.expires_at_ms, lease.lease_id, lease.expires_at_ms))
+    if len(due) > 2 * len(s.leases) + 64:
+        s.lease_due = due_rebuild(s)
+
+
+def due_rebuild(s: LedgerState) -> list[tuple[int, str, int]]:
+    due = [(lease.expires_at_ms, lid, lease.expires_at_ms) for lid, lease in s.leases.items()]
+    heapq.heapify(due)
+    return due
+
+
 def _end_lease(s: LedgerState, lease_id: str, abort: bool) -> None:
     """End a lease: ``abort`` its writes still ALLOCATED under it (a release or an expiry; a
     worker loss makes them LOST instead), drop its pins."""
@@ -528,9 +556,10 @@ def _apply_lease_granted(s: LedgerState, e: ev.LeaseGranted) -> None:
         pins[key] = None
     s.leases[e.lease_id] = Lease(
         lease_id=e.lease_id, worker_id=e.worker_id, epoch=e.epoch, tenant=e.tenant, namespace=e.namespace,
-        request_id=e.request_id, block_hashes=list(e.block_hashes), usable_blocks=e.usable_blocks, pins=pins,
-        write={f: list(ix) for f, ix in e.write.items()}, expires_at_ms=e.expires_at_ms, granted_at_ms=at)
+        request_id=e.request_id, block_hashes=tuple(e.block_hashes), usable_blocks=e.usable_blocks, pins=pins,
+        write={f: tuple(ix) for f, ix in e.write.items()}, expires_at_ms=e.expires_at_ms, granted_at_ms=at)
     w.leases[e.lease_id] = None
+    due_push(s, s.leases[e.lease_id])
     if e.allocated:
         _allocate_writes(s, w, e)
 
@@ -625,6 +654,7 @@ def _apply_lease_renewed(s: LedgerState, e: ev.LeaseRenewed) -> None:
     if lease is None:
         raise ReplayError(f"lease {e.lease_id} renewed but not live")
     lease.expires_at_ms = e.expires_at_ms
+    due_push(s, lease)
 
 
 def _apply_lease_ended(s: LedgerState, e: ev.LeaseReleased | ev.LeaseExpired) -> None:
@@ -939,8 +969,8 @@ def _from_snapshot(data: bytes, params: CoreParams | None) -> LedgerState:
             _enter_live(s, r, key)
     for sl in snap.leases:
         s.leases[sl.lease_id] = Lease(sl.lease_id, sl.worker_id, sl.epoch, sl.tenant, sl.namespace, sl.request_id,
-                                      list(sl.block_hashes), sl.usable_blocks, {tuple(k): None for k in sl.pins},
-                                      {f: list(ix) for f, ix in sl.write.items()}, sl.expires_at_ms,
+                                      tuple(sl.block_hashes), sl.usable_blocks, {tuple(k): None for k in sl.pins},
+                                      {f: tuple(ix) for f, ix in sl.write.items()}, sl.expires_at_ms,
                                       sl.granted_at_ms)
         w = s.workers.get(sl.worker_id)
         if w is not None and w.epoch == sl.epoch:
@@ -951,11 +981,12 @@ def _from_snapshot(data: bytes, params: CoreParams | None) -> LedgerState:
         s.tombstones[owner] = {tuple(k): None for k in keys}  # type: ignore[misc]
     for pool in s.pools:
         s.lru[pool] = lru_rebuild(s, pool)
+    s.lease_due = due_rebuild(s)
     return s
 
 
 __all__ = [
     "CoreParams", "LedgerState", "Lease", "PoolKey", "Replica", "ReplicaKey", "ReplayError", "SnapshotError",
     "Watermark", "WorkerRecord", "apply", "from_snapshot", "no_gc", "pool_of", "replay", "state_hash", "to_snapshot",
-    "lru_push", "lru_rebuild", "tombstone_capacity", "TRANSITIONS",
+    "due_push", "due_rebuild", "lru_push", "lru_rebuild", "tombstone_capacity", "TRANSITIONS",
 ]

@@ -1,19 +1,23 @@
-"""The LRU index a write grant takes its victims from: the same victims as a scan of the pool
-(least recently used first, ties by block hash), whatever pins, uses and evictions came before,
-and a decision that is not applied leaves it as it was."""
+"""The core's two indexes, each the answer a scan would give without the scan:
+
+* the LRU index a write grant takes its victims from: the same victims as a scan of the pool
+  (least recently used first, ties by block hash), whatever pins, uses and evictions came before;
+* the deadline index expiry takes due leases from: the same leases as a scan of every live one.
+
+A decision that is not applied leaves either index as it was."""
 
 from __future__ import annotations
 
 import random
 
 from coordinator.core import (
-    acquire_lease, check_invariants, from_snapshot, ingest_transition, register_worker, release_lease, state_hash,
-    to_snapshot,
+    CoreParams, acquire_lease, check_invariants, expire, from_snapshot, heartbeat, ingest_transition,
+    lease_deadline, register_worker, release_lease, renew_lease, resume, resume_worker, state_hash, to_snapshot,
 )
 from coordinator.core.state import LedgerState
 from shared.messages import LeaseGrant, ReplicaState as S
 
-from .support import Driver, acquire, h, register, release, transition
+from .support import FORMS, Driver, acquire, h, hb, register, release, renew, resume_msg, transition
 
 
 def _brute_force_victims(state: LedgerState, form: str, k: int, mine: set[str]) -> list[str]:
@@ -89,4 +93,39 @@ def test_the_index_stays_bounded_by_the_pool() -> None:
                 d.run(ingest_transition, transition("w1", 1, seq, bs[i], form, S.ALLOCATED, S.READY, lease_id=f"L{k}", index=i), k)
         d.run(release_lease, release("w1", 1, f"L{k}"), k)
     assert all(len(heap) <= 2 * 8 + 64 for heap in d.state.lru.values())
+    assert check_invariants(d.state) == []
+
+
+def test_expiry_finds_the_leases_a_scan_would_find() -> None:
+    rng = random.Random(9)
+    d = Driver(CoreParams(lease_ttl_ms=1000, heartbeat_interval_ms=100, missed_heartbeats=1000,
+                          resume_grace_ms=100_000))
+    d.run(register_worker, register("w1", slots=1000), 0)
+    now, n, expired, takeovers = 0, 0, 0, 0
+    for step in range(400):
+        now += rng.choice([1, 5, 20, 50])
+        d.run(heartbeat, hb("w1", 1), now)
+        roll = rng.random()
+        if roll < 0.4:
+            n += 1
+            d.run(acquire_lease, acquire("w1", 1, [h(100_000 + n)], forms=(), ttl_ms=rng.choice([50, 200, 1000])),
+                  now, f"L{n}")
+        elif roll < 0.6 and d.state.leases:
+            lid = rng.choice(sorted(d.state.leases))
+            d.run(renew_lease, renew("w1", 1, lid, ttl_ms=rng.choice([50, 300])), now)
+        elif roll < 0.7 and d.state.leases:
+            d.run(release_lease, release("w1", 1, rng.choice(sorted(d.state.leases))), now)
+        elif roll < 0.72:   # a takeover: leases granted before it get a heartbeat timeout more
+            takeovers += 1
+            d.commit(resume(d.state, now))
+            reply = d.run(resume_worker, resume_msg("w1", 1, [], pool_slots={f: 1000 for f in FORMS}), now)
+            assert type(reply).__name__ == "ResumeReply", reply
+        scan = sorted(lid for lid, lease in d.state.leases.items() if now >= lease_deadline(d.state, lease))
+        first = expire(d.state, now, {("w1", 1): now})
+        again = expire(d.state, now, {("w1", 1): now})   # not applied: the index is as it was
+        assert [e.lease_id for e in first if type(e).__name__ == "LeaseExpired"] == scan
+        assert again == first
+        expired += len(scan)
+        d.commit(first)
+    assert expired > 50 and takeovers > 3
     assert check_invariants(d.state) == []
