@@ -195,12 +195,6 @@ class Coordinator:
 
                 await upgrade(self.event_log.engine)
                 return
-            except LogUnavailable as e:
-                if str(e) != last:
-                    self.log.warning("database_unreachable", error=str(e), action="retrying")
-                last = str(e)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
             except Exception as e:  # noqa: BLE001 - waits for an unreachable database; anything else is fatal
                 if sqlstate(e) == "42501":  # insufficient_privilege: not the owner
                     why = f"schema at revision {rev or 'none'}, this coordinator needs {head}: {describe(e)}"
@@ -211,7 +205,7 @@ class Coordinator:
                     last = why
                     await asyncio.sleep(1.0)
                     continue
-                if not is_unavailable(e):
+                if not (isinstance(e, LogUnavailable) or is_unavailable(e)):
                     raise StartupError(f"cannot migrate the event log schema: {describe(e)}") from e
                 if describe(e) != last:
                     self.log.warning("database_unreachable", error=describe(e), action="retrying")
