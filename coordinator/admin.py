@@ -309,14 +309,13 @@ async def get_block(request: web.Request) -> web.Response:
     leases = sorted({f"lease:{s.replicas[k].lease_id}" for k in keys if s.replicas[k].lease_id})
     names = [replica_stream(*k) for k in sorted(known)] + [f"invalidation:block:{block}"] + leases
     try:
-        streams = await asyncio.gather(*[ledger.log.read_stream(n) for n in names])
+        history = await ledger.log.read_streams(names)   # one query, in position order
     except LogError as e:
         raise Unavailable(f"event log unavailable: {e}") from e
-    if not keys and not any(streams):
+    if not keys and not history:
         raise ApiError(404, "not_found", f"block {block} has no replica in the ledger and no history in the log")
-    found = [n for n, events in zip(names, streams) if events]
-    history = sorted((se for events in streams for se in events), key=lambda se: se.position)
-    return web.json_response({"block_hash": block, "replicas": replicas, "streams": found,
+    found = {se.stream_id for se in history}
+    return web.json_response({"block_hash": block, "replicas": replicas, "streams": [n for n in names if n in found],
                               "history": [_event(e) for e in history]})
 
 

@@ -254,6 +254,10 @@ class NatsService:
                     results: list[Any] = await self.ledger.execute_all(decisions)
                 except Unavailable as e:
                     results = [e] * len(decisions)
+                except Exception as e:  # noqa: BLE001 - every request is answered, whatever went wrong
+                    self.log.error("requests_failed", requests=len(decisions), error_type=type(e).__name__,
+                                   exc_info=True)
+                    results = [Unavailable("internal error; retry")] * len(decisions)
                 for i, r in zip(todo, results):
                     replies[i] = self._reply_of(batch[i][0], r)
             for (op, msg, t0), req, reply in zip(batch, reqs, replies):

@@ -51,6 +51,10 @@ class InMemoryEventLog:
         start = max(from_version, 1) - 1
         return self._by_stream.get(stream_id, [])[start:start + max(limit, 0)]
 
+    async def read_streams(self, stream_ids: Sequence[str], limit: int = 10_000) -> list[StoredEvent]:
+        wanted = set(stream_ids)
+        return [e for e in self._events if e.stream_id in wanted][:max(limit, 0)]
+
     async def head(self) -> int:
         return len(self._events)
 

@@ -159,6 +159,10 @@ class EventLog(Protocol):
         """One stream's events with ``stream_version >= from_version`` in version order."""
         ...
 
+    async def read_streams(self, stream_ids: Sequence[str], limit: int = 10_000) -> list[StoredEvent]:
+        """The events of any of ``stream_ids``, in position order, at most ``limit``."""
+        ...
+
     async def head(self) -> int:
         """Position of the last stored event (0 for an empty log)."""
         ...

@@ -195,6 +195,7 @@ EVENT_COLUMNS = "position, stream_id, stream_version, type, payload, source_id, 
 READ = f"SELECT {EVENT_COLUMNS} FROM events WHERE position >= $1 ORDER BY position LIMIT $2"
 READ_STREAM = (f"SELECT {EVENT_COLUMNS} FROM events WHERE stream_id = $1 AND stream_version >= $2 "
                "ORDER BY stream_version LIMIT $3")
+READ_STREAMS = f"SELECT {EVENT_COLUMNS} FROM events WHERE stream_id = ANY($1::text[]) ORDER BY position LIMIT $2"
 #: What a replay needs of each event, and nothing more. The payload comes back as bytes
 #: (``convert_to``: the stored UTF-8 as is), which the JSON decoder reads without the copy a
 #: ``str`` costs it.
@@ -379,6 +380,10 @@ class PostgresEventLog:
 
     async def read_stream(self, stream_id: str, from_version: int = 1, limit: int = 10_000) -> list[StoredEvent]:
         rows = await self._call("read_stream", "fetch", READ_STREAM, stream_id, from_version, max(limit, 0))
+        return [StoredEvent(r[0], r[1], r[2], r[3], r[4].encode(), r[5], r[6], r[7]) for r in rows]
+
+    async def read_streams(self, stream_ids: Sequence[str], limit: int = 10_000) -> list[StoredEvent]:
+        rows = await self._call("read_streams", "fetch", READ_STREAMS, list(stream_ids), max(limit, 0))
         return [StoredEvent(r[0], r[1], r[2], r[3], r[4].encode(), r[5], r[6], r[7]) for r in rows]
 
     async def ping(self) -> None:

@@ -66,6 +66,13 @@ class EventLogContract:
         assert [s.position for s in xs] == [1, 3, 4]
         assert [s.stream_version for s in await log.read_stream("x", from_version=3)] == [3]
 
+    async def test_read_streams_in_position_order(self, log: EventLog) -> None:
+        e = await log.take_leadership("me")
+        await log.append([ev("x", 1), ev("y", 2), ev("z", 3), ev("x", 4)], e)
+        got = await log.read_streams(["x", "z", "nothing"])
+        assert [(s.stream_id, s.position) for s in got] == [("x", 1), ("z", 3), ("x", 4)]
+        assert [s.position for s in await log.read_streams(["x", "y"], limit=2)] == [1, 2]
+
     async def test_source_id_is_stored_once(self, log: EventLog) -> None:
         e = await log.take_leadership("me")
         assert await log.append([ev("a", source="w.1.1"), ev("a", source="w.1.2")], e) == [1, 2]
