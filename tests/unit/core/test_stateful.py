@@ -269,13 +269,15 @@ class CoreMachine(RuleBasedStateMachine):
         assert {e.worker_id for e in events if isinstance(e, WorkerLost)} == lost
         assert {e.worker_id for e in events if isinstance(e, WorkerSuspended)} == suspended
         assert {e.lease_id for e in events if isinstance(e, LeaseExpired)} == expired
-        for wid in lost:
+        # in the order the core decides them (sorted): it is the order replicas end in, hence of
+        # the tombstones the state keeps
+        for wid in sorted(lost):
             event("worker lost past the grace")
             self.m.lose(wid)
         for wid in suspended:
             event("worker suspended by timeout")
             self.m.workers[wid].suspended_at = self.now
-        for lid in expired:
+        for lid in sorted(expired):
             self.m.end_lease(lid)
 
     @rule()
