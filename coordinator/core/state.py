@@ -352,6 +352,14 @@ def _trim(s: LedgerState, owner: str, ring: dict[ReplicaKey, None]) -> None:
         del s.tombstones[owner]
 
 
+def _unbury(s: LedgerState, owner: str, key: ReplicaKey) -> None:
+    """``key``, a tombstone of ``owner``, lives again (a new incarnation)."""
+    ring = s.tombstones[owner]
+    del ring[key]
+    if not ring:
+        del s.tombstones[owner]
+
+
 def _create(s: LedgerState, key: ReplicaKey, kind: str, owner: str, epoch: int) -> Replica:
     """A new incarnation of ``key`` (a grant or an offload copy); a tombstone of it is reused."""
     r = s.replicas.get(key)
@@ -363,10 +371,7 @@ def _create(s: LedgerState, key: ReplicaKey, kind: str, owner: str, epoch: int) 
                     (loc[4:], f) if loc.startswith("gpu:") else None)
         s.replicas[key] = r
     else:
-        ring = s.tombstones[r.owner]
-        del ring[key]
-        if not ring:
-            del s.tombstones[r.owner]
+        _unbury(s, r.owner, key)
         r.state = new
         r.owner, r.owner_epoch = owner, epoch
         r.pins = 0
@@ -599,7 +604,7 @@ def _evict_victims(s: LedgerState, w: WorkerRecord, e: ev.LeaseGranted) -> None:
 
 def _allocate_writes(s: LedgerState, w: WorkerRecord, e: ev.LeaseGranted) -> None:
     """The grant's write reservations: one ALLOCATED replica per (form, block index) at its GPU."""
-    replicas, pools, tombstones = s.replicas, s.pools, s.tombstones
+    replicas, pools = s.replicas, s.pools
     hashes, wid, epoch, lid, at = e.block_hashes, w.worker_id, e.epoch, e.lease_id, e.at_ms
     tenant, namespace = e.tenant, e.namespace
     gpu, bs = w.gpu, w.catalogue.block_size
@@ -620,10 +625,7 @@ def _allocate_writes(s: LedgerState, w: WorkerRecord, e: ev.LeaseGranted) -> Non
             else:
                 if r.state in LIVE:
                     raise IllegalTransition(r.state, "grant", key)
-                ring = tombstones[r.owner]  # a tombstone of this key: it lives again
-                del ring[key]
-                if not ring:
-                    del tombstones[r.owner]
+                _unbury(s, r.owner, key)  # a tombstone of this key: it lives again
                 r.state, r.owner, r.owner_epoch, r.pins = ALLOCATED, wid, epoch, 0
                 r.generation, r.checksum, r.tenant, r.namespace = 0, "", tenant, namespace
                 r.parent_hash, r.token_start, r.token_end, r.lease_id, r.last_used_ms = (

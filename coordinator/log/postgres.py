@@ -372,7 +372,7 @@ class PostgresEventLog:
 
     async def read(self, from_position: int = 1, limit: int = 1000) -> list[StoredEvent]:
         rows = await self._call("read", "fetch", READ, from_position, max(limit, 0))
-        return [StoredEvent(r[0], r[1], r[2], r[3], r[4].encode(), r[5], r[6], r[7]) for r in rows]
+        return _stored(rows)
 
     async def read_payloads(self, from_position: int = 1, limit: int = 1000) -> Sequence[tuple[int, bytes]]:
         """``(position, payload)`` of the events from ``from_position``: what a replay folds."""
@@ -380,11 +380,11 @@ class PostgresEventLog:
 
     async def read_stream(self, stream_id: str, from_version: int = 1, limit: int = 10_000) -> list[StoredEvent]:
         rows = await self._call("read_stream", "fetch", READ_STREAM, stream_id, from_version, max(limit, 0))
-        return [StoredEvent(r[0], r[1], r[2], r[3], r[4].encode(), r[5], r[6], r[7]) for r in rows]
+        return _stored(rows)
 
     async def read_streams(self, stream_ids: Sequence[str], limit: int = 10_000) -> list[StoredEvent]:
         rows = await self._call("read_streams", "fetch", READ_STREAMS, list(stream_ids), max(limit, 0))
-        return [StoredEvent(r[0], r[1], r[2], r[3], r[4].encode(), r[5], r[6], r[7]) for r in rows]
+        return _stored(rows)
 
     async def ping(self) -> None:
         """Raise the translated error if PostgreSQL cannot be used (unreachable, bad credentials…)."""
@@ -443,6 +443,11 @@ class PostgresEventLog:
         engine, self._engine = self._engine, None
         if engine is not None:
             await engine.dispose()
+
+
+def _stored(rows: Sequence[Any]) -> list[StoredEvent]:
+    """Rows of ``EVENT_COLUMNS`` as StoredEvents (payloads as bytes)."""
+    return [StoredEvent(r[0], r[1], r[2], r[3], r[4].encode(), r[5], r[6], r[7]) for r in rows]
 
 
 def _connection_lost(e: BaseException) -> bool:
