@@ -70,6 +70,9 @@ class ServiceConfig(_Section):
     max_context_length: PosInt = 8192
     cache_reserve_ratio: Fraction = 0.7
     batch_window_ms: Annotated[int, msgspec.Meta(ge=0)] = 20
+    #: Token budget of one model forward: every decoding request's next token, then prompt
+    #: pieces (whole blocks) in priority/arrival order until it is spent (``worker.stepper``).
+    max_batch_tokens: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 256
     request_timeout_ms: PosInt = 60000
     queue_size: Annotated[int, msgspec.Meta(ge=0)] = 256
     queue_timeout_ms: PosInt = 30000

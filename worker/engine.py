@@ -55,6 +55,7 @@ from worker.metrics import WorkerMetrics
 from worker.model import HybridAttentionLM, declare_forms, form_layouts, weights_digest
 from worker.publisher import OutboxFull, TransitionPublisher
 from worker.session import CacheValidationError, Result, Sampling, Session
+from worker.stepper import Stepper
 from worker.settings import pool_slots, salt_secret, tenant_salt, worker_id
 
 T = TypeVar("T")
@@ -124,6 +125,13 @@ class Engine:
                                               resend_ms=cfg.worker.outbox_resend_ms, metrics=self.metrics)
                           if client is not None else None)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="kvl-model")
+        failures = model.check_invariance()
+        if failures:
+            self.log.error("batch-invariance probe failed: one request per forward, replies not cached",
+                           failures=failures[:5])
+        self.stepper = Stepper(model, self._compute, max_batch_tokens=cfg.service.max_batch_tokens,
+                               block_size=self.block_size, metrics=self.metrics)
+        self.metrics.batch_invariant.set(1 if self.stepper.fused else 0)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvl-io")
         self._salts: dict[str, bytes] = {}
         self.epoch = 0
@@ -212,6 +220,12 @@ class Engine:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn)
 
     # --- state ----------------------------------------------------------------------------
+
+    @property
+    def resume_grid(self) -> int:
+        """Blocks a resume point must be a multiple of: any block when the ops are batch-invariant
+        (every prefill cut gives the same bits), else the ``cache.chunk_blocks`` grid."""
+        return 1 if self.stepper.fused else self.chunk_blocks
 
     @property
     def degraded(self) -> bool:

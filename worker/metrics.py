@@ -61,6 +61,21 @@ class WorkerMetrics:
                                     registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token", buckets=_SLOW, registry=r)
         self.requests = Counter(p + "requests", "Requests run through the engine", ["outcome"], registry=r)
+        self.step_requests = Histogram(p + "step_batch_requests", "Requests fused into one model forward",
+                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.step_tokens = Histogram(p + "step_batch_tokens", "Tokens (rows) in one model forward",
+                                     buckets=(1, 4, 16, 32, 64, 128, 256, 512, 1024), registry=r)
+        self.step_seconds = Histogram(p + "step_seconds", "Wall time of one model forward (with its exports)",
+                                      buckets=_FAST, registry=r)
+        self.reply_blocks = Counter(p + "reply_blocks", "Decode-made reply blocks exported and committed",
+                                    registry=r)
+        self.batch_invariant = Gauge(p + "batch_invariant", "1 if fused forwards are exact here "
+                                     "(kernels.invariant.probe passed, one intra-op thread)", registry=r)
+
+    def observe_step(self, requests: int, tokens: int, seconds: float) -> None:
+        self.step_requests.observe(requests)
+        self.step_tokens.observe(tokens)
+        self.step_seconds.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

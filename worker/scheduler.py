@@ -2,17 +2,14 @@
 
 Theory of operation
 -------------------
-*What "batching" means here.* Reuse must never change a bit of a request's logits, so a
-request's forwards stay its own: prefill runs in the model's block-aligned units
-(:class:`worker.session.Session`), decode one token per call, each call on that request's
-state alone. Rows of several requests are never fused into one matmul — on the CPU
-``F.linear`` is not batch-invariant for small row counts, so fusing would change bits
-depending on who else was running. What this scheduler batches is *time*: requests that
-arrive within ``service.batch_window_ms`` are admitted together (in priority order) and
-then run concurrently, their prefill units and decode steps interleaved call by call — a
-continuous (iteration-level) scheduler, like vLLM's, with a batch of one request per model
-call. No request's output depends on what else runs: the tests compare every output of 64
-concurrent requests with the same requests run one at a time.
+*Batching.* Requests do not take turns at the model: each hands its next step (a decode
+token, or more of its prompt) to the engine's :class:`worker.stepper.Stepper`, which runs the
+steps of every ready request as ONE forward — continuous batching with chunked prefill, under
+``service.max_batch_tokens``, decodes first, then prompts in (priority, arrival) order. The
+model's ops are batch-invariant (``kernels.invariant``), so no request's output depends on
+what else runs: the tests compare every output of concurrent requests with the same requests
+run alone on a cache-disabled engine, bit for bit. Lease round trips, hit validation and
+restores happen outside forwards (they are not model steps).
 
 *Admission.* A request is checked (prompt length + ``max_tokens`` within the context
 limit) and queued; the queue holds at most ``service.queue_size`` requests beyond the free
@@ -24,17 +21,8 @@ priority order rather than arrival order. Waiting longer than ``service.queue_ti
 → :class:`QueueTimeout`; the whole request longer than ``service.request_timeout_ms`` →
 :class:`RequestTimeout`.
 
-*Turns.* The engine has one model thread. Model calls of admitted requests are granted one
-at a time by :class:`TurnGate`, in rounds: in each round every decoding request gets one
-decode step and prefilling requests get ``prefill_units_per_round`` units (default one), to
-the one with the best (priority, admission) order first. So running requests keep a steady
-inter-token latency while the oldest waiting prompt is prefilled first (first come, first
-served — the order that minimises mean time to first token), instead of every prompt
-advancing a unit at a time and all of them finishing late. Lease round trips, hit
-validation and restores happen outside turns (they are not model steps).
-
 *Cancellation.* Each request runs in a task of its own. A client that goes away cancels
-it (:meth:`Job.aclose`); wherever it was — queued, waiting for a turn, in a model call —
+it (:meth:`Job.aclose`); wherever it was — queued, waiting for its step, in a model call —
 the session is closed (shielded from a second cancellation), which settles its commits and
 releases its leases, and its running slot is freed for the next queued request.
 """
@@ -49,9 +37,7 @@ import secrets
 import time
 import weakref
 from collections import Counter as _Counter
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import TYPE_CHECKING
 
 import torch
@@ -307,96 +293,6 @@ class Job:
         return self.outcome
 
 
-# --- turns ---------------------------------------------------------------------------------------
-
-class Kind(IntEnum):
-    DECODE = 0
-    PREFILL = 1
-
-
-class TurnGate:
-    """Grants model calls one at a time, in rounds (see the module docstring).
-
-    NOTE: the next turn is chosen on the loop's next iteration (``call_soon``), not inside
-    the release: the request that just finished a call re-enters the gate synchronously
-    (sampling, queueing its token), so it competes for the next turn instead of losing it
-    to whoever happened to be waiting — without this, two prompts would alternate units.
-    """
-
-    def __init__(self, prefill_units_per_round: int = 1) -> None:
-        self.prefill_per_round = max(1, prefill_units_per_round)
-        self._waiting: dict[Job, tuple[Kind, asyncio.Future[None]]] = {}
-        self._served: dict[Job, int] = {}
-        self._round = 0
-        self._prefills = 0
-        self._busy = False
-        self._scheduled = False
-        self.turns = 0
-
-    @contextlib.asynccontextmanager
-    async def turn(self, job: Job, kind: Kind) -> AsyncIterator[None]:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting[job] = (kind, fut)
-        self._kick()
-        try:
-            await fut
-        except BaseException:
-            if self._waiting.pop(job, None) is None:   # granted, then cancelled before it ran
-                self._release()
-            raise
-        try:
-            yield
-        finally:
-            self._release()
-
-    def forget(self, job: Job) -> None:
-        self._served.pop(job, None)
-
-    def _kick(self) -> None:
-        if not self._busy and not self._scheduled and self._waiting:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._dispatch)
-
-    def _release(self) -> None:
-        self._busy = False
-        self._kick()
-
-    def _eligible(self, job: Job, kind: Kind) -> bool:
-        if kind is Kind.PREFILL:
-            return self._prefills < self.prefill_per_round
-        return self._served.get(job, -1) < self._round
-
-    def _dispatch(self) -> None:
-        self._scheduled = False
-        if self._busy or not self._waiting:
-            return
-        pick = self._best()
-        if pick is None:                                   # everyone waiting had its turn: next round
-            self._round += 1
-            self._prefills = 0
-            pick = self._best()
-            assert pick is not None
-        job, kind, fut = pick
-        del self._waiting[job]
-        if kind is Kind.PREFILL:
-            self._prefills += 1
-        else:
-            self._served[job] = self._round
-        self._busy = True
-        self.turns += 1
-        fut.set_result(None)
-
-    def _best(self) -> tuple[Job, Kind, asyncio.Future[None]] | None:
-        best = None
-        for job, (kind, fut) in self._waiting.items():
-            if fut.done() or not self._eligible(job, kind):
-                continue
-            key = (job.req.priority, kind, job.admitted_at, job.seq)
-            if best is None or key < best[0]:
-                best = (key, job, kind, fut)
-        return None if best is None else best[1:]
-
-
 # --- the scheduler -------------------------------------------------------------------------------
 
 #: The range of a 429's ``Retry-After`` (seconds): see :meth:`Scheduler._retry_after`.
@@ -404,11 +300,10 @@ RETRY_AFTER_MIN_S = 1
 RETRY_AFTER_MAX_S = 300
 
 class Scheduler:
-    def __init__(self, engine: Engine, service: ServiceConfig, *, prefill_units_per_round: int = 1) -> None:
+    def __init__(self, engine: Engine, service: ServiceConfig) -> None:
         self.engine = engine
         self.cfg = service
         self.metrics = ServingMetrics.of(engine.metrics.registry)
-        self.gate = TurnGate(prefill_units_per_round)
         self._seq = itertools.count(1)
         self._waiting: list[Job] = []
         self._running: set[Job] = set()
@@ -530,7 +425,6 @@ class Scheduler:
                 del self._tenant_running[job.req.tenant.id]
             run_s = time.perf_counter() - job.admitted_at
             self._avg_run_s = run_s if self._avg_run_s is None else 0.8 * self._avg_run_s + 0.2 * run_s
-        self.gate.forget(job)
         self._jobs.discard(job)
         self._gauges()
         self._admit()
@@ -595,9 +489,8 @@ class Scheduler:
             job.fallbacks = list(s.fallbacks)
             job.degraded = s.degraded
             self._apply_quota(s, req.tenant)
-            while not s.done_prefill:
-                async with self.gate.turn(job, Kind.PREFILL):
-                    await s.prefill_step()
+            s.order = (req.priority, job.seq)
+            await s.prefill_rest()
             self.metrics.prompt_tokens.inc(len(req.tokens))
             assert s.logits is not None
             logits = s.logits
@@ -626,8 +519,7 @@ class Scheduler:
                 if len(out) >= req.max_tokens:
                     finish = "length"
                     break
-                async with self.gate.turn(job, Kind.DECODE):
-                    logits = await s.decode(tok)
+                logits = await s.decode(tok)
         finally:
             # NOTE: shielded: a second cancellation must not stop the release of the leases.
             await asyncio.shield(e.close(s))
@@ -677,6 +569,6 @@ class Scheduler:
                 await asyncio.wait(pending, timeout=grace_s)
 
 
-__all__ = ["ContextTooLong", "GenRequest", "InternalError", "InvalidRequest", "Job", "Kind", "Outcome", "QueueFull", "QueueTimeout",
-           "RequestTimeout", "Sampler", "SamplingParams", "Scheduler", "SchedulerError", "ServingMetrics",
-           "ShuttingDown", "TurnGate"]
+__all__ = ["ContextTooLong", "GenRequest", "InternalError", "InvalidRequest", "Job", "Outcome", "QueueFull",
+           "QueueTimeout", "RequestTimeout", "Sampler", "SamplingParams", "Scheduler", "SchedulerError",
+           "ServingMetrics", "ShuttingDown"]

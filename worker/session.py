@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,8 @@ if TYPE_CHECKING:
 
 #: Read-only leases a session may take after its first grant (cap/grid or failed validation).
 MAX_EXTRA_LEASES = 2
+#: Arrival order of sessions (the step queue's tie-break after priority).
+_ORDER = itertools.count()
 #: How long a request told "suspended" waits for the engine's resume before it recomputes.
 RESUME_WAIT_S = 2.0
 
@@ -162,6 +165,8 @@ class Session:
         self.hashes: list[str] = []
         self.epoch = 0
         self.leases: list[_Lease] = []
+        #: Reply blocks committed at close (decode-made, exported like prefill blocks).
+        self.reply_blocks = 0
         self.main: LeaseGrant | None = None
         #: block index → forms this session may commit for it.
         self.writes: dict[int, list[str]] = {}
@@ -174,8 +179,12 @@ class Session:
         self.reloaded: dict[str, int] = {}
         self.last_seq = 0
         self.state = None
-        self.units: list[tuple[int, int]] = []
-        self._next_unit = 0
+        #: Prompt tokens the state holds (restored or prefilled).
+        self.prefill_pos = 0
+        #: Generated tokens fed back by :meth:`decode` (the reply the state holds).
+        self.fed: list[int] = []
+        #: Where this request stands in the model's step queue: (priority, arrival).
+        self.order: tuple = (0, next(_ORDER))
         self.logits: torch.Tensor | None = None
         self.degraded = False
         self._renew: asyncio.Task | None = None
@@ -212,7 +221,7 @@ class Session:
                 fresh.restore([], 0)        # a speculative restore that was not used: empty again
             self.state = fresh
             self.resume_blocks = 0
-        self.units = _units(self.resume_blocks * self.bs, len(self.tokens), self.bs, e.chunk_blocks)
+        self.prefill_pos = self.resume_blocks * self.bs
         if self.main is not None:
             for form, idx in self.main.write.items():
                 for i in idx:
@@ -252,7 +261,7 @@ class Session:
         self.hit_blocks = grant.usable_blocks
         e.metrics.hits.inc(grant.usable_blocks * self.bs)
         cap = resume_cap(len(self.tokens), self.bs)
-        grid = e.chunk_blocks
+        grid = e.resume_grid
         target = grid_floor(min(grant.usable_blocks, cap), grid)
         if target < min(grant.usable_blocks, cap):
             self.fallback("grid")
@@ -341,7 +350,7 @@ class Session:
         e = self.engine
         t0 = time.perf_counter()
         cap = resume_cap(len(self.tokens), self.bs)
-        grid = e.chunk_blocks
+        grid = e.resume_grid
         local: dict[Need, BlockMeta] = {}
         bound = cap
         for spec in e.catalogue.forms:
@@ -570,67 +579,56 @@ class Session:
 
     @property
     def done_prefill(self) -> bool:
-        return self._next_unit >= len(self.units)
+        return self.prefill_pos >= len(self.tokens)
+
+    def _plan(self, max_tokens: int | None) -> tuple[list[int], list[int]]:
+        """The prompt tokens the next forward runs for this request, and the blocks to export.
+
+        ``max_tokens`` None: the next unit of the ``cache.chunk_blocks`` grid (per-request
+        schedule). Otherwise whole blocks up to ``max_tokens`` (at least one), and the trailing
+        partial block once nothing else is left, or in the same piece when it fits: with
+        batch-invariant ops every cut gives the same bits, so the budget may decide it.
+        """
+        bs, n, start = self.bs, len(self.tokens), self.prefill_pos
+        if max_tokens is None:
+            end = _units(start, n, bs, self.engine.chunk_blocks)[0][1]
+        else:
+            full_end = n - n % bs
+            end = n if start >= full_end else min(full_end, start + max(bs, max_tokens // bs * bs))
+            if end == full_end and n - full_end <= max_tokens - (end - start):
+                end = n
+        self.prefill_pos = end
+        return self.tokens[start:end], [i for i in range(start // bs, end // bs) if i in self.writes]
 
     async def prefill_step(self) -> bool:
-        """Run the next prefill unit; True once the prompt is done (``self.logits`` is set).
+        """Run the next piece of the prompt; True once the prompt is done (``self.logits`` is set).
 
-        Blocks a unit completes are exported with it and committed while the *next* model
-        call runs (or at :meth:`decode` / :meth:`close`), so commits stay off the TTFT path.
+        The model's stepper decides how much runs, fused with other requests' steps
+        (:mod:`worker.stepper`). Blocks a piece completes are exported with it and committed
+        while the *next* model call runs (or at :meth:`decode` / :meth:`close`), so commits
+        stay off the TTFT path.
         """
         if self.done_prefill:
             return True
-        await self._run_units(self._next_unit + 1)
-        return self.done_prefill
-
-    async def prefill_rest(self) -> torch.Tensor:
-        """Run every remaining prefill unit in one model call; returns the last prompt token's logits.
-
-        The same units as repeated :meth:`prefill_step` calls (so the same bits), with one
-        executor hop instead of one per unit: for callers that do not interleave requests.
-        """
-        if not self.done_prefill:
-            await self._run_units(len(self.units))
-        assert self.logits is not None
-        return self.logits
-
-    async def _run_units(self, stop: int) -> None:
         e = self.engine
-        state = self.state
-        plan = []
-        for s, t in self.units[self._next_unit:stop]:
-            ids = torch.tensor(self.tokens[s:t], dtype=torch.long)
-            plan.append((ids, [i for i in range(s // self.bs, t // self.bs) if i in self.writes]))
-
-        def work():
-            started = time.perf_counter()
-            fwd = exp = 0.0
-            payloads = []
-            logits = None
-            for ids, export in plan:
-                t0 = time.perf_counter()
-                logits = e.model.prefill(ids, state, chunk_blocks=e.chunk_blocks, logits="last")
-                t1 = time.perf_counter()
-                payloads += [(i, state.export_block(i)) for i in export]
-                fwd += t1 - t0
-                exp += time.perf_counter() - t1
-            return logits, payloads, fwd, exp, started, time.perf_counter()
-
-        submitted = time.perf_counter()
-        fut = asyncio.get_running_loop().run_in_executor(e._compute, work)
-        self._commit_pending()          # NOTE: overlaps the model call just submitted
-        logits, payloads, fwd, exp, started, ended = await fut
-        self.timings["forward"] = self.timings.get("forward", 0.0) + fwd
-        self.timings["export"] = self.timings.get("export", 0.0) + exp
-        # time to get onto the model thread and back: scheduling, not work (can hide commits)
-        self.timings["handoff"] = self.timings.get("handoff", 0.0) + (started - submitted) + \
-            (time.perf_counter() - ended)
-        self._next_unit = stop
-        for i, payload in payloads:
+        t0 = time.perf_counter()
+        fut = e.stepper.prefill(self.state, self._plan, self.order)
+        self._commit_pending()          # NOTE: overlaps the model call just queued
+        res = await fut
+        self._spent("forward", t0)
+        for i, payload in res.payloads:
             for form in self.writes.get(i, ()):
                 self._pending.append((self._block_meta(i, form), as_bytes(payload[form])))
         if self.done_prefill:
-            self.logits = logits
+            self.logits = res.logits
+        return self.done_prefill
+
+    async def prefill_rest(self) -> torch.Tensor:
+        """Run every remaining piece of the prompt; returns the last prompt token's logits."""
+        while not await self.prefill_step():
+            pass
+        assert self.logits is not None
+        return self.logits
 
     def _block_meta(self, i: int, form: str, checksum: str = "") -> BlockMeta:
         e = self.engine
@@ -639,18 +637,19 @@ class Session:
                          token_end=(i + 1) * self.bs, form=form, spec_digest=e.spec_digests[form],
                          checksum=checksum)
 
-    def _commit_pending(self) -> None:
+    def _commit_pending(self, lease: LeaseGrant | None = None) -> None:
         """Install and commit what earlier model calls produced (checksums computed here)."""
         if not self._pending:
             return
         e = self.engine
         t0 = time.perf_counter()
         pending, self._pending = self._pending, []
-        if self.main is not None and self.epoch == e.epoch:
+        lease = lease or self.main
+        if lease is not None and self.epoch == e.epoch:
             for meta, data in pending:
                 if not meta.checksum:
                     meta = dataclasses.replace(meta, checksum=bytes_checksum(data))
-                seq = e.commit(meta, data, lease_id=self.main.lease_id)
+                seq = e.commit(meta, data, lease_id=lease.lease_id)
                 if seq:
                     self.last_seq = max(self.last_seq, seq)
             e.pool_metrics()
@@ -661,12 +660,51 @@ class Session:
         """Feed one token; returns the logits for the next position."""
         if not self.done_prefill:
             raise RuntimeError("decode before the prompt is prefilled")
+        fut = self.engine.stepper.decode(self.state, int(token), self.order)
+        self._commit_pending()
+        self.logits = (await fut).logits
+        self.fed.append(int(token))
+        return self.logits
+
+    async def _commit_reply(self) -> None:
+        """Cache the blocks the reply completed, like prefill blocks (a later turn reuses them).
+
+        Their hashes were unknown when the session opened, so a second, write-only lease asks
+        for the whole chain (the prompt's blocks keep their hashes: the chain only grows). With
+        batch-invariant ops a decode-made block holds the bits a prefill of the same tokens
+        computes, so it is as reusable as any; without, it is never exported.
+        """
         e = self.engine
         state = self.state
-        fut = asyncio.get_running_loop().run_in_executor(e._compute, lambda: e.model.decode_step(int(token), state))
-        self._commit_pending()
-        self.logits = await fut
-        return self.logits
+        if (not e.cache_enabled or self.main is None or state is None or self.epoch != e.epoch or e.degraded
+                or e.draining or not e.stepper.fused):
+            return
+        first, full = len(self.tokens) // self.bs, state.completed_blocks
+        if full <= first:
+            return
+        t0 = time.perf_counter()
+        tokens = (self.tokens + self.fed)[:full * self.bs]
+        hashes = chain_hashes(tokens, self.bs, e.namespace, e.salt(self.tenant))
+        assert hashes[:len(self.hashes)] == self.hashes
+        grant = await self._acquire(hashes, write=True, reuse=False)
+        if grant is None:
+            return
+        self.hashes = hashes
+        e.apply_evictions(grant)
+        writes: dict[int, list[str]] = {}
+        for form, idx in grant.write.items():
+            for i in idx:
+                if first <= i < full:
+                    writes.setdefault(i, []).append(form)
+        if writes:
+            payloads = await e.compute(lambda: [(i, state.export_block(i)) for i in sorted(writes)])
+            for i, payload in payloads:
+                for form in writes[i]:
+                    self._pending.append((self._block_meta(i, form), as_bytes(payload[form])))
+            self.reply_blocks = len(writes)
+            e.metrics.reply_blocks.inc(len(writes))
+        self._commit_pending(lease=grant)
+        self._spent("reply", t0)
 
     # --- closing ------------------------------------------------------------------------------
 
@@ -697,6 +735,10 @@ class Session:
         self._closed = True
         e = self.engine
         self._commit_pending()
+        try:
+            await self._commit_reply()
+        except (CoordinatorRefused, CoordinatorUnavailable, ValueError) as err:
+            e.log.warning("reply blocks not cached", error=type(err).__name__)
         if not self.leases:
             self._stop_renewing()
             return

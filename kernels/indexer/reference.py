@@ -11,11 +11,21 @@ from __future__ import annotations
 
 import torch
 
+from kernels.invariant import linear
+
 
 def indexer_scores_ref(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """q ``[T, nH, dI]``, k ``[N, dI]``, w ``[T, nH]`` (already scaled) → ``[T, N]`` fp32."""
-    s = torch.einsum("thd,nd->thn", q.to(torch.float32), k.to(torch.float32)).relu_()
-    return torch.einsum("thn,th->tn", s, w.to(torch.float32))
+    """q ``[T, nH, dI]``, k ``[N, dI]``, w ``[T, nH]`` (already scaled) → ``[T, N]`` fp32.
+
+    Batch-invariant: a query's scores depend on its own row and the keys, not on ``T`` nor on
+    ``N`` (the product goes through :func:`kernels.invariant.linear`; the head sum is an
+    in-order reduction over a fixed axis).
+    """
+    T, nH, dI = q.shape
+    s = linear(q.to(torch.float32).reshape(T * nH, dI), k.to(torch.float32)).view(T, nH, -1).relu_()
+    # NOTE: heads summed as the contiguous last axis: a sum over a middle axis is vectorised
+    # across the keys, and its order then changes with how many keys there are.
+    return (s.transpose(1, 2).contiguous() * w.to(torch.float32).unsqueeze(1)).sum(-1)
 
 
 def indexer_topk_ref(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor,

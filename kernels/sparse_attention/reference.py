@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.invariant import KEY_CHUNK, pointwise
+
 
 def paged_sparse_attn_ref(
     q: torch.Tensor,            # [T, H, D]
@@ -25,20 +27,38 @@ def paged_sparse_attn_ref(
     sink: torch.Tensor,         # [H] float32
     scale: float,
 ) -> torch.Tensor:
+    """Batch-invariant: a query's output depends only on its own row of ``idx`` and the entries
+    it names — not on ``T``, not on how many masked columns trail its keys.
+
+    The key axis is cut into :data:`kernels.invariant.KEY_CHUNK`-wide pieces (padded with
+    masked columns); each piece is reduced on its own (fixed length, fixed order) and the
+    pieces are summed in order by a scan, so a piece that is wholly masked adds an exact zero.
+    A decode step (one query, its own keys) therefore gives the bits the same query gets in a
+    prefill unit or a batch whose key lists are longer.
+    """
     T, H, D = q.shape
     E = pool.shape[1]
+    C = KEY_CHUNK
+    K = idx.shape[1]
+    pad = (-K) % C if K else C
+    if pad:
+        idx = torch.cat([idx, idx.new_full((T, pad), -1)], 1)
+    nc = idx.shape[1] // C
     flat = pool.reshape(-1, D)
     valid = idx >= 0
     safe = idx.clamp_min(0)
     phys = block_table.to(torch.int64)[safe // E] * E + safe % E
     kv = flat[phys].to(torch.float32)                                      # [T, K, D]
-    s = torch.einsum("thd,tkd->thk", q.to(torch.float32), kv) * scale      # [T, H, K]
+    s = torch.bmm(q.to(torch.float32), kv.transpose(1, 2)) * scale         # [T, H, K]
     s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
     sk = sink.to(torch.float32).view(1, H, 1).expand(T, H, 1)
-    m = torch.maximum(s.amax(dim=-1, keepdim=True), sk)                    # sink joins the max
-    p = torch.exp(s - m)
-    denom = p.sum(dim=-1, keepdim=True) + torch.exp(sk - m)
-    o = torch.einsum("thk,tkd->thd", p / denom, kv)
+    m = torch.maximum(s.amax(dim=-1, keepdim=True), sk)                    # sink joins the max (exact)
+    p = pointwise(torch.exp, s - m)
+    # NOTE: sum per piece, then a scan over the pieces: the order of additions is fixed by the
+    # query's own columns, and trailing masked pieces add +0 (cumsum is sequential).
+    denom = p.view(T, H, nc, C).sum(-1).cumsum(-1)[..., -1:] + pointwise(torch.exp, sk - m)
+    w = (p / denom).view(T, H, nc, C).transpose(1, 2).reshape(T * nc, H, C)
+    o = torch.bmm(w, kv.view(T * nc, C, D)).view(T, nc, H, D).cumsum(1)[:, -1]
     return o.to(q.dtype)
 
 

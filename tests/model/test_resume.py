@@ -99,18 +99,40 @@ def test_larger_units_are_exact_on_their_grid(tiny, tokens) -> None:
         assert torch.equal(tiny.prefill(tokens[n * BLOCK:], st, chunk_blocks=4), cold[n * BLOCK:])
 
 
-def test_unaligned_or_decoded_blocks_are_not_exported(tiny, tokens) -> None:
+def test_decode_made_blocks_are_exported_and_equal_prefill_made_ones(tiny, tokens) -> None:
+    """With batch-invariant ops a block completed by decode steps (or an unaligned chunk) holds
+    exactly the bits a prefill computes, for every form, so it is exportable like any."""
+    cold = tiny.new_state(BLOCK)
+    tiny.prefill(tokens[:64], cold)
     state = tiny.new_state(BLOCK)
     tiny.prefill(tokens[:40], state)                              # blocks 0, 1 + partial [32, 40)
-    state.export_block(1)
     with pytest.raises(ValueError, match="block 2 is not exportable"):
         state.export_block(2)
-    for t in tokens[40:48]:
-        tiny.decode_step(t, state)                                # completes block 2 by decode
-    with pytest.raises(ValueError, match="not computed by a block-aligned unit"):
-        state.export_block(2)
+    for t in tokens[40:64]:
+        tiny.decode_step(t, state)                                # completes blocks 2, 3 by decode
+    for i in range(4):
+        a, b = state.export_block(i), cold.export_block(i)
+        assert a.keys() == b.keys()
+        for form in a:
+            assert torch.equal(a[form].view(torch.int32), b[form].view(torch.int32)), (i, form)
     with pytest.raises(ValueError, match="prefill must start on a block boundary"):
         tiny.prefill(tokens[48:50], _at(tiny, 3))
+
+
+def test_without_invariant_ops_only_block_aligned_units_are_exported(tiny, tokens) -> None:
+    tiny.batch_invariant = False
+    try:
+        state = tiny.new_state(BLOCK)
+        tiny.prefill(tokens[:40], state)
+        state.export_block(1)
+        for t in tokens[40:48]:
+            tiny.decode_step(t, state)
+        with pytest.raises(ValueError, match="not computed by a block-aligned unit"):
+            state.export_block(2)
+        with pytest.raises(RuntimeError, match="not batch-invariant"):
+            tiny.forward_batch([(tokens[:2], tiny.new_state(BLOCK)), (tokens[:3], tiny.new_state(BLOCK))])
+    finally:
+        tiny.batch_invariant = True
 
 
 def _at(model, n_tokens):

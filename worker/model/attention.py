@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.invariant import bmm_rows
 from kernels.rope import apply_rope
 from kernels.sparse_attention import sparse_attn
 from worker.model.compressor import Compressor
@@ -27,7 +28,8 @@ from worker.model.config import ModelConfig
 from worker.model.indexer import Indexer
 from worker.model.norms import RMSNorm, rms_normalize
 from worker.model.rope import RopeTables, table_for
-from worker.model.state import IDX, MAIN, RequestState, Span
+from worker.model.linear import Linear
+from worker.model.state import IDX, MAIN, Batch
 
 
 class GroupedLinear(nn.Module):
@@ -44,7 +46,7 @@ class GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, groups, in_per_group]`` → ``[T, groups * out_per_group]``."""
         w = self.weight.view(self.groups, -1, x.shape[-1])                # [G, out, in]
-        y = torch.bmm(x.transpose(0, 1), w.transpose(1, 2))              # [G, T, out]
+        y = bmm_rows(x.transpose(0, 1), w.transpose(1, 2))               # [G, T, out]
         return y.transpose(0, 1).reshape(x.shape[0], -1)
 
 
@@ -58,13 +60,13 @@ class Attention(nn.Module):
         self.table = table_for(cfg, layer)
         H, D = cfg.num_attention_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
-        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(cfg.q_lora_rank, eps)
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * D, bias=False)
-        self.kv_proj = nn.Linear(cfg.hidden_size, D, bias=False)
+        self.q_b_proj = Linear(cfg.q_lora_rank, H * D, bias=False)
+        self.kv_proj = Linear(cfg.hidden_size, D, bias=False)
         self.kv_norm = RMSNorm(D, eps)
         self.o_a_proj = GroupedLinear(H * D // cfg.o_groups, cfg.o_lora_rank, cfg.o_groups)
-        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
         self.sinks = nn.Parameter(torch.zeros(H))
         self.compressor: Compressor | None = None
         if self.ratio:
@@ -74,44 +76,69 @@ class Attention(nn.Module):
                 self.compressor.indexer = Indexer(cfg)
         self.scale = D ** -0.5
 
-    def forward(self, x: torch.Tensor, span: Span, state: RequestState, rope: RopeTables) -> torch.Tensor:
-        """x ``[T, hidden]`` (the normed attention input) → ``[T, hidden]``."""
-        cfg, T = self.cfg, span.length
+    def forward(self, x: torch.Tensor, batch: Batch, rope: RopeTables) -> torch.Tensor:
+        """x ``[N, hidden]`` (the normed attention input of every segment's rows) → ``[N, hidden]``.
+
+        Projections run on the whole batch; what reads or writes cached state (window rows, the
+        compressors' rings and entries, the indexer's selection) runs per segment; then one
+        attention call serves every query of the batch. Each query's key columns are laid out
+        by its own position only — its window (``W`` columns), then its compressed entries in
+        entry order — and padded with masked columns, which the attention kernel ignores
+        exactly; so a query's output is the same alone, in a prefill unit or in any batch.
+        """
+        cfg, N = self.cfg, batch.rows
         H, D, W = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
-        cos, sin = rope.span(self.table, span.start, span.end)
+        dev = x.device
+        cos, sin = rope.at(self.table, batch.positions)
         qr = self.q_a_norm(self.q_a_proj(x))
-        q = rms_normalize(self.q_b_proj(qr).view(T, H, D), cfg.rms_norm_eps)
+        q = rms_normalize(self.q_b_proj(qr).view(N, H, D), cfg.rms_norm_eps)
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
-        state.write_swa(self.layer, span.start, kv)
-
-        # Window keys: positions [t - W + 1, t], read from [lo, e); -1 before position 0.
-        lo = max(0, span.start - W + 1)
-        window = state.window_rows(self.layer, lo, span.end)
-        pos = span.positions.unsqueeze(1) - (W - 1) + torch.arange(W, device=x.device)  # [T, W]
-        idx = torch.where(pos >= 0, pos - lo, torch.full_like(pos, -1))
-        keys = window
-        if self.compressor is not None:
-            comp = self.compressor
-            n = comp.run(x, span, state.compressor(self.layer, MAIN), rope, state.block_size)
-            entries = state.compressor(self.layer, MAIN).entries(n)
-            off = window.shape[0]
+        comp = self.compressor
+        if comp is not None:
+            ckv, cscore = comp.project(x, batch.positions)
             if comp.overlap:
-                picked = comp.indexer.select(x, qr, span, state.compressor(self.layer, IDX), rope,
-                                             state.block_size)                              # [T, k]
-                # Only the picked entries join the keys (k per query, not the whole history).
-                k = picked.shape[1]
-                chosen = entries[picked.clamp_min(0)].reshape(T * k, D) if n else entries.new_zeros(T * k, D)
-                slot = off + torch.arange(T * k, device=x.device).view(T, k)
-                idx = torch.cat([idx, torch.where(picked >= 0, slot, picked)], 1)
-                keys = torch.cat([window, chosen], 0)
-            else:
-                ids = torch.arange(n, device=x.device).expand(T, n)
-                visible = ids < ((span.positions + 1) // self.ratio).unsqueeze(1)
-                idx = torch.cat([idx, torch.where(visible, ids + off, torch.full_like(ids, -1))], 1)
-                keys = torch.cat([window, entries], 0)
+                ikv, iscore = comp.indexer.project(x, batch.positions)
+                iq, iw = comp.indexer.queries(x, qr, batch.positions, rope)
 
-        o = sparse_attn(q, keys, idx, self.sinks, self.scale)                 # [T, H, D]
+        keys: list[torch.Tensor] = []
+        cols: list[torch.Tensor] = []
+        base = 0                                     # first key row of this segment in `keys`
+        for seg in batch.segments:
+            span, state, r = seg.span, seg.state, seg.rows
+            T = span.length
+            state.write_swa(self.layer, span.start, kv[r])
+            # Window keys: positions [t - W + 1, t], read from [lo, e); -1 before position 0.
+            lo = max(0, span.start - W + 1)
+            window = state.window_rows(self.layer, lo, span.end)
+            pos = span.positions.unsqueeze(1) - (W - 1) + torch.arange(W, device=dev)  # [T, W]
+            idx = torch.where(pos >= 0, pos - lo + base, torch.full_like(pos, -1))
+            keys.append(window)
+            off = base + window.shape[0]
+            if comp is not None:
+                slot = state.compressor(self.layer, MAIN)
+                n = comp.absorb(ckv[r], cscore[r], span, slot, rope, state.block_size)
+                entries = slot.entries(n)
+                if comp.overlap:
+                    picked = comp.indexer.pick(ikv[r], iscore[r], iq[r], iw[r], span,
+                                               state.compressor(self.layer, IDX), rope, state.block_size)
+                    # Only the picked entries join the keys (k per query, not the whole history).
+                    k = picked.shape[1]
+                    chosen = entries[picked.clamp_min(0)].reshape(T * k, D) if n else entries.new_zeros(T * k, D)
+                    ids = off + torch.arange(T * k, device=dev).view(T, k)
+                    idx = torch.cat([idx, torch.where(picked >= 0, ids, picked)], 1)
+                    keys.append(chosen)
+                else:
+                    ids = torch.arange(n, device=dev).expand(T, n)
+                    visible = ids < ((span.positions + 1) // self.ratio).unsqueeze(1)
+                    idx = torch.cat([idx, torch.where(visible, ids + off, torch.full_like(ids, -1))], 1)
+                    keys.append(entries)
+            cols.append(idx)
+            base = off + (int(keys[-1].shape[0]) if comp is not None else 0)
+        width = max(int(c.shape[1]) for c in cols)
+        idx_all = torch.cat([c if c.shape[1] == width else
+                             torch.cat([c, c.new_full((c.shape[0], width - c.shape[1]), -1)], 1) for c in cols], 0)
+        o = sparse_attn(q, torch.cat(keys, 0) if len(keys) > 1 else keys[0], idx_all, self.sinks, self.scale)
         o = apply_rope(o, cos, sin, inverse=True)
-        o = self.o_a_proj(o.reshape(T, cfg.o_groups, -1))
+        o = self.o_a_proj(o.reshape(N, cfg.o_groups, -1))
         return self.o_b_proj(o)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from kernels.compressor import compress_entries, save_state
+from worker.model.linear import Linear
 from worker.model.norms import RMSNorm
 from worker.model.rope import RopeTables
 from worker.model.state import CompressorSlot, Span
@@ -35,31 +36,40 @@ class Compressor(nn.Module):
         super().__init__()
         coff = 2 if overlap else 1
         self.width, self.ratio, self.overlap, self.eps = width, ratio, overlap, eps
-        self.kv_proj = nn.Linear(hidden, coff * width, bias=False)
-        self.gate_proj = nn.Linear(hidden, coff * width, bias=False)
+        self.kv_proj = Linear(hidden, coff * width, bias=False)
+        self.gate_proj = Linear(hidden, coff * width, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(ratio, coff * width))
         self.kv_norm = RMSNorm(width, eps)
 
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``x`` ``[N, hidden]`` (any requests' tokens, at ``positions``) → (kv, score), each
+        ``[N, coff * width]``: the part of the compressor that runs on a whole batch at once."""
+        return self.kv_proj(x), self.gate_proj(x) + self.position_bias[positions % self.ratio]
+
     def run(self, x: torch.Tensor, span: Span, slot: CompressorSlot, rope: RopeTables,
             block_size: int) -> int:
-        """Project ``x`` ``[T, hidden]`` (positions ``span``), emit every entry whose window
+        """:meth:`project` then :meth:`absorb` for one request's rows."""
+        kv, score = self.project(x, span.positions)
+        return self.absorb(kv, score, span, slot, rope, block_size)
+
+    def absorb(self, kv: torch.Tensor, score: torch.Tensor, span: Span, slot: CompressorSlot,
+               rope: RopeTables, block_size: int) -> int:
+        """Take one request's projected rows (positions ``span``), emit every entry whose window
         closes in the span, capture the CSA halo at every block boundary in ``(s, e]``, and
         save the rows for the next forward. Returns the entry count after the span."""
         m, R = self.ratio, slot.ring_kv.shape[0]
         s, e = span.start, span.end
-        kv = self.kv_proj(x)
-        score = self.gate_proj(x) + self.position_bias[span.positions % m]
         # Rows of positions [s - R, e): the ring's (in position order), then this span's.
         # NOTE: the ring is read here, before save_state below overwrites it with this
         # span's rows; a span of R or more tokens would otherwise lose the rows it needs.
-        ring_pos = torch.arange(s - R, s, device=x.device) % R
+        ring_pos = torch.arange(s - R, s, device=kv.device) % R
         ext_kv = torch.cat([slot.ring_kv[ring_pos], kv], 0)
         ext_score = torch.cat([slot.ring_score[ring_pos], score], 0)
         base = s - R                                               # position of ext row 0
         w_lo, w_hi = s // m, e // m                                # windows closing in [s, e)
         if w_hi > w_lo:
-            wins = torch.arange(w_lo, w_hi, device=x.device)
-            cur = (wins * m).unsqueeze(1) + torch.arange(m, device=x.device) - base   # [n, m]
+            wins = torch.arange(w_lo, w_hi, device=kv.device)
+            cur = (wins * m).unsqueeze(1) + torch.arange(m, device=kv.device) - base   # [n, m]
             if self.overlap:
                 d = self.width
                 prev = cur - m

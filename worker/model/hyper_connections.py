@@ -15,9 +15,9 @@ New streams: ``y_j = post_j · f(input) + Σ_i comb[i, j] · x_i`` — ``comb`` 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kernels.invariant import linear, pointwise
 from worker.model.norms import as_dtype, as_float32, rms_normalize
 
 
@@ -32,12 +32,12 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams ``[T, n, hidden]`` → (post ``[T, n]``, comb ``[T, n, n]``, collapsed ``[T, hidden]``)."""
         n = self.n
-        mixes = F.linear(rms_normalize(as_float32(streams.flatten(1)), self.norm_eps), as_float32(self.fn))
+        mixes = linear(rms_normalize(as_float32(streams.flatten(1)), self.norm_eps), as_float32(self.fn))
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         s_pre, s_post, s_comb = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_w * s_post + post_b)
+        pre = pointwise(torch.sigmoid, pre_w * s_pre + pre_b) + self.eps
+        post = 2 * pointwise(torch.sigmoid, post_w * s_post + post_b)
         comb = torch.softmax(comb_w.view(-1, n, n) * s_comb + comb_b.view(n, n), dim=-1) + self.eps
         comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
         for _ in range(self.iters - 1):
@@ -65,6 +65,6 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        mixes = F.linear(rms_normalize(as_float32(streams.flatten(1)), self.norm_eps), as_float32(self.hc_fn))
-        pre = torch.sigmoid(mixes * as_float32(self.hc_scale) + as_float32(self.hc_base)) + self.eps
+        mixes = linear(rms_normalize(as_float32(streams.flatten(1)), self.norm_eps), as_float32(self.hc_fn))
+        pre = pointwise(torch.sigmoid, mixes * as_float32(self.hc_scale) + as_float32(self.hc_base)) + self.eps
         return as_dtype((pre.unsqueeze(-1) * streams).sum(dim=1), streams.dtype)

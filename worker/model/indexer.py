@@ -19,6 +19,7 @@ from kernels.indexer import indexer_topk
 from kernels.rope import apply_rope
 from worker.model.compressor import Compressor
 from worker.model.config import ModelConfig
+from worker.model.linear import Linear
 from worker.model.rope import RopeTables
 from worker.model.state import CompressorSlot, Span
 
@@ -28,7 +29,7 @@ class IndexerScorer(nn.Module):
 
     def __init__(self, hidden: int, n_heads: int) -> None:
         super().__init__()
-        self.weights_proj = nn.Linear(hidden, n_heads, bias=False)
+        self.weights_proj = Linear(hidden, n_heads, bias=False)
 
 
 class Indexer(Compressor):
@@ -37,15 +38,27 @@ class Indexer(Compressor):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg.hidden_size, cfg.index_head_dim, cfg.csa_ratio, overlap=True, eps=cfg.rms_norm_eps)
         self.n_heads, self.topk = cfg.index_n_heads, cfg.index_topk
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
+        self.q_b_proj = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
         self.scorer = IndexerScorer(cfg.hidden_size, cfg.index_n_heads)
         self.weight_scale = (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
 
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
+                rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query side for a whole batch: rotated queries ``[N, n_heads, width]`` and the
+        per-head weights ``[N, n_heads]``."""
+        cos, sin = rope.at("compress", positions)
+        q = apply_rope(self.q_b_proj(qr).view(-1, self.n_heads, self.width), cos, sin)
+        return q, self.scorer.weights_proj(x) * self.weight_scale
+
+    def pick(self, kv: torch.Tensor, score: torch.Tensor, q: torch.Tensor, w: torch.Tensor, span: Span,
+             slot: CompressorSlot, rope: RopeTables, block_size: int) -> torch.Tensor:
+        """One request's rows: emit its indexer keys, then pick entries per query ``[T, index_topk]``."""
+        n = self.absorb(kv, score, span, slot, rope, block_size)
+        return indexer_topk(q, slot.entries(n), w, span.positions, self.ratio, self.topk)
+
     def select(self, x: torch.Tensor, qr: torch.Tensor, span: Span, slot: CompressorSlot,
                rope: RopeTables, block_size: int) -> torch.Tensor:
-        """Emit this span's indexer keys, then pick entries per query: ``[T, index_topk]`` int64."""
-        n = self.run(x, span, slot, rope, block_size)
-        cos, sin = rope.span("compress", span.start, span.end)
-        q = apply_rope(self.q_b_proj(qr).view(span.length, self.n_heads, self.width), cos, sin)
-        w = self.scorer.weights_proj(x) * self.weight_scale
-        return indexer_topk(q, slot.entries(n), w, span.positions, self.ratio, self.topk)
+        """One request's rows end to end: project, emit its keys, pick ``[T, index_topk]``."""
+        kv, score = self.project(x, span.positions)
+        q, w = self.queries(x, qr, span.positions, rope)
+        return self.pick(kv, score, q, w, span, slot, rope, block_size)

@@ -38,10 +38,12 @@ from torch import nn
 from worker.model.attention import Attention
 from worker.model.config import ModelConfig
 from worker.model.hyper_connections import HyperConnection, HyperHead
+from kernels.invariant import invariant_here, probe
+from worker.model.linear import Linear
 from worker.model.moe import MoE
 from worker.model.norms import RMSNorm
 from worker.model.rope import RopeTables
-from worker.model.state import RequestState
+from worker.model.state import Batch, RequestState, Segment
 
 
 class DecoderLayer(nn.Module):
@@ -55,10 +57,10 @@ class DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
         self.ffn_hc = HyperConnection(cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
 
-    def forward(self, streams, token_ids, span, state, rope):
+    def forward(self, streams, token_ids, batch, rope):
         post, comb, x = self.attn_hc(streams)
         streams = HyperConnection.merge(streams, post, comb,
-                                        self.self_attn(self.input_layernorm(x), span, state, rope))
+                                        self.self_attn(self.input_layernorm(x), batch, rope))
         post, comb, x = self.ffn_hc(streams)
         return HyperConnection.merge(streams, post, comb, self.mlp(self.post_attention_layernorm(x), token_ids))
 
@@ -81,8 +83,12 @@ class HybridAttentionLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RopeTables(cfg, cfg.max_position_embeddings)
+        #: Whether fused forwards and decode-made blocks are exact here (``kernels.invariant.probe``;
+        #: the worker sets it from the probe at start). False: one request per forward, and only
+        #: blocks of block-aligned units are exportable.
+        self.batch_invariant = True
 
     def _apply(self, fn, *args, **kwargs):
         # Keep the rotary tables on the parameters' device (they are plain tensors, not
@@ -91,34 +97,80 @@ class HybridAttentionLM(nn.Module):
         self.rope = RopeTables(self.cfg, self.cfg.max_position_embeddings, device=self.lm_head.weight.device)
         return out
 
+    def check_invariance(self) -> list[str]:
+        """Probe this machine's products at this model's shapes (``kernels.invariant.probe``);
+        sets :attr:`batch_invariant` and returns what failed (empty: invariant)."""
+        shapes = {(m.in_features, m.out_features) for m in self.modules() if isinstance(m, nn.Linear)}
+        cfg = self.cfg
+        shapes |= {(cfg.hidden_size, 2 * cfg.moe_intermediate_size), (cfg.moe_intermediate_size, cfg.hidden_size),
+                   (cfg.hidden_size, cfg.n_routed_experts), (cfg.hc_mult * cfg.hidden_size, cfg.hc_mult),
+                   (cfg.hc_mult * cfg.hidden_size, (2 + cfg.hc_mult) * cfg.hc_mult)}
+        failures = probe(shapes)
+        self.batch_invariant = not failures
+        return failures
+
     def new_state(self, block_size: int, capacity: int | None = None) -> RequestState:
         """A fresh per-request state on this model's device."""
         return RequestState(self.cfg, block_size, capacity, device=self.lm_head.weight.device)
 
     @torch.no_grad()
+    def forward_batch(self, work: Sequence[tuple[torch.Tensor | Sequence[int], RequestState]], *,
+                      logits: str = "last") -> list[torch.Tensor]:
+        """Run several requests' next tokens as ONE forward and advance each state.
+
+        ``work`` is ``(tokens, state)`` per request (distinct states; any lengths: a decode
+        token, a prefill unit). Every op is batch-invariant (``kernels.invariant``), so each
+        request's rows come out bit-identical to running it alone. Returns, per request, logits
+        ``[T, vocab]`` (``logits="all"``) or ``[vocab]`` of its last token (``"last"``).
+        """
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits={logits!r}: use 'all' or 'last'")
+        if not work:
+            return []
+        if len({id(st) for _, st in work}) != len(work):
+            raise ValueError("forward_batch: each request state may appear once per forward")
+        invariant = self.batch_invariant and invariant_here()
+        if len(work) > 1 and not invariant:
+            raise RuntimeError("this model's ops are not batch-invariant on this machine "
+                               "(kernels.invariant.probe failed, or torch runs more than one intra-op thread): "
+                               "run requests one at a time")
+        dev = self.lm_head.weight.device
+        vocab = self.cfg.vocab_size
+        ids_list = []
+        for tokens, _ in work:
+            ids = torch.as_tensor(tokens, dtype=torch.long, device=dev).reshape(-1)
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+                raise ValueError(f"token ids must lie in [0, {vocab})")
+            ids_list.append(ids)
+        segs, row = [], 0
+        for ids, (_, state) in zip(ids_list, work):
+            span = state.span(ids.numel())
+            segs.append(Segment(state, span, slice(row, row + span.length)))
+            row += span.length
+        batch = Batch(tuple(segs), torch.cat([g.span.positions for g in segs]) if len(segs) > 1
+                      else segs[0].span.positions)
+        ids = torch.cat(ids_list) if len(ids_list) > 1 else ids_list[0]
+        x = self.model.embed_tokens(ids)
+        streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for layer in self.model.layers:
+            streams = layer(streams, ids, batch, self.rope)
+        for g in segs:
+            g.state.commit(g.span, invariant=invariant)
+        if logits == "last":
+            streams = streams[torch.tensor([g.rows.stop - 1 for g in segs], device=dev)]
+        out = self.lm_head(self.model.norm(self.model.hc_head(streams)))
+        if logits == "last":
+            return list(out.unbind(0))
+        return [out[g.rows] for g in segs]
+
     def extend(self, tokens: torch.Tensor | Sequence[int], state: RequestState, *,
                logits: str = "all") -> torch.Tensor:
         """Run ``tokens`` as ONE unit at the state's position and advance the state.
 
-        Any length is valid (tests use it for arbitrary chunkings). The blocks it completes
-        are exportable only if it starts and ends on block boundaries. Returns logits
+        Any length is valid (tests use it for arbitrary chunkings). Returns logits
         ``[T, vocab]`` (``logits="all"``) or ``[vocab]`` for the last token (``"last"``).
         """
-        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.lm_head.weight.device).reshape(-1)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
-        span = state.span(ids.numel())
-        x = self.model.embed_tokens(ids)
-        streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        for layer in self.model.layers:
-            streams = layer(streams, ids, span, state, self.rope)
-        state.commit(span)
-        if logits == "last":
-            streams = streams[-1:]
-        elif logits != "all":
-            raise ValueError(f"logits={logits!r}: use 'all' or 'last'")
-        out = self.lm_head(self.model.norm(self.model.hc_head(streams)))
-        return out[0] if logits == "last" else out
+        return self.forward_batch([(tokens, state)], logits=logits)[0]
 
     def prefill(self, tokens: torch.Tensor | Sequence[int], state: RequestState, *, chunk_blocks: int = 1,
                 logits: str = "all") -> torch.Tensor:

@@ -13,11 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.invariant import linear, pointwise
+
 from worker.model.config import ModelConfig
+from worker.model.linear import Linear
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    return pointwise(F.silu, gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def _sqrt_softplus(x: torch.Tensor) -> torch.Tensor:
+    return F.softplus(x).sqrt()
 
 
 class Router(nn.Module):
@@ -30,7 +37,7 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.softplus(F.linear(x, self.weight)).sqrt()
+        scores = pointwise(_sqrt_softplus, linear(x, self.weight))
         ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1).indices
         w = scores.gather(1, ids)
         return ids, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
@@ -46,7 +53,7 @@ class HashRouter(nn.Module):
         self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long))
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.softplus(F.linear(x, self.weight)).sqrt()
+        scores = pointwise(_sqrt_softplus, linear(x, self.weight))
         ids = self.tid2eid[token_ids].long()
         w = scores.gather(1, ids)
         return ids, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
@@ -68,8 +75,8 @@ class Experts(nn.Module):
         # order per token is fixed by its expert ids alone, whatever else is in the batch.
         for e in torch.unique(ids).tolist():
             tok, k = torch.where(ids == e)
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(_swiglu(gate, up, self.limit), self.down_proj[e]) * weights[tok, k, None]
+            gate, up = linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = linear(_swiglu(gate, up, self.limit), self.down_proj[e]) * weights[tok, k, None]
             out.index_add_(0, tok, y)
         return out
 
@@ -79,9 +86,9 @@ class SharedExpert(nn.Module):
         super().__init__()
         Hd, I = cfg.hidden_size, cfg.moe_intermediate_size
         self.limit = cfg.swiglu_limit
-        self.gate_proj = nn.Linear(Hd, I, bias=False)
-        self.up_proj = nn.Linear(Hd, I, bias=False)
-        self.down_proj = nn.Linear(I, Hd, bias=False)
+        self.gate_proj = Linear(Hd, I, bias=False)
+        self.up_proj = Linear(Hd, I, bias=False)
+        self.down_proj = Linear(I, Hd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))

@@ -71,6 +71,27 @@ class Span:
         return self.end - self.start
 
 
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One request's part of a batched forward: its state, its span, its rows in the batch."""
+
+    state: RequestState
+    span: Span
+    rows: slice
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """The rows of one forward: several requests' spans, concatenated in segment order."""
+
+    segments: tuple[Segment, ...]
+    positions: torch.Tensor  # int64 [rows], every segment's positions in order
+
+    @property
+    def rows(self) -> int:
+        return int(self.positions.shape[0])
+
+
 class CompressorSlot:
     """What one compressor (a layer's main or indexer compressor) may touch in the state."""
 
@@ -166,11 +187,15 @@ class RequestState:
                              f"(capacity, at most max_position_embeddings)")
         return Span(self.pos, end, torch.arange(self.pos, end, device=self.device))
 
-    def commit(self, span: Span) -> None:
-        """Advance past ``span``; mark its blocks exportable iff it was block-aligned."""
+    def commit(self, span: Span, *, invariant: bool = True) -> None:
+        """Advance past ``span``. With batch-invariant ops every block it completes is exportable
+        (a cold prefill computes the same bits, whatever its units); without, only blocks of a
+        block-aligned span are."""
         assert span.start == self.pos, "spans must be committed in order"
         bs = self.block_size
-        if span.start % bs == 0 and span.end % bs == 0:
+        if invariant:
+            self._exact[span.start // bs:span.end // bs] = True
+        elif span.start % bs == 0 and span.end % bs == 0:
             self._exact[span.start // bs:span.end // bs] = True
         self.pos = span.end
 

@@ -1,0 +1,124 @@
+"""Batch-invariant matrix products on the CPU path: a row's bits never depend on its company.
+
+Why this exists: when several requests share one forward, each row must come out exactly as
+it would alone (and a decode step's row exactly as the same token's row in a prefill unit),
+or batching and reply-block reuse would change logits. Measured with torch 2.13.0's CPU
+build (MKL; 1 and 2 intra-op threads, K from 16 to 1024, M and N up to 513; see
+``docs/BENCHMARKS.md``, Batched execution, and ``tests/model/test_batch_invariance.py``):
+an element of ``X @ W.T`` is the same whatever the other rows and columns **as long as the
+product has at least** :data:`MIN_ROWS` **rows and** :data:`MIN_COLS` **columns**; below
+that, MKL takes other code paths whose reduction order differs. So :func:`linear` pads a
+short product up to that size with zero rows (or zero weight rows) and slices the answer:
+a few multiply-adds of padding buy invariance for every row count.
+
+Elementwise transcendental functions (``exp``, ``sigmoid``, ``softplus``, ``silu``) have a
+second trap: ATen's CPU loops run the vectorised (SLEEF) form over whole vectors and the
+scalar libm form over the tail of the flattened tensor, and the two round differently. So an
+element's bits depend on whether it falls in the tail, i.e. on the tensor's size.
+:func:`pointwise` pads the flattened input to a multiple of :data:`VECTOR_PAD` elements so
+every element takes the vector path.
+
+Both rules hold only with ONE intra-op thread: with two, MKL and ATen split the rows between
+threads and every split point is a new edge (measured: a 5-row product differs from the same
+rows in a 600-row one at 2 threads). The worker runs its model with one (``KVL_TORCH_THREADS``,
+default 1); :func:`invariant_here` says whether the current process does.
+
+Products whose reduction length itself varies (attention over a history that grows) are not
+made invariant here but by their callers' layout: a fixed split of the reduction into
+:data:`KEY_CHUNK`-wide pieces, summed in order (``kernels.sparse_attention.reference``).
+
+The rule is a measurement of one BLAS build, not a law: :func:`probe` re-checks it for given
+shapes on the machine that runs the model, and the worker refuses to fuse requests (and to
+export decode-made blocks) when it fails there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+#: Smallest row count whose rows are computed as in any larger product (measured; see above).
+MIN_ROWS = 4
+#: Smallest column count whose columns are computed as in any wider product.
+MIN_COLS = 12
+#: Elementwise ops see inputs padded to a multiple of this many elements (2 vectors of 16 floats
+#: with AVX-512, 4 of 8 with AVX2): no element lands in a scalar tail.
+VECTOR_PAD = 64
+#: Width of one piece of a split reduction over keys (attention, see the module docstring).
+KEY_CHUNK = 16
+
+def _wide(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ``[N, K]`` with zero rows appended up to :data:`MIN_COLS` outputs."""
+    return torch.cat([w, w.new_zeros(MIN_COLS - w.shape[0], w.shape[1])], 0)
+
+
+def invariant_here() -> bool:
+    """Whether this process runs torch with the one intra-op thread the rules above need."""
+    return torch.get_num_threads() == 1
+
+
+def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for an elementwise ``fn``, each element computed on the vector path (see above)."""
+    n = x.numel()
+    pad = (-n) % VECTOR_PAD
+    if pad == 0 and x.is_contiguous():
+        return fn(x)
+    flat = torch.cat([x.reshape(-1), x.new_zeros(pad)]) if pad else x.reshape(-1)
+    return fn(flat)[:n].view(x.shape)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` whose every output row is independent of the other rows of ``x``.
+
+    ``x`` ``[..., K]``; ``w`` ``[N, K]``. Leading dims are flattened to rows.
+    """
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    m, n = rows.shape[0], w.shape[0]
+    if m < MIN_ROWS:
+        rows = torch.cat([rows, rows.new_zeros(MIN_ROWS - m, rows.shape[1])], 0)
+    ww = _wide(w) if n < MIN_COLS else w
+    y = F.linear(rows, ww)
+    if m < MIN_ROWS or n < MIN_COLS:
+        y = y[:m, :n]
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, n)
+
+
+def bmm_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(x, w)`` (``x`` ``[G, M, K]``, ``w`` ``[G, K, N]``) with rows independent of ``M``."""
+    m = x.shape[1]
+    x = x.contiguous()   # NOTE: a strided operand takes another path whose order can differ
+    if m < MIN_ROWS:
+        x = torch.cat([x, x.new_zeros(x.shape[0], MIN_ROWS - m, x.shape[2])], 1)
+    y = torch.bmm(x, w)
+    return y[:, :m] if m < MIN_ROWS else y
+
+
+def probe(shapes: Iterable[tuple[int, int]], rows: Iterable[int] = (1, 2, 3, 4, 5, 7, 16, 33, 64, 129, 256),
+          *, seed: int = 0) -> list[str]:
+    """Check that :func:`linear` keeps a row's bits for every row count in ``rows``.
+
+    ``shapes`` are ``(in_features, out_features)`` pairs. Returns one line per failure (empty:
+    invariant here). Cheap (tiny random products), so a worker runs it at start.
+    """
+    g = torch.Generator().manual_seed(seed)
+    rows = sorted(set(rows))
+    failures = []
+    for k, n in sorted(set(shapes)):
+        w = torch.randn(n, k, generator=g)
+        probe_row = torch.randn(k, generator=g)
+        ref = None
+        for m in rows:
+            x = torch.randn(m, k, generator=g)
+            x[m // 2] = probe_row
+            got = linear(x, w)[m // 2]
+            if ref is None:
+                ref = got
+            elif not torch.equal(got, ref):
+                failures.append(f"linear {k}->{n}: row differs at {m} rows vs {rows[0]}")
+                break
+    return failures

@@ -1,0 +1,176 @@
+"""The model's step loop: every forward runs the next tokens of every request that is ready.
+
+Continuous batching with chunked prefill. Requests do not call the model; they hand the
+stepper a *step* — "my next decode token" or "more of my prompt" — and await its result.
+Whenever the model thread is free, the stepper forms one batch from the waiting steps, within
+a budget of ``service.max_batch_tokens`` tokens:
+
+1. every waiting decode step (one token each), in (priority, arrival) order;
+2. then prompts, in (priority, arrival) order, each given as many whole blocks as the budget
+   has left (the last, partial block of a prompt only as its final piece), at least one block
+   for the first prompt of a step, so a prompt always advances.
+
+So running requests keep their inter-token latency while the oldest waiting prompt takes
+most of the remaining budget (first come, first served: the order that minimises mean time to
+first token), and a long prompt no longer blocks decodes for its whole length.
+
+Exactness: the batch is ONE :meth:`HybridAttentionLM.forward_batch`, whose ops are
+batch-invariant (``kernels.invariant``): each request's rows are the bits it would get alone,
+whatever else is in the batch and however its prompt is cut. Where that does not hold (the
+start-up probe failed, or torch runs more than one intra-op thread) the stepper runs one
+request per forward, and prompts in the configured ``cache.chunk_blocks`` units — the old,
+per-request schedule.
+
+Blocks a step completes that the request may write are exported on the model thread right
+after the forward (the request commits them later, off the model thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.invariant import invariant_here
+from shared.logging import get_logger
+
+log = get_logger("kvl.worker.stepper")
+
+#: Event-loop turns the stepper yields before forming a batch, so requests woken by the last
+#: forward can hand in their next step first (each needs one or two turns to sample and submit).
+GATHER_TURNS = 3
+
+
+@dataclass(slots=True)
+class StepResult:
+    logits: torch.Tensor                      # [vocab] of the step's last token
+    tokens: int                               # how many tokens the step ran
+    payloads: list[tuple[int, dict]] = field(default_factory=list)   # (block index, payload)
+
+
+@dataclass(slots=True, eq=False)
+class _Step:
+    state: object
+    order: tuple
+    decode: bool
+    #: decode: the one token. prefill: a callable (max tokens) → (token ids, blocks to export).
+    token: int = 0
+    plan: Callable[[int | None], tuple[list[int], list[int]]] | None = None
+    fut: asyncio.Future = None  # type: ignore[assignment]
+    ids: list[int] = field(default_factory=list)
+    export: list[int] = field(default_factory=list)
+
+
+class Stepper:
+    """Forms and runs batches on the model executor (see the module docstring)."""
+
+    def __init__(self, model, executor: Executor, *, max_batch_tokens: int, block_size: int,
+                 metrics=None) -> None:
+        self.model = model
+        self.executor = executor
+        self.max_batch_tokens = max_batch_tokens
+        self.block_size = block_size
+        self.metrics = metrics
+        self._waiting: list[_Step] = []
+        self._task: asyncio.Task | None = None
+        #: Counters for tests and benchmarks: forwards run, rows and requests in them.
+        self.forwards = 0
+        self.rows = 0
+        self.segments = 0
+
+    @property
+    def fused(self) -> bool:
+        """Whether a forward may hold several requests (batch-invariant ops, here, now)."""
+        return bool(getattr(self.model, "batch_invariant", False)) and invariant_here()
+
+    # --- what requests call -------------------------------------------------------------------
+
+    def decode(self, state, token: int, order: tuple) -> asyncio.Future[StepResult]:
+        """Queue one decode token; the future resolves with its logits."""
+        return self._submit(_Step(state, order, True, token=int(token)))
+
+    def prefill(self, state, plan, order: tuple) -> asyncio.Future[StepResult]:
+        """Queue more of a prompt. ``plan(max_tokens)`` names the prompt tokens to run now
+        (``max_tokens`` None = the request's own next unit) and the blocks to export after."""
+        return self._submit(_Step(state, order, False, plan=plan))
+
+    def _submit(self, step: _Step) -> asyncio.Future[StepResult]:
+        loop = asyncio.get_running_loop()
+        step.fut = loop.create_future()
+        self._waiting.append(step)
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._loop(), name="kvl-stepper")
+        return step.fut
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            for _ in range(GATHER_TURNS):
+                await asyncio.sleep(0)
+            self._waiting = [s for s in self._waiting if not s.fut.done()]   # cancelled meanwhile
+            if not self._waiting:
+                return
+            batch = self._form()
+            t0 = time.perf_counter()
+            try:
+                results = await loop.run_in_executor(self.executor, self._run, batch)
+            except BaseException as e:  # noqa: BLE001 - every request of the batch hears of it
+                for s in batch:
+                    if not s.fut.done():
+                        s.fut.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+                if not isinstance(e, Exception):
+                    raise
+                continue
+            if self.metrics is not None:
+                self.metrics.observe_step(len(batch), sum(r.tokens for r in results), time.perf_counter() - t0)
+            for s, r in zip(batch, results):
+                if not s.fut.done():
+                    s.fut.set_result(r)
+
+    def _form(self) -> list[_Step]:
+        """Pick this forward's steps and decide each prompt's piece (see the module docstring)."""
+        waiting = sorted(self._waiting, key=lambda s: (not s.decode, s.order))
+        if not self.fused:
+            pick = waiting[0]
+            self._waiting.remove(pick)
+            if not pick.decode:
+                pick.ids, pick.export = pick.plan(None)
+            return [pick]
+        budget = self.max_batch_tokens
+        batch: list[_Step] = []
+        for s in waiting:
+            if s.decode:
+                if budget < 1 and batch:
+                    continue
+                s.ids = [s.token]
+            else:
+                allowed = budget if batch else max(budget, self.block_size)
+                if allowed < self.block_size and batch:
+                    continue
+                s.ids, s.export = s.plan(allowed)
+            budget -= len(s.ids)
+            batch.append(s)
+        for s in batch:
+            self._waiting.remove(s)
+        return batch
+
+    def _run(self, batch: list[_Step]) -> list[StepResult]:
+        """On the model thread: one forward for the whole batch, then each step's exports."""
+        outs = self.model.forward_batch([(s.ids, s.state) for s in batch], logits="last")
+        self.forwards += 1
+        self.segments += len(batch)
+        self.rows += sum(len(s.ids) for s in batch)
+        results = []
+        for s, logits in zip(batch, outs):
+            payloads = [(i, s.state.export_block(i)) for i in s.export]
+            results.append(StepResult(logits, len(s.ids), payloads))
+        return results
+
+
+__all__ = ["StepResult", "Stepper"]
