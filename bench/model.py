@@ -96,6 +96,43 @@ def main(argv: list[str] | None = None) -> dict:
     model.prefill(prompt[:256], short, logits="last")
     dec_256 = decode_ms(short)
 
+    # Batched decode: one forward for B requests (each at 256 tokens of history) vs one request.
+    batch_ms = {}
+    batch_identical = True
+    for B in (1, 8, 32):
+        states = []
+        for b in range(B):
+            st = model.new_state(bs, capacity)
+            st.restore([short.export_block(i) for i in range(256 // bs)], 256 // bs)
+            states.append(st)
+        toks = [int(t) for t in torch.randint(0, cfg.vocab_size, (B,), generator=torch.Generator().manual_seed(B))]
+        times = []
+        for _ in range(decode_steps // 2):
+            for st in states:
+                st.pos = 256                            # the same step again (rewrites the same rows)
+            w, _, outs = _timed(lambda: model.forward_batch([([t], st) for t, st in zip(toks, states)]))
+            times.append(w)
+        for st in states:
+            st.pos = 256
+        alone = model.forward_batch([([toks[-1]], states[-1])])[0]
+        batch_identical &= torch.equal(alone, outs[-1])
+        batch_ms[B] = statistics.median(times)
+
+    # What invariance costs one request alone: the same cold prefill + decode with plain ops.
+    from kernels.invariant import plain_ops
+
+    def single() -> None:
+        st = model.new_state(bs, capacity)
+        model.prefill(prompt[:256], st, logits="last")
+        for t in range(16):
+            model.decode_step(t, st)
+
+    inv_ms, plain_ms = [], []
+    for _ in range(3 if args.quick else 7):
+        inv_ms.append(_timed(single)[0])
+        with plain_ops():
+            plain_ms.append(_timed(single)[0])
+
     # Exactness of larger prefill units: 4-block units vs 1-block units on 256 tokens.
     ref = model.prefill(prompt[:256], model.new_state(bs, capacity))
     big = model.prefill(prompt[:256], model.new_state(bs, capacity), chunk_blocks=4)
@@ -123,6 +160,14 @@ def main(argv: list[str] | None = None) -> dict:
         "decode_ms_per_token_2048": round(dec_2048, 2),
         "unit4_bit_identical_to_unit1": bool(torch.equal(ref, big)),
         "unit4_max_abs_diff": float((ref - big).abs().max()),
+        "decode_step_ms_batch1": round(batch_ms[1], 2),
+        "decode_step_ms_batch8": round(batch_ms[8], 2),
+        "decode_step_ms_batch32": round(batch_ms[32], 2),
+        # one forward of 32 requests' decode tokens vs one of a single request's (goal <= 3)
+        "decode_ms_per_token_batch32_vs_batch1": round(batch_ms[32] / batch_ms[1], 3),
+        "decode_tokens_per_s_batch32_vs_batch1": round(32 * batch_ms[1] / batch_ms[32], 2),
+        "batched_bit_identical": bool(batch_identical),
+        "batch_invariant_slowdown": round(statistics.median(inv_ms) / statistics.median(plain_ms), 3),
         "mode": "quick" if args.quick else "full",
     }
     print(json.dumps(result))

@@ -19,11 +19,12 @@ they compute (otherwise the second run would find its blocks already cached and 
 commits). Greedy decoding, so an exact cache gives the same replies either way
 (``outputs_identical``), and the two runs send exactly the same tokens.
 
-What a turn can reuse: the blocks of the previous turns' *prompts*, up to the last whole
-prefill unit (64 tokens with ``chunk_blocks`` 4: the resume point stays on the prefill
-grid, the exactness rule). The previous *reply* is not reusable: blocks completed by
-decode steps are never exportable, so the reply's tokens are prefilled again as part of
-the next turn's new suffix.
+What a turn can reuse: every whole block of the previous turns' prompts *and replies*
+(the model's ops are batch-invariant, so a block completed by decode steps holds the bits a
+prefill computes and is cached at the end of its request; ``next_turn_reuse_ratio`` is what
+turn n+1 found cached over turn n's prompt + reply tokens). Requests run concurrently share
+model forwards (``worker.stepper``): ``throughput_c8_vs_c1`` and ``throughput_c32_vs_c1``
+are the gain of concurrency with reuse on.
 
 Per level and mode: ``throughput_tok_s`` (prompt + generated tokens per second of wall
 time), ``output_tok_s``, time to first token p50/p99 as the client sees it (request sent →
@@ -133,6 +134,8 @@ class Run:
     errors: list[str] = field(default_factory=list)
     #: Reply texts per agent, per turn (to compare on with off).
     replies: dict[int, list[str]] = field(default_factory=dict)
+    #: Per later turn: (its cached prompt tokens, the previous turn's prompt + reply tokens).
+    next_turn: list[tuple[int, int]] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         prompt = sum(t.prompt_tokens for t in self.turns)
@@ -225,6 +228,9 @@ async def run_level(url: str, w: Workload, c: int, reuse: bool, seed: int, worke
                     return
                 run.turns.append(turn)
                 replies.append(turn.text)
+                if k:
+                    run.next_turn.append((turn.cached_tokens, prev.prompt_tokens + prev.completion_tokens))
+                prev = turn
                 if k + 1 < w.turns:
                     messages += [{"role": "assistant", "content": turn.text},
                                  {"role": "user", "content": observations[i][k]}]
@@ -343,6 +349,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         result: dict[str, Any] = {"bench": "serving", "mode": "quick" if args.quick else "full",
                                   "workload": {**w.__dict__, "levels": list(args.levels)}}
         identical = True
+        next_turn = [0, 0]
         wall = {"on": 0.0, "off": 0.0}
         cpu = {"on": 0.0, "off": 0.0}
         for c in args.levels:
@@ -358,6 +365,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 cpu[mode] += r.worker_cpu_s
                 _log(f"c={c:<2} reuse {mode:>3}: {level[mode]}")
             identical &= runs["on"].replies == runs["off"].replies
+            for cached, before in runs["on"].next_turn:
+                next_turn[0] += cached
+                next_turn[1] += before
             on, off = level["on"], level["off"]
             level["throughput_ratio"] = round(on["throughput_tok_s"] / off["throughput_tok_s"], 3)
             level["ttft_p50_speedup"] = round(off["ttft_p50_ms"] / on["ttft_p50_ms"], 3)
@@ -371,6 +381,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     result[f"c{c}_{k}_{mode}"] = level[mode][k]
             result[f"c{c}_throughput_ratio"] = level["throughput_ratio"]
         result["throughput_ratio_reuse_on_vs_off"] = round(wall["off"] / wall["on"], 3)
+        base = result.get("c1_throughput_tok_s_on")
+        for c in args.levels:
+            if base and c != 1:
+                # concurrency's gain with reuse on (goals: c8 >= 4, c32 >= 8 on this CPU)
+                result[f"throughput_c{c}_vs_c1"] = round(result[f"c{c}_throughput_tok_s_on"] / base, 3)
+        # what turn n+1 found cached of turn n's prompt + reply (goal >= 0.9)
+        result["next_turn_reuse_ratio"] = round(next_turn[0] / next_turn[1], 3) if next_turn[1] else None
         result["cpu_throughput_ratio_reuse_on_vs_off"] = round(cpu["off"] / cpu["on"], 3) if cpu["on"] else None
         result["load_average_1m"] = round(os.getloadavg()[0], 2)
         result["outputs_identical"] = bool(identical)

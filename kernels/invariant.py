@@ -34,7 +34,8 @@ export decode-made blocks) when it fails there.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,21 @@ def _wide(w: torch.Tensor) -> torch.Tensor:
     return torch.cat([w, w.new_zeros(MIN_COLS - w.shape[0], w.shape[1])], 0)
 
 
+_plain = False
+
+
+@contextlib.contextmanager
+def plain_ops() -> Iterator[None]:
+    """Run the plain (not batch-invariant) products inside: only to measure what invariance
+    costs (``bench.model``'s ``batch_invariant_slowdown``); never for serving."""
+    global _plain
+    before, _plain = _plain, True
+    try:
+        yield
+    finally:
+        _plain = before
+
+
 def invariant_here() -> bool:
     """Whether this process runs torch with the one intra-op thread the rules above need."""
     return torch.get_num_threads() == 1
@@ -63,7 +79,7 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     """``fn(x)`` for an elementwise ``fn``, each element computed on the vector path (see above)."""
     n = x.numel()
     pad = (-n) % VECTOR_PAD
-    if pad == 0 and x.is_contiguous():
+    if _plain or (pad == 0 and x.is_contiguous()):
         return fn(x)
     flat = torch.cat([x.reshape(-1), x.new_zeros(pad)]) if pad else x.reshape(-1)
     return fn(flat)[:n].view(x.shape)
@@ -74,6 +90,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
     ``x`` ``[..., K]``; ``w`` ``[N, K]``. Leading dims are flattened to rows.
     """
+    if _plain:
+        return F.linear(x, w, bias)
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     m, n = rows.shape[0], w.shape[0]
@@ -90,6 +108,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
 def bmm_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``torch.bmm(x, w)`` (``x`` ``[G, M, K]``, ``w`` ``[G, K, N]``) with rows independent of ``M``."""
+    if _plain:
+        return torch.bmm(x, w)
     m = x.shape[1]
     x = x.contiguous()   # NOTE: a strided operand takes another path whose order can differ
     if m < MIN_ROWS:

@@ -59,9 +59,10 @@ class CacheConfig(_Section):
     host_tier_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * 2**20
     hit_validation: HitValidation = msgspec.field(default_factory=HitValidation)
     on_invalid: Literal["refill", "error"] = "refill"
-    #: Prefill unit in blocks. A resume must start on this grid to compute exactly what a
-    #: cold run computes, so 1 makes every block boundary reusable (the smallest reuse is one
-    #: block); larger units prefill faster but reuse only at multiples of the unit.
+    #: Prefill unit in blocks when the model's ops are NOT batch-invariant (the start-up probe
+    #: failed, or more than one torch thread): then a resume must start on this grid to compute
+    #: exactly what a cold run computes. With invariant ops (the default here) prompts are cut
+    #: by ``service.max_batch_tokens`` and a resume may start at any block.
     chunk_blocks: PosInt = 1
 
 

@@ -139,7 +139,9 @@ class Stepper:
         if not self.fused:
             pick = waiting[0]
             self._waiting.remove(pick)
-            if not pick.decode:
+            if pick.decode:
+                pick.ids = [pick.token]
+            else:
                 pick.ids, pick.export = pick.plan(None)
             return [pick]
         budget = self.max_batch_tokens

@@ -71,20 +71,39 @@ async def test_minimum_reuse_is_one_block(make_engine, reference) -> None:
         assert r1.cached_tokens == 0 and r1.hit_tokens == BS
 
 
-async def test_whole_cached_prompt_and_prefill_grid(make_engine, reference) -> None:
-    """chunk_blocks=4: a resume must sit on the grid; the last token is always recomputed."""
+async def test_whole_cached_prompt_resumes_at_any_block_whatever_the_unit(make_engine, reference) -> None:
+    """chunk_blocks=4 with batch-invariant ops: a resume may sit on any block (every cut of the
+    prompt gives the same bits); the last token is always recomputed."""
     toks = prompt(128, seed=11)           # 8 whole blocks
     ref = reference(**{"cache.chunk_blocks": 4})
     async with make_engine(InProcessCoordinator(), **{"cache.chunk_blocks": 4}) as e:
+        assert e.resume_grid == 1
         await e.generate(toks, max_tokens=1)
         again = await e.generate(toks, max_tokens=2)
-        # 8 cached, the last token needs computing (cap 7), the grid floors it to 4
-        assert again.hit_tokens == 128 and again.cached_tokens == 64 and "grid" in again.fallbacks
+        # 8 cached, the last token needs computing: resume at 7 blocks, off the 4-block grid
+        assert again.hit_tokens == 128 and again.cached_tokens == 112 and "grid" not in again.fallbacks
         assert same(again, await ref.generate(toks, max_tokens=2))
         longer = toks + prompt(40, seed=12)
         r = await e.generate(longer, max_tokens=2)
         assert r.cached_tokens == 128
         assert same(r, await ref.generate(longer, max_tokens=2))
+
+
+async def test_without_invariant_ops_a_resume_keeps_to_the_prefill_grid(make_engine, reference, model) -> None:
+    toks = prompt(128, seed=11)
+    model.batch_invariant = False
+    try:
+        ref = reference(**{"cache.chunk_blocks": 4})
+        async with make_engine(InProcessCoordinator(), **{"cache.chunk_blocks": 4}) as e:
+            e.model.batch_invariant = False      # the engine's start-up probe set it again
+            assert e.resume_grid == 4 and not e.stepper.fused
+            await e.generate(toks, max_tokens=1)
+            again = await e.generate(toks, max_tokens=2)
+            assert again.cached_tokens == 64 and "grid" in again.fallbacks
+            ref.model.batch_invariant = False
+            assert same(again, await ref.generate(toks, max_tokens=2))
+    finally:
+        model.batch_invariant = True
 
 
 async def test_long_prefix_after_everything_else_was_overwritten(make_engine, reference, model) -> None:
@@ -151,3 +170,21 @@ async def test_speculative_restore_is_confirmed_by_the_grant(make_engine, refere
         assert same(cold, fast) and same(cold, slow)
         assert e.metrics.value("kvl_worker_hit_validation_total", {"layer": "presence", "outcome": "pass"}) == \
             fast.validated + slow.validated
+
+
+async def test_next_turn_reuses_the_previous_prompt_and_its_reply(make_engine, reference) -> None:
+    """Blocks the reply completed by decode steps are cached at the end of the request, so the
+    next turn (prompt + reply + more) resumes past the reply, bit-identical to a cold run."""
+    bs = 16
+    p1 = prompt(40, seed=31)
+    ref = reference()
+    async with make_engine(InProcessCoordinator()) as e:
+        r1 = await e.generate(p1, max_tokens=30)
+        assert await e.flush()
+        assert e.metrics.value("kvl_worker_reply_blocks_total") == 2      # blocks 2 and 3: [32, 64)
+        p2 = p1 + r1.tokens + prompt(10, seed=32)
+        r2 = await e.generate(p2, max_tokens=3)
+        fed = len(p1) + len(r1.tokens) - 1       # the last sampled token never went through the model
+        assert r2.cached_tokens == fed // bs * bs == 64                    # the prompt alone: 32
+        assert same(r2, await ref.generate(p2, max_tokens=3))
+        assert same(r1, await ref.generate(p1, max_tokens=30))

@@ -1,0 +1,154 @@
+"""Batch invariance: a request's logits are the same bits alone, in any batch, cut any way.
+
+The property test runs random mixes of requests (prompt lengths, resume points, max_tokens,
+priorities, arrival steps) through the real step loop (:class:`worker.stepper.Stepper`) with a
+random token budget, and compares every request's logits, bit for bit, with the same request
+run alone: a cold prefill in 1-block units, then one decode step per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernels.invariant import MIN_COLS, MIN_ROWS, linear, pointwise, probe
+from kernels.sparse_attention.reference import sparse_attn_ref
+from worker.stepper import Stepper
+
+BLOCK = 16
+CAP = 160
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def test_the_probe_passes_at_this_models_shapes(tiny) -> None:
+    assert tiny.check_invariance() == []
+    assert tiny.batch_invariant
+
+
+def test_linear_rows_keep_their_bits_for_any_row_count() -> None:
+    assert probe([(64, 4), (64, 8), (64, 128), (256, 24), (32, 256)], rows=range(1, 70)) == []
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 32, generator=g)               # fewer outputs than MIN_COLS: padded inside
+    x = torch.randn(MIN_ROWS + 3, 32, generator=g)
+    assert torch.equal(bits(linear(x[:1], w)), bits(linear(x, w)[:1]))
+    assert linear(x, w).shape == (MIN_ROWS + 3, 5) and MIN_COLS > 5
+
+
+def test_pointwise_bits_do_not_depend_on_the_tensor_size() -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(300, generator=g)
+    for fn in (torch.exp, torch.sigmoid, torch.nn.functional.silu, torch.nn.functional.softplus):
+        whole = pointwise(fn, x)
+        for n in (1, 3, 17, 64, 65, 299):
+            assert torch.equal(bits(pointwise(fn, x[:n])), bits(whole[:n])), (fn, n)
+
+
+def test_attention_ignores_trailing_masked_keys_and_other_queries() -> None:
+    g = torch.Generator().manual_seed(2)
+    kv = torch.randn(200, 64, generator=g)
+    q = torch.randn(1, 4, 64, generator=g)
+    sink = torch.randn(4, generator=g)
+    own = torch.randint(0, 200, (1, 37), generator=g)
+    alone = sparse_attn_ref(q, kv, own, sink, 0.125)
+    for T, extra in ((1, 5), (3, 16), (9, 100)):
+        Q = torch.randn(T, 4, 64, generator=g)
+        Q[T // 2] = q[0]
+        idx = torch.randint(0, 200, (T, 37 + extra), generator=g)
+        idx[T // 2, :37], idx[T // 2, 37:] = own[0], -1
+        assert torch.equal(bits(sparse_attn_ref(Q, kv, idx, sink, 0.125)[T // 2]), bits(alone[0]))
+
+
+def _alone(model, prompt: list[int], resume: int, steps: int, cold_blocks) -> list[torch.Tensor]:
+    """The reference: this request on its own (restored at ``resume`` blocks), greedy."""
+    state = model.new_state(BLOCK, CAP)
+    if resume:
+        state.restore(cold_blocks, resume)
+    logits = model.prefill(prompt[resume * BLOCK:], state, logits="last")
+    out = [logits]
+    for _ in range(steps - 1):
+        logits = model.decode_step(int(torch.argmax(logits)), state)
+        out.append(logits)
+    return out
+
+
+requests = st.lists(st.tuples(st.integers(1, 70),       # prompt length
+                              st.integers(0, 4),        # resume point, in blocks (capped below)
+                              st.integers(1, 5),        # max_tokens
+                              st.integers(0, 2),        # priority
+                              st.integers(0, 3)),       # arrival: event-loop turns to wait before submitting
+                    min_size=1, max_size=6)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reqs=requests, budget=st.sampled_from([1, 17, 48, 256]), seed=st.integers(0, 2**16))
+def test_random_mixes_run_batched_equal_each_request_run_alone(tiny, reqs, budget, seed) -> None:
+    g = torch.Generator().manual_seed(seed)
+    corpus = torch.randint(0, 256, (CAP,), generator=g).tolist()
+    cold = tiny.new_state(BLOCK, CAP)
+    tiny.prefill(corpus[:5 * BLOCK], cold)
+    cold_blocks = [cold.export_block(i) for i in range(5)]
+    plans = []
+    for n, resume, max_tokens, priority, arrival in reqs:
+        resume = min(resume, (n - 1) // BLOCK)   # a resume leaves at least the last prompt token
+        plans.append((corpus[:n], resume, max_tokens, priority, arrival))
+
+    async def run_all() -> list[list[torch.Tensor]]:
+        pool = ThreadPoolExecutor(1)
+        stepper = Stepper(tiny, pool, max_batch_tokens=budget, block_size=BLOCK)
+
+        async def one(k: int, prompt, resume, max_tokens, priority, arrival):
+            for _ in range(arrival * 4):               # arrive later: a few loop turns, a forward or so
+                await asyncio.sleep(0)
+            state = tiny.new_state(BLOCK, CAP)
+            if resume:
+                state.restore(cold_blocks, resume)
+            pos = resume * BLOCK
+
+            def plan(max_t):
+                nonlocal pos
+                start = pos
+                full = len(prompt) - len(prompt) % BLOCK
+                end = len(prompt) if start >= full else min(full, start + max(BLOCK, (max_t or BLOCK) // BLOCK * BLOCK))
+                pos = end
+                return prompt[start:end], []
+
+            res = None
+            while pos < len(prompt):
+                res = await stepper.prefill(state, plan, (priority, k))
+            out = [res.logits]
+            for _ in range(max_tokens - 1):
+                out.append((await stepper.decode(state, int(torch.argmax(out[-1])), (priority, k))).logits)
+            return out
+
+        tasks = [asyncio.ensure_future(one(k, *p)) for k, p in enumerate(plans)]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            pool.shutdown()
+
+    batched = asyncio.run(run_all())
+    for (prompt, resume, max_tokens, _, _), got in zip(plans, batched):
+        want = _alone(tiny, prompt, resume, max_tokens, cold_blocks)
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert torch.equal(bits(a), bits(b))
+
+
+def test_two_intra_op_threads_turn_fusing_off(tiny) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        st_ = Stepper(tiny, None, max_batch_tokens=64, block_size=BLOCK)   # type: ignore[arg-type]
+        assert not st_.fused
+        with pytest.raises(RuntimeError, match="not batch-invariant"):
+            tiny.forward_batch([([1, 2], tiny.new_state(BLOCK)), ([3], tiny.new_state(BLOCK))])
+    finally:
+        torch.set_num_threads(before)
