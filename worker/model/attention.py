@@ -101,44 +101,55 @@ class Attention(nn.Module):
                 ikv, iscore = comp.indexer.project(x, batch.positions)
                 iq, iw = comp.indexer.queries(x, qr, batch.positions, rope)
 
+        # Per segment: what touches its state. Keys are every segment's window rows and
+        # entries, concatenated; each query's columns index its own segment's rows.
         keys: list[torch.Tensor] = []
-        cols: list[torch.Tensor] = []
-        base = 0                                     # first key row of this segment in `keys`
+        win_off: list[int] = []          # per segment: key row of its window's first position, minus lo
+        ent_off: list[int] = []          # per segment: key row of its entry 0
+        n_ent: list[int] = []
+        picks: list[torch.Tensor] = []
+        rows = 0
         for seg in batch.segments:
             span, state, r = seg.span, seg.state, seg.rows
-            T = span.length
             state.write_swa(self.layer, span.start, kv[r])
-            # Window keys: positions [t - W + 1, t], read from [lo, e); -1 before position 0.
             lo = max(0, span.start - W + 1)
             window = state.window_rows(self.layer, lo, span.end)
-            pos = span.positions.unsqueeze(1) - (W - 1) + torch.arange(W, device=dev)  # [T, W]
-            idx = torch.where(pos >= 0, pos - lo + base, torch.full_like(pos, -1))
             keys.append(window)
-            off = base + window.shape[0]
+            win_off.append(rows - lo)
+            rows += window.shape[0]
             if comp is not None:
                 slot = state.compressor(self.layer, MAIN)
                 n = comp.absorb(ckv[r], cscore[r], span, slot, rope, state.block_size)
-                entries = slot.entries(n)
                 if comp.overlap:
-                    picked = comp.indexer.pick(ikv[r], iscore[r], iq[r], iw[r], span,
-                                               state.compressor(self.layer, IDX), rope, state.block_size)
-                    # Only the picked entries join the keys (k per query, not the whole history).
-                    k = picked.shape[1]
-                    chosen = entries[picked.clamp_min(0)].reshape(T * k, D) if n else entries.new_zeros(T * k, D)
-                    ids = off + torch.arange(T * k, device=dev).view(T, k)
-                    idx = torch.cat([idx, torch.where(picked >= 0, ids, picked)], 1)
-                    keys.append(chosen)
-                else:
-                    ids = torch.arange(n, device=dev).expand(T, n)
-                    visible = ids < ((span.positions + 1) // self.ratio).unsqueeze(1)
-                    idx = torch.cat([idx, torch.where(visible, ids + off, torch.full_like(ids, -1))], 1)
-                    keys.append(entries)
-            cols.append(idx)
-            base = off + (int(keys[-1].shape[0]) if comp is not None else 0)
-        width = max(int(c.shape[1]) for c in cols)
-        idx_all = torch.cat([c if c.shape[1] == width else
-                             torch.cat([c, c.new_full((c.shape[0], width - c.shape[1]), -1)], 1) for c in cols], 0)
-        o = sparse_attn(q, torch.cat(keys, 0) if len(keys) > 1 else keys[0], idx_all, self.sinks, self.scale)
+                    picks.append(comp.indexer.pick(ikv[r], iscore[r], iq[r], iw[r], span,
+                                                   state.compressor(self.layer, IDX), rope, state.block_size))
+                keys.append(slot.entries(n))
+                ent_off.append(rows)
+                n_ent.append(n)
+                rows += n
+        counts = [seg.span.length for seg in batch.segments]
+        one = len(counts) == 1
+
+        def per_row(values: list[int]) -> torch.Tensor:
+            t = torch.tensor(values, device=dev)
+            return t if one else t.repeat_interleave(torch.tensor(counts, device=dev))
+
+        # Window columns: positions [t - W + 1, t]; -1 before position 0.
+        positions = batch.positions.unsqueeze(1)
+        pos = positions - (W - 1) + torch.arange(W, device=dev)                # [N, W]
+        idx = torch.where(pos >= 0, pos + per_row(win_off).unsqueeze(1), torch.full_like(pos, -1))
+        if comp is not None:
+            base = per_row(ent_off).unsqueeze(1)
+            if comp.overlap:
+                # Only the picked entries join the query's columns (k per query, not the history).
+                picked = torch.cat(picks, 0) if len(picks) > 1 else picks[0]            # [N, k]
+                ent = torch.where(picked >= 0, picked + base, picked)
+            else:
+                j = torch.arange(max(n_ent), device=dev).unsqueeze(0)                  # entry ids
+                visible = j < (positions + 1) // self.ratio
+                ent = torch.where(visible, j + base, torch.full_like(visible, -1, dtype=torch.long))
+            idx = torch.cat([idx, ent], 1)
+        o = sparse_attn(q, torch.cat(keys, 0) if len(keys) > 1 else keys[0], idx, self.sinks, self.scale)
         o = apply_rope(o, cos, sin, inverse=True)
         o = self.o_a_proj(o.reshape(N, cfg.o_groups, -1))
         return self.o_b_proj(o)

@@ -59,6 +59,12 @@ class Compressor(nn.Module):
         save the rows for the next forward. Returns the entry count after the span."""
         m, R = self.ratio, slot.ring_kv.shape[0]
         s, e = span.start, span.end
+        if e - s == 1 and e % m and e % block_size:
+            # One token that closes no window and no block (most decode steps): only the ring
+            # changes. The same values the general path stores, without gathering the ring.
+            slot.ring_kv[s % R] = kv[0]
+            slot.ring_score[s % R] = score[0]
+            return s // m
         # Rows of positions [s - R, e): the ring's (in position order), then this span's.
         # NOTE: the ring is read here, before save_state below overwrites it with this
         # span's rows; a span of R or more tokens would otherwise lose the rows it needs.
