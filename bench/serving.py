@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hashlib
 import json
 import math
@@ -331,6 +332,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from shared.embedded import start_services
 
     w = QUICK if args.quick else FULL
+    if args.max_tokens:
+        w = dataclasses.replace(w, max_tokens=args.max_tokens)
     tmp = Path(tempfile.mkdtemp(prefix="kvl-bench-serving-"))
     db_url, nats_url = args.database_url, args.nats_url
     services = None
@@ -406,6 +409,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 turns, short prompts; within 60 s")
+    ap.add_argument("--max-tokens", type=int, default=0,
+                    help="output tokens per turn (default: the workload's, 4 full / 2 quick); more = decode-heavier")
     ap.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels (default 1,8,32)")
     ap.add_argument("--pool-mb", type=int, default=256, help="worker.pool_bytes in MiB (default 256)")
     ap.add_argument("--database-url", default=os.environ.get("KVL_DATABASE_URL", ""))
