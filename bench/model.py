@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
         for _ in range(decode_steps // 2):
             for st in states:
                 st.pos = 256                            # the same step again (rewrites the same rows)
-            w, _, outs = _timed(lambda: model.forward_batch([([t], st) for t, st in zip(toks, states)]))
+            w, _, outs = _timed(lambda toks=toks, states=states: model.forward_batch(
+                [([t], st) for t, st in zip(toks, states)]))
             times.append(w)
         for st in states:
             st.pos = 256

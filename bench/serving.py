@@ -221,6 +221,7 @@ async def run_level(url: str, w: Workload, c: int, reuse: bool, seed: int, worke
         async with sem:
             messages = [{"role": "system", "content": system}, {"role": "user", "content": tasks[i]}]
             replies = run.replies.setdefault(i, [])
+            prev: Turn | None = None
             for k in range(w.turns):
                 try:
                     turn = await chat(http, url, messages, w.max_tokens, reuse)
@@ -229,7 +230,7 @@ async def run_level(url: str, w: Workload, c: int, reuse: bool, seed: int, worke
                     return
                 run.turns.append(turn)
                 replies.append(turn.text)
-                if k:
+                if prev is not None:
                     run.next_turn.append((turn.cached_tokens, prev.prompt_tokens + prev.completion_tokens))
                 prev = turn
                 if k + 1 < w.turns:

@@ -42,8 +42,22 @@ from shared.config import Config
 from shared.hashing import namespace_hash, replica_digest, split_digests
 from shared.logging import get_logger
 from shared.messages import (
-    Control, ControlAck, ErrorCode, Heartbeat, InventoryItem, InventoryReply, InventoryRequest, LeaseGrant,
-    RegisterReply, ReplicaRef, ReplicaState, ResumeReply, TransitionEvent, WorkerRegister, WorkerResume, now_ms,
+    Control,
+    ControlAck,
+    ErrorCode,
+    Heartbeat,
+    InventoryItem,
+    InventoryReply,
+    InventoryRequest,
+    LeaseGrant,
+    RegisterReply,
+    ReplicaRef,
+    ReplicaState,
+    ResumeReply,
+    TransitionEvent,
+    WorkerRegister,
+    WorkerResume,
+    now_ms,
 )
 from worker.cache import offload_file as of
 from worker.cache.planner import BlockMeta, Switches
@@ -51,12 +65,13 @@ from worker.cache.pools import PoolExhausted
 from worker.cache.store import CacheStore
 from worker.cache.tiers import Tiers
 from worker.client import CoordinatorClient, CoordinatorRefused, CoordinatorUnavailable
+from worker.generation import SamplingParams, generate
 from worker.metrics import WorkerMetrics
 from worker.model import HybridAttentionLM, declare_forms, form_layouts, weights_digest
 from worker.publisher import OutboxFull, TransitionPublisher
-from worker.session import CacheValidationError, Result, Sampling, Session
-from worker.stepper import Stepper
+from worker.session import CacheValidationError, Result, Session
 from worker.settings import pool_slots, salt_secret, tenant_salt, worker_id
+from worker.stepper import Stepper
 
 T = TypeVar("T")
 R = ReplicaState
@@ -763,38 +778,32 @@ class Engine:
             self.sessions.discard(s)
 
     async def generate(self, tokens: Sequence[int], *, tenant: str = "default", max_tokens: int = 16,
-                       reuse: bool = True, sampling: Sampling | None = None, return_logits: bool = True,
+                       reuse: bool = True, sampling: SamplingParams | None = None, return_logits: bool = True,
                        stop_token_ids: Sequence[int] = ()) -> Result:
-        """Run one request to completion: prefill (resuming from validated cache), then decode."""
+        """Run one request to completion: prefill (resuming from validated cache), then decode —
+        the serving scheduler's loop (:func:`worker.generation.generate`) without the queue."""
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        sampling = sampling or Sampling()
-        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         t0 = time.perf_counter()
+        ttft = 0.0
         outcome = "error"
+
+        def first(tok: int) -> bool:
+            nonlocal ttft
+            if not ttft:
+                ttft = time.perf_counter() - t0
+                self.metrics.ttft.observe(ttft)
+            return False
+
         s = await self.open(tokens, tenant=tenant, reuse=reuse, max_new_tokens=max_tokens)
         try:
-            logits = await s.prefill_rest()
-            out: list[int] = []
-            kept: list[torch.Tensor] = []
-            ttft = 0.0
-            stops = set(stop_token_ids)
-            while True:
-                if return_logits:
-                    kept.append(logits.detach().cpu())
-                tok = sampling.pick(logits, gen)
-                out.append(tok)
-                if len(out) == 1:
-                    ttft = time.perf_counter() - t0
-                    self.metrics.ttft.observe(ttft)
-                if len(out) >= max_tokens or tok in stops:
-                    break
-                logits = await s.decode(tok)
+            g = await generate(s, sampling or SamplingParams(), max_tokens=max_tokens,
+                               stop_token_ids=frozenset(stop_token_ids), keep_logits=return_logits, on_token=first)
             outcome = "ok"
         finally:
             await self.close(s)
             self.metrics.requests.labels(outcome=outcome).inc()
-        return s.result(out, torch.stack(kept) if kept else None, ttft)
+        return s.result(g.tokens, g.logits, ttft)
 
 
-__all__ = ["CacheValidationError", "Engine", "Health", "Result", "Sampling", "Session"]
+__all__ = ["CacheValidationError", "Engine", "Health", "Result", "SamplingParams", "Session"]

@@ -34,13 +34,14 @@ from typing import Any
 
 import torch
 
+from shared import nats_auth
 from shared.config import Config, ConfigError, load_config
 from shared.logging import configure_logging, get_logger, mask_credentials
-from shared import nats_auth
 from shared.subjects import Subjects
 from shared.tls import client_context
 from worker.client.nats_adapter import NatsCoordinatorClient
-from worker.engine import Engine, Sampling
+from worker.engine import Engine
+from worker.generation import SamplingParams
 from worker.http_server import bound_address, start_http
 from worker.model import HybridAttentionLM, ModelConfig, build_model, load_safetensors
 from worker.tenants import AuthError, TenantDirectory
@@ -137,8 +138,8 @@ class DebugService:
         r = await self.engine.generate(
             [int(t) for t in req["tokens"]], tenant=tenant.id,
             max_tokens=int(req.get("max_tokens", 16)), reuse=bool(req.get("reuse", True)),
-            sampling=Sampling(temperature=float(req.get("temperature", 0.0)), top_k=int(req.get("top_k", 0)),
-                              seed=req.get("seed")),
+            sampling=SamplingParams(temperature=float(req.get("temperature", 0.0)), top_k=int(req.get("top_k", 0)),
+                                    seed=req.get("seed")),
             return_logits=bool(req.get("return_logits", True)))
         out = {k: getattr(r, k) for k in ("tokens", "prompt_tokens", "cached_tokens", "hit_tokens", "validated",
                                           "invalid", "fallbacks", "reloaded", "degraded", "epoch", "ttft_s")}

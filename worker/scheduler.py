@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import itertools
 import math
-import secrets
 import time
 import weakref
 from collections import Counter as _Counter
@@ -45,6 +44,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from shared.config import ServiceConfig
 from shared.logging import get_logger
+from worker.generation import Sampler, SamplingParams, generate
 from worker.tenants import Tenant
 
 if TYPE_CHECKING:
@@ -101,46 +101,6 @@ class InternalError(SchedulerError):
 class ShuttingDown(SchedulerError):
     def __init__(self) -> None:
         super().__init__("the worker is shutting down; send the request to another worker")
-
-
-# --- sampling ------------------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """``temperature`` 0 = greedy (deterministic); else softmax sampling, optionally truncated to
-    ``top_k`` tokens and to the nucleus ``top_p``; ``seed`` makes a sampled request reproducible."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-
-
-class Sampler:
-    """One request's sampler, with a generator of its own (never the global RNG: concurrent
-    requests must not draw from each other's stream)."""
-
-    def __init__(self, p: SamplingParams) -> None:
-        self.p = p
-        self.gen: torch.Generator | None = None
-        if p.temperature > 0:
-            self.gen = torch.Generator().manual_seed(p.seed if p.seed is not None else secrets.randbits(63))
-
-    def pick(self, logits: torch.Tensor) -> int:
-        x = logits.detach().reshape(-1).float().cpu()
-        if self.p.temperature <= 0:
-            return int(torch.argmax(x))
-        x = x / self.p.temperature
-        if 0 < self.p.top_k < x.numel():
-            kth = torch.topk(x, self.p.top_k).values[-1]
-            x = torch.where(x < kth, torch.full_like(x, float("-inf")), x)
-        probs = torch.softmax(x, -1)
-        if self.p.top_p < 1.0:
-            sorted_p, idx = torch.sort(probs, descending=True, stable=True)
-            # keep the smallest head whose mass reaches top_p (the first token always stays)
-            keep = (torch.cumsum(sorted_p, 0) - sorted_p) < self.p.top_p
-            probs = torch.zeros_like(probs).scatter(0, idx, sorted_p * keep)
-        return int(torch.multinomial(probs, 1, generator=self.gen))
 
 
 # --- metrics -------------------------------------------------------------------------------------
@@ -490,22 +450,16 @@ class Scheduler:
             job.degraded = s.degraded
             self._apply_quota(s, req.tenant)
             s.order = (req.priority, job.seq)
-            await s.prefill_rest()
-            self.metrics.prompt_tokens.inc(len(req.tokens))
-            assert s.logits is not None
-            logits = s.logits
-            sampler = Sampler(req.sampling)
-            out: list[int] = []
-            kept: list[torch.Tensor] = []
             ttft = 0.0
             last = 0.0
-            while True:
-                if req.keep_logits:
-                    kept.append(logits.detach().cpu().clone())
-                tok = sampler.pick(logits)
-                out.append(tok)
+            prompt_done = False
+
+            def on_token(tok: int) -> bool:
+                nonlocal ttft, last, prompt_done
                 now = time.perf_counter()
-                if len(out) == 1:
+                if not prompt_done:
+                    prompt_done = True
+                    self.metrics.prompt_tokens.inc(len(req.tokens))
                     ttft = now - job.arrival
                     e.metrics.ttft.observe(ttft)
                 else:
@@ -513,22 +467,18 @@ class Scheduler:
                 last = now
                 self.metrics.generation_tokens.inc()
                 job._events.put_nowait(tok)
-                if tok in req.stop_token_ids or job.stopped:
-                    finish = "stop"
-                    break
-                if len(out) >= req.max_tokens:
-                    finish = "length"
-                    break
-                logits = await s.decode(tok)
+                return job.stopped
+
+            g = await generate(s, req.sampling, max_tokens=req.max_tokens, stop_token_ids=req.stop_token_ids,
+                               keep_logits=req.keep_logits, on_token=on_token)
         finally:
             # NOTE: shielded: a second cancellation must not stop the release of the leases.
             await asyncio.shield(e.close(s))
         self.metrics.e2e.observe(time.perf_counter() - job.arrival)
-        r = s.result(out, None, ttft)
-        return Outcome(tokens=out, finish_reason=finish, prompt_tokens=r.prompt_tokens,
+        r = s.result(g.tokens, None, ttft)
+        return Outcome(tokens=g.tokens, finish_reason=g.finish_reason, prompt_tokens=r.prompt_tokens,
                        cached_tokens=r.cached_tokens, fallbacks=r.fallbacks, degraded=r.degraded,
-                       queued_s=job.admitted_at - job.arrival, ttft_s=ttft,
-                       logits=torch.stack(kept) if kept else None)
+                       queued_s=job.admitted_at - job.arrival, ttft_s=ttft, logits=g.logits)
 
     def _apply_quota(self, s: Session, tenant: Tenant) -> None:
         """Cache no more of ``tenant``'s blocks than its quota: drop the excess from the writes.

@@ -45,12 +45,32 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shared.forms import FormScope
 from shared.hashing import chain_hashes
 from shared.ids import ROOT_HASH
-from shared.forms import FormScope
-from shared.messages import ErrorCode, LeaseAcquire, LeaseGrant, LeaseRelease, LeaseRenew, ReplicaRef
+from shared.messages import (
+    ErrorCode,
+    LeaseAcquire,
+    LeaseGrant,
+    LeaseRelease,
+    LeaseRenew,
+    ReplicaRef,
+)
 from worker.cache.planner import (
-    ALL_PASS, LAYERS, BlockMeta, Expect, Layer, Need, Observed, all_pass, best_boundary, grid_floor, map_reads, needs, resume_cap, validate,
+    ALL_PASS,
+    LAYERS,
+    BlockMeta,
+    Expect,
+    Layer,
+    Need,
+    Observed,
+    all_pass,
+    best_boundary,
+    grid_floor,
+    map_reads,
+    needs,
+    resume_cap,
+    validate,
 )
 from worker.cache.store import as_bytes, bytes_checksum
 from worker.client import CoordinatorRefused, CoordinatorUnavailable
@@ -69,25 +89,6 @@ RESUME_WAIT_S = 2.0
 
 class CacheValidationError(RuntimeError):
     """A reused replica failed validation and ``cache.on_invalid`` is ``error``."""
-
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    """Greedy by default; ``temperature`` > 0 samples (seeded by ``seed`` for reproducibility)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    seed: int | None = None
-
-    def pick(self, logits: torch.Tensor, gen: torch.Generator | None) -> int:
-        if self.temperature <= 0:
-            return int(torch.argmax(logits))
-        x = logits.float() / self.temperature
-        if self.top_k > 0:
-            k = min(self.top_k, x.numel())
-            kth = torch.topk(x, k).values[-1]
-            x = torch.where(x < kth, torch.full_like(x, float("-inf")), x)
-        return int(torch.multinomial(torch.softmax(x, -1).cpu(), 1, generator=gen))
 
 
 @dataclass(slots=True)
@@ -800,4 +801,4 @@ def _units(start: int, end: int, bs: int, chunk_blocks: int) -> list[tuple[int, 
     return out
 
 
-__all__ = ["CacheValidationError", "Result", "Sampling", "Session"]
+__all__ = ["CacheValidationError", "Result", "Session"]

@@ -26,9 +26,9 @@ from kernels.sparse_attention import sparse_attn
 from worker.model.compressor import Compressor
 from worker.model.config import ModelConfig
 from worker.model.indexer import Indexer
+from worker.model.linear import Linear
 from worker.model.norms import RMSNorm, rms_normalize
 from worker.model.rope import RopeTables, table_for
-from worker.model.linear import Linear
 from worker.model.state import IDX, MAIN, Batch
 
 

@@ -35,10 +35,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from kernels.invariant import invariant_here, probe
 from worker.model.attention import Attention
 from worker.model.config import ModelConfig
 from worker.model.hyper_connections import HyperConnection, HyperHead
-from kernels.invariant import invariant_here, probe
 from worker.model.linear import Linear
 from worker.model.moe import MoE
 from worker.model.norms import RMSNorm

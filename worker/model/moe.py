@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.invariant import linear, pointwise
-
 from worker.model.config import ModelConfig
 from worker.model.linear import Linear
 

@@ -193,9 +193,7 @@ class RequestState:
         block-aligned span are."""
         assert span.start == self.pos, "spans must be committed in order"
         bs = self.block_size
-        if invariant:
-            self._exact[span.start // bs:span.end // bs] = True
-        elif span.start % bs == 0 and span.end % bs == 0:
+        if invariant or (span.start % bs == 0 and span.end % bs == 0):
             self._exact[span.start // bs:span.end // bs] = True
         self.pos = span.end
 
