@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kvl-installed
 PYTEST_ARGS ?=
 UP_ARGS ?=
 
-.PHONY: up test install bench clean
+.PHONY: up test install bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.model --quick
 	$(PY) -m bench.coordinator --quick
+
+# The CUDA path (kernels compiled for the GPU, bench.kernels, bench.model on cuda): one JSON line.
+gpu-check: $(STAMP)
+	$(PY) -m bench.gpu_check
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .kvl-state

@@ -105,7 +105,13 @@ class HybridAttentionLM(nn.Module):
         shapes |= {(cfg.hidden_size, 2 * cfg.moe_intermediate_size), (cfg.moe_intermediate_size, cfg.hidden_size),
                    (cfg.hidden_size, cfg.n_routed_experts), (cfg.hc_mult * cfg.hidden_size, cfg.hc_mult),
                    (cfg.hc_mult * cfg.hidden_size, (2 + cfg.hc_mult) * cfg.hc_mult)}
-        failures = probe(shapes)
+        if self.lm_head.weight.device.type != "cpu":
+            # NOTE: the rules are measured for the CPU path only; cuBLAS and the Triton kernels
+            # (fixed tiles, but not yet checked row against batch) run one request per forward.
+            failures = [f"batch invariance is established for the CPU path only, not for "
+                        f"{self.lm_head.weight.device.type}"]
+        else:
+            failures = probe(shapes)
         self.batch_invariant = not failures
         return failures
 
