@@ -445,7 +445,7 @@ class Scheduler:
         req = job.req
         s = await e.open(req.tokens, tenant=req.tenant.id, reuse=req.reuse, max_new_tokens=req.max_tokens)
         try:
-            job.cached_tokens = s.resume_blocks * s.bs
+            job.cached_tokens = s.cached_tokens
             job.fallbacks = list(s.fallbacks)
             job.degraded = s.degraded
             self._apply_quota(s, req.tenant)
@@ -492,11 +492,8 @@ class Scheduler:
         if not q or store is None or not s.writes:
             return
         used = len({m.block_hash for _, _, m in store.items() if m.tenant == tenant.id})
-        room = max(0, q - used)
-        keep = sorted(s.writes)[:room]
-        skipped = len(s.writes) - len(keep)
+        skipped = s.limit_writes(max(0, q - used))
         if skipped:
-            s.writes = {i: s.writes[i] for i in keep}
             self.metrics.quota_skipped.inc(skipped)
 
     # --- life cycle ------------------------------------------------------------------------------

@@ -168,6 +168,8 @@ class Session:
         self.leases: list[_Lease] = []
         #: Reply blocks committed at close (decode-made, exported like prefill blocks).
         self.reply_blocks = 0
+        #: Blocks the reply may still cache under the tenant's quota (None = no quota).
+        self.write_room: int | None = None
         self.main: LeaseGrant | None = None
         #: block index → forms this session may commit for it.
         self.writes: dict[int, list[str]] = {}
@@ -230,6 +232,21 @@ class Session:
                         self.writes.setdefault(i, []).append(form)
         if e.cache_enabled:
             e.metrics.validated_hits.inc(self.resume_blocks * self.bs)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens restored from validated cache (a whole number of blocks)."""
+        return self.resume_blocks * self.bs
+
+    def limit_writes(self, blocks: int) -> int:
+        """Commit at most ``blocks`` of the prompt's blocks (the first ones; a tenant's quota):
+        the others are computed but not cached. Returns how many were dropped."""
+        keep = sorted(self.writes)[:blocks]
+        dropped = len(self.writes) - len(keep)
+        self.write_room = blocks - len(keep)      # what the reply may still cache
+        if dropped:
+            self.writes = {i: self.writes[i] for i in keep}
+        return dropped
 
     def fallback(self, reason: str) -> None:
         self.fallbacks.append(reason)
@@ -697,6 +714,8 @@ class Session:
             for i in idx:
                 if first <= i < full:
                     writes.setdefault(i, []).append(form)
+        if self.write_room is not None:
+            writes = {i: writes[i] for i in sorted(writes)[:self.write_room]}
         if writes:
             payloads = await e.compute(lambda: [(i, state.export_block(i)) for i in sorted(writes)])
             for i, payload in payloads:
