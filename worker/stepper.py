@@ -42,7 +42,7 @@ log = get_logger("kvl.worker.stepper")
 
 #: Event-loop turns the stepper yields before forming a batch, so requests woken by the last
 #: forward can hand in their next step first (each needs one or two turns to sample and submit).
-GATHER_TURNS = 3
+GATHER_TURNS = 1
 
 
 @dataclass(slots=True)

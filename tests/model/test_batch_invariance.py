@@ -87,7 +87,7 @@ requests = st.lists(st.tuples(st.integers(1, 70),       # prompt length
                     min_size=1, max_size=6)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(reqs=requests, budget=st.sampled_from([1, 17, 48, 256]), seed=st.integers(0, 2**16))
 def test_random_mixes_run_batched_equal_each_request_run_alone(tiny, reqs, budget, seed) -> None:
     g = torch.Generator().manual_seed(seed)

@@ -108,8 +108,8 @@ class HybridAttentionLM(nn.Module):
         if self.lm_head.weight.device.type != "cpu":
             # NOTE: the rules are measured for the CPU path only; cuBLAS and the Triton kernels
             # (fixed tiles, but not yet checked row against batch) run one request per forward.
-            failures = [f"batch invariance is established for the CPU path only, not for "
-                        f"{self.lm_head.weight.device.type}"]
+            failures = [("batch invariance is established for the CPU path only, not for "
+                         f"{self.lm_head.weight.device.type}")]
         else:
             failures = probe(shapes)
         self.batch_invariant = not failures
