@@ -694,8 +694,13 @@ class Session:
         """
         e = self.engine
         state = self.state
-        if (not e.cache_enabled or self.main is None or state is None or self.epoch != e.epoch or e.degraded
-                or e.draining or not e.stepper.fused):
+        if not e.cache_enabled or state is None or e.degraded or e.draining or not e.stepper.fused:
+            return
+        if self.main is None:
+            if self.hashes or self.degraded:
+                return                  # the opening lease was refused or never asked: leave it
+            self.epoch = e.epoch        # a prompt shorter than a block: this is its first lease
+        if self.epoch != e.epoch:
             return
         first, full = len(self.tokens) // self.bs, state.completed_blocks
         if full <= first:

@@ -188,3 +188,15 @@ async def test_next_turn_reuses_the_previous_prompt_and_its_reply(make_engine, r
         assert r2.cached_tokens == fed // bs * bs == 64                    # the prompt alone: 32
         assert same(r2, await ref.generate(p2, max_tokens=3))
         assert same(r1, await ref.generate(p1, max_tokens=30))
+
+
+async def test_a_reply_after_a_prompt_shorter_than_a_block_is_cached_too(make_engine, reference) -> None:
+    p1 = prompt(5, seed=33)                   # no whole block: no lease when the request opened
+    async with make_engine(InProcessCoordinator()) as e:
+        r1 = await e.generate(p1, max_tokens=40)
+        assert await e.flush()
+        assert e.metrics.value("kvl_worker_reply_blocks_total") == 2      # [0, 32) of the 44 fed tokens
+        p2 = p1 + r1.tokens + prompt(3, seed=34)
+        r2 = await e.generate(p2, max_tokens=2)
+        assert r2.cached_tokens == 32
+        assert same(r2, await reference().generate(p2, max_tokens=2))
