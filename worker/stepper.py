@@ -128,9 +128,14 @@ class Stepper:
                     raise
                 continue
             if self.metrics is not None:
-                self.metrics.observe_step(len(batch), sum(r.tokens for r in results), time.perf_counter() - t0)
+                self.metrics.observe_step(len(batch), sum(r.tokens for r in results if isinstance(r, StepResult)),
+                                          time.perf_counter() - t0)
             for s, r in zip(batch, results):
-                if not s.fut.done():
+                if s.fut.done():
+                    continue
+                if isinstance(r, Exception):
+                    s.fut.set_exception(r)
+                else:
                     s.fut.set_result(r)
 
     def _form(self) -> list[_Step]:
@@ -162,8 +167,24 @@ class Stepper:
             self._waiting.remove(s)
         return batch
 
-    def _run(self, batch: list[_Step]) -> list[StepResult]:
-        """On the model thread: one forward for the whole batch, then each step's exports."""
+    def _run(self, batch: list[_Step]) -> list[StepResult | Exception]:
+        """On the model thread: one forward for the whole batch, then each step's exports.
+
+        Every step is checked first (``check_step`` touches no state): a step that cannot run
+        gets its own error and the others run without it. An error inside the forward itself
+        fails every step of it (their states advanced part-way: nothing is retried).
+        """
+        refused: dict[int, Exception] = {}
+        for k, s in enumerate(batch):
+            try:
+                self.model.check_step(s.ids, s.state)
+            except ValueError as e:
+                refused[k] = e
+        runs = [s for k, s in enumerate(batch) if k not in refused]
+        outs = iter(self._forward(runs) if runs else [])
+        return [refused[k] if k in refused else next(outs) for k in range(len(batch))]
+
+    def _forward(self, batch: list[_Step]) -> list[StepResult]:
         outs = self.model.forward_batch([(s.ids, s.state) for s in batch], logits="last")
         self.forwards += 1
         self.segments += len(batch)

@@ -178,3 +178,19 @@ async def test_seeded_sampler_ignores_global_rng() -> None:
     top = torch.sort(probs, descending=True)
     allowed = set(top.indices[:int((torch.cumsum(top.values, 0) < 0.3).sum()) + 1].tolist())
     assert {nucleus.pick(logits) for _ in range(200)} <= allowed
+
+
+async def test_a_step_that_cannot_run_fails_alone_and_the_others_are_exact() -> None:
+    model = build_model(ModelConfig())
+    pool = ThreadPoolExecutor(1)
+    stepper = Stepper(model, pool, max_batch_tokens=64, block_size=16)
+    good, bad, alone = model.new_state(16, 64), model.new_state(16, 64), model.new_state(16, 64)
+    try:
+        futs = [stepper.decode(good, 5, (0, 1)), stepper.decode(bad, 999, (0, 2))]   # 999: no such token
+        ok, err = await asyncio.gather(*futs, return_exceptions=True)
+        assert isinstance(err, ValueError) and "token ids must lie in" in str(err)
+        assert bad.pos == 0 and good.pos == 1                    # the refused state was not touched
+        want = model.forward_batch([([5], alone)])[0]
+        assert torch.equal(ok.logits.view(torch.int32), want.view(torch.int32))
+    finally:
+        pool.shutdown()

@@ -119,6 +119,15 @@ class HybridAttentionLM(nn.Module):
         """A fresh per-request state on this model's device."""
         return RequestState(self.cfg, block_size, capacity, device=self.lm_head.weight.device)
 
+    def check_step(self, tokens: torch.Tensor | Sequence[int], state: RequestState) -> None:
+        """Raise ``ValueError`` if ``tokens`` cannot run on ``state`` (ids outside the vocabulary,
+        no tokens, past the state's capacity) — without touching the state: the step loop
+        checks every request this way before a fused forward, so one bad request fails alone."""
+        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        state.span(ids.numel())
+
     @torch.no_grad()
     def forward_batch(self, work: Sequence[tuple[torch.Tensor | Sequence[int], RequestState]], *,
                       logits: str = "last") -> list[torch.Tensor]:
