@@ -147,3 +147,23 @@ def test_new_request_state_is_reset(tiny, tokens, cold_run) -> None:
     tiny.prefill(tokens.flip(0), state)
     state.reset()
     assert torch.equal(tiny.prefill(tokens, state), cold_run[0])
+
+
+def test_every_block_decoded_token_by_token_equals_the_prefilled_one(tiny, tokens) -> None:
+    """From the first token on, decode steps only: every block boundary, every form."""
+    n = 8 * BLOCK
+    cold = tiny.new_state(BLOCK)
+    tiny.prefill(tokens[:n], cold)
+    step = tiny.new_state(BLOCK)
+    for t in tokens[:n]:
+        tiny.decode_step(t, step)
+    for i in range(n // BLOCK):
+        a, b = step.export_block(i), cold.export_block(i)
+        assert a.keys() == b.keys() == set(tiny_forms(tiny))
+        for form in a:
+            assert torch.equal(a[form].view(torch.int32), b[form].view(torch.int32)), (i, form)
+
+
+def tiny_forms(model) -> list[str]:
+    from worker.model.forms import form_layouts
+    return list(form_layouts(model.cfg, BLOCK))
