@@ -3,12 +3,13 @@
 A :class:`Session` is what the serving layer drives step by step::
 
     s = await engine.open(tokens, tenant=..., max_new_tokens=...)   # lease + hit validation + restore
-    while not await s.prefill_step(): ...                            # one grid-aligned unit per call
+    while not await s.prefill_step(): ...                            # one piece per call (the stepper sizes it)
     logits = s.logits                                                 # of the last prompt token
     logits = await s.decode(token)                                    # one decode step
     result = await s.close()                                          # commits settled, leases released
 
-:meth:`Engine.generate <worker.engine.Engine.generate>` is that loop with sampling.
+:func:`worker.generation.generate` is that loop with sampling (the serving scheduler and
+:meth:`Engine.generate <worker.engine.Engine.generate>` both run it).
 
 Theory of operation
 -------------------
@@ -23,10 +24,13 @@ the INVALID transitions are committed, so it does not offer the same replicas �
 :data:`MAX_EXTRA_LEASES` times. Every replica is validated on a private copy
 (:func:`worker.cache.planner.validate`); the model state is restored from those copies.
 
-*Prefill.* Units follow the model's grid (``worker.model.model``): from the resume point to
-the next grid point, then whole grid units, then the trailing partial block. After each
-unit the blocks it completed that the lease lets this worker write are exported, put in a
-fresh pool slot and committed (ALLOCATED→READY, generation, checksum).
+*Prefill and decode.* Steps go to the engine's stepper (``worker.stepper``), which fuses the
+steps of every ready request into one forward and decides how much of a prompt runs (whole
+blocks within ``service.max_batch_tokens``; the ``cache.chunk_blocks`` grid where the ops are
+not batch-invariant). After each piece the blocks it completed that the lease lets this
+worker write are exported, put in a fresh pool slot and committed (ALLOCATED→READY,
+generation, checksum). At close, the reply's whole blocks are committed the same way under a
+second, write-only lease (their hashes were unknown at open).
 
 *Closing.* Leases are released only once the commit watermark covers this session's
 transitions (or a timeout passes): a release processed before a commit would abort the

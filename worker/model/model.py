@@ -7,25 +7,19 @@ collapse, RMSNorm and the LM head. The model keeps no per-request state of its o
 it lives in a :class:`worker.model.state.RequestState`, which the model touches only
 through that object's methods.
 
-Exactness rule (enforced by :meth:`HybridAttentionLM.prefill`)
---------------------------------------------------------------
-Prefill computes in *units* anchored on a fixed grid of block boundaries: with
-``chunk_blocks = k`` a unit covers ``[j·k·B, (j+1)·k·B)`` (``B`` = block size), except that a
-run resumed off the grid first runs up to the next grid point, and a trailing partial block
-is its own final unit. Each unit is one call of :meth:`HybridAttentionLM.extend`, whose
-operations depend only on the state at the unit's start and the unit's tokens.
-
-With the default ``chunk_blocks = 1`` every block boundary is on the grid, so a request
-resumed from a cached boundary performs exactly the operations a cold run performs from
-there, and its logits are bit-identical *by construction* — no batch-invariance of the
-matmuls is assumed. A larger ``chunk_blocks`` runs fewer, longer units; it is still exact
-when resumed on its own grid, but off the grid only if every op gives a row the same bits
-whatever the number of rows. On the CPU this was written on that does not hold: 4-block
-units differ from 1-block units by up to 3e-6 (``bench.model`` reports
-``unit4_bit_identical_to_unit1``); ``F.linear`` takes another kernel path for a handful of
-rows, and the per-expert MoE batches change with the unit. Only blocks computed by
-block-aligned units are exportable (see ``worker.model.state``); decode steps never
-produce exportable blocks.
+Exactness
+---------
+Every op is batch-invariant (``kernels.invariant``): a row's bits depend only on its own
+inputs, never on how many rows share the forward, which other requests they belong to, or
+where a prompt was cut. So :meth:`HybridAttentionLM.forward_batch` over several requests gives
+each the logits it gets alone; a prompt prefilled in units of any size gives the same bits
+(``bench.model`` reports ``unit4_bit_identical_to_unit1``); a block completed by decode steps
+equals the prefilled one; and a request resumed at any block boundary computes exactly what a
+cold run computes from there. This holds on the CPU path with one intra-op thread, checked at
+start by :meth:`HybridAttentionLM.check_invariance`; where it does not hold
+(:attr:`HybridAttentionLM.batch_invariant` False) the model refuses fused forwards and only
+blocks of block-aligned units are exportable (:meth:`RequestState.commit`) — the older rule,
+which :meth:`HybridAttentionLM.prefill`'s grid-anchored units (``chunk_blocks``) keep exact.
 """
 
 from __future__ import annotations

@@ -25,11 +25,11 @@ rest stay zero and are never read — :meth:`window_rows` asserts that.
 position or entry this request wrote or restored (window reads assert their lower bound),
 so stale rows of an earlier request are never reached.
 
-Exportability: a block is exportable only if it was computed by a block-aligned unit (a
-forward that started and ended on block boundaries; see ``worker.model.model``). A block
-completed by decode steps or by an unaligned chunk holds correct values, but a cold
-prefill of the same tokens computes them with different operations, so caching it could
-make a resumed request differ in bits from a cold one.
+Exportability: with batch-invariant ops (``worker.model.model``) every completed block is
+exportable, whether prefill units or decode steps computed it: a cold prefill of the same
+tokens computes the same bits. Without them, only blocks of block-aligned units are (a
+block completed by decode steps would hold correct values computed by other operations, and
+caching it could make a resumed request differ in bits from a cold one).
 """
 
 from __future__ import annotations
