@@ -71,6 +71,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 LEVELS = (1, 8, 32)
+#: The worker's cache.block_size (the config's default).
+BLOCK = 16
 
 
 @dataclass(frozen=True)
@@ -135,8 +137,8 @@ class Run:
     errors: list[str] = field(default_factory=list)
     #: Reply texts per agent, per turn (to compare on with off).
     replies: dict[int, list[str]] = field(default_factory=dict)
-    #: Per later turn: (its cached prompt tokens, the previous turn's prompt + reply tokens).
-    next_turn: list[tuple[int, int]] = field(default_factory=list)
+    #: Per later turn: (its cached prompt tokens, the previous turn's prompt tokens, reply tokens).
+    next_turn: list[tuple[int, int, int]] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         prompt = sum(t.prompt_tokens for t in self.turns)
@@ -231,7 +233,7 @@ async def run_level(url: str, w: Workload, c: int, reuse: bool, seed: int, worke
                 run.turns.append(turn)
                 replies.append(turn.text)
                 if prev is not None:
-                    run.next_turn.append((turn.cached_tokens, prev.prompt_tokens + prev.completion_tokens))
+                    run.next_turn.append((turn.cached_tokens, prev.prompt_tokens, prev.completion_tokens))
                 prev = turn
                 if k + 1 < w.turns:
                     messages += [{"role": "assistant", "content": turn.text},
@@ -353,7 +355,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         result: dict[str, Any] = {"bench": "serving", "mode": "quick" if args.quick else "full",
                                   "workload": {**w.__dict__, "levels": list(args.levels)}}
         identical = True
-        next_turn = [0, 0]
+        next_turn = [0, 0, 0, 0]      # cached, previous prompt + reply, cached beyond the prompt, replies
         wall = {"on": 0.0, "off": 0.0}
         cpu = {"on": 0.0, "off": 0.0}
         for c in args.levels:
@@ -369,9 +371,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 cpu[mode] += r.worker_cpu_s
                 _log(f"c={c:<2} reuse {mode:>3}: {level[mode]}")
             identical &= runs["on"].replies == runs["off"].replies
-            for cached, before in runs["on"].next_turn:
+            for cached, prompt, reply in runs["on"].next_turn:
                 next_turn[0] += cached
-                next_turn[1] += before
+                next_turn[1] += prompt + reply
+                next_turn[2] += max(0, cached - prompt // BLOCK * BLOCK)
+                next_turn[3] += reply
             on, off = level["on"], level["off"]
             level["throughput_ratio"] = round(on["throughput_tok_s"] / off["throughput_tok_s"], 3)
             level["ttft_p50_speedup"] = round(off["ttft_p50_ms"] / on["ttft_p50_ms"], 3)
@@ -392,6 +396,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 result[f"throughput_c{c}_vs_c1"] = round(result[f"c{c}_throughput_tok_s_on"] / base, 3)
         # what turn n+1 found cached of turn n's prompt + reply (goal >= 0.9)
         result["next_turn_reuse_ratio"] = round(next_turn[0] / next_turn[1], 3) if next_turn[1] else None
+        # of that, the previous *reply*: cached tokens past the previous prompt's whole blocks, per
+        # reply token. A reply is reused only as far as its text re-encodes to the same tokens.
+        result["next_turn_reply_reuse_ratio"] = round(next_turn[2] / next_turn[3], 3) if next_turn[3] else None
         result["cpu_throughput_ratio_reuse_on_vs_off"] = round(cpu["off"] / cpu["on"], 3) if cpu["on"] else None
         result["load_average_1m"] = round(os.getloadavg()[0], 2)
         result["outputs_identical"] = bool(identical)
