@@ -368,6 +368,10 @@ class Engine:
                 if self._away_since:
                     await self._sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
+                    if self._away_too_long():
+                        # NOTE: the grace may have passed while we slept: re-register (the loop's
+                        # top) rather than race the coordinator's fence with a heartbeat.
+                        continue
                 elif not self._suspect:
                     backoff = 0.1
                     await self._sleep(self.heartbeat_interval_ms / 1000)
