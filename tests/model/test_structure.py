@@ -70,18 +70,19 @@ def test_indexer_picks_are_visible_and_distinct(tiny, tokens) -> None:
     picks = []
     layer = tiny.cfg.csa_layers[0]
     indexer = tiny.model.layers[layer].self_attn.compressor.indexer
-    orig = indexer.select
+    orig = indexer.pick
 
-    def spy(*a, **k):
-        out = orig(*a, **k)
-        picks.append((a[2].positions.clone(), out.clone()))
+    def spy(kv, score, q, w, span, *rest):
+        out = orig(kv, score, q, w, span, *rest)
+        picks.append((span.positions.clone(), out.clone()))
         return out
 
-    indexer.select = spy
+    indexer.pick = spy
     try:
         tiny.prefill(tokens, tiny.new_state(BLOCK))
     finally:
-        del indexer.select
+        del indexer.pick
+    assert picks, "the indexer was never asked to pick"
     m, k = tiny.cfg.csa_ratio, tiny.cfg.index_topk
     for positions, sel in picks:
         for t, row in zip(positions.tolist(), sel.tolist()):

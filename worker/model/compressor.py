@@ -46,12 +46,6 @@ class Compressor(nn.Module):
         ``[N, coff * width]``: the part of the compressor that runs on a whole batch at once."""
         return self.kv_proj(x), self.gate_proj(x) + self.position_bias[positions % self.ratio]
 
-    def run(self, x: torch.Tensor, span: Span, slot: CompressorSlot, rope: RopeTables,
-            block_size: int) -> int:
-        """:meth:`project` then :meth:`absorb` for one request's rows."""
-        kv, score = self.project(x, span.positions)
-        return self.absorb(kv, score, span, slot, rope, block_size)
-
     def absorb(self, kv: torch.Tensor, score: torch.Tensor, span: Span, slot: CompressorSlot,
                rope: RopeTables, block_size: int) -> int:
         """Take one request's projected rows (positions ``span``), emit every entry whose window

@@ -55,10 +55,3 @@ class Indexer(Compressor):
         """One request's rows: emit its indexer keys, then pick entries per query ``[T, index_topk]``."""
         n = self.absorb(kv, score, span, slot, rope, block_size)
         return indexer_topk(q, slot.entries(n), w, span.positions, self.ratio, self.topk)
-
-    def select(self, x: torch.Tensor, qr: torch.Tensor, span: Span, slot: CompressorSlot,
-               rope: RopeTables, block_size: int) -> torch.Tensor:
-        """One request's rows end to end: project, emit its keys, pick ``[T, index_topk]``."""
-        kv, score = self.project(x, span.positions)
-        q, w = self.queries(x, qr, span.positions, rope)
-        return self.pick(kv, score, q, w, span, slot, rope, block_size)
