@@ -789,24 +789,17 @@ class Engine:
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         t0 = time.perf_counter()
-        ttft = 0.0
         outcome = "error"
-
-        def first(tok: int) -> bool:
-            nonlocal ttft
-            if not ttft:
-                ttft = time.perf_counter() - t0
-                self.metrics.ttft.observe(ttft)
-            return False
-
         s = await self.open(tokens, tenant=tenant, reuse=reuse, max_new_tokens=max_tokens)
         try:
             g = await generate(s, sampling or SamplingParams(), max_tokens=max_tokens,
-                               stop_token_ids=frozenset(stop_token_ids), keep_logits=return_logits, on_token=first)
+                               stop_token_ids=frozenset(stop_token_ids), keep_logits=return_logits)
             outcome = "ok"
         finally:
             await self.close(s)
             self.metrics.requests.labels(outcome=outcome).inc()
+        ttft = g.first_token_at - t0
+        self.metrics.ttft.observe(ttft)
         return s.result(g.tokens, g.logits, ttft)
 
 

@@ -8,6 +8,7 @@ Both callers — the serving scheduler (``worker.scheduler``, HTTP requests) and
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -63,6 +64,8 @@ class Generated:
     finish_reason: str
     #: ``[len(tokens), vocab]``, the logits each token was sampled from (when kept).
     logits: torch.Tensor | None
+    #: ``time.perf_counter()`` when the first token was sampled.
+    first_token_at: float
 
 
 async def generate(s: Session, sampling: SamplingParams, *, max_tokens: int,
@@ -74,11 +77,13 @@ async def generate(s: Session, sampling: SamplingParams, *, max_tokens: int,
     logits = await s.prefill_rest()
     out: list[int] = []
     kept: list[torch.Tensor] = []
+    first_at = 0.0
     while True:
         if keep_logits:
             kept.append(logits.detach().cpu().clone())
         tok = sampler.pick(logits)
         out.append(tok)
+        first_at = first_at or time.perf_counter()
         stopped = on_token(tok) if on_token is not None else False
         if tok in stop_token_ids or stopped:
             finish = "stop"
@@ -87,7 +92,7 @@ async def generate(s: Session, sampling: SamplingParams, *, max_tokens: int,
             finish = "length"
             break
         logits = await s.decode(tok)
-    return Generated(out, finish, torch.stack(kept) if kept else None)
+    return Generated(out, finish, torch.stack(kept) if kept else None, first_at)
 
 
 __all__ = ["Generated", "Sampler", "SamplingParams", "generate"]

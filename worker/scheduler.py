@@ -452,13 +452,11 @@ class Scheduler:
             s.order = (req.priority, job.seq)
             ttft = 0.0
             last = 0.0
-            prompt_done = False
 
             def on_token(tok: int) -> bool:
-                nonlocal ttft, last, prompt_done
+                nonlocal ttft, last
                 now = time.perf_counter()
-                if not prompt_done:
-                    prompt_done = True
+                if not last:                    # the first token: the prompt is done
                     self.metrics.prompt_tokens.inc(len(req.tokens))
                     ttft = now - job.arrival
                     e.metrics.ttft.observe(ttft)

@@ -117,10 +117,14 @@ class HybridAttentionLM(nn.Module):
         """Raise ``ValueError`` if ``tokens`` cannot run on ``state`` (ids outside the vocabulary,
         no tokens, past the state's capacity) — without touching the state: the step loop
         checks every request this way before a fused forward, so one bad request fails alone."""
-        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        state.span(self._ids(tokens).numel())
+
+    def _ids(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Token ids as a 1-D int64 tensor on the model's device; ``ValueError`` outside the vocabulary."""
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.lm_head.weight.device).reshape(-1)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
-        state.span(ids.numel())
+        return ids
 
     @torch.no_grad()
     def forward_batch(self, work: Sequence[tuple[torch.Tensor | Sequence[int], RequestState]], *,
@@ -144,13 +148,7 @@ class HybridAttentionLM(nn.Module):
                                "(kernels.invariant.probe failed, or torch runs more than one intra-op thread): "
                                "run requests one at a time")
         dev = self.lm_head.weight.device
-        vocab = self.cfg.vocab_size
-        ids_list = []
-        for tokens, _ in work:
-            ids = torch.as_tensor(tokens, dtype=torch.long, device=dev).reshape(-1)
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-                raise ValueError(f"token ids must lie in [0, {vocab})")
-            ids_list.append(ids)
+        ids_list = [self._ids(tokens) for tokens, _ in work]
         segs, row = [], 0
         for ids, (_, state) in zip(ids_list, work):
             span = state.span(ids.numel())
