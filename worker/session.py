@@ -613,7 +613,7 @@ class Session:
         """
         bs, n, start = self.bs, len(self.tokens), self.prefill_pos
         if max_tokens is None:
-            end = _units(start, n, bs, self.engine.chunk_blocks)[0][1]
+            end = _next_unit_end(start, n, bs, self.engine.chunk_blocks)
         else:
             full_end = n - n % bs
             end = n if start >= full_end else min(full_end, start + max(bs, max_tokens // bs * bs))
@@ -814,19 +814,12 @@ class Session:
                       timings=dict(self.timings))
 
 
-def _units(start: int, end: int, bs: int, chunk_blocks: int) -> list[tuple[int, int]]:
-    """The prefill units ``[s, t)`` from ``start`` (a block boundary) to ``end``, on the model's grid."""
+def _next_unit_end(start: int, end: int, bs: int, chunk_blocks: int) -> int:
+    """Where the prefill unit starting at ``start`` (a block boundary) ends, on the model's grid:
+    the next grid point or the last whole block, then the trailing partial block."""
     unit = chunk_blocks * bs
     full_end = end - end % bs
-    out: list[tuple[int, int]] = []
-    s = start
-    while s < full_end:
-        t = min((s // unit + 1) * unit, full_end)
-        out.append((s, t))
-        s = t
-    if s < end:
-        out.append((s, end))
-    return out
+    return min((start // unit + 1) * unit, full_end) if start < full_end else end
 
 
 __all__ = ["CacheValidationError", "Result", "Session"]
