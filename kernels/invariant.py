@@ -119,26 +119,28 @@ def bmm_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def probe(shapes: Iterable[tuple[int, int]], rows: Iterable[int] = (1, 2, 3, 4, 5, 7, 16, 33, 64, 129, 256),
-          *, seed: int = 0) -> list[str]:
+          *, seed: int = 0, dtype: torch.dtype = torch.float32) -> list[str]:
     """Check that :func:`linear` keeps a row's bits for every row count in ``rows``.
 
     ``shapes`` are ``(in_features, out_features)`` pairs. Returns one line per failure (empty:
-    invariant here). Cheap (tiny random products), so a worker runs it at start.
+    invariant here). Cheap (tiny random products), so a worker runs it at start, in the dtype its
+    model computes in (bfloat16 and float16 products take other kernels than float32).
     """
     g = torch.Generator().manual_seed(seed)
     rows = sorted(set(rows))
     failures = []
     for k, n in sorted(set(shapes)):
-        w = torch.randn(n, k, generator=g)
-        probe_row = torch.randn(k, generator=g)
+        w = torch.randn(n, k, generator=g).to(dtype)
+        probe_row = torch.randn(k, generator=g).to(dtype)
         ref = None
         for m in rows:
-            x = torch.randn(m, k, generator=g)
+            x = torch.randn(m, k, generator=g).to(dtype)
             x[m // 2] = probe_row
             got = linear(x, w)[m // 2]
             if ref is None:
                 ref = got
             elif not torch.equal(got, ref):
-                failures.append(f"linear {k}->{n}: row differs at {m} rows vs {rows[0]}")
+                failures.append(f"linear {k}->{n} {str(dtype).removeprefix('torch.')}: row differs at {m} rows "
+                                f"vs {rows[0]}")
                 break
     return failures

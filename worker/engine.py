@@ -67,7 +67,7 @@ from worker.cache.tiers import Tiers
 from worker.client import CoordinatorClient, CoordinatorRefused, CoordinatorUnavailable
 from worker.generation import SamplingParams, generate
 from worker.metrics import WorkerMetrics
-from worker.model import HybridAttentionLM, declare_forms, form_layouts, weights_digest
+from worker.model import CausalLM, weights_digest
 from worker.publisher import OutboxFull, TransitionPublisher
 from worker.session import CacheValidationError, Result, Session
 from worker.settings import pool_slots, salt_secret, tenant_salt, worker_id
@@ -103,22 +103,25 @@ class Health:
 
 
 class Engine:
-    def __init__(self, model: HybridAttentionLM, cfg: Config, client: CoordinatorClient | None = None, *,
+    def __init__(self, model: CausalLM, cfg: Config, client: CoordinatorClient | None = None, *,
                  worker_id_: str | None = None, metrics: WorkerMetrics | None = None, endpoint: str = "") -> None:
         self.cfg = cfg
         self.model = model
         self.log = get_logger("kvl.worker")
         self.block_size = cfg.cache.block_size
         self.chunk_blocks = cfg.cache.chunk_blocks
-        self.layouts = form_layouts(model.cfg, self.block_size)
-        self.catalogue = declare_forms(model.cfg, self.block_size)
+        self.layouts = model.form_layouts(self.block_size)
+        self.catalogue = model.declare_forms(self.block_size)
         self.specs = {n: lay.spec for n, lay in self.layouts.items()}
         self.spec_digests = {n: spec.spec_digest for n, spec in self.specs.items()}
-        self.namespace = namespace_hash(model.cfg.model_id, weights_digest(model))
+        # A checkpoint directory's namespace is its files' digest (worker.model.manifest) and the
+        # dtype it computes in; seeded weights hash their tensors (which covers the dtype).
+        self.namespace = namespace_hash(model.cfg.model_id, f"{model.checkpoint_digest}:{model.dtype}"
+                                        if model.checkpoint_digest else weights_digest(model))
         self.worker_id = worker_id_ or worker_id(cfg)
         self.gpu = f"gpu:{self.worker_id}"
         self.host_location = f"host:{self.worker_id}"
-        self.device = model.lm_head.weight.device
+        self.device = model.device
         self.max_context = min(cfg.service.max_context_length, model.cfg.max_position_embeddings)
         self.metrics = metrics or WorkerMetrics()
         self.client = client

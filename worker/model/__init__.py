@@ -7,10 +7,11 @@ per-request cache object, ``export_block`` / ``restore``) and :func:`declare_for
 
 from worker.model.config import ConfigError, ModelConfig, check_block_size
 from worker.model.forms import declare_forms, form_layouts
+from worker.model.lm import CausalLM
 from worker.model.model import HybridAttentionLM
 from worker.model.state import BlockPayload, RequestState
 from worker.model.weights import build_model, load_safetensors, save_safetensors, weights_digest
 
-__all__ = ["BlockPayload", "ConfigError", "HybridAttentionLM", "ModelConfig", "RequestState", "build_model",
+__all__ = ["BlockPayload", "CausalLM", "ConfigError", "HybridAttentionLM", "ModelConfig", "RequestState", "build_model",
            "check_block_size", "declare_forms", "form_layouts", "load_safetensors", "save_safetensors",
            "weights_digest"]

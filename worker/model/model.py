@@ -24,20 +24,19 @@ which :meth:`HybridAttentionLM.prefill`'s grid-anchored units (``chunk_blocks``)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import nn
 
-from kernels.invariant import invariant_here, probe
 from worker.model.attention import Attention
 from worker.model.config import ModelConfig
+from worker.model.forms import form_layouts
 from worker.model.hyper_connections import HyperConnection, HyperHead
 from worker.model.linear import Linear
+from worker.model.lm import CausalLM
 from worker.model.moe import MoE
 from worker.model.norms import RMSNorm
 from worker.model.rope import RopeTables
-from worker.model.state import Batch, RequestState, Segment
+from worker.model.state import Batch, RequestState
 
 
 class DecoderLayer(nn.Module):
@@ -70,8 +69,10 @@ class Backbone(nn.Module):
         self.hc_head = HyperHead(cfg.hidden_size, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps)
 
 
-class HybridAttentionLM(nn.Module):
+class HybridAttentionLM(CausalLM):
     """The language model. Build initialised weights with :func:`worker.model.weights.build_model`."""
+
+    family = "deepseek_v4"
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -79,10 +80,6 @@ class HybridAttentionLM(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RopeTables(cfg, cfg.max_position_embeddings)
-        #: Whether fused forwards and decode-made blocks are exact here (``kernels.invariant.probe``;
-        #: the worker sets it from the probe at start). False: one request per forward, and only
-        #: blocks of block-aligned units are exportable.
-        self.batch_invariant = True
 
     def _apply(self, fn, *args, **kwargs):
         # Keep the rotary tables on the parameters' device (they are plain tensors, not
@@ -91,125 +88,26 @@ class HybridAttentionLM(nn.Module):
         self.rope = RopeTables(self.cfg, self.cfg.max_position_embeddings, device=self.lm_head.weight.device)
         return out
 
-    def check_invariance(self) -> list[str]:
-        """Probe this machine's products at this model's shapes (``kernels.invariant.probe``);
-        sets :attr:`batch_invariant` and returns what failed (empty: invariant)."""
-        shapes = {(m.in_features, m.out_features) for m in self.modules() if isinstance(m, nn.Linear)}
+    def _product_shapes(self) -> set[tuple[int, int]]:
         cfg = self.cfg
-        shapes |= {(cfg.hidden_size, 2 * cfg.moe_intermediate_size), (cfg.moe_intermediate_size, cfg.hidden_size),
-                   (cfg.hidden_size, cfg.n_routed_experts), (cfg.hc_mult * cfg.hidden_size, cfg.hc_mult),
-                   (cfg.hc_mult * cfg.hidden_size, (2 + cfg.hc_mult) * cfg.hc_mult)}
-        if self.lm_head.weight.device.type != "cpu":
-            # NOTE: the rules are measured for the CPU path only; cuBLAS and the Triton kernels
-            # (fixed tiles, but not yet checked row against batch) run one request per forward.
-            failures = [("batch invariance is established for the CPU path only, not for "
-                         f"{self.lm_head.weight.device.type}")]
-        else:
-            failures = probe(shapes)
-        self.batch_invariant = not failures
-        return failures
+        return super()._product_shapes() | {
+            (cfg.hidden_size, 2 * cfg.moe_intermediate_size), (cfg.moe_intermediate_size, cfg.hidden_size),
+            (cfg.hidden_size, cfg.n_routed_experts), (cfg.hc_mult * cfg.hidden_size, cfg.hc_mult),
+            (cfg.hc_mult * cfg.hidden_size, (2 + cfg.hc_mult) * cfg.hc_mult)}
 
     def new_state(self, block_size: int, capacity: int | None = None) -> RequestState:
         """A fresh per-request state on this model's device."""
-        return RequestState(self.cfg, block_size, capacity, device=self.lm_head.weight.device)
+        return RequestState(self.cfg, block_size, capacity, device=self.device)
 
-    def check_step(self, tokens: torch.Tensor | Sequence[int], state: RequestState) -> None:
-        """Raise ``ValueError`` if ``tokens`` cannot run on ``state`` (ids outside the vocabulary,
-        no tokens, past the state's capacity) — without touching the state: the step loop
-        checks every request this way before a fused forward, so one bad request fails alone."""
-        state.span(self._ids(tokens).numel())
+    def form_layouts(self, block_size: int) -> dict:
+        return form_layouts(self.cfg, block_size)
 
-    def _ids(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        """Token ids as a 1-D int64 tensor on the model's device; ``ValueError`` outside the vocabulary."""
-        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.lm_head.weight.device).reshape(-1)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
-        return ids
-
-    @torch.no_grad()
-    def forward_batch(self, work: Sequence[tuple[torch.Tensor | Sequence[int], RequestState]], *,
-                      logits: str = "last") -> list[torch.Tensor]:
-        """Run several requests' next tokens as ONE forward and advance each state.
-
-        ``work`` is ``(tokens, state)`` per request (distinct states; any lengths: a decode
-        token, a prefill unit). Every op is batch-invariant (``kernels.invariant``), so each
-        request's rows come out bit-identical to running it alone. Returns, per request, logits
-        ``[T, vocab]`` (``logits="all"``) or ``[vocab]`` of its last token (``"last"``).
-        """
-        if logits not in ("all", "last"):
-            raise ValueError(f"logits={logits!r}: use 'all' or 'last'")
-        if not work:
-            return []
-        if len({id(st) for _, st in work}) != len(work):
-            raise ValueError("forward_batch: each request state may appear once per forward")
-        invariant = self.batch_invariant and invariant_here()
-        if len(work) > 1 and not invariant:
-            raise RuntimeError("this model's ops are not batch-invariant on this machine "
-                               "(kernels.invariant.probe failed, or torch runs more than one intra-op thread): "
-                               "run requests one at a time")
-        dev = self.lm_head.weight.device
-        ids_list = [self._ids(tokens) for tokens, _ in work]
-        segs, row = [], 0
-        for ids, (_, state) in zip(ids_list, work):
-            span = state.span(ids.numel())
-            segs.append(Segment(state, span, slice(row, row + span.length)))
-            row += span.length
-        batch = Batch(tuple(segs), torch.cat([g.span.positions for g in segs]) if len(segs) > 1
-                      else segs[0].span.positions)
-        ids = torch.cat(ids_list) if len(ids_list) > 1 else ids_list[0]
+    def _body(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
         x = self.model.embed_tokens(ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for layer in self.model.layers:
             streams = layer(streams, ids, batch, self.rope)
-        for g in segs:
-            g.state.commit(g.span, invariant=invariant)
-        if logits == "last":
-            streams = streams[torch.tensor([g.rows.stop - 1 for g in segs], device=dev)]
-        out = self.lm_head(self.model.norm(self.model.hc_head(streams)))
-        if logits == "last":
-            return list(out.unbind(0))
-        return [out[g.rows] for g in segs]
+        return streams
 
-    def extend(self, tokens: torch.Tensor | Sequence[int], state: RequestState, *,
-               logits: str = "all") -> torch.Tensor:
-        """Run ``tokens`` as ONE unit at the state's position and advance the state.
-
-        Any length is valid (tests use it for arbitrary chunkings). Returns logits
-        ``[T, vocab]`` (``logits="all"``) or ``[vocab]`` for the last token (``"last"``).
-        """
-        return self.forward_batch([(tokens, state)], logits=logits)[0]
-
-    def prefill(self, tokens: torch.Tensor | Sequence[int], state: RequestState, *, chunk_blocks: int = 1,
-                logits: str = "all") -> torch.Tensor:
-        """Prefill ``tokens`` from the state's position (a block boundary) in grid-anchored units.
-
-        See the module docstring for the exactness rule this schedule enforces.
-        """
-        if chunk_blocks < 1:
-            raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
-        bs = state.block_size
-        if state.pos % bs:
-            raise ValueError(f"prefill must start on a block boundary; the state is at {state.pos} "
-                             f"(block size {bs}) — continue with decode_step or extend")
-        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        if ids.numel() == 0:
-            raise ValueError("prefill needs at least one token")
-        unit = chunk_blocks * bs
-        start, end = state.pos, state.pos + ids.numel()
-        full_end = end - end % bs
-        outs = []
-        s = start
-        while s < full_end:
-            e = min((s // unit + 1) * unit, full_end)      # next grid point, or the last full block
-            outs.append(self.extend(ids[s - start:e - start], state, logits=logits))
-            s = e
-        if s < end:
-            # NOTE: the trailing partial block is a unit of its own and is never exportable.
-            outs.append(self.extend(ids[s - start:], state, logits=logits))
-        if logits == "last":
-            return outs[-1]
-        return torch.cat(outs, 0)
-
-    def decode_step(self, token: int | torch.Tensor, state: RequestState) -> torch.Tensor:
-        """One token at the state's position; returns its logits ``[vocab]``."""
-        return self.extend([int(token)], state, logits="last")
+    def _head(self, streams: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(self.model.hc_head(streams)))

@@ -75,7 +75,7 @@ class Span:
 class Segment:
     """One request's part of a batched forward: its state, its span, its rows in the batch."""
 
-    state: RequestState
+    state: CacheState
     span: Span
     rows: slice
 
@@ -90,6 +90,89 @@ class Batch:
     @property
     def rows(self) -> int:
         return int(self.positions.shape[0])
+
+
+class CacheState:
+    """What every family's per-request state shares: the position, spans and their commit,
+    which blocks are exportable, and the spec check of a payload offered to ``restore``.
+
+    A subclass allocates its buffers, sets ``layouts`` (``{form: FormLayout}``) and implements
+    ``export_block(i)`` and ``restore(blocks, n_blocks)``; both go through the checks here.
+    """
+
+    def _init_positions(self, block_size: int, capacity: int, device: torch.device | str) -> None:
+        if capacity <= 0 or capacity % block_size:
+            raise ValueError(f"capacity {capacity} must be a positive multiple of block_size {block_size}")
+        self.block_size, self.capacity = block_size, capacity
+        self.device = torch.device(device)
+
+    def _reset_positions(self) -> None:
+        self.pos = 0
+        self._export_from = 0      # first block this state may export
+        self._exact = torch.zeros(self.capacity // self.block_size, dtype=torch.bool)
+
+    @property
+    def completed_blocks(self) -> int:
+        return self.pos // self.block_size
+
+    def span(self, length: int) -> Span:
+        """The next ``length`` positions; checks capacity."""
+        if length <= 0:
+            raise ValueError("a forward needs at least one token")
+        end = self.pos + length
+        if end > self.capacity:
+            raise ValueError(f"request would reach {end} tokens; this state holds {self.capacity} "
+                             f"(capacity, at most max_position_embeddings)")
+        return Span(self.pos, end, torch.arange(self.pos, end, device=self.device))
+
+    def commit(self, span: Span, *, invariant: bool = True) -> None:
+        """Advance past ``span``. With batch-invariant ops every block it completes is exportable
+        (a cold prefill computes the same bits, whatever its units); without, only blocks of a
+        block-aligned span are."""
+        assert span.start == self.pos, "spans must be committed in order"
+        bs = self.block_size
+        if invariant or (span.start % bs == 0 and span.end % bs == 0):
+            self._exact[span.start // bs:span.end // bs] = True
+        self.pos = span.end
+
+    def _check_exportable(self, i: int) -> None:
+        if not (self._export_from <= i < self.completed_blocks):
+            raise ValueError(f"block {i} is not exportable: this state holds computed blocks "
+                             f"[{self._export_from}, {self.completed_blocks})")
+        if not bool(self._exact[i]):
+            raise ValueError(f"block {i} was not computed by a block-aligned unit (decode steps or an "
+                             f"unaligned chunk); a cold prefill would compute it differently, so it is "
+                             f"not exported")
+
+    def _check_restore(self, blocks: Sequence[Mapping[str, torch.Tensor]], n_blocks: int) -> None:
+        if len(blocks) < n_blocks:
+            raise ValueError(f"restore: {n_blocks} blocks requested, {len(blocks)} given")
+        if n_blocks * self.block_size > self.capacity:
+            raise ValueError(f"restore: {n_blocks} blocks exceed this state's capacity of {self.capacity} tokens")
+
+    def _payload(self, blocks: Sequence[Mapping[str, torch.Tensor]], i: int, form: str,
+                 specs: Mapping[str, FormSpec] | None) -> torch.Tensor:
+        layout = self.layouts[form]
+        block = blocks[i]
+        if form not in block:
+            raise ValueError(f"restore: block {i} lacks form {form!r}, which a resume at block "
+                             f"{len(blocks)} needs")
+        got_spec = getattr(block, "specs", {}).get(form) or (specs or {}).get(form)
+        if got_spec is None:
+            raise ValueError(f"restore: block {i} form {form!r} carries no form spec; pass BlockPayload "
+                             f"objects or specs=")
+        if got_spec.spec_digest != layout.spec.spec_digest:
+            raise FormSpecMismatch(form, layout.spec, got_spec.spec_digest, describe_mismatch(layout.spec, got_spec))
+        t = block[form]
+        if tuple(t.shape) != layout.shape or t.dtype != layout.dtype:
+            raise ValueError(f"restore: block {i} form {form!r} has shape {tuple(t.shape)} {t.dtype}; its spec "
+                             f"says {layout.shape} {layout.dtype} (corrupt payload)")
+        return t.to(self.device)
+
+    def _payload_out(self, out: dict[str, torch.Tensor]) -> BlockPayload:
+        for name, t in out.items():
+            assert tuple(t.shape) == self.layouts[name].shape, (name, t.shape)
+        return BlockPayload(out, {name: self.layouts[name].spec for name in out})
 
 
 class CompressorSlot:
@@ -120,17 +203,15 @@ class CompressorSlot:
         self._state._capture_halo(self.layer, self.kind, block, kv_a, score_a)
 
 
-class RequestState:
-    """Cache state of one request (batch 1). See the module docstring."""
+class RequestState(CacheState):
+    """Cache state of one request of the hybrid model (batch 1). See the module docstring."""
 
     def __init__(self, cfg: ModelConfig, block_size: int, capacity: int | None = None,
                  device: torch.device | str = "cpu") -> None:
         check_block_size(cfg, block_size)
         capacity = cfg.max_position_embeddings if capacity is None else capacity
-        if capacity <= 0 or capacity % block_size:
-            raise ValueError(f"capacity {capacity} must be a positive multiple of block_size {block_size}")
-        self.cfg, self.block_size, self.capacity = cfg, block_size, capacity
-        self.device = torch.device(device)
+        self._init_positions(block_size, capacity, device)
+        self.cfg = cfg
         self.layouts: dict[str, FormLayout] = form_layouts(cfg, block_size)
         f32 = dict(dtype=torch.float32, device=self.device)
         D, dI = cfg.head_dim, cfg.index_head_dim
@@ -166,36 +247,10 @@ class RequestState:
 
     def reset(self) -> None:
         """Empty the state for a new request: position 0, compressor rings at (0, −inf)."""
-        self.pos = 0
+        self._reset_positions()
         self._swa_lo = 0           # first position whose swa rows this state holds
-        self._export_from = 0      # first block this state may export
-        self._exact = torch.zeros(self.capacity // self.block_size, dtype=torch.bool)
         for slot in self._slots.values():
             slot.reset()
-
-    @property
-    def completed_blocks(self) -> int:
-        return self.pos // self.block_size
-
-    def span(self, length: int) -> Span:
-        """The next ``length`` positions; checks capacity."""
-        if length <= 0:
-            raise ValueError("a forward needs at least one token")
-        end = self.pos + length
-        if end > self.capacity:
-            raise ValueError(f"request would reach {end} tokens; this state holds {self.capacity} "
-                             f"(capacity, at most max_position_embeddings)")
-        return Span(self.pos, end, torch.arange(self.pos, end, device=self.device))
-
-    def commit(self, span: Span, *, invariant: bool = True) -> None:
-        """Advance past ``span``. With batch-invariant ops every block it completes is exportable
-        (a cold prefill computes the same bits, whatever its units); without, only blocks of a
-        block-aligned span are."""
-        assert span.start == self.pos, "spans must be committed in order"
-        bs = self.block_size
-        if invariant or (span.start % bs == 0 and span.end % bs == 0):
-            self._exact[span.start // bs:span.end // bs] = True
-        self.pos = span.end
 
     # ---- what the model touches --------------------------------------------------------
 
@@ -221,15 +276,8 @@ class RequestState:
 
     def export_block(self, i: int) -> BlockPayload:
         """Block ``i``'s payload per form (fresh tensors, fixed shapes); see ``worker.model.forms``."""
-        bs = self.block_size
-        if not (self._export_from <= i < self.completed_blocks):
-            raise ValueError(f"block {i} is not exportable: this state holds computed blocks "
-                             f"[{self._export_from}, {self.completed_blocks})")
-        if not bool(self._exact[i]):
-            raise ValueError(f"block {i} was not computed by a block-aligned unit (decode steps or an "
-                             f"unaligned chunk); a cold prefill would compute it differently, so it is "
-                             f"not exported")
-        cfg = self.cfg
+        self._check_exportable(i)
+        bs, cfg = self.block_size, self.cfg
         out: dict[str, torch.Tensor] = {}
         if COMPRESSED in self.layouts:
             parts = []
@@ -244,28 +292,7 @@ class RequestState:
         if TAIL in self.layouts:
             out[TAIL] = self._halos[i].clone()
         out[SWA] = self._swa[:, i * bs:(i + 1) * bs].clone()
-        for name, t in out.items():
-            assert tuple(t.shape) == self.layouts[name].shape, (name, t.shape)
-        return BlockPayload(out, {name: self.layouts[name].spec for name in out})
-
-    def _payload(self, blocks: Sequence[Mapping[str, torch.Tensor]], i: int, form: str,
-                 specs: Mapping[str, FormSpec] | None) -> torch.Tensor:
-        layout = self.layouts[form]
-        block = blocks[i]
-        if form not in block:
-            raise ValueError(f"restore: block {i} lacks form {form!r}, which a resume at block "
-                             f"{len(blocks)} needs")
-        got_spec = getattr(block, "specs", {}).get(form) or (specs or {}).get(form)
-        if got_spec is None:
-            raise ValueError(f"restore: block {i} form {form!r} carries no form spec; pass BlockPayload "
-                             f"objects or specs=")
-        if got_spec.spec_digest != layout.spec.spec_digest:
-            raise FormSpecMismatch(form, layout.spec, got_spec.spec_digest, describe_mismatch(layout.spec, got_spec))
-        t = block[form]
-        if tuple(t.shape) != layout.shape or t.dtype != layout.dtype:
-            raise ValueError(f"restore: block {i} form {form!r} has shape {tuple(t.shape)} {t.dtype}; its spec "
-                             f"says {layout.shape} {layout.dtype} (corrupt payload)")
-        return t.to(self.device)
+        return self._payload_out(out)
 
     def restore(self, blocks: Sequence[Mapping[str, torch.Tensor]], n_blocks: int, *,
                 specs: Mapping[str, FormSpec] | None = None) -> None:
@@ -277,10 +304,7 @@ class RequestState:
         this model's (``BlockPayload.specs`` or ``specs=``).
         """
         cfg, bs = self.cfg, self.block_size
-        if len(blocks) < n_blocks:
-            raise ValueError(f"restore: {n_blocks} blocks requested, {len(blocks)} given")
-        if n_blocks * bs > self.capacity:
-            raise ValueError(f"restore: {n_blocks} blocks exceed this state's capacity of {self.capacity} tokens")
+        self._check_restore(blocks, n_blocks)
         self.reset()
         if n_blocks == 0:
             return

@@ -1,0 +1,181 @@
+"""What every model family shares: the batched forward's skeleton and the prefill schedule.
+
+A family (:class:`worker.model.model.HybridAttentionLM`, :class:`worker.model.dense.model.DenseLM`)
+implements four things — its per-request state (``new_state``), its forms (``form_layouts``),
+the rows of one forward up to the last hidden state (``_body``) and the head (``_head``) —
+and inherits the rest: token-id checks, one forward over several requests with each state
+advanced and its exportable blocks marked, grid-anchored prefill, decode steps.
+
+Exactness is each family's own argument (its ops are batch-invariant, see
+``kernels.invariant``); the skeleton only keeps to it: a request's rows are contiguous in the
+batch, every state commits its span after the forward, and logits are cut per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from kernels.invariant import invariant_here, probe
+from shared.forms import FormCatalogue
+from worker.model.state import Batch, CacheState, Segment
+
+
+class CausalLM(nn.Module):
+    #: The family's name as ``kvledger`` reports it ("deepseek_v4", "llama", "qwen2", "qwen3").
+    family = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: Whether fused forwards and decode-made blocks are exact here (``kernels.invariant.probe``;
+        #: the worker sets it from the probe at start). False: one request per forward, and only
+        #: blocks of block-aligned units are exportable.
+        self.batch_invariant = True
+        #: The checkpoint's digest when it was loaded from a directory (``worker.model.manifest``);
+        #: ``None`` for seeded weights (their namespace is the digest of the tensors themselves).
+        self.checkpoint_digest: str | None = None
+
+    # ---- what a family provides ---------------------------------------------------------------
+
+    def new_state(self, block_size: int, capacity: int | None = None) -> CacheState:
+        raise NotImplementedError
+
+    def form_layouts(self, block_size: int) -> dict:
+        raise NotImplementedError
+
+    def _body(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Every row's last hidden state (before the head), cached state read and written."""
+        raise NotImplementedError
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _product_shapes(self) -> set[tuple[int, int]]:
+        """``(in, out)`` of every product the forward runs, for :meth:`check_invariance`."""
+        return {(m.in_features, m.out_features) for m in self.modules() if isinstance(m, nn.Linear)}
+
+    # ---- shared ---------------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def declare_forms(self, block_size: int) -> FormCatalogue:
+        """The catalogue this model declares to the coordinator."""
+        return FormCatalogue(model_id=self.cfg.model_id, block_size=block_size,
+                             forms=tuple(layout.spec for layout in self.form_layouts(block_size).values()))
+
+    def check_invariance(self) -> list[str]:
+        """Probe this machine's products at this model's shapes and dtype (``kernels.invariant.probe``);
+        sets :attr:`batch_invariant` and returns what failed (empty: invariant)."""
+        if self.device.type != "cpu":
+            # NOTE: the rules are measured for the CPU path only; cuBLAS and the Triton kernels
+            # (fixed tiles, but not yet checked row against batch) run one request per forward.
+            failures = [f"batch invariance is established for the CPU path only, not for {self.device.type}"]
+        else:
+            failures = probe(self._product_shapes(), dtype=self.dtype)
+        self.batch_invariant = not failures
+        return failures
+
+    def check_step(self, tokens: torch.Tensor | Sequence[int], state: CacheState) -> None:
+        """Raise ``ValueError`` if ``tokens`` cannot run on ``state`` (ids outside the vocabulary,
+        no tokens, past the state's capacity) — without touching the state: the step loop
+        checks every request this way before a fused forward, so one bad request fails alone."""
+        state.span(self._ids(tokens).numel())
+
+    def _ids(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Token ids as a 1-D int64 tensor on the model's device; ``ValueError`` outside the vocabulary."""
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(-1)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        return ids
+
+    @torch.no_grad()
+    def forward_batch(self, work: Sequence[tuple[torch.Tensor | Sequence[int], CacheState]], *,
+                      logits: str = "last") -> list[torch.Tensor]:
+        """Run several requests' next tokens as ONE forward and advance each state.
+
+        ``work`` is ``(tokens, state)`` per request (distinct states; any lengths: a decode
+        token, a prefill unit). Every op is batch-invariant (``kernels.invariant``), so each
+        request's rows come out bit-identical to running it alone. Returns, per request, logits
+        ``[T, vocab]`` (``logits="all"``) or ``[vocab]`` of its last token (``"last"``).
+        """
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits={logits!r}: use 'all' or 'last'")
+        if not work:
+            return []
+        if len({id(st) for _, st in work}) != len(work):
+            raise ValueError("forward_batch: each request state may appear once per forward")
+        invariant = self.batch_invariant and invariant_here()
+        if len(work) > 1 and not invariant:
+            raise RuntimeError("this model's ops are not batch-invariant on this machine "
+                               "(kernels.invariant.probe failed, or torch runs more than one intra-op thread): "
+                               "run requests one at a time")
+        ids_list = [self._ids(tokens) for tokens, _ in work]
+        segs, row = [], 0
+        for ids, (_, state) in zip(ids_list, work):
+            span = state.span(ids.numel())
+            segs.append(Segment(state, span, slice(row, row + span.length)))
+            row += span.length
+        batch = Batch(tuple(segs), torch.cat([g.span.positions for g in segs]) if len(segs) > 1
+                      else segs[0].span.positions)
+        ids = torch.cat(ids_list) if len(ids_list) > 1 else ids_list[0]
+        h = self._body(ids, batch)
+        for g in segs:
+            g.state.commit(g.span, invariant=invariant)
+        if logits == "last":
+            h = h[torch.tensor([g.rows.stop - 1 for g in segs], device=self.device)]
+        out = self._head(h)
+        if logits == "last":
+            return list(out.unbind(0))
+        return [out[g.rows] for g in segs]
+
+    def extend(self, tokens: torch.Tensor | Sequence[int], state: CacheState, *,
+               logits: str = "all") -> torch.Tensor:
+        """Run ``tokens`` as ONE unit at the state's position and advance the state.
+
+        Any length is valid (tests use it for arbitrary chunkings). Returns logits
+        ``[T, vocab]`` (``logits="all"``) or ``[vocab]`` for the last token (``"last"``).
+        """
+        return self.forward_batch([(tokens, state)], logits=logits)[0]
+
+    def prefill(self, tokens: torch.Tensor | Sequence[int], state: CacheState, *, chunk_blocks: int = 1,
+                logits: str = "all") -> torch.Tensor:
+        """Prefill ``tokens`` from the state's position (a block boundary) in grid-anchored units:
+        each unit ends on a multiple of ``chunk_blocks`` blocks (or at the last full block), and
+        the trailing partial block is a unit of its own. Without batch invariance this is the
+        schedule a resumed request can follow exactly (``RequestState.commit``)."""
+        if chunk_blocks < 1:
+            raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
+        bs = state.block_size
+        if state.pos % bs:
+            raise ValueError(f"prefill must start on a block boundary; the state is at {state.pos} "
+                             f"(block size {bs}) — continue with decode_step or extend")
+        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        if ids.numel() == 0:
+            raise ValueError("prefill needs at least one token")
+        unit = chunk_blocks * bs
+        start, end = state.pos, state.pos + ids.numel()
+        full_end = end - end % bs
+        outs = []
+        s = start
+        while s < full_end:
+            e = min((s // unit + 1) * unit, full_end)      # next grid point, or the last full block
+            outs.append(self.extend(ids[s - start:e - start], state, logits=logits))
+            s = e
+        if s < end:
+            # NOTE: the trailing partial block is a unit of its own and is never exportable.
+            outs.append(self.extend(ids[s - start:], state, logits=logits))
+        if logits == "last":
+            return outs[-1]
+        return torch.cat(outs, 0)
+
+    def decode_step(self, token: int | torch.Tensor, state: CacheState) -> torch.Tensor:
+        """One token at the state's position; returns its logits ``[vocab]``."""
+        return self.extend([int(token)], state, logits="last")
