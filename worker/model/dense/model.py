@@ -1,0 +1,189 @@
+"""The dense decoder (Llama / Qwen2 / Qwen3) on the shared batched-forward skeleton.
+
+Module and parameter names are transformers' (``model.layers.N.self_attn.q_proj.weight`` …), so
+a ``save_pretrained`` directory loads by name (:mod:`worker.model.checkpoint`). Every product is
+:class:`worker.model.linear.Linear` (batch-invariant rows), elementwise transcendental functions
+go through ``kernels.invariant.pointwise``, and attention is :func:`worker.model.dense.attention.attend`,
+so a request's logits are the same alone, fused with others, prefilled in any units, or resumed
+from cached K/V at any block boundary — in whatever dtype the model computes in.
+
+Norms follow transformers' ``LlamaRMSNorm``: normalise in float32, cast back, then the weight.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.invariant import KEY_CHUNK, pointwise
+from worker.model.dense.attention import attend
+from worker.model.dense.config import DenseConfig, rope_inv_freq
+from worker.model.dense.state import DenseState, dense_form_layouts
+from worker.model.linear import Linear
+from worker.model.lm import CausalLM
+from worker.model.state import Batch
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * pointwise(torch.rsqrt, xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Non-interleaved RoPE (transformers' ``rotate_half``): ``x·cos + [−x₂, x₁]·sin``;
+    ``x`` ``[N, heads, D]``, cos/sin ``[N, D]``."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos.unsqueeze(1) + rot * sin.unsqueeze(1)
+
+
+class RopeTable:
+    """cos/sin ``[max_positions, head_dim]`` (pairs repeated as ``cat(f, f)``), in the model's dtype."""
+
+    def __init__(self, cfg: DenseConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        inv, scale = rope_inv_freq(cfg.rope, cfg.head_dim)
+        freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)[:, None] * inv[None, :]
+        emb = torch.cat([freqs, freqs], -1)
+        self.inv_freq, self.attention_scaling = inv, scale
+        self.cos = (emb.cos() * scale).to(dtype=dtype, device=device)
+        self.sin = (emb.sin() * scale).to(dtype=dtype, device=device)
+
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions], self.sin[positions]
+
+
+class DenseAttention(nn.Module):
+    def __init__(self, cfg: DenseConfig, layer: int) -> None:
+        super().__init__()
+        self.layer, self.window = layer, cfg.window(layer)
+        H, kvh, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = H, kvh, D
+        self.q_proj = Linear(cfg.hidden_size, H * D, bias=cfg.qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, kvh * D, bias=cfg.qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, kvh * D, bias=cfg.qkv_bias)
+        self.o_proj = Linear(H * D, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = D ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        N = x.shape[0]
+        q = self.q_proj(x).view(N, self.heads, self.head_dim)
+        k = self.k_proj(x).view(N, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(N, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+        outs = []
+        for seg in batch.segments:
+            span, state, r = seg.span, seg.state, seg.rows
+            state.write(self.layer, span.start, k[r], v[r])
+            # Keys from the first piece the window can reach (pieces anchored at absolute positions).
+            lo = 0 if not self.window else max(0, span.start - self.window + 1) // KEY_CHUNK * KEY_CHUNK
+            keys, values = state.keys(self.layer, lo, span.end)
+            outs.append(attend(q[r], keys, values, span.positions, lo, self.window, self.scale))
+        o = torch.cat(outs, 0) if len(outs) > 1 else outs[0]
+        return self.o_proj(o.reshape(N, -1))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, cfg: DenseConfig) -> None:
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(pointwise(F.silu, self.gate_proj(x)) * self.up_proj(x))
+
+
+class DenseLayer(nn.Module):
+    def __init__(self, cfg: DenseConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = DenseAttention(cfg, layer)
+        self.mlp = DenseMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, batch, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), batch, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DenseBackbone(nn.Module):
+    def __init__(self, cfg: DenseConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DenseLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DenseLM(CausalLM):
+    """A Llama / Qwen2 / Qwen3 decoder. ``tie_word_embeddings`` shares the embedding as the head."""
+
+    def __init__(self, cfg: DenseConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.family = cfg.family
+        self.model = DenseBackbone(cfg)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope = RopeTable(cfg, torch.float32)
+
+    def _apply(self, fn, *args, **kwargs):
+        # The rotary table follows the parameters' device and dtype (a plain tensor, not a buffer,
+        # so it stays out of the state dict and the weights digest).
+        out = super()._apply(fn, *args, **kwargs)
+        self.rope = RopeTable(self.cfg, self.dtype, self.device)
+        return out
+
+    def new_state(self, block_size: int, capacity: int | None = None) -> DenseState:
+        return DenseState(self.cfg, block_size, capacity, dtype=self.dtype, device=self.device)
+
+    def form_layouts(self, block_size: int) -> dict:
+        return dense_form_layouts(self.cfg, block_size, self.dtype)
+
+    def _body(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
+        x = self.model.embed_tokens(ids)
+        cos, sin = self.rope.at(batch.positions)
+        for layer in self.model.layers:
+            x = layer(x, batch, cos, sin)
+        return x
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(h))
+
+
+@torch.no_grad()
+def build_dense(cfg: DenseConfig | None = None, seed: int = 0, dtype: torch.dtype = torch.float32) -> DenseLM:
+    """A dense model with seeded weights (each tensor from its own generator, as
+    ``worker.model.weights.init_weights``), in eval mode."""
+    from worker.model.weights import _generator
+
+    model = DenseLM(cfg or DenseConfig())
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+            continue
+        g = _generator(seed, name)
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("embed_tokens.weight"):
+            val = torch.randn(t.shape, generator=g)
+        elif "norm" in name:
+            val = torch.randn(t.shape, generator=g) * 0.1 + 1.0
+        elif leaf == "bias":
+            val = torch.randn(t.shape, generator=g) * 0.1
+        else:
+            val = torch.randn(t.shape, generator=g) / math.sqrt(t.shape[-1])
+        t.copy_(val)
+    return model.to(dtype).eval()
