@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _extensions() -> list[Callable[[argparse._SubParsersAction], None]]:  # type: ignore[type-arg]
     """Subcommands contributed by other modules (coordinator, worker), if present."""
     found = []
-    for mod_name in ("coordinator.commands", "worker.commands", "coordinator.admin_cli"):
+    for mod_name in ("coordinator.commands", "worker.commands", "coordinator.admin_cli", "coordinator.model_cli"):
         try:
             mod = __import__(mod_name, fromlist=["register"])
         except ModuleNotFoundError as e:

@@ -148,6 +148,13 @@ class WorkerConfig(_Section):
     device: str = "cpu"
     #: Directory with config.json + *.safetensors (+ tokenizer.json); empty = tiny seeded model.
     model_dir: str = ""
+    #: Dtype the weights are loaded in: ``auto`` = the checkpoint config's ``dtype`` (or
+    #: ``torch_dtype``), float32 for the built-in model.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    #: Refuse to start on a ``model_dir`` without ``kvledger-manifest.json`` (``kvledger model manifest
+    #: DIR`` writes it). A manifest that is present is always verified, and any checkpoint's digest
+    #: enters the cache namespace.
+    require_manifest: bool = False
     #: Memory the pools may take in bytes; cache_reserve_ratio of it goes to cached forms.
     pool_bytes: PosInt = 64 * 2**20
     outbox_max: PosInt = 100_000

@@ -74,6 +74,9 @@ def test_defaults_are_valid() -> None:
     ({"nats": {"subject_prefix": "a b"}}, "nats.subject_prefix", "regex"),
     ({"coordinator": {"port": 70000}}, "coordinator.port", "<= 65535"),
     ({"worker": {"port": "x"}}, "worker.port", "int"),
+    ({"worker": {"dtype": "fp8"}}, "worker.dtype", "auto, float32, bfloat16, float16"),
+    ({"worker": {"dtype": "torch.bfloat16"}}, "worker.dtype", "auto, float32, bfloat16, float16"),
+    ({"worker": {"require_manifest": "yes"}}, "worker.require_manifest", "bool"),
     ({"auth": {"keys": [{"key_sha256": "nothex", "tenant": "a"}]}}, "auth.keys[0].key_sha256", "regex"),
     ({"cache": {"block_sise": 16}}, "cache.block_sise", "block_size"),
     ({"caches": {}}, "caches", "cache"),
@@ -101,6 +104,15 @@ def test_env_overrides(tmp_path: Path) -> None:
     assert cfg.service.max_concurrency == 4 and cfg.database.url == "postgresql://a@b/c"
     assert cfg.nats.subject_prefix == "x"
     assert load_config(env={"KVL_STATE_DIR": "/var/lib/kvl"}).state_dir == "/var/lib/kvl"
+
+
+def test_worker_dtype_and_manifest_keys() -> None:
+    w = load_config(env={}).worker
+    assert (w.dtype, w.require_manifest) == ("auto", False)
+    w = load_config(env={"KVL_WORKER__DTYPE": "bfloat16", "KVL_WORKER__REQUIRE_MANIFEST": "true"}).worker
+    assert (w.dtype, w.require_manifest) == ("bfloat16", True)
+    for dtype in ("float32", "float16"):
+        assert parse_config({"worker": {"dtype": dtype}}).worker.dtype == dtype
 
 
 def test_bad_env_override_names_variable_key() -> None:
