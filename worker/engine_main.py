@@ -29,7 +29,6 @@ import json
 import os
 import signal
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,28 +42,30 @@ from worker.client.nats_adapter import NatsCoordinatorClient
 from worker.engine import Engine
 from worker.generation import SamplingParams
 from worker.http_server import bound_address, start_http
-from worker.model import HybridAttentionLM, ModelConfig, build_model, load_safetensors
+from worker.model import CausalLM, build_model
+from worker.model.checkpoint import CheckpointError, load_checkpoint
+from worker.model.manifest import ManifestError
+from worker.model.weights import WeightsError
 from worker.tenants import AuthError, TenantDirectory
 
 log = get_logger("kvl.worker.main")
 
 
-def load_model(cfg: Config) -> HybridAttentionLM:
-    """``worker.model_dir`` (config.json with ModelConfig fields + safetensors), else the tiny seeded model."""
+def load_model(cfg: Config) -> CausalLM:
+    """``worker.model_dir`` (a ``save_pretrained`` directory, :mod:`worker.model.checkpoint`), else the
+    tiny seeded model. Raises ``CheckpointError`` / ``WeightsError`` / ``ManifestError`` naming what
+    is wrong; the caller prints it and exits."""
     if not cfg.worker.model_dir:
-        model = build_model(seed=0)
-    else:
-        d = Path(cfg.worker.model_dir)
-        try:
-            fields = json.loads((d / "config.json").read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"config key worker.model_dir: cannot read {d / 'config.json'}: {e}") from e
-        known = {f.name for f in dataclasses.fields(ModelConfig)}
-        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items() if k in known}
-        model = HybridAttentionLM(ModelConfig(**kw))
-        load_safetensors(model, d)
-        model = model.eval()
-    return model.to(torch.device(cfg.worker.device))
+        if cfg.worker.dtype not in ("auto", "float32"):
+            raise CheckpointError(f"config key worker.dtype: {cfg.worker.dtype!r} — the built-in model runs float32")
+        return build_model(seed=0).to(torch.device(cfg.worker.device))
+    loaded = load_checkpoint(cfg.worker.model_dir, dtype=cfg.worker.dtype, require_manifest=cfg.worker.require_manifest,
+                             device=cfg.worker.device)
+    for note in loaded.notes:
+        log.warning("model_dtype", note=note)
+    log.info("model_loaded", family=loaded.family, model_id=loaded.model.cfg.model_id,
+             dtype=str(loaded.dtype).removeprefix("torch."), digest=loaded.model.checkpoint_digest[:16])
+    return loaded.model
 
 
 def debug_subject(subjects: Subjects, worker_id: str, what: str) -> str:
@@ -168,7 +169,11 @@ async def serve(cfg: Config) -> int:
         print("kvledger worker: config key nats.url is required (the coordinator's NATS server)", file=sys.stderr)
         return 2
     torch.set_num_threads(int(os.environ.get("KVL_TORCH_THREADS", "1")))
-    model = load_model(cfg)
+    try:
+        model = load_model(cfg)
+    except (CheckpointError, WeightsError, ManifestError) as e:
+        print(f"kvledger worker: cannot load the model: {e}", file=sys.stderr, flush=True)
+        return 2
     subjects = Subjects(cfg.nats.subject_prefix)
     try:
         auth = nats_auth.connect_kwargs(cfg.nats)

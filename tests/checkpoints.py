@@ -1,0 +1,48 @@
+"""Tiny checkpoint directories written by transformers' own ``save_pretrained`` (random weights,
+nothing downloaded), for the loader's parity and reuse tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: Family → (config class, model class, tiny config fields).
+TINY: dict[str, dict[str, Any]] = {
+    "llama": dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 64}),
+    "qwen2": dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=1, head_dim=16, max_position_embeddings=512, use_sliding_window=True,
+                  sliding_window=24, max_window_layers=1, tie_word_embeddings=True),
+    "qwen3": dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 128}),
+}
+
+
+def hf_classes(family: str):
+    import transformers as tf
+    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "deepseek_v4": "DeepseekV4"}[family]
+    return getattr(tf, f"{name}Config"), getattr(tf, f"{name}ForCausalLM")
+
+
+def save_hf(family: str, directory: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+            max_shard_size: str | None = None, **over: Any) -> Path:
+    """``<Family>ForCausalLM(config).save_pretrained(directory)`` with seeded random weights."""
+    config_cls, model_cls = hf_classes(family)
+    cfg = config_cls(**{**TINY.get(family, {}), **over})
+    torch.manual_seed(seed)
+    model = model_cls(cfg).to(dtype).eval()
+    with torch.no_grad():   # transformers zero-initialises biases and some V4 tensors: perturb them all
+        g = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if p.dtype.is_floating_point and (p.abs().max() == 0 or name.endswith("norm.weight")):
+                p.add_((torch.randn(p.shape, generator=g) * 0.1).to(dtype))
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **kw)
+    return directory
