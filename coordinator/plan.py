@@ -27,7 +27,6 @@ window form (at most ``ceil((W−1)/B) + 1``), and one block of the resume-point
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -69,10 +68,28 @@ def _preset(name: str, layers: int, ratios: tuple[int, ...], hidden: int, heads:
                 mlp_layer_types=("hash_moe",) * 3 + ("moe",) * (layers - 3), max_position_embeddings=1048576)
 
 
+def _dense(name: str, family: str, layers: int, hidden: int, heads: int, kv_heads: int, max_pos: int,
+           vocab: int, inter: int) -> dict[str, Any]:
+    """A standard full-attention model's published sizes (its config.json); head_dim 128."""
+    return dict(model_id=name, family=family, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=128,
+                max_position_embeddings=max_pos, layer_types=("full_attention",) * layers)
+
+
+#: Standard models (``worker.model.dense``), by their public config.json sizes.
+DENSE_PRESETS: dict[str, dict[str, Any]] = {
+    "llama-tiny": {},
+    "llama-3.1-8b": _dense("llama-3.1-8b (preset)", "llama", 32, 4096, 32, 8, 131072, 128256, 14336),
+    "llama-3.1-70b": _dense("llama-3.1-70b (preset)", "llama", 80, 8192, 64, 8, 131072, 128256, 28672),
+    "qwen2.5-7b": _dense("qwen2.5-7b (preset)", "qwen2", 28, 3584, 28, 4, 32768, 152064, 18944),
+    "qwen3-8b": _dense("qwen3-8b (preset)", "qwen3", 36, 4096, 32, 8, 40960, 151936, 12288),
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {},
     "dsv4-flash": _preset("deepseek-v4-flash (preset)", 43, _flash_ratios(), 4096, 64, 1024, 8, 512, 256, 2048),
     "dsv4-pro": _preset("deepseek-v4-pro (preset)", 61, _pro_ratios(), 7168, 128, 1536, 16, 1024, 384, 3072),
+    **DENSE_PRESETS,
 }
 
 
@@ -118,6 +135,18 @@ def form_plans(model: Any, block_size: int, dtype: str, state_dtype: str = "floa
         raise PlanError(f"--dtype {dtype!r}: allowed: {', '.join(DTYPES)}")
     if state_dtype not in STATE_DTYPES:
         raise PlanError(f"--state-dtype {state_dtype!r}: allowed: {', '.join(STATE_DTYPES)}")
+    if is_dense(model):
+        # layers × 2 (K, V) × block × KV heads × head dim × dtype: the dense family's one form.
+        import torch
+
+        from worker.model.dense.state import dense_form_layouts
+        if dtype == "fp8":
+            raise PlanError("--dtype fp8: the dense family stores K/V in its compute dtype "
+                            "(float32, bfloat16, float16)")
+        if block_size <= 0:
+            raise PlanError(f"--block-size must be > 0, got {block_size}")
+        lay = next(iter(dense_form_layouts(model, block_size, getattr(torch, dtype)).values()))
+        return [FormPlan(lay.spec.name, str(lay.spec.scope), dtype, lay.spec.bytes_per_block)]
     try:
         layouts = form_layouts(model, block_size)
     except ModelConfigError as e:
@@ -187,19 +216,21 @@ class Plan:
 
     # -- the pools ---------------------------------------------------------------------------
 
+    def _fractions(self) -> dict[str, float]:
+        return {"full_history": self.limits["compressed"], "window": self.limits["swa"],
+                "resume_point": self.limits["tail"]}
+
     def slots(self) -> dict[str, int]:
         """Slots per form, split as the worker splits its pool (worker.settings.pool_slots)."""
-        frac = {"full_history": self.limits["compressed"], "window": self.limits["swa"],
-                "resume_point": self.limits["tail"]}
-        out: dict[str, int] = {}
-        for scope, share in frac.items():
-            forms = self.by_scope(scope)
-            if not forms:
-                continue
-            n = int(self.cache_budget_bytes * share // sum(f.bytes_per_block for f in forms))
-            for f in forms:
-                out[f.name] = n
-        return out
+        from worker.settings import scope_slots
+
+        return scope_slots(self.forms, self.cache_budget_bytes, self._fractions())
+
+    def shares(self) -> dict[str, float]:
+        """Each present scope's share of the budget (absent scopes' shares redistributed)."""
+        frac = {k: v for k, v in self._fractions().items() if self.by_scope(k)}
+        scale = sum(self._fractions().values()) / sum(frac.values())
+        return {k: v * scale for k, v in frac.items()}
 
     def max_concurrency(self, context: int) -> tuple[int, str]:
         """Requests of ``context`` tokens the pools hold at once, and the form that limits it."""
@@ -248,31 +279,51 @@ class Plan:
         }
 
 
+def is_dense(model: Any) -> bool:
+    return not hasattr(model, "compress_ratios")
+
+
 def load_model_config(preset: str | None, model_dir: str | None) -> Any:
+    """The model's config: a preset, or a directory's ``config.json`` read exactly as the worker
+    reads it (:mod:`worker.model.checkpoint`; a ``save_pretrained`` directory of any supported
+    family, or kvledger's own format)."""
     from worker.model.config import ConfigError as ModelConfigError
     from worker.model.config import ModelConfig
+    from worker.model.dense.config import DenseConfig
 
     try:
         if model_dir:
-            path = Path(model_dir) / "config.json"
-            try:
-                fields = json.loads(path.read_text())
-            except (OSError, ValueError) as e:
-                raise PlanError(f"--model-dir: cannot read {path}: {e}") from None
-            known = {f.name for f in dataclasses.fields(ModelConfig)}
-            return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items() if k in known})
+            from worker.model import checkpoint as ck
+            d = Path(model_dir)
+            doc = ck.read_config(d)
+            family = ck.family_of(doc)
+            if family == "kvledger":
+                return ck.native_config(doc)
+            if family == "deepseek_v4":
+                return ck.dsv4_config(doc, ck.model_id_for(d, doc))
+            return ck.dense_config(doc, family, ck.model_id_for(d, doc))
         name = preset or "tiny"
         if name not in PRESETS:
             raise PlanError(f"--model {name!r}: allowed: {', '.join(PRESETS)} (or --model-dir DIR)")
-        return ModelConfig(**PRESETS[name])
+        return DenseConfig(**PRESETS[name]) if name in DENSE_PRESETS else ModelConfig(**PRESETS[name])
     except ModelConfigError as e:
         raise PlanError(f"model config: {e}") from None
+
+
+def model_dtype(preset: str | None, model_dir: str | None) -> str | None:
+    """The dtype a dense model computes (and stores K/V) in: its config's, else bfloat16 for presets."""
+    if model_dir:
+        from worker.model import checkpoint as ck
+        doc = ck.read_config(Path(model_dir))
+        return None if ck.family_of(doc) in ("kvledger", "deepseek_v4") else \
+            str(ck.checkpoint_dtype(doc)).removeprefix("torch.")
+    return "float32" if preset == "llama-tiny" else "bfloat16" if preset in DENSE_PRESETS else None
 
 
 def default_block_size(model: Any, wanted: int) -> int:
     """``wanted`` rounded up to a multiple of every compress ratio (blocks must end on a
     compression boundary of every layer)."""
-    step = math.lcm(*[r for r in model.compress_ratios if r] or [1])
+    step = 1 if is_dense(model) else math.lcm(*[r for r in model.compress_ratios if r] or [1])
     return -(-wanted // step) * step
 
 
@@ -282,10 +333,11 @@ def weights_bytes(preset: str | None, model_dir: str | None) -> int | None:
     if model_dir:
         files = list(Path(model_dir).glob("*.safetensors"))
         return sum(f.stat().st_size for f in files) if files else None
-    if (preset or "tiny") == "tiny":
+    if (preset or "tiny") in ("tiny", "llama-tiny"):
         from worker.model import build_model
+        from worker.model.dense import build_dense
 
-        model = build_model(seed=0)
+        model = build_dense() if preset == "llama-tiny" else build_model(seed=0)
         return sum(p.numel() * p.element_size() for p in model.parameters())
     return None
 
@@ -295,10 +347,11 @@ def weights_bytes(preset: str | None, model_dir: str | None) -> int | None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", choices=list(PRESETS), default=None,
                    help="a named model (default: worker.model_dir of the config, else tiny)")
-    p.add_argument("--model-dir", help="a directory with config.json (ModelConfig fields), as worker.model_dir")
+    p.add_argument("--model-dir", help="a checkpoint directory as worker.model_dir (a save_pretrained directory of "
+                                       "DeepSeek-V4, Llama, Qwen2 or Qwen3, or kvledger's own format)")
     p.add_argument("--dtype", choices=DTYPES, default=None,
-                   help="storage dtype of the KV forms (default: float32 for tiny/--model-dir — what this worker "
-                        "stores — and bfloat16 for the presets)")
+                   help="storage dtype of the KV forms (default: a dense model's own dtype; float32 for the "
+                        "hybrid tiny/--model-dir — what this worker stores — and bfloat16 for the presets)")
     p.add_argument("--state-dtype", choices=STATE_DTYPES, default="float32", help="dtype of the compressor tail")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per block (default: cache.block_size rounded up to a multiple of every ratio)")
@@ -322,7 +375,7 @@ def build_plan(args: argparse.Namespace, cfg: Any) -> Plan:
     if preset and args.model_dir:
         raise PlanError("give --model or --model-dir, not both")
     model = load_model_config(preset, model_dir)
-    dtype = args.dtype or ("bfloat16" if preset and preset != "tiny" else "float32")
+    dtype = args.dtype or model_dtype(preset, model_dir) or ("bfloat16" if preset and preset != "tiny" else "float32")
     block_size = args.block_size or default_block_size(model, cfg.cache.block_size)
     reserve = cfg.service.cache_reserve_ratio if args.reserve is None else args.reserve
     if not 0 < reserve <= 1:
@@ -377,8 +430,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
         return 0
     con = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     bs = plan.block_size
-    con.print(f"[bold]{plan.model_id}[/bold]: block {bs} tokens, KV forms in {plan.dtype}, "
-              f"compressor tail in {plan.state_dtype}")
+    tail = "" if not plan.by_scope("resume_point") else f", compressor tail in {plan.state_dtype}"
+    con.print(f"[bold]{plan.model_id}[/bold]: block {bs} tokens, KV forms in {plan.dtype}{tail}")
     slots = plan.slots()
     t = Table(title="cache forms", title_justify="left")
     for col in ("form", "scope", "dtype", "bytes/block", "bytes/token", "per request", "pool slots"):
@@ -395,8 +448,9 @@ def run_plan_command(args: argparse.Namespace) -> int:
     con.print(f"full history grows [bold]{plan.growth_bytes_per_token:,.2f} B/token[/bold] "
               f"({fmt_bytes(plan.growth_bytes_per_token * 2**20)} per 1M tokens); bounded per request: "
               f"{fmt_bytes(plan.bounded_bytes_per_request())} (window + tail)")
+    shares = {name: f"{share:.2f}".rstrip("0").rstrip(".") for name, share in plan.shares().items()}
     con.print(f"cache budget: {fmt_bytes(plan.cache_budget_bytes)} = {plan.budget_note}, split "
-              f"compressed {plan.limits['compressed']} / swa {plan.limits['swa']} / tail {plan.limits['tail']}")
+              + " / ".join(f"{scope} {share}" for scope, share in shares.items()))
     c = Table(title="concurrency × context length", title_justify="left")
     for col in ("context (tokens)", "cache per request", "max concurrent requests", "limited by"):
         c.add_column(col, justify="right" if col != "limited by" else "left")

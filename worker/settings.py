@@ -32,20 +32,29 @@ def pool_slots(catalogue: FormCatalogue, cfg: Config) -> dict[str, int]:
 
     Full-history forms (``compressed``, ``indexer``) grow together — a resume needs both for
     every block — so they split ``compressed_pool_limit`` into equal slot counts. A window
-    form takes ``swa_pool_limit``, a resume-point form ``tail_pool_limit``.
+    form takes ``swa_pool_limit``, a resume-point form ``tail_pool_limit``. The shares of scopes
+    a model does not declare go to those it does, in proportion (a dense model's one full-history
+    form gets all three).
     """
     c = cfg.cache
     budget = cfg.worker.pool_bytes * cfg.service.cache_reserve_ratio
-    by_scope = {FormScope.FULL_HISTORY: c.compressed_pool_limit, FormScope.WINDOW: c.swa_pool_limit,
-                FormScope.RESUME_POINT: c.tail_pool_limit}
+    return scope_slots(catalogue.forms, budget, {
+        FormScope.FULL_HISTORY: c.compressed_pool_limit, FormScope.WINDOW: c.swa_pool_limit,
+        FormScope.RESUME_POINT: c.tail_pool_limit})
+
+
+def scope_slots(forms, budget: float, limits: dict) -> dict[str, int]:
+    """Slots per form: each scope's share of ``budget`` (``limits``, rescaled over the scopes
+    present) split into equal slot counts among its forms (``forms`` have ``name``, ``scope``,
+    ``bytes_per_block``; scopes compare by value)."""
+    present = {str(s): frac for s, frac in limits.items() if any(str(f.scope) == str(s) for f in forms)}
+    scale = sum(limits.values()) / sum(present.values()) if present and sum(present.values()) else 0.0
     out: dict[str, int] = {}
-    for scope, frac in by_scope.items():
-        forms = [f for f in catalogue.forms if f.scope is scope]
-        if not forms:
-            continue
-        per_block = sum(f.bytes_per_block for f in forms)
-        n = int(budget * frac // per_block)
-        for f in forms:
+    for scope, frac in present.items():
+        group = [f for f in forms if str(f.scope) == scope]
+        per_block = sum(f.bytes_per_block for f in group)
+        n = int(budget * frac * scale // per_block)
+        for f in group:
             out[f.name] = n
     return out
 

@@ -95,7 +95,7 @@ def test_errors_name_what_is_allowed() -> None:
         build_plan(args(model="dsv4-pro", block_size=64), cfg)
     with pytest.raises(PlanError, match="leaves nothing after the weights"):
         build_plan(args(model="dsv4-pro", memory=40, weights=80), cfg)
-    with pytest.raises(PlanError, match="cannot read"):
+    with pytest.raises(PlanError, match="no config.json"):
         build_plan(args(model_dir="/nonexistent"), cfg)
 
 
@@ -123,3 +123,31 @@ def test_plan_command(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
 def test_plan_type_is_plain_data() -> None:
     plan = build_plan(args(), parse_config({}))
     assert isinstance(plan, Plan) and json.dumps(plan.to_dict())
+
+
+def test_standard_models_plan_layers_times_kv_heads_times_head_dim_times_dtype() -> None:
+    model = load_model_config("llama-3.1-8b", None)
+    (kv,) = form_plans(model, 16, "bfloat16")
+    assert kv.name == "kv" and kv.scope == "full_history"
+    assert kv.bytes_per_token(16) == 32 * 2 * 8 * 128 * 2          # 128 KiB per token, the published figure
+    assert form_plans(load_model_config("qwen2.5-7b", None), 16, "float16")[0].bytes_per_token(16) == 28 * 2 * 4 * 128 * 2
+    with pytest.raises(PlanError, match="fp8"):
+        form_plans(model, 16, "fp8")
+
+
+def test_plan_reads_a_save_pretrained_directory_and_gives_a_dense_model_the_whole_budget(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    from tests.checkpoints import save_hf
+    import torch
+    d = save_hf("qwen2", tmp_path / "q", dtype=torch.bfloat16)
+    model = load_model_config(None, str(d))
+    assert model.family == "qwen2" and default_block_size(model, 16) == 16
+    cfg = parse_config({})
+    args = argparse.Namespace(model=None, model_dir=str(d), dtype=None, state_dtype="float32", block_size=None,
+                              memory=None, weights=None, reserve=None, context=[256], concurrency=None)
+    plan = build_plan(args, cfg)
+    assert plan.dtype == "bfloat16"                              # the checkpoint's own dtype
+    (kv,) = plan.forms
+    c = cfg.cache
+    share = c.compressed_pool_limit + c.swa_pool_limit + c.tail_pool_limit
+    assert plan.slots()["kv"] == int(plan.cache_budget_bytes * share // kv.bytes_per_block)
