@@ -1,5 +1,9 @@
 """Model benchmark: cold vs warm time to first token, and decode speed (CPU, tiny config).
 
+``--family`` picks the model: ``hybrid`` (the DeepSeek-V4-style default), or a tiny dense
+``llama`` / ``qwen2`` (q/k/v biases, sliding layers) / ``qwen3`` (QK-norm) with seeded weights;
+``--model-dir`` benchmarks a checkpoint directory instead, ``--dtype`` its compute dtype.
+
 Cold: a fresh request prefills the whole prompt (2,048 tokens) and produces the last
 token's logits. Warm: a fresh request restores the cached blocks of the largest block
 boundary <= the cached length (1,900 -> 1,888 with 16-token blocks) and prefills only the
@@ -23,6 +27,29 @@ import time
 import torch
 
 from worker.model import ModelConfig, build_model
+from worker.model.dense import DenseConfig, build_dense
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dense_tiny(family: str) -> DenseConfig:
+    """The tiny dense config of each family (same sizes; the family's own features switched on)."""
+    extra = {"llama": {}, "qwen2": {"qkv_bias": True, "sliding_window": 256,
+                                    "layer_types": ("full_attention", "sliding_attention") * 2},
+             "qwen3": {"qk_norm": True}}[family]
+    return DenseConfig(model_id=f"kvledger/{family}-tiny", family=family, **extra)
+
+
+def load(args):
+    if args.model_dir:
+        from worker.model.checkpoint import load_checkpoint
+        return load_checkpoint(args.model_dir, dtype=args.dtype or "auto").model
+    dtype = DTYPES[args.dtype or "float32"]
+    if args.family == "hybrid":
+        if dtype != torch.float32:
+            raise SystemExit("bench.model: the hybrid family runs float32 only")
+        return build_model(ModelConfig(), seed=args.seed)
+    return build_dense(dense_tiny(args.family), seed=args.seed, dtype=dtype)
 
 
 def _timed(fn) -> tuple[float, float, object]:
@@ -45,12 +72,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="torch device for the model and its states (default cpu)")
+    ap.add_argument("--family", choices=("hybrid", "llama", "qwen2", "qwen3"), default="hybrid",
+                    help="the model family (default hybrid: the DeepSeek-V4-style tiny model)")
+    ap.add_argument("--model-dir", help="benchmark this checkpoint directory (as worker.model_dir) instead")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                    help="compute dtype (default: float32, or the checkpoint's own with --model-dir)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cold_reps, warm_reps, decode_steps = (2, 8, 16) if args.quick else (5, 25, 64)
 
-    cfg = ModelConfig()
-    model = build_model(cfg, seed=args.seed).to(args.device)
+    model = load(args).to(args.device)
+    cfg = model.cfg
     invariance_failures = model.check_invariance()   # fused forwards are established on the CPU only
     bs = args.block_size
     capacity = -(-(args.prompt + decode_steps + 1) // bs) * bs
@@ -147,6 +179,9 @@ def main(argv: list[str] | None = None) -> dict:
     ideal = args.prompt / (args.prompt - P)
     speedup = cold_ms / warm_ms
     result = {
+        "family": model.family,
+        "model_id": cfg.model_id,
+        "dtype": str(model.dtype).removeprefix("torch."),
         "prompt_tokens": args.prompt,
         "cached_tokens": P,
         "block_size": bs,
