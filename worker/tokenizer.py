@@ -8,6 +8,13 @@ Two tokenizers behind one small interface (:class:`Tokenizer`):
 * :class:`HFTokenizer` — ``tokenizer.json`` (Hugging Face ``tokenizers`` library) from the
   configured model directory (``worker.model_dir``), used whenever that file exists.
 
+Special tokens, as transformers and vLLM handle them: a ``/v1/completions`` prompt is encoded
+with them (``add_special_tokens=True``: ``tokenizer.json``'s post-processor adds what the model
+expects, e.g. Llama's BOS); a chat prompt is encoded without (the chat template writes them
+itself, as ``apply_chat_template`` does). Decoding skips them. Generation ends at any of the
+EOS ids: ``generation_config.json``'s ``eos_token_id`` (an id or a list), ``config.json``'s,
+and the tokenizer's ``eos_token`` (:func:`special_tokens`).
+
 Generated text is detokenized incrementally (:class:`Detokenizer`): a stream emits text as
 soon as it is final and holds back only an incomplete UTF-8 sequence (bytes) or a trailing
 replacement character (BPE pieces that complete a character later), so the concatenated
@@ -19,10 +26,13 @@ from __future__ import annotations
 import codecs
 import json
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from worker.checkpoint_files import CheckpointFileError, read_json_object
+from worker.generation_config import eos_ids_of, load_generation_config
 
 
-class TokenizerError(ValueError):
+class TokenizerError(CheckpointFileError):
     """The configured tokenizer cannot be used with this model (names the file and why)."""
 
 
@@ -32,7 +42,9 @@ class Tokenizer(Protocol):
     #: Token ids that end generation (finish_reason "stop"); empty for the byte tokenizer.
     eos_token_ids: frozenset[int]
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer adds around a
+        sequence (the module docstring says when)."""
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -54,8 +66,8 @@ class ByteTokenizer:
     vocab_size = 256
     eos_token_ids: frozenset[int] = frozenset()
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))       # no special tokens to add
 
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
@@ -87,10 +99,11 @@ class HFTokenizer:
             raise TokenizerError(f"cannot load {path}: {e}") from e
         self.name = f"tokenizers:{path}"
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eos_token_ids = frozenset(_eos_ids(self._tok, path.parent))
+        eos = special_tokens(path.parent).get("eos_token")
+        self.eos_token_ids = frozenset(_eos_ids(self._tok, path.parent, eos))
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
@@ -129,30 +142,48 @@ class _DiffDetokenizer:
         return out
 
 
-def _eos_ids(tok: object, directory: Path) -> list[int]:
-    """EOS ids from ``config.json`` / ``generation_config.json`` / ``tokenizer_config.json`` beside it."""
-    ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        try:
-            doc = json.loads((directory / name).read_text())
-        except (OSError, ValueError):
-            continue
-        v = doc.get("eos_token_id")
-        if isinstance(v, int):
-            ids.append(v)
-        elif isinstance(v, list):
-            ids += [i for i in v if isinstance(i, int)]
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer files write it: a string or an AddedToken ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def special_tokens(directory: Path) -> dict[str, str]:
+    """The special tokens a chat template sees (``bos_token``, ``eos_token``, ...), resolved as
+    transformers resolves them from ``tokenizer_config.json`` and ``special_tokens_map.json``.
+
+    Every key ending in ``_token`` with a token for value: the named ones (``bos_token``,
+    ``eos_token``, ``unk_token``, ``sep_token``, ``pad_token``, ``cls_token``, ``mask_token``) and
+    model-specific ones, plus the ``extra_special_tokens`` mapping. ``special_tokens_map.json``
+    is the legacy file, read only when ``tokenizer_config.json`` has no ``added_tokens_decoder``,
+    and then its values win. A token that is null is left out.
+    """
+    doc = dict(read_json_object(directory / "tokenizer_config.json") or {})
+    if "added_tokens_decoder" not in doc:
+        doc.update(read_json_object(directory / "special_tokens_map.json") or {})
+    out: dict[str, str] = {}
+    for key, value in doc.items():
+        if key.endswith("_token") and (text := _token_text(value)) is not None:
+            out[key] = text
+    extra = doc.get("extra_special_tokens")
+    if isinstance(extra, dict):
+        out.update((k, t) for k, v in extra.items() if (t := _token_text(v)) is not None)
+    return out
+
+
+def _eos_ids(tok: Any, directory: Path, eos_token: str | None) -> list[int]:
+    """EOS ids: ``generation_config.json`` (validated), ``config.json``, the tokenizer's ``eos_token``."""
+    ids = list(load_generation_config(directory).eos_token_ids)
     try:
-        doc = json.loads((directory / "tokenizer_config.json").read_text())
-        eos = doc.get("eos_token")
-        if isinstance(eos, dict):
-            eos = eos.get("content")
-        if isinstance(eos, str):
-            tid = tok.token_to_id(eos)  # type: ignore[attr-defined]
-            if tid is not None:
-                ids.append(tid)
+        # NOTE: config.json is the model's file (loaded and validated with the weights); an
+        # unusable eos_token_id there only costs an id here.
+        doc = json.loads((directory / "config.json").read_text())
+        ids += eos_ids_of(directory / "config.json", doc) if isinstance(doc, dict) else []
     except (OSError, ValueError):
         pass
+    if eos_token is not None and (tid := tok.token_to_id(eos_token)) is not None:
+        ids.append(tid)
     return ids
 
 
@@ -170,4 +201,5 @@ def load_tokenizer(model_dir: str, model_vocab_size: int) -> Tokenizer:
     return tok
 
 
-__all__ = ["ByteTokenizer", "Detokenizer", "HFTokenizer", "Tokenizer", "TokenizerError", "load_tokenizer"]
+__all__ = ["ByteTokenizer", "Detokenizer", "HFTokenizer", "Tokenizer", "TokenizerError", "load_tokenizer",
+           "special_tokens"]

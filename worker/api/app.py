@@ -10,8 +10,12 @@ from aiohttp import web
 from shared.config import Config
 from worker.api import handlers as h
 from worker.api.errors import Handler, error_middleware
-from worker.api.keys import CONFIG, ENGINE, METRICS, SCHEDULER, SERVED, TENANT, TENANTS, TOKENIZER, Served
+from worker.api.keys import (
+    CHAT_TEMPLATE, CONFIG, ENGINE, METRICS, SAMPLING, SCHEDULER, SERVED, TENANT, TENANTS, TOKENIZER, Served,
+)
+from worker.chat_template import ChatTemplate
 from worker.engine import Engine
+from worker.generation_config import SamplingDefaults
 from worker.scheduler import Scheduler
 from worker.tenants import TenantDirectory
 from worker.tokenizer import Tokenizer
@@ -32,8 +36,13 @@ def _count_status(request: web.Request, status: int) -> None:
     request.app[METRICS].http.labels(route=name, status=str(status)).inc()
 
 
-def create_app(engine: Engine, cfg: Config, tokenizer: Tokenizer, scheduler: Scheduler) -> web.Application:
-    """The worker's HTTP application. The scheduler is stopped when the app is cleaned up."""
+def create_app(engine: Engine, cfg: Config, tokenizer: Tokenizer, scheduler: Scheduler, *,
+               chat_template: ChatTemplate, sampling: SamplingDefaults) -> web.Application:
+    """The worker's HTTP application. The scheduler is stopped when the app is cleaned up.
+
+    ``chat_template`` and ``sampling`` (the defaults of omitted sampling fields) come from the
+    checkpoint like the tokenizer (:func:`worker.http_server.start_http` loads all three).
+    """
     limit = cfg.service.max_body_bytes
     app = web.Application(client_max_size=limit,
                           middlewares=[error_middleware(limit, _count_status), auth_middleware],
@@ -44,6 +53,8 @@ def create_app(engine: Engine, cfg: Config, tokenizer: Tokenizer, scheduler: Sch
     app[ENGINE] = engine
     app[CONFIG] = cfg
     app[TOKENIZER] = tokenizer
+    app[CHAT_TEMPLATE] = chat_template
+    app[SAMPLING] = sampling
     app[SCHEDULER] = scheduler
     app[TENANTS] = TenantDirectory.from_config(cfg.auth)
     app[METRICS] = scheduler.metrics

@@ -2,8 +2,10 @@
 
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (prompt from
 :mod:`worker.chat_template`), ``GET /v1/models``; ``GET /healthz``, ``/readyz``,
-``/metrics``. Streaming is Server-Sent Events in OpenAI's chunk format, ending with
-``data: [DONE]``.
+``/metrics``. A completion's text prompt is encoded with the tokenizer's special tokens (e.g.
+Llama's BOS), a chat prompt without them (its template writes them), as vLLM does; omitted
+sampling fields take the checkpoint's defaults (:mod:`worker.generation_config`). Streaming
+is Server-Sent Events in OpenAI's chunk format, ending with ``data: [DONE]``.
 
 ``usage`` always carries ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and
 ``prompt_tokens_details.cached_tokens`` (prompt tokens restored from validated cache; 0 on
@@ -31,10 +33,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from worker.api.errors import ApiError, to_api_error, internal_error
-from worker.api.keys import ENGINE, SCHEDULER, SERVED, TENANT, TOKENIZER, Served
+from worker.api.keys import CHAT_TEMPLATE, ENGINE, SAMPLING, SCHEDULER, SERVED, TENANT, TOKENIZER, Served
 from worker.api.schemas import DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, BaseRequest, decode
 from worker.api.text import TextStream
-from worker.chat_template import ChatMessage, render
+from worker.chat_template import ChatMessage
 from worker.scheduler import GenRequest, Job, SamplingParams
 
 
@@ -62,9 +64,9 @@ def check_model(served: Served, model: str | None) -> None:
 
 def gen_request(request: web.Request, body: BaseRequest, tokens: list[int], max_tokens: int | None) -> GenRequest:
     tok = request.app[TOKENIZER]
+    temperature, top_p, top_k = request.app[SAMPLING].resolve(body.temperature, body.top_p, body.top_k)
     return GenRequest(tokens=tokens, max_tokens=max_tokens or DEFAULT_MAX_TOKENS, tenant=request[TENANT],
-                      sampling=SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                              seed=body.seed63),
+                      sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=body.seed63),
                       reuse=body.cache_reuse, priority=body.priority, stop_token_ids=tok.eos_token_ids)
 
 
@@ -223,7 +225,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body.checks()
     check_model(served, body.model)
     prompt = body.prompt_value()
-    tokens = request.app[TOKENIZER].encode(prompt) if isinstance(prompt, str) else prompt
+    tokens = request.app[TOKENIZER].encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
     return await _generate(request, body, _shape(request, chat=False), tokens, body.max_tokens)
 
 
@@ -232,8 +234,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body: ChatCompletionRequest = decode(await read_body(request, served), ChatCompletionRequest)
     body.checks()
     check_model(served, body.model)
-    messages = [ChatMessage(m.role, body.text_of(i)) for i, m in enumerate(body.messages)]
-    tokens = request.app[TOKENIZER].encode(render(messages))
+    messages = [ChatMessage(m.role, body.text_of(i), m.name) for i, m in enumerate(body.messages)]
+    tokens = request.app[TOKENIZER].encode(request.app[CHAT_TEMPLATE].render(messages), add_special_tokens=False)
     return await _generate(request, body, _shape(request, chat=True), tokens,
                            body.max_completion_tokens or body.max_tokens)
 
@@ -241,7 +243,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def models(request: web.Request) -> web.Response:
     served = request.app[SERVED]
     card = {"id": served.model_id, "object": "model", "created": served.created, "owned_by": "kvledger",
-            "max_model_len": request.app[SCHEDULER].max_context, "tokenizer": request.app[TOKENIZER].name}
+            "max_model_len": request.app[SCHEDULER].max_context, "tokenizer": request.app[TOKENIZER].name,
+            "chat_template": request.app[CHAT_TEMPLATE].id if request.app[CHAT_TEMPLATE].available else None}
     return json_response({"object": "list", "data": [card]})
 
 

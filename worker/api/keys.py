@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from shared.config import Config
+from worker.chat_template import ChatTemplate
 from worker.engine import Engine
+from worker.generation_config import SamplingDefaults
 from worker.scheduler import Scheduler, ServingMetrics
 from worker.tenants import Tenant, TenantDirectory
 from worker.tokenizer import Tokenizer
@@ -28,6 +30,8 @@ class Served:
 ENGINE = web.AppKey("engine", Engine)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 TOKENIZER = web.AppKey("tokenizer", Tokenizer)
+CHAT_TEMPLATE = web.AppKey("chat_template", ChatTemplate)
+SAMPLING = web.AppKey("sampling_defaults", SamplingDefaults)
 TENANTS = web.AppKey("tenants", TenantDirectory)
 CONFIG = web.AppKey("config", Config)
 SERVED = web.AppKey("served", Served)

@@ -10,11 +10,13 @@ kvledger extensions (pass them with the openai client's ``extra_body``):
 * ``cache_reuse`` (bool, default true) — false runs this request without reading the
   prefix cache (it still fills it): a cold run, for differential checks;
 * ``priority`` (int, default 0) — lower is scheduled first (vLLM's convention);
-* ``top_k`` (int, default 0 = off).
+* ``top_k`` (int, default 0 = off, or the checkpoint's default).
 
 Defaults: ``max_tokens`` 16 (both endpoints; the tiny model has no end-of-sequence token,
-so an unbounded default would run to the context limit), ``temperature`` 1.0, ``top_p``
-1.0 (OpenAI's).
+so an unbounded default would run to the context limit). ``temperature``, ``top_p`` and
+``top_k`` are None when omitted (or null) and resolved by the handler: the checkpoint's
+``generation_config.json`` defaults where it sets them, else ``temperature`` 1.0, ``top_p``
+1.0 (OpenAI's) and ``top_k`` 0 (:class:`worker.generation_config.SamplingDefaults`).
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ class BaseRequest(msgspec.Struct, kw_only=True):
 
     model: str | None = None
     max_tokens: PosInt | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: NonNeg = 0
+    #: None = omitted: the checkpoint's default or the API's (see the module docstring).
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: NonNeg | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
