@@ -3,6 +3,8 @@ nothing downloaded), for the loader's parity and reuse tests."""
 
 from __future__ import annotations
 
+import functools
+import string
 from pathlib import Path
 from typing import Any
 
@@ -46,3 +48,44 @@ def save_hf(family: str, directory: Path, *, seed: int = 0, dtype: torch.dtype =
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kw)
     return directory
+
+
+# --- the text side: a tiny tokenizer saved by transformers -----------------------------------------
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+
+
+@functools.cache
+def trained_tokenizer() -> str:
+    """A character-level BPE (printable ASCII, a few merges, the special tokens) as JSON."""
+    from tokenizers import Tokenizer, decoders, models, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=SPECIALS, initial_alphabet=list(string.printable))
+    tok.train_from_iterator(["You are a helpful assistant. Hello! How are you? The ledger records every block.\n"] * 4,
+                            trainer)
+    return tok.to_str()
+
+
+def save_tokenizer(d: Path, *, bos: str | None, eos: str, template: Any = None, jinja_files: bool = True,
+          gen: dict[str, Any] | None = None, **tokens: str) -> Path:
+    from tokenizers import Tokenizer, processors
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_str(trained_tokenizer())
+    if bos is not None:     # Llama's tokenizer.json adds BOS in its post-processor
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
+                                                           special_tokens=[(bos, tok.token_to_id(bos))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, chat_template=template, **tokens)
+    fast.save_pretrained(d, save_jinja_files=jinja_files)
+    if gen is not None:
+        GenerationConfig(**gen).save_pretrained(d)
+    return d
+
+
+def token_id(token: str) -> int:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(trained_tokenizer()).token_to_id(token)

@@ -38,15 +38,19 @@ from shared.config import Config, ConfigError, load_config
 from shared.logging import configure_logging, get_logger, mask_credentials
 from shared.subjects import Subjects
 from shared.tls import client_context
+from worker.chat_template import load_chat_template
+from worker.checkpoint_files import CheckpointFileError
 from worker.client.nats_adapter import NatsCoordinatorClient
 from worker.engine import Engine
 from worker.generation import SamplingParams
+from worker.generation_config import load_generation_config
 from worker.http_server import bound_address, start_http
 from worker.model import CausalLM, build_model
 from worker.model.checkpoint import CheckpointError, load_checkpoint
 from worker.model.manifest import ManifestError
 from worker.model.weights import WeightsError
 from worker.tenants import AuthError, TenantDirectory
+from worker.tokenizer import load_tokenizer
 
 log = get_logger("kvl.worker.main")
 
@@ -170,8 +174,13 @@ async def serve(cfg: Config) -> int:
         return 2
     torch.set_num_threads(int(os.environ.get("KVL_TORCH_THREADS", "1")))
     try:
+        # The checkpoint's text side first: a bad template or generation config refuses in
+        # milliseconds, not after the weights have been read and hashed.
+        chat_template = load_chat_template(cfg.worker.model_dir)
+        sampling = load_generation_config(cfg.worker.model_dir).sampling_defaults()
         model = load_model(cfg)
-    except (CheckpointError, WeightsError, ManifestError) as e:
+        tokenizer = load_tokenizer(cfg.worker.model_dir, model.cfg.vocab_size)
+    except (CheckpointError, CheckpointFileError, WeightsError, ManifestError) as e:
         print(f"kvledger worker: cannot load the model: {e}", file=sys.stderr, flush=True)
         return 2
     subjects = Subjects(cfg.nats.subject_prefix)
@@ -198,7 +207,7 @@ async def serve(cfg: Config) -> int:
     # NOTE: bind HTTP before registering, so the endpoint the coordinator records is the
     # bound one (worker.port 0 = any free port); /readyz says "not ready" until registered.
     try:
-        http = await start_http(engine, cfg)
+        http = await start_http(engine, cfg, tokenizer=tokenizer, chat_template=chat_template, sampling=sampling)
     except (OSError, ValueError) as e:  # port taken, unusable tokenizer or API keys
         print(f"kvledger worker: cannot serve HTTP on {cfg.worker.host}:{cfg.worker.port}: {e}", file=sys.stderr,
               flush=True)

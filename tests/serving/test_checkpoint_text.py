@@ -11,19 +11,25 @@ The oracle is ``AutoTokenizer.from_pretrained(dir)``; the server is driven over 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import string
 from pathlib import Path
-from typing import Any
 
 import jinja2
 import pytest
 from structlog.testing import capture_logs
 
+from tests.checkpoints import save_tokenizer as _save
+from tests.checkpoints import token_id as _id
+from tests.checkpoints import trained_tokenizer
 from tests.serving.conftest import config
-from worker.chat_template import TEMPLATE_ID, ChatMessage, ChatTemplateError, JinjaChatTemplate, load_chat_template
+from worker.chat_template import (
+    TEMPLATE_ID,
+    ChatMessage,
+    ChatTemplateError,
+    JinjaChatTemplate,
+    load_chat_template,
+)
 from worker.checkpoint_files import CheckpointFileError
 from worker.client.twin import InProcessCoordinator
 from worker.engine import Engine
@@ -149,45 +155,6 @@ FEATURES = {
                        "{{ add_generation_prompt }}{{ strftime_now('%Y') }}{{ messages | length }}",
 }
 
-SPECIALS = ["<unk>", "<s>", "</s>", "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
-            "<|end_header_id|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
-
-
-@functools.cache
-def _trained() -> str:
-    """A character-level BPE (printable ASCII, a few merges, the special tokens) as JSON."""
-    from tokenizers import Tokenizer, decoders, models, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.decoder = decoders.Fuse()
-    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=SPECIALS, initial_alphabet=list(string.printable))
-    tok.train_from_iterator(["You are a helpful assistant. Hello! How are you? The ledger records every block.\n"] * 4,
-                            trainer)
-    return tok.to_str()
-
-
-def _save(d: Path, *, bos: str | None, eos: str, template: Any = None, jinja_files: bool = True,
-          gen: dict[str, Any] | None = None, **tokens: str) -> Path:
-    from tokenizers import Tokenizer, processors
-    from transformers import GenerationConfig, PreTrainedTokenizerFast
-
-    tok = Tokenizer.from_str(_trained())
-    if bos is not None:     # Llama's tokenizer.json adds BOS in its post-processor
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
-                                                           special_tokens=[(bos, tok.token_to_id(bos))])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, chat_template=template, **tokens)
-    fast.save_pretrained(d, save_jinja_files=jinja_files)
-    if gen is not None:
-        GenerationConfig(**gen).save_pretrained(d)
-    return d
-
-
-def _id(token: str) -> int:
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_str(_trained()).token_to_id(token)
-
-
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("checkpoints")
@@ -276,7 +243,7 @@ def test_where_the_template_and_its_tokens_come_from(dirs, tmp_path: Path) -> No
     # AddedToken dicts win, as transformers reads them.
     legacy = tmp_path / "legacy"
     legacy.mkdir()
-    (legacy / "tokenizer.json").write_text(_trained())
+    (legacy / "tokenizer.json").write_text(trained_tokenizer())
     (legacy / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
                                                               "chat_template": MISTRAL}))
     (legacy / "special_tokens_map.json").write_text(json.dumps(
