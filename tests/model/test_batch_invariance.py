@@ -90,8 +90,37 @@ requests = st.lists(st.tuples(st.integers(1, 70),       # prompt length
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(reqs=requests, budget=st.sampled_from([1, 17, 48, 256]), seed=st.integers(0, 2**16))
 def test_random_mixes_run_batched_equal_each_request_run_alone(tiny, reqs, budget, seed) -> None:
+    check_mix(tiny, reqs, budget, seed)
+
+
+DENSE = {
+    "llama-float32": ({}, torch.float32),
+    "qwen2-sliding-bfloat16": ({"family": "qwen2", "qkv_bias": True, "sliding_window": 20,
+                                "layer_types": ("sliding_attention", "full_attention") * 2}, torch.bfloat16),
+    "qwen3-float16": ({"family": "qwen3", "qk_norm": True, "num_key_value_heads": 1}, torch.float16),
+}
+
+
+@pytest.fixture(scope="module", params=list(DENSE))
+def dense(request):
+    from worker.model.dense import DenseConfig, build_dense
+    over, dtype = DENSE[request.param]
+    model = build_dense(DenseConfig(**over), seed=4, dtype=dtype)
+    assert model.check_invariance() == []
+    return model
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reqs=requests, budget=st.sampled_from([1, 17, 48, 256]), seed=st.integers(0, 2**16))
+def test_dense_random_mixes_run_batched_equal_each_request_run_alone(dense, reqs, budget, seed) -> None:
+    """The dense family: decode tokens of several requests share one attention call (each over
+    its own keys, padded), prefill units of one size likewise; every request keeps its bits."""
+    check_mix(dense, reqs, budget, seed)
+
+
+def check_mix(tiny, reqs, budget, seed) -> None:
     g = torch.Generator().manual_seed(seed)
-    corpus = torch.randint(0, 256, (CAP,), generator=g).tolist()
+    corpus = torch.randint(0, tiny.cfg.vocab_size, (CAP,), generator=g).tolist()
     cold = tiny.new_state(BLOCK, CAP)
     tiny.prefill(corpus[:5 * BLOCK], cold)
     cold_blocks = [cold.export_block(i) for i in range(5)]

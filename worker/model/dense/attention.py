@@ -25,26 +25,30 @@ import torch
 from kernels.invariant import KEY_CHUNK, bmm_rows, pointwise
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, key_lo: int,
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, key_lo: torch.Tensor,
            window: int, scale: float) -> torch.Tensor:
-    """``q`` ``[n, H, D]`` at absolute ``positions`` ``[n]``; ``k``, ``v`` ``[L, kvh, D]`` for the
-    positions ``[key_lo, key_lo + L)`` (``key_lo`` a multiple of ``KEY_CHUNK``; every query's own
-    position among them). ``window`` > 0 limits a query at ``t`` to keys ``(t - window, t]``.
-    Returns ``[n, H, D]`` in ``q``'s dtype."""
-    assert key_lo % KEY_CHUNK == 0, "key pieces must start at absolute multiples of KEY_CHUNK"
-    n, H, D = q.shape
-    L, kvh = k.shape[0], k.shape[1]
+    """Attention of ``S`` requests' queries at once, each over its own keys.
+
+    ``q`` ``[S, n, H, D]`` at absolute ``positions`` ``[S, n]``; ``k``, ``v`` ``[S, L, kvh, D]``:
+    request ``s``'s keys for the positions ``key_lo[s] + [0, L)`` (each ``key_lo`` a multiple of
+    ``KEY_CHUNK``; rows past a request's own keys may hold anything finite — every query masks
+    keys after its position). ``window`` > 0 limits a query at ``t`` to keys ``(t - window, t]``.
+    Returns ``[S, n, H, D]`` in ``q``'s dtype. Each request's rows are computed exactly as they
+    are with ``S = 1`` and only its own keys (see the module docstring).
+    """
+    S, n, H, D = q.shape
+    L, kvh = k.shape[1], k.shape[2]
     g, C = H // kvh, KEY_CHUNK
     pad = (-L) % C
     if pad:
-        k = torch.cat([k, k.new_zeros(pad, kvh, D)], 0)
-        v = torch.cat([v, v.new_zeros(pad, kvh, D)], 0)
-    nc = k.shape[0] // C
-    rows = n * g
-    qg = q.view(n, kvh, g, D).transpose(0, 1).reshape(kvh, rows, D)
-    s = bmm_rows(qg, k.permute(1, 2, 0).contiguous()).float() * scale          # [kvh, rows, Lp]
-    t = positions.repeat_interleave(g).unsqueeze(1)                              # [rows, 1]
-    kp = key_lo + torch.arange(k.shape[0], device=q.device).unsqueeze(0)         # [1, Lp]
+        k = torch.cat([k, k.new_zeros(S, pad, kvh, D)], 1)
+        v = torch.cat([v, v.new_zeros(S, pad, kvh, D)], 1)
+    Lp = k.shape[1]
+    nc, rows, B = Lp // C, n * g, S * kvh
+    qg = q.view(S, n, kvh, g, D).permute(0, 2, 1, 3, 4).reshape(B, rows, D)
+    s = bmm_rows(qg, k.permute(0, 2, 3, 1).reshape(B, D, Lp)).float() * scale        # [B, rows, Lp]
+    t = positions.view(S, 1, n, 1).expand(S, kvh, n, g).reshape(B, rows, 1)
+    kp = (key_lo.view(S, 1) + torch.arange(Lp, device=q.device)).repeat_interleave(kvh, 0).unsqueeze(1)
     valid = kp <= t
     if window:
         valid &= kp > t - window
@@ -52,8 +56,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.T
     p = pointwise(torch.exp, s - s.amax(-1, keepdim=True))
     # NOTE: per-piece sums, then a scan over the pieces: the order of additions is fixed by the
     # query's own position, and masked pieces add exact zeros.
-    denom = p.view(kvh, rows, nc, C).sum(-1).cumsum(-1)[..., -1:]
-    w = (p / denom).to(v.dtype).view(kvh, rows, nc, C).transpose(1, 2).reshape(kvh * nc, rows, C)
-    o = bmm_rows(w, v.transpose(0, 1).reshape(kvh * nc, C, D)).view(kvh, nc, rows, D)
-    o = o.float().cumsum(1)[:, -1]                                                # [kvh, rows, D]
-    return o.view(kvh, n, g, D).transpose(0, 1).reshape(n, H, D).to(q.dtype)
+    denom = p.view(B, rows, nc, C).sum(-1).cumsum(-1)[..., -1:]
+    w = (p / denom).to(v.dtype).view(B, rows, nc, C).transpose(1, 2).reshape(B * nc, rows, C)
+    o = bmm_rows(w, v.permute(0, 2, 1, 3).reshape(B * nc, C, D)).view(B, nc, rows, D)
+    o = o.float().cumsum(1)[:, -1]                                                    # [B, rows, D]
+    return o.view(S, kvh, n, g, D).permute(0, 2, 1, 3, 4).reshape(S, n, H, D).to(q.dtype)

@@ -84,15 +84,36 @@ class DenseAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
-        outs = []
         for seg in batch.segments:
-            span, state, r = seg.span, seg.state, seg.rows
-            state.write(self.layer, span.start, k[r], v[r])
+            seg.state.write(self.layer, seg.span.start, k[seg.rows], v[seg.rows])
+        # Requests with the same number of rows (every decode token; prefill units of one size)
+        # share one attention call, each over its own keys; the others run alone.
+        o = q.new_empty(q.shape)
+        groups: dict[int, list] = {}
+        for seg in batch.segments:
+            groups.setdefault(seg.span.length, []).append(seg)
+        for n, segs in groups.items():
             # Keys from the first piece the window can reach (pieces anchored at absolute positions).
-            lo = 0 if not self.window else max(0, span.start - self.window + 1) // KEY_CHUNK * KEY_CHUNK
-            keys, values = state.keys(self.layer, lo, span.end)
-            outs.append(attend(q[r], keys, values, span.positions, lo, self.window, self.scale))
-        o = torch.cat(outs, 0) if len(outs) > 1 else outs[0]
+            los = [0 if not self.window else max(0, g.span.start - self.window + 1) // KEY_CHUNK * KEY_CHUNK
+                   for g in segs]
+            kv = [g.state.keys(self.layer, lo, g.span.end) for g, lo in zip(segs, los)]
+            if len(segs) == 1:
+                keys, values = kv[0][0][None], kv[0][1][None]
+                rows = segs[0].rows
+                pos = segs[0].span.positions[None]
+            else:
+                # One zero-padded [S, L, kvh, D] per side, L a whole number of key pieces.
+                L = -(-max(kk.shape[0] for kk, _ in kv) // KEY_CHUNK) * KEY_CHUNK
+                keys = kv[0][0].new_zeros(len(segs), L, self.kv_heads, self.head_dim)
+                values = torch.zeros_like(keys)
+                for i, (kk, vv) in enumerate(kv):
+                    keys[i, :kk.shape[0]] = kk
+                    values[i, :vv.shape[0]] = vv
+                rows = torch.cat([torch.arange(g.rows.start, g.rows.stop, device=x.device) for g in segs])
+                pos = torch.stack([g.span.positions for g in segs])
+            out = attend(q[rows].view(len(segs), n, self.heads, self.head_dim), keys, values, pos,
+                         torch.tensor(los, device=x.device), self.window, self.scale)
+            o[rows] = out.reshape(-1, self.heads, self.head_dim)
         return self.o_proj(o.reshape(N, -1))
 
 
