@@ -46,9 +46,7 @@ def load(args):
         return load_checkpoint(args.model_dir, dtype=args.dtype or "auto").model
     dtype = DTYPES[args.dtype or "float32"]
     if args.family == "hybrid":
-        if dtype != torch.float32:
-            raise SystemExit("bench.model: the hybrid family runs float32 only")
-        return build_model(ModelConfig(), seed=args.seed)
+        return build_model(ModelConfig(), seed=args.seed).to(dtype)
     return build_dense(dense_tiny(args.family), seed=args.seed, dtype=dtype)
 
 

@@ -23,6 +23,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse
     nope, rot = x[..., :-rd], x[..., -rd:]
     if x.dim() == cos.dim() + 1:  # [T, H, D] against [T, half]
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    if cos.dtype != x.dtype:   # the tables are float32; a bfloat16 model rotates in bfloat16
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if inverse:
         sin = -sin
     x1 = rot[..., 0::2]

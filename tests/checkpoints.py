@@ -24,6 +24,17 @@ TINY: dict[str, dict[str, Any]] = {
                   num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                    "original_max_position_embeddings": 128}),
+    "deepseek_v4": dict(vocab_size=96, hidden_size=32, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25, q_lora_rank=16, o_groups=2,
+                        o_lora_rank=8, sliding_window=16, index_n_heads=4, index_head_dim=16, index_topk=3, hc_mult=2,
+                        hc_sinkhorn_iters=5, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                        mlp_layer_types=["hash_moe", "moe", "moe", "moe"], num_nextn_predict_layers=0,
+                        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                                     "compressed_sparse_attention"],
+                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+                        max_position_embeddings=512,
+                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                         "beta_fast": 32.0, "beta_slow": 1.0}),
 }
 
 

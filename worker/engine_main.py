@@ -46,7 +46,7 @@ from worker.generation import SamplingParams
 from worker.generation_config import load_generation_config
 from worker.http_server import bound_address, start_http
 from worker.model import CausalLM, build_model
-from worker.model.checkpoint import CheckpointError, load_checkpoint
+from worker.model.checkpoint import DTYPES, CheckpointError, load_checkpoint
 from worker.model.manifest import ManifestError
 from worker.model.weights import WeightsError
 from worker.tenants import AuthError, TenantDirectory
@@ -60,13 +60,10 @@ def load_model(cfg: Config) -> CausalLM:
     tiny seeded model. Raises ``CheckpointError`` / ``WeightsError`` / ``ManifestError`` naming what
     is wrong; the caller prints it and exits."""
     if not cfg.worker.model_dir:
-        if cfg.worker.dtype not in ("auto", "float32"):
-            raise CheckpointError(f"config key worker.dtype: {cfg.worker.dtype!r} — the built-in model runs float32")
-        return build_model(seed=0).to(torch.device(cfg.worker.device))
+        dtype = DTYPES["float32" if cfg.worker.dtype == "auto" else cfg.worker.dtype]
+        return build_model(seed=0).to(device=torch.device(cfg.worker.device), dtype=dtype)
     loaded = load_checkpoint(cfg.worker.model_dir, dtype=cfg.worker.dtype, require_manifest=cfg.worker.require_manifest,
                              device=cfg.worker.device)
-    for note in loaded.notes:
-        log.warning("model_dtype", note=note)
     log.info("model_loaded", family=loaded.family, model_id=loaded.model.cfg.model_id,
              dtype=str(loaded.dtype).removeprefix("torch."), digest=loaded.model.checkpoint_digest[:16])
     return loaded.model

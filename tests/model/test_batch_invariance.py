@@ -98,14 +98,16 @@ DENSE = {
     "qwen2-sliding-bfloat16": ({"family": "qwen2", "qkv_bias": True, "sliding_window": 20,
                                 "layer_types": ("sliding_attention", "full_attention") * 2}, torch.bfloat16),
     "qwen3-float16": ({"family": "qwen3", "qk_norm": True, "num_key_value_heads": 1}, torch.float16),
+    "hybrid-bfloat16": (None, torch.bfloat16),
 }
 
 
 @pytest.fixture(scope="module", params=list(DENSE))
 def dense(request):
+    from worker.model import build_model
     from worker.model.dense import DenseConfig, build_dense
     over, dtype = DENSE[request.param]
-    model = build_dense(DenseConfig(**over), seed=4, dtype=dtype)
+    model = build_model(seed=4).to(dtype) if over is None else build_dense(DenseConfig(**over), seed=4, dtype=dtype)
     assert model.check_invariance() == []
     return model
 
@@ -113,8 +115,9 @@ def dense(request):
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(reqs=requests, budget=st.sampled_from([1, 17, 48, 256]), seed=st.integers(0, 2**16))
 def test_dense_random_mixes_run_batched_equal_each_request_run_alone(dense, reqs, budget, seed) -> None:
-    """The dense family: decode tokens of several requests share one attention call (each over
-    its own keys, padded), prefill units of one size likewise; every request keeps its bits."""
+    """The dense family (decode tokens of several requests share one attention call, each over
+    its own padded keys; prefill units of one size likewise) and the hybrid model in bfloat16:
+    every request keeps its bits."""
     check_mix(dense, reqs, budget, seed)
 
 

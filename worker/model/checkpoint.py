@@ -439,7 +439,6 @@ class Loaded:
     #: The dtype the checkpoint's config declares and the one the model computes in.
     checkpoint_dtype: torch.dtype
     dtype: torch.dtype
-    notes: tuple[str, ...] = ()
 
 
 def model_id_for(directory: Path, doc: Mapping[str, Any]) -> str:
@@ -457,7 +456,6 @@ def load_checkpoint(directory: str | Path, *, dtype: str = "auto", require_manif
     family = family_of(doc)
     if dtype != "auto" and dtype not in DTYPES:
         raise CheckpointError(f"config key worker.dtype: {dtype!r}; use auto, {', '.join(DTYPES)}")
-    notes: list[str] = []
     if family == "kvledger":
         model: CausalLM = HybridAttentionLM(native_config(doc))
         declared = torch.float32
@@ -476,13 +474,6 @@ def load_checkpoint(directory: str | Path, *, dtype: str = "auto", require_manif
                      ignore=(lambda k: k == "lm_head.weight") if tied else (lambda k: False),
                      optional=frozenset({"lm_head.weight"}) if tied else frozenset())
     want = DTYPES[dtype] if dtype != "auto" else declared
-    if isinstance(model, HybridAttentionLM) and want != torch.float32:
-        if dtype != "auto":
-            raise CheckpointError(f"config key worker.dtype: {dtype!r} — the deepseek_v4 family computes in "
-                                  f"float32 only in this build (its cached forms are float32); use float32 or auto")
-        notes.append(f"checkpoint dtype {str(declared).removeprefix('torch.')} is computed in float32 "
-                     f"(the deepseek_v4 family runs float32 only)")
-        want = torch.float32
     model = model.to(device=torch.device(device), dtype=want).eval()
     model.checkpoint_digest = checkpoint_digest(d, require_manifest=require_manifest, progress=progress)
-    return Loaded(model=model, family=family, checkpoint_dtype=declared, dtype=want, notes=tuple(notes))
+    return Loaded(model=model, family=family, checkpoint_dtype=declared, dtype=want)

@@ -36,7 +36,9 @@ from worker.model.config import ModelConfig, check_block_size
 
 #: Byte layout version of every form defined here; bump with any layout change.
 LAYOUT_VERSION = 1
-#: Storage dtype of every form (the tiny model runs in float32 end to end).
+#: Storage dtype of every form, whatever dtype the model computes in: a bfloat16 or float16
+#: model's rows are stored exactly in float32, and its compressor and attention already
+#: accumulate in float32 (low-precision storage is issue 18's ``cache.dtype``).
 STATE_DTYPE = torch.float32
 
 COMPRESSED, INDEXER, TAIL, SWA = "compressed", "indexer", "tail", "swa"
