@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from shared.manifest import checkpoint_digest, write_manifest
     from worker.model.checkpoint import load_checkpoint
-    from worker.model.manifest import checkpoint_digest, write_manifest
 
     hidden, inter = 1024, 2816
     per_layer = (4 * hidden * hidden + 3 * hidden * inter) * 2          # bf16 bytes

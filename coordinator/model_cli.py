@@ -1,5 +1,5 @@
 """``kvledger model manifest|verify DIR``: the manifest of a checkpoint directory
-(:mod:`worker.model.manifest`), loaded by coordinator/cli.py.
+(:mod:`shared.manifest`), loaded by coordinator/cli.py.
 
 ``manifest`` hashes every file and writes ``kvledger-manifest.json``; ``verify`` checks the
 files against it. Both print the checkpoint digest (what enters the cache namespace) and show
@@ -41,7 +41,7 @@ def register(sub: Any) -> None:
 def cmd_manifest(args: argparse.Namespace) -> int:
     if (bad := _not_a_directory("manifest", args.dir)) is not None:
         return bad
-    from worker.model.manifest import ManifestError, read_manifest, write_manifest
+    from shared.manifest import ManifestError, read_manifest, write_manifest
 
     try:
         with _progress(f"hashing {args.dir}", not args.no_progress) as update:
@@ -58,7 +58,7 @@ def cmd_manifest(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     if (bad := _not_a_directory("verify", args.dir)) is not None:
         return bad
-    from worker.model.manifest import ManifestError, read_manifest, verify_manifest
+    from shared.manifest import ManifestError, read_manifest, verify_manifest
 
     try:
         with _progress(f"verifying {args.dir}", not args.no_progress) as update:
@@ -96,7 +96,14 @@ def _progress(description: str, enabled: bool) -> Iterator[Callable[[int, int], 
         yield None
         return
     from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
                   TransferSpeedColumn(), TimeRemainingColumn(), console=Console(file=sys.stderr),

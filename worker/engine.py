@@ -114,7 +114,7 @@ class Engine:
         self.catalogue = model.declare_forms(self.block_size)
         self.specs = {n: lay.spec for n, lay in self.layouts.items()}
         self.spec_digests = {n: spec.spec_digest for n, spec in self.specs.items()}
-        # A checkpoint directory's namespace is its files' digest (worker.model.manifest) and the
+        # A checkpoint directory's namespace is its files' digest (shared.manifest) and the
         # dtype it computes in; seeded weights hash their tensors (which covers the dtype).
         self.namespace = namespace_hash(model.cfg.model_id, f"{model.checkpoint_digest}:{model.dtype}"
                                         if model.checkpoint_digest else weights_digest(model))

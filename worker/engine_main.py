@@ -36,6 +36,7 @@ import torch
 from shared import nats_auth
 from shared.config import Config, ConfigError, load_config
 from shared.logging import configure_logging, get_logger, mask_credentials
+from shared.manifest import ManifestError
 from shared.subjects import Subjects
 from shared.tls import client_context
 from worker.chat_template import load_chat_template
@@ -47,7 +48,6 @@ from worker.generation_config import load_generation_config
 from worker.http_server import bound_address, start_http
 from worker.model import CausalLM, build_model
 from worker.model.checkpoint import DTYPES, CheckpointError, load_checkpoint
-from worker.model.manifest import ManifestError
 from worker.model.weights import WeightsError
 from worker.tenants import AuthError, TenantDirectory
 from worker.tokenizer import load_tokenizer

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from shared.manifest import MANIFEST_NAME, checkpoint_digest
 from tests.e2e.coordinator_processes import REPO, clean_env
-from worker.model.manifest import MANIFEST_NAME, checkpoint_digest
 
 SCRIPT = Path(sys.executable).with_name("kvledger")  # the console script `pip install` made
 KVLEDGER = [str(SCRIPT)] if SCRIPT.exists() else [

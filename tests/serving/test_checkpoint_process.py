@@ -12,9 +12,9 @@ import aiohttp
 import openai
 import pytest
 
+from shared.manifest import write_manifest
 from tests.checkpoints import save_hf, save_tokenizer, token_id
 from tests.serving.test_worker_http_process import cluster, http_url  # noqa: F401 - fixture
-from worker.model.manifest import write_manifest
 
 pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""The checkpoint manifest (worker.model.manifest): written, verified, and every way a checkpoint
+"""The checkpoint manifest (shared.manifest): written, verified, and every way a checkpoint
 directory can differ from it — changed bytes, changed size, a file missing, a file added, an
 ill-formed manifest — is refused with a message naming the file or the field."""
 
@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from worker.model import manifest as mf
-from worker.model.manifest import (
+from shared.manifest import (
     MANIFEST_NAME,
     FileEntry,
     ManifestError,
@@ -23,6 +22,7 @@ from worker.model.manifest import (
     verify_manifest,
     write_manifest,
 )
+from worker.model import manifest as mf
 
 SHARD_1 = "model-00001-of-00002.safetensors"
 SHARD_2 = "model-00002-of-00002.safetensors"

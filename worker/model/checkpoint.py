@@ -5,7 +5,7 @@
 ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` → :class:`DenseLM`), maps the config's fields onto
 the family's config, loads ``model.safetensors`` or the shards of
 ``model.safetensors.index.json`` under the names of :mod:`worker.model.hf_names`, casts to the
-dtype it will compute in, and records the directory's digest (:mod:`worker.model.manifest`).
+dtype it will compute in, and records the directory's digest (:mod:`shared.manifest`).
 A directory of kvledger's own format (a ``config.json`` of :class:`ModelConfig` fields, no
 ``architectures``) still loads.
 
@@ -27,12 +27,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from shared.manifest import checkpoint_digest
 from worker.model.config import ConfigError, ModelConfig, YarnScaling
 from worker.model.dense.config import FULL, SLIDING, DenseConfig, RopeSpec
 from worker.model.dense.model import DenseLM
 from worker.model.hf_names import DSV4_IGNORED, dsv4_target
 from worker.model.lm import CausalLM
-from worker.model.manifest import checkpoint_digest
 from worker.model.model import HybridAttentionLM
 from worker.model.weights import WeightsError
 

@@ -33,7 +33,7 @@ class CausalLM(nn.Module):
         #: the worker sets it from the probe at start). False: one request per forward, and only
         #: blocks of block-aligned units are exportable.
         self.batch_invariant = True
-        #: The checkpoint's digest when it was loaded from a directory (``worker.model.manifest``);
+        #: The checkpoint's digest when it was loaded from a directory (``shared.manifest``);
         #: ``None`` for seeded weights (their namespace is the digest of the tensors themselves).
         self.checkpoint_digest: str | None = None
 
