@@ -22,7 +22,7 @@ from shared.manifest import (
     verify_manifest,
     write_manifest,
 )
-from worker.model import manifest as mf
+from shared import manifest as mf
 
 SHARD_1 = "model-00001-of-00002.safetensors"
 SHARD_2 = "model-00002-of-00002.safetensors"
