@@ -202,3 +202,20 @@ def test_native_directory_still_loads_and_its_scaling_object_is_read(tmp_path) -
     (tmp_path / "config.json").write_text(json.dumps({"model_id": "mine", "compress_ratio": [0] * 6}))
     with pytest.raises(CheckpointError, match="compress_ratio"):
         load_checkpoint(tmp_path)
+
+
+def test_older_config_spellings_load_to_the_same_model(tmp_path) -> None:
+    """transformers 4.x wrote ``torch_dtype``, a top-level ``rope_theta`` and ``rope_scaling``
+    (``type`` or ``rope_type``); those directories load to the same model as 5.x's."""
+    d = save_hf("llama", tmp_path / "ckpt")
+    new = load_checkpoint(d).model
+    doc = json.loads((d / "config.json").read_text())
+    rope = doc.pop("rope_parameters")
+    doc["rope_theta"] = rope.pop("rope_theta")
+    doc["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
+    doc["torch_dtype"] = doc.pop("dtype")
+    (d / "config.json").write_text(json.dumps(doc))
+    old = load_checkpoint(d).model
+    assert old.cfg == new.cfg
+    tokens = torch.arange(40) % 128
+    assert torch.equal(our_logits(old, tokens, 32), our_logits(new, tokens, 32))

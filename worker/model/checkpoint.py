@@ -18,6 +18,7 @@ not know — refuses to start with :class:`CheckpointError` naming the field and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Callable, Mapping
@@ -364,12 +365,21 @@ def _where(files: list[Path]) -> dict[str, Path]:
     return found
 
 
-def _get(path: Path, key: str) -> torch.Tensor:
-    with safe_open(str(path), framework="pt") as h:
-        t = h.get_tensor(key)
-    if t.dtype.is_floating_point and t.dtype not in DTYPES.values():
-        raise WeightsError(f"tensor {key} in {path.name} is {t.dtype}: quantised weights are not supported")
-    return t
+class _Files:
+    """Every file of the checkpoint opened once (a header parse per file, not per tensor)."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self._stack = contextlib.ExitStack()
+        self._h = {f: self._stack.enter_context(safe_open(str(f), framework="pt")) for f in files}
+
+    def get(self, path: Path, key: str) -> torch.Tensor:
+        t = self._h[path].get_tensor(key)
+        if t.dtype.is_floating_point and t.dtype not in DTYPES.values():
+            raise WeightsError(f"tensor {key} in {path.name} is {t.dtype}: quantised weights are not supported")
+        return t
+
+    def close(self) -> None:
+        self._stack.close()
 
 
 @torch.no_grad()
@@ -398,9 +408,17 @@ def load_weights(model: CausalLM, files: list[Path], target: Callable[[str], tup
         raise WeightsError(f"checkpoint does not match the model: missing {missing[:8]}"
                            f"{' …' if len(missing) > 8 else ''} ({len(missing)}), unexpected {sorted(extra)[:8]}"
                            f"{' …' if len(extra) > 8 else ''} ({len(extra)})")
+    opened = _Files(files)
+    try:
+        _copy_all(expected, plain, pieces, opened)
+    finally:
+        opened.close()
+
+
+def _copy_all(expected, plain, pieces, opened: _Files) -> None:
     for name, dest in expected.items():
         if name in plain:
-            t = _get(*plain[name])
+            t = opened.get(*plain[name])
             src = plain[name][1]
         elif name in pieces:
             parts = pieces[name]
@@ -409,7 +427,7 @@ def load_weights(model: CausalLM, files: list[Path], target: Callable[[str], tup
             if gaps or len(parts) != n_exp * n_slot:
                 raise WeightsError(f"tensor {name}: the checkpoint lacks expert pieces {gaps[:4]} "
                                    f"(or has experts beyond n_routed_experts {n_exp})")
-            t = torch.stack([torch.cat([_get(*parts[(e, s)]) for s in range(n_slot)], 0) for e in range(n_exp)])
+            t = torch.stack([torch.cat([opened.get(*parts[(e, s)]) for s in range(n_slot)], 0) for e in range(n_exp)])
             src = f"{name} (from {len(parts)} expert tensors)"
         else:
             continue
@@ -418,7 +436,7 @@ def load_weights(model: CausalLM, files: list[Path], target: Callable[[str], tup
                                f"{tuple(dest.shape)}")
         if t.dtype.is_floating_point != dest.dtype.is_floating_point:
             raise WeightsError(f"tensor {src}: dtype {t.dtype} in the checkpoint, the model needs {dest.dtype}")
-        dest.copy_(t.to(dest.dtype))
+        dest.copy_(t)   # converts to the model's dtype
 
 
 def _identity(key: str) -> tuple[str, None]:
@@ -441,6 +459,15 @@ class Loaded:
     dtype: torch.dtype
 
 
+def _empty(cls, cfg, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
+    """The model with uninitialised tensors of the target dtype on the target device: built on
+    the meta device, so no random initialisation runs and no float32 copy is made of weights
+    that load_weights overwrites (every tensor of the state dict, or it refuses)."""
+    with torch.device("meta"):
+        model = cls(cfg).to(dtype)
+    return model.to_empty(device=torch.device(device))
+
+
 def model_id_for(directory: Path, doc: Mapping[str, Any]) -> str:
     name = doc.get("_name_or_path")
     return name if isinstance(name, str) and name and not name.startswith("/") else directory.resolve().name
@@ -457,23 +484,25 @@ def load_checkpoint(directory: str | Path, *, dtype: str = "auto", require_manif
     if dtype != "auto" and dtype not in DTYPES:
         raise CheckpointError(f"config key worker.dtype: {dtype!r}; use auto, {', '.join(DTYPES)}")
     if family == "kvledger":
-        model: CausalLM = HybridAttentionLM(native_config(doc))
         declared = torch.float32
+        want = DTYPES[dtype] if dtype != "auto" else declared
+        model: CausalLM = _empty(HybridAttentionLM, native_config(doc), want, device)
         load_weights(model, weight_files(d), _identity, ignore=lambda k: k.startswith("mtp."))
     elif family == "deepseek_v4":
         declared = checkpoint_dtype(doc)
-        model = HybridAttentionLM(dsv4_config(doc, model_id_for(d, doc)))
+        want = DTYPES[dtype] if dtype != "auto" else declared
+        model = _empty(HybridAttentionLM, dsv4_config(doc, model_id_for(d, doc)), want, device)
         load_weights(model, weight_files(d), _dsv4_target, ignore=lambda k: bool(DSV4_IGNORED.match(k)))
     else:
         declared = checkpoint_dtype(doc)
-        model = DenseLM(dense_config(doc, family, model_id_for(d, doc)))
+        want = DTYPES[dtype] if dtype != "auto" else declared
+        model = _empty(DenseLM, dense_config(doc, family, model_id_for(d, doc)), want, device)
         tied = model.cfg.tie_word_embeddings
         # NOTE: with tied embeddings transformers ties after loading, so the embedding wins over
         # a stray lm_head.weight in the file; the head here IS the embedding parameter.
         load_weights(model, weight_files(d), _identity,
                      ignore=(lambda k: k == "lm_head.weight") if tied else (lambda k: False),
                      optional=frozenset({"lm_head.weight"}) if tied else frozenset())
-    want = DTYPES[dtype] if dtype != "auto" else declared
-    model = model.to(device=torch.device(device), dtype=want).eval()
+    model = model.eval()
     model.checkpoint_digest = checkpoint_digest(d, require_manifest=require_manifest, progress=progress)
     return Loaded(model=model, family=family, checkpoint_dtype=declared, dtype=want)

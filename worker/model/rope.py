@@ -51,7 +51,7 @@ def yarn_inv_freq(theta: float, rope_dims: int, yarn: YarnScaling) -> torch.Tens
 class RopeTables:
     """Precomputed cos/sin for every position below ``max_positions``, both tables."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str | None = None) -> None:
         rd = cfg.qk_rope_head_dim
         main = default_inv_freq(cfg.rope_theta, rd)
         if cfg.compress_rope_scaling is None:

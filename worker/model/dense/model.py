@@ -50,7 +50,7 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 class RopeTable:
     """cos/sin ``[max_positions, head_dim]`` (pairs repeated as ``cat(f, f)``), in the model's dtype."""
 
-    def __init__(self, cfg: DenseConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(self, cfg: DenseConfig, dtype: torch.dtype, device: torch.device | str | None = None) -> None:
         inv, scale = rope_inv_freq(cfg.rope, cfg.head_dim)
         freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)[:, None] * inv[None, :]
         emb = torch.cat([freqs, freqs], -1)
@@ -166,6 +166,8 @@ class DenseLM(CausalLM):
         # The rotary table follows the parameters' device and dtype (a plain tensor, not a buffer,
         # so it stays out of the state dict and the weights digest).
         out = super()._apply(fn, *args, **kwargs)
+        if self.cfg.tie_word_embeddings:   # a move between devices may replace the parameter objects
+            self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RopeTable(self.cfg, self.dtype, self.device)
         return out
 
