@@ -146,10 +146,11 @@ class WorkerConfig(_Section):
     port: Port = 8400
     #: ``cpu``, ``cuda``, ``cuda:N``.
     device: str = "cpu"
-    #: Directory with config.json + *.safetensors (+ tokenizer.json); empty = tiny seeded model.
+    #: A checkpoint directory as transformers' ``save_pretrained`` writes it (DeepseekV4, Llama,
+    #: Qwen2, Qwen3 ForCausalLM; or kvledger's own format); empty = the tiny seeded model.
     model_dir: str = ""
-    #: Dtype the weights are loaded in: ``auto`` = the checkpoint config's ``dtype`` (or
-    #: ``torch_dtype``), float32 for the built-in model.
+    #: Dtype the weights are loaded and computed in: ``auto`` = the checkpoint config's ``dtype``
+    #: (or ``torch_dtype``), float32 for the built-in model.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     #: Refuse to start on a ``model_dir`` without ``kvledger-manifest.json`` (``kvledger model manifest
     #: DIR`` writes it). A manifest that is present is always verified, and any checkpoint's digest
