@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import signal
 import time
@@ -35,14 +36,31 @@ from typing import Any
 
 from shared import messages as m
 from shared import nats_auth
+from shared.config import parse_config
 from shared.forms import FormCatalogue, FormScope, FormSpec
 from shared.messages import ReplicaState
 from tests.faults import checker
 from tests.faults.harness import (
-    RESUME_GRACE_MS, Observer, Stack, WorkerSpec, damage, make_read_only, make_writable, offload_files,
+    RESUME_GRACE_MS,
+    Observer,
+    Stack,
+    WorkerSpec,
+    damage,
+    make_read_only,
+    make_writable,
+    offload_files,
 )
 from tests.faults.workload import (
-    Conversation, History, Load, Reference, Script, ask, probe_prompt, probe_reuse, rand_tokens,
+    Conversation,
+    History,
+    Load,
+    Reference,
+    Script,
+    ask,
+    drill_model,
+    probe_prompt,
+    probe_reuse,
+    rand_tokens,
 )
 
 #: Drills in the order the suite runs them (also the tenants that get API keys).
@@ -82,10 +100,29 @@ def worker_specs() -> list[WorkerSpec]:
     return [WorkerSpec("wa", cache=SMALL_POOLS, worker={"pool_bytes": 2**20}, service=service),
             WorkerSpec("wb", cache={**SMALL_POOLS, "host_tier_bytes": 200_000}, worker={"pool_bytes": 2**20},
                        service=service),
-            WorkerSpec("wp", cache={"tail_pool_limit": 0.005}, service=service),
+            pressured_worker(service),
             # the retention witness: no load, no host or disk tier (only its GPU pools can retain)
             WorkerSpec("wr", cache={"host_tier_bytes": 0, "offload_dir": ""}, worker={"pool_bytes": 16 * 2**20},
                        service=service)]
+
+
+def pressured_worker(service: dict) -> WorkerSpec:
+    """wp: the hybrid model's ``tail`` pool cut to 2 slots; a model with one form (a dense
+    checkpoint under ``KVL_DRILL_MODEL_DIR``) gets a whole pool that holds 2 blocks of it."""
+    if not os.environ.get("KVL_DRILL_MODEL_DIR"):
+        return WorkerSpec("wp", cache={"tail_pool_limit": 0.005}, service=service)
+    cfg = parse_config({})
+    forms = drill_model().form_layouts(cfg.cache.block_size)
+    if len(forms) != 1:
+        raise AssertionError(f"KVL_DRILL_MODEL_DIR: a model with forms {list(forms)} has no pressure rule here")
+    share = cfg.service.cache_reserve_ratio * (cfg.cache.compressed_pool_limit + cfg.cache.swa_pool_limit
+                                               + cfg.cache.tail_pool_limit)
+    per_block = next(iter(forms.values())).spec.bytes_per_block
+    return WorkerSpec("wp", worker={"pool_bytes": int(2.5 * per_block / share)}, service=service)
+
+
+def pressured_form(forms: dict) -> str:
+    return "tail" if "tail" in forms else next(iter(forms))
 
 
 def conversations(n: int) -> list[Conversation]:
@@ -641,12 +678,14 @@ async def offload_damage(run: Run, drill: str) -> Fault:
 
 
 async def pool_exhausted(run: Run, drill: str) -> Fault:
-    """Worker wp's ``tail`` pool (2 slots) under three concurrent conversations: capacity refused."""
+    """Worker wp's smallest pool (``tail``, or a one-form model's only pool: 2 slots) under three
+    concurrent conversations: capacity refused."""
     stack = run.stack
     convs = [Conversation(cid, "http" if cid % 2 else "debug", ("wp",)) for cid in POOL_CONVERSATIONS]
     refused0 = await stack.metric("wp", "kvl_worker_lease_errors_total", code="over_capacity")
     fb0 = await stack.metric("wp", "kvl_worker_fallbacks_total")
-    f = Fault(drill, f"wp's tail pool (2 slots) exhausted by {len(convs)} concurrent conversations", run.history.now())
+    f = Fault(drill, f"wp's smallest pool (2 slots) exhausted by {len(convs)} concurrent conversations",
+              run.history.now())
     t0 = time.monotonic()
     load = run.load(drill, convs).start()
     await load.wait_done(len(convs) * run.script.turns)
@@ -657,12 +696,13 @@ async def pool_exhausted(run: Run, drill: str) -> Fault:
     wp = next(p for p in pools["pools"] if p["worker_id"] == "wp")
     refused = await stack.metric("wp", "kvl_worker_lease_errors_total", code="over_capacity") - refused0
     fallbacks = await stack.metric("wp", "kvl_worker_fallbacks_total") - fb0
-    f.evidence = {"tail_pool": wp["forms"]["tail"], "over_capacity_refusals": int(refused),
+    form = pressured_form(wp["forms"])
+    f.evidence = {f"{form}_pool": wp["forms"][form], "over_capacity_refusals": int(refused),
                   "fallbacks": int(fallbacks),
                   "reused_requests": sum(1 for r in run.history.of(drill) if r.cached_tokens > 0)}
-    tail = wp["forms"]["tail"]
-    assert tail["limit"] <= 2 and tail["used"] == tail["limit"], f"wp's tail pool is not full: {f.evidence}"
-    assert refused + fallbacks > 0, f"wp never ran out of tail slots: {f.evidence}"
+    pool = wp["forms"][form]
+    assert pool["limit"] <= 2 and pool["used"] == pool["limit"], f"wp's {form} pool is not full: {f.evidence}"
+    assert refused + fallbacks > 0, f"wp never ran out of {form} slots: {f.evidence}"
     return run.close(f, set(), load)
 
 

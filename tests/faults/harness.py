@@ -177,7 +177,8 @@ class Stack:
         doc["cache"] = {"chunk_blocks": 1, "offload_dir": str(self.offload_dir), "host_tier_bytes": 0,
                         **spec.cache}
         doc["worker"] = {"worker_id": wid, "host": "127.0.0.1", "port": self.ports[wid], "pool_bytes": 4 * 2**20,
-                         "outbox_resend_ms": 500, "debug_subjects": True, **spec.worker}
+                         "outbox_resend_ms": 500, "debug_subjects": True,
+                         "model_dir": os.environ.get("KVL_DRILL_MODEL_DIR", ""), **spec.worker}
         doc["service"] = {"batch_window_ms": 5, **spec.service}
         doc["auth"] = {"salt_secret": SALT_SECRET,
                        "keys": [{"key_sha256": key_sha256(api_key(t)), "tenant": t}

@@ -22,6 +22,7 @@ error; it is recorded by kind and retried (bounded), never counted as an answer.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections import Counter
@@ -46,12 +47,23 @@ class Expected:
         return bytes(self.tokens).decode("utf-8", errors="replace")
 
 
+def drill_model():
+    """The model every drill runs: the built-in tiny one, or ``KVL_DRILL_MODEL_DIR`` (a checkpoint
+    directory with a vocabulary of at least 256 ids — prompts are random byte ids — that the
+    workers load as ``worker.model_dir``), to put another family through the same drills."""
+    directory = os.environ.get("KVL_DRILL_MODEL_DIR", "")
+    if not directory:
+        return build_model(seed=0)
+    from worker.model.checkpoint import load_checkpoint
+    return load_checkpoint(directory).model
+
+
 class Reference:
     """Cold runs, each computed once, in this process."""
 
     def __init__(self, chunk_blocks: int = 1) -> None:
         torch.set_num_threads(1)
-        self.engine = Engine(build_model(seed=0), parse_config({"cache": {"chunk_blocks": chunk_blocks}}), None)
+        self.engine = Engine(drill_model(), parse_config({"cache": {"chunk_blocks": chunk_blocks}}), None)
         assert not self.engine.cache_enabled
         self._runs: dict[tuple[tuple[int, ...], int], asyncio.Future[Expected]] = {}
         self.computed = 0
