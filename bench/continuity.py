@@ -71,7 +71,7 @@ class Up:
         with open(os.path.join(self.dir, "kvledger.yaml"), "w") as f:
             f.write(f"state_dir: state\ncoordinator:\n  resume_grace_ms: {GRACE_MS}\n  lease_ttl_ms: {GRACE_MS}\n")
         self.p = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.cli", "up", "--config", "kvledger.yaml", "--workers", "1",
+            [sys.executable, "-m", "kvledger.cli", "up", "--config", "kvledger.yaml", "--workers", "1",
              "--coordinators", str(coordinators), "--coordinator-port", "0", "--worker-base-port", "0", "--quiet"],
             cwd=self.dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
             env={**os.environ, "PYTHONPATH": os.getcwd(), "KVL_TORCH_THREADS": "1"})

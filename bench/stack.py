@@ -34,7 +34,7 @@ def one_run(workers: int) -> dict[str, float]:
         with open(os.path.join(d, "kvledger.yaml"), "w") as f:
             f.write("state_dir: state\n")
         t0 = time.monotonic()
-        p = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "up", "--config", "kvledger.yaml",
+        p = subprocess.Popen([sys.executable, "-m", "kvledger.cli", "up", "--config", "kvledger.yaml",
                               "--workers", str(workers), "--coordinator-port", "0", "--worker-base-port", "0",
                               "--quiet"], cwd=d, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True, env={**os.environ, "PYTHONPATH": os.getcwd()})

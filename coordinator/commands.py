@@ -1,4 +1,4 @@
-"""``kvledger coordinator`` and ``kvledger db upgrade|current`` (loaded by coordinator/cli.py)."""
+"""``kvledger coordinator`` and ``kvledger db upgrade|current`` (loaded by kvledger/cli.py)."""
 
 from __future__ import annotations
 

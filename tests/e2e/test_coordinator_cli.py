@@ -14,7 +14,7 @@ import pytest
 from shared.subjects import Subjects
 from tests.e2e.coordinator_processes import REPO, CoordinatorProcess, clean_env, coordinators  # noqa: F401
 
-KVLEDGER = [sys.executable, "-c", "import sys; from coordinator.cli import main; sys.exit(main())"]
+KVLEDGER = [sys.executable, "-c", "import sys; from kvledger.cli import main; sys.exit(main())"]
 
 
 def kvledger(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,7 @@ from tests.e2e.coordinator_processes import REPO, clean_env
 
 SCRIPT = Path(sys.executable).with_name("kvledger")  # the console script `pip install` made
 KVLEDGER = [str(SCRIPT)] if SCRIPT.exists() else [
-    sys.executable, "-c", "import sys; from coordinator.cli import main; sys.exit(main())"]
+    sys.executable, "-c", "import sys; from kvledger.cli import main; sys.exit(main())"]
 
 
 def kvledger(*args: str) -> subprocess.CompletedProcess[str]:

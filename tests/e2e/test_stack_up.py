@@ -35,7 +35,7 @@ from shared.subjects import Subjects
 from tests.e2e.coordinator_processes import REPO, clean_env
 from tests.integration.test_tls import certs  # noqa: F401 - fixture (certificates made on the fly)
 
-KVLEDGER = [sys.executable, "-m", "coordinator.cli"]
+KVLEDGER = [sys.executable, "-m", "kvledger.cli"]
 UP_READY = "up; Ctrl-C (or SIGTERM) stops everything"
 
 

@@ -25,7 +25,7 @@ import torch
 
 from shared.config import parse_config
 from shared.messages import ReplicaState
-from worker.client.twin import InProcessCoordinator
+from tests.twin import InProcessCoordinator
 from worker.engine import Engine
 from worker.model import build_model
 

@@ -111,7 +111,7 @@ def test_unloadable_pem_is_a_config_error(certs: dict[str, str], tmp_path: Path)
 async def worker_http(tmp_path: Path, tls: dict[str, Any]) -> AsyncIterator[str]:
     """``start_http`` on a twin-backed engine (as tests/serving does); yields the base URL."""
     from tests.serving.conftest import config
-    from worker.client.twin import InProcessCoordinator
+    from tests.twin import InProcessCoordinator
     from worker.engine import Engine
     from worker.http_server import bound_address, start_http
     from worker.model import build_model

@@ -22,7 +22,7 @@ import torch
 from aiohttp import web
 
 from shared.config import Config, parse_config
-from worker.client.twin import InProcessCoordinator
+from tests.twin import InProcessCoordinator
 from worker.engine import Engine
 from worker.http_server import bound_address, start_http
 from worker.model import build_model

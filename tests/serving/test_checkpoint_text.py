@@ -31,7 +31,7 @@ from worker.chat_template import (
     load_chat_template,
 )
 from worker.checkpoint_files import CheckpointFileError
-from worker.client.twin import InProcessCoordinator
+from tests.twin import InProcessCoordinator
 from worker.engine import Engine
 from worker.generation_config import SamplingDefaults, load_generation_config
 from worker.http_server import start_http

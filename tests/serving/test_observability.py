@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared.messages import Control
 from tests.serving.conftest import MODEL, config
-from worker.client.twin import InProcessCoordinator
+from tests.twin import InProcessCoordinator
 from worker.engine import Engine
 from worker.http_server import bound_address, start_http
 

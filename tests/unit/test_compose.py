@@ -232,10 +232,10 @@ def test_prometheus_scrapes_both_and_alerts_use_real_metrics(compose: dict[str, 
 
 def test_operations_reference_is_current() -> None:
     """docs/operations.md's generated sections match the schema and the registries; every key has a description."""
-    from coordinator.config_reference import config_rows, update
+    from kvledger.config_reference import config_rows, update
 
     text = (ROOT / "docs" / "operations.md").read_text()
-    assert update(text) == text, "run: python -m coordinator.config_reference --write docs/operations.md"
+    assert update(text) == text, "run: python -m kvledger.config_reference --write docs/operations.md"
     missing = [r["key"] for r in config_rows() if not r["description"]]
     assert not missing, f"config keys without a description (shared/config.py `#:` or config_reference.EXTRA): {missing}"
 

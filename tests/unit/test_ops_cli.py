@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-import coordinator.admin_cli as admin_cli
-from coordinator.cli import main
-from coordinator.stack import Console, Stack, StackOptions, _redact_url, render_log_line
+import kvledger.admin_cli as admin_cli
+from kvledger.cli import main
+from kvledger.stack import Console, Stack, StackOptions, _redact_url, render_log_line
 from shared.config import parse_config
 from shared.embedded import free_port
 

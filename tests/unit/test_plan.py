@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from coordinator.cli import main
-from coordinator.plan import (
+from kvledger.cli import main
+from kvledger.plan import (
     GiB, PlanError, Plan, build_plan, default_block_size, entry_bytes, form_plans, index_key_bytes, load_model_config,
 )
 from shared.config import parse_config

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from shared.config import Config, parse_config
-from worker.client.twin import InProcessCoordinator
+from tests.twin import InProcessCoordinator
 from worker.engine import Engine
 from worker.model import build_model
 

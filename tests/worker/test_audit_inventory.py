@@ -13,7 +13,7 @@ from coordinator.core.state import LedgerState
 from shared.messages import InventoryRequest
 from tests.worker.conftest import prompt
 from tests.worker.test_engine_tiers import ONE_PROMPT, SMALL
-from worker.client.twin import InProcessCoordinator
+from tests.twin import InProcessCoordinator
 
 
 class TwinLedger:

@@ -7,7 +7,7 @@ import pytest
 from shared.config import ApiKey
 from shared.subjects import Subjects
 from tests.worker.conftest import prompt
-from worker.client.twin import InProcessCoordinator
+from tests.twin import InProcessCoordinator
 from worker.engine_main import DebugService
 from worker.tenants import TenantDirectory, key_sha256
 

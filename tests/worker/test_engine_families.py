@@ -10,7 +10,7 @@ import torch
 
 from tests.checkpoints import save_hf
 from tests.worker.conftest import BS, config
-from worker.client.twin import InProcessCoordinator
+from tests.twin import InProcessCoordinator
 from worker.engine import Engine
 from worker.model.checkpoint import load_checkpoint
 

@@ -11,7 +11,7 @@ from coordinator.core import CoreParams
 from shared.hashing import chain_hashes
 from shared.messages import Control, ReplicaState, WorkerRegister
 from tests.worker.conftest import prompt
-from worker.client.twin import InProcessCoordinator
+from tests.twin import InProcessCoordinator
 
 
 def same(a, b) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tests.worker.conftest import BS, prompt
-from worker.client.twin import InProcessCoordinator
+from tests.twin import InProcessCoordinator
 
 
 def same(a, b) -> bool:

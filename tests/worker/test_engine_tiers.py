@@ -10,7 +10,7 @@ import torch
 from shared.hashing import chain_hashes
 from shared.messages import ReplicaState
 from tests.worker.conftest import core_accepts_lru_offload, prompt
-from worker.client.twin import InProcessCoordinator
+from tests.twin import InProcessCoordinator
 
 
 def same(a, b) -> bool:

@@ -11,7 +11,7 @@ import torch
 
 from shared.messages import ReplicaState
 from tests.worker.conftest import BS, prompt
-from worker.client.twin import InProcessCoordinator
+from tests.twin import InProcessCoordinator
 from worker.session import CacheValidationError
 
 

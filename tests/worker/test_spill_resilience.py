@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 
 from shared.hashing import checksum
 from worker.cache.planner import BlockMeta
-from worker.client.twin import InProcessCoordinator
+from tests.twin import InProcessCoordinator
 
 
 def _meta(engine, tenant: str, n: int, data: torch.Tensor) -> BlockMeta:

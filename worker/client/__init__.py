@@ -6,7 +6,7 @@ coordinator-to-worker subjects (commit watermark, inventory, control). Two adapt
 
 * :class:`worker.client.nats_adapter.NatsCoordinatorClient` — the real one (NATS
   request/reply + JetStream);
-* :class:`worker.client.twin.InProcessCoordinator` — a twin that runs
+* ``tests.twin.InProcessCoordinator`` (under tests/) — a twin that runs
   :mod:`coordinator.core` commands in process, for fast unit tests only. Integration tests
   use the real coordinator process.
 

@@ -877,7 +877,7 @@ def _is_supervisor(pid: int) -> bool:
         cmd = " ".join(psutil.Process(pid).cmdline())
     except psutil.Error:
         return False
-    return " up" in cmd and ("kvledger" in cmd or "coordinator.cli" in cmd)
+    return " up" in cmd and ("kvledger" in cmd or "kvledger.cli" in cmd)
 
 
 def _looks_like(p: Any, name: str, state_dir: Path) -> bool:

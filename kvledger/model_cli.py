@@ -1,5 +1,5 @@
 """``kvledger model manifest|verify DIR``: the manifest of a checkpoint directory
-(:mod:`shared.manifest`), loaded by coordinator/cli.py.
+(:mod:`shared.manifest`), loaded by kvledger/cli.py.
 
 ``manifest`` hashes every file and writes ``kvledger-manifest.json``; ``verify`` checks the
 files against it. Both print the checkpoint digest (what enters the cache namespace) and show

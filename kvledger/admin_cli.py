@@ -1,6 +1,6 @@
 """Operator commands: ``kvledger workers|blocks|leases|pools|events|audit|snapshot|invalidate|drain``
 call the coordinator's admin REST API; ``kvledger replay`` reads the log straight from PostgreSQL;
-``kvledger plan`` is the capacity planner (:mod:`coordinator.plan`).
+``kvledger plan`` is the capacity planner (:mod:`kvledger.plan`).
 
 Tables for people, ``--json`` for scripts (the API's own JSON; ``events --json`` prints one
 event per line). Every failure is one line on stderr and a non-zero exit: 1 = the
@@ -491,7 +491,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from coordinator.plan import run_plan_command
+    from kvledger.plan import run_plan_command
 
     return run_plan_command(args)
 
@@ -589,5 +589,5 @@ def register(sub: Any) -> None:
     planp.add_argument("--json", action="store_true", help="print the plan as JSON")
     p = add("plan", cmd_plan, "capacity planner: bytes per token of every cache form, and the concurrency x "
                               "context length a memory budget allows", parents=[planp])
-    from coordinator.plan import add_arguments as plan_arguments
+    from kvledger.plan import add_arguments as plan_arguments
     plan_arguments(p)

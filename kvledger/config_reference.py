@@ -6,7 +6,7 @@
 * **metrics**: every Prometheus metric the coordinator and the worker export, from their
   registries (name, type, labels, help).
 
-``python -m coordinator.config_reference`` prints both; ``--write docs/operations.md`` replaces
+``python -m kvledger.config_reference`` prints both; ``--write docs/operations.md`` replaces
 the text between the ``<!-- generated:NAME -->`` / ``<!-- /generated:NAME -->`` markers; a unit
 test fails when the document is out of date.
 """
@@ -244,7 +244,7 @@ def update(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m coordinator.config_reference", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m kvledger.config_reference", description=__doc__)
     p.add_argument("--write", metavar="FILE", help="update the generated sections of FILE in place")
     args = p.parse_args(argv)
     if args.write:

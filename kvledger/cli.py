@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                                               "that reads the passwords from the environment")
     na.set_defaults(func=cmd_nats_auth)
 
-    from coordinator.stack import add_arguments, cmd_up
+    from kvledger.stack import add_arguments, cmd_up
 
     up = sub.add_parser("up", help="run the whole stack on this machine (services, coordinator, workers) "
                                    "until Ctrl-C or SIGTERM")
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _extensions() -> list[Callable[[argparse._SubParsersAction], None]]:  # type: ignore[type-arg]
     """Subcommands contributed by other modules (coordinator, worker), if present."""
     found = []
-    for mod_name in ("coordinator.commands", "worker.commands", "coordinator.admin_cli", "coordinator.model_cli"):
+    for mod_name in ("coordinator.commands", "worker.commands", "kvledger.admin_cli", "kvledger.model_cli"):
         try:
             mod = __import__(mod_name, fromlist=["register"])
         except ModuleNotFoundError as e:
