@@ -59,6 +59,7 @@ from shared.messages import (
     WorkerResume,
     now_ms,
 )
+from shared.tenants import salt_secret, tenant_salt
 from worker.cache import offload_file as of
 from worker.cache.planner import BlockMeta, Switches
 from worker.cache.pools import PoolExhausted
@@ -70,7 +71,7 @@ from worker.metrics import WorkerMetrics
 from worker.model import CausalLM, weights_digest
 from worker.publisher import OutboxFull, TransitionPublisher
 from worker.session import CacheValidationError, Result, Session
-from worker.settings import pool_slots, salt_secret, tenant_salt, worker_id
+from worker.settings import pool_slots, worker_id
 from worker.stepper import Stepper
 
 T = TypeVar("T")

@@ -39,18 +39,18 @@ from shared.logging import configure_logging, get_logger, mask_credentials
 from shared.manifest import ManifestError
 from shared.subjects import Subjects
 from shared.tls import client_context
-from worker.chat_template import load_chat_template
-from worker.checkpoint_files import CheckpointFileError
+from shared.text.chat_template import load_chat_template
+from shared.text.checkpoint_files import CheckpointFileError
 from worker.client.nats_adapter import NatsCoordinatorClient
 from worker.engine import Engine
 from worker.generation import SamplingParams
-from worker.generation_config import load_generation_config
+from shared.text.generation_config import load_generation_config
 from worker.http_server import bound_address, start_http
 from worker.model import CausalLM, build_model
 from worker.model.checkpoint import DTYPES, CheckpointError, load_checkpoint
 from worker.model.weights import WeightsError
-from worker.tenants import AuthError, TenantDirectory
-from worker.tokenizer import load_tokenizer
+from shared.tenants import AuthError, TenantDirectory
+from shared.text.tokenizer import load_tokenizer
 
 log = get_logger("kvl.worker.main")
 

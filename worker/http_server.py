@@ -7,8 +7,8 @@ tests and supervisors can find it; ``https://`` when ``tls.cert_file`` is set (s
 
 The text side comes from ``worker.model_dir`` as ``save_pretrained`` writes it, loaded and
 validated before the socket is bound (a broken file refuses the start, naming it): the
-tokenizer (:mod:`worker.tokenizer`), the chat template (:mod:`worker.chat_template`) and the
-sampling defaults (:mod:`worker.generation_config`).
+tokenizer (:mod:`shared.text.tokenizer`), the chat template (:mod:`shared.text.chat_template`) and the
+sampling defaults (:mod:`shared.text.generation_config`).
 
 The runner cancels a request's handler when its client disconnects
 (``handler_cancellation``): the scheduler then cancels the request's work and the engine
@@ -23,11 +23,11 @@ from shared.config import Config
 from shared.logging import get_logger
 from shared.tls import http_scheme, server_context
 from worker.api import create_app
-from worker.chat_template import ChatTemplate, load_chat_template
+from shared.text.chat_template import ChatTemplate, load_chat_template
 from worker.engine import Engine
-from worker.generation_config import SamplingDefaults, load_generation_config
+from shared.text.generation_config import SamplingDefaults, load_generation_config
 from worker.scheduler import Scheduler
-from worker.tokenizer import Tokenizer, load_tokenizer
+from shared.text.tokenizer import Tokenizer, load_tokenizer
 
 log = get_logger("kvl.worker.http")
 
@@ -44,7 +44,7 @@ async def start_http(engine: Engine, cfg: Config, *, tokenizer: Tokenizer | None
     """Build the app (tokenizer, chat template and sampling defaults from ``worker.model_dir``
     unless given, a scheduler on ``engine``), bind, serve.
 
-    Raises :class:`ValueError` (:class:`worker.checkpoint_files.CheckpointFileError`) for a
+    Raises :class:`ValueError` (:class:`shared.text.checkpoint_files.CheckpointFileError`) for a
     checkpoint file that cannot be used, before anything is bound.
     """
     model_dir = cfg.worker.model_dir

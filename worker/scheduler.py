@@ -45,7 +45,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from shared.config import ServiceConfig
 from shared.logging import get_logger
 from worker.generation import Sampler, SamplingParams, generate
-from worker.tenants import Tenant
+from shared.tenants import Tenant
 
 if TYPE_CHECKING:
     from worker.engine import Engine

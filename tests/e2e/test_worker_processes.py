@@ -14,10 +14,10 @@ import torch
 
 from shared.config import parse_config
 from shared.hashing import chain_hashes
+from shared.tenants import DEFAULT_TENANT_SECRET, tenant_salt
 from tests.worker.processes import Cluster
 from worker.engine import Engine
 from worker.model import build_model
-from worker.settings import DEFAULT_TENANT_SECRET, tenant_salt
 
 torch.set_num_threads(1)
 BS = 16

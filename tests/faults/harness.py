@@ -42,7 +42,7 @@ from shared.subjects import Subjects
 from tests.faults.checker import Observed
 from tests.worker.processes import Proc
 from worker.engine_main import debug_subject, decode_logits
-from worker.tenants import key_sha256
+from shared.tenants import key_sha256
 
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = "kvlf"

@@ -11,7 +11,7 @@ import pytest
 
 from shared.config import ApiKey, ConfigError
 from tests.serving.conftest import sha
-from worker.tenants import AuthError, TenantDirectory
+from shared.tenants import AuthError, TenantDirectory
 
 PROMPT = "sixteen bytes..!" * 2
 KEYS = [{"key_sha256": sha("key-a"), "tenant": "acme"}]

@@ -23,19 +23,19 @@ from tests.checkpoints import save_tokenizer as _save
 from tests.checkpoints import token_id as _id
 from tests.checkpoints import trained_tokenizer
 from tests.serving.conftest import config
-from worker.chat_template import (
+from shared.text.chat_template import (
     TEMPLATE_ID,
     ChatMessage,
     ChatTemplateError,
     JinjaChatTemplate,
     load_chat_template,
 )
-from worker.checkpoint_files import CheckpointFileError
+from shared.text.checkpoint_files import CheckpointFileError
 from tests.twin import InProcessCoordinator
 from worker.engine import Engine
-from worker.generation_config import SamplingDefaults, load_generation_config
+from shared.text.generation_config import SamplingDefaults, load_generation_config
 from worker.http_server import start_http
-from worker.tokenizer import load_tokenizer, special_tokens
+from shared.text.tokenizer import load_tokenizer, special_tokens
 
 # --- real-world templates (as published, trimmed of their tool-call branches) --------------------
 

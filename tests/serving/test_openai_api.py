@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from tests.serving.conftest import MODEL
-from worker.chat_template import ChatMessage, render
-from worker.tokenizer import ByteTokenizer
+from shared.text.chat_template import ChatMessage, render
+from shared.text.tokenizer import ByteTokenizer
 
 PROMPT = "The ledger records every block: "          # 32 bytes = 2 blocks
 LONG = PROMPT + "compressed, indexer, tail and swa."    # 66 bytes

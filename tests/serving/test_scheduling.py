@@ -15,7 +15,7 @@ from worker.model import build_model
 from worker.model.config import ModelConfig
 from worker.scheduler import GenRequest, SamplingParams
 from worker.stepper import Stepper
-from worker.tenants import Tenant
+from shared.tenants import Tenant
 
 
 def _prompts(n: int) -> list[str]:

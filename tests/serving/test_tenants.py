@@ -9,7 +9,7 @@ import pytest
 
 from shared.config import ApiKey, AuthConfig, ConfigError
 from tests.serving.conftest import MODEL, sha
-from worker.tenants import AuthError, Tenant, TenantDirectory
+from shared.tenants import AuthError, Tenant, TenantDirectory
 
 PROMPT = "A tenant's prompt, three blocks long, or a little more."   # 55 bytes
 

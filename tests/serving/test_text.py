@@ -7,8 +7,8 @@ import json
 import pytest
 
 from worker.api.text import TextStream
-from worker.chat_template import ChatMessage, ChatTemplateError, render
-from worker.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_tokenizer
+from shared.text.chat_template import ChatMessage, ChatTemplateError, render
+from shared.text.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_tokenizer
 
 
 def run(text: str, stop: list[str]) -> tuple[list[str], str, bool]:

@@ -9,7 +9,7 @@ from shared.subjects import Subjects
 from tests.worker.conftest import prompt
 from tests.twin import InProcessCoordinator
 from worker.engine_main import DebugService
-from worker.tenants import TenantDirectory, key_sha256
+from shared.tenants import TenantDirectory, key_sha256
 
 KEYS = [ApiKey(key_sha256=key_sha256("key-a"), tenant="acme"), ApiKey(key_sha256=key_sha256("key-b"), tenant="bravo")]
 

@@ -13,12 +13,12 @@ from worker.api.errors import Handler, error_middleware
 from worker.api.keys import (
     CHAT_TEMPLATE, CONFIG, ENGINE, METRICS, SAMPLING, SCHEDULER, SERVED, TENANT, TENANTS, TOKENIZER, Served,
 )
-from worker.chat_template import ChatTemplate
+from shared.text.chat_template import ChatTemplate
 from worker.engine import Engine
-from worker.generation_config import SamplingDefaults
+from shared.text.generation_config import SamplingDefaults
 from worker.scheduler import Scheduler
-from worker.tenants import TenantDirectory
-from worker.tokenizer import Tokenizer
+from shared.tenants import TenantDirectory
+from shared.text.tokenizer import Tokenizer
 
 #: Routes that need an API key (everything under /v1/); probes and metrics do not.
 AUTH_PREFIX = "/v1/"

@@ -37,11 +37,11 @@ import msgspec
 from aiohttp import web
 
 from shared.logging import get_logger
-from worker.chat_template import ChatTemplateError
+from shared.text.chat_template import ChatTemplateError
 from worker.scheduler import (
     ContextTooLong, InternalError, InvalidRequest, QueueFull, QueueTimeout, RequestTimeout, SchedulerError, ShuttingDown,
 )
-from worker.tenants import AuthError
+from shared.tenants import AuthError
 
 log = get_logger("kvl.worker.api")
 

@@ -1,10 +1,10 @@
 """The endpoints: parse the request, call the scheduler, serialise the result.
 
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (prompt from
-:mod:`worker.chat_template`), ``GET /v1/models``; ``GET /healthz``, ``/readyz``,
+:mod:`shared.text.chat_template`), ``GET /v1/models``; ``GET /healthz``, ``/readyz``,
 ``/metrics``. A completion's text prompt is encoded with the tokenizer's special tokens (e.g.
 Llama's BOS), a chat prompt without them (its template writes them), as vLLM does; omitted
-sampling fields take the checkpoint's defaults (:mod:`worker.generation_config`). Streaming
+sampling fields take the checkpoint's defaults (:mod:`shared.text.generation_config`). Streaming
 is Server-Sent Events in OpenAI's chunk format, ending with ``data: [DONE]``.
 
 ``usage`` always carries ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and
@@ -36,7 +36,7 @@ from worker.api.errors import ApiError, to_api_error, internal_error
 from worker.api.keys import CHAT_TEMPLATE, ENGINE, SAMPLING, SCHEDULER, SERVED, TENANT, TOKENIZER, Served
 from worker.api.schemas import DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, BaseRequest, decode
 from worker.api.text import TextStream
-from worker.chat_template import ChatMessage
+from shared.text.chat_template import ChatMessage
 from worker.scheduler import GenRequest, Job, SamplingParams
 
 

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from shared.config import Config
-from worker.chat_template import ChatTemplate
+from shared.text.chat_template import ChatTemplate
 from worker.engine import Engine
-from worker.generation_config import SamplingDefaults
+from shared.text.generation_config import SamplingDefaults
 from worker.scheduler import Scheduler, ServingMetrics
-from worker.tenants import Tenant, TenantDirectory
-from worker.tokenizer import Tokenizer
+from shared.tenants import Tenant, TenantDirectory
+from shared.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ Defaults: ``max_tokens`` 16 (both endpoints; the tiny model has no end-of-sequen
 so an unbounded default would run to the context limit). ``temperature``, ``top_p`` and
 ``top_k`` are None when omitted (or null) and resolved by the handler: the checkpoint's
 ``generation_config.json`` defaults where it sets them, else ``temperature`` 1.0, ``top_p``
-1.0 (OpenAI's) and ``top_k`` 0 (:class:`worker.generation_config.SamplingDefaults`).
+1.0 (OpenAI's) and ``top_k`` 0 (:class:`shared.text.generation_config.SamplingDefaults`).
 """
 
 from __future__ import annotations

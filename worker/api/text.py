@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from worker.tokenizer import Detokenizer
+from shared.text.tokenizer import Detokenizer
 
 
 class TextStream:

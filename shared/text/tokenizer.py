@@ -28,8 +28,8 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
-from worker.checkpoint_files import CheckpointFileError, read_json_object
-from worker.generation_config import eos_ids_of, load_generation_config
+from shared.text.checkpoint_files import CheckpointFileError, read_json_object
+from shared.text.generation_config import eos_ids_of, load_generation_config
 
 
 class TokenizerError(CheckpointFileError):

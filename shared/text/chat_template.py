@@ -7,7 +7,7 @@ Which template (:func:`load_chat_template`):
 * a checkpoint directory: its Jinja template, as ``save_pretrained`` writes it —
   ``chat_template.jinja`` (transformers 5), else ``tokenizer_config.json``'s ``chat_template``
   (a string, or a list of ``{"name", "template"}`` of which ``default`` is used) — rendered as
-  transformers renders it (:mod:`worker.jinja_template`) with the checkpoint's special tokens.
+  transformers renders it (:mod:`shared.text.jinja_template`) with the checkpoint's special tokens.
   Messages reach it as sent (``role``, ``content``, ``name`` when given): which roles it
   accepts is the template's business.
   A template that does not compile refuses the start (the file named); one that fails on a
@@ -52,9 +52,9 @@ from typing import Any, Protocol
 
 import jinja2
 
-from worker import jinja_template
-from worker.checkpoint_files import CheckpointFileError, read_json_object
-from worker.tokenizer import special_tokens
+from shared.text import jinja_template
+from shared.text.checkpoint_files import CheckpointFileError, read_json_object
+from shared.text.tokenizer import special_tokens
 
 TEMPLATE_ID = "kvl-chat-v1"
 ROLES = ("system", "user", "assistant")

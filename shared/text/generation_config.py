@@ -4,7 +4,7 @@ the sampling defaults of requests.
 Fields used, validated at start (a wrong type refuses to start, naming the file and the field):
 
 * ``eos_token_id`` — an id or a list of ids that end generation (merged with ``config.json``'s
-  and the tokenizer's ``eos_token`` in :mod:`worker.tokenizer`);
+  and the tokenizer's ``eos_token`` in :mod:`shared.text.tokenizer`);
 * ``do_sample``, ``temperature``, ``top_p``, ``top_k`` — the defaults of a request that omits
   them (:class:`SamplingDefaults`). Every other field (``max_length``, ``repetition_penalty``,
   ...) is not used.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.checkpoint_files import CheckpointFileError, read_json_object
+from shared.text.checkpoint_files import CheckpointFileError, read_json_object
 
 FILE = "generation_config.json"
 

@@ -24,14 +24,16 @@ tenant; they must then agree on its limits.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 import yaml
 
-from shared.config import ApiKey, AuthConfig, ConfigError
+from shared.config import ApiKey, AuthConfig, Config, ConfigError
 
 DEFAULT_TENANT = "default"
 #: What a tenant name may be (``shared.config.ApiKey``'s pattern). Checked again here, where
@@ -132,4 +134,40 @@ class TenantDirectory:
         return tenant
 
 
-__all__ = ["AuthError", "DEFAULT_TENANT", "Tenant", "TenantDirectory", "key_sha256"]
+# --- tenant salts: what makes one tenant's block hashes unguessable to another ----------------
+#: Salt secret of the single ``default`` tenant when ``auth.salt_secret`` is empty: stable,
+#: so every worker (and every restart) hashes the default tenant's blocks alike.
+DEFAULT_TENANT_SECRET = "kvledger-default-tenant-salt-v1"
+
+
+def salt_secret(cfg: Config, tenant: str) -> str:
+    """The secret a tenant's salt derives from (see :func:`tenant_salt`).
+
+    ``auth.salt_secret`` when set. Otherwise the ``default`` tenant gets a stable public
+    secret (one tenant has nobody to be isolated from) and any other tenant a random secret
+    kept in ``<state_dir>/tenant-salt.secret`` (0600), created on first use.
+    """
+    if cfg.auth.salt_secret:
+        return cfg.auth.salt_secret
+    if tenant == "default":
+        return DEFAULT_TENANT_SECRET
+    path = Path(cfg.state_dir) / "tenant-salt.secret"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        value = secrets.token_hex(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(value)
+        return value
+
+
+def tenant_salt(secret: str, tenant: str) -> bytes:
+    """16-byte salt of ``tenant``: keyed BLAKE2b, so a salt reveals nothing about the secret."""
+    key = hashlib.blake2b(secret.encode(), digest_size=32).digest()
+    return hashlib.blake2b(tenant.encode(), key=key, digest_size=16, person=b"kvl-tenant-salt").digest()
+
+
+__all__ = ["AuthError", "DEFAULT_TENANT", "DEFAULT_TENANT_SECRET", "Tenant", "TenantDirectory", "key_sha256",
+           "salt_secret", "tenant_salt"]
