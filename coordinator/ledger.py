@@ -47,7 +47,8 @@ from coordinator.log.groupcommit import GroupCommitter, Submission
 from coordinator.log.port import EventLog, LogError, NewEvent, NotLeader, Snapshot
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.replay import LogCorrupt, load_state
-from shared.messages import ErrorCode, ErrorReply, Heartbeat, HeartbeatReply, now_ms
+from coordinator.core.route import route
+from shared.messages import ErrorCode, ErrorReply, Heartbeat, HeartbeatReply, RouteQuery, RouteReply, now_ms
 
 R = TypeVar("R")
 Decision = Callable[[LedgerState], tuple[R, list[Any]]]
@@ -227,6 +228,18 @@ class Ledger:
         key = (msg.worker_id, msg.epoch)
         self.seen[key] = now
         return HeartbeatReply(committed_seq=self.durable.get(key, 0))
+
+    def route(self, query: RouteQuery) -> RouteReply:
+        """A gateway's route query, answered from the live state (``coordinator.core.route``):
+        no event, no wait. Workers count only while their current epoch heartbeats."""
+        self.check_serving()
+        now = now_ms()
+        horizon = self.state.params.heartbeat_timeout_ms
+        fresh = {w for (w, epoch), t in self.seen.items()
+                 if now - t <= horizon and (r := self.state.workers.get(w)) is not None and r.epoch == epoch}
+        # a worker that registered a moment ago has not heartbeat yet
+        fresh |= {w.worker_id for w in self.state.workers.values() if now - w.registered_at_ms <= horizon}
+        return route(self.state, query, fresh)
 
     # --- the one way to change state -------------------------------------------------------
 

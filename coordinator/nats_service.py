@@ -44,7 +44,8 @@ from coordinator.ledger import Ledger, Unavailable
 from coordinator.metrics import CoordinatorMetrics
 from shared.messages import (
     CommitWatermark, Control, ErrorCode, ErrorReply, Heartbeat, InventoryReply, InventoryRequest, LeaseAcquire, LeaseRelease,
-    LeaseRenew, MessageError, ResumeReply, TransitionEvent, WorkerRegister, WorkerResume, decode, encode, now_ms,
+    LeaseRenew, MessageError, ResumeReply, RouteQuery, TransitionEvent, WorkerRegister, WorkerResume, decode, encode,
+    now_ms,
 )
 from shared.hashing import REPLICA_DIGEST_BYTES
 from shared.subjects import COORDINATOR_QUEUE, Subjects
@@ -95,6 +96,8 @@ MAX_RESUME_PARTS = 1024
 MAX_PENDING_RESUMES = 1024
 #: Answered inline by :meth:`Ledger.heartbeat` (nothing to decide or commit).
 _HEARTBEAT = _Op("heartbeat", Heartbeat, lambda req: lambda s: (None, []))
+#: Answered inline by :meth:`Ledger.route` (read-only).
+_ROUTE = _Op("route", RouteQuery, lambda req: lambda s: (None, []))
 
 
 class NatsService:
@@ -139,6 +142,7 @@ class NatsService:
                                                       cb=self._dispatcher(_OPS[op])))
         self._subs.append(await self.nc.subscribe(s.requests_wildcard("heartbeat"), queue=COORDINATOR_QUEUE,
                                                   cb=self._heartbeat))
+        self._subs.append(await self.nc.subscribe(s.route_wildcard, queue=COORDINATOR_QUEUE, cb=self._route))
         self.log.info("requests_subscribed", queue=COORDINATOR_QUEUE, prefix=s.prefix)
 
     async def stop_requests(self) -> None:
@@ -173,6 +177,32 @@ class NatsService:
             except Unavailable as e:
                 reply = ErrorReply(code=e.code, message=str(e)[:1000], retry_after_ms=e.retry_after_ms)
         await self._answer(_HEARTBEAT, msg, t0, reply)
+
+    async def _route(self, msg: Msg) -> None:
+        """A gateway's route query: decoded, checked against the subject's gateway id, answered
+        from the live state (``Ledger.route``) — nothing decided, nothing appended."""
+        t0 = time.perf_counter()
+        try:
+            req = decode(msg.data, expect=RouteQuery)
+        except Exception as e:  # noqa: BLE001 - whatever the bytes do to the decoder, INVALID
+            kind = error_kind(e) if isinstance(e, MessageError) else "undecodable"
+            self.metrics.malformed.labels(kind="route").inc()
+            self.log.warning("malformed_request", op="route", size=len(msg.data), error_kind=kind)
+            text = str(e) if isinstance(e, MessageError) else f"undecodable message ({type(e).__name__})"
+            reply: Any = ErrorReply(code=ErrorCode.INVALID, message=text[:1000])
+        else:
+            sender = self.subjects.route_gateway(msg.subject)
+            if sender != req.gateway_id:
+                self.metrics.forbidden.labels(op="route").inc()
+                reply = ErrorReply(code=ErrorCode.FORBIDDEN,
+                                   message=f"a route query for gateway {req.gateway_id} must arrive on "
+                                           f"{self.subjects.route(req.gateway_id)}, not on {msg.subject}")
+            else:
+                try:
+                    reply = self.ledger.route(req)
+                except Unavailable as e:
+                    reply = ErrorReply(code=e.code, message=str(e)[:1000], retry_after_ms=e.retry_after_ms)
+        await self._answer(_ROUTE, msg, t0, reply)
 
     def _request(self, op: _Op, msg: Msg) -> Any:
         """The decoded request, or the ErrorReply for a malformed one or one that speaks for

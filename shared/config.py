@@ -174,6 +174,27 @@ class ApiKey(_Section):
     cache_quota_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
+class GatewayConfig(_Section):
+    """The gateway (``python -m gateway``): one OpenAI endpoint in front of the workers."""
+    #: Its NATS identity is ``gateway.<gateway_id>``; several gateways need distinct ids.
+    gateway_id: str = "gateway"
+    #: Address the gateway's OpenAI endpoint listens on (0 = any free port).
+    host: str = "127.0.0.1"
+    #: Port of that endpoint; ``kvledger up`` prints it as the stack's endpoint.
+    port: Port = 8300
+    #: How long a route query to the coordinator may take before the request is routed by load.
+    route_timeout_ms: PosInt = 100
+    #: How often the gateway refreshes its view of the fleet (endpoints, namespaces, draining).
+    fleet_refresh_ms: PosInt = 500
+    #: A worker that refused a connection or failed before answering is skipped this long.
+    worker_down_ms: PosInt = 2000
+    #: One running request on a worker weighs as much as this many prompt tokens served from its
+    #: cache: the router picks the worker with the most cached tokens minus this times its load.
+    load_penalty_tokens: Annotated[int, msgspec.Meta(ge=0)] = 256
+    #: Time to connect to a worker before the next candidate is tried.
+    connect_timeout_ms: PosInt = 5000
+
+
 class AuthConfig(_Section):
     #: No keys configured and ``required`` false = every request is tenant ``default``.
     required: bool = False
@@ -233,6 +254,7 @@ class Config(_Section):
     nats: NatsConfig = msgspec.field(default_factory=NatsConfig)
     coordinator: CoordinatorConfig = msgspec.field(default_factory=CoordinatorConfig)
     worker: WorkerConfig = msgspec.field(default_factory=WorkerConfig)
+    gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     tls: TlsConfig = msgspec.field(default_factory=TlsConfig)

@@ -357,11 +357,43 @@ class ControlAck(_Msg, tag="control.ack", kw_only=True):
     affected: NonNeg = 0
 
 
+# --- routing (gateway → coordinator; read-only, answered from live state) --------------
+
+#: Most block hashes one route query may carry (a 1M-token prompt in 16-token blocks).
+MAX_ROUTE_BLOCKS = 65536
+
+
+class RouteQuery(_Msg, tag="route.query", kw_only=True):
+    """Which workers hold how much of these blocks. With no ``namespace``: every serving worker
+    (the gateway's view of the fleet: endpoints, namespaces, block sizes), no prefix figures."""
+
+    gateway_id: Name
+    namespace: str = ""
+    block_hashes: Annotated[list[Hex32], msgspec.Meta(max_length=MAX_ROUTE_BLOCKS)] = []
+
+
+class RouteCandidate(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    worker_id: Name
+    endpoint: str
+    namespace: str
+    block_size: Pos
+    #: Longest boundary (in blocks) at which a resume on this worker would find every form READY
+    #: at one of its readable locations (its GPU, its node's host tier, disk).
+    usable_blocks: NonNeg = 0
+    #: Draining or suspended workers are listed (so a gateway can say why) but not to be used.
+    draining: bool = False
+    suspended: bool = False
+
+
+class RouteReply(_Msg, tag="route.ok", kw_only=True):
+    workers: list[RouteCandidate] = []
+
+
 Message = Union[
     WorkerRegister, RegisterReply, WorkerResume, ResumeReply, Heartbeat, HeartbeatReply,
     LeaseAcquire, LeaseGrant, LeaseRenew, LeaseRenewed, LeaseRelease, LeaseReleased, ErrorReply,
     TransitionEvent, CommitWatermark,
-    InventoryRequest, InventoryReply, Control, ControlAck,
+    InventoryRequest, InventoryReply, Control, ControlAck, RouteQuery, RouteReply,
 ]
 MESSAGE_TYPES: dict[str, type[_Msg]] = {
     t.__struct_config__.tag: t for t in Message.__args__  # type: ignore[attr-defined]

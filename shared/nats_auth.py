@@ -9,11 +9,14 @@ that sent it.
 ======================  =====================================================================
 user                    may
 ======================  =====================================================================
-``coordinator``         take every worker's requests (``<p>.req.*.*``) and answer them;
+``coordinator``         take every worker's requests (``<p>.req.*.*``) and every gateway's
+                        route queries (``<p>.route.*``) and answer them;
                         publish watermarks, inventory and control to workers; use JetStream's
                         API and acknowledge its transitions. Never publish a transition.
 ``worker.<id>``         request only ``<p>.req.<id>.*``; publish only ``<p>.events.<id>``;
                         receive only ``<p>.worker.<id>.>`` and answer what it receives.
+``gateway.<id>``        ask only ``<p>.route.<id>`` (which workers hold a prefix: read-only);
+                        nothing else on the bus (it reaches workers over HTTP).
 ``operator``            ask any worker's debug subjects (``<p>.worker.*.debug.>``) and read
                         JetStream stream and consumer information.
 ``observer``            read-only: subscribe to the bus (debug traffic excluded), read
@@ -43,7 +46,9 @@ from typing import Any
 
 from shared.subjects import Subjects
 
-ROLES = ("coordinator", "worker", "operator", "observer")
+ROLES = ("coordinator", "worker", "gateway", "operator", "observer")
+#: Roles whose identity carries a name (one user per worker, per gateway).
+NAMED = ("worker", "gateway")
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
 
 
@@ -60,12 +65,13 @@ class Identity:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"unknown role {self.role!r}; one of {', '.join(ROLES)}")
-        if (self.role == "worker") != bool(self.name) or (self.name and not _TOKEN.match(self.name)):
-            raise ValueError("a worker identity needs a worker id of letters, digits, '_' or '-' (and only workers have one)")
+        if (self.role in NAMED) != bool(self.name) or (self.name and not _TOKEN.match(self.name)):
+            raise ValueError("a worker or gateway identity needs an id of letters, digits, '_' or '-' "
+                             "(and only they have one)")
 
     @property
     def user(self) -> str:
-        return f"worker.{self.name}" if self.role == "worker" else self.role
+        return f"{self.role}.{self.name}" if self.role in NAMED else self.role
 
     @classmethod
     def parse(cls, user: str) -> "Identity":
@@ -73,8 +79,8 @@ class Identity:
         try:
             return cls(role, name)
         except ValueError as e:
-            raise AuthConfigError(f"NATS user {user!r} is not a kvledger identity (coordinator, operator, observer "
-                                  f"or worker.<worker id>): {e}") from None
+            raise AuthConfigError(f"NATS user {user!r} is not a kvledger identity (coordinator, operator, observer, "
+                                  f"worker.<worker id> or gateway.<gateway id>): {e}") from None
 
 
 def inbox_prefix(user: str) -> str:
@@ -84,6 +90,10 @@ def inbox_prefix(user: str) -> str:
 
 def worker(worker_id: str) -> Identity:
     return Identity("worker", worker_id)
+
+
+def gateway(gateway_id: str) -> Identity:
+    return Identity("gateway", gateway_id)
 
 
 STANDARD = (Identity("coordinator"), Identity("operator"), Identity("observer"))
@@ -98,13 +108,16 @@ def permissions(identity: Identity, subjects: Subjects) -> dict[str, Any]:
     if identity.role == "coordinator":
         return {"publish": {"allow": [f"{p}.worker.*.watermark", f"{p}.worker.*.inventory", f"{p}.worker.*.control",
                                       "$JS.API.>", f"$JS.ACK.{stream}.>"]},
-                "subscribe": {"allow": [f"{p}.req.*.*", inbox]},
+                "subscribe": {"allow": [f"{p}.req.*.*", f"{p}.route.*", inbox]},
                 "allow_responses": True}
     if identity.role == "worker":
         w = identity.name
         return {"publish": {"allow": [f"{p}.req.{w}.*", f"{p}.events.{w}"]},
                 "subscribe": {"allow": [f"{p}.worker.{w}.>", inbox]},
                 "allow_responses": True}
+    if identity.role == "gateway":
+        return {"publish": {"allow": [f"{p}.route.{identity.name}"]},
+                "subscribe": {"allow": [inbox]}}
     if identity.role == "operator":
         return {"publish": {"allow": [f"{p}.worker.*.debug.>", *js_info]},
                 "subscribe": {"allow": [inbox]}}

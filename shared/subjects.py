@@ -43,6 +43,18 @@ class Subjects:
         rest = subject[len(head):].split(".")
         return rest[0] if len(rest) == 2 and rest[1] in REQUEST_OPS else None
 
+    # gateway → coordinator route queries: one subject per gateway, as for workers' requests
+    def route(self, gateway_id: str) -> str:
+        _check_token(gateway_id)
+        return f"{self.prefix}.route.{gateway_id}"
+    @property
+    def route_wildcard(self) -> str: return f"{self.prefix}.route.*"
+    def route_gateway(self, subject: str) -> str | None:
+        """The gateway id a route subject names (``None``: not a route subject of this prefix)."""
+        head = f"{self.prefix}.route."
+        rest = subject[len(head):] if subject.startswith(head) else ""
+        return rest if rest and "." not in rest else None
+
     # JetStream transitions
     @property
     def stream_name(self) -> str:

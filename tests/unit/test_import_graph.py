@@ -19,11 +19,12 @@ REPO = Path(__file__).resolve().parents[2]
 ALLOWED = {
     "coordinator": {"shared", "kernels", "migrations"},   # migrations: the schema of its own log
     "worker": {"shared", "kernels"},
+    "gateway": {"shared"},
     "kernels": {"shared"},
     "shared": set(),
     "migrations": {"shared", "coordinator"},
 }
-PROJECT = {"coordinator", "worker", "kernels", "shared", "kvledger", "migrations", "bench", "tests"}
+PROJECT = {"coordinator", "worker", "gateway", "kernels", "shared", "kvledger", "migrations", "bench", "tests"}
 
 
 def imports_of(path: Path) -> set[str]:

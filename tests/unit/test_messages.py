@@ -8,7 +8,7 @@ from shared.messages import (
     MESSAGE_TYPES, CommitWatermark, Control, ControlAck, ErrorCode, ErrorReply, Heartbeat, HeartbeatReply,
     InventoryItem, InventoryReply, InventoryRequest, LeaseAcquire, LeaseGrant, LeaseRelease, LeaseReleased,
     LeaseRenew, LeaseRenewed, MessageError, RegisterReply, ReplicaRef, ReplicaState, TransitionEvent,
-    WorkerRegister, WorkerResume, ResumeReply, decode, encode,
+    WorkerRegister, WorkerResume, ResumeReply, RouteCandidate, RouteQuery, RouteReply, decode, encode,
 )
 
 H = "ab" * 16
@@ -43,6 +43,9 @@ SAMPLES = [
                                                                  generation=3, state=ReplicaState.READY)]),
     Control(action="invalidate_namespace", namespace=H, reason="upgrade"),
     ControlAck(worker_id="w1", affected=3),
+    RouteQuery(gateway_id="g1", namespace=H, block_hashes=[H, H]),
+    RouteReply(workers=[RouteCandidate(worker_id="w1", endpoint="http://x", namespace=H, block_size=16,
+                                       usable_blocks=2, draining=True)]),
 ]
 
 

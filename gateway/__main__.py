@@ -1,0 +1,86 @@
+"""``python -m gateway [--config FILE]``: the gateway process (``kvledger gateway`` in the stack).
+
+Reads the workers' text side from ``worker.model_dir`` (tokenizer, chat template) so that it
+hashes prompts as they do, connects to NATS as ``gateway.<gateway.gateway_id>``, serves HTTP on
+``gateway.host:gateway.port`` and prints ``listening on <url>`` once bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from aiohttp import web
+
+from gateway.app import Gateway, create_app
+from shared import nats_auth
+from shared.config import ConfigError, load_config
+from shared.logging import configure_logging, get_logger
+from shared.text.chat_template import load_chat_template
+from shared.text.checkpoint_files import CheckpointFileError
+from shared.text.tokenizer import load_tokenizer
+from shared.tls import client_context, http_scheme, server_context
+
+log = get_logger("kvl.gateway.main")
+
+
+async def serve(cfg) -> int:
+    if not cfg.nats.url:
+        print("kvledger gateway: config key nats.url is required (the coordinator's NATS server)", file=sys.stderr)
+        return 2
+    try:
+        # NOTE: no model here: the vocabulary check is the workers' (2**31 admits any tokenizer).
+        tokenizer = load_tokenizer(cfg.worker.model_dir, 2**31)
+        template = load_chat_template(cfg.worker.model_dir)
+        auth = nats_auth.connect_kwargs(cfg.nats)
+    except (CheckpointFileError, nats_auth.AuthConfigError) as e:
+        print(f"kvledger gateway: {e}", file=sys.stderr)
+        return 2
+    tls = client_context(cfg.tls)
+    gw = Gateway(cfg, tokenizer, template, nats_kwargs={**auth, **({"tls": tls} if tls is not None else {})},
+                 client_ssl=tls)
+    try:
+        await gw.start()
+    except Exception as e:  # noqa: BLE001 - NATS unreachable at start
+        print(f"kvledger gateway: cannot reach NATS: {e}", file=sys.stderr)
+        return 2
+    runner = web.AppRunner(create_app(gw), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, cfg.gateway.host, cfg.gateway.port, ssl_context=server_context(cfg.tls))
+        await site.start()
+    except OSError as e:
+        print(f"kvledger gateway: cannot serve HTTP on {cfg.gateway.host}:{cfg.gateway.port}: {e}", file=sys.stderr)
+        await gw.stop()
+        return 2
+    host, port = runner.addresses[0][:2]
+    url = f"{http_scheme(cfg.tls)}://{host}:{port}"
+    log.info("gateway_listening", url=url, gateway_id=cfg.gateway.gateway_id, workers=len(gw.fleet))
+    print(f"listening on {url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    await gw.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gateway", description="kvledger gateway")
+    p.add_argument("--config", help="YAML config file (KVL_* environment overrides apply)")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"kvledger gateway: {e}", file=sys.stderr)
+        return 2
+    configure_logging(cfg.logging.format, cfg.logging.level)
+    return asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Choosing a worker: the most prompt tokens served from cache, against load — pure.
+
+Score of worker ``w`` = ``cached_tokens(w) − load_penalty_tokens × in_flight(w)``. Draining,
+suspended and recently failed workers are not candidates. Ties (no cache anywhere, equal load)
+go by rendezvous hashing on the request's affinity key (its first block's hash: a
+conversation's turns share it), so a conversation keeps landing on one worker while the fleet
+stays the same, and a new worker takes over only its share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    worker_id: str
+    endpoint: str
+    namespace: str
+    block_size: int
+    draining: bool = False
+    suspended: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    worker: Worker
+    #: Prompt tokens the coordinator says this worker holds (whole blocks).
+    cached_tokens: int
+    #: ``cache`` (the most cached tokens won), ``load`` (no cache anywhere; least loaded),
+    #: ``affinity`` (a tie broken by the conversation's key).
+    reason: str
+
+
+def _rank(key: str, worker_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}\0{worker_id}".encode(), digest_size=8).digest(), "big")
+
+
+def choose(workers: Sequence[Worker], usable_blocks: Mapping[str, int], in_flight: Mapping[str, int], *,
+           affinity: str, load_penalty_tokens: int, down: frozenset[str] = frozenset()) -> list[Choice]:
+    """Every usable worker, best first (the rest are the failover order)."""
+    ok = [w for w in workers if not w.draining and not w.suspended and w.worker_id not in down]
+    if not ok:
+        return []
+
+    def cached(w: Worker) -> int:
+        return usable_blocks.get(w.worker_id, 0) * w.block_size
+
+    def score(w: Worker) -> tuple[int, int]:
+        return (cached(w) - load_penalty_tokens * in_flight.get(w.worker_id, 0), _rank(affinity, w.worker_id))
+
+    ranked = sorted(ok, key=score, reverse=True)
+    best = ranked[0]
+    if cached(best) > 0:
+        reason = "cache"
+    elif len({in_flight.get(w.worker_id, 0) for w in ok}) > 1:
+        reason = "load"
+    else:
+        reason = "affinity"
+    return [Choice(best, cached(best), reason)] + [Choice(w, cached(w), "failover") for w in ranked[1:]]
