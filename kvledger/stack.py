@@ -91,6 +91,10 @@ class StackOptions:
     coordinator_port: int | None = None
     #: None = the config's worker.port; worker i listens on base + i; 0 = any free port each.
     worker_base_port: int | None = None
+    #: Run the gateway (the stack's one endpoint) in front of the workers.
+    gateway: bool = True
+    #: None = the config's gateway.port; 0 = any free port.
+    gateway_port: int | None = None
     config_path: str | None = None
     start_timeout_s: float = 180.0
     stop_timeout_s: float = 20.0
@@ -344,6 +348,7 @@ class Stack:
         self.credentials: CredentialStore | None = None
         self.coordinators: list[Child] = []
         self.workers: list[Child] = []
+        self.gateways: list[Child] = []
         self._stop = threading.Event()
         self._hurry = threading.Event()
         self._signals = 0
@@ -361,7 +366,7 @@ class Stack:
 
     @property
     def children(self) -> list[Child]:
-        return [*self.coordinators, *self.workers]
+        return [*self.coordinators, *self.workers, *self.gateways]
 
     # --- signals ---------------------------------------------------------------------------
 
@@ -433,6 +438,8 @@ class Stack:
         self._check_stop()
         self._start_coordinators(host, cports)
         self._start_workers(wports)
+        if self.opts.gateway:
+            self._start_gateway()
 
     def _coordinator_ports(self, host: str) -> list[int]:
         """The admin ports: coordinator.port (or --coordinator-port) and the next ones for the
@@ -467,6 +474,8 @@ class Stack:
             # Every participant its own NATS user, confined to its own subjects (shared.nats_auth).
             self.credentials = CredentialStore(self.state_dir / "nats" / "credentials")
             workers = [nats_auth.worker(wid) for wid in self.worker_ids]
+            if self.opts.gateway:
+                workers.append(nats_auth.gateway(cfg.gateway.gateway_id))
             nats_config = str(self.credentials.write_server_config(workers, Subjects(cfg.nats.subject_prefix)))
         try:
             self.services = start_services(cfg.database.url, cfg.nats.url, self.state_dir, nats_config=nats_config)
@@ -616,6 +625,35 @@ class Stack:
             # a restart keeps the address that clients and the table know, also one that port 0 chose
             w.env["KVL_WORKER__PORT"] = str(w.url).rsplit(":", 1)[1]
 
+    def _start_gateway(self) -> None:
+        """The gateway, until its ``/readyz`` is 200 (it knows the fleet and a worker is usable;
+        with no workers, until it answers at all)."""
+        from shared.embedded import free_port
+
+        g = self.cfg.gateway
+        port = g.port if self.opts.gateway_port is None else self.opts.gateway_port
+        port = free_port(g.host) if port == 0 else port
+        if not port_free(g.host, port):
+            raise StackError(f"port {port} on {g.host} is in use; choose another with --gateway-port "
+                             f"(0 = any free port) or run without it (--no-gateway)")
+        env = self._child_env(KVL_GATEWAY__PORT=str(port), **self._identity_env(nats_auth.gateway(g.gateway_id)))
+        gw = self._spawn("gateway", [self.python, "-m", "gateway"], env, _COLOURS[0])
+        gw.url = f"{http_scheme(self.cfg.tls)}://{g.host}:{port}"
+        self.gateways.append(gw)
+        self.write_state_file(ready=False)
+        path = "/readyz" if self.workers else "/healthz"
+        deadline = time.monotonic() + self.opts.start_timeout_s
+        last: Any = None
+        while time.monotonic() < deadline:
+            self._died_while_starting(gw)
+            status, body = http_json(f"{gw.url}{path}", context=self.tls_context)
+            if status == 200:
+                return
+            last = body or status
+            self._sleep(0.2)
+        raise StackError(f"gateway not ready within {self.opts.start_timeout_s:.0f}s (last {path}: {last}); "
+                         f"see {gw.log_path}")
+
     def _wait_worker(self, w: Child, deadline: float) -> None:
         last: Any = None
         while time.monotonic() < deadline:
@@ -736,7 +774,8 @@ class Stack:
                             "pid": emb.proc.pid if emb is not None and emb.proc is not None else None,
                             "log": str(self.state_dir / log) if emb is not None else None, "restarts": None})
         for c in self.children:
-            out.append({"name": c.name, "url": c.url, "role": "OpenAI API" if c in self.workers else "admin API",
+            role = "OpenAI API" if c in self.workers else "OpenAI API (gateway)" if c in self.gateways else "admin API"
+            out.append({"name": c.name, "url": c.url, "role": role,
                         "pid": c.pid if c.alive else None, "log": str(c.log_path), "restarts": c.restarts})
         return out
 
@@ -748,7 +787,7 @@ class Stack:
             t.add_column(col, overflow="fold")
         for r in self.rows():
             url = r["url"] or ""
-            if r["role"] == "OpenAI API":
+            if r["role"].startswith("OpenAI API"):
                 url += "/v1"
             restarts = "-" if r["restarts"] is None else str(r["restarts"])
             t.add_row(r["name"], _redact_url(url), r["role"], str(r["pid"] or "-"), restarts, r["log"] or "-")
@@ -757,9 +796,10 @@ class Stack:
     def hints(self) -> str:
         """Two commands to try, with this stack's addresses."""
         lines = []
-        if self.workers and self.workers[0].url:
+        endpoint = self.gateways[0].url if self.gateways else self.workers[0].url if self.workers else None
+        if self.workers and endpoint:
             ca = f"--cacert {self.cfg.tls.ca_file} " if self.cfg.tls.ca_file and self.cfg.tls.cert_file else ""
-            lines.append(f"  curl {ca}{self.workers[0].url}/v1/completions -H 'Content-Type: application/json' "
+            lines.append(f"  curl {ca}{endpoint}/v1/completions -H 'Content-Type: application/json' "
                          "-d '{\"prompt\": \"Hello\", \"max_tokens\": 8}'")
         flag = "" if self.coordinator_url == _default_coordinator_url(self.cfg) else \
             f" --coordinator-url {self.coordinator_url}"
@@ -776,6 +816,7 @@ class Stack:
         doc = {"supervisor_pid": os.getpid(), "ready": ready, "state_dir": str(self.state_dir),
                "coordinator_url": self.coordinator_url, "coordinator_urls": [c.url for c in self.coordinators],
                "worker_urls": [w.url for w in self.workers],
+               "gateway_url": self.gateways[0].url if self.gateways else None,
                "services": [{**r, "url": _redact_url(r["url"] or "")} for r in self.rows()]}
         path = self.state_dir / "stack.json"
         tmp = path.with_suffix(".json.tmp")
@@ -830,14 +871,14 @@ class Stack:
 
     def shutdown(self) -> list[str]:
         """Stop everything started, in reverse order; return descriptions of survivors (killed)."""
-        started = [*reversed(self.workers), *self.coordinators]
+        started = [*self.gateways, *reversed(self.workers), *self.coordinators]
         below = descendants(self._pids)
         if started or self.services is not None:
             self.console.say("stopping")
         grace = 0.0 if self._hurry.is_set() else self.opts.stop_timeout_s
         # Workers together (each releases its leases and drains its outbox), then the coordinators
         # together (a standby stops at once, before the leader releases the lock at its end).
-        for group in (list(reversed(self.workers)), self.coordinators):
+        for group in (self.gateways, list(reversed(self.workers)), self.coordinators):
             threads = [threading.Thread(target=c.stop, args=(grace, self._hurry)) for c in group]
             for t in threads:
                 t.start()
@@ -955,6 +996,11 @@ def add_arguments(p: Any) -> None:
                    help="admin API port (default: coordinator.port, 8321; 0 = any free port)")
     p.add_argument("--worker-base-port", type=int, default=None,
                    help="worker i listens on BASE+i (default: worker.port, 8400; 0 = any free ports)")
+    p.add_argument("--gateway-port", type=int, default=None,
+                   help="the gateway's port, the stack's one OpenAI endpoint (default: gateway.port, 8300; 0 = any "
+                        "free port)")
+    p.add_argument("--no-gateway", action="store_true",
+                   help="run no gateway: clients choose a worker themselves")
     p.add_argument("--start-timeout", type=float, default=180.0, metavar="SECONDS",
                    help="how long each part may take to become ready (default 180)")
     p.add_argument("--max-restarts", type=int, default=5, metavar="N",
@@ -980,6 +1026,7 @@ def cmd_up(args: Any) -> int:
     cfg = load_config(getattr(args, "config", None))
     opts = StackOptions(workers=args.workers, coordinators=args.coordinators, coordinator_port=args.coordinator_port,
                         worker_base_port=args.worker_base_port, config_path=getattr(args, "config", None),
+                        gateway=not args.no_gateway, gateway_port=args.gateway_port,
                         start_timeout_s=args.start_timeout, echo_logs=not args.quiet,
                         max_restarts=args.max_restarts, restart_window_s=args.restart_window)
     return Stack(cfg, opts).run()

@@ -105,7 +105,7 @@ def test_a_killed_worker_is_restarted_on_its_port_and_registers_again(
     assert workers.returncode == 0, workers.stderr
     assert [w["worker_id"] for w in json.loads(workers.stdout)["workers"] if w["alive"]] == ["worker-0"]
 
-    out = stop_cleanly(up, up.tree(), processes=3)
+    out = stop_cleanly(up, up.tree(), processes=4)
     assert "worker-0 stopped (exit code 0, restarted 1 time(s))" in out
 
 
@@ -128,7 +128,7 @@ def test_a_killed_coordinator_is_restarted_and_serves_again(
     assert service(up, "worker-0")["pid"] == worker["pid"]  # the others kept running
     assert up.popen.poll() is None
 
-    stop_cleanly(up, tree + up.tree(), processes=3)
+    stop_cleanly(up, tree + up.tree(), processes=4)
 
 
 def test_two_coordinators_one_leads_and_the_standby_takes_over_when_it_is_killed(
@@ -137,7 +137,7 @@ def test_two_coordinators_one_leads_and_the_standby_takes_over_when_it_is_killed
     ups.append(up)
     up.wait_for(UP_READY, timeout_s=180)
     stack = up.stack()
-    assert [s["name"] for s in stack["services"]] == ["postgres", "nats", "coordinator", "coordinator-2"]
+    assert [s["name"] for s in stack["services"]] == ["postgres", "nats", "coordinator", "coordinator-2", "gateway"]
     first, second = stack["coordinator_urls"]
     assert stack["coordinator_url"] == first and first != second
     assert readyz_status(first) == (200, "serving")
@@ -156,7 +156,7 @@ def test_two_coordinators_one_leads_and_the_standby_takes_over_when_it_is_killed
     assert service(up, "coordinator")["restarts"] == 1 and service(up, "coordinator-2")["restarts"] == 0
     assert up.popen.poll() is None
 
-    stop_cleanly(up, tree + up.tree(), processes=3)
+    stop_cleanly(up, tree + up.tree(), processes=4)
 
 
 def complete(url: str, prompt: str) -> int:
@@ -191,4 +191,4 @@ def test_embedded_nats_killed_is_restarted_and_the_worker_keeps_its_cache(
     after = sum(complete(url, p) for p in prompts)
     assert after == before, (before, after)                      # 100 % retained
     assert up.popen.poll() is None
-    stop_cleanly(up, up.tree(), processes=5)
+    stop_cleanly(up, up.tree(), processes=6)

@@ -140,8 +140,9 @@ def test_up_two_workers_requests_audit_and_sigterm_leaves_nothing(tmp_path: Path
     up.wait_for(UP_READY, timeout_s=240)
     stack = up.stack()
     names = [s["name"] for s in stack["services"]]
-    assert names == ["postgres", "nats", "coordinator", "worker-0", "worker-1"]
+    assert names == ["postgres", "nats", "coordinator", "worker-0", "worker-1", "gateway"]
     assert [s["role"] for s in stack["services"][:2]] == ["embedded", "embedded"]
+    assert stack["gateway_url"] and f"curl {stack['gateway_url']}/v1/completions" in up.output()
     out = up.output()
     for s in stack["services"]:  # the summary says where everything is
         assert s["url"] in out and str(s["pid"]) in out
@@ -170,6 +171,10 @@ def test_up_two_workers_requests_audit_and_sigterm_leaves_nothing(tmp_path: Path
             break
         time.sleep(0.2)
     assert cached == 32
+    # the stack's one endpoint: the gateway sends the same prompt where it is cached
+    gw = openai.OpenAI(base_url=f"{stack['gateway_url']}/v1", api_key="unused", max_retries=0, timeout=60)
+    raw = gw.completions.with_raw_response.create(prompt=prompt, max_tokens=1, model="kvledger/dsv4-tiny")
+    assert raw.headers["x-kvl-worker"] == "worker-0" and raw.parse().usage.prompt_tokens_details.cached_tokens == 32
 
     # The admin commands against the live coordinator, once every transition is committed
     # (a worker's outbox is empty when the coordinator's watermark covers all it sent).
@@ -199,7 +204,7 @@ def test_up_two_workers_requests_audit_and_sigterm_leaves_nothing(tmp_path: Path
     assert up.popen.wait(90) == 0, up.output()[-4000:]
     up._reader.join(5)
     out = up.output()
-    assert "none of the 5 processes it started is left" in out, out[-3000:]
+    assert "none of the 6 processes it started is left" in out, out[-3000:]
     assert still_running(tree) == []
     pids = {s["pid"] for s in stack["services"]}
     leftovers = [p.pid for p in psutil.process_iter() if p.pid in pids and p.status() != psutil.STATUS_ZOMBIE]
@@ -243,7 +248,7 @@ def test_a_worker_that_keeps_dying_stops_the_stack_and_is_reported(tmp_path: Pat
     assert "exited (code 2)" in out and "not restarting it: it exited 2 times within 60s (--max-restarts 1); " \
         "stopping the stack" in out
     assert "worker-0 stopped (exit code 2, restarted 1 time(s))" in out
-    assert "none of the 3 processes it started is left" in out
+    assert "none of the 4 processes it started is left" in out
     assert still_running(tree) == []
     log = [json.loads(line) for line in (up.state / "logs" / "worker-0.log").read_text().splitlines()
            if line.startswith('{"event": "process_exited"')]
