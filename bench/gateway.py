@@ -1,0 +1,172 @@
+"""Gateway benchmark: KV-aware routing vs round robin vs one worker holding everything.
+
+Runs ``kvledger up --workers 3`` (embedded PostgreSQL and NATS, fresh state dir, the gateway
+in front) and drives multi-turn agent conversations — each turn is the previous prompt, the
+previous answer and new text; streamed, greedy — three ways in the same run, each with its
+own conversations (so no mode finds another's cache):
+
+* ``kv``: every request to the gateway;
+* ``round_robin``: request *i* straight to worker *i mod 3*;
+* ``single``: every request straight to one worker (the reuse ceiling: it holds everything).
+
+Reported: the fraction of prompt tokens served from cache per mode and
+``reuse_ratio_vs_single`` (kv / single, goal ≥ 0.9); time to first token p50 per mode and
+``ttft_p50_ratio_vs_round_robin`` (kv / round robin, goal ≤ 0.5); and
+``gateway_overhead_ms_p50``: the same one-token request sent through the gateway and straight
+to the worker it routes to, interleaved, p50 difference (goal ≤ 2 ms).
+
+    python -m bench.gateway            # 24 conversations × 4 turns per mode
+    python -m bench.gateway --quick    # 9 × 3, within ~90 s
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+WORDS = ("ledger", "block", "replica", "lease", "worker", "tenant", "prefix", "cache", "commit", "token",
+         "window", "entry", "audit", "epoch", "offload", "validate")
+
+
+def user_text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n)) + ". "
+
+
+def start_stack(d: Path) -> tuple[subprocess.Popen, dict]:
+    (d / "kvledger.yaml").write_text("state_dir: state\nworker:\n  pool_bytes: 33554432\n")
+    p = subprocess.Popen([sys.executable, "-m", "kvledger.cli", "up", "--config", "kvledger.yaml", "--workers", "3",
+                          "--coordinator-port", "0", "--worker-base-port", "0", "--gateway-port", "0", "--quiet"],
+                         cwd=d, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert p.stdout is not None
+    for line in p.stdout:
+        if "up; Ctrl-C" in line:
+            break
+        if "kvledger up: error" in line:
+            raise SystemExit(f"bench.gateway: the stack did not start: {line.strip()}")
+    return p, json.loads((d / "state" / "stack.json").read_text())
+
+
+async def turn(http: aiohttp.ClientSession, url: str, prompt: str) -> tuple[float, int, int, str]:
+    """(TTFT s, prompt tokens, cached tokens, reply text) of one streamed completion."""
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, text, usage = None, [], None
+    async with http.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status}: {(await r.text())[:200]}")
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            doc = json.loads(line[6:])
+            if doc.get("choices"):
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                text.append(doc["choices"][0]["text"])
+            if doc.get("usage"):
+                usage = doc["usage"]
+    return ttft or (time.perf_counter() - t0), usage["prompt_tokens"], \
+        usage["prompt_tokens_details"]["cached_tokens"], "".join(text)
+
+
+async def run_mode(http, targets, mode: str, conversations: int, turns: int, concurrency: int) -> dict:
+    rng = random.Random(f"bench-gateway-{mode}")
+    counter = 0
+    sem = asyncio.Semaphore(concurrency)
+    ttfts, prompt_tokens, cached = [], 0, 0
+
+    async def conversation(c: int) -> None:
+        nonlocal counter, prompt_tokens, cached
+        prompt = f"[{mode} conversation {c}] " + user_text(rng, 40)
+        for _ in range(turns):
+            async with sem:
+                url = targets(counter)
+                counter += 1
+                t, n, k, reply = await turn(http, url, prompt)
+            ttfts.append(t)
+            prompt_tokens += n
+            cached += k
+            prompt += reply + user_text(rng, 12)
+
+    await asyncio.gather(*(conversation(c) for c in range(conversations)))
+    return {"reuse": cached / prompt_tokens, "ttft_p50_ms": statistics.median(ttfts) * 1000,
+            "requests": len(ttfts), "prompt_tokens": prompt_tokens, "cached_tokens": cached}
+
+
+async def measure(stack: dict, conversations: int, turns: int, reps: int) -> dict:
+    gateway, workers = stack["gateway_url"], stack["worker_urls"]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
+        out = {"kv": await run_mode(http, lambda i: gateway, "kv", conversations, turns, 8),
+               "round_robin": await run_mode(http, lambda i: workers[i % len(workers)], "round_robin",
+                                             conversations, turns, 8),
+               "single": await run_mode(http, lambda i: workers[0], "single", conversations, turns, 8)}
+        # the gateway's own cost: one-token requests, gateway and direct interleaved
+        body = {"prompt": "one short request to measure what the gateway adds. ", "max_tokens": 1, "temperature": 0}
+        async with http.post(gateway + "/v1/completions", json=body) as r:
+            await r.read()
+            direct = next(u for u, w in zip(workers, ("worker-0", "worker-1", "worker-2"))
+                          if w == r.headers["x-kvl-worker"])
+        via, straight = [], []
+        for _ in range(reps):
+            for url, sink in ((gateway, via), (direct, straight)):
+                t0 = time.perf_counter()
+                async with http.post(url + "/v1/completions", json=body) as r:
+                    await r.read()
+                sink.append(time.perf_counter() - t0)
+        out["overhead"] = {"via_gateway_ms_p50": statistics.median(via) * 1000,
+                           "direct_ms_p50": statistics.median(straight) * 1000}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="9 conversations × 3 turns per mode")
+    args = ap.parse_args(argv)
+    conversations, turns, reps = (9, 3, 30) if args.quick else (24, 4, 100)
+    d = Path(tempfile.mkdtemp(prefix="kvl-bench-gateway-"))
+    p = None
+    try:
+        p, stack = start_stack(d)
+        r = asyncio.run(measure(stack, conversations, turns, reps))
+    finally:
+        if p is not None:
+            p.send_signal(signal.SIGTERM)
+            with __import__("contextlib").suppress(Exception):
+                p.wait(60)
+        shutil.rmtree(d, ignore_errors=True)
+    kv, rr, single = r["kv"], r["round_robin"], r["single"]
+    result = {
+        "workers": 3, "conversations": conversations, "turns": turns,
+        "reuse_kv": round(kv["reuse"], 3), "reuse_round_robin": round(rr["reuse"], 3),
+        "reuse_single": round(single["reuse"], 3),
+        "reuse_ratio_vs_single": round(kv["reuse"] / single["reuse"], 3) if single["reuse"] else None,
+        "ttft_p50_ms_kv": round(kv["ttft_p50_ms"], 1), "ttft_p50_ms_round_robin": round(rr["ttft_p50_ms"], 1),
+        "ttft_p50_ms_single": round(single["ttft_p50_ms"], 1),
+        "ttft_p50_ratio_vs_round_robin": round(kv["ttft_p50_ms"] / rr["ttft_p50_ms"], 3),
+        "gateway_overhead_ms_p50": round(r["overhead"]["via_gateway_ms_p50"] - r["overhead"]["direct_ms_p50"], 2),
+        "one_token_request_ms_p50_direct": round(r["overhead"]["direct_ms_p50"], 2),
+        "mode": "quick" if args.quick else "full",
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
