@@ -72,7 +72,8 @@ class Up:
             f.write(f"state_dir: state\ncoordinator:\n  resume_grace_ms: {GRACE_MS}\n  lease_ttl_ms: {GRACE_MS}\n")
         self.p = subprocess.Popen(
             [sys.executable, "-m", "kvledger.cli", "up", "--config", "kvledger.yaml", "--workers", "1",
-             "--coordinators", str(coordinators), "--coordinator-port", "0", "--worker-base-port", "0", "--quiet"],
+             "--coordinators", str(coordinators), "--coordinator-port", "0", "--worker-base-port", "0",
+             "--gateway-port", "0", "--quiet"],
             cwd=self.dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
             env={**os.environ, "PYTHONPATH": os.getcwd(), "KVL_TORCH_THREADS": "1"})
         assert self.p.stdout is not None

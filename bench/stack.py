@@ -35,7 +35,7 @@ def one_run(workers: int) -> dict[str, float]:
             f.write("state_dir: state\n")
         t0 = time.monotonic()
         p = subprocess.Popen([sys.executable, "-m", "kvledger.cli", "up", "--config", "kvledger.yaml",
-                              "--workers", str(workers), "--coordinator-port", "0", "--worker-base-port", "0",
+                              "--workers", str(workers), "--coordinator-port", "0", "--worker-base-port", "0", "--gateway-port", "0",
                               "--quiet"], cwd=d, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
         out: dict[str, float] = {}

@@ -51,6 +51,7 @@ class UpProcess:
         self.lines: list[str] = []
         self.popen = subprocess.Popen(
             [*KVLEDGER, "up", "--config", str(self.config), "--coordinator-port", "0", "--worker-base-port", "0",
+             "--gateway-port", "0",
              *args], cwd=tmp, env=clean_env(KVL_TORCH_THREADS="1"), stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
