@@ -20,7 +20,6 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from worker.model.config import ModelConfig
@@ -97,45 +96,15 @@ def _files(path: Path) -> list[Path]:
     return [path]
 
 
-@torch.no_grad()
 def load_safetensors(model: HybridAttentionLM, path: str | Path, *,
                      ignore_prefixes: tuple[str, ...] = ("mtp.",)) -> HybridAttentionLM:
-    """Load a checkpoint (one file or a directory of shards) in HF naming into ``model``.
+    """Load a checkpoint (one file or a directory of shards) in our own naming into ``model``:
+    every model tensor present with its shape, nothing unexpected (except names under
+    ``ignore_prefixes``: multi-token-prediction layers, which this model does not instantiate);
+    the checks and copies are :func:`worker.model.checkpoint.load_weights`'."""
+    from worker.model.checkpoint import load_weights   # that module imports this one
 
-    Every model tensor must be present with the same shape; a tensor the model does not
-    have is an error (except names under ``ignore_prefixes``: multi-token-prediction
-    layers, which this model does not instantiate). Floating tensors are cast to the
-    model's dtype; an integer tensor must stay integer and vice versa.
-    """
-    expected = model.state_dict()
-    found: dict[str, tuple[Path, str]] = {}
-    for f in _files(Path(path)):
-        try:
-            with safe_open(str(f), framework="pt") as h:
-                for key in h.keys():
-                    if key in found:
-                        raise WeightsError(f"tensor {key} appears in both {found[key][0].name} and {f.name}")
-                    found[key] = (f, key)
-        except WeightsError:
-            raise
-        except Exception as e:  # safetensors raises its own error types for a damaged header
-            raise WeightsError(f"{f}: not a readable safetensors file ({e})") from e
-    extra = sorted(k for k in found if k not in expected and not k.startswith(ignore_prefixes))
-    missing = sorted(k for k in expected if k not in found)
-    if missing or extra:
-        raise WeightsError(f"checkpoint does not match the model: missing {missing[:8]}"
-                           f"{' …' if len(missing) > 8 else ''} ({len(missing)}), unexpected {extra[:8]}"
-                           f"{' …' if len(extra) > 8 else ''} ({len(extra)})")
-    for key, target in expected.items():
-        f, _ = found[key]
-        with safe_open(str(f), framework="pt") as h:
-            t = h.get_tensor(key)
-        if tuple(t.shape) != tuple(target.shape):
-            raise WeightsError(f"tensor {key}: shape {tuple(t.shape)} in the checkpoint, the model needs "
-                               f"{tuple(target.shape)}")
-        if t.dtype.is_floating_point != target.dtype.is_floating_point:
-            raise WeightsError(f"tensor {key}: dtype {t.dtype} in the checkpoint, the model needs {target.dtype}")
-        target.copy_(t.to(target.dtype))
+    load_weights(model, _files(Path(path)), lambda k: (k, None), ignore=lambda k: k.startswith(ignore_prefixes))
     return model
 
 
