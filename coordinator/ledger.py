@@ -110,6 +110,8 @@ class Ledger:
         self.durable: dict[tuple[str, int], int] = {}
         #: ``(worker, epoch)`` → when it last heartbeat (soft state: never logged, lost on restart).
         self.seen: dict[tuple[str, int], int] = {}
+        #: worker → (running, queued) requests of its last heartbeat (soft state for route answers).
+        self.load: dict[str, tuple[int, int]] = {}
         #: True while :attr:`state` is the log folded up to :attr:`position` (a standby following it).
         self._following = False
         #: Whether this process may still speak for the ledger without writing (see
@@ -130,6 +132,7 @@ class Ledger:
         incremental, self._following = self._following, False
         await self._load(incremental=incremental)
         self.seen.clear()
+        self.load.clear()
         self.committer = GroupCommitter(self.log, batch_ms=self.batch_ms, batch_max=self.batch_max,
                                         leader_epoch=epoch, on_commit=self._on_commit,
                                         on_failure=self._on_failure, on_batch=self.metrics.on_batch)
@@ -227,6 +230,7 @@ class Ledger:
             return reply
         key = (msg.worker_id, msg.epoch)
         self.seen[key] = now
+        self.load[msg.worker_id] = (msg.running, msg.queued)
         return HeartbeatReply(committed_seq=self.durable.get(key, 0))
 
     def route(self, query: RouteQuery) -> RouteReply:
@@ -239,7 +243,7 @@ class Ledger:
                  if now - t <= horizon and (r := self.state.workers.get(w)) is not None and r.epoch == epoch}
         # a worker that registered a moment ago has not heartbeat yet
         fresh |= {w.worker_id for w in self.state.workers.values() if now - w.registered_at_ms <= horizon}
-        return route(self.state, query, fresh)
+        return route(self.state, query, fresh, self.load)
 
     # --- the one way to change state -------------------------------------------------------
 

@@ -2,14 +2,17 @@
 route queries) and with the workers (HTTP: the requests themselves).
 
 ``POST /v1/completions``, ``POST /v1/chat/completions``: authenticated by API key (the workers'
-key config), routed (:mod:`gateway.routing`), forwarded with the client's body and
-``Authorization`` header; SSE streams pass through chunk by chunk, and every answer names the
-worker that served it (``x-kvl-worker``) and why it was chosen (``x-kvl-route``). ``GET
-/v1/models`` is answered by a worker. ``/healthz`` (alive), ``/readyz`` (the fleet is known and a
-worker usable), ``/metrics`` (Prometheus).
+key config), admitted by the tenant's rate limits (:mod:`gateway.limits`: 429 + Retry-After),
+routed (:mod:`gateway.routing`), and forwarded with the client's body — with the tenant in a
+signed header (:mod:`shared.tenant_header`) when ``auth.gateway_secret`` is set, else with
+the client's ``Authorization`` header for the worker to check. SSE streams pass through chunk
+by chunk, and every answer names the worker that served it (``x-kvl-worker``) and why it was
+chosen (``x-kvl-route``). ``GET /v1/models`` is answered by a worker. ``/healthz`` and
+``/health`` (alive), ``/readyz`` (the fleet is known and a worker usable), ``/metrics``.
 
-Failover: a worker that refuses the connection, resets it, or answers 429/502/503/504 before any
-byte reached the client is skipped (and marked down for ``gateway.worker_down_ms``) for the next
+Failover: a worker that refuses the connection, resets it, dies before its answer (or a
+stream's first event) is complete, or answers 429/502/503/504, before any byte reached the
+client, is skipped (and marked down for ``gateway.worker_down_ms``, 429 excepted) for the next
 candidate; once bytes have streamed, an error reaches the client as the worker sent it.
 """
 
@@ -32,6 +35,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from gateway.limits import Admitted, Refused, TenantLimits
 from gateway.prompt import prompt_tokens
 from gateway.routing import Choice, Worker, choose
 from shared import messages as m
@@ -39,16 +43,21 @@ from shared.config import Config
 from shared.hashing import chain_hashes
 from shared.logging import get_logger
 from shared.subjects import Subjects
-from shared.tenants import AuthError, TenantDirectory, salt_secret, tenant_salt
+from shared.tenant_header import SIGNATURE_HEADER, TENANT_HEADER, sign
+from shared.tenants import AuthError, Tenant, TenantDirectory, salt_secret, tenant_salt
+from shared.text.generation_config import DEFAULT_MAX_TOKENS
 from shared.text.chat_template import ChatTemplate
 from shared.text.tokenizer import Tokenizer
 
 log = get_logger("kvl.gateway")
 #: Worker answers that mean "not now, try another" when nothing has been sent yet.
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
-#: Request headers passed to the worker (hop-by-hop and length headers are the proxy's own).
-FORWARDED = ("Authorization", "Content-Type", "Accept", "X-Request-Id")
+#: Request headers passed to the worker (hop-by-hop and length headers are the proxy's own;
+#: ``Authorization`` only when no gateway secret signs the tenant instead).
+FORWARDED = ("Content-Type", "Accept", "X-Request-Id")
 MAX_BODY = 32 * 2**20
+#: How much of a stream's end is kept to read its usage chunk (realised cached tokens, refunds).
+STREAM_TAIL = 16 * 1024
 
 
 class GatewayMetrics:
@@ -60,7 +69,9 @@ class GatewayMetrics:
                                  "no_hint: prompt unreadable or route query failed)", ["reason"], registry=r)
         self.expected = Counter(p + "expected_cached_tokens", "Prompt tokens the route expected cached", registry=r)
         self.realized = Counter(p + "realized_cached_tokens", "Prompt tokens the worker reported cached "
-                                "(non-streamed answers)", registry=r)
+                                "(streams only when they carry usage: stream_options.include_usage)", registry=r)
+        self.limited = Counter(p + "rate_limited", "Requests refused by a tenant's rate limit, by code",
+                               ["tenant", "code"], registry=r)
         self.failovers = Counter(p + "failovers", "Requests moved to the next worker, by why", ["why"], registry=r)
         self.in_flight = Gauge(p + "worker_in_flight", "Requests this gateway has in flight per worker", ["worker"],
                                registry=r)
@@ -82,6 +93,7 @@ class Gateway:
         self.subjects = Subjects(cfg.nats.subject_prefix)
         self.tenants = TenantDirectory.from_config(cfg.auth)
         self.metrics = GatewayMetrics()
+        self.limits = TenantLimits()
         self.nats_kwargs = dict(nats_kwargs or {})
         self.client_ssl = client_ssl
         self.fleet: list[Worker] = []
@@ -130,8 +142,8 @@ class Gateway:
         reply = await self._ask(m.RouteQuery(gateway_id=self.g.gateway_id), self.g.fleet_refresh_ms / 1000 * 2)
         if reply is None:
             return False
-        self.fleet = [Worker(c.worker_id, c.endpoint, c.namespace, c.block_size, c.draining, c.suspended)
-                      for c in reply.workers if c.endpoint]
+        self.fleet = [Worker(c.worker_id, c.endpoint, c.namespace, c.block_size, c.draining, c.suspended,
+                             c.running + c.queued) for c in reply.workers if c.endpoint]
         self.fleet_at = time.monotonic()
         for state, n in (("usable", sum(1 for w in self.fleet if not (w.draining or w.suspended))),
                          ("draining", sum(1 for w in self.fleet if w.draining)),
@@ -192,8 +204,23 @@ class Gateway:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.StreamResponse:
+        try:
+            tenant = self.tenants.authenticate(request.headers.get("Authorization"))
+        except AuthError as e:
+            return self._count("/v1/models", _error(401, str(e), "authentication_error", "invalid_api_key"))
         choices, _ = await self.route(None, "")
-        return await self._forward(request, "GET", b"", choices, "models")
+        return await self._forward(request, "GET", b"", choices, "/v1/models", tenant, None)
+
+    def _headers(self, request: web.Request, method: str, body: bytes, tenant: Tenant) -> dict[str, str]:
+        headers = {k: v for k in FORWARDED if (v := request.headers.get(k)) is not None}
+        secret = self.cfg.auth.gateway_secret
+        if secret:
+            # the worker learns the tenant from us, signed, and never sees the client's key
+            headers[TENANT_HEADER] = tenant.id
+            headers[SIGNATURE_HEADER] = sign(secret, tenant.id, method, request.path_qs, body, time.time())
+        elif (a := request.headers.get("Authorization")) is not None:
+            headers["Authorization"] = a
+        return headers
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         path = request.path
@@ -211,24 +238,40 @@ class Gateway:
         except ValueError:
             doc = None
         tokens = prompt_tokens(path, doc, self.tokenizer, self.template)
+        admitted = self.limits.admit(tenant, len(tokens or ()) + _max_tokens(doc), time.monotonic())
+        if isinstance(admitted, Refused):
+            self.metrics.limited.labels(tenant=tenant.id, code=admitted.code).inc()
+            headers = {"Retry-After": str(admitted.retry_after_s)} if admitted.retry_after_s else None
+            return self._count(path, _error(admitted.status, admitted.message, "rate_limit_error"
+                                            if admitted.status == 429 else "invalid_request_error", admitted.code,
+                                            headers))
         choices, _ = await self.route(tokens, tenant.id)
         self.metrics.route_seconds.observe(time.perf_counter() - t0)
         if choices:
             self.metrics.decisions.labels(reason=choices[0].reason if tokens else "no_hint").inc()
             self.metrics.expected.inc(choices[0].cached_tokens)
-        return await self._forward(request, "POST", body, choices, path)
+        return await self._forward(request, "POST", body, choices, path, tenant, admitted)
 
     def _count(self, path: str, resp: web.StreamResponse) -> web.StreamResponse:
         self.metrics.requests.labels(path=path, status=str(resp.status)).inc()
         return resp
 
     async def _forward(self, request: web.Request, method: str, body: bytes, choices: list[Choice],
-                       path: str) -> web.StreamResponse:
+                       path: str, tenant: Tenant, admitted: Admitted | None) -> web.StreamResponse:
+        used: int | None = None     # tokens the answer used: the rest is refunded (None: keep the estimate)
+        try:
+            resp, used = await self._try_workers(request, method, body, choices, tenant)
+            return self._count(path, resp)
+        finally:
+            if admitted is not None and used is not None:
+                self.limits.refund(admitted, used, time.monotonic())
+
+    async def _try_workers(self, request: web.Request, method: str, body: bytes, choices: list[Choice],
+                           tenant: Tenant) -> tuple[web.StreamResponse, int | None]:
         if not choices:
-            return self._count(path, _error(503, "no worker can take this request now (none registered, all draining "
-                                                 "or down)", "server_error", "no_worker",
-                                            {"Retry-After": "1"}))
-        headers = {k: v for k in FORWARDED if (v := request.headers.get(k)) is not None}
+            return _error(503, "no worker can take this request now (none registered, all draining or down)",
+                          "server_error", "no_worker", {"Retry-After": "1"}), 0
+        headers = self._headers(request, method, body, tenant)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.g.connect_timeout_ms / 1000)
         last: web.StreamResponse | None = None
         for i, choice in enumerate(choices):
@@ -244,10 +287,13 @@ class Gateway:
                         if resp.status != 429:
                             self.down[w.worker_id] = time.monotonic() + self.g.worker_down_ms / 1000
                         continue
-                    return self._count(path, await self._relay(request, resp, choice))
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+                    # A stream's first bytes are awaited before anything goes to the client: a worker
+                    # that dies between its headers and its first event still fails over.
+                    first = await resp.content.readany() if _is_stream(resp) else b""
+                    return await self._relay(request, resp, choice, first)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 # NOTE: only failures before anything reached the client land here (_relay
-                # re-raises nothing once it has prepared the response).
+                # raises no ClientError once it has prepared the response).
                 self.down[w.worker_id] = time.monotonic() + self.g.worker_down_ms / 1000
                 why = "connection refused" if isinstance(e, aiohttp.ClientConnectorError) else type(e).__name__
                 log.warning("worker_failed", worker_id=w.worker_id, error=why)
@@ -259,31 +305,78 @@ class Gateway:
             finally:
                 self.in_flight[w.worker_id] -= 1
                 self.metrics.in_flight.labels(worker=w.worker_id).set(self.in_flight[w.worker_id])
-        return self._count(path, last or _error(503, "no worker took the request", "server_error", "no_worker",
-                                                {"Retry-After": "1"}))
+        return last or _error(503, "no worker took the request", "server_error", "no_worker",
+                              {"Retry-After": "1"}), 0
 
-    async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, choice: Choice) -> web.StreamResponse:
+    async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, choice: Choice,
+                     first: bytes) -> tuple[web.StreamResponse, int | None]:
+        """The worker's answer passed on, and the tokens it used: its usage's prompt + completion,
+        0 for an error answer, None when a 200 says nothing (a stream without ``include_usage``)."""
         out_headers = {k: v for k, v in resp.headers.items()
                        if k.lower() in ("content-type", "cache-control", "retry-after", "x-request-id")}
         out_headers["x-kvl-worker"] = choice.worker.worker_id
         out_headers["x-kvl-route"] = f"{choice.reason}; expected_cached_tokens={choice.cached_tokens}"
-        if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+        if not _is_stream(resp):
             data = await resp.read()
-            with contextlib.suppress(ValueError, TypeError, AttributeError):
-                cached = json.loads(data)["usage"]["prompt_tokens_details"]["cached_tokens"]
-                self.metrics.realized.inc(int(cached))
-            return web.Response(status=resp.status, body=data, headers=out_headers)
+            usage = None
+            if resp.status == 200:
+                with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
+                    usage = json.loads(data).get("usage")
+            used = self._usage(usage) if resp.status == 200 else 0
+            return web.Response(status=resp.status, body=data, headers=out_headers), used
         out = web.StreamResponse(status=resp.status, headers=out_headers)
         await out.prepare(request)
+        await out.write(first)
+        tail = first[-STREAM_TAIL:]
         try:
             async for chunk in resp.content.iter_any():
                 await out.write(chunk)
+                tail = (tail + chunk)[-STREAM_TAIL:]
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             # bytes have reached the client: the stream ends as the worker ended it
             log.warning("stream_interrupted", worker_id=choice.worker.worker_id, error=type(e).__name__)
         with contextlib.suppress(ConnectionError):
             await out.write_eof()
-        return out
+        return out, self._usage(_stream_usage(tail)) if resp.status == 200 else 0
+
+    def _usage(self, usage: Any) -> int | None:
+        """Count the realised cached tokens of a usage object; its total tokens (None if none)."""
+        if not isinstance(usage, dict):
+            return None
+        with contextlib.suppress(TypeError, ValueError, AttributeError):
+            self.metrics.realized.inc(int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)))
+        try:
+            return int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
+        except (TypeError, ValueError):
+            return None
+
+
+def _is_stream(resp: aiohttp.ClientResponse) -> bool:
+    return resp.headers.get("Content-Type", "").startswith("text/event-stream")
+
+
+def _max_tokens(doc: Any) -> int:
+    """The completion tokens a request may generate, for its rate-limit estimate (a malformed
+    value counts as the default: the worker answers it with a 400)."""
+    if isinstance(doc, dict):
+        for key in ("max_completion_tokens", "max_tokens"):
+            v = doc.get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return DEFAULT_MAX_TOKENS
+
+
+def _stream_usage(tail: bytes) -> Any:
+    """The usage object of the last SSE event that carries one, in a stream's last bytes."""
+    for event in reversed(tail.split(b"\n\n")):
+        line = event.strip()
+        if not line.startswith(b"data: {") or b'"usage"' not in line:
+            continue
+        with contextlib.suppress(ValueError, AttributeError):
+            usage = json.loads(line[6:]).get("usage")
+            if usage:
+                return usage
+    return None
 
 
 def create_app(gw: Gateway) -> web.Application:

@@ -1,6 +1,8 @@
 """Choosing a worker: the most prompt tokens served from cache, against load — pure.
 
-Score of worker ``w`` = ``cached_tokens(w) − load_penalty_tokens × in_flight(w)``. Draining,
+Score of worker ``w`` = ``cached_tokens(w) − load_penalty_tokens × load(w)``, its load being
+the larger of what this gateway has in flight on it and the running + queued requests of its
+last heartbeat (what every gateway together sent it, up to a heartbeat old). Draining,
 suspended and recently failed workers are not candidates. Ties (no cache anywhere, equal load)
 go by rendezvous hashing on the request's affinity key (its first block's hash: a
 conversation's turns share it), so a conversation keeps landing on one worker while the fleet
@@ -22,6 +24,8 @@ class Worker:
     block_size: int
     draining: bool = False
     suspended: bool = False
+    #: Running + queued requests of its last heartbeat (the coordinator's route answer).
+    reported_load: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +44,8 @@ def _rank(key: str, worker_id: str) -> int:
 
 def choose(workers: Sequence[Worker], usable_blocks: Mapping[str, int], in_flight: Mapping[str, int], *,
            affinity: str, load_penalty_tokens: int, down: frozenset[str] = frozenset()) -> list[Choice]:
-    """Every usable worker, best first (the rest are the failover order)."""
+    """Every usable worker, best first (the rest are the failover order). ``in_flight``: what
+    this gateway has running on each worker."""
     ok = [w for w in workers if not w.draining and not w.suspended and w.worker_id not in down]
     if not ok:
         return []
@@ -48,14 +53,17 @@ def choose(workers: Sequence[Worker], usable_blocks: Mapping[str, int], in_fligh
     def cached(w: Worker) -> int:
         return usable_blocks.get(w.worker_id, 0) * w.block_size
 
+    def load(w: Worker) -> int:
+        return max(in_flight.get(w.worker_id, 0), w.reported_load)
+
     def score(w: Worker) -> tuple[int, int]:
-        return (cached(w) - load_penalty_tokens * in_flight.get(w.worker_id, 0), _rank(affinity, w.worker_id))
+        return (cached(w) - load_penalty_tokens * load(w), _rank(affinity, w.worker_id))
 
     ranked = sorted(ok, key=score, reverse=True)
     best = ranked[0]
     if cached(best) > 0:
         reason = "cache"
-    elif len({in_flight.get(w.worker_id, 0) for w in ok}) > 1:
+    elif len({load(w) for w in ok}) > 1:
         reason = "load"
     else:
         reason = "affinity"

@@ -72,8 +72,9 @@ EXTRA = {
     "worker.outbox_max": "Transitions a worker keeps until the coordinator's watermark covers them; when "
                          "full the worker serves degraded (no caching) until it drains.",
     "worker.outbox_resend_ms": "Transitions not covered by the watermark after this long are published again.",
-    "auth.keys": "API keys: a list of `{key_sha256, tenant, max_concurrency, cache_quota_blocks}` "
-                 "(keys are stored only as sha256).",
+    "auth.keys": "API keys: a list of `{key_sha256, tenant, max_concurrency, cache_quota_blocks, "
+                 "requests_per_second, tokens_per_minute}` (keys are stored only as sha256; the last two "
+                 "are the gateway's rate limits, 0 = none).",
     "logging.level": "Least severe level written.",
 }
 

@@ -47,6 +47,7 @@ import contextlib
 import ctypes
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -556,6 +557,11 @@ class Stack:
         if self.cfg.logging.format == "auto" and "KVL_LOGGING__FORMAT" not in os.environ:
             env["KVL_LOGGING__FORMAT"] = "json"
         env["PYTHONUNBUFFERED"] = "1"
+        if self.opts.gateway and not self.cfg.auth.gateway_secret and "KVL_AUTH__GATEWAY_SECRET" not in os.environ:
+            # the gateway signs the tenant for the workers (shared.tenant_header): one secret per stack
+            if not getattr(self, "_gateway_secret", ""):
+                self._gateway_secret = secrets.token_hex(32)
+            env["KVL_AUTH__GATEWAY_SECRET"] = self._gateway_secret
         env.update(extra)
         return env
 

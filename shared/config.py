@@ -172,6 +172,12 @@ class ApiKey(_Section):
     tenant: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_\-]{1,64}$")]
     max_concurrency: Annotated[int, msgspec.Meta(ge=0)] = 0
     cache_quota_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
+    #: Requests per second the gateway admits for this tenant (token bucket, one second of burst;
+    #: 0 = no limit). Each gateway counts its own: with k gateways, give each 1/k of the rate.
+    requests_per_second: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    #: Tokens per minute (prompt + max_tokens, refunded to what was generated) the gateway admits
+    #: for this tenant (token bucket, one minute of burst; 0 = no limit).
+    tokens_per_minute: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class GatewayConfig(_Section):
@@ -204,6 +210,12 @@ class AuthConfig(_Section):
     keys_file: str = ""
     #: Secret from which each tenant's hash salt is derived; empty = per-state-dir random.
     salt_secret: str = ""
+    #: Shared by gateways and workers: the gateway forwards the tenant it authenticated in a header
+    #: signed with it (``shared.tenant_header``) instead of the client's key. Empty = the gateway
+    #: passes the client's Authorization header on and the worker checks the key itself.
+    gateway_secret: str = ""
+    #: How old (either way, for clock skew) a gateway's tenant signature may be.
+    gateway_signature_max_age_ms: PosInt = 30_000
 
 
 class LoggingConfig(_Section):

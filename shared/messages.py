@@ -160,6 +160,10 @@ class Heartbeat(_Msg, tag="worker.heartbeat", kw_only=True):
     epoch: Pos
     #: Replicas per form the worker holds READY (for drift hints; the log is authoritative).
     ready: dict[str, NonNeg] = {}
+    #: Requests running and waiting in its scheduler: soft state the coordinator hands to
+    #: gateways with route answers (their load signal across gateways), never logged.
+    running: NonNeg = 0
+    queued: NonNeg = 0
 
 
 class HeartbeatReply(_Msg, tag="worker.heartbeat.ok", kw_only=True):
@@ -383,6 +387,9 @@ class RouteCandidate(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     #: Draining or suspended workers are listed (so a gateway can say why) but not to be used.
     draining: bool = False
     suspended: bool = False
+    #: Its scheduler's running and queued requests as of its last heartbeat.
+    running: NonNeg = 0
+    queued: NonNeg = 0
 
 
 class RouteReply(_Msg, tag="route.ok", kw_only=True):

@@ -17,8 +17,9 @@ share a block and one cannot probe the other's cache.
 
 Limits (per tenant; 0 = none): ``max_concurrency`` — requests running at once (more wait
 in the queue); ``cache_quota_blocks`` — blocks of this tenant a worker keeps in its GPU
-pools (new blocks beyond it are computed but not cached). Several keys may name one
-tenant; they must then agree on its limits.
+pools (new blocks beyond it are computed but not cached); ``requests_per_second`` and
+``tokens_per_minute`` — what the gateway admits (``gateway.limits``). Several keys may name
+one tenant; they must then agree on its limits.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class Tenant:
     id: str
     max_concurrency: int = 0
     cache_quota_blocks: int = 0
+    requests_per_second: float = 0.0
+    tokens_per_minute: int = 0
 
 
 def key_sha256(key: str) -> str:
@@ -85,14 +88,15 @@ class TenantDirectory:
             if not isinstance(k.tenant, str) or not TENANT_NAME.fullmatch(k.tenant):
                 raise ConfigError(f"auth keys: tenant name {k.tenant!r} is not allowed; use 1 to 64 letters, "
                                   f"digits, '_' or '-' (key hash {str(k.key_sha256)[:12]}…)")
-            t = Tenant(k.tenant, k.max_concurrency, k.cache_quota_blocks)
+            t = Tenant(k.tenant, k.max_concurrency, k.cache_quota_blocks, k.requests_per_second, k.tokens_per_minute)
             known = self._by_hash.get(k.key_sha256)
             if known is not None and known.id != t.id:
                 raise ConfigError(f"auth keys: one key hash ({k.key_sha256[:12]}…) is listed for tenants "
                                   f"{known.id!r} and {t.id!r}")
             if from_keys.setdefault(t.id, t) != t:
                 raise ConfigError(f"auth keys of tenant {t.id!r} disagree on its limits (max_concurrency, "
-                                  f"cache_quota_blocks); give every key of a tenant the same limits")
+                                  f"cache_quota_blocks, requests_per_second, tokens_per_minute); give every key "
+                                  f"of a tenant the same limits")
             self._by_hash[k.key_sha256] = t
         self._tenants.update(from_keys)
 

@@ -129,6 +129,9 @@ class Engine:
         self.cache_enabled = client is not None
         self.switches = Switches.from_config(cfg.cache.hit_validation, self.catalogue)
         self.endpoint = endpoint
+        #: (running, queued) requests of the scheduler serving this engine, sent with each
+        #: heartbeat (gateways weigh load with it); the scheduler installs its own.
+        self.load_probe: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self.settle_timeout_s = 2.0
         #: Validate and restore from the worker's own pools while the lease is in flight.
         self.speculate = True
@@ -509,8 +512,10 @@ class Engine:
     async def _heartbeat(self) -> None:
         assert self.client is not None and self.publisher is not None and self.store is not None
         try:
+            running, queued = self.load_probe()
             reply = await self.call("heartbeat", self.client.heartbeat(Heartbeat(
-                worker_id=self.worker_id, epoch=self.epoch, ready=self.store.ready_counts())))
+                worker_id=self.worker_id, epoch=self.epoch, ready=self.store.ready_counts(),
+                running=running, queued=queued)))
         except (CoordinatorUnavailable, CoordinatorRefused):
             return
         self.publisher.ack(self.epoch, reply.committed_seq)

@@ -262,6 +262,7 @@ RETRY_AFTER_MAX_S = 300
 class Scheduler:
     def __init__(self, engine: Engine, service: ServiceConfig) -> None:
         self.engine = engine
+        engine.load_probe = lambda: (len(self._running), len(self._waiting))
         self.cfg = service
         self.metrics = ServingMetrics.of(engine.metrics.registry)
         self._seq = itertools.count(1)

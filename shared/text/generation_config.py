@@ -35,6 +35,9 @@ from typing import Any
 from shared.text.checkpoint_files import CheckpointFileError, read_json_object
 
 FILE = "generation_config.json"
+#: ``max_tokens`` of a request that omits it (both endpoints; the gateway's rate limits estimate
+#: a request's tokens with it too). Not the checkpoint's ``max_length``, which is not used.
+DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,11 +16,16 @@ import aiohttp
 import pytest
 
 from shared.embedded import free_port
+from shared.tenant_header import SIGNATURE_HEADER, TENANT_HEADER, sign
 from tests.worker.processes import Cluster, Proc
 from shared.tenants import key_sha256
 
-KEYS = {"alpha": "sk-alpha-key", "beta": "sk-beta-key"}
-AUTH = {"keys": [{"key_sha256": key_sha256(k), "tenant": t} for t, k in KEYS.items()], "salt_secret": "s3cret"}
+KEYS = {"alpha": "sk-alpha-key", "beta": "sk-beta-key", "gamma": "sk-gamma-key"}
+#: gamma is rate limited at the door: one request per second, 600 tokens per minute
+LIMITS = {"gamma": {"requests_per_second": 1, "tokens_per_minute": 600}}
+GATEWAY_SECRET = "gw-s3cret"
+AUTH = {"keys": [{"key_sha256": key_sha256(k), "tenant": t, **LIMITS.get(t, {})} for t, k in KEYS.items()],
+        "salt_secret": "s3cret", "gateway_secret": GATEWAY_SECRET}
 
 
 @pytest.fixture
@@ -62,9 +67,10 @@ async def wait_ready(http: aiohttp.ClientSession, url: str, proc: Proc, usable: 
     raise AssertionError(f"gateway not ready: {proc.tail()}")
 
 
-async def complete(http, url: str, tenant: str, prompt: str, stream: bool = False) -> tuple[str, str, int, str]:
+async def complete(http, url: str, tenant: str, prompt: str, stream: bool = False,
+                   max_tokens: int = 2) -> tuple[str, str, int, str]:
     """(worker, route header, cached tokens, text) of one completion through the gateway."""
-    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": stream}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
     async with http.post(url + "/v1/completions", json=body,
@@ -160,3 +166,88 @@ async def test_failover_to_the_next_worker_when_the_first_is_dead(cluster) -> No
         assert worker != home and text is not None
         async with http.get(url + "/metrics") as r:
             assert 'kvl_gateway_failovers_total{why="connection refused"} 1.0' in await r.text()
+
+
+async def test_tenants_at_the_door_signed_tenant_and_rate_limits(cluster) -> None:
+    cluster.start_coordinator()
+    port = free_port()
+    cluster.start_worker("wa", worker={"port": port})
+    await cluster.wait_worker("wa")
+    worker_url = f"http://127.0.0.1:{port}"
+    gw, url = start_gateway(cluster)
+    prompt = turns("door", 2)[-1]
+    async with aiohttp.ClientSession() as http:
+        await wait_ready(http, url, gw, usable=1)
+        # through the gateway the worker gets alpha as a signed header, not alpha's key, and salts
+        # with alpha's salt: alpha's own key, sent to the worker directly, finds the same blocks
+        await complete(http, url, "alpha", prompt)
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+        async with http.post(worker_url + "/v1/completions", json=body,
+                             headers={"Authorization": f"Bearer {KEYS['alpha']}"}) as r:
+            assert r.status == 200 and (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        # a client cannot name a tenant at the worker: unsigned, badly signed, or signed for another body
+        raw = b'{"prompt": "forged", "max_tokens": 1}'
+        good_for_other = sign(GATEWAY_SECRET, "alpha", "POST", "/v1/completions", b"{}", time.time())
+        for sig in (None, sign("guess", "alpha", "POST", "/v1/completions", raw, time.time()), good_for_other,
+                    sign(GATEWAY_SECRET, "alpha", "POST", "/v1/completions", raw, time.time() - 120)):
+            headers = {TENANT_HEADER: "alpha", "Content-Type": "application/json",
+                       **({SIGNATURE_HEADER: sig} if sig else {})}
+            async with http.post(worker_url + "/v1/completions", data=raw, headers=headers) as r:
+                assert r.status == 401, (sig, await r.text())
+                assert (await r.json())["error"]["type"] == "authentication_error"
+        # the real signature, made as the gateway makes it, is accepted
+        headers = {TENANT_HEADER: "alpha", "Content-Type": "application/json",
+                   SIGNATURE_HEADER: sign(GATEWAY_SECRET, "alpha", "POST", "/v1/completions", raw, time.time())}
+        async with http.post(worker_url + "/v1/completions", data=raw, headers=headers) as r:
+            assert r.status == 200, await r.text()
+        # a wrong key stops at the gateway
+        async with http.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"}) as r:
+            assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
+        # gamma: one request per second, a burst of one
+        statuses, retry = [], None
+        for _ in range(3):
+            async with http.post(url + "/v1/completions", json={"prompt": "gamma asks", "max_tokens": 1},
+                                 headers={"Authorization": f"Bearer {KEYS['gamma']}"}) as r:
+                statuses.append(r.status)
+                if r.status == 429:
+                    retry = r.headers.get("Retry-After")
+                    assert (await r.json())["error"]["code"] == "rate_limit_exceeded"
+        assert statuses[0] == 200 and 429 in statuses and retry is not None and int(retry) >= 1, statuses
+        # other tenants are not held back by gamma's limit
+        await complete(http, url, "beta", "beta is not limited")
+        # more tokens than a whole minute allows can never pass: a 400, not a 429 to retry forever
+        await asyncio.sleep(1.1)
+        async with http.post(url + "/v1/completions", json={"prompt": "gamma asks", "max_tokens": 700},
+                             headers={"Authorization": f"Bearer {KEYS['gamma']}"}) as r:
+            assert r.status == 400 and (await r.json())["error"]["code"] == "tokens_over_rate_limit"
+        async with http.get(url + "/metrics") as r:
+            assert 'kvl_gateway_rate_limited_total{code="rate_limit_exceeded",tenant="gamma"}' in await r.text()
+
+
+async def test_killing_a_worker_mid_run_costs_no_request_that_had_not_streamed(cluster) -> None:
+    cluster.start_coordinator()
+    for wid in ("wa", "wb"):
+        cluster.start_worker(wid, worker={"port": 0})
+    for wid in ("wa", "wb"):
+        await cluster.wait_worker(wid)
+    gw, url = start_gateway(cluster)
+    async with aiohttp.ClientSession() as http:
+        await wait_ready(http, url, gw, usable=2)
+        prompt = turns("midrun", 2)[-1]
+        home, _, _, _ = await complete(http, url, "alpha", prompt)
+        # many non-streamed requests for the cached prefix: most go to its home; kill it meanwhile
+        jobs = [asyncio.create_task(complete(http, url, "alpha", prompt + f" variant {i}", max_tokens=48))
+                for i in range(8)]
+        await asyncio.sleep(0.4)
+        cluster.workers[home].kill()
+        results = await asyncio.gather(*jobs)                    # each one a 200 (complete asserts it)
+        assert {w for w, *_ in results} - {home}, "nothing moved to the surviving worker"
+        async with http.get(url + "/metrics") as r:
+            text = await r.text()
+        failovers = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                        if line.startswith("kvl_gateway_failovers_total{"))
+        assert failovers >= 1, text
+        # and the dead worker receives nothing new: the next requests all go to the survivor
+        for i in range(3):
+            worker, *_ = await complete(http, url, "alpha", prompt + f" after {i}")
+            assert worker != home

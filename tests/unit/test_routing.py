@@ -78,3 +78,18 @@ def test_draining_suspended_and_down_workers_are_not_candidates() -> None:
     ws = [Worker("a", "", NS, 16, draining=True), Worker("b", "", NS, 16, suspended=True), W[2]]
     assert [c.worker.worker_id for c in choose(ws, {"a": 9, "b": 9}, {}, affinity="x", load_penalty_tokens=0)] == ["c"]
     assert choose(W, {}, {}, affinity="x", load_penalty_tokens=0, down=frozenset({"a", "b", "c"})) == []
+
+
+def test_heartbeat_load_counts_what_other_gateways_sent() -> None:
+    # this gateway has nothing in flight anywhere, but b's heartbeat says 3 running or queued
+    ws = [Worker("a", "", NS, 16), Worker("b", "", NS, 16, reported_load=3)]
+    assert choose(ws, {}, {}, affinity="x", load_penalty_tokens=32)[0].worker.worker_id == "a"
+    # the larger of the two views counts: our own 5 in flight on a outweighs its stale heartbeat
+    assert choose(ws, {}, {"a": 5}, affinity="x", load_penalty_tokens=32)[0].worker.worker_id == "b"
+
+
+def test_the_route_answer_carries_each_workers_heartbeat_load() -> None:
+    s = fleet_with_two_blocks_on_w1()
+    reply = route(s, RouteQuery(gateway_id="g"), {"w1", "w2"}, {"w1": (2, 5)})
+    got = {c.worker_id: (c.running, c.queued) for c in reply.workers}
+    assert got == {"w1": (2, 5), "w2": (0, 0)}

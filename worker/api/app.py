@@ -17,6 +17,7 @@ from shared.text.chat_template import ChatTemplate
 from worker.engine import Engine
 from shared.text.generation_config import SamplingDefaults
 from worker.scheduler import Scheduler
+from shared.tenant_header import SIGNATURE_HEADER, TENANT_HEADER, verify
 from shared.tenants import TenantDirectory
 from shared.text.tokenizer import Tokenizer
 
@@ -25,8 +26,19 @@ AUTH_PREFIX = "/v1/"
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The request's tenant: the one a gateway signed for (``shared.tenant_header``: only with
+    ``auth.gateway_secret``; a forged or stale signature is a 401), else its API key's."""
     if request.path.startswith(AUTH_PREFIX):
-        request[TENANT] = request.app[TENANTS].authenticate(request.headers.get("Authorization"))
+        tenants = request.app[TENANTS]
+        if TENANT_HEADER in request.headers:
+            auth = request.app[CONFIG].auth
+            body = await h.read_body(request, request.app[SERVED])    # cached: the handler reads it again
+            tenant_id = verify(auth.gateway_secret, request.headers.get(TENANT_HEADER),
+                               request.headers.get(SIGNATURE_HEADER), request.method, request.path_qs, body,
+                               time.time(), auth.gateway_signature_max_age_ms / 1000)
+            request[TENANT] = tenants.tenant(tenant_id)
+        else:
+            request[TENANT] = tenants.authenticate(request.headers.get("Authorization"))
     return await handler(request)
 
 

@@ -34,7 +34,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from worker.api.errors import ApiError, to_api_error, internal_error
 from worker.api.keys import CHAT_TEMPLATE, ENGINE, SAMPLING, SCHEDULER, SERVED, TENANT, TOKENIZER, Served
-from worker.api.schemas import DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, BaseRequest, decode
+from shared.text.generation_config import DEFAULT_MAX_TOKENS
+from worker.api.schemas import ChatCompletionRequest, CompletionRequest, BaseRequest, decode
 from worker.api.text import TextStream
 from shared.text.chat_template import ChatMessage
 from worker.scheduler import GenRequest, Job, SamplingParams

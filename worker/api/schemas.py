@@ -29,7 +29,6 @@ import msgspec
 from worker.api.errors import ApiError
 
 MAX_STOP = 4
-DEFAULT_MAX_TOKENS = 16
 #: Deepest JSON nesting a request body may have (the schemas need 4 levels); checked on the raw
 #: bytes before parsing, so a body nested thousands deep is a 400, not a RecursionError.
 MAX_JSON_DEPTH = 64
