@@ -14,7 +14,7 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -23,6 +23,7 @@ from coordinator.admin import ADMIN, LOGGER, AdminContext, add_routes, auth_midd
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.nats_service import StartupError
 from coordinator.runtime import Coordinator
+from shared.event_loop import loop_factory
 from shared.config import Config, ConfigError
 from shared.embedded import EmbeddedServiceError, Services, start_services
 from shared.logging import configure_logging, get_logger
@@ -153,22 +154,10 @@ async def serve(config: Config, *, host: str | None = None, port: int | None = N
     return code
 
 
-def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """The event loop ``coordinator.event_loop`` names (None: asyncio's default)."""
-    if name == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError as e:
-        raise ConfigError("coordinator.event_loop: uvloop is not installed here (pip install uvloop), "
-                          "or set it to asyncio") from e
-    return uvloop.new_event_loop  # type: ignore[no-any-return]
-
-
 def run(config: Config, *, host: str | None = None, port: int | None = None) -> int:
     configure_logging(config.logging.format, config.logging.level)
     try:
-        factory = loop_factory(config.coordinator.event_loop)
+        factory = loop_factory(config.coordinator.event_loop, "coordinator.event_loop")
     except ConfigError as e:
         print(f"kvledger coordinator: {e}", file=sys.stderr, flush=True)
         return 2

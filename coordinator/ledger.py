@@ -112,6 +112,8 @@ class Ledger:
         self.seen: dict[tuple[str, int], int] = {}
         #: worker → (running, queued) requests of its last heartbeat (soft state for route answers).
         self.load: dict[str, tuple[int, int]] = {}
+        #: When this process took the lead (``seen`` starts empty then).
+        self.took_over_ms = 0
         #: True while :attr:`state` is the log folded up to :attr:`position` (a standby following it).
         self._following = False
         #: Whether this process may still speak for the ledger without writing (see
@@ -133,6 +135,7 @@ class Ledger:
         await self._load(incremental=incremental)
         self.seen.clear()
         self.load.clear()
+        self.took_over_ms = now_ms()
         self.committer = GroupCommitter(self.log, batch_ms=self.batch_ms, batch_max=self.batch_max,
                                         leader_epoch=epoch, on_commit=self._on_commit,
                                         on_failure=self._on_failure, on_batch=self.metrics.on_batch)
@@ -241,8 +244,10 @@ class Ledger:
         horizon = self.state.params.heartbeat_timeout_ms
         fresh = {w for (w, epoch), t in self.seen.items()
                  if now - t <= horizon and (r := self.state.workers.get(w)) is not None and r.epoch == epoch}
-        # a worker that registered a moment ago has not heartbeat yet
-        fresh |= {w.worker_id for w in self.state.workers.values() if now - w.registered_at_ms <= horizon}
+        # a worker that registered a moment ago has not heartbeat yet; nor has any to a leader that
+        # took over a moment ago (its log says they are alive: until they are overdue, they are)
+        fresh |= {w.worker_id for w in self.state.workers.values()
+                  if now - max(w.registered_at_ms, self.took_over_ms) <= horizon}
         return route(self.state, query, fresh, self.load)
 
     # --- the one way to change state -------------------------------------------------------

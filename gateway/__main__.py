@@ -17,6 +17,7 @@ from aiohttp import web
 from gateway.app import Gateway, create_app
 from shared import nats_auth
 from shared.config import ConfigError, load_config
+from shared.event_loop import loop_factory
 from shared.logging import configure_logging, get_logger
 from shared.text.chat_template import load_chat_template
 from shared.text.checkpoint_files import CheckpointFileError
@@ -79,7 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvledger gateway: {e}", file=sys.stderr)
         return 2
     configure_logging(cfg.logging.format, cfg.logging.level)
-    return asyncio.run(serve(cfg))
+    try:
+        factory = loop_factory(cfg.gateway.event_loop, "gateway.event_loop")
+    except ConfigError as e:
+        print(f"kvledger gateway: {e}", file=sys.stderr)
+        return 2
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(serve(cfg))
 
 
 if __name__ == "__main__":

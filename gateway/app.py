@@ -75,9 +75,13 @@ class GatewayMetrics:
         self.failovers = Counter(p + "failovers", "Requests moved to the next worker, by why", ["why"], registry=r)
         self.in_flight = Gauge(p + "worker_in_flight", "Requests this gateway has in flight per worker", ["worker"],
                                registry=r)
+        self.reported_load = Gauge(p + "worker_reported_load", "Running + queued requests per worker, as its last "
+                                   "heartbeat told the coordinator (every gateway's traffic)", ["worker"], registry=r)
         self.route_seconds = Histogram(p + "route_seconds", "Tokenize + hash + route query",
                                        buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5), registry=r)
-        self.fleet = Gauge(p + "fleet_workers", "Workers in the fleet view, by state", ["state"], registry=r)
+        self.fleet = Gauge(p + "fleet_workers", "Workers in the fleet view, by state (usable, draining, suspended, "
+                           "unlisted: gone from the coordinator's answer, kept as a last resort)", ["state"],
+                           registry=r)
 
 
 def _error(status: int, message: str, type_: str, code: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -97,6 +101,8 @@ class Gateway:
         self.nats_kwargs = dict(nats_kwargs or {})
         self.client_ssl = client_ssl
         self.fleet: list[Worker] = []
+        #: worker → (its last listed record, when): unlisted workers stay a last resort a while
+        self._listed_at: dict[str, tuple[Worker, float]] = {}
         self.fleet_at = 0.0                      # monotonic time of the last good fleet refresh
         self.in_flight: dict[str, int] = {}
         self.down: dict[str, float] = {}         # worker → monotonic time until which it is skipped
@@ -142,12 +148,32 @@ class Gateway:
         reply = await self._ask(m.RouteQuery(gateway_id=self.g.gateway_id), self.g.fleet_refresh_ms / 1000 * 2)
         if reply is None:
             return False
-        self.fleet = [Worker(c.worker_id, c.endpoint, c.namespace, c.block_size, c.draining, c.suspended,
-                             c.running + c.queued) for c in reply.workers if c.endpoint]
-        self.fleet_at = time.monotonic()
+        now = time.monotonic()
+        listed = [Worker(c.worker_id, c.endpoint, c.namespace, c.block_size, c.draining, c.suspended,
+                         c.running + c.queued) for c in reply.workers if c.endpoint]
+        for w in listed:
+            self._listed_at[w.worker_id] = (w, now)
+            self.metrics.reported_load.labels(worker=w.worker_id).set(w.reported_load)
+        # A worker the coordinator stopped listing (its epoch fenced after a long control-plane
+        # stall, or it died) may still serve: kept as a last resort for gateway.unlisted_grace_ms;
+        # if it is dead, its refused connection marks it down.
+        names = {w.worker_id for w in listed}
+        grace = self.g.unlisted_grace_ms / 1000
+        for wid, (w, at) in list(self._listed_at.items()):
+            if wid in names:
+                continue
+            if now - at > grace:
+                del self._listed_at[wid]
+                with contextlib.suppress(KeyError):
+                    self.metrics.reported_load.remove(wid)
+            elif not w.draining:
+                listed.append(Worker(w.worker_id, w.endpoint, w.namespace, w.block_size, suspended=True))
+        self.fleet = listed
+        self.fleet_at = now
         for state, n in (("usable", sum(1 for w in self.fleet if not (w.draining or w.suspended))),
                          ("draining", sum(1 for w in self.fleet if w.draining)),
-                         ("suspended", sum(1 for w in self.fleet if w.suspended))):
+                         ("suspended", sum(1 for w in self.fleet if w.suspended and w.worker_id in names)),
+                         ("unlisted", len(self.fleet) - len(names))):
             self.metrics.fleet.labels(state=state).set(n)
         return True
 
@@ -158,8 +184,10 @@ class Gateway:
 
     @property
     def ready(self) -> bool:
-        fresh = time.monotonic() - self.fleet_at < 3 * self.g.fleet_refresh_ms / 1000 + 1
-        return fresh and any(not (w.draining or w.suspended) for w in self.fleet)
+        """A fleet view was ever had and lists a worker that takes requests. A stale view (the
+        coordinator unreachable) keeps the gateway ready: it routes by that view and load, as the
+        workers keep serving without the coordinator; ``/readyz`` reports the view's age."""
+        return bool(self.fleet_at) and any(not w.draining for w in self.fleet)
 
     def salt(self, tenant: str) -> bytes:
         s = self._salts.get(tenant)
@@ -197,7 +225,9 @@ class Gateway:
 
     async def readyz(self, request: web.Request) -> web.Response:
         body = {"status": "ready" if self.ready else "not ready", "workers": len(self.fleet),
-                "usable": sum(1 for w in self.fleet if not (w.draining or w.suspended))}
+                "usable": sum(1 for w in self.fleet if not (w.draining or w.suspended)),
+                "suspended": sum(1 for w in self.fleet if w.suspended and not w.draining),
+                "fleet_age_s": round(time.monotonic() - self.fleet_at, 3) if self.fleet_at else None}
         return web.json_response(body, status=200 if self.ready else 503)
 
     async def metrics_page(self, request: web.Request) -> web.Response:

@@ -2,11 +2,11 @@
 
 Score of worker ``w`` = ``cached_tokens(w) − load_penalty_tokens × load(w)``, its load being
 the larger of what this gateway has in flight on it and the running + queued requests of its
-last heartbeat (what every gateway together sent it, up to a heartbeat old). Draining,
-suspended and recently failed workers are not candidates. Ties (no cache anywhere, equal load)
-go by rendezvous hashing on the request's affinity key (its first block's hash: a
-conversation's turns share it), so a conversation keeps landing on one worker while the fleet
-stays the same, and a new worker takes over only its share.
+last heartbeat (what every gateway together sent it, up to a heartbeat old). Draining and
+recently failed workers are not candidates; suspended ones only after every other. Ties (no
+cache anywhere, equal load) go by rendezvous hashing on the request's affinity key (its first
+block's hash: a conversation's turns share it), so a conversation keeps landing on one worker
+while the fleet stays the same, and a new worker takes over only its share.
 """
 
 from __future__ import annotations
@@ -45,10 +45,17 @@ def _rank(key: str, worker_id: str) -> int:
 def choose(workers: Sequence[Worker], usable_blocks: Mapping[str, int], in_flight: Mapping[str, int], *,
            affinity: str, load_penalty_tokens: int, down: frozenset[str] = frozenset()) -> list[Choice]:
     """Every usable worker, best first (the rest are the failover order). ``in_flight``: what
-    this gateway has running on each worker."""
+    this gateway has running on each worker. Suspended workers (their epoch waits for the
+    coordinator: they serve, without their cache) come last, only so that a control-plane
+    outage that suspends the whole fleet is not an outage of the endpoint."""
     ok = [w for w in workers if not w.draining and not w.suspended and w.worker_id not in down]
+    last = [w for w in workers if not w.draining and w.suspended and w.worker_id not in down]
     if not ok:
-        return []
+        if not last:
+            return []
+        ranked = sorted(last, key=lambda w: (-max(in_flight.get(w.worker_id, 0), w.reported_load),
+                                             _rank(affinity, w.worker_id)), reverse=True)
+        return [Choice(ranked[0], 0, "suspended")] + [Choice(w, 0, "failover") for w in ranked[1:]]
 
     def cached(w: Worker) -> int:
         return usable_blocks.get(w.worker_id, 0) * w.block_size
@@ -67,4 +74,5 @@ def choose(workers: Sequence[Worker], usable_blocks: Mapping[str, int], in_fligh
         reason = "load"
     else:
         reason = "affinity"
-    return [Choice(best, cached(best), reason)] + [Choice(w, cached(w), "failover") for w in ranked[1:]]
+    return ([Choice(best, cached(best), reason)] + [Choice(w, cached(w), "failover") for w in ranked[1:]]
+            + [Choice(w, 0, "failover") for w in last])

@@ -195,6 +195,7 @@ def config_markdown() -> str:
 
 def metric_rows() -> list[dict[str, str]]:
     from coordinator.metrics import CoordinatorMetrics
+    from gateway.app import GatewayMetrics
     from worker.metrics import WorkerMetrics
     from worker.scheduler import ServingMetrics
 
@@ -204,7 +205,8 @@ def metric_rows() -> list[dict[str, str]]:
     wm = WorkerMetrics()
     ServingMetrics.of(wm.registry)
     rows = []
-    for service, registry in (("coordinator", cm.registry), ("worker", wm.registry)):
+    for service, registry in (("coordinator", cm.registry), ("worker", wm.registry),
+                              ("gateway", GatewayMetrics().registry)):
         for fam in registry.collect():
             labels = sorted({k for s in fam.samples for k in s.labels if k != "le"})
             if not fam.samples:  # a labelled family with no child yet: ask the collector's own definition

@@ -200,6 +200,11 @@ class GatewayConfig(_Section):
     load_penalty_tokens: Annotated[int, msgspec.Meta(ge=0)] = 32
     #: Time to connect to a worker before the next candidate is tried.
     connect_timeout_ms: PosInt = 5000
+    #: A worker the coordinator stops listing (fenced after a long stall, or dead) stays a last-resort
+    #: candidate this long: it may still serve, and a dead one's refused connection marks it down.
+    unlisted_grace_ms: PosInt = 30_000
+    #: The gateway process's event loop: ``uvloop`` (libuv) or ``asyncio`` (the standard library's).
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
 
 
 class AuthConfig(_Section):

@@ -139,6 +139,10 @@ def conversations(n: int) -> list[Conversation]:
 
 #: The pool drill's conversations (all on wp).
 POOL_CONVERSATIONS = [100, 101, 102]
+#: Every drill's load also runs this conversation through the gateway, which picks the worker:
+#: the fault must cost it no error the drill's fault does not explain (a killed worker's requests
+#: fail over; a control-plane outage only takes the routing hints away).
+GATEWAY_CONVERSATION = Conversation(50, "gateway", ("gateway",))
 
 
 def churn_prompts() -> list[list[int]]:
@@ -221,7 +225,8 @@ class Run:
 
     async def _warm(self) -> None:
         """Every reference the drills need, computed while the stack starts."""
-        await self.script.warm([c.cid for c in conversations(self.settings.conversations)] + POOL_CONVERSATIONS)
+        await self.script.warm([c.cid for c in conversations(self.settings.conversations)] + POOL_CONVERSATIONS
+                               + [GATEWAY_CONVERSATION.cid])
         for prompt, n in [*((p, 1) for p in churn_prompts()), *((p, 2) for p in spike_prompts(self.settings)),
                           *((probe_prompt(w), 2) for w in self.stack.specs)]:
             await self.reference.get(prompt, n)
@@ -247,7 +252,7 @@ class Run:
     def load(self, drill: str, convs: list[Conversation] | None = None) -> Load:
         """The drill's load (``drill`` is also its tenant), not started."""
         load = Load(self.stack, self.script, self.history, drill, drill,
-                    convs or conversations(self.settings.conversations))
+                    convs or [*conversations(self.settings.conversations), GATEWAY_CONVERSATION])
         self.loads.append(load)
         return load
 

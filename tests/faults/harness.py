@@ -47,6 +47,9 @@ from shared.tenants import key_sha256
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = "kvlf"
 SALT_SECRET = "kvl-fault-drills"
+#: The gateway signs the tenant for the workers with it (shared.tenant_header).
+GATEWAY_SECRET = "kvl-fault-drills-gateway"
+GATEWAY_ID = "gw"
 #: coordinator.lease_ttl_ms and resume_grace_ms: short, so that a stall past the grace fits a drill.
 LEASE_TTL_MS = 8000
 RESUME_GRACE_MS = 15000
@@ -77,7 +80,7 @@ class WorkerSpec:
 class Reply:
     """One request's outcome, from either channel."""
 
-    channel: str                   # "http" | "debug"
+    channel: str                   # "http" | "debug" | "gateway"
     worker: str
     ok: bool
     seconds: float
@@ -105,8 +108,9 @@ class Stack:
         # Every process its own NATS user, as `kvledger up` runs them (shared.nats_auth); "ghost"
         # is a worker identity that exists but never registers (forged-transition drills).
         self.credentials = CredentialStore(root / "nats-credentials")
-        conf = self.credentials.write_server_config([nats_auth.worker(w) for w in (*(s.worker_id for s in specs), "ghost")],
-                                                    self.subjects)
+        conf = self.credentials.write_server_config(
+            [*(nats_auth.worker(w) for w in (*(s.worker_id for s in specs), "ghost")), nats_auth.gateway(GATEWAY_ID)],
+            self.subjects)
         self.nats = EmbeddedNats(root / "nats", port=free_port(), config_file=str(conf))
         #: Connections as a given user (``client``), e.g. a worker's to replay its forgeries.
         self._clients: dict[str, Any] = {}
@@ -121,6 +125,9 @@ class Stack:
         self.tenants = tenants
         self.coordinator: Proc | None = None
         self.workers: dict[str, Proc] = {}
+        #: The fleet's one endpoint (gateway conversations of the drills go through it).
+        self.gateway: Proc | None = None
+        self.gateway_port = free_port()
         self.http: aiohttp.ClientSession | None = None
         self.nc: Any = None
         #: Set when a drill kills the worker (key: its id) or NATS ("nats"): a debug request in
@@ -180,11 +187,23 @@ class Stack:
                          "outbox_resend_ms": 500, "debug_subjects": True,
                          "model_dir": os.environ.get("KVL_DRILL_MODEL_DIR", ""), **spec.worker}
         doc["service"] = {"batch_window_ms": 5, **spec.service}
-        doc["auth"] = {"salt_secret": SALT_SECRET,
-                       "keys": [{"key_sha256": key_sha256(api_key(t)), "tenant": t}
-                                for t in self.tenants for t in tenant_family(t)]}
+        doc["auth"] = self._auth()
         doc["state_dir"] = str(self.root / f"{wid}-state")
         doc["nats"].update(self.identity(nats_auth.worker(wid)))
+        return doc
+
+    def _auth(self) -> dict[str, Any]:
+        return {"salt_secret": SALT_SECRET, "gateway_secret": GATEWAY_SECRET,
+                "keys": [{"key_sha256": key_sha256(api_key(t)), "tenant": t}
+                         for t in self.tenants for t in tenant_family(t)]}
+
+    def gateway_config(self) -> dict[str, Any]:
+        doc = self._base()
+        doc["auth"] = self._auth()
+        doc["gateway"] = {"gateway_id": GATEWAY_ID, "host": "127.0.0.1", "port": self.gateway_port,
+                          "fleet_refresh_ms": 200, "worker_down_ms": 1000}
+        doc["worker"] = {"model_dir": os.environ.get("KVL_DRILL_MODEL_DIR", "")}
+        doc["nats"].update(self.identity(nats_auth.gateway(GATEWAY_ID)))
         return doc
 
     # --- processes ---------------------------------------------------------------------------
@@ -206,6 +225,27 @@ class Stack:
             self.start_worker(wid)
         await self.wait_coordinator(timeout_s)
         await asyncio.gather(*[self.wait_worker(wid, timeout_s) for wid in self.specs])
+        self.start_gateway()
+        await self.wait_gateway(timeout_s)
+
+    def start_gateway(self) -> Proc:
+        assert self.gateway is None or not self.gateway.alive, "the gateway is running"
+        cfg = self._write("gateway", self.gateway_config())
+        self.gateway = Proc("gateway", [sys.executable, "-m", "gateway", "--config", str(cfg)],
+                            self.logs / "gateway.log", self._env())
+        return self.gateway
+
+    async def wait_gateway(self, timeout_s: float = 120) -> None:
+        """Until the gateway's ``/readyz`` lists every worker usable."""
+        deadline = time.monotonic() + timeout_s
+        body: Any = None
+        while time.monotonic() < deadline:
+            assert self.gateway is not None and self.gateway.alive, f"the gateway exited\n{self.gateway.tail()}"
+            status, body = await self._get(f"http://127.0.0.1:{self.gateway_port}/readyz", 2.0)
+            if status == 200 and body.get("usable") == len(self.specs):
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"gateway not ready in {timeout_s:.0f}s: {body}\n{self.gateway.tail()}")
 
     def _coordinator_proc(self, name: str, port: int) -> Proc:
         doc = self._base()
@@ -306,8 +346,12 @@ class Stack:
             if not self.workers[wid].alive:
                 self.start_worker(wid)
                 done.append(wid)
+        if self.gateway is None or not self.gateway.alive:
+            self.start_gateway()
+            done.append("gateway")
         await self.wait_coordinator(timeout_s)
         await asyncio.gather(*[self.wait_worker(wid, timeout_s) for wid in self.specs])
+        await self.wait_gateway(timeout_s)
         return done
 
     async def stop(self) -> None:
@@ -317,7 +361,7 @@ class Stack:
                     await asyncio.wait_for(nc.close(), 5)
         if self.http is not None:
             await self.http.close()
-        procs = [p for p in (*self.workers.values(), self.coordinator, self.standby) if p is not None]
+        procs = [p for p in (self.gateway, *self.workers.values(), self.coordinator, self.standby) if p is not None]
         await asyncio.gather(*[asyncio.to_thread(p.stop) for p in procs], return_exceptions=True)
         for p in procs:
             p.kill()
@@ -325,7 +369,7 @@ class Stack:
         await asyncio.to_thread(self.pg.stop)
 
     def log_tails(self, n: int = 25) -> str:
-        procs = [p for p in (self.coordinator, self.standby, *self.workers.values()) if p is not None]
+        procs = [p for p in (self.coordinator, self.standby, *self.workers.values(), self.gateway) if p is not None]
         return "\n".join(f"--- {p.name} ({'alive' if p.alive else 'dead'}) ---\n{p.tail(n)}" for p in procs)
 
     # --- readiness -----------------------------------------------------------------------------
@@ -441,35 +485,47 @@ class Stack:
 
     async def http_generate(self, wid: str, tokens: list[int], max_tokens: int, tenant: str, *,
                             reuse: bool = True, timeout_s: float = 90) -> Reply:
-        """``POST /v1/completions`` with token ids as the prompt, greedy."""
+        """``POST /v1/completions`` on worker ``wid`` with token ids as the prompt, greedy."""
+        return await self._completion("http", f"http://127.0.0.1:{self.ports[wid]}", wid, tokens, max_tokens, tenant,
+                                      reuse=reuse, timeout_s=timeout_s)
+
+    async def gateway_generate(self, tokens: list[int], max_tokens: int, tenant: str, *,
+                               timeout_s: float = 90) -> Reply:
+        """The same through the gateway; the reply names the worker that served it (``gateway``
+        when none did)."""
+        return await self._completion("gateway", f"http://127.0.0.1:{self.gateway_port}", "gateway", tokens,
+                                      max_tokens, tenant, timeout_s=timeout_s)
+
+    async def _completion(self, channel: str, base: str, wid: str, tokens: list[int], max_tokens: int, tenant: str,
+                          *, reuse: bool = True, timeout_s: float = 90) -> Reply:
         assert self.http is not None
         body = {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "cache_reuse": reuse}
         headers = {"Authorization": f"Bearer {api_key(tenant)}"}
-        url = f"http://127.0.0.1:{self.ports[wid]}/v1/completions"
         t0 = time.monotonic()
         try:
-            async with self.http.post(url, json=body, headers=headers,
+            async with self.http.post(base + "/v1/completions", json=body, headers=headers,
                                       timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 raw = await r.text()
                 status = r.status
+                wid = r.headers.get("x-kvl-worker", wid)
         except aiohttp.ClientConnectorError as e:
-            return Reply("http", wid, False, time.monotonic() - t0, "connection refused", str(e))
+            return Reply(channel, wid, False, time.monotonic() - t0, "connection refused", str(e))
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as e:
-            return Reply("http", wid, False, time.monotonic() - t0, "connection reset", repr(e))
+            return Reply(channel, wid, False, time.monotonic() - t0, "connection reset", repr(e))
         except asyncio.TimeoutError:
-            return Reply("http", wid, False, time.monotonic() - t0, "client timeout", f"no answer in {timeout_s}s")
+            return Reply(channel, wid, False, time.monotonic() - t0, "client timeout", f"no answer in {timeout_s}s")
         dt = time.monotonic() - t0
         try:
             doc = json.loads(raw)
         except ValueError:
-            return Reply("http", wid, False, dt, f"http {status} (not JSON)", raw[:300])
+            return Reply(channel, wid, False, dt, f"http {status} (not JSON)", raw[:300])
         if status != 200:
             err = doc.get("error", {}) if isinstance(doc, dict) else {}
-            return Reply("http", wid, False, dt, f"http {status} {err.get('code') or ''}".strip(),
+            return Reply(channel, wid, False, dt, f"http {status} {err.get('code') or ''}".strip(),
                          str(err.get("message", doc))[:300])
         usage = doc.get("usage", {})
         kvl = doc.get("kvl", {})
-        return Reply("http", wid, True, dt, text=doc["choices"][0]["text"],
+        return Reply(channel, wid, True, dt, text=doc["choices"][0]["text"],
                      completion_tokens=usage.get("completion_tokens", -1), prompt_tokens=usage.get("prompt_tokens", -1),
                      cached_tokens=usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
                      degraded=bool(kvl.get("degraded")), fallbacks=list(kvl.get("fallbacks") or []))

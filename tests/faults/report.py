@@ -125,6 +125,10 @@ def numbers(run: Run) -> dict[str, Any]:
         "load_errors": dict(Counter(r.error for r in load if not r.ok)),
         "conversations": run.settings.conversations, "turns": run.settings.turns,
         "faults": len(run.faults),
+        # the conversation routed by the gateway: how many of its turns, on how many workers, errors
+        "gateway_requests": sum(1 for r in recs if r.channel == "gateway"),
+        "gateway_workers": len({r.worker for r in recs if r.channel == "gateway" and r.ok}),
+        "gateway_errors": dict(Counter(r.error for r in recs if r.channel == "gateway" and not r.ok)),
     }
 
 
@@ -134,7 +138,9 @@ def terminal(run: Run, title: str) -> str:
     lines = [f"{title}: {n['faults']} faults injected; {n['answered']}/{n['requests']} requests answered "
              f"({n['answered_per_s']}/s over {n['seconds']}s; {n['reused_requests']} with reuse); "
              f"mismatches {n['mismatches']} (compared: {_kinds(n['compared'])})",
-             f"  errors by kind: {_kinds(n['errors'])}"]
+             f"  errors by kind: {_kinds(n['errors'])}",
+             f"  through the gateway: {n['gateway_requests']} requests on {n['gateway_workers']} workers, errors "
+             f"{_kinds(n['gateway_errors'])}"]
     if rep:
         lines.append(f"  events checked {rep['events']}: transitions {rep['transitions_logged']} (applied "
                      f"{rep['applied']}, rejected {rep['rejected']}), acknowledged {rep['acknowledged']}, lost "
@@ -213,6 +219,8 @@ def section(run: Run, title: str, command: str) -> str:
     out.append(f"| errors by kind | {_kinds(n['errors'])} (of which the conversations' own: "
                f"{_kinds(n['load_errors'])}; the rest are recovery probes polling a part that was down, and "
                f"the spike's refusals) |")
+    out.append(f"| through the gateway | {n['gateway_requests']} requests (one conversation of every drill's load), "
+               f"served by {n['gateway_workers']} workers; errors: {_kinds(n['gateway_errors'])} |")
     out += ["", "| drill | injected | requests | errors by kind | mismatches | ready after | recovery (first reuse) "
             "| cache retained | evidence |", "|---|---|---:|---|---:|---:|---:|---:|---|"]
     for f in run.faults:

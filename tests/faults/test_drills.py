@@ -58,6 +58,8 @@ async def test_history_is_clean_and_the_audit_passes(run: Run) -> None:
     if {f.drill for f in run.faults} & {"offload-damage", "offload-readonly"} and disk.get("checked"):
         assert (disk.get("missing") or {}).get("count") or (disk.get("damaged") or {}).get("count"), disk
     assert n["mismatches"] == 0
+    # every drill's load sent one conversation through the gateway (each drill checked its errors)
+    assert n["gateway_requests"] > 0 and n["gateway_workers"] >= 1, n
     # the checker saw the run: transitions were published, acknowledged and logged
     assert report.acknowledged > 0 and report.logged >= report.acknowledged and report.pins > 0
     if {f.drill for f in run.faults} & {"worker-kill", "coordinator-stall-past-grace"}:

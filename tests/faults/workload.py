@@ -219,12 +219,14 @@ class History:
 @dataclass(frozen=True)
 class Conversation:
     cid: int
-    channel: str                   # "http" | "debug"
+    channel: str                   # "http" | "debug" | "gateway" (workers unused: the gateway routes)
     workers: tuple[str, ...]       # preference order; a retry moves to the next
     hop: bool = False              # turn t goes to workers[t % len] (cache only via disk)
 
 
 async def ask(stack: Stack, channel: str, wid: str, prompt: list[int], max_tokens: int, tenant: str) -> Reply:
+    if channel == "gateway":
+        return await stack.gateway_generate(prompt, max_tokens, tenant)      # the gateway picks the worker
     if channel == "http":
         return await stack.http_generate(wid, prompt, max_tokens, tenant)
     return await stack.debug_generate(wid, prompt, max_tokens, tenant)

@@ -74,9 +74,14 @@ def test_no_cache_anywhere_least_loaded_then_the_conversation_key() -> None:
     assert choose(W, {}, {}, affinity="k1", load_penalty_tokens=32)[0].reason == "affinity"
 
 
-def test_draining_suspended_and_down_workers_are_not_candidates() -> None:
+def test_draining_and_down_workers_are_not_candidates_suspended_ones_come_last() -> None:
     ws = [Worker("a", "", NS, 16, draining=True), Worker("b", "", NS, 16, suspended=True), W[2]]
-    assert [c.worker.worker_id for c in choose(ws, {"a": 9, "b": 9}, {}, affinity="x", load_penalty_tokens=0)] == ["c"]
+    got = choose(ws, {"a": 9, "b": 9}, {}, affinity="x", load_penalty_tokens=0)
+    assert [(c.worker.worker_id, c.reason) for c in got] == [("c", "affinity"), ("b", "failover")]
+    # a control-plane outage suspends the whole fleet: the endpoint still serves (without cache)
+    all_suspended = [Worker(w, "", NS, 16, suspended=True) for w in "xyz"]
+    got = choose(all_suspended, {}, {"x": 3}, affinity="k", load_penalty_tokens=32)
+    assert got[0].reason == "suspended" and got[0].worker.worker_id != "x" and len(got) == 3
     assert choose(W, {}, {}, affinity="x", load_penalty_tokens=0, down=frozenset({"a", "b", "c"})) == []
 
 
