@@ -212,7 +212,9 @@ class Gateway:
                     affinity = hashes[0]
                     asks.append(self._ask(m.RouteQuery(gateway_id=self.g.gateway_id, namespace=ns,
                                                        block_hashes=hashes), self.g.route_timeout_ms / 1000))
-            for reply in await asyncio.gather(*asks):
+            # one fleet, one model: await the one query itself (no task for a gather of one)
+            replies = [await asks[0]] if len(asks) == 1 else await asyncio.gather(*asks)
+            for reply in replies:
                 if reply is not None:
                     usable.update({c.worker_id: c.usable_blocks for c in reply.workers})
         return choose(self.fleet, usable, self.in_flight, affinity=affinity,
