@@ -44,10 +44,11 @@ from shared.hashing import chain_hashes
 from shared.logging import get_logger
 from shared.subjects import Subjects
 from shared.tenant_header import SIGNATURE_HEADER, TENANT_HEADER, sign
-from shared.tenants import AuthError, Tenant, TenantDirectory, salt_secret, tenant_salt
+from shared.tenants import DEFAULT_TENANT, AuthError, Tenant, TenantDirectory, salt_secret, tenant_salt
 from shared.text.generation_config import DEFAULT_MAX_TOKENS
 from shared.text.chat_template import ChatTemplate
 from shared.text.tokenizer import Tokenizer
+from shared.versions import package_version
 
 log = get_logger("kvl.gateway")
 #: Worker answers that mean "not now, try another" when nothing has been sent yet.
@@ -243,6 +244,19 @@ class Gateway:
         choices, _ = await self.route(None, "")
         return await self._forward(request, "GET", b"", choices, "/v1/models", tenant, None)
 
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """``/tokenize``, ``/detokenize`` (vLLM's routes; tenant-free, as on the workers): any usable worker."""
+        if request.content_length is not None and request.content_length > MAX_BODY:
+            return self._count(request.path, _error(413, f"request body over {MAX_BODY} bytes",
+                                                    "invalid_request_error", "body_too_large"))
+        body = await request.read()
+        choices, _ = await self.route(None, "")
+        return await self._forward(request, request.method, body, choices, request.path,
+                                   self.tenants.tenant(DEFAULT_TENANT), None)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": package_version()})
+
     def _headers(self, request: web.Request, method: str, body: bytes, tenant: Tenant) -> dict[str, str]:
         headers = {k: v for k in FORWARDED if (v := request.headers.get(k)) is not None}
         secret = self.cfg.auth.gateway_secret
@@ -418,6 +432,9 @@ def create_app(gw: Gateway) -> web.Application:
     app.router.add_get("/readyz", gw.readyz)
     app.router.add_get("/metrics", gw.metrics_page)
     app.router.add_get("/v1/models", gw.models)
+    app.router.add_get("/version", gw.version)
+    app.router.add_post("/tokenize", gw.passthrough)
+    app.router.add_post("/detokenize", gw.passthrough)
     app.router.add_post("/v1/completions", gw.generate)
     app.router.add_post("/v1/chat/completions", gw.generate)
     return app

@@ -6,6 +6,7 @@ those bytes differently. Both enter the namespace hash, so blocks written under 
 version can never match a request served by a new one.
 """
 
+from importlib import metadata
 from typing import Final
 
 #: Version of every NATS message schema and event payload (``shared.messages``).
@@ -16,3 +17,12 @@ CACHE_FORMAT_VERSION: Final = 1
 KERNEL_ABI_VERSION: Final = 1
 #: Header version of offload files on the shared disk tier.
 OFFLOAD_FILE_VERSION: Final = 1
+
+
+def package_version() -> str:
+    """The installed kvledger distribution's version (``GET /version``), or ``0+unknown`` when
+    run from a tree that was never installed."""
+    try:
+        return metadata.version("kvledger")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,38 +21,120 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """``temperature`` 0 = greedy (deterministic); else softmax sampling, optionally truncated to
-    ``top_k`` tokens and to the nucleus ``top_p``; ``seed`` makes a sampled request reproducible."""
+    """How one request turns logits into tokens.
+
+    The model's logits are first *processed* — ``logit_bias`` added, ``repetition_penalty``
+    applied over the prompt and the output so far (positive logits divided by it, negative ones
+    multiplied, as in transformers and vLLM), ``frequency_penalty`` × the token's count in the
+    output and ``presence_penalty`` × whether it occurred there subtracted (OpenAI's
+    definitions), and the stop tokens masked while fewer than ``min_tokens`` were generated.
+    Log probabilities (``logprobs``) are the log-softmax of these processed logits, before
+    temperature and truncation. Then: ``temperature`` 0 = greedy (argmax); else softmax of the
+    processed logits / temperature, truncated to ``top_k`` tokens, to the nucleus ``top_p`` and
+    to tokens of at least ``min_p`` × the top probability, sampled from a generator seeded by
+    ``seed`` (reproducible) or at random.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    #: (token id, bias) pairs.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    #: None = no log probabilities; k = the sampled token's and the k most likely (0 ≤ k ≤ 20).
+    logprobs: int | None = None
+
+    @property
+    def processes(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The sampled token's log probability and the ``k`` most likely tokens' (id, logprob)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 class Sampler:
     """One request's sampler, with a generator of its own (never the global RNG: concurrent
-    requests must not draw from each other's stream)."""
+    requests must not draw from each other's stream). ``prompt``: the request's prompt tokens
+    (the repetition penalty counts them); ``stop_token_ids``: masked under ``min_tokens``."""
 
-    def __init__(self, p: SamplingParams) -> None:
+    def __init__(self, p: SamplingParams, prompt: Sequence[int] = (), stop_token_ids: Collection[int] = ()) -> None:
         self.p = p
         self.gen: torch.Generator | None = None
         if p.temperature > 0:
             self.gen = torch.Generator().manual_seed(p.seed if p.seed is not None else secrets.randbits(63))
+        self._seen = sorted(set(prompt)) if p.repetition_penalty != 1.0 else []
+        self._counts: dict[int, int] = {}
+        self._stops = sorted(stop_token_ids)
+        self.generated = 0
+        self.last: TokenLogprobs | None = None
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """The processed logits (float32, on the CPU) the next token is chosen from."""
+        x = logits.detach().reshape(-1).float().cpu()
+        p = self.p
+        if not p.processes:
+            return x
+        x = x.clone()
+        n = x.numel()
+        for tok, bias in p.logit_bias:
+            if tok < n:
+                x[tok] += bias
+        if p.repetition_penalty != 1.0:
+            seen = sorted(set(self._seen) | self._counts.keys())
+            if seen:
+                idx = torch.tensor(seen, dtype=torch.long)
+                v = x[idx]
+                x[idx] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and self._counts:
+            idx = torch.tensor(list(self._counts), dtype=torch.long)
+            cnt = torch.tensor(list(self._counts.values()), dtype=torch.float32)
+            x[idx] -= p.frequency_penalty * cnt + p.presence_penalty
+        if self.generated < p.min_tokens and self._stops:
+            x[torch.tensor([t for t in self._stops if t < n], dtype=torch.long)] = float("-inf")
+        return x
 
     def pick(self, logits: torch.Tensor) -> int:
-        x = logits.detach().reshape(-1).float().cpu()
-        if self.p.temperature <= 0:
+        x = self.process(logits)
+        tok = self._choose(x)
+        if self.p.logprobs is not None:
+            lp = torch.log_softmax(x, -1)
+            k = min(self.p.logprobs, lp.numel())
+            top = torch.topk(lp, k) if k else None
+            self.last = TokenLogprobs(tok, float(lp[tok]), tuple(zip(top.indices.tolist(), top.values.tolist()))
+                                      if top is not None else ())
+        self._counts[tok] = self._counts.get(tok, 0) + 1
+        self.generated += 1
+        return tok
+
+    def _choose(self, x: torch.Tensor) -> int:
+        p = self.p
+        if p.temperature <= 0:
             return int(torch.argmax(x))
-        x = x / self.p.temperature
-        if 0 < self.p.top_k < x.numel():
-            kth = torch.topk(x, self.p.top_k).values[-1]
+        x = x / p.temperature
+        if 0 < p.top_k < x.numel():
+            kth = torch.topk(x, p.top_k).values[-1]
             x = torch.where(x < kth, torch.full_like(x, float("-inf")), x)
         probs = torch.softmax(x, -1)
-        if self.p.top_p < 1.0:
+        if p.min_p > 0:
+            probs = torch.where(probs < p.min_p * probs.max(), torch.zeros_like(probs), probs)
+        if p.top_p < 1.0:
             sorted_p, idx = torch.sort(probs, descending=True, stable=True)
             # keep the smallest head whose mass reaches top_p (the first token always stays)
-            keep = (torch.cumsum(sorted_p, 0) - sorted_p) < self.p.top_p
+            # (of what min_p left: its mass is below 1 then)
+            mass = float(sorted_p.sum()) if p.min_p > 0 else 1.0
+            keep = (torch.cumsum(sorted_p, 0) - sorted_p) < p.top_p * mass
             probs = torch.zeros_like(probs).scatter(0, idx, sorted_p * keep)
         return int(torch.multinomial(probs, 1, generator=self.gen))
 
@@ -70,10 +152,11 @@ class Generated:
 
 async def generate(s: Session, sampling: SamplingParams, *, max_tokens: int,
                    stop_token_ids: Collection[int] = (), keep_logits: bool = False,
-                   on_token: Callable[[int], bool] | None = None) -> Generated:
+                   on_token: Callable[[int, TokenLogprobs | None], bool] | None = None) -> Generated:
     """Prefill the session's prompt, then sample and decode until ``max_tokens``, a stop token,
-    or ``on_token(token)`` (called once per token, as it is sampled) returning True."""
-    sampler = Sampler(sampling)
+    or ``on_token(token, logprobs)`` (called once per token, as it is sampled; logprobs when the
+    sampling asks for them) returning True."""
+    sampler = Sampler(sampling, s.tokens, stop_token_ids)
     logits = await s.prefill_rest()
     out: list[int] = []
     kept: list[torch.Tensor] = []
@@ -84,7 +167,7 @@ async def generate(s: Session, sampling: SamplingParams, *, max_tokens: int,
         tok = sampler.pick(logits)
         out.append(tok)
         first_at = first_at or time.perf_counter()
-        stopped = on_token(tok) if on_token is not None else False
+        stopped = on_token(tok, sampler.last) if on_token is not None else False
         if tok in stop_token_ids or stopped:
             finish = "stop"
             break
@@ -95,4 +178,4 @@ async def generate(s: Session, sampling: SamplingParams, *, max_tokens: int,
     return Generated(out, finish, torch.stack(kept) if kept else None, first_at)
 
 
-__all__ = ["Generated", "Sampler", "SamplingParams", "generate"]
+__all__ = ["Generated", "Sampler", "SamplingParams", "TokenLogprobs", "generate"]

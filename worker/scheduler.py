@@ -44,7 +44,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from shared.config import ServiceConfig
 from shared.logging import get_logger
-from worker.generation import Sampler, SamplingParams, generate
+from worker.generation import Sampler, SamplingParams, TokenLogprobs, generate
 from shared.tenants import Tenant
 
 if TYPE_CHECKING:
@@ -207,6 +207,8 @@ class Job:
         self.cached_tokens = 0
         self.fallbacks: list[str] = []
         self.degraded = False
+        #: The i-th generated token's log probabilities (when the sampling asks for them).
+        self.logprobs: list[TokenLogprobs] = []
         self._events: asyncio.Queue[int | _End | BaseException] = asyncio.Queue()
         self._error: BaseException | None = None
 
@@ -454,7 +456,7 @@ class Scheduler:
             ttft = 0.0
             last = 0.0
 
-            def on_token(tok: int) -> bool:
+            def on_token(tok: int, lp: TokenLogprobs | None) -> bool:
                 nonlocal ttft, last
                 now = time.perf_counter()
                 if not last:                    # the first token: the prompt is done
@@ -465,6 +467,8 @@ class Scheduler:
                     self.metrics.itl.observe(now - last)
                 last = now
                 self.metrics.generation_tokens.inc()
+                if lp is not None:
+                    job.logprobs.append(lp)     # before the token: a reader of token i finds its logprobs
                 job._events.put_nowait(tok)
                 return job.stopped
 

@@ -48,6 +48,9 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def token_bytes(self, token: int) -> bytes | None:
+        """The token's own bytes when the tokenizer knows them exactly (None: use ``decode``)."""
+
     def detokenizer(self) -> Detokenizer: ...
 
 
@@ -71,6 +74,9 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes | None:
+        return bytes((token,)) if 0 <= token < 256 else None
 
     def detokenizer(self) -> _ByteDetokenizer:
         return _ByteDetokenizer()
@@ -107,6 +113,11 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token: int) -> bytes | None:
+        # NOTE: the vocabulary's own spelling (byte-level "Ġ", sentencepiece "<0xE2>") needs the
+        # decoder to become bytes; the decoded text is what is known for sure
+        return None
 
     def detokenizer(self) -> _DiffDetokenizer:
         return _DiffDetokenizer(self)

@@ -222,6 +222,14 @@ async def test_tenants_at_the_door_signed_tenant_and_rate_limits(cluster) -> Non
             assert r.status == 400 and (await r.json())["error"]["code"] == "tokens_over_rate_limit"
         async with http.get(url + "/metrics") as r:
             assert 'kvl_gateway_rate_limited_total{code="rate_limit_exceeded",tenant="gamma"}' in await r.text()
+        # the routes vLLM's tools expect work through the gateway too
+        async with http.post(url + "/tokenize", json={"prompt": "abc"}) as r:
+            assert r.status == 200 and (await r.json())["tokens"] == [97, 98, 99], await r.text()
+        async with http.post(url + "/detokenize", json={"tokens": [97, 98, 99]}) as r:
+            assert r.status == 200 and (await r.json())["prompt"] == "abc"
+        for path in ("/health", "/version"):
+            async with http.get(url + path) as r:
+                assert r.status == 200, path
 
 
 async def test_killing_a_worker_mid_run_costs_no_request_that_had_not_streamed(cluster) -> None:

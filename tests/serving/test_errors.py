@@ -31,10 +31,23 @@ def err(doc) -> dict:
     ({"prompt": [1, "a"]}, "prompt", "token ids"),
     ({"prompt": [1, 2, 256]}, "prompt", "[0, 256)"),
     ({"prompt": PROMPT, "n": 2}, "n", "only n=1"),
-    ({"prompt": PROMPT, "logprobs": 2}, "logprobs", "not supported"),
+    ({"prompt": PROMPT, "logprobs": 21}, "logprobs", "<= 20"),
+    ({"prompt": PROMPT, "logprobs": -1}, "logprobs", ">= 0"),
+    ({"prompt": PROMPT, "echo": True}, "echo", "not supported"),
     ({"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
     ({"prompt": PROMPT, "stop": 5}, "stop", "expected `str | array | null`"),
-    ({"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty", "<= 2.0"),
+    ({"prompt": PROMPT, "frequency_penalty": -3}, "frequency_penalty", ">= -2.0"),
+    ({"prompt": PROMPT, "repetition_penalty": 0}, "repetition_penalty", "> 0.0"),
+    ({"prompt": PROMPT, "min_p": 1.5}, "min_p", "<= 1.0"),
+    ({"prompt": PROMPT, "min_tokens": -1}, "min_tokens", ">= 0"),
+    ({"prompt": PROMPT, "min_tokens": 5, "max_tokens": 2}, "min_tokens", "more than max_tokens"),
+    ({"prompt": PROMPT, "logit_bias": {"5": 101}}, "logit_bias", "<= 100.0"),
+    ({"prompt": PROMPT, "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+    ({"prompt": PROMPT, "logit_bias": {"999": 1}}, "logit_bias", "not in the vocabulary"),
+    ({"prompt": PROMPT, "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "at most 300"),
+    ({"prompt": PROMPT, "stop_token_ids": [3, 4096]}, "stop_token_ids", "not in the vocabulary"),
+    ({"prompt": PROMPT, "stop_token_ids": list(range(65))}, "stop_token_ids", "length <= 64"),
     ({"prompt": PROMPT, "cache_reuse": "no"}, "cache_reuse", "expected `bool`"),
 ])
 async def test_bad_completion_bodies_are_400_naming_the_parameter(serve, body, param, words) -> None:
@@ -52,6 +65,9 @@ async def test_bad_completion_bodies_are_400_naming_the_parameter(serve, body, p
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", "'robot' is not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content", "text parts"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs", "only allowed when"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs",
+     "<= 20"),
 ])
 async def test_bad_chat_bodies_are_400(serve, body, param, words) -> None:
     async with serve() as s:

@@ -82,6 +82,11 @@ def create_app(engine: Engine, cfg: Config, tokenizer: Tokenizer, scheduler: Sch
     app.router.add_post("/v1/completions", h.completions)
     app.router.add_post("/v1/chat/completions", h.chat_completions)
     app.router.add_get("/v1/models", h.models)
+    # the routes vLLM serves beside the OpenAI ones: load generators and health checkers use them
+    app.router.add_get("/health", h.healthz)
+    app.router.add_get("/version", h.version)
+    app.router.add_post("/tokenize", h.tokenize)
+    app.router.add_post("/detokenize", h.detokenize)
     app.router.add_get("/healthz", h.healthz)
     app.router.add_get("/readyz", h.readyz)
     app.router.add_get("/metrics", h.metrics)

@@ -35,7 +35,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from worker.api.errors import ApiError, to_api_error, internal_error
 from worker.api.keys import CHAT_TEMPLATE, ENGINE, SAMPLING, SCHEDULER, SERVED, TENANT, TOKENIZER, Served
 from shared.text.generation_config import DEFAULT_MAX_TOKENS
-from worker.api.schemas import ChatCompletionRequest, CompletionRequest, BaseRequest, decode
+from shared.versions import package_version
+from worker.api.logprobs import LogprobsShape
+from worker.api.schemas import (
+    BaseRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, decode,
+)
 from worker.api.text import TextStream
 from shared.text.chat_template import ChatMessage
 from worker.scheduler import GenRequest, Job, SamplingParams
@@ -65,10 +69,17 @@ def check_model(served: Served, model: str | None) -> None:
 
 def gen_request(request: web.Request, body: BaseRequest, tokens: list[int], max_tokens: int | None) -> GenRequest:
     tok = request.app[TOKENIZER]
+    max_tokens = max_tokens or DEFAULT_MAX_TOKENS
+    body.check_vocab(request.app[ENGINE].model.cfg.vocab_size, max_tokens)
     temperature, top_p, top_k = request.app[SAMPLING].resolve(body.temperature, body.top_p, body.top_k)
-    return GenRequest(tokens=tokens, max_tokens=max_tokens or DEFAULT_MAX_TOKENS, tenant=request[TENANT],
-                      sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=body.seed63),
-                      reuse=body.cache_reuse, priority=body.priority, stop_token_ids=tok.eos_token_ids)
+    sampling = SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=body.seed63, min_p=body.min_p or 0.0,
+        presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0, logit_bias=body.bias(), min_tokens=body.min_tokens,
+        logprobs=body.top_logprobs_count)
+    return GenRequest(tokens=tokens, max_tokens=max_tokens, tenant=request[TENANT], sampling=sampling,
+                      reuse=body.cache_reuse, priority=body.priority,
+                      stop_token_ids=tok.eos_token_ids | frozenset(body.stop_token_ids or ()))
 
 
 # --- output --------------------------------------------------------------------------------------
@@ -87,24 +98,25 @@ class _Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint}
 
-    def chunk(self, text: str | None, finish: str | None = None, *, role: bool = False) -> dict[str, Any]:
+    def chunk(self, text: str | None, finish: str | None = None, *, role: bool = False,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return {**self.head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return {**self.head("text_completion"), "choices": [choice]}
 
-    def full(self, text: str, finish: str) -> dict[str, Any]:
+    def full(self, text: str, finish: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": finish}
             return {**self.head("chat.completion"), "choices": [choice]}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return {**self.head("text_completion"), "choices": [choice]}
 
 
@@ -128,10 +140,13 @@ async def _generate(request: web.Request, body: BaseRequest, shape: _Shape, toke
     # NOTE: everything that can refuse the request happens before submit: a request answered
     # 400 must never be left running in the scheduler (it would hold a slot to max_tokens).
     text = TextStream(request.app[TOKENIZER].detokenizer(), body.stops())
-    job = sched.submit(gen_request(request, body, tokens, max_tokens))
+    req = gen_request(request, body, tokens, max_tokens)
+    lps = (LogprobsShape(request.app[TOKENIZER], chat=shape.chat, top=req.sampling.logprobs)
+           if req.sampling.logprobs is not None else None)
+    job = sched.submit(req)
     try:
         if body.stream:
-            return await _stream(request, body, shape, job, text)
+            return await _stream(request, body, shape, job, text, lps)
         parts: list[str] = []
         async for tok in job:
             parts.append(text.push(tok))
@@ -141,7 +156,7 @@ async def _generate(request: web.Request, body: BaseRequest, shape: _Shape, toke
         parts.append(text.finish())
         await job.aclose()
         finish = "stop" if text.stopped else job.finish_reason
-        out = shape.full("".join(parts), finish)
+        out = shape.full("".join(parts), finish, lps.entries(job.logprobs[:text.tokens]) if lps else None)
         out["usage"] = usage(job, text.tokens)
         out["kvl"] = kvl_info(job)
         return json_response(out)
@@ -152,9 +167,18 @@ async def _generate(request: web.Request, body: BaseRequest, shape: _Shape, toke
 
 
 async def _stream(request: web.Request, body: BaseRequest, shape: _Shape, job: Job,
-                  text: TextStream) -> web.StreamResponse:
+                  text: TextStream, lps: LogprobsShape | None) -> web.StreamResponse:
     resp: web.StreamResponse | None = None
     include_usage = body.stream_options is not None and body.stream_options.include_usage
+    sent_lp = 0                    # tokens whose logprobs went out with a chunk
+
+    def logprobs_upto(n: int) -> dict[str, Any] | None:
+        nonlocal sent_lp
+        if lps is None:
+            return None
+        out = lps.entries(job.logprobs[sent_lp:n])
+        sent_lp = max(sent_lp, n)
+        return out
 
     async def send(obj: Any) -> None:
         assert resp is not None
@@ -177,7 +201,7 @@ async def _stream(request: web.Request, body: BaseRequest, shape: _Shape, job: J
             if piece or (first and not shape.chat):
                 # NOTE: the first token always makes a chunk (chat: the role chunk), even when its
                 # text is still held back (a partial UTF-8 sequence), so clients see time to first token.
-                await send(shape.chunk(piece))
+                await send(shape.chunk(piece, logprobs=logprobs_upto(text.tokens)))
             if text.stopped:
                 job.stop()
                 break
@@ -198,7 +222,8 @@ async def _stream(request: web.Request, body: BaseRequest, shape: _Shape, job: J
     tail = text.finish()
     await job.aclose()
     finish = "stop" if text.stopped else job.finish_reason
-    last = shape.chunk(tail if tail else (None if shape.chat else ""), finish)
+    last = shape.chunk(tail if tail else (None if shape.chat else ""), finish,
+                       logprobs=logprobs_upto(text.tokens) if lps is not None and sent_lp < text.tokens else None)
     last["kvl"] = kvl_info(job)
     if include_usage:
         await send(last)
@@ -247,6 +272,41 @@ async def models(request: web.Request) -> web.Response:
             "max_model_len": request.app[SCHEDULER].max_context, "tokenizer": request.app[TOKENIZER].name,
             "chat_template": request.app[CHAT_TEMPLATE].id if request.app[CHAT_TEMPLATE].available else None}
     return json_response({"object": "list", "data": [card]})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's ``POST /tokenize``: ``{"count", "max_model_len", "tokens"}`` (token ids exactly as a
+    completion or chat request of the same prompt would be fed)."""
+    served = request.app[SERVED]
+    body: TokenizeRequest = decode(await read_body(request, served), TokenizeRequest)
+    body.checks()
+    check_model(served, body.model)
+    tok = request.app[TOKENIZER]
+    if body.prompt is not None:
+        add = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = tok.encode(body.prompt, add_special_tokens=add)
+    else:
+        messages = [ChatMessage(m.role, body.text_of(i), m.name) for i, m in enumerate(body.messages or [])]
+        text = request.app[CHAT_TEMPLATE].render(messages)
+        ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+    return json_response({"count": len(ids), "max_model_len": request.app[SCHEDULER].max_context, "tokens": ids})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's ``POST /detokenize``: ``{"prompt": text}`` of token ids (in the vocabulary)."""
+    served = request.app[SERVED]
+    body: DetokenizeRequest = decode(await read_body(request, served), DetokenizeRequest)
+    check_model(served, body.model)
+    tok = request.app[TOKENIZER]
+    bad = next((t for t in body.tokens if t >= tok.vocab_size), None)
+    if bad is not None:
+        raise ApiError.invalid(f"tokens: token id {bad} is not in the tokenizer's vocabulary "
+                               f"(0..{tok.vocab_size - 1})", "tokens")
+    return json_response({"prompt": tok.decode(list(body.tokens))})
+
+
+async def version(request: web.Request) -> web.Response:
+    return json_response({"version": package_version()})
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -2,8 +2,16 @@
 
 Fields follow the OpenAI API. Unknown fields are ignored (clients send fields this server
 does not use, such as ``user``); known but unsupported features are refused with a 400
-that names the parameter, rather than silently ignored (``n`` > 1, ``logprobs``, ``echo``,
-penalties, ``logit_bias``, tools).
+that names the parameter, rather than silently ignored (``n`` > 1, ``echo``, ``best_of`` > 1,
+tools, ``response_format`` other than text).
+
+Sampling controls (ranges checked, a 400 naming the field otherwise; what each does:
+:class:`worker.generation.SamplingParams`): ``presence_penalty`` and ``frequency_penalty``
+in [-2, 2]; ``logit_bias`` {token id: bias in [-100, 100]}, at most 300 entries, ids in the
+vocabulary; ``logprobs`` (completions, 0–20) and ``logprobs`` + ``top_logprobs`` (chat, 0–20,
+``top_logprobs`` only with ``logprobs``: true). vLLM's extensions: ``repetition_penalty``
+(0, 10], ``min_p`` [0, 1], ``min_tokens`` (at most ``max_tokens``), ``stop_token_ids`` (at
+most 64 ids in the vocabulary; the token is part of the output unless it is a special token).
 
 kvledger extensions (pass them with the openai client's ``extra_body``):
 
@@ -38,6 +46,11 @@ TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Priority = Annotated[int, msgspec.Meta(ge=-1_000_000, le=1_000_000)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
+TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
+MAX_LOGIT_BIAS = 300
+MAX_STOP_TOKEN_IDS = 64
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -58,10 +71,15 @@ class BaseRequest(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Bias] | None = None
     user: str | None = None
+    # vLLM's extensions
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] | None = None
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    min_tokens: NonNeg = 0
+    stop_token_ids: Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     # kvledger extensions
     cache_reuse: bool = True
     priority: Priority = 0
@@ -69,14 +87,37 @@ class BaseRequest(msgspec.Struct, kw_only=True):
     def common_checks(self) -> None:
         if self.n != 1:
             raise ApiError.invalid("n: only n=1 is supported; send one request per completion", "n")
-        if self.presence_penalty or self.frequency_penalty:
-            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            raise ApiError.invalid(f"{param}: penalties are not supported; omit it or send 0", param)
-        if self.logit_bias:
-            raise ApiError.invalid("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ApiError.invalid("stream_options: only allowed when stream is true", "stream_options")
         self.stops()   # validated here, before the request reaches the scheduler
+        self.bias()
+
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs (ids checked against the vocabulary by
+        :meth:`check_vocab`)."""
+        if not self.logit_bias:
+            return ()
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ApiError.invalid(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}",
+                                   "logit_bias")
+        out = []
+        for key, v in self.logit_bias.items():
+            if not key.isascii() or not key.isdigit():
+                raise ApiError.invalid(f"logit_bias: keys are token ids (non-negative integers as strings), got "
+                                       f"{key[:40]!r}", "logit_bias")
+            out.append((int(key), float(v)))
+        return tuple(sorted(out))
+
+    def check_vocab(self, vocab_size: int, max_tokens: int) -> None:
+        """What needs the model: token ids in its vocabulary, ``min_tokens`` within ``max_tokens``."""
+        for param, ids in (("logit_bias", [t for t, _ in self.bias()]), ("stop_token_ids", self.stop_token_ids or [])):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ApiError.invalid(f"{param}: token id {bad[0]} is not in the vocabulary (0..{vocab_size - 1})",
+                                       param)
+        if self.min_tokens > max_tokens:
+            raise ApiError.invalid(f"min_tokens: {self.min_tokens} is more than max_tokens ({max_tokens})",
+                                   "min_tokens")
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -94,15 +135,17 @@ class BaseRequest(msgspec.Struct, kw_only=True):
 class CompletionRequest(BaseRequest, kw_only=True):
     #: A string or a list of token ids (a list of one string / one id list is accepted too).
     prompt: str | list[Any]
-    logprobs: int | None = None
+    logprobs: TopLogprobs | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
+    @property
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
+
     def checks(self) -> None:
         self.common_checks()
-        if self.logprobs is not None:
-            raise ApiError.invalid("logprobs is not supported", "logprobs")
         if self.echo:
             raise ApiError.invalid("echo is not supported", "echo")
         if self.best_of not in (None, 1):
@@ -144,15 +187,19 @@ class ChatCompletionRequest(BaseRequest, kw_only=True):
     messages: list[Message]
     max_completion_tokens: PosInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
 
+    @property
+    def top_logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def checks(self) -> None:
         self.common_checks()
-        if self.logprobs or self.top_logprobs:
-            raise ApiError.invalid("logprobs is not supported", "logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError.invalid("top_logprobs: only allowed when logprobs is true", "top_logprobs")
         if self.tools:
             raise ApiError.invalid("tools are not supported", "tools")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
@@ -177,6 +224,28 @@ class ChatCompletionRequest(BaseRequest, kw_only=True):
         return "".join(out)
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """``POST /tokenize`` as vLLM serves it: a ``prompt`` (completions' tokenization) or
+    ``messages`` (the chat endpoint's: the template with its generation prompt)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool | None = None
+
+    def checks(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ApiError.invalid("send exactly one of prompt and messages", "prompt")
+
+    def text_of(self, i: int) -> str:
+        return ChatCompletionRequest(messages=self.messages or []).text_of(i)
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: Annotated[list[NonNeg], msgspec.Meta(max_length=1_000_000)]
+
+
 #: A JSON string (escapes included; an unterminated one runs to the end) or one bracket.
 _JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{}]', re.DOTALL)
 
@@ -199,7 +268,8 @@ def json_too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     return False
 
 
-_AT = re.compile(r" - at `\$((?:\.[A-Za-z0-9_]+|\[\d+\])*)`$")
+#: msgspec's error location: ``$.a.b[0]``, ``[...]`` for a dict value (the param is the dict).
+_AT = re.compile(r" - at `\$((?:\.[A-Za-z0-9_]+|\[\d+\]|\[\.\.\.\])*)`$")
 _MISSING = re.compile(r"Object missing required field `([^`]+)`")
 
 
@@ -216,7 +286,7 @@ def decode(body: bytes, kind: type[Any]) -> Any:
     except msgspec.ValidationError as e:
         msg = str(e)
         m = _AT.search(msg)
-        path = m.group(1).lstrip(".") if m else ""
+        path = m.group(1).lstrip(".").split("[...]", 1)[0] if m else ""
         detail = _AT.sub("", msg)
         miss = _MISSING.search(detail)
         if miss:

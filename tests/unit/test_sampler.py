@@ -1,0 +1,52 @@
+"""The sampler's logit processing and log probabilities, pure (OpenAI's and vLLM's definitions)."""
+
+from __future__ import annotations
+
+import torch
+
+from worker.generation import Sampler, SamplingParams
+
+
+def test_no_processing_leaves_the_logits_bit_for_bit() -> None:
+    x = torch.randn(32)
+    assert torch.equal(Sampler(SamplingParams()).process(x), x)
+
+
+def test_logit_bias_and_penalties_follow_their_definitions() -> None:
+    x = torch.tensor([2.0, -1.0, 0.5, 3.0, 1.0])
+    p = SamplingParams(logit_bias=((4, 10.0),), repetition_penalty=2.0, presence_penalty=0.5,
+                       frequency_penalty=0.25)
+    s = Sampler(p, prompt=[0, 1])
+    got = s.process(x)
+    # bias on 4; repetition over the prompt's 0 and 1: positive divided, negative multiplied
+    assert got.tolist() == [1.0, -2.0, 0.5, 3.0, 11.0]
+    assert s.pick(x) == 4                      # greedy over the processed logits
+    s.pick(x)                                  # 4 twice in the output now
+    got = s.process(x)
+    # 4: biased to 11, then repetition (it is in the output) 5.5, minus 0.25 × 2 + 0.5
+    assert got[4].item() == 11.0 / 2 - (0.25 * 2 + 0.5)
+
+
+def test_min_tokens_masks_the_stop_tokens_until_reached() -> None:
+    x = torch.tensor([0.0, 5.0, 1.0])
+    s = Sampler(SamplingParams(min_tokens=2), stop_token_ids=[1])
+    assert [s.pick(x), s.pick(x), s.pick(x)] == [2, 2, 1]
+
+
+def test_logprobs_are_the_log_softmax_of_the_processed_logits() -> None:
+    x = torch.randn(50)
+    s = Sampler(SamplingParams(logprobs=3, logit_bias=((7, 5.0),)))
+    tok = s.pick(x)
+    want = torch.log_softmax(torch.where(torch.arange(50) == 7, x + 5.0, x), -1)
+    assert s.last is not None and s.last.token == tok == int(torch.argmax(want))
+    assert s.last.logprob == float(want[tok])
+    assert [t for t, _ in s.last.top] == torch.topk(want, 3).indices.tolist()
+    assert s.last.top[0][1] == s.last.logprob
+
+
+def test_min_p_keeps_only_tokens_near_the_top() -> None:
+    x = torch.tensor([4.0, 3.9, -5.0, -6.0])
+    picks = {Sampler(SamplingParams(temperature=1.0, min_p=0.5, seed=k)).pick(x) for k in range(40)}
+    assert picks == {0, 1}
+    picks = {Sampler(SamplingParams(temperature=1.0, min_p=1.0, seed=k)).pick(x) for k in range(10)}
+    assert picks == {0}
