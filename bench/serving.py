@@ -191,6 +191,56 @@ async def chat(http: Any, url: str, messages: list[dict[str, str]], max_tokens: 
                 usage["prompt_tokens_details"]["cached_tokens"], "".join(parts))
 
 
+#: The structured-output phase's schema: bounded fields, so every document ends well within max_tokens.
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0},
+                         "tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 6}}}}
+
+
+async def structured_phase(url: str, requests: int) -> dict[str, Any]:
+    """Output tokens per second of sampled chat completions with a ``json_schema`` and without,
+    the same prompt, in pairs (one request at a time; the prefix cached after the first pair):
+    each unconstrained request generates as many tokens as its constrained twin did, so both
+    spread the same per-request costs over the same output. ``json_schema_overhead_pct`` = how
+    much slower per output token the constrained ones are."""
+    import aiohttp
+
+    messages = [{"role": "user", "content": "Describe a person as JSON with a name, an age and tags."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    headers = {"Authorization": f"Bearer {KEYS['on']}"}
+    spent = {"plain": [0.0, 0], "schema": [0.0, 0]}
+    parsed = 0
+    async with aiohttp.ClientSession() as http:
+        for i in range(requests + 1):
+            n = 200
+            for kind in ("schema", "plain"):
+                body = {"model": "kvledger/dsv4-tiny", "messages": messages, "max_tokens": n, "temperature": 1.0,
+                        "seed": i, **({"response_format": fmt} if kind == "schema" else {})}
+                t0 = time.perf_counter()
+                async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+                    doc = await r.json()
+                if r.status != 200:
+                    raise RuntimeError(f"structured phase: HTTP {r.status}: {str(doc)[:300]}")
+                dt = time.perf_counter() - t0
+                if i == 0:
+                    n = doc["usage"]["completion_tokens"]
+                    continue                                   # the first pair fills the cache
+                spent[kind][0] += dt
+                spent[kind][1] += doc["usage"]["completion_tokens"]
+                n = doc["usage"]["completion_tokens"]
+                if kind == "schema":
+                    try:
+                        json.loads(doc["choices"][0]["message"]["content"])
+                        parsed += 1
+                    except ValueError:
+                        pass
+    tps = {k: n / t for k, (t, n) in spent.items()}
+    return {"structured_requests": requests, "output_tok_s_plain": round(tps["plain"], 1),
+            "output_tok_s_json_schema": round(tps["schema"], 1),
+            "json_schema_overhead_pct": round((tps["plain"] / tps["schema"] - 1) * 100, 1),
+            "json_schema_parsed_fraction": round(parsed / requests, 3)}
+
+
 _COUNTERS = {"evictions": ('kvl_worker_transitions_total', {"kind": "evict"}),
              "fallbacks_grid": ("kvl_worker_fallbacks_total", {"reason": "grid"}),
              "fallbacks_validation": ("kvl_worker_fallbacks_total", {"reason": "validation"}),
@@ -354,6 +404,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await run_level(url, Workload(32, 16, 16, 1, 2, 1), 1, True, seed=0)     # warm-up (first-call costs)
         result: dict[str, Any] = {"bench": "serving", "mode": "quick" if args.quick else "full",
                                   "workload": {**w.__dict__, "levels": list(args.levels)}}
+        result.update(await structured_phase(url, 8 if args.quick else 24))
+        _log(f"structured output: {result['json_schema_overhead_pct']} % slower per output token with a schema")
+        if args.api_only:
+            result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+            return result
         identical = True
         next_turn = [0, 0, 0, 0]      # cached, previous prompt + reply, cached beyond the prompt, replies
         wall = {"on": 0.0, "off": 0.0}
@@ -421,6 +476,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="output tokens per turn (default: the workload's, 4 full / 2 quick); more = decode-heavier")
     ap.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels (default 1,8,32)")
     ap.add_argument("--pool-mb", type=int, default=256, help="worker.pool_bytes in MiB (default 256)")
+    ap.add_argument("--api-only", action="store_true",
+                    help="only the API-features phase (structured output), not the concurrency levels")
     ap.add_argument("--database-url", default=os.environ.get("KVL_DATABASE_URL", ""))
     ap.add_argument("--nats-url", default=os.environ.get("KVL_NATS_URL", ""))
     args = ap.parse_args(argv)

@@ -11,7 +11,7 @@ import secrets
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,11 +48,14 @@ class SamplingParams:
     min_tokens: int = 0
     #: None = no log probabilities; k = the sampled token's and the k most likely (0 ≤ k ≤ 20).
     logprobs: int | None = None
+    #: Structured output (``worker.structured.Grammar``): tokens it does not allow are masked
+    #: (after the processing above), and a complete grammar ends the output.
+    grammar: Any = None
 
     @property
     def processes(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.grammar is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +82,7 @@ class Sampler:
         self._stops = sorted(stop_token_ids)
         self.generated = 0
         self.last: TokenLogprobs | None = None
+        self.constraint = p.grammar.start() if p.grammar is not None else None
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """The processed logits (float32, on the CPU) the next token is chosen from."""
@@ -103,7 +107,16 @@ class Sampler:
             x[idx] -= p.frequency_penalty * cnt + p.presence_penalty
         if self.generated < p.min_tokens and self._stops:
             x[torch.tensor([t for t in self._stops if t < n], dtype=torch.long)] = float("-inf")
+        if self.constraint is not None:
+            allowed = self.constraint.allowed()
+            if allowed.any():
+                x = torch.where(allowed[:n], x, torch.full_like(x, float("-inf")))
         return x
+
+    @property
+    def finished(self) -> bool:
+        """Structured output: the grammar is complete and admits no more tokens."""
+        return self.constraint is not None and self.constraint.finished
 
     def pick(self, logits: torch.Tensor) -> int:
         x = self.process(logits)
@@ -116,6 +129,8 @@ class Sampler:
                                       if top is not None else ())
         self._counts[tok] = self._counts.get(tok, 0) + 1
         self.generated += 1
+        if self.constraint is not None:
+            self.constraint.advance(tok)
         return tok
 
     def _choose(self, x: torch.Tensor) -> int:
@@ -168,7 +183,7 @@ async def generate(s: Session, sampling: SamplingParams, *, max_tokens: int,
         out.append(tok)
         first_at = first_at or time.perf_counter()
         stopped = on_token(tok, sampler.last) if on_token is not None else False
-        if tok in stop_token_ids or stopped:
+        if tok in stop_token_ids or stopped or sampler.finished:
             finish = "stop"
             break
         if len(out) >= max_tokens:

@@ -114,6 +114,10 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer.json document (what structured output's llguidance loads)."""
+        return str(self._tok.to_str())
+
     def token_bytes(self, token: int) -> bytes | None:
         # NOTE: the vocabulary's own spelling (byte-level "Ġ", sentencepiece "<0xE2>") needs the
         # decoder to become bytes; the decoded text is what is known for sure

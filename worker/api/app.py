@@ -11,12 +11,13 @@ from shared.config import Config
 from worker.api import handlers as h
 from worker.api.errors import Handler, error_middleware
 from worker.api.keys import (
-    CHAT_TEMPLATE, CONFIG, ENGINE, METRICS, SAMPLING, SCHEDULER, SERVED, TENANT, TENANTS, TOKENIZER, Served,
+    CHAT_TEMPLATE, CONFIG, ENGINE, METRICS, SAMPLING, SCHEDULER, SERVED, STRUCTURED, TENANT, TENANTS, TOKENIZER, Served,
 )
 from shared.text.chat_template import ChatTemplate
 from worker.engine import Engine
 from shared.text.generation_config import SamplingDefaults
 from worker.scheduler import Scheduler
+from worker.structured import StructuredOutput
 from shared.tenant_header import SIGNATURE_HEADER, TENANT_HEADER, verify
 from shared.tenants import TenantDirectory
 from shared.text.tokenizer import Tokenizer
@@ -70,6 +71,7 @@ def create_app(engine: Engine, cfg: Config, tokenizer: Tokenizer, scheduler: Sch
     app[SCHEDULER] = scheduler
     app[TENANTS] = TenantDirectory.from_config(cfg.auth)
     app[METRICS] = scheduler.metrics
+    app[STRUCTURED] = StructuredOutput(tokenizer, engine.model.cfg.vocab_size)
     app[SERVED] = Served(model_id=engine.model.cfg.model_id, fingerprint=f"kvl-{engine.namespace[:16]}",
                          created=int(time.time()), max_body_bytes=limit,
                          body_read_timeout_s=cfg.service.body_read_timeout_ms / 1000)

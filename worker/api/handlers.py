@@ -33,7 +33,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from worker.api.errors import ApiError, to_api_error, internal_error
-from worker.api.keys import CHAT_TEMPLATE, ENGINE, SAMPLING, SCHEDULER, SERVED, TENANT, TOKENIZER, Served
+from worker.api.keys import CHAT_TEMPLATE, ENGINE, SAMPLING, SCHEDULER, SERVED, STRUCTURED, TENANT, TOKENIZER, Served
 from shared.text.generation_config import DEFAULT_MAX_TOKENS
 from shared.versions import package_version
 from worker.api.logprobs import LogprobsShape
@@ -43,6 +43,7 @@ from worker.api.schemas import (
 from worker.api.text import TextStream
 from shared.text.chat_template import ChatMessage
 from worker.scheduler import GenRequest, Job, SamplingParams
+from worker.structured import GrammarError
 
 
 # --- input ---------------------------------------------------------------------------------------
@@ -67,6 +68,13 @@ def check_model(served: Served, model: str | None) -> None:
                             f"{served.model_id!r}", param="model", code="model_not_found")
 
 
+def structured(request: web.Request, body: BaseRequest) -> Any:
+    try:
+        return request.app[STRUCTURED].compile(body.response_format)
+    except GrammarError as e:
+        raise ApiError.invalid(str(e), "response_format") from None
+
+
 def gen_request(request: web.Request, body: BaseRequest, tokens: list[int], max_tokens: int | None) -> GenRequest:
     tok = request.app[TOKENIZER]
     max_tokens = max_tokens or DEFAULT_MAX_TOKENS
@@ -76,7 +84,7 @@ def gen_request(request: web.Request, body: BaseRequest, tokens: list[int], max_
         temperature=temperature, top_p=top_p, top_k=top_k, seed=body.seed63, min_p=body.min_p or 0.0,
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=body.repetition_penalty or 1.0, logit_bias=body.bias(), min_tokens=body.min_tokens,
-        logprobs=body.top_logprobs_count)
+        logprobs=body.top_logprobs_count, grammar=structured(request, body))
     return GenRequest(tokens=tokens, max_tokens=max_tokens, tenant=request[TENANT], sampling=sampling,
                       reuse=body.cache_reuse, priority=body.priority,
                       stop_token_ids=tok.eos_token_ids | frozenset(body.stop_token_ids or ()))

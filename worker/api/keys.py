@@ -10,6 +10,7 @@ from shared.config import Config
 from shared.text.chat_template import ChatTemplate
 from worker.engine import Engine
 from shared.text.generation_config import SamplingDefaults
+from worker.structured import StructuredOutput
 from worker.scheduler import Scheduler, ServingMetrics
 from shared.tenants import Tenant, TenantDirectory
 from shared.text.tokenizer import Tokenizer
@@ -36,4 +37,5 @@ TENANTS = web.AppKey("tenants", TenantDirectory)
 CONFIG = web.AppKey("config", Config)
 SERVED = web.AppKey("served", Served)
 METRICS = web.AppKey("serving_metrics", ServingMetrics)
+STRUCTURED = web.AppKey("structured_output", StructuredOutput)
 TENANT = web.RequestKey("tenant", Tenant)

@@ -3,7 +3,8 @@
 Fields follow the OpenAI API. Unknown fields are ignored (clients send fields this server
 does not use, such as ``user``); known but unsupported features are refused with a 400
 that names the parameter, rather than silently ignored (``n`` > 1, ``echo``, ``best_of`` > 1,
-tools, ``response_format`` other than text).
+tools). ``response_format`` ``json_object`` and ``json_schema`` constrain the output
+(``worker.structured``).
 
 Sampling controls (ranges checked, a 400 naming the field otherwise; what each does:
 :class:`worker.generation.SamplingParams`): ``presence_penalty`` and ``frequency_penalty``
@@ -80,6 +81,9 @@ class BaseRequest(msgspec.Struct, kw_only=True):
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
     min_tokens: NonNeg = 0
     stop_token_ids: Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    #: ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}``
+    #: (completions too, as vLLM takes it); compiled by ``worker.structured``.
+    response_format: dict[str, Any] | None = None
     # kvledger extensions
     cache_reuse: bool = True
     priority: Priority = 0
@@ -190,7 +194,6 @@ class ChatCompletionRequest(BaseRequest, kw_only=True):
     top_logprobs: TopLogprobs | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     @property
     def top_logprobs_count(self) -> int | None:
@@ -202,8 +205,6 @@ class ChatCompletionRequest(BaseRequest, kw_only=True):
             raise ApiError.invalid("top_logprobs: only allowed when logprobs is true", "top_logprobs")
         if self.tools:
             raise ApiError.invalid("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ApiError.invalid("response_format: only {'type': 'text'} is supported", "response_format")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise ApiError.invalid("max_tokens and max_completion_tokens disagree; send one of them",
