@@ -198,7 +198,9 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
 
 
 async def structured_phase(url: str, requests: int) -> dict[str, Any]:
-    """Output tokens per second of sampled chat completions with a ``json_schema`` and without,
+    """The API features' costs. ``n8_time_ratio_vs_8_requests``: one request with ``n`` = 8
+    against 8 concurrent requests of the same (uncached) prompt, median of 3 pairs on fresh
+    prompts. Then output tokens per second of sampled chat completions with a ``json_schema`` and without,
     the same prompt, in pairs (one request at a time; the prefix cached after the first pair):
     each unconstrained request generates as many tokens as its constrained twin did, so both
     spread the same per-request costs over the same output. ``json_schema_overhead_pct`` = how
@@ -234,8 +236,31 @@ async def structured_phase(url: str, requests: int) -> dict[str, Any]:
                         parsed += 1
                     except ValueError:
                         pass
+        # n = 8 against 8 separate requests of one prompt, each pair on fresh prompts (cold)
+        ratios = []
+        for rep in range(3):
+            words = " ".join(f"w{rep}x{j}" for j in range(60))
+            base = {"model": "kvledger/dsv4-tiny", "max_tokens": 8, "temperature": 1.0}
+            t0 = time.perf_counter()
+            async with http.post(url + "/v1/completions", headers=headers,
+                                 json={**base, "prompt": f"[n8 {rep}] {words}", "n": 8, "seed": rep}) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"n=8: HTTP {r.status}: {(await r.text())[:300]}")
+                await r.read()
+            t_n8 = time.perf_counter() - t0
+
+            async def one(i: int, prompt: str) -> None:
+                async with http.post(url + "/v1/completions", headers=headers,
+                                     json={**base, "prompt": prompt, "seed": rep * 8 + i}) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"8 requests: HTTP {r.status}: {(await r.text())[:300]}")
+                    await r.read()
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(i, f"[x8 {rep}] {words}") for i in range(8)))
+            ratios.append(t_n8 / (time.perf_counter() - t0))
     tps = {k: n / t for k, (t, n) in spent.items()}
-    return {"structured_requests": requests, "output_tok_s_plain": round(tps["plain"], 1),
+    return {"n8_time_ratio_vs_8_requests": round(sorted(ratios)[len(ratios) // 2], 3),
+            "structured_requests": requests, "output_tok_s_plain": round(tps["plain"], 1),
             "output_tok_s_json_schema": round(tps["schema"], 1),
             "json_schema_overhead_pct": round((tps["plain"] / tps["schema"] - 1) * 100, 1),
             "json_schema_parsed_fraction": round(parsed / requests, 3)}

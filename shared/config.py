@@ -76,6 +76,9 @@ class ServiceConfig(_Section):
     max_batch_tokens: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 256
     request_timeout_ms: PosInt = 60000
     queue_size: Annotated[int, msgspec.Meta(ge=0)] = 256
+    #: Most samples one request may ask for (``n``, ``best_of``): each runs as its own request
+    #: in the scheduler after the first has filled the cache with the prompt.
+    max_n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 16
     queue_timeout_ms: PosInt = 30000
     max_body_bytes: PosInt = 4 * 2**20
     #: Idle time allowed on a connection between requests, and the longest a client may take to

@@ -141,3 +141,42 @@ async def test_the_routes_vllm_serves_beside_the_openai_ones(serve) -> None:
 
 def test_logprob_values_are_finite_numbers() -> None:
     assert math.isfinite(float(torch.log_softmax(torch.tensor([0.0, 1.0]), -1)[0]))
+
+
+async def test_n_samples_share_the_prompt_and_are_reproducible_by_seed(serve, reference) -> None:
+    async with serve() as s:
+        c = s.client()
+        r = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=11, n=8)
+        texts = [ch.text for ch in r.choices]
+        assert [ch.index for ch in r.choices] == list(range(8)) and len(set(texts)) == 8
+        assert r.usage.prompt_tokens == 32 and r.usage.completion_tokens == 48
+        # the later samples resumed from the prompt the first one computed
+        assert all(k > 0 for k in r.model_extra["kvl"]["samples_cached_tokens"][1:])
+        again = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=11, n=8)
+        assert [ch.text for ch in again.choices] == texts
+        # sample i is the request with seed + i on its own
+        one = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=14)
+        assert one.choices[0].text == texts[3]
+        # best_of: the n samples of highest total log probability among best_of
+        best = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=11, n=2,
+                                          best_of=8, logprobs=0)
+        totals = sorted((sum(ch.logprobs.token_logprobs) for ch in best.choices), reverse=True)
+        assert {ch.text for ch in best.choices} <= set(texts) and len(best.choices) == 2
+        assert totals == sorted(totals, reverse=True) and best.usage.completion_tokens == 48
+        # chat, streamed: each sample's chunks carry its index
+        stream = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, temperature=1.0, seed=5, n=3, stream=True,
+                                                 stream_options={"include_usage": True})
+        got: dict[int, str] = {}
+        finished = set()
+        async for ch in stream:
+            for choice in ch.choices:
+                got[choice.index] = got.get(choice.index, "") + (choice.delta.content or "")
+                if choice.finish_reason:
+                    finished.add(choice.index)
+            if ch.usage:
+                assert ch.usage.completion_tokens == 12
+        assert set(got) == finished == {0, 1, 2}
+        plain = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=4, temperature=1.0, seed=5, n=3)
+        assert [got[i] for i in range(3)] == [ch.message.content for ch in plain.choices]

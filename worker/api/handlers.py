@@ -25,7 +25,8 @@ import asyncio
 import contextlib
 import time
 import uuid
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -33,7 +34,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from worker.api.errors import ApiError, to_api_error, internal_error
-from worker.api.keys import CHAT_TEMPLATE, ENGINE, SAMPLING, SCHEDULER, SERVED, STRUCTURED, TENANT, TOKENIZER, Served
+from worker.api.keys import CHAT_TEMPLATE, CONFIG, ENGINE, SAMPLING, SCHEDULER, SERVED, STRUCTURED, TENANT, TOKENIZER, Served
 from shared.text.generation_config import DEFAULT_MAX_TOKENS
 from shared.versions import package_version
 from worker.api.logprobs import LogprobsShape
@@ -107,25 +108,27 @@ class _Shape:
                 "system_fingerprint": self.fingerprint}
 
     def chunk(self, text: str | None, finish: str | None = None, *, role: bool = False,
-              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+              logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return {**self.head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return {**self.head("text_completion"), "choices": [choice]}
 
-    def full(self, text: str, finish: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    def choice(self, text: str, finish: str, logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": finish}
-            return {**self.head("chat.completion"), "choices": [choice]}
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return {**self.head("text_completion"), "choices": [choice]}
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                    "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def full(self, text: str, finish: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {**self.head("chat.completion" if self.chat else "text_completion"),
+                "choices": [self.choice(text, finish, logprobs)]}
 
 
 def usage(job: Job, completion_tokens: int) -> dict[str, Any]:
@@ -144,6 +147,8 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
 
 async def _generate(request: web.Request, body: BaseRequest, shape: _Shape, tokens: list[int],
                     max_tokens: int | None) -> web.StreamResponse:
+    if body.samples > 1:
+        return await _generate_samples(request, body, shape, tokens, max_tokens)
     sched = request.app[SCHEDULER]
     # NOTE: everything that can refuse the request happens before submit: a request answered
     # 400 must never be left running in the scheduler (it would hold a slot to max_tokens).
@@ -239,6 +244,154 @@ async def _stream(request: web.Request, body: BaseRequest, shape: _Shape, job: J
     else:
         last["usage"] = usage(job, text.tokens)
         await send(last)
+    await send(b"[DONE]")
+    await resp.write_eof()
+    return resp
+
+
+# --- n > 1 and best_of ----------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _Sample:
+    """One of a request's samples: its job, text and logprobs as they come."""
+
+    job: Job
+    text: TextStream
+    lps: LogprobsShape | None
+    parts: list[str] = field(default_factory=list)
+    finish: str = ""
+
+    @property
+    def total_logprob(self) -> float:
+        return sum(lp.logprob for lp in self.job.logprobs[:self.text.tokens])
+
+
+async def _generate_samples(request: web.Request, body: BaseRequest, shape: _Shape, tokens: list[int],
+                            max_tokens: int | None) -> web.StreamResponse:
+    """``n`` (or ``best_of``) samples of one prompt. The first runs alone until its first token:
+    by then its prompt blocks are in this worker's pools, so the others resume from them (their
+    leases find them; a lease that does not yet recomputes, bit-identically) and their decode
+    steps share forwards. Sample ``i`` is seeded ``seed + i`` (with a ``seed``)."""
+    sched = request.app[SCHEDULER]
+    body.check_n(request.app[CONFIG].service.max_n)
+    base = gen_request(request, body, tokens, max_tokens)
+    k, n = body.samples, body.n
+    want_lp = base.sampling.logprobs
+
+    def sample(i: int) -> _Sample:
+        sp = base.sampling
+        seed = None if sp.seed is None else (sp.seed + i) % (1 << 63)
+        lp = want_lp if want_lp is not None else (0 if k > n else None)   # best_of ranks by logprob
+        job = sched.submit(dataclasses.replace(base, sampling=dataclasses.replace(sp, seed=seed, logprobs=lp)))
+        return _Sample(job, TextStream(request.app[TOKENIZER].detokenizer(), body.stops()),
+                       LogprobsShape(request.app[TOKENIZER], chat=shape.chat, top=want_lp)
+                       if want_lp is not None else None)
+
+    samples = [sample(0)]
+    try:
+        first = await anext(samples[0].job, None)
+        samples += [sample(i) for i in range(1, k)]
+        if body.stream:
+            return await _stream_samples(request, body, shape, samples, first)
+
+        async def run(i: int, s: _Sample) -> None:
+            pending = [first] if i == 0 and first is not None else []
+            async def tokens_of():
+                for t in pending:
+                    yield t
+                if i != 0 or first is not None:
+                    async for t in s.job:
+                        yield t
+            async for tok in tokens_of():
+                s.parts.append(s.text.push(tok))
+                if s.text.stopped:
+                    s.job.stop()
+                    break
+            s.parts.append(s.text.finish())
+            await s.job.aclose()
+            s.finish = "stop" if s.text.stopped else s.job.finish_reason
+
+        await asyncio.gather(*(run(i, s) for i, s in enumerate(samples)))
+        chosen = sorted(samples, key=lambda s: -s.total_logprob)[:n] if k > n else samples
+        out = {**shape.head("chat.completion" if shape.chat else "text_completion"),
+               "choices": [shape.choice("".join(s.parts), s.finish,
+                                        s.lps.entries(s.job.logprobs[:s.text.tokens]) if s.lps else None, i)
+                           for i, s in enumerate(chosen)]}
+        out["usage"] = _samples_usage(samples)
+        out["kvl"] = {**kvl_info(samples[0].job), "samples_cached_tokens": [s.job.cached_tokens for s in samples]}
+        return json_response(out)
+    finally:
+        for s in samples:
+            await s.job.aclose()
+
+
+def _samples_usage(samples: list[_Sample]) -> dict[str, Any]:
+    """The prompt once (its first run's cache figure), the completions of every sample."""
+    completion = sum(s.text.tokens for s in samples)
+    return {**usage(samples[0].job, completion), "completion_tokens": completion}
+
+
+async def _stream_samples(request: web.Request, body: BaseRequest, shape: _Shape, samples: list[_Sample],
+                          first: int | None) -> web.StreamResponse:
+    """Each sample's chunks carry its ``index``; they interleave as the samples advance."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    lock = asyncio.Lock()
+
+    async def send(obj: Any) -> None:
+        async with lock:
+            await resp.write(b"data: " + (obj if isinstance(obj, bytes) else msgspec.json.encode(obj)) + b"\n\n")
+
+    async def run(i: int, s: _Sample) -> None:
+        sent = 0
+        if shape.chat:
+            await send(shape.chunk("", role=True, index=i))
+
+        def lp_upto() -> dict[str, Any] | None:
+            nonlocal sent
+            if s.lps is None:
+                return None
+            out = s.lps.entries(s.job.logprobs[sent:s.text.tokens])
+            sent = s.text.tokens
+            return out
+
+        async def tokens_of():
+            if i == 0:
+                if first is None:
+                    return
+                yield first
+            async for t in s.job:
+                yield t
+
+        async for tok in tokens_of():
+            piece = s.text.push(tok)
+            if piece:
+                await send(shape.chunk(piece, logprobs=lp_upto(), index=i))
+            if s.text.stopped:
+                s.job.stop()
+                break
+        tail = s.text.finish()
+        await s.job.aclose()
+        finish = "stop" if s.text.stopped else s.job.finish_reason
+        await send(shape.chunk(tail if tail else (None if shape.chat else ""), finish,
+                               logprobs=lp_upto() if sent < s.text.tokens else None, index=i))
+
+    try:
+        await asyncio.gather(*(run(i, s) for i, s in enumerate(samples)))
+    except ConnectionResetError:
+        raise asyncio.CancelledError() from None
+    except Exception as e:  # noqa: BLE001 - the stream has started: an error event
+        err = to_api_error(e) or internal_error()
+        with contextlib.suppress(ConnectionResetError):
+            await send(err.body())
+            await send(b"[DONE]")
+            await resp.write_eof()
+        return resp
+    if include_usage:
+        await send({**shape.head("chat.completion.chunk" if shape.chat else "text_completion"), "choices": [],
+                    "usage": _samples_usage(samples)})
     await send(b"[DONE]")
     await resp.write_eof()
     return resp

@@ -2,8 +2,10 @@
 
 Fields follow the OpenAI API. Unknown fields are ignored (clients send fields this server
 does not use, such as ``user``); known but unsupported features are refused with a 400
-that names the parameter, rather than silently ignored (``n`` > 1, ``echo``, ``best_of`` > 1,
-tools). ``response_format`` ``json_object`` and ``json_schema`` constrain the output
+that names the parameter, rather than silently ignored (``echo``, ``suffix``, tools).
+``n`` (and completions' ``best_of``, the ``n`` most likely of ``best_of`` samples by total
+log probability) run that many samples of one prompt, at most ``service.max_n``; sample ``i``
+is seeded ``seed + i`` when a ``seed`` is given. ``response_format`` ``json_object`` and ``json_schema`` constrain the output
 (``worker.structured``).
 
 Sampling controls (ranges checked, a 400 naming the field otherwise; what each does:
@@ -71,7 +73,7 @@ class BaseRequest(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: PosInt = 1
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[str, Bias] | None = None
@@ -89,8 +91,6 @@ class BaseRequest(msgspec.Struct, kw_only=True):
     priority: Priority = 0
 
     def common_checks(self) -> None:
-        if self.n != 1:
-            raise ApiError.invalid("n: only n=1 is supported; send one request per completion", "n")
         if self.stream_options is not None and not self.stream:
             raise ApiError.invalid("stream_options: only allowed when stream is true", "stream_options")
         self.stops()   # validated here, before the request reaches the scheduler
@@ -111,6 +111,16 @@ class BaseRequest(msgspec.Struct, kw_only=True):
                                        f"{key[:40]!r}", "logit_bias")
             out.append((int(key), float(v)))
         return tuple(sorted(out))
+
+    @property
+    def samples(self) -> int:
+        """How many samples run: ``best_of`` (completions) or ``n``."""
+        return max(self.n, getattr(self, "best_of", None) or 1)
+
+    def check_n(self, max_n: int) -> None:
+        if self.samples > max_n:
+            param = "best_of" if self.samples > self.n else "n"
+            raise ApiError.invalid(f"{param}: at most {max_n} samples per request (service.max_n)", param)
 
     def check_vocab(self, vocab_size: int, max_tokens: int) -> None:
         """What needs the model: token ids in its vocabulary, ``min_tokens`` within ``max_tokens``."""
@@ -141,7 +151,7 @@ class CompletionRequest(BaseRequest, kw_only=True):
     prompt: str | list[Any]
     logprobs: TopLogprobs | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: PosInt | None = None
     suffix: str | None = None
 
     @property
@@ -152,8 +162,11 @@ class CompletionRequest(BaseRequest, kw_only=True):
         self.common_checks()
         if self.echo:
             raise ApiError.invalid("echo is not supported", "echo")
-        if self.best_of not in (None, 1):
-            raise ApiError.invalid("best_of: only 1 is supported", "best_of")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ApiError.invalid(f"best_of: must be at least n ({self.n})", "best_of")
+        if self.best_of not in (None, self.n) and self.stream:
+            raise ApiError.invalid("best_of: cannot be used with stream (the best are known only at the end)",
+                                   "best_of")
         if self.suffix:
             raise ApiError.invalid("suffix is not supported", "suffix")
 
