@@ -241,6 +241,21 @@ class Engine:
     async def io(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn)
 
+    async def prompt_logits(self, tokens: Sequence[int]) -> torch.Tensor:
+        """The model's logits at every prompt position ``[len, vocab]`` (``echo`` + ``logprobs``),
+        from a cold prefill of its own: positions served from cache have no logits, so they are
+        recomputed here — on the grid a cold request's prefill follows, so row ``j`` holds the
+        bits a cold run computes at position ``j``. No cache is read or written."""
+        bs = self.block_size
+        cap = -(-len(tokens) // bs) * bs
+
+        def work() -> torch.Tensor:
+            with torch.inference_mode():
+                state = self.model.new_state(bs, cap)
+                return self.model.prefill(list(tokens), state, chunk_blocks=self.chunk_blocks, logits="all")
+
+        return await self.compute(work)
+
     # --- state ----------------------------------------------------------------------------
 
     @property

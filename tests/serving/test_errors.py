@@ -36,7 +36,7 @@ def err(doc) -> dict:
     ({"prompt": PROMPT, "best_of": 3, "stream": True}, "best_of", "cannot be used with stream"),
     ({"prompt": PROMPT, "logprobs": 21}, "logprobs", "<= 20"),
     ({"prompt": PROMPT, "logprobs": -1}, "logprobs", ">= 0"),
-    ({"prompt": PROMPT, "echo": True}, "echo", "not supported"),
+    ({"prompt": PROMPT, "echo": True, "n": 2}, "echo", "not supported with n"),
     ({"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
     ({"prompt": PROMPT, "stop": 5}, "stop", "expected `str | array | null`"),
     ({"prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty", "<= 2.0"),

@@ -180,3 +180,30 @@ async def test_n_samples_share_the_prompt_and_are_reproducible_by_seed(serve, re
         plain = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                 max_tokens=4, temperature=1.0, seed=5, n=3)
         assert [got[i] for i in range(3)] == [ch.message.content for ch in plain.choices]
+
+
+async def test_echo_returns_the_prompt_and_its_token_logprobs_with_and_without_reuse(serve, model) -> None:
+    ids = list(PROMPT.encode())
+    with torch.inference_mode():
+        state = model.new_state(16, 64)
+        logits = model.extend(ids, state, logits="all")           # one unit: another cut than the server's
+    want = torch.log_softmax(logits.float(), -1)
+    async with serve() as s:
+        c = s.client()
+        runs = [await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True,
+                                           logprobs=2) for _ in range(2)]
+        assert runs[1].usage.prompt_tokens_details.cached_tokens > 0
+        for r in runs:
+            ch = r.choices[0]
+            assert ch.text.startswith(PROMPT) and len(ch.logprobs.tokens) == len(ids) + 3
+            assert ch.logprobs.token_logprobs[0] is None and ch.logprobs.top_logprobs[0] is None
+            assert ch.logprobs.token_logprobs[1:len(ids)] == [float(want[j - 1, t]) for j, t in enumerate(ids)][1:]
+            assert ch.logprobs.text_offset[:3] == [0, 1, 2] and ch.logprobs.text_offset[len(ids)] == len(PROMPT)
+        assert runs[0].choices[0].logprobs == runs[1].choices[0].logprobs
+        plain = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+        assert runs[0].choices[0].text == PROMPT + plain.choices[0].text
+        # echo without logprobs, streamed: the prompt comes first
+        stream = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True,
+                                            stream=True)
+        text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+        assert text == PROMPT + plain.choices[0].text

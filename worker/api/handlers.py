@@ -156,10 +156,16 @@ async def _generate(request: web.Request, body: BaseRequest, shape: _Shape, toke
     req = gen_request(request, body, tokens, max_tokens)
     lps = (LogprobsShape(request.app[TOKENIZER], chat=shape.chat, top=req.sampling.logprobs)
            if req.sampling.logprobs is not None else None)
+    echo: tuple[str, dict[str, Any] | None] | None = None
+    if getattr(body, "echo", False):
+        # the prompt's text before the completion; with logprobs, its tokens' from a cold pass
+        prompt = body.prompt_value()                              # type: ignore[attr-defined]
+        echo = (prompt if isinstance(prompt, str) else request.app[TOKENIZER].decode(tokens),
+                lps.prompt_entries(tokens, await request.app[ENGINE].prompt_logits(tokens)) if lps else None)
     job = sched.submit(req)
     try:
         if body.stream:
-            return await _stream(request, body, shape, job, text, lps)
+            return await _stream(request, body, shape, job, text, lps, echo)
         parts: list[str] = []
         async for tok in job:
             parts.append(text.push(tok))
@@ -169,7 +175,8 @@ async def _generate(request: web.Request, body: BaseRequest, shape: _Shape, toke
         parts.append(text.finish())
         await job.aclose()
         finish = "stop" if text.stopped else job.finish_reason
-        out = shape.full("".join(parts), finish, lps.entries(job.logprobs[:text.tokens]) if lps else None)
+        out = shape.full((echo[0] if echo else "") + "".join(parts), finish,
+                         _joined(echo[1] if echo else None, lps.entries(job.logprobs[:text.tokens]) if lps else None))
         out["usage"] = usage(job, text.tokens)
         out["kvl"] = kvl_info(job)
         return json_response(out)
@@ -179,8 +186,16 @@ async def _generate(request: web.Request, body: BaseRequest, shape: _Shape, toke
         await job.aclose()
 
 
+def _joined(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two completions logprobs objects as one (the echoed prompt's, then the completion's)."""
+    if first is None or then is None:
+        return then
+    return {k: first[k] + then[k] for k in then}
+
+
 async def _stream(request: web.Request, body: BaseRequest, shape: _Shape, job: Job,
-                  text: TextStream, lps: LogprobsShape | None) -> web.StreamResponse:
+                  text: TextStream, lps: LogprobsShape | None,
+                  echo: tuple[str, dict[str, Any] | None] | None = None) -> web.StreamResponse:
     resp: web.StreamResponse | None = None
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     sent_lp = 0                    # tokens whose logprobs went out with a chunk
@@ -204,6 +219,8 @@ async def _stream(request: web.Request, body: BaseRequest, shape: _Shape, job: J
         await resp.prepare(request)
         if shape.chat:
             await send(shape.chunk("", role=True))
+        elif echo is not None:
+            await send(shape.chunk(echo[0], logprobs=echo[1]))
 
     try:
         async for tok in job:

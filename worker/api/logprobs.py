@@ -70,6 +70,30 @@ class LogprobsShape:
             self.offset += 1 if text.startswith("bytes:") else len(text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
+    def prompt_entries(self, tokens: Sequence[int], logits: Any) -> dict[str, Any]:
+        """Completions with ``echo``: the prompt's tokens, each with the log-softmax of the model's
+        logits at the position before it (the first has none: ``null``), no processing applied."""
+        import torch
+
+        lp = torch.log_softmax(logits.float(), -1)
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for j, t in enumerate(tokens):
+            text = self._token(t)
+            out["tokens"].append(text)
+            out["text_offset"].append(self.offset)
+            self.offset += 1 if text.startswith("bytes:") else len(text)
+            if j == 0:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            row = lp[j - 1]
+            top = torch.topk(row, min(self.top, row.numel())) if self.top else None
+            entry = {self._token(i): v for i, v in zip(top.indices.tolist(), top.values.tolist())} if top else {}
+            entry.setdefault(text, float(row[t]))
+            out["token_logprobs"].append(float(row[t]))
+            out["top_logprobs"].append(entry)
+        return out
+
     def _chat_entry(self, lp: TokenLogprobs) -> dict[str, Any]:
         text = self._token(lp.token)
         return {"token": text, "logprob": lp.logprob, "bytes": self._bytes(lp.token),

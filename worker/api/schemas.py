@@ -2,7 +2,9 @@
 
 Fields follow the OpenAI API. Unknown fields are ignored (clients send fields this server
 does not use, such as ``user``); known but unsupported features are refused with a 400
-that names the parameter, rather than silently ignored (``echo``, ``suffix``, tools).
+that names the parameter, rather than silently ignored (``suffix``, tools, ``echo`` with
+``n`` > 1). ``echo`` puts the prompt's text before the completion (and with ``logprobs``, the
+prompt tokens' log probabilities: :meth:`worker.engine.Engine.prompt_logits`).
 ``n`` (and completions' ``best_of``, the ``n`` most likely of ``best_of`` samples by total
 log probability) run that many samples of one prompt, at most ``service.max_n``; sample ``i``
 is seeded ``seed + i`` when a ``seed`` is given. ``response_format`` ``json_object`` and ``json_schema`` constrain the output
@@ -160,8 +162,8 @@ class CompletionRequest(BaseRequest, kw_only=True):
 
     def checks(self) -> None:
         self.common_checks()
-        if self.echo:
-            raise ApiError.invalid("echo is not supported", "echo")
+        if self.echo and self.samples > 1:
+            raise ApiError.invalid("echo: not supported with n or best_of above 1", "echo")
         if self.best_of is not None and self.best_of < self.n:
             raise ApiError.invalid(f"best_of: must be at least n ({self.n})", "best_of")
         if self.best_of not in (None, self.n) and self.stream:
