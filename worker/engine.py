@@ -275,7 +275,11 @@ class Engine:
             return "disabled"
         if not self.registered:
             return "unregistered"
-        return "unreachable" if self._away_since else "suspended" if self._suspended else "reachable"
+        if self._away_since or (self.client is not None and not self.client.connected):
+            # NOTE: the bus itself says so at once: a disconnected client is unreachable before
+            # any call has failed (readiness must not report "reachable" while NATS is down)
+            return "unreachable"
+        return "suspended" if self._suspended else "reachable"
 
     def salt(self, tenant: str) -> bytes:
         s = self._salts.get(tenant)

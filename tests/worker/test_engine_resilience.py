@@ -37,7 +37,7 @@ async def test_coordinator_down_serves_by_recomputation_and_keeps_the_cache(make
         r = await e.generate(toks, max_tokens=2)          # the lease call fails: recompute
         assert same(cold, r) and r.cached_tokens == 0 and r.degraded and "degraded" in r.fallbacks
         assert e.health().degraded
-        await until(lambda: e.contact == "unreachable")   # the heartbeat confirms: unreachable
+        await until(lambda: e.contact == "unreachable" and e.degraded)   # the heartbeat confirms: unreachable
         h = e.health()
         assert h.degraded and "unreachable" in h.reason and h.contact == "unreachable"
         assert e.registered and h.pool_used["compressed"] == used   # the cache and the epoch are kept
@@ -103,7 +103,7 @@ async def test_out_of_contact_past_the_grace_registers_anew(make_engine) -> None
         await e.generate(toks, max_tokens=1)
         await e.flush()
         twin.down = True
-        await until(lambda: e.contact == "unreachable")
+        await until(lambda: e.contact == "unreachable" and e.degraded)   # the engine noticed, too
         await asyncio.sleep(0.6)                            # longer than the grace period
         twin.expire(); twin.expire(time.time_ns() // 1_000_000 + 2_000)   # the coordinator fenced it meanwhile
         twin.down = False
