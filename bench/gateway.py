@@ -28,18 +28,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
+
+from bench.tiny_stack import launch_up
 
 WORDS = ("ledger", "block", "replica", "lease", "worker", "tenant", "prefix", "cache", "commit", "token",
          "window", "entry", "audit", "epoch", "offload", "validate")
@@ -51,17 +51,7 @@ def user_text(rng: random.Random, n: int) -> str:
 
 def start_stack(d: Path) -> tuple[subprocess.Popen, dict]:
     (d / "kvledger.yaml").write_text("state_dir: state\nworker:\n  pool_bytes: 33554432\n")
-    p = subprocess.Popen([sys.executable, "-m", "kvledger.cli", "up", "--config", "kvledger.yaml", "--workers", "3",
-                          "--coordinator-port", "0", "--worker-base-port", "0", "--gateway-port", "0", "--quiet"],
-                         cwd=d, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
-    assert p.stdout is not None
-    for line in p.stdout:
-        if "up; Ctrl-C" in line:
-            break
-        if "kvledger up: error" in line:
-            raise SystemExit(f"bench.gateway: the stack did not start: {line.strip()}")
-    return p, json.loads((d / "state" / "stack.json").read_text())
+    return launch_up(d, 3)
 
 
 async def turn(http: aiohttp.ClientSession, url: str, prompt: str) -> tuple[float, int, int, str]:

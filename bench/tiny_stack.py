@@ -29,24 +29,32 @@ def write_checkpoint(directory: Path) -> Path:
                           bos="<s>", eos="</s>", template=CHAT_TEMPLATE)
 
 
+def launch_up(d: Path, workers: int) -> tuple[subprocess.Popen, dict]:
+    """``kvledger up`` in ``d`` (with its ``kvledger.yaml``) on free ports, once it is up: the
+    process and its ``stack.json``."""
+    up = subprocess.Popen([sys.executable, "-m", "kvledger.cli", "up", "--config", "kvledger.yaml", "--workers",
+                           str(workers), "--coordinator-port", "0", "--worker-base-port", "0", "--gateway-port", "0",
+                           "--quiet"], cwd=d, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert up.stdout is not None
+    for line in up.stdout:
+        if "up; Ctrl-C" in line:
+            break
+        if "kvledger up: error" in line:
+            up.kill()
+            raise SystemExit(f"the stack did not start: {line.strip()}")
+    return up, json.loads((d / "state" / "stack.json").read_text())
+
+
 @contextmanager
 def tiny_stack(workers: int, prefix: str) -> Iterator[tuple[Path, Path, dict]]:
     """(work directory, checkpoint, stack.json) of a running ``kvledger up`` on the tiny checkpoint."""
     d = Path(tempfile.mkdtemp(prefix=prefix))
     model = write_checkpoint(d / "model")
     (d / "kvledger.yaml").write_text(f"state_dir: state\nworker:\n  model_dir: {model}\n  pool_bytes: 33554432\n")
-    up = subprocess.Popen([sys.executable, "-m", "kvledger.cli", "up", "--config", "kvledger.yaml", "--workers",
-                           str(workers), "--coordinator-port", "0", "--worker-base-port", "0", "--gateway-port", "0",
-                           "--quiet"], cwd=d, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    up, stack = launch_up(d, workers)
     try:
-        assert up.stdout is not None
-        for line in up.stdout:
-            if "up; Ctrl-C" in line:
-                break
-            if "kvledger up: error" in line:
-                raise SystemExit(f"the stack did not start: {line.strip()}")
-        yield d, model, json.loads((d / "state" / "stack.json").read_text())
+        yield d, model, stack
     finally:
         up.send_signal(signal.SIGTERM)
         try:

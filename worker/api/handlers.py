@@ -186,6 +186,16 @@ async def _generate(request: web.Request, body: BaseRequest, shape: _Shape, toke
         await job.aclose()
 
 
+async def _end_with_error(resp: web.StreamResponse, send: Any, e: Exception) -> web.StreamResponse:
+    """A stream that has started ends with an error event (OpenAI's shape) and ``[DONE]``."""
+    err = to_api_error(e) or internal_error()
+    with contextlib.suppress(ConnectionResetError):
+        await send(err.body())
+        await send(b"[DONE]")
+        await resp.write_eof()
+    return resp
+
+
 def _joined(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[str, Any] | None:
     """Two completions logprobs objects as one (the echoed prompt's, then the completion's)."""
     if first is None or then is None:
@@ -241,12 +251,7 @@ async def _stream(request: web.Request, body: BaseRequest, shape: _Shape, job: J
     except Exception as e:  # noqa: BLE001 - before the first token: an HTTP status; after: an error event
         if resp is None:
             raise
-        err = to_api_error(e) or internal_error()
-        with contextlib.suppress(ConnectionResetError):
-            await send(err.body())
-            await send(b"[DONE]")
-            await resp.write_eof()
-        return resp
+        return await _end_with_error(resp, send, e)
     if resp is None:
         await start()
     tail = text.finish()
@@ -400,12 +405,7 @@ async def _stream_samples(request: web.Request, body: BaseRequest, shape: _Shape
     except ConnectionResetError:
         raise asyncio.CancelledError() from None
     except Exception as e:  # noqa: BLE001 - the stream has started: an error event
-        err = to_api_error(e) or internal_error()
-        with contextlib.suppress(ConnectionResetError):
-            await send(err.body())
-            await send(b"[DONE]")
-            await resp.write_eof()
-        return resp
+        return await _end_with_error(resp, send, e)
     if include_usage:
         await send({**shape.head("chat.completion.chunk" if shape.chat else "text_completion"), "choices": [],
                     "usage": _samples_usage(samples)})
