@@ -692,21 +692,39 @@ async def pool_exhausted(run: Run, drill: str) -> Fault:
     f = Fault(drill, f"wp's smallest pool (2 slots) exhausted by {len(convs)} concurrent conversations",
               run.history.now())
     t0 = time.monotonic()
+    peak: dict[str, int] = {}                 # the most slots of each wp pool seen in use during the load
+
+    async def watch() -> None:
+        # NOTE: sampled all along: at any one instant (say, the load's end) a request may just have
+        # released its slots, so "full at the end" would be a coin toss, not evidence
+        while True:
+            with contextlib.suppress(Exception):
+                pools = await stack.admin_get("/v1/pools", timeout_s=5)
+                for form, p in next(p for p in pools["pools"] if p["worker_id"] == "wp")["forms"].items():
+                    peak[form] = max(peak.get(form, 0), p["used"])
+            await asyncio.sleep(0.05)
+
+    watcher = asyncio.get_running_loop().create_task(watch())
     load = run.load(drill, convs).start()
-    await load.wait_done(len(convs) * run.script.turns)
-    pools = await stack.admin_get("/v1/pools")
-    await load.stop()
+    try:
+        await load.wait_done(len(convs) * run.script.turns)
+        pools = await stack.admin_get("/v1/pools")
+        await load.stop()
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
     # reuse comes back once the pressure is gone (from the start of the pressure)
     f.recovery_s = max(await run.probe(drill, t0, "wp"))
     wp = next(p for p in pools["pools"] if p["worker_id"] == "wp")
     refused = await stack.metric("wp", "kvl_worker_lease_errors_total", code="over_capacity") - refused0
     fallbacks = await stack.metric("wp", "kvl_worker_fallbacks_total") - fb0
     form = pressured_form(wp["forms"])
-    f.evidence = {f"{form}_pool": wp["forms"][form], "over_capacity_refusals": int(refused),
-                  "fallbacks": int(fallbacks),
-                  "reused_requests": sum(1 for r in run.history.of(drill) if r.cached_tokens > 0)}
     pool = wp["forms"][form]
-    assert pool["limit"] <= 2 and pool["used"] == pool["limit"], f"wp's {form} pool is not full: {f.evidence}"
+    f.evidence = {f"{form}_pool": pool, f"{form}_peak_used": peak.get(form, 0),
+                  "over_capacity_refusals": int(refused), "fallbacks": int(fallbacks),
+                  "reused_requests": sum(1 for r in run.history.of(drill) if r.cached_tokens > 0)}
+    assert pool["limit"] <= 2 and peak.get(form, 0) == pool["limit"], f"wp's {form} pool never filled: {f.evidence}"
     assert refused + fallbacks > 0, f"wp never ran out of {form} slots: {f.evidence}"
     return run.close(f, set(), load)
 
