@@ -172,10 +172,18 @@ def test_up_two_workers_requests_audit_and_sigterm_leaves_nothing(tmp_path: Path
             break
         time.sleep(0.2)
     assert cached == 32
-    # the stack's one endpoint: the gateway sends the same prompt where it is cached
+    # The stack's one endpoint: the gateway sends a prompt where it is cached. The prompt above is
+    # on both workers (a tie the gateway may break either way), so this one goes to worker-1 only.
+    only_one = "Every replica is validated before a kernel reads it. "  # 53 bytes: three full blocks
+    direct = openai.OpenAI(base_url=f"{stack['worker_urls'][1]}/v1", api_key="unused", max_retries=0, timeout=60)
+    for _ in range(20):
+        if direct.completions.create(prompt=only_one, max_tokens=1, model="kvledger/dsv4-tiny") \
+                .usage.prompt_tokens_details.cached_tokens:
+            break
+        time.sleep(0.2)
     gw = openai.OpenAI(base_url=f"{stack['gateway_url']}/v1", api_key="unused", max_retries=0, timeout=60)
-    raw = gw.completions.with_raw_response.create(prompt=prompt, max_tokens=1, model="kvledger/dsv4-tiny")
-    assert raw.headers["x-kvl-worker"] == "worker-0" and raw.parse().usage.prompt_tokens_details.cached_tokens == 32
+    raw = gw.completions.with_raw_response.create(prompt=only_one, max_tokens=1, model="kvledger/dsv4-tiny")
+    assert raw.headers["x-kvl-worker"] == "worker-1" and raw.parse().usage.prompt_tokens_details.cached_tokens == 48
 
     # The admin commands against the live coordinator, once every transition is committed
     # (a worker's outbox is empty when the coordinator's watermark covers all it sent).
