@@ -27,9 +27,13 @@ Products whose reduction length itself varies (attention over a history that gro
 made invariant here but by their callers' layout: a fixed split of the reduction into
 :data:`KEY_CHUNK`-wide pieces, summed in order (``kernels.sparse_attention.reference``).
 
-The rule is a measurement of one BLAS build, not a law: :func:`probe` re-checks it for given
-shapes on the machine that runs the model, and the worker refuses to fuse requests (and to
-export decode-made blocks) when it fails there.
+The rule is a measurement of one BLAS build on one CPU, not a law. The row floor moves with
+the CPU: 4 rows on the AVX2 Xeon it was first measured on, 16 on an AVX-512/AMX Xeon (Sapphire
+Rapids) with the same torch build, where products of 12–15 rows take a kernel of their own. So
+:func:`calibrate` finds the floor on the machine that runs the model (the smallest of
+:data:`ROW_FLOORS` for which :func:`probe` passes at the model's shapes) and sets
+:data:`MIN_ROWS`; where none passes, the worker refuses to fuse requests (and to export
+decode-made blocks).
 """
 
 from __future__ import annotations
@@ -40,8 +44,11 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-#: Smallest row count whose rows are computed as in any larger product (measured; see above).
+#: Smallest row count whose rows are computed as in any larger product: set by :func:`calibrate`
+#: for this machine (4 until then, the first machine's floor; see above).
 MIN_ROWS = 4
+#: The row floors :func:`calibrate` tries, smallest first (padding costs more rows per product).
+ROW_FLOORS = (4, 8, 12, 16, 24, 32, 64)
 #: Smallest column count whose columns are computed as in any wider product.
 MIN_COLS = 12
 #: Elementwise ops see inputs padded to a multiple of this many elements (2 vectors of 16 floats
@@ -118,11 +125,19 @@ def bmm_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y[:, :m] if m < MIN_ROWS else y
 
 
-def probe(shapes: Iterable[tuple[int, int]], rows: Iterable[int] = (1, 2, 3, 4, 5, 7, 16, 33, 64, 129, 256),
-          *, seed: int = 0, dtype: torch.dtype = torch.float32) -> list[str]:
-    """Check that :func:`linear` keeps a row's bits for every row count in ``rows``.
+#: Row counts :func:`probe` compares: both sides of every floor in :data:`ROW_FLOORS`, and beyond.
+PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 11, 12, 13, 15, 16, 17, 23, 24, 25, 31, 32, 33, 63, 64, 65, 129, 256)
 
-    ``shapes`` are ``(in_features, out_features)`` pairs. Returns one line per failure (empty:
+
+def probe(shapes: Iterable[tuple[int, int]], rows: Iterable[int] = PROBE_ROWS,
+          *, seed: int = 0, dtype: torch.dtype = torch.float32,
+          grouped: Iterable[tuple[int, int, int]] = ()) -> list[str]:
+    """Check that :func:`linear` and :func:`bmm_rows` keep a row's bits for every row count in
+    ``rows``, with the current :data:`MIN_ROWS`.
+
+    ``shapes`` are ``(in_features, out_features)`` pairs of :func:`linear`; ``grouped`` are
+    ``(groups, in, out)`` of :func:`bmm_rows` products against a ``[groups, out, in]`` weight
+    seen transposed (``GroupedLinear``'s layout). Returns one line per failure (empty:
     invariant here). Cheap (tiny random products), so a worker runs it at start, in the dtype its
     model computes in (bfloat16 and float16 products take other kernels than float32).
     """
@@ -141,6 +156,57 @@ def probe(shapes: Iterable[tuple[int, int]], rows: Iterable[int] = (1, 2, 3, 4, 
                 ref = got
             elif not torch.equal(got, ref):
                 failures.append(f"linear {k}->{n} {str(dtype).removeprefix('torch.')}: row differs at {m} rows "
-                                f"vs {rows[0]}")
+                                f"vs {rows[0]} (row floor {MIN_ROWS})")
+                break
+    for groups, k, n in sorted(set(grouped)):
+        w = torch.randn(groups, n, k, generator=g).to(dtype).transpose(1, 2)
+        probe_row = torch.randn(k, generator=g).to(dtype)
+        ref = None
+        for m in rows:
+            x = torch.randn(groups, m, k, generator=g).to(dtype)
+            x[:, m // 2] = probe_row
+            got = bmm_rows(x, w)[:, m // 2]
+            if ref is None:
+                ref = got
+            elif not torch.equal(got, ref):
+                failures.append(f"bmm {groups}x {k}->{n} {str(dtype).removeprefix('torch.')}: row differs at {m} rows "
+                                f"vs {rows[0]} (row floor {MIN_ROWS})")
                 break
     return failures
+
+
+def calibrate(shapes: Iterable[tuple[int, int]], *, dtype: torch.dtype = torch.float32,
+              grouped: Iterable[tuple[int, int, int]] = ()) -> list[str]:
+    """Set :data:`MIN_ROWS` to the smallest floor in :data:`ROW_FLOORS` for which :func:`probe`
+    passes at ``shapes`` on this machine; returns the failures of the largest floor when none
+    does (and leaves it there: the caller then does not fuse).
+
+    NOTE: process-wide, like the BLAS it measures; the floor only grows (a second model in the
+    process never lowers what the first one needs)."""
+    global MIN_ROWS
+    shapes, grouped = sorted(set(shapes)), sorted(set(grouped))
+    failures: list[str] = []
+    for floor in ROW_FLOORS:
+        if floor < MIN_ROWS:
+            continue
+        MIN_ROWS = floor
+        failures = probe(shapes, dtype=dtype, grouped=grouped)
+        if not failures:
+            return []
+    return failures
+
+
+def _calibrate_at_import() -> None:
+    """Calibrate once for shapes typical of small models, with one thread (the rule's condition),
+    before any product runs: every computation of this process then uses the same floor, whether
+    an engine (which re-calibrates at its model's shapes; the floor only grows) exists yet or not."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        calibrate([(32, 256), (64, 256), (128, 12), (256, 24), (256, 256), (512, 320), (1024, 256)],
+                  grouped=[(2, 128, 64), (4, 256, 128)])
+    finally:
+        torch.set_num_threads(threads)
+
+
+_calibrate_at_import()

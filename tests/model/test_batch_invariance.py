@@ -16,7 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels.invariant import MIN_COLS, MIN_ROWS, linear, pointwise, probe
+import kernels.invariant as inv
+from kernels.invariant import MIN_COLS, ROW_FLOORS, linear, pointwise, probe
 from kernels.sparse_attention.reference import sparse_attn_ref
 from worker.stepper import Stepper
 
@@ -37,9 +38,30 @@ def test_linear_rows_keep_their_bits_for_any_row_count() -> None:
     assert probe([(64, 4), (64, 8), (64, 128), (256, 24), (32, 256)], rows=range(1, 70)) == []
     g = torch.Generator().manual_seed(0)
     w = torch.randn(5, 32, generator=g)               # fewer outputs than MIN_COLS: padded inside
-    x = torch.randn(MIN_ROWS + 3, 32, generator=g)
+    x = torch.randn(inv.MIN_ROWS + 3, 32, generator=g)
     assert torch.equal(bits(linear(x[:1], w)), bits(linear(x, w)[:1]))
-    assert linear(x, w).shape == (MIN_ROWS + 3, 5) and MIN_COLS > 5
+    assert linear(x, w).shape == (inv.MIN_ROWS + 3, 5) and MIN_COLS > 5
+    assert probe([], grouped=[(2, 128, 16), (4, 64, 32)], rows=range(1, 70)) == []
+
+
+def test_the_row_floor_is_calibrated_on_this_machine_and_only_grows() -> None:
+    """The floor is this CPU's (4 rows on an AVX2 Xeon, 16 on an AVX-512/AMX one): the smallest
+    candidate for which the probe passes, found at import; a later calibration never lowers it."""
+    floor = inv.MIN_ROWS
+    assert floor in ROW_FLOORS and probe([(256, 24), (1024, 256)]) == []
+    below = [f for f in ROW_FLOORS if f < floor]
+    if below:                                      # the floor is needed: the one below it fails
+        inv.MIN_ROWS = below[-1]
+        try:
+            assert probe([(32, 256), (64, 256), (128, 12), (256, 24), (256, 256), (512, 320), (1024, 256)],
+                         grouped=[(2, 128, 64), (4, 256, 128)]) != []
+        finally:
+            inv.MIN_ROWS = floor
+    inv.MIN_ROWS = ROW_FLOORS[-1]
+    try:
+        assert inv.calibrate([(64, 128)]) == [] and inv.MIN_ROWS == ROW_FLOORS[-1]
+    finally:
+        inv.MIN_ROWS = floor
 
 
 def test_pointwise_bits_do_not_depend_on_the_tensor_size() -> None:

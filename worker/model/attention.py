@@ -42,6 +42,8 @@ class GroupedLinear(nn.Module):
         super().__init__()
         self.groups = groups
         self.weight = nn.Parameter(torch.empty(groups * out_per_group, in_per_group))
+        #: What ``check_invariance`` probes for this product.
+        self.grouped_shape = (groups, in_per_group, out_per_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, groups, in_per_group]`` → ``[T, groups * out_per_group]``."""

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from kernels.invariant import invariant_here, probe
+from kernels.invariant import calibrate, invariant_here
 from shared.forms import FormCatalogue
 from worker.model.state import Batch, CacheState, Segment
 
@@ -56,6 +56,11 @@ class CausalLM(nn.Module):
         """``(in, out)`` of every product the forward runs, for :meth:`check_invariance`."""
         return {(m.in_features, m.out_features) for m in self.modules() if isinstance(m, nn.Linear)}
 
+    def _grouped_shapes(self) -> set[tuple[int, int, int]]:
+        """``(groups, in, out)`` of every grouped product (``bmm_rows`` against a module's
+        weight, declared as its ``grouped_shape``), for :meth:`check_invariance`."""
+        return {m.grouped_shape for m in self.modules() if getattr(m, "grouped_shape", None)}
+
     # ---- shared ---------------------------------------------------------------------------------
 
     @property
@@ -72,14 +77,14 @@ class CausalLM(nn.Module):
                              forms=tuple(layout.spec for layout in self.form_layouts(block_size).values()))
 
     def check_invariance(self) -> list[str]:
-        """Probe this machine's products at this model's shapes and dtype (``kernels.invariant.probe``);
+        """Find this machine's row floor at this model's shapes and dtype (``kernels.invariant.calibrate``);
         sets :attr:`batch_invariant` and returns what failed (empty: invariant)."""
         if self.device.type != "cpu":
             # NOTE: the rules are measured for the CPU path only; cuBLAS and the Triton kernels
             # (fixed tiles, but not yet checked row against batch) run one request per forward.
             failures = [f"batch invariance is established for the CPU path only, not for {self.device.type}"]
         else:
-            failures = probe(self._product_shapes(), dtype=self.dtype)
+            failures = calibrate(self._product_shapes(), dtype=self.dtype, grouped=self._grouped_shapes())
         self.batch_invariant = not failures
         return failures
 
