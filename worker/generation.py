@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -167,12 +167,16 @@ class Generated:
 
 async def generate(s: Session, sampling: SamplingParams, *, max_tokens: int,
                    stop_token_ids: Collection[int] = (), keep_logits: bool = False,
-                   on_token: Callable[[int, TokenLogprobs | None], bool] | None = None) -> Generated:
+                   on_token: Callable[[int, TokenLogprobs | None], bool] | None = None,
+                   on_prefilled: Callable[[], Awaitable[None]] | None = None) -> Generated:
     """Prefill the session's prompt, then sample and decode until ``max_tokens``, a stop token,
     or ``on_token(token, logprobs)`` (called once per token, as it is sampled; logprobs when the
-    sampling asks for them) returning True."""
+    sampling asks for them) returning True. ``on_prefilled()`` runs once the prompt is in the
+    state, before anything is decoded (where ``n`` > 1 samples fork it)."""
     sampler = Sampler(sampling, s.tokens, stop_token_ids)
     logits = await s.prefill_rest()
+    if on_prefilled is not None:
+        await on_prefilled()
     out: list[int] = []
     kept: list[torch.Tensor] = []
     first_at = 0.0

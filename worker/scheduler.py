@@ -143,6 +143,8 @@ class ServingMetrics:
                                 ["reason"], registry=r)
         self.quota_skipped = Counter(p + "tenant_quota_skipped_blocks", "Blocks computed but not cached because "
                                      "the tenant's cache quota was reached", registry=r)
+        self.forked = Counter(p + "forked_samples", "Samples of an n > 1 request that decoded a copy of "
+                              "another sample's prompt state instead of opening their own", registry=r)
         self.http = Counter(p + "http_requests", "HTTP requests by route and status", ["route", "status"],
                             registry=r)
 
@@ -211,6 +213,13 @@ class Job:
         self.logprobs: list[TokenLogprobs] = []
         self._events: asyncio.Queue[int | _End | BaseException] = asyncio.Queue()
         self._error: BaseException | None = None
+        #: n > 1: where this job waits for a copy of another job's state after the prompt
+        #: (None in the future = open a session of its own).
+        self.fork_from: asyncio.Future[Session | None] | None = None
+        #: The futures of jobs waiting to fork this one's state; None once it is past its prompt.
+        self._forks: list[asyncio.Future[Session | None]] | None = []
+        #: Whether this job decoded a fork of another job's state.
+        self.forked = False
 
     def __aiter__(self) -> Job:
         return self
@@ -314,8 +323,15 @@ class Scheduler:
         if n + req.max_tokens > self.max_context:
             raise ContextTooLong(n, req.max_tokens, self.max_context)
 
-    def submit(self, req: GenRequest) -> Job:
-        """Queue a request and start its task; raises at once if it cannot be accepted."""
+    def submit(self, req: GenRequest, fork_of: Job | None = None) -> Job:
+        """Queue a request and start its task; raises at once if it cannot be accepted.
+
+        ``fork_of`` (another sample of the same prompt, ``n`` > 1): this job decodes a copy of
+        that job's state once its prompt is done, instead of leasing, restoring and prefilling
+        the prompt again; if that job is already past its prompt, or ends before, this one
+        opens its own session (resuming from the cache as any request)."""
+        if fork_of is not None and fork_of.req.tokens != req.tokens:
+            raise ValueError("a fork must share its source's prompt")
         if self._closed:
             raise ShuttingDown()
         self.check(req)
@@ -325,6 +341,9 @@ class Scheduler:
             self.metrics.rejected.labels(reason="queue_full").inc()
             raise QueueFull(len(self._waiting), retry)
         job = Job(req, next(self._seq), time.perf_counter())
+        if fork_of is not None and fork_of._forks is not None:
+            job.fork_from = asyncio.get_running_loop().create_future()
+            fork_of._forks.append(job.fork_from)
         self._jobs.add(job)
         self._waiting.append(job)
         self._gauges()
@@ -424,6 +443,7 @@ class Scheduler:
             job._events.put_nowait(InternalError(f"the worker failed to serve this request ({type(e).__name__}; "
                                                  f"logged as job {job.id})"))
         finally:
+            self._end_forks(job)
             self.metrics.finished.labels(reason=reason).inc()
             self.engine.metrics.requests.labels(outcome="ok" if reason in ("stop", "length") else reason).inc()
             self._leave(job)
@@ -443,10 +463,47 @@ class Scheduler:
             raise
         self.metrics.queue_time.observe(job.admitted_at - job.arrival)
 
+    async def _open(self, job: Job) -> Session:
+        """The job's session: a fork of another job's (``submit(fork_of=)``) or its own."""
+        e, req, fut = self.engine, job.req, job.fork_from
+        if fut is not None:
+            try:
+                s = await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled() and fut.result() is not None:
+                    await e.close(fut.result())     # handed over just as this job was cancelled
+                raise
+            if s is not None:
+                self.metrics.forked.inc()
+                job.forked = True
+                return s
+        return await e.open(req.tokens, tenant=req.tenant.id, reuse=req.reuse, max_new_tokens=req.max_tokens)
+
+    async def _fork(self, job: Job, s: Session) -> None:
+        """Hand a copy of ``s``'s state to every job waiting for one (at the end of the prompt)."""
+        waiting = [f for f in job._forks or () if not f.done()]
+        job._forks = None
+        if not waiting:
+            return
+        states = await self.engine.compute(lambda: [s.state.fork() for _ in waiting])
+        for fut, state in zip(waiting, states, strict=True):
+            if not fut.done():                          # its job may have gone meanwhile
+                child = s.fork(state)
+                self.engine.sessions.add(child)
+                fut.set_result(child)
+
+    @staticmethod
+    def _end_forks(job: Job) -> None:
+        """Jobs still waiting to fork ``job`` (it ended before its prompt was done) open their own."""
+        for fut in job._forks or ():
+            if not fut.done():
+                fut.set_result(None)
+        job._forks = None
+
     async def _generate(self, job: Job) -> Outcome:
         e = self.engine
         req = job.req
-        s = await e.open(req.tokens, tenant=req.tenant.id, reuse=req.reuse, max_new_tokens=req.max_tokens)
+        s = await self._open(job)
         try:
             job.cached_tokens = s.cached_tokens
             job.fallbacks = list(s.fallbacks)
@@ -473,7 +530,8 @@ class Scheduler:
                 return job.stopped
 
             g = await generate(s, req.sampling, max_tokens=req.max_tokens, stop_token_ids=req.stop_token_ids,
-                               keep_logits=req.keep_logits, on_token=on_token)
+                               keep_logits=req.keep_logits, on_token=on_token,
+                               on_prefilled=lambda: self._fork(job, s))
         finally:
             # NOTE: shielded: a second cancellation must not stop the release of the leases.
             await asyncio.shield(e.close(s))

@@ -202,6 +202,10 @@ class Session:
         #: ``(meta, bytes)`` to install and commit once the model is busy again (or at close).
         self._pending: list[tuple[BlockMeta, torch.Tensor]] = []
         self._outcomes: dict[tuple[str, str], int] = {}
+        #: A copy of another session's state after its prompt (``n`` > 1 samples): it holds no
+        #: lease of its own, and caches only its reply's blocks, under a lease taken at close.
+        self.forked = False
+        self._forked_leased = False     # a fork: whether the session it forked from held a lease
 
     def _spent(self, phase: str, since: float) -> None:
         self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - since
@@ -597,6 +601,35 @@ class Session:
             if need[0] in granted.get(need[1], ()):
                 self._pending.append((self._meta(need, f.ref), f.data))
 
+    def fork(self, state) -> Session:
+        """Another sample of this prompt: a session at the end of the prompt holding ``state``
+        (a :meth:`CacheState.fork` of this one's, taken before this session decodes anything).
+
+        Its next logits are this session's, so it samples its first token from exactly what a
+        session of its own would have computed (the state is a bit-for-bit copy), without a
+        lease, a restore or a prefill of its own. It reports the prompt's cache use as this
+        session's (the one prefill they share)."""
+        if not self.done_prefill or self.fed or self.logits is None:
+            raise RuntimeError("a session forks at the end of its prompt, before it decodes")
+        if state.pos != self.state.pos:
+            raise ValueError(f"fork: the state is at {state.pos}, the session at {self.state.pos}")
+        c = Session(self.engine, self.tokens, tenant=self.tenant, reuse=self.reuse, max_new_tokens=1)
+        c.capacity = self.capacity      # the state's, which this session's max_new_tokens sized
+        c.hashes = list(self.hashes)
+        c.epoch = self.epoch
+        c.write_room = self.write_room
+        c.resume_blocks, c.hit_blocks = self.resume_blocks, self.hit_blocks
+        c.fallbacks = list(self.fallbacks)
+        c.degraded = self.degraded
+        c.state, c.prefill_pos, c.logits = state, self.prefill_pos, self.logits
+        c.forked, c._forked_leased = True, self._leased_prompt
+        return c
+
+    @property
+    def _leased_prompt(self) -> bool:
+        """Whether a lease covered this prompt when it opened (the fork's source's, for a fork)."""
+        return self._forked_leased if self.forked else self.main is not None
+
     # --- prefill, decode ----------------------------------------------------------------------
 
     @property
@@ -700,7 +733,7 @@ class Session:
         state = self.state
         if not e.cache_enabled or state is None or e.degraded or e.draining or not e.stepper.fused:
             return
-        if self.main is None:
+        if not self._leased_prompt:
             if self.hashes or self.degraded:
                 return                  # the opening lease was refused or never asked: leave it
             self.epoch = e.epoch        # a prompt shorter than a block: this is its first lease

@@ -150,8 +150,10 @@ async def test_n_samples_share_the_prompt_and_are_reproducible_by_seed(serve, re
         texts = [ch.text for ch in r.choices]
         assert [ch.index for ch in r.choices] == list(range(8)) and len(set(texts)) == 8
         assert r.usage.prompt_tokens == 32 and r.usage.completion_tokens == 48
-        # the later samples resumed from the prompt the first one computed
-        assert all(k > 0 for k in r.model_extra["kvl"]["samples_cached_tokens"][1:])
+        # one prefill: the later samples decoded copies of the state the first one's prompt left
+        assert r.model_extra["kvl"]["samples_forked"] == [False] + [True] * 7
+        assert r.model_extra["kvl"]["samples_cached_tokens"] == [0] * 8
+        assert 'kvl_worker_forked_samples_total 7.0' in (await s.get("/metrics"))[1]
         again = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=11, n=8)
         assert [ch.text for ch in again.choices] == texts
         # sample i is the request with seed + i on its own

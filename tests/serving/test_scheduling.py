@@ -84,6 +84,30 @@ async def test_interleaved_requests_are_bit_identical_to_cold_runs(serve, refere
             assert out.tokens == cold.tokens and torch.equal(out.logits.view(torch.int32), cold.logits.view(torch.int32))
 
 
+async def test_forked_samples_are_bit_identical_to_their_own_cold_runs(serve, reference) -> None:
+    """n > 1: samples forked from one prefill compute what each would alone, logits and all,
+    fused or not; a fork whose source is past its prompt opens its own session instead."""
+    prompt = list(_prompts(3)[1].encode()) * 3
+    for over in ({}, {"service": {"max_batch_tokens": 16}}):
+        async with serve(**over) as s:
+            def req(seed: int) -> GenRequest:
+                return GenRequest(tokens=prompt, max_tokens=5, tenant=Tenant("default"), keep_logits=True,
+                                  sampling=SamplingParams(temperature=1.0, seed=seed))
+            first = s.scheduler.submit(req(0))
+            forks = [s.scheduler.submit(req(i), fork_of=first) for i in range(1, 4)]
+            outs = await asyncio.gather(*(j.wait() for j in [first, *forks]))
+            assert [j.forked for j in [first, *forks]] == [False, True, True, True]
+            late = s.scheduler.submit(req(9), fork_of=first)         # first is done: its own session
+            outs.append(await late.wait())
+            assert not late.forked and late.cached_tokens > 0
+            for seed, out in zip([0, 1, 2, 3, 9], outs):
+                cold = await reference.generate(prompt, max_tokens=5, sampling=SamplingParams(temperature=1.0, seed=seed))
+                assert out.tokens == cold.tokens
+                assert torch.equal(out.logits.view(torch.int32), cold.logits.view(torch.int32))
+            assert len({tuple(o.tokens) for o in outs}) > 1
+            assert not s.engine.sessions
+
+
 async def test_a_step_runs_decodes_first_then_prompts_in_priority_order_within_the_budget() -> None:
     """One forward: every decode token, then the oldest (highest-priority) prompt takes whole
     blocks from what is left of service.max_batch_tokens; a prompt that no longer fits waits."""

@@ -290,29 +290,30 @@ class _Sample:
 
 async def _generate_samples(request: web.Request, body: BaseRequest, shape: _Shape, tokens: list[int],
                             max_tokens: int | None) -> web.StreamResponse:
-    """``n`` (or ``best_of``) samples of one prompt. The first runs alone until its first token:
-    by then its prompt blocks are in this worker's pools, so the others resume from them (their
-    leases find them; a lease that does not yet recomputes, bit-identically) and their decode
-    steps share forwards. Sample ``i`` is seeded ``seed + i`` (with a ``seed``)."""
+    """``n`` (or ``best_of``) samples of one prompt, one prefill: the first sample leases,
+    restores and prefills the prompt; the others wait for it and each decode a copy of the state
+    it leaves (``Scheduler.submit(fork_of=)``); their decode steps share forwards. Sample ``i``
+    is seeded ``seed + i`` (with a ``seed``)."""
     sched = request.app[SCHEDULER]
     body.check_n(request.app[CONFIG].service.max_n)
     base = gen_request(request, body, tokens, max_tokens)
     k, n = body.samples, body.n
     want_lp = base.sampling.logprobs
 
-    def sample(i: int) -> _Sample:
+    def sample(i: int, fork_of: Job | None = None) -> _Sample:
         sp = base.sampling
         seed = None if sp.seed is None else (sp.seed + i) % (1 << 63)
         lp = want_lp if want_lp is not None else (0 if k > n else None)   # best_of ranks by logprob
-        job = sched.submit(dataclasses.replace(base, sampling=dataclasses.replace(sp, seed=seed, logprobs=lp)))
+        job = sched.submit(dataclasses.replace(base, sampling=dataclasses.replace(sp, seed=seed, logprobs=lp)),
+                           fork_of=fork_of)
         return _Sample(job, TextStream(request.app[TOKENIZER].detokenizer(), body.stops()),
                        LogprobsShape(request.app[TOKENIZER], chat=shape.chat, top=want_lp)
                        if want_lp is not None else None)
 
     samples = [sample(0)]
     try:
+        samples += [sample(i, fork_of=samples[0].job) for i in range(1, k)]
         first = await anext(samples[0].job, None)
-        samples += [sample(i) for i in range(1, k)]
         if body.stream:
             return await _stream_samples(request, body, shape, samples, first)
 
@@ -340,7 +341,8 @@ async def _generate_samples(request: web.Request, body: BaseRequest, shape: _Sha
                                         s.lps.entries(s.job.logprobs[:s.text.tokens]) if s.lps else None, i)
                            for i, s in enumerate(chosen)]}
         out["usage"] = _samples_usage(samples)
-        out["kvl"] = {**kvl_info(samples[0].job), "samples_cached_tokens": [s.job.cached_tokens for s in samples]}
+        out["kvl"] = {**kvl_info(samples[0].job), "samples_cached_tokens": [s.job.cached_tokens for s in samples],
+                      "samples_forked": [s.job.forked for s in samples]}
         return json_response(out)
     finally:
         for s in samples:

@@ -34,6 +34,7 @@ caching it could make a resumed request differ in bits from a cold one).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -114,6 +115,13 @@ class CacheState:
     @property
     def completed_blocks(self) -> int:
         return self.pos // self.block_size
+
+    def fork(self) -> CacheState:
+        """An independent copy at the same position, for ``n`` > 1 samples of one prefill: each
+        sample decodes its own copy of the state the prompt left. Every buffer is copied (the
+        config and form layouts are shared, they are immutable), so the copies' steps compute
+        the bits the original's would."""
+        return copy.deepcopy(self, memo={id(self.cfg): self.cfg, id(self.layouts): self.layouts})
 
     def span(self, length: int) -> Span:
         """The next ``length`` positions; checks capacity."""
