@@ -1,10 +1,11 @@
 """lm-eval's ``local-completions`` model against ``kvledger up``: a small multiple-choice
 log-likelihood task from a local file, and the same scores computed from the model directly.
 
-lm-eval is not a dependency of kvledger (it pulls its own stack); install it apart and name it:
+lm-eval is a test dependency (``tests/e2e/test_lm_eval.py`` runs this in ``make test``); from
+the project's environment, or with one installed apart:
 
-    python3 -m venv /tmp/lmvenv && /tmp/lmvenv/bin/pip install "lm-eval[api]" transformers
-    LM_EVAL=/tmp/lmvenv/bin/lm_eval python -m bench.lm_eval_loglikelihood     # ~1 min
+    python -m bench.lm_eval_loglikelihood                                       # ~1 min
+    LM_EVAL=/tmp/lmvenv/bin/lm_eval python -m bench.lm_eval_loglikelihood
 
 What it checks: lm-eval scores each choice with ``echo`` + ``logprobs`` completions (the sum of
 the prompt logprobs over the continuation's tokens, served by the gateway, the prefix cache on:
@@ -62,8 +63,9 @@ def write_task(d: Path, n: int = 12) -> Path:
     return d / "tasks"
 
 
-def main() -> dict:
-    lm_eval = external_tool("LM_EVAL", "lm_eval")
+def main(lm_eval: str | None = None) -> dict:
+    """Run it (``lm_eval``: the harness's executable; default ``$LM_EVAL`` or the one on PATH)."""
+    lm_eval = lm_eval or external_tool("LM_EVAL", "lm_eval")
     with tiny_stack(1, "kvl-bench-lm-eval-") as (d, model_dir, stack):
         tasks = write_task(d)
         env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}

@@ -71,7 +71,9 @@ def metric(url: str, name: str) -> float:
 
 
 def external_tool(env: str, name: str) -> str:
-    path = os.environ.get(env) or shutil.which(name)
+    """The tool's executable: ``$env``, else the one installed beside this Python, else on PATH."""
+    beside = Path(sys.executable).parent / name
+    path = os.environ.get(env) or (str(beside) if beside.exists() else shutil.which(name))
     if not path or not Path(path).exists():
         raise SystemExit(f"{name} not found: install it apart and set {env} (see the benchmark's docstring)")
     return path

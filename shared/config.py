@@ -77,7 +77,7 @@ class ServiceConfig(_Section):
     request_timeout_ms: PosInt = 60000
     queue_size: Annotated[int, msgspec.Meta(ge=0)] = 256
     #: Most samples one request may ask for (``n``, ``best_of``): each runs as its own request
-    #: in the scheduler after the first has filled the cache with the prompt.
+    #: in the scheduler; all but the first decode a copy of the state the first one's prompt left.
     max_n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 16
     queue_timeout_ms: PosInt = 30000
     max_body_bytes: PosInt = 4 * 2**20
