@@ -1,5 +1,8 @@
-"""Structured output: ``response_format`` ``json_object`` / ``json_schema`` as a token mask on
-each step, computed by llguidance (an Earley parser over the tokenizer's vocabulary, made for
+"""Structured output: ``response_format`` ``json_object`` / ``json_schema``, and vLLM's
+``structured_outputs`` extension (exactly one of ``json`` (a schema), ``regex``, ``choice`` (a
+list of strings, the output is one of them) or ``grammar`` (a context-free grammar in the Lark
+syntax llguidance reads: ``start: expr`` and so on)), as a token mask on each step, computed by
+llguidance (an Earley parser over the tokenizer's vocabulary, made for
 LLM decoding; no dependencies, no per-schema precompilation).
 
 Why llguidance (measured on this CPU, a 3-field JSON schema with string, integer and array
@@ -17,8 +20,9 @@ How it keeps the rules:
 * **The end.** A grammar that is complete and admits nothing more (``is_stopped``) ends the
   output with finish reason ``stop``. A model whose vocabulary has an end-of-sequence token
   gets it allowed there; one without (the byte tokenizer) ends by the grammar alone.
-* **Errors.** A schema llguidance cannot compile is a 400 naming ``response_format`` with its
-  message; so is an unknown ``type``.
+* **Errors.** A schema, regex or grammar llguidance cannot compile is a 400 naming the field
+  (``response_format`` or ``structured_outputs``) with its message; so is an unknown ``type`` or
+  key, and both fields in one request.
 * **Compact JSON.** No whitespace between tokens (``whitespace_flexible`` off): a model cannot
   spend its tokens on indentation, and ``max_tokens`` goes to content. Output that reaches
   ``max_tokens`` first ends unfinished (finish reason ``length``), as OpenAI's does.
@@ -27,6 +31,7 @@ How it keeps the rules:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,15 +106,60 @@ class StructuredOutput:
         else:
             raise GrammarError(f"response_format: type {kind!r} is not supported; use text, json_object or "
                                f"json_schema")
+        return self._build("response_format: the schema", lambda: llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), defaults={"whitespace_flexible": False}))
+
+    def compile_extension(self, spec: dict[str, Any] | None) -> Grammar | None:
+        """The grammar of vLLM's ``structured_outputs`` (None or empty: free text)."""
+        if not spec:
+            return None
+        import llguidance
+
+        given = [k for k in _EXTENSION_KINDS if spec.get(k) is not None]
+        unknown = sorted(set(spec) - set(_EXTENSION_KINDS))
+        if unknown:
+            raise GrammarError(f"structured_outputs: unknown key(s) {unknown}; give one of {list(_EXTENSION_KINDS)}")
+        if len(given) != 1:
+            raise GrammarError(f"structured_outputs: give exactly one of {list(_EXTENSION_KINDS)} (got {given or 'none'})")
+        kind, value = given[0], spec[given[0]]
+        M = llguidance.LLMatcher
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    raise GrammarError(f"structured_outputs: json is not a JSON schema: {e}") from None
+            if not isinstance(value, dict):
+                raise GrammarError("structured_outputs: json must be a JSON schema (an object)")
+            return self._build("structured_outputs: the json schema", lambda: M.grammar_from_json_schema(
+                json.dumps(value), defaults={"whitespace_flexible": False}))
+        if kind == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                raise GrammarError("structured_outputs: choice must be a non-empty list of non-empty strings")
+            # each choice a Lark string literal (JSON quoting is Lark's): the output is one of them
+            return self._build("structured_outputs: the choices",
+                               lambda: M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value)))
+        if not isinstance(value, str) or not value:
+            raise GrammarError(f"structured_outputs: {kind} must be a non-empty string")
+        if kind == "regex":
+            return self._build("structured_outputs: the regex", lambda: M.grammar_from_regex(value))
+        return self._build("structured_outputs: the grammar", lambda: M.grammar_from_lark(value))
+
+    def _build(self, what: str, make: Callable[[], str]) -> Grammar:
+        import llguidance
+
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
-                                                                     defaults={"whitespace_flexible": False})
+            grammar = make()
         except (ValueError, TypeError, RuntimeError) as e:
-            raise GrammarError(f"response_format: the schema cannot be compiled: {e}") from None
+            raise GrammarError(f"{what} cannot be compiled: {e}") from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._llg())
         if is_error:
-            raise GrammarError(f"response_format: the schema cannot be compiled: {messages[0] if messages else '?'}")
+            raise GrammarError(f"{what} cannot be compiled: {messages[0].strip() if messages else '?'}")
         return Grammar(grammar, self._llg(), self.model_vocab)
+
+
+#: ``structured_outputs`` keys this worker serves (vLLM's names).
+_EXTENSION_KINDS = ("json", "regex", "choice", "grammar")
 
 
 @dataclass(frozen=True, slots=True)

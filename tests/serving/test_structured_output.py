@@ -60,3 +60,46 @@ async def test_bad_response_formats_are_a_400(serve, fmt, words) -> None:
     async with serve() as s:
         status, doc, _ = await s.post("/v1/chat/completions", {"messages": ASK, "response_format": fmt})
         assert status == 400 and doc["error"]["param"] == "response_format" and words in doc["error"]["message"], doc
+
+
+async def test_structured_outputs_regex_choice_grammar_and_json(serve) -> None:
+    """vLLM's ``structured_outputs`` extension: every output matches, over many seeds."""
+    import re
+
+    grammar = 'start: num (OP num)*\nnum: /[1-9][0-9]?/\nOP: "+" | "*"'
+    async with serve() as s:
+        c = s.client()
+        for seed in range(8):
+            def ask(spec: dict, max_tokens: int = 24):
+                return c.completions.create(model=MODEL, prompt="Answer: ", max_tokens=max_tokens, temperature=1.0,
+                                            seed=seed, extra_body={"structured_outputs": spec})
+            r = await ask({"regex": r"[0-9]{3}-[a-z]{2,4}"})
+            assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", r.choices[0].text), r.choices[0].text
+            assert r.choices[0].finish_reason == "stop"
+            r = await ask({"choice": ["yes", "no", "maybe so"]})
+            assert r.choices[0].text in ("yes", "no", "maybe so") and r.choices[0].finish_reason == "stop"
+            r = await ask({"grammar": grammar})
+            whole = r"[1-9][0-9]?(?:[+*][1-9][0-9]?)*"
+            prefix = r"(?:[1-9][0-9]?[+*])*(?:[1-9][0-9]?)?"       # cut by max_tokens
+            assert re.fullmatch(whole if r.choices[0].finish_reason == "stop" else prefix, r.choices[0].text), \
+                r.choices[0]
+            r = await ask({"json": PERSON}, 120)
+            jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+        chat = await c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, seed=1, temperature=1.0,
+                                               extra_body={"structured_outputs": {"choice": ["red", "blue"]}})
+        assert chat.choices[0].message.content in ("red", "blue")
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"structured_outputs": {"regex": "[0-9"}}, "cannot be compiled"),
+    ({"structured_outputs": {"grammar": "start: ??? bad"}}, "cannot be compiled"),
+    ({"structured_outputs": {"choice": []}}, "non-empty list"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
+    ({"structured_outputs": {"xml": "<a/>"}}, "unknown key"),
+    ({"structured_outputs": {"json": "{not json"}}, "not a JSON schema"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "not both"),
+])
+async def test_bad_structured_outputs_are_a_400(serve, body, words) -> None:
+    async with serve() as s:
+        status, doc, _ = await s.post("/v1/completions", {"prompt": "x", **body})
+        assert status == 400 and doc["error"]["param"] == "structured_outputs" and words in doc["error"]["message"], doc

@@ -70,8 +70,16 @@ def check_model(served: Served, model: str | None) -> None:
 
 
 def structured(request: web.Request, body: BaseRequest) -> Any:
+    so = request.app[STRUCTURED]
+    if body.structured_outputs:
+        if body.response_format and body.response_format.get("type") not in (None, "text"):
+            raise ApiError.invalid("give response_format or structured_outputs, not both", "structured_outputs")
+        try:
+            return so.compile_extension(body.structured_outputs)
+        except GrammarError as e:
+            raise ApiError.invalid(str(e), "structured_outputs") from None
     try:
-        return request.app[STRUCTURED].compile(body.response_format)
+        return so.compile(body.response_format)
     except GrammarError as e:
         raise ApiError.invalid(str(e), "response_format") from None
 

@@ -7,8 +7,9 @@ that names the parameter, rather than silently ignored (``suffix``, tools, ``ech
 prompt tokens' log probabilities: :meth:`worker.engine.Engine.prompt_logits`).
 ``n`` (and completions' ``best_of``, the ``n`` most likely of ``best_of`` samples by total
 log probability) run that many samples of one prompt, at most ``service.max_n``; sample ``i``
-is seeded ``seed + i`` when a ``seed`` is given. ``response_format`` ``json_object`` and ``json_schema`` constrain the output
-(``worker.structured``).
+is seeded ``seed + i`` when a ``seed`` is given. ``response_format`` ``json_object`` and ``json_schema`` constrain the output,
+and so does vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice`` or a Lark ``grammar``;
+``worker.structured``).
 
 Sampling controls (ranges checked, a 400 naming the field otherwise; what each does:
 :class:`worker.generation.SamplingParams`): ``presence_penalty`` and ``frequency_penalty``
@@ -88,6 +89,8 @@ class BaseRequest(msgspec.Struct, kw_only=True):
     #: ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}``
     #: (completions too, as vLLM takes it); compiled by ``worker.structured``.
     response_format: dict[str, Any] | None = None
+    #: vLLM's ``{"json" | "regex" | "choice" | "grammar": ...}`` (exactly one); ``worker.structured``.
+    structured_outputs: dict[str, Any] | None = None
     # kvledger extensions
     cache_reuse: bool = True
     priority: Priority = 0
