@@ -139,7 +139,9 @@ def conversations(n: int) -> list[Conversation]:
 
 #: The pool drill's conversations (all on wp).
 POOL_CONVERSATIONS = [100, 101, 102]
-#: Every drill's load also runs this conversation through the gateway, which picks the worker:
+#: Every drill's load also runs this conversation through the gateway, which picks the worker, as
+#: ``n`` = 2 greedy samples per turn (the second decodes a fork of the first one's prompt state;
+#: both must equal the cold run):
 #: the fault must cost it no error the drill's fault does not explain (a killed worker's requests
 #: fail over; a control-plane outage only takes the routing hints away).
 GATEWAY_CONVERSATION = Conversation(50, "gateway", ("gateway",))

@@ -490,16 +490,17 @@ class Stack:
                                       reuse=reuse, timeout_s=timeout_s)
 
     async def gateway_generate(self, tokens: list[int], max_tokens: int, tenant: str, *,
-                               timeout_s: float = 90) -> Reply:
+                               timeout_s: float = 90, n: int = 1) -> Reply:
         """The same through the gateway; the reply names the worker that served it (``gateway``
-        when none did)."""
+        when none did). ``n`` > 1: that many greedy samples of one prefill (forked), which must
+        all be the same answer (the reply's text is theirs, or all of them when they differ)."""
         return await self._completion("gateway", f"http://127.0.0.1:{self.gateway_port}", "gateway", tokens,
-                                      max_tokens, tenant, timeout_s=timeout_s)
+                                      max_tokens, tenant, timeout_s=timeout_s, n=n)
 
     async def _completion(self, channel: str, base: str, wid: str, tokens: list[int], max_tokens: int, tenant: str,
-                          *, reuse: bool = True, timeout_s: float = 90) -> Reply:
+                          *, reuse: bool = True, timeout_s: float = 90, n: int = 1) -> Reply:
         assert self.http is not None
-        body = {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "cache_reuse": reuse}
+        body = {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "cache_reuse": reuse, "n": n}
         headers = {"Authorization": f"Bearer {api_key(tenant)}"}
         t0 = time.monotonic()
         try:
@@ -525,8 +526,10 @@ class Stack:
                          str(err.get("message", doc))[:300])
         usage = doc.get("usage", {})
         kvl = doc.get("kvl", {})
-        return Reply(channel, wid, True, dt, text=doc["choices"][0]["text"],
-                     completion_tokens=usage.get("completion_tokens", -1), prompt_tokens=usage.get("prompt_tokens", -1),
+        texts = list(dict.fromkeys(ch["text"] for ch in doc["choices"]))
+        return Reply(channel, wid, True, dt, text=" | ".join(texts) if len(doc["choices"]) == n else
+                     f"{len(doc['choices'])} choices for n={n}",
+                     completion_tokens=usage.get("completion_tokens", -n) // n, prompt_tokens=usage.get("prompt_tokens", -1),
                      cached_tokens=usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
                      degraded=bool(kvl.get("degraded")), fallbacks=list(kvl.get("fallbacks") or []))
 

@@ -219,7 +219,7 @@ def section(run: Run, title: str, command: str) -> str:
     out.append(f"| errors by kind | {_kinds(n['errors'])} (of which the conversations' own: "
                f"{_kinds(n['load_errors'])}; the rest are recovery probes polling a part that was down, and "
                f"the spike's refusals) |")
-    out.append(f"| through the gateway | {n['gateway_requests']} requests (one conversation of every drill's load), "
+    out.append(f"| through the gateway | {n['gateway_requests']} requests (one conversation of every drill's load, each turn `n` = 2 forked samples), "
                f"served by {n['gateway_workers']} workers; errors: {_kinds(n['gateway_errors'])} |")
     out += ["", "| drill | injected | requests | errors by kind | mismatches | ready after | recovery (first reuse) "
             "| cache retained | evidence |", "|---|---|---:|---|---:|---:|---:|---:|---|"]

@@ -226,7 +226,8 @@ class Conversation:
 
 async def ask(stack: Stack, channel: str, wid: str, prompt: list[int], max_tokens: int, tenant: str) -> Reply:
     if channel == "gateway":
-        return await stack.gateway_generate(prompt, max_tokens, tenant)      # the gateway picks the worker
+        # the gateway picks the worker; two greedy samples of one prefill: the fork path in every drill
+        return await stack.gateway_generate(prompt, max_tokens, tenant, n=2)
     if channel == "http":
         return await stack.http_generate(wid, prompt, max_tokens, tenant)
     return await stack.debug_generate(wid, prompt, max_tokens, tenant)
