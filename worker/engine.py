@@ -139,7 +139,7 @@ class Engine:
         # NOTE: static topology — the pools are allocated here, once, and never again.
         self.store = CacheStore(self.catalogue, self.slots, self.device) if self.cache_enabled else None
         self.tiers = Tiers(cfg.cache.host_tier_bytes if self.cache_enabled else 0,
-                           cfg.cache.offload_dir if self.cache_enabled else None)
+                           cfg.cache.offload_dir if self.cache_enabled else None, host_pins=self._host_pins)
         for form, n in self.slots.items():
             self.metrics.pool_slots.labels(form=form).set(n)
             self.metrics.pool_used.labels(form=form).set(0)
@@ -637,17 +637,28 @@ class Engine:
                 self._offload(*dropped)
         self._update_pool_metrics()
 
+    def _host_pins(self) -> set[tuple[str, str]]:
+        """(block, form) of this worker's host-tier replicas that live leases pin (sessions
+        releasing in the background still hold theirs): the host tier's LRU never drops them."""
+        host = self.host_location
+        return {(r.block_hash, r.form) for s in self.sessions | self.releasing for lease in s.leases
+                for r in lease.grant.read if r.location == host}
+
     def _offload(self, meta: BlockMeta, data: torch.Tensor) -> None:
-        """Copy a block leaving the GPU to the host tier (or queue it for disk)."""
+        """Copy a block leaving the GPU to the host tier, or queue it for disk (no host tier, or
+        one that cannot take it: too large, or full of replicas live leases pin)."""
+        to_disk = self.tiers.disk_root is not None
         if self.tiers.host is not None:
             t0 = time.perf_counter()
             if self.tiers.put_host(meta, data):
                 self.metrics.offload_seconds.labels(tier="host").observe(time.perf_counter() - t0)
                 self.metrics.offloaded_bytes.labels(tier="host").inc(data.numel())
                 self._emit(meta, self.host_location, None, R.READY, 0, kind="offload")
+                to_disk = False
             else:
-                self.metrics.offload_failures.labels(tier="host", reason="too_large").inc()
-        elif self.tiers.disk_root is not None:
+                reason = "too_large" if data.numel() > self.tiers.host.capacity_bytes else "pinned"
+                self.metrics.offload_failures.labels(tier="host", reason=reason).inc()
+        if to_disk:
             self.tiers.spill_direct(meta, data)
         if self.tiers.spill_depth:
             self._wake_spill.set()

@@ -13,14 +13,14 @@ end the ledger listed a READY host replica that wb's inventory did not have. The
 
 DESIGN.md's invariant 3 says a READY replica under a read lease is never evicted; the GPU
 pools honour it (the engine never picks a pinned block as a local LRU victim), the host tier
-does not. No wrong answer comes of it (validation catches it), and the audit does not see it
-(it compares GPU replicas only). Expected to fail until the host tier keeps pinned entries
-(or the ledger learns of the drop another way).
+did not. No wrong answer comes of it (validation catches it), and the audit does not see it
+(it compared GPU replicas only then). Fixed: the host tier's LRU skips entries live leases pin
+(``worker.cache.host_tier``), and when only pinned ones could make room the new block goes to
+the disk tier instead.
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from shared.config import parse_config
@@ -37,9 +37,6 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.xfail(strict=True, reason="the host tier's LRU drops replicas a live lease pins; the ledger "
-                                       "rejects the eviction and keeps a READY host replica that is gone "
-                                       "(tests/faults/test_host_tier_pins.py docstring)")
 async def test_a_host_replica_pinned_by_a_lease_is_not_dropped_behind_the_ledgers_back(tmp_path) -> None:
     # two window slots on the GPU, room for two window blocks in the host tier, no disk tier
     cfg = parse_config({

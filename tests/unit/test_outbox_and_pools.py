@@ -92,4 +92,23 @@ def test_host_tier_lru_and_integrity() -> None:
     tier.get("c", "f")[0] ^= 1  # corrupt host memory in place
     with pytest.raises(HostTierCorrupt):
         tier.get("c", "f")
-    assert tier.get("c", "f") is None and tier.put("big", "f", torch.zeros(100), d) == []
+    assert tier.get("c", "f") is None and tier.put("big", "f", torch.zeros(100), d) is None
+
+
+def test_host_tier_never_evicts_what_a_lease_pins() -> None:
+    """The oldest unpinned entry makes room; when only pinned ones could, the put is refused."""
+    from shared.hashing import checksum
+    from worker.cache.host_tier import HostTier
+
+    pins: set[tuple[str, str]] = set()
+    tier = HostTier(capacity_bytes=100, pinned=lambda: pins)
+    x = torch.arange(10, dtype=torch.float32)  # 40 bytes
+    d = checksum(x.numpy().tobytes())
+    assert tier.put("a", "f", x, d) == [] and tier.put("b", "f", x, d) == []
+    pins.add(("a", "f"))                                    # a is the oldest, and pinned
+    assert tier.put("c", "f", x, d) == [("b", "f")]
+    pins.add(("c", "f"))
+    assert tier.put("e", "f", x, d) is None and tier.keys() == [("a", "f"), ("c", "f")]
+    assert tier.put("c", "f", x, d) == []                   # replacing an entry needs no victim
+    pins.clear()
+    assert tier.put("e", "f", x, d) == [("a", "f")] and tier.used_bytes == 80

@@ -3,6 +3,12 @@
 An LRU of fixed byte capacity keyed by (block hash, form). Every entry keeps the checksum
 recorded at commit, and a reload always re-verifies it: host memory is outside the pools'
 generation fencing, so integrity is the only proof left.
+
+Pins: an entry a live lease pins is never an LRU victim (``pinned``, the keys this worker's
+leases pin now). The ledger refuses the eviction of a pinned replica and keeps it READY, so
+dropping its bytes anyway would leave a READY replica that exists nowhere (the finding of
+``tests/faults/test_host_tier_pins.py``). When only pinned entries could make room, the new
+entry is refused instead (the caller sends it on to the disk tier).
 """
 
 from __future__ import annotations
@@ -26,23 +32,38 @@ class HostTier:
     #: Called with ``((block_hash, form), bytes, checksum)`` for each LRU victim of ``put``
     #: (e.g. to spill it to the disk tier) before the bytes are dropped.
     on_evict: Callable[[tuple[str, str], torch.Tensor, str], None] | None = None
+    #: The keys live leases pin now (never LRU victims); None: nothing is pinned.
+    pinned: Callable[[], set[tuple[str, str]]] | None = None
     _entries: OrderedDict[tuple[str, str], tuple[torch.Tensor, str]] = field(default_factory=OrderedDict)
     used_bytes: int = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, block_hash: str, form: str, payload: torch.Tensor, digest: str) -> list[tuple[str, str]]:
-        """Store a copy; returns the keys evicted to make room (oldest first)."""
+    def put(self, block_hash: str, form: str, payload: torch.Tensor, digest: str) -> list[tuple[str, str]] | None:
+        """Store a copy; returns the keys evicted to make room (oldest unpinned first), or None
+        (nothing changed) when the entry does not fit even after every unpinned one left."""
         data = payload.detach().contiguous().view(torch.uint8).reshape(-1)
         n = data.numel()
         if n > self.capacity_bytes:
-            return []
+            return None
         key = (block_hash, form)
+        need = self.used_bytes - self._size(key) + n - self.capacity_bytes
+        victims: list[tuple[str, str]] = []
+        if need > 0:
+            pinned = self.pinned() if self.pinned is not None else set()
+            for old, (t, _) in self._entries.items():
+                if need <= 0:
+                    break
+                if old != key and old not in pinned:
+                    victims.append(old)
+                    need -= t.numel()
+            if need > 0:
+                return None
         self.drop(block_hash, form)
         evicted = []
-        while self.used_bytes + n > self.capacity_bytes and self._entries:
-            old, (t, d) = self._entries.popitem(last=False)
+        for old in victims:
+            t, d = self._entries.pop(old)
             self.used_bytes -= t.numel()
             evicted.append(old)
             if self.on_evict is not None:
@@ -77,6 +98,10 @@ class HostTier:
         if item is not None:
             self._entries.move_to_end(key)
         return item
+
+    def _size(self, key: tuple[str, str]) -> int:
+        item = self._entries.get(key)
+        return item[0].numel() if item is not None else 0
 
     def drop(self, block_hash: str, form: str) -> bool:
         item = self._entries.pop((block_hash, form), None)

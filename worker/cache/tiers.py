@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,8 +51,9 @@ def _disk_key(meta: BlockMeta) -> of.BlockKey:
 
 
 class Tiers:
-    def __init__(self, host_bytes: int, disk_root: str | Path | None, *, retry_s: float = 5.0) -> None:
-        self.host = HostTier(host_bytes, on_evict=self._spill) if host_bytes > 0 else None
+    def __init__(self, host_bytes: int, disk_root: str | Path | None, *, retry_s: float = 5.0,
+                 host_pins: Callable[[], set[Key]] | None = None) -> None:
+        self.host = HostTier(host_bytes, on_evict=self._spill, pinned=host_pins) if host_bytes > 0 else None
         self._host_meta: dict[Key, BlockMeta] = {}
         self._spills: OrderedDict[Key, tuple[BlockMeta, torch.Tensor, bool]] = OrderedDict()
         self.disk_root = Path(disk_root) if disk_root else None
@@ -62,15 +64,17 @@ class Tiers:
     # --- host ------------------------------------------------------------------------------
 
     def put_host(self, meta: BlockMeta, data: torch.Tensor) -> bool:
-        """Copy one block to host memory; False if there is no host tier or it cannot hold it.
+        """Copy one block to host memory; False if there is no host tier or it cannot hold it
+        (too large, or only entries live leases pin could make room).
 
         LRU victims go to the spill queue (see :meth:`take_spills`).
         """
         if self.host is None or data.numel() > self.host.capacity_bytes:
             return False
+        if self.host.put(meta.block_hash, meta.form, data, meta.checksum) is None:
+            return False
         key = (meta.block_hash, meta.form)
         self._spills.pop(key, None)
-        self.host.put(meta.block_hash, meta.form, data, meta.checksum)
         self._host_meta[key] = meta
         return True
 
