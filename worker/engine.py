@@ -69,6 +69,7 @@ from worker.client import CoordinatorClient, CoordinatorRefused, CoordinatorUnav
 from worker.generation import SamplingParams, generate
 from worker.metrics import WorkerMetrics
 from worker.model import CausalLM, weights_digest
+from worker.selfcheck import SelfCheck, self_check
 from worker.publisher import OutboxFull, TransitionPublisher
 from worker.session import CacheValidationError, Result, Session
 from worker.settings import pool_slots, worker_id
@@ -133,6 +134,8 @@ class Engine:
         #: heartbeat (gateways weigh load with it); the scheduler installs its own.
         self.load_probe: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self.settle_timeout_s = 2.0
+        #: What the start-up self-check found (``worker.selfcheck``; None before start).
+        self.checked: SelfCheck | None = None
         #: Validate and restore from the worker's own pools while the lease is in flight.
         self.speculate = True
         self.slots = pool_slots(self.catalogue, cfg) if self.cache_enabled else {}
@@ -190,6 +193,11 @@ class Engine:
         if not self.cache_enabled or self._tasks:
             return
         assert self.publisher is not None
+        self.checked = await self.io(lambda: self_check(self))
+        c = self.checked
+        (self.log.info if c.offload in ("ok", "off") else self.log.error)(
+            "self_check", offload=c.offload, pools_allocated=c.pools_allocated, pool_slots=c.pool_slots,
+            namespace=c.namespace[:16], batch_invariant=c.batch_invariant, row_floor=c.row_floor)
         self.publisher.start()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._supervise(), name="kvl-supervisor"),

@@ -530,7 +530,9 @@ async def readyz(request: web.Request) -> web.Response:
         status = "not_ready" if not ready else ("degraded" if h.degraded else "ready")
     body = {"status": status, "model_loaded": True, "pools_allocated": pools, "coordinator": coordinator,
             "reason": h.reason, "epoch": h.epoch, "draining": h.draining, "queue_depth": sched.queue_depth,
-            "running": sched.running, "pool_used": h.pool_used, "pool_slots": h.pool_slots}
+            "running": sched.running, "pool_used": h.pool_used, "pool_slots": h.pool_slots,
+            "disk_tier": h.disk_tier, "disk_tier_reason": engine.tiers.disk_down_reason if h.disk_tier == "down" else "",
+            "self_check": engine.checked.as_dict() if engine.checked is not None else None}
     return json_response(body, 200 if ready else 503)
 
 
