@@ -34,11 +34,9 @@ SHORT_ENV = {"database.url": "KVL_DATABASE_URL", "nats.url": "KVL_NATS_URL"}
 #: whose comment there is not a description). A test requires every key to have one.
 EXTRA = {
     "cache.compressed_pool_limit": "Share of the cache budget for the full-history forms (compressed entries "
-                                   "and indexer keys, equal slot counts); all four limits sum to ≤ 1.0.",
+                                   "and indexer keys, equal slot counts); the three limits sum to ≤ 1.0.",
     "cache.tail_pool_limit": "Share of the cache budget for the resume-point form (compressor tail).",
     "cache.swa_pool_limit": "Share of the cache budget for the sliding-window form.",
-    "cache.offload_pool_limit": "Counted in the ≤ 1.0 sum of the limits; no pool uses it today (the host tier "
-                                "is sized by `cache.host_tier_bytes`, the disk tier by its volume).",
     "cache.hit_validation.check_compressed": "Validate reused `compressed` replicas before a kernel reads them.",
     "cache.hit_validation.check_tail": "Validate reused `tail` replicas.",
     "cache.hit_validation.check_swa": "Validate reused `swa` replicas.",

@@ -53,8 +53,13 @@ class CacheConfig(_Section):
     compressed_pool_limit: Fraction = 0.7
     tail_pool_limit: Fraction = 0.1
     swa_pool_limit: Fraction = 0.1
-    offload_pool_limit: Fraction = 0.1
     offload_dir: str = ""
+    #: Bytes of segment files one worker may keep in ``offload_dir`` (0 = unbounded): past it
+    #: the worker's oldest segments are deleted once the ledger has evicted what they hold
+    #: (a segment holding a replica a live lease pins waits). Each worker bounds its own.
+    offload_dir_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    #: A worker starts a new segment file once its current one reaches this size.
+    offload_segment_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 16 * 2**20
     #: Host-memory tier size in bytes (0 = no host tier).
     host_tier_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * 2**20
     hit_validation: HitValidation = msgspec.field(default_factory=HitValidation)
@@ -301,6 +306,13 @@ def _section_at(path: list[str]) -> type[msgspec.Struct] | None:
     return t
 
 
+#: Keys an earlier release had, and what to do instead (a config naming one is refused with this).
+REMOVED_KEYS = {
+    "cache.offload_pool_limit": "no pool ever used it: the host tier is sized by cache.host_tier_bytes and "
+                                "the disk tier by cache.offload_dir_bytes; delete the key",
+}
+
+
 def _explain(err: msgspec.ValidationError) -> ConfigError:
     msg = str(err)
     m = _AT.search(msg)
@@ -311,6 +323,8 @@ def _explain(err: msgspec.ValidationError) -> ConfigError:
         section = _section_at(path)
         allowed = sorted(f.name for f in msgspec.structs.fields(section)) if section else []
         key = ".".join([*path, u.group(1)]).replace(".[", "[")
+        if key in REMOVED_KEYS:
+            return ConfigError(f"config key {key}: removed; {REMOVED_KEYS[key]}")
         return ConfigError(f"config key {key}: unknown key; allowed here: {', '.join(allowed)}")
     key = ".".join(path).replace(".[", "[") or "(top level)"
     if "Invalid enum value" in detail and path:
@@ -394,10 +408,10 @@ def parse_config(doc: Mapping[str, Any]) -> Config:
 
 def _cross_check(cfg: Config) -> None:
     c = cfg.cache
-    total = c.compressed_pool_limit + c.tail_pool_limit + c.swa_pool_limit + c.offload_pool_limit
+    total = c.compressed_pool_limit + c.tail_pool_limit + c.swa_pool_limit
     if total > 1.0 + 1e-9:
         raise ConfigError(
-            "config keys cache.*_pool_limit: compressed + tail + swa + offload limits sum to "
+            "config keys cache.*_pool_limit: compressed + tail + swa limits sum to "
             f"{total:.3f}; they are fractions of one pool budget and may sum to at most 1.0")
     if cfg.service.max_context_length % 1 or cfg.service.max_context_length < c.block_size:
         raise ConfigError(f"config key service.max_context_length: must be ≥ cache.block_size ({c.block_size})")

@@ -241,6 +241,34 @@ class LeaseReleased(_Msg, tag="lease.released", kw_only=True):
     lease_id: Name
 
 
+class DiskBlock(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One block's form on the shared disk tier (location ``disk``)."""
+
+    block_hash: Hex32
+    form: Name
+
+
+#: Most blocks one :class:`DiskGc` may name (a worker sends a larger segment's in parts).
+MAX_DISK_GC_BLOCKS = 4096
+
+
+class DiskGc(_Msg, tag="disk.gc", kw_only=True):
+    """A worker's garbage collector asks to delete records of the shared disk tier: every
+    named READY disk replica is evicted unless a live lease pins one of them — then none is,
+    and the reply lists the pinned ones (the worker keeps the segment for now)."""
+
+    worker_id: Name
+    epoch: Pos
+    blocks: Annotated[list[DiskBlock], msgspec.Meta(min_length=1, max_length=MAX_DISK_GC_BLOCKS)]
+
+
+class DiskGcReply(_Msg, tag="disk.gc.ok", kw_only=True):
+    #: How many live disk replicas were evicted (the others named were not live: nothing to do).
+    evicted: NonNeg = 0
+    #: Those a live lease pins (then ``evicted`` is 0).
+    pinned: list[DiskBlock] = []
+
+
 class ErrorReply(_Msg, tag="error", kw_only=True):
     code: ErrorCode = ErrorCode.INVALID
     message: str = ""
@@ -398,8 +426,8 @@ class RouteReply(_Msg, tag="route.ok", kw_only=True):
 
 Message = Union[
     WorkerRegister, RegisterReply, WorkerResume, ResumeReply, Heartbeat, HeartbeatReply,
-    LeaseAcquire, LeaseGrant, LeaseRenew, LeaseRenewed, LeaseRelease, LeaseReleased, ErrorReply,
-    TransitionEvent, CommitWatermark,
+    LeaseAcquire, LeaseGrant, LeaseRenew, LeaseRenewed, LeaseRelease, LeaseReleased, DiskGc, DiskGcReply,
+    ErrorReply, TransitionEvent, CommitWatermark,
     InventoryRequest, InventoryReply, Control, ControlAck, RouteQuery, RouteReply,
 ]
 MESSAGE_TYPES: dict[str, type[_Msg]] = {

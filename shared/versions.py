@@ -15,8 +15,9 @@ SCHEMA_VERSION: Final = 1
 CACHE_FORMAT_VERSION: Final = 1
 #: What the kernels expect of the bytes they read (strides, scales, quantisation).
 KERNEL_ABI_VERSION: Final = 1
-#: Header version of offload files on the shared disk tier.
-OFFLOAD_FILE_VERSION: Final = 1
+#: Record format of the segment files on the shared disk tier (``worker.cache.segments``; the
+#: one-file-per-block format before them was version 1).
+SEGMENT_FORMAT_VERSION: Final = 2
 
 
 def package_version() -> str:

@@ -18,8 +18,8 @@ import time
 import uuid
 
 from coordinator.core import (
-    CoreParams, LedgerState, acquire_lease, apply, expire, heartbeat, ingest_transition, register_worker,
-    release_lease, renew_lease, resume, resume_worker,
+    CoreParams, LedgerState, acquire_lease, apply, collect_disk, expire, heartbeat, ingest_transition,
+    register_worker, release_lease, renew_lease, resume, resume_worker,
 )
 from shared import messages as m
 from worker.client import (
@@ -96,6 +96,10 @@ class InProcessCoordinator:
     async def release(self, msg: m.LeaseRelease) -> m.LeaseReleased:
         self._check()
         return self._run(release_lease(self.state, msg, _now()))  # type: ignore[return-value]
+
+    async def disk_gc(self, msg: m.DiskGc) -> m.DiskGcReply:
+        self._check()
+        return self._run(collect_disk(self.state, msg, _now()))  # type: ignore[return-value]
 
     async def publish(self, event: m.TransitionEvent) -> None:
         if self.down:

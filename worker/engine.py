@@ -42,8 +42,11 @@ from shared.config import Config
 from shared.hashing import namespace_hash, replica_digest, split_digests
 from shared.logging import get_logger
 from shared.messages import (
+    MAX_DISK_GC_BLOCKS,
     Control,
     ControlAck,
+    DiskBlock,
+    DiskGc,
     ErrorCode,
     Heartbeat,
     InventoryItem,
@@ -60,7 +63,7 @@ from shared.messages import (
     now_ms,
 )
 from shared.tenants import salt_secret, tenant_salt
-from worker.cache import offload_file as of
+from worker.cache import offload_key as of
 from worker.cache.planner import BlockMeta, Switches
 from worker.cache.pools import PoolExhausted
 from worker.cache.store import CacheStore
@@ -77,6 +80,8 @@ from worker.stepper import Stepper
 
 T = TypeVar("T")
 R = ReplicaState
+#: Blocks written to the disk tier per batch (one fsync each).
+SPILL_BATCH = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +147,8 @@ class Engine:
         # NOTE: static topology — the pools are allocated here, once, and never again.
         self.store = CacheStore(self.catalogue, self.slots, self.device) if self.cache_enabled else None
         self.tiers = Tiers(cfg.cache.host_tier_bytes if self.cache_enabled else 0,
-                           cfg.cache.offload_dir if self.cache_enabled else None, host_pins=self._host_pins)
+                           cfg.cache.offload_dir if self.cache_enabled else None, host_pins=self._host_pins,
+                           writer=self.worker_id, segment_bytes=cfg.cache.offload_segment_bytes)
         for form, n in self.slots.items():
             self.metrics.pool_slots.labels(form=form).set(n)
             self.metrics.pool_used.labels(form=form).set(0)
@@ -629,7 +635,7 @@ class Engine:
         elif ref.location == self.host_location:
             self.tiers.host_drop(ref.block_hash, ref.form)
         elif ref.location == "disk" and damaged:
-            self.tiers.disk_remove(meta)
+            self.tiers.disk_drop(meta)
         return self._emit(meta, ref.location, R.READY, R.INVALID, ref.generation, kind="invalidate",
                           reason=reason, checksum=ref.checksum)
 
@@ -681,52 +687,112 @@ class Engine:
                 self.log.error("spill failed", error=repr(e))
 
     async def _spill_once(self) -> None:
-        """Write the spill queue to the disk tier. A block that fails on its own (anything but
-        the tier being unavailable: an unsafe key, a bug) is logged without content, counted in
-        ``offload_failures{reason="error"}`` and dropped from the queue; the others go on."""
-        for meta, data, from_host in self.tiers.take_spills():
+        """Write the spill queue to the disk tier in batches (one fsync each), then keep this
+        worker's segments within ``cache.offload_dir_bytes``. A block that fails on its own (an
+        unsafe key: anything but the tier being unavailable) is logged without content, counted
+        in ``offload_failures{reason="error"}`` and dropped from the queue; the others go on."""
+        queue = self.tiers.take_spills()
+        for i in range(0, len(queue), SPILL_BATCH):
+            await self._spill_batch(queue[i:i + SPILL_BATCH])
+        if queue:
+            await self._collect_disk()
+
+    async def _spill_batch(self, batch: list[tuple[BlockMeta, torch.Tensor, bool]]) -> None:
+        good: list[tuple[BlockMeta, torch.Tensor, bool]] = []
+        for meta, data, from_host in batch:
             try:
-                written = False
-                if self.tiers.disk_available():
-                    t0 = time.perf_counter()
-                    try:
-                        digest = await self.io(lambda m=meta, d=data: self.tiers.disk_write(m, d))
-                    except of.OffloadUnavailable as e:
-                        self.tiers.mark_disk_down(str(e))
-                        self.metrics.offload_failures.labels(tier="disk", reason="unavailable").inc()
-                        self.metrics.tier_unavailable.labels(tier="disk").inc()
-                        self.log.warning("disk tier unavailable; serving without it", error=str(e),
-                                         retry_s=self.tiers.retry_s)
-                    else:
-                        self.metrics.offload_seconds.labels(tier="disk").observe(time.perf_counter() - t0)
-                        self.metrics.offloaded_bytes.labels(tier="disk").inc(data.numel())
-                        written = digest == meta.checksum
-                        if not written:
-                            self.metrics.offload_failures.labels(tier="disk", reason="checksum").inc()
-                elif self.tiers.disk_root is not None:
-                    self.metrics.tier_unavailable.labels(tier="disk").inc()
-                if not self.tiers.is_spilling(meta):
-                    continue  # put back into the host tier meanwhile: it stays there
-                if written:
-                    self._emit(meta, "disk", None, R.READY, 0, kind="offload")
-                if from_host:
-                    self._emit(meta, self.host_location, R.READY, R.EVICTED, 0, kind="evict", reason="host lru")
-                self.tiers.spilled(meta)
+                of.BlockKey(meta.namespace, meta.tenant, meta.block_hash, meta.form, meta.spec_digest)
+                good.append((meta, data, from_host))
+            except ValueError as e:
+                self.metrics.offload_failures.labels(tier="disk", reason="error").inc()
+                self.log.error("spill_item_failed", block=meta.block_hash[:12], form=meta.form, error=type(e).__name__)
+                self._spill_done(meta, from_host, written=False)
+        digests: list[str] = []
+        if good and self.tiers.disk_available():
+            t0 = time.perf_counter()
+            try:
+                digests = await self.io(lambda: self.tiers.disk_write_many([(m, d) for m, d, _ in good]))
+            except of.OffloadUnavailable as e:
+                self.tiers.mark_disk_down(str(e))
+                self.metrics.offload_failures.labels(tier="disk", reason="unavailable").inc()
+                self.metrics.tier_unavailable.labels(tier="disk").inc()
+                self.log.warning("disk tier unavailable; serving without it", error=str(e),
+                                 retry_s=self.tiers.retry_s)
+            else:
+                self.metrics.offload_seconds.labels(tier="disk").observe(time.perf_counter() - t0)
+                self.metrics.offloaded_bytes.labels(tier="disk").inc(sum(d.numel() for _, d, _ in good))
+        elif good and self.tiers.disk_root is not None:
+            self.metrics.tier_unavailable.labels(tier="disk").inc()
+        for j, (meta, _, from_host) in enumerate(good):
+            written = j < len(digests) and digests[j] == meta.checksum
+            if j < len(digests) and not written:
+                self.metrics.offload_failures.labels(tier="disk", reason="checksum").inc()
+            try:
+                self._spill_done(meta, from_host, written=written)
             except Exception as e:  # noqa: BLE001 - one bad block must not stop the writer for good
                 self.metrics.offload_failures.labels(tier="disk", reason="error").inc()
                 self.log.error("spill_item_failed", block=meta.block_hash[:12], form=meta.form,
                                error=type(e).__name__)
-                if self.tiers.is_spilling(meta):
-                    self.tiers.spilled(meta)
-                    if from_host:   # its host replica is gone (LRU victim): say so, as a spill would
-                        try:
-                            self._emit(meta, self.host_location, R.READY, R.EVICTED, 0, kind="evict",
-                                       reason="host lru")
-                        except Exception:  # noqa: BLE001, S110 - already counted and logged above
-                            pass
+
+    def _spill_done(self, meta: BlockMeta, from_host: bool, *, written: bool) -> None:
+        """One queued block handled: its disk replica is READY if written; a host-tier victim's
+        host replica is gone either way (unless it went back into the host tier meanwhile)."""
+        if not self.tiers.is_spilling(meta):
+            return  # put back into the host tier meanwhile: it stays there
+        self.tiers.spilled(meta)
+        if written:
+            self._emit(meta, "disk", None, R.READY, 0, kind="offload")
+        if from_host:
+            self._emit(meta, self.host_location, R.READY, R.EVICTED, 0, kind="evict", reason="host lru")
+
+    async def _collect_disk(self) -> None:
+        """Delete this worker's oldest segments while they exceed ``cache.offload_dir_bytes``,
+        each only once the ledger has evicted every replica it holds (``DiskGc``): a segment
+        holding a replica a live lease pins is kept for now, and without the coordinator
+        nothing is deleted (the bound waits; no READY replica loses its bytes)."""
+        bound = self.cfg.cache.offload_dir_bytes
+        if not bound or self.client is None or not self.tiers.disk_available():
+            return
+        try:
+            usage = await self.io(self.tiers.disk_usage)
+            if usage <= bound:
+                return
+            candidates = await self.io(self.tiers.disk_collectable)
+        except of.OffloadUnavailable as e:
+            self.tiers.mark_disk_down(str(e))
+            return
+        for path, size, metas in candidates:
+            if usage <= bound:
+                break
+            blocks = list(dict.fromkeys(DiskBlock(block_hash=m.block_hash, form=m.form) for m in metas))
+            try:
+                pinned = False
+                for i in range(0, len(blocks), MAX_DISK_GC_BLOCKS):
+                    reply = await self.call("disk_gc", self.client.disk_gc(DiskGc(
+                        worker_id=self.worker_id, epoch=max(1, self.epoch), blocks=blocks[i:i + MAX_DISK_GC_BLOCKS])))
+                    if reply.pinned:
+                        pinned = True
+                        break
+            except (CoordinatorRefused, CoordinatorUnavailable) as e:
+                self.metrics.disk_gc.labels(outcome="no_coordinator").inc()
+                self.log.warning("disk gc deferred: the coordinator did not decide", error=type(e).__name__)
+                return
+            if pinned:
+                self.metrics.disk_gc.labels(outcome="pinned").inc()
+                continue
+            try:
+                await self.io(lambda p=path: self.tiers.disk_delete(p))
+            except of.OffloadUnavailable as e:
+                self.tiers.mark_disk_down(str(e))
+                return
+            usage -= size
+            self.metrics.disk_gc.labels(outcome="deleted").inc()
+            self.metrics.disk_gc_bytes.inc(size)
+        self.metrics.disk_bytes.set(usage)
 
     def pool_metrics(self) -> None:
         self._update_pool_metrics()
+        self.metrics.disk_skipped.set(self.tiers.disk_index_skipped)
 
     def _update_pool_metrics(self) -> None:
         if self.store is None:
@@ -748,20 +814,23 @@ class Engine:
                 return InventoryReply(worker_id=self.worker_id, epoch=epoch, disk_tier=False)
 
             def check() -> tuple[int, list, list]:
-                checked, missing, damaged = 0, [], []
+                mine = []
                 for ref in req.disk[:1024]:   # bounded whatever the request says
                     spec = self.spec_digests.get(ref.form)
                     if spec is None or ref.namespace != self.namespace:
-                        continue   # another model's file: this worker cannot name it
-                    key = of.BlockKey(namespace=ref.namespace, tenant=ref.tenant, block_hash=ref.block_hash,
-                                      form=ref.form, spec_digest=spec)
-                    verdict = of.check_block(root, key, ref.checksum)
-                    checked += 1
-                    if verdict == "missing":
-                        missing.append(ref)
-                    elif verdict:
-                        damaged.append(msgspec.structs.replace(ref, reason=verdict[:200]))
-                return checked, missing, damaged
+                        continue   # another model's record: this worker cannot name it
+                    try:
+                        of.check_token("tenant", ref.tenant)
+                    except ValueError:
+                        continue
+                    mine.append((ref, BlockMeta(namespace=ref.namespace, tenant=ref.tenant, block_hash=ref.block_hash,
+                                                parent_hash="", token_start=0, token_end=0, form=ref.form,
+                                                spec_digest=spec, checksum=ref.checksum)))
+                verdicts = self.tiers.disk_check([(meta, ref.checksum) for ref, meta in mine])
+                missing = [ref for (ref, _), v in zip(mine, verdicts) if v == "missing"]
+                damaged = [msgspec.structs.replace(ref, reason=v[:200]) for (ref, _), v in zip(mine, verdicts)
+                           if v and v != "missing"]
+                return len(mine), missing, damaged
             try:
                 checked, missing, damaged = await self.io(check)
             except of.OffloadUnavailable as e:

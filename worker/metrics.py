@@ -33,7 +33,8 @@ class WorkerMetrics:
                                  ["reason"], registry=r)
         self.pool_used = Gauge(p + "pool_used_slots", "Pool slots in use per form", ["form"], registry=r)
         self.pool_slots = Gauge(p + "pool_slots", "Pool slots per form (static)", ["form"], registry=r)
-        self.offload_seconds = Histogram(p + "offload_seconds", "Time to copy one block to a tier", ["tier"],
+        self.offload_seconds = Histogram(p + "offload_seconds", "Time to copy one block to the host tier, or one "
+                                         "batch of blocks to the disk tier (one fsync)", ["tier"],
                                          buckets=_FAST, registry=r)
         self.reload_seconds = Histogram(p + "reload_seconds", "Time to reload (and verify) a request's blocks "
                                         "from a tier", ["tier"], buckets=_FAST, registry=r)
@@ -45,6 +46,14 @@ class WorkerMetrics:
                                         "be used", ["tier"], registry=r)
         self.offloaded_bytes = Counter(p + "offload_bytes", "Bytes copied to a tier", ["tier"], registry=r)
         self.reloaded_bytes = Counter(p + "reload_bytes", "Bytes reloaded from a tier", ["tier"], registry=r)
+        self.disk_bytes = Gauge(p + "disk_segment_bytes", "Bytes of this worker's own segment files in the "
+                                "offload directory (bounded by cache.offload_dir_bytes)", registry=r)
+        self.disk_gc = Counter(p + "disk_gc_segments", "This worker's segments the disk GC considered, by outcome "
+                               "(deleted; pinned: a live lease pins a replica it holds, kept; no_coordinator: "
+                               "deferred)", ["outcome"], registry=r)
+        self.disk_gc_bytes = Counter(p + "disk_gc_bytes", "Bytes of segment files the disk GC deleted", registry=r)
+        self.disk_skipped = Gauge(p + "disk_records_skipped", "Segment records the index skipped for a damaged "
+                                  "header (each lost alone)", registry=r)
         self.outbox_depth = Gauge(p + "outbox_depth", "Transitions awaiting the coordinator's commit watermark",
                                   registry=r)
         self.transitions = Counter(p + "transitions", "Transitions emitted, by kind", ["kind"], registry=r)

@@ -517,7 +517,7 @@ class Session:
             else:
                 wants = [self._meta(need, ref) for need, ref in disk]
                 t0 = time.perf_counter()
-                reads = await e.io(lambda: [e.tiers.disk_read(w) for w in wants])
+                reads = await e.io(lambda: e.tiers.disk_read_many(wants))
                 e.metrics.reload_seconds.labels(tier="disk").observe(time.perf_counter() - t0)
                 for (need, ref), r in zip(disk, reads):
                     if r.unavailable:

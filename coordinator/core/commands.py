@@ -465,6 +465,30 @@ def release_lease(state: LedgerState, msg: m.LeaseRelease,
     return m.LeaseReleased(lease_id=lease.lease_id), [ev.LeaseReleased(lease_id=lease.lease_id, at_ms=now_ms)]
 
 
+def collect_disk(state: LedgerState, msg: m.DiskGc, now_ms: int) -> tuple[m.DiskGcReply | m.ErrorReply, Events]:
+    """A worker's disk GC: evict every named live ``disk`` replica, or none if a lease pins one.
+
+    All or nothing, so a segment is deleted only when nothing it holds is pinned; the worker
+    deletes the bytes after this answer, and a pinned replica keeps both its bytes and its
+    READY state. Any live worker may ask: the disk tier is shared, and a replica it names that
+    is not live (already evicted, never offloaded) is simply not there to evict.
+    """
+    w = _live_worker(state, msg.worker_id, msg.epoch)
+    if isinstance(w, m.ErrorReply):
+        return w, []
+    live, pinned = [], []
+    for b in msg.blocks:
+        r = state.replicas.get((b.block_hash, b.form, "disk"))
+        if r is None or r.state not in LIVE:
+            continue
+        (pinned if r.pins else live).append((b, r))
+    if pinned:
+        return m.DiskGcReply(pinned=[b for b, _ in pinned]), []
+    return m.DiskGcReply(evicted=len(live)), [
+        ev.ReplicaEvicted(block_hash=b.block_hash, form=b.form, location="disk", generation=r.generation,
+                          reason="disk_gc", at_ms=now_ms) for b, r in live]
+
+
 def expire(state: LedgerState, now_ms: int, last_seen: Mapping[tuple[str, int], int] | None = None,
            floor_ms: int = 0) -> Events:
     """Liveness and lease decisions at ``now_ms``.

@@ -261,7 +261,7 @@ class ReplicaEvicted(_Event, tag="replica.evicted", kw_only=True):
     form: str
     location: str
     generation: NonNeg = 0
-    reason: Literal["lru", "abort", "control"] = "lru"
+    reason: Literal["lru", "abort", "control", "disk_gc"] = "lru"
     #: The lease whose grant chose the victim (lru) or whose end aborted the write (abort).
     lease_id: str = ""
 

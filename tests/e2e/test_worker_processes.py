@@ -146,8 +146,7 @@ async def test_coordinator_killed_recomputes_then_resumes_with_its_cache(cluster
     assert r["cached_tokens"] == 48 and not r["degraded"] and r["epoch"] == 1
 
 
-SMALL = {"compressed_pool_limit": 0.1, "swa_pool_limit": 0.7, "tail_pool_limit": 0.18,
-         "offload_pool_limit": 0.02}
+SMALL = {"compressed_pool_limit": 0.1, "swa_pool_limit": 0.7, "tail_pool_limit": 0.18}
 ONE_PROMPT = 6 * (2560 + 1024 + 6144 + 24576)
 
 

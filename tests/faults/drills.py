@@ -45,11 +45,11 @@ from tests.faults.harness import (
     Observer,
     Stack,
     WorkerSpec,
-    damage,
     make_read_only,
     make_writable,
-    offload_files,
 )
+from tests.segment_files import cut_inside, flip_header, flip_payload, records, segment_files
+from worker.cache.segments import Record
 from tests.faults.workload import (
     Conversation,
     History,
@@ -83,8 +83,7 @@ RETENTION_GOAL_PCT = 99.0
 
 #: wa, wb: pools small enough (20 compressed+indexer, 17 tail, 14 window slots) that the drills'
 #: tenants push each other's blocks out, so every form is evicted and offloaded to disk.
-SMALL_POOLS = {"compressed_pool_limit": 0.1, "tail_pool_limit": 0.15, "swa_pool_limit": 0.5,
-               "offload_pool_limit": 0.0}
+SMALL_POOLS = {"compressed_pool_limit": 0.1, "tail_pool_limit": 0.15, "swa_pool_limit": 0.5}
 
 
 #: service.max_concurrency and queue_size of every worker.
@@ -632,7 +631,7 @@ async def offload_readonly(run: Run, drill: str) -> Fault:
                                     lambda: _sum_metric(stack, "kvl_worker_offload_bytes_total", tier="disk"), written0)
     f.recovery_s = max(await probe)
     await load.stop()
-    f.evidence["files_after_removal"] = len(offload_files(root))
+    f.evidence["files_after_removal"] = len(segment_files(root))
     f.evidence["writes_resumed"] = written > written0
     assert f.evidence["disk_write_failures"] > 0, f"no disk write failed while the directory was read-only: {f.evidence}"
     assert f.evidence["writes_resumed"] and f.evidence["files_after_removal"], f"disk writes never resumed: {f.evidence}"
@@ -649,21 +648,28 @@ async def offload_damage(run: Run, drill: str) -> Fault:
         await run.churn(drill, f"{drill}-push{k}", "wa", "wb")
     for w in ("wa", "wb"):
         assert await stack.flush(w), f"{w}: spills and transitions not settled"
-    files = offload_files(stack.offload_dir)
+    recs = records(stack.offload_dir)
     in_ledger = {(r["block_hash"], r["form"]) for r in await stack.replicas(location="disk", state="READY")}
 
-    def key(p: Path) -> tuple[str, str]:
-        h, form, _ = p.name.split(".")
-        return h, form
+    def key(r: Record) -> tuple[str, str]:
+        return r.header.block_hash, r.header.form
 
-    f = Fault(drill, f"{len(files)} offload files damaged (flipped byte / truncated)", run.history.now())
+    f = Fault(drill, f"{len(recs)} segment records damaged (flipped payload or header byte; each segment cut "
+                     f"inside its last record)", run.history.now())
     t0 = time.monotonic()
     kinds: Counter[str] = Counter()
-    for i, p in enumerate(files):
-        how = "corrupt" if i % 2 == 0 else "truncate"
+    last: dict[Path, Record] = {}
+    for i, r in enumerate(recs):
+        last[r.path] = r
+        if i % 3 == 2:
+            continue                             # a third left whole
         with contextlib.suppress(FileNotFoundError):
-            damage(p, how)
-            kinds[how] += 1
+            (flip_payload if i % 3 == 0 else flip_header)(r)
+            kinds["payload" if i % 3 == 0 else "header"] += 1
+    for r in last.values():
+        with contextlib.suppress(FileNotFoundError):
+            cut_inside(r)
+            kinds["truncated"] += 1
     probe = run.probe(drill, t0, "wa", "wb")
     attempts0 = await _sum_metric(stack, "kvl_worker_reload_seconds_count", tier="disk")
     rejected0 = await _sum_metric(stack, "kvl_worker_reload_failures_total", tier="disk")
@@ -675,7 +681,7 @@ async def offload_damage(run: Run, drill: str) -> Fault:
     attempts = await _sum_metric(stack, "kvl_worker_reload_seconds_count", tier="disk") - attempts0
     rejected = await _sum_metric(stack, "kvl_worker_reload_failures_total", tier="disk") - rejected0
     invalid = [r for r in run.history.of(drill) if any(x.startswith("integrity") for x in r.invalid)]
-    f.evidence = {"damaged": dict(kinds), "damaged_and_ready_in_ledger": sum(key(p) in in_ledger for p in files),
+    f.evidence = {"damaged": dict(kinds), "damaged_and_ready_in_ledger": sum(key(r) in in_ledger for r in recs),
                   "disk_reloads": int(attempts), "reloads_rejected": int(rejected),
                   "requests_with_integrity_failures": len(invalid)}
     if not rejected:
@@ -865,11 +871,10 @@ async def forge_resumes(run: Run) -> dict[str, tuple[str, str]]:
 def audit_findings(run: Run, audit: dict[str, Any]) -> dict[str, Any]:
     """What the audit found that the run does not explain (empty = clean but for the known).
 
-    The audit compares every tier. Explained: on the disk tier, files the drills damaged or
-    removed on purpose (offload-damage, offload-readonly), and only when those drills ran; on a
-    host tier, replicas the ledger lists READY that the worker dropped while a lease pinned
-    them (the known finding, ``test_host_tier_pins.py``): ledger-only, never worker-only, never
-    on a GPU.
+    The audit compares every tier, GPU and host alike (the host tier no longer drops what a
+    lease pins: ``test_host_tier_pins.py``). Explained: on the disk tier, records the drills
+    damaged or removed on purpose (offload-damage, offload-readonly), and only when those drills
+    ran.
     """
     out: dict[str, Any] = {}
     for key in ("hash_match",):
@@ -880,7 +885,7 @@ def audit_findings(run: Run, audit: dict[str, Any]) -> dict[str, Any]:
             out[key] = audit[key]
     for wid, d in (audit.get("drift") or {}).items():
         tiers = d.get("tiers") or {}
-        odd = {loc: t for loc, t in tiers.items() if not loc.startswith("host:") or t.get("worker_only")}
+        odd = {loc: t for loc, t in tiers.items() if t.get("ledger_only") or t.get("worker_only")}
         if odd or not tiers:
             out[f"drift {wid}"] = d
     disk = audit.get("disk") or {}

@@ -672,15 +672,3 @@ def make_writable(path: Path) -> None:
         subprocess.run([chattr, "-R", "-i", str(path)], capture_output=True)
 
 
-def offload_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*.kvl")) if root.exists() else []
-
-
-def damage(path: Path, how: str) -> None:
-    """Flip one payload byte (``corrupt``) or cut the file short (``truncate``)."""
-    raw = bytearray(path.read_bytes())
-    if how == "truncate":
-        raw = raw[: max(8, len(raw) - 64)]
-    else:
-        raw[-5] ^= 0x5A
-    path.write_bytes(bytes(raw))

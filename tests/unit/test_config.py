@@ -9,7 +9,7 @@ from shared.config import ConfigError, load_config, parse_config
 FULL = {
     "cache": {
         "block_size": 32, "compressed_pool_limit": 0.6, "tail_pool_limit": 0.1, "swa_pool_limit": 0.2,
-        "offload_pool_limit": 0.1, "offload_dir": "/data/cache_offload",
+        "offload_dir": "/data/cache_offload", "offload_dir_bytes": 2**30, "offload_segment_bytes": 2**24,
         "hit_validation": {"check_compressed": False, "check_tail": True, "check_swa": False,
                            "check_indexer": True, "check_offload": False},
         "on_invalid": "error",
@@ -27,8 +27,8 @@ FULL = {
 def test_every_operator_key_parsed() -> None:
     cfg = parse_config(FULL)
     c = cfg.cache
-    assert (c.block_size, c.compressed_pool_limit, c.tail_pool_limit, c.swa_pool_limit, c.offload_pool_limit) == (
-        32, 0.6, 0.1, 0.2, 0.1)
+    assert (c.block_size, c.compressed_pool_limit, c.tail_pool_limit, c.swa_pool_limit) == (32, 0.6, 0.1, 0.2)
+    assert (c.offload_dir_bytes, c.offload_segment_bytes) == (2**30, 2**24)
     assert c.offload_dir == "/data/cache_offload" and c.on_invalid == "error"
     hv = c.hit_validation
     assert (hv.check_compressed, hv.check_tail, hv.check_swa, hv.check_indexer, hv.check_offload) == (
@@ -54,7 +54,8 @@ def test_defaults_are_valid() -> None:
     ({"cache": {"compressed_pool_limit": 1.5}}, "cache.compressed_pool_limit", "<= 1.0"),
     ({"cache": {"tail_pool_limit": -0.1}}, "cache.tail_pool_limit", ">= 0.0"),
     ({"cache": {"swa_pool_limit": "x"}}, "cache.swa_pool_limit", "float"),
-    ({"cache": {"offload_pool_limit": 2}}, "cache.offload_pool_limit", "<= 1.0"),
+    ({"cache": {"offload_pool_limit": 0.1}}, "cache.offload_pool_limit", "removed; no pool ever used it"),
+    ({"cache": {"offload_segment_bytes": 100}}, "cache.offload_segment_bytes", ">= 4096"),
     ({"cache": {"offload_dir": 3}}, "cache.offload_dir", "str"),
     ({"cache": {"hit_validation": {"check_compressed": "yes"}}}, "cache.hit_validation.check_compressed", "bool"),
     ({"cache": {"hit_validation": {"check_tail": 1}}}, "cache.hit_validation.check_tail", "bool"),
@@ -89,9 +90,8 @@ def test_bad_values_name_the_key(doc: dict, key: str, allowed: str) -> None:
 
 
 def test_pool_limits_must_fit_one_budget() -> None:
-    with pytest.raises(ConfigError, match="sum to 1.300"):
-        parse_config({"cache": {"compressed_pool_limit": 1.0, "tail_pool_limit": 0.1, "swa_pool_limit": 0.1,
-                                "offload_pool_limit": 0.1}})
+    with pytest.raises(ConfigError, match="sum to 1.200"):
+        parse_config({"cache": {"compressed_pool_limit": 1.0, "tail_pool_limit": 0.1, "swa_pool_limit": 0.1}})
 
 
 def test_env_overrides(tmp_path: Path) -> None:

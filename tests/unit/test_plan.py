@@ -58,8 +58,7 @@ def test_float32_is_exactly_what_the_worker_allocates() -> None:
         assert {n: p.bytes_per_block for n, p in plans.items()} == \
             {n: lay.spec.bytes_per_block for n, lay in layouts.items()}
     cfg = parse_config({"worker": {"pool_bytes": 48 * 2**20}, "service": {"cache_reserve_ratio": 0.6},
-                        "cache": {"compressed_pool_limit": 0.6, "swa_pool_limit": 0.2, "tail_pool_limit": 0.15,
-                                  "offload_pool_limit": 0.05}})
+                        "cache": {"compressed_pool_limit": 0.6, "swa_pool_limit": 0.2, "tail_pool_limit": 0.15}})
     plan = build_plan(args(), cfg)
     assert plan.slots() == pool_slots(declare_forms(model, 16), cfg)
     # the tiny model's note §6.2 figure: 224 B/token of full history at fp32

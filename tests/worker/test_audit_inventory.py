@@ -12,6 +12,7 @@ from coordinator.audit import audit_workers
 from coordinator.core.state import LedgerState
 from shared.messages import InventoryRequest
 from tests.worker.conftest import prompt
+from tests.segment_files import flip_header, flip_payload, records, segment_files
 from tests.worker.test_engine_tiers import ONE_PROMPT, SMALL
 from tests.twin import InProcessCoordinator
 
@@ -71,24 +72,28 @@ async def test_offload_files_deleted_or_damaged_are_reported(make_engine, tmp_pa
         for seed in (50, 58, 52, 53, 54):
             await a.generate(prompt(100, seed=seed), max_tokens=1)
         assert await a.flush(timeout=10)
-        files = sorted((tmp_path / "offload").rglob("*.kvl"))
-        assert len(files) >= 3
+        recs = records(tmp_path / "offload")
+        blocks = {(r.header.block_hash, r.header.form) for r in recs}
+        assert len(blocks) >= 3
         report = await audit(twin, disk_checks=1024)
         assert report["drift"] == {}, report["drift"]
         disk = report["disk"]
-        assert disk["worker"] == "wa" and disk["checked"] == disk["ledger_ready"] == len(files), disk
+        assert disk["worker"] == "wa" and disk["checked"] == disk["ledger_ready"] == len(blocks), disk
         assert "missing" not in disk and "damaged" not in disk
 
-        files[0].unlink()
-        raw = bytearray(files[1].read_bytes())
-        raw[-3] ^= 0x10
-        files[1].write_bytes(bytes(raw))
+        flip_payload(recs[0])
+        flip_header(recs[1])
         report = await audit(twin, disk_checks=1024)
         disk = report["disk"]
-        assert disk["missing"]["count"] == 1 and disk["damaged"]["count"] == 1, disk
-        missing = disk["missing"]["replicas"][0]
-        assert files[0].name == f"{missing[0]}.{missing[1]}.kvl"
-        assert "checksum" in disk["damaged"]["replicas"][0][3]
+        assert "missing" not in disk and disk["damaged"]["count"] == 2, disk
+        reasons = {(b, f): why for b, f, *_, why in disk["damaged"]["replicas"]}
+        assert "checksum" in reasons[(recs[0].header.block_hash, recs[0].header.form)]
+        assert "CRC" in reasons[(recs[1].header.block_hash, recs[1].header.form)]
+
+        for f in segment_files(tmp_path / "offload"):
+            f.unlink()
+        report = await audit(twin, disk_checks=1024)
+        assert report["disk"]["missing"]["count"] == len(blocks), report["disk"]
 
         report = await audit(twin, disk_checks=1)     # bounded: one file per audit
         assert report["disk"]["checked"] == 1 and report["disk"]["sampled"]

@@ -3,7 +3,6 @@ coordinator twin, two engines sharing one ledger and one directory."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 
@@ -11,6 +10,7 @@ from shared.hashing import chain_hashes
 from shared.messages import ReplicaState
 from tests.worker.conftest import core_accepts_lru_offload, prompt
 from tests.twin import InProcessCoordinator
+from tests.segment_files import flip_header, flip_payload, records
 
 
 def same(a, b) -> bool:
@@ -19,7 +19,7 @@ def same(a, b) -> bool:
 
 #: Pools of ~7 blocks per form, so a few 6-block prompts push each other out.
 SMALL = {"worker.pool_bytes": 400_000, "cache.compressed_pool_limit": 0.1, "cache.swa_pool_limit": 0.7,
-         "cache.tail_pool_limit": 0.18, "cache.offload_pool_limit": 0.02}
+         "cache.tail_pool_limit": 0.18}
 ONE_PROMPT = 6 * (2560 + 1024 + 6144 + 24576)
 
 
@@ -50,26 +50,22 @@ async def _fill_disk(make_engine, twin, prompts) -> None:
         assert a.metrics.value("kvl_worker_offload_bytes_total", {"tier": "disk"}) > 0
 
 
-def _files(root: Path, hashes: list[str]) -> list[Path]:
-    return sorted(f for h in hashes for f in root.rglob(f"{h}.*.kvl"))
-
-
 async def test_host_then_disk_then_reload_in_another_worker(make_engine, reference, tmp_path) -> None:
-    """Clean files reload bit-identically in another worker; a truncated and a corrupted file
-    are detected (integrity), marked INVALID, recomputed — same output, counted."""
+    """Clean records reload bit-identically in another worker (it reads wa's segments); a
+    record with a damaged header is skipped (that block alone is missing: recomputed) and one
+    with a flipped payload byte is detected (integrity), marked INVALID, recomputed — same
+    output, counted."""
     p1, p2, p3 = prompt(100, seed=50), prompt(100, seed=58), prompt(100, seed=59)
     twin = InProcessCoordinator()
     await _fill_disk(make_engine, twin, [p1, p2, p3])
     async with make_engine(twin, worker_id="wb", **SMALL) as b:
         salt_ns = (b.namespace, b.salt("default"))
         damaged = {}
-        for p, how in ((p2, "truncate"), (p3, "corrupt")):
-            files = _files(tmp_path / "offload", chain_hashes(p, 16, *salt_ns))
-            assert files
-            for f in files:
-                raw = bytearray(f.read_bytes())
-                raw = raw[:-100] if how == "truncate" else raw[:-7] + bytes([raw[-7] ^ 0x10]) + raw[-6:]
-                f.write_bytes(bytes(raw))
+        for p, how in ((p2, "header"), (p3, "payload")):
+            recs = records(tmp_path / "offload", chain_hashes(p, 16, *salt_ns))
+            assert recs
+            for r in recs:
+                (flip_header if how == "header" else flip_payload)(r)
             damaged[how] = p
         r = await b.generate(p1, max_tokens=2)
         assert r.reloaded.get("disk", 0) > 0 and r.cached_tokens > 0 and r.invalid == []
@@ -77,7 +73,9 @@ async def test_host_then_disk_then_reload_in_another_worker(make_engine, referen
         for how, p in damaged.items():
             r = await b.generate(p, max_tokens=2)
             assert same(r, await reference().generate(p, max_tokens=2)), how
-            assert r.invalid and all(x.startswith("integrity:") for x in r.invalid), (how, r.invalid)
+            layer = "integrity:" if how == "payload" else "presence:"
+            assert r.invalid and all(x.startswith(layer) for x in r.invalid), (how, r.invalid)
+        assert b.tiers.disk_index_skipped >= 1
         v = b.metrics.value
         assert v("kvl_worker_reload_failures_total", {"tier": "disk", "reason": "integrity"}) >= 2
         assert v("kvl_worker_hit_invalid_total", {"layer": "integrity", "form": "compressed"}) >= 1
@@ -103,8 +101,50 @@ async def test_unwritable_offload_directory_keeps_serving(make_engine, reference
         for seed in (55, 56, 57):
             r = await e.generate(prompt(100, seed=seed), max_tokens=1)
         await e.flush()
-        assert e.metrics.value("kvl_worker_offload_failures_total", {"tier": "disk", "reason": "unavailable"}) >= 1
+        assert e.checked is not None and e.checked.offload.startswith("failed: cannot create the directory")
         assert e.metrics.value("kvl_worker_tier_unavailable_total", {"tier": "disk"}) >= 1
         assert e.health().disk_tier == "down"
         r = await e.generate(p, max_tokens=2)
         assert same(r, await reference().generate(p, max_tokens=2))
+
+
+async def test_the_disk_tier_stays_within_its_bound_and_never_drops_a_pinned_or_ready_replica(
+        make_engine, reference, tmp_path) -> None:
+    """cache.offload_dir_bytes: the worker deletes its oldest segments once the ledger evicted
+    what they hold; a segment holding a replica a live lease pins stays; every replica the
+    ledger lists READY on disk still has its record."""
+    twin = InProcessCoordinator()
+    seg = 64 * 1024
+    bound = 12 * seg                                     # ~4 prompts' worth of every form
+    over = {**SMALL, "cache.host_tier_bytes": 0, "cache.offload_dir_bytes": bound, "cache.offload_segment_bytes": seg}
+    root = tmp_path / "offload"
+
+    def ready_on_disk() -> set[tuple[str, str]]:
+        return {k[:2] for k, r in twin.state.replicas.items() if k[2] == "disk" and r.state is ReplicaState.READY}
+
+    async with make_engine(twin, worker_id="wa", **over) as a:
+        first = prompt(100, seed=70)
+        await a.generate(first, max_tokens=1)
+        for seed in range(71, 73):                       # push `first` out to disk
+            await a.generate(prompt(100, seed=seed), max_tokens=1)
+        assert await a.flush(timeout=10)
+        s = await a.open(first, max_new_tokens=1)        # a lease pins first's disk replicas
+        pinned = {(r.block_hash, r.form) for lease in s.leases for r in lease.grant.read if r.location == "disk"}
+        assert pinned
+        for seed in range(76, 100):                      # far past the bound
+            await a.generate(prompt(100, seed=seed), max_tokens=1)
+        assert await a.flush(timeout=10)
+        held = {(r.header.block_hash, r.header.form) for r in records(root)}
+        assert pinned <= held                            # the pinned ones' segment was kept
+        assert a.metrics.value("kvl_worker_disk_gc_segments_total", {"outcome": "pinned"}) >= 1
+        await a.close(s)
+        await a.generate(prompt(100, seed=100), max_tokens=1)
+        assert await a.flush(timeout=10)
+        assert a.metrics.value("kvl_worker_disk_gc_segments_total", {"outcome": "deleted"}) >= 3
+        usage = a.tiers.disk_usage()
+        assert usage <= bound + 2 * seg, usage           # the bound, give or take the open segment and a batch
+        assert ready_on_disk() <= {(r.header.block_hash, r.header.form) for r in records(root)}
+        evicted = [k for k, r in twin.state.replicas.items() if k[2] == "disk" and r.state is ReplicaState.EVICTED]
+        assert evicted                                   # each deleted record's replica, in the ledger
+        r = await a.generate(first, max_tokens=2)
+        assert same(r, await reference().generate(first, max_tokens=2))

@@ -10,6 +10,7 @@ from structlog.testing import capture_logs
 
 from shared.hashing import checksum
 from worker.cache.planner import BlockMeta
+from tests.segment_files import records
 from tests.twin import InProcessCoordinator
 
 
@@ -24,7 +25,7 @@ def _meta(engine, tenant: str, n: int, data: torch.Tensor) -> BlockMeta:
 async def test_a_block_that_cannot_be_written_does_not_stop_the_spill_loop(make_engine, tmp_path) -> None:
     secret = torch.arange(64, dtype=torch.uint8)
     async with make_engine(InProcessCoordinator(), **{"cache.host_tier_bytes": 0}) as e:
-        bad = _meta(e, "..", 1, secret)                 # an unsafe path token: disk_write raises ValueError
+        bad = _meta(e, "..", 1, secret)                 # an unsafe path token: refused before the batch
         good = [_meta(e, "default", n, secret) for n in (2, 3)]
         e.tiers.spill_direct(bad, secret)
         for m in good:
@@ -34,8 +35,7 @@ async def test_a_block_that_cannot_be_written_does_not_stop_the_spill_loop(make_
         assert e.tiers.spill_depth == 0
         v = e.metrics.value
         assert v("kvl_worker_offload_failures_total", {"tier": "disk", "reason": "error"}) == 1
-        files = sorted((tmp_path / "offload").rglob("*.kvl"))
-        assert sorted(f.name.split(".")[0] for f in files) == sorted(m.block_hash for m in good)
+        assert sorted(r.header.block_hash for r in records(tmp_path / "offload")) == sorted(m.block_hash for m in good)
         failed = [x for x in logs if x["event"] == "spill_item_failed"]
         assert len(failed) == 1 and failed[0]["error"] == "ValueError"
         assert "'..'" not in repr(logs) and secret.numpy().tobytes() not in repr(logs).encode()
@@ -43,4 +43,4 @@ async def test_a_block_that_cannot_be_written_does_not_stop_the_spill_loop(make_
         later = _meta(e, "default", 4, secret)
         e.tiers.spill_direct(later, secret)
         assert await e.flush(timeout=5)
-        assert list((tmp_path / "offload").rglob(f"{later.block_hash}.*.kvl"))
+        assert records(tmp_path / "offload", [later.block_hash])

@@ -1,5 +1,5 @@
 """The host and disk tiers as storage: LRU spill from host to the disk queue, verified reads,
-damaged files reported as damage, an unusable directory reported as unavailable."""
+damaged records reported as damage, an unusable directory reported as unavailable."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 from shared.forms import FormScope, FormSpec
 from shared.hashing import checksum
 from shared.ids import ROOT_HASH
-from worker.cache import offload_file as of
+from tests.segment_files import cut_inside, flip_header, flip_payload, records, segment_files
+from worker.cache import offload_key as of
 from worker.cache.planner import BlockMeta
 from worker.cache.pools import PoolSet
 from worker.cache.store import CacheStore, bytes_checksum
@@ -55,54 +56,55 @@ def test_host_copy_failing_its_checksum_is_damage(tmp_path) -> None:
 
 
 def test_disk_round_trip_layout_and_modes(tmp_path) -> None:
-    t = Tiers(host_bytes=0, disk_root=tmp_path / "off")
-    m = _meta(0, _data(0))
-    assert t.disk_write(m, _data(0)) == m.checksum
-    path = of.path_for(tmp_path / "off", of.BlockKey(NS, "t1", m.block_hash, "compressed", m.spec_digest))
-    assert path.parts[-4] == "t1"                                  # a subdirectory per tenant
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
-    assert stat.S_IMODE(os.stat(tmp_path / "off" / "t1").st_mode) == 0o700
-    r = t.disk_read(m)
-    assert r.observed.meta.block_hash == m.block_hash and r.observed.checksum() == m.checksum
-    assert torch.equal(r.data, _data(0)) and not r.observed.damage
-    # the payload follows a variable-length header, yet lands aligned: the model views it as float32
-    assert r.observed.aligned and r.data.data_ptr() % 64 == 0
-    assert r.data.view(torch.float32).numel() == 64
-    assert not list(path.parent.glob(".tmp-*"))                    # no temp file left behind
+    t = Tiers(host_bytes=0, disk_root=tmp_path / "off", writer="w1")
+    metas = [_meta(i, _data(i)) for i in range(3)]
+    assert t.disk_write_many([(m, _data(i)) for i, m in enumerate(metas)]) == [m.checksum for m in metas]
+    [seg] = segment_files(tmp_path / "off")
+    assert seg.parent.name == "w1" and seg.name == "00000001.kvs"            # the writer's own directory
+    assert stat.S_IMODE(os.stat(seg).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(seg.parent).st_mode) == 0o700
+    reads = t.disk_read_many(metas)
+    for i, (m, r) in enumerate(zip(metas, reads)):
+        assert r.observed.meta.block_hash == m.block_hash and r.observed.checksum() == m.checksum
+        assert torch.equal(r.data, _data(i)) and not r.observed.damage
+        # the payload follows a variable-length header, yet lands aligned: the model views it as float32
+        assert r.observed.aligned and r.data.data_ptr() % 64 == 0 and r.data.view(torch.float32).numel() == 64
+    # another worker (no writer of its own here) reads the same records from the shared directory
+    other = Tiers(host_bytes=0, disk_root=tmp_path / "off")
+    assert [r.observed.checksum() for r in other.disk_read_many(metas)] == [m.checksum for m in metas]
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate", "header"])
-def test_damaged_files_are_reported(tmp_path, how) -> None:
-    t = Tiers(host_bytes=0, disk_root=tmp_path)
+def test_damaged_records_are_reported(tmp_path, how) -> None:
+    t = Tiers(host_bytes=0, disk_root=tmp_path, writer="w1")
     m = _meta(0, _data(0))
-    t.disk_write(m, _data(0))
-    path = of.path_for(tmp_path, of.BlockKey(NS, "t1", m.block_hash, "compressed", m.spec_digest))
-    raw = bytearray(path.read_bytes())
+    t.disk_write_many([(m, _data(0))])
+    [rec] = records(tmp_path)
     if how == "flip":
-        raw[-1] ^= 0xFF
-        path.write_bytes(bytes(raw))
-        r = t.disk_read(m)
+        flip_payload(rec)
+        r = t.disk_read_many([m])[0]
         assert not r.observed.damage and r.observed.checksum() != m.checksum   # integrity layer's job
     elif how == "truncate":
-        path.write_bytes(bytes(raw[:-10]))
-        assert "truncated" in t.disk_read(m).observed.damage
+        cut_inside(rec)
+        assert "ends inside the record" in t.disk_read_many([m])[0].observed.damage
+        assert Tiers(host_bytes=0, disk_root=tmp_path).disk_read_many([m])[0].observed.meta is None  # a new reader
     else:
-        path.write_bytes(b"XXXX" + bytes(raw[4:]))
-        assert "magic" in t.disk_read(m).observed.damage
+        flip_header(rec)
+        assert "CRC" in t.disk_read_many([m])[0].observed.damage
+        assert Tiers(host_bytes=0, disk_root=tmp_path).disk_read_many([m])[0].observed.meta is None
 
 
 def test_missing_and_unusable_directory(tmp_path) -> None:
     t = Tiers(host_bytes=0, disk_root=tmp_path / "nope", retry_s=60)
     m = _meta(0, _data(0))
-    assert t.disk_read(m).unavailable
+    assert t.disk_read_many([m])[0].unavailable
     # A root under a regular file cannot be created by anyone (root included, unlike a 0500
     # directory), which is what an unusable offload directory looks like to the writer.
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("x")
-    t = Tiers(host_bytes=0, disk_root=blocker / "sub", retry_s=60)
+    t = Tiers(host_bytes=0, disk_root=blocker / "sub", retry_s=60, writer="w1")
     with pytest.raises(of.OffloadUnavailable):
-        t.disk_write(m, _data(0))
+        t.disk_write_many([(m, _data(0))])
 
 
 def test_store_keeps_storage_and_bumps_generations() -> None:

@@ -4,11 +4,13 @@
   LRU, checksum re-verified on every read) plus the :class:`BlockMeta` of each entry. An
   entry the LRU pushes out is queued for the disk tier (:meth:`Tiers.take_spills`) and stays
   readable from that queue until the disk writer has handled it.
-* **disk** — the shared offload directory (:mod:`worker.cache.offload_file`): one file per
-  (tenant, namespace, block, form), written atomically, read with every header field and
-  the checksum checked by :func:`worker.cache.planner.validate`. Any worker reads any
-  other worker's files. A write that fails for lack of space or permission marks the tier
-  down for ``retry_s``; the worker keeps serving without it.
+* **disk** — the shared offload directory: each worker appends to its own segment files
+  (:mod:`worker.cache.segments`; one fsync per batch), and reads any worker's records, every
+  header field and the checksum checked by :func:`worker.cache.planner.validate`. A write that
+  fails for lack of space or permission marks the tier down for ``retry_s``; the worker keeps
+  serving without it. This worker's segments are bounded by the engine's garbage collector
+  (:meth:`disk_collectable`, :meth:`disk_delete`), which deletes a segment only once the
+  ledger has evicted every replica it holds.
 
 Disk methods block (file I/O): the engine runs them in its I/O thread, one at a time, so
 writes are sequential and a batch of reloads is one executor call.
@@ -16,23 +18,22 @@ writes are sequential and a batch of reloads is one executor call.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from shared.hashing import checksum
-from worker.cache import offload_file as of
+from shared.versions import SEGMENT_FORMAT_VERSION
+from worker.cache import offload_key as of
 from worker.cache.host_tier import HostTier
 from worker.cache.planner import BlockMeta, Observed
+from worker.cache.segments import ALIGN, Found, SegmentIndex, SegmentWriter, key_of
 
 Key = tuple[str, str]  # (block_hash, form)
-#: Alignment (bytes) of reloaded payloads: enough for any dtype a form stores.
-ALIGN = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +53,15 @@ def _disk_key(meta: BlockMeta) -> of.BlockKey:
 
 class Tiers:
     def __init__(self, host_bytes: int, disk_root: str | Path | None, *, retry_s: float = 5.0,
-                 host_pins: Callable[[], set[Key]] | None = None) -> None:
+                 host_pins: Callable[[], set[Key]] | None = None, writer: str = "",
+                 segment_bytes: int = 64 * 2**20) -> None:
         self.host = HostTier(host_bytes, on_evict=self._spill, pinned=host_pins) if host_bytes > 0 else None
         self._host_meta: dict[Key, BlockMeta] = {}
         self._spills: OrderedDict[Key, tuple[BlockMeta, torch.Tensor, bool]] = OrderedDict()
         self.disk_root = Path(disk_root) if disk_root else None
+        #: This worker's segments (None without a disk tier or a writer id: read-only).
+        self._writer = SegmentWriter(self.disk_root, writer, segment_bytes) if self.disk_root and writer else None
+        self._index = SegmentIndex(self.disk_root) if self.disk_root else SegmentIndex(Path("."))
         self.retry_s = retry_s
         self._disk_down_until = 0.0
         self.disk_down_reason = ""
@@ -156,65 +161,113 @@ class Tiers:
         self._disk_down_until = (time.monotonic() if now is None else now) + self.retry_s
         self.disk_down_reason = reason
 
-    def disk_write(self, meta: BlockMeta, data: torch.Tensor) -> str:
-        """Write one block file atomically (blocking); returns its checksum. Raises OffloadUnavailable."""
-        assert self.disk_root is not None
-        host = data.cpu() if data.device.type != "cpu" else data
-        _, digest = of.write_block(self.disk_root, _disk_key(meta), memoryview(host.contiguous().numpy()))
+    def disk_write_many(self, items: Sequence[tuple[BlockMeta, torch.Tensor]]) -> list[str]:
+        """Append blocks to this worker's current segment, one fsync for all (blocking); returns
+        their checksums. Raises OffloadUnavailable (none of them is written then)."""
+        assert self.disk_root is not None and self._writer is not None
+        batch = []
+        for meta, data in items:
+            host = data.cpu() if data.device.type != "cpu" else data
+            batch.append((_disk_key(meta), memoryview(host.contiguous().numpy())))
+        records = self._writer.append(batch)
+        self._index.add(records)
         self.disk_down_reason = ""
-        return digest
+        return [r.header.checksum for r in records]
 
-    def disk_read(self, want: BlockMeta) -> DiskRead:
-        """Read one block file (blocking) and report what it says about itself.
+    def disk_read_many(self, wants: Sequence[BlockMeta]) -> list[DiskRead]:
+        """Read blocks (blocking), one read per contiguous run of records, and report what each
+        record says about itself.
 
-        ``want`` names the file (tenant, namespace, block, form; the spec digest the running
-        model expects) and supplies the chain facts a file does not store (parent, span):
+        ``want`` names the record (tenant, namespace, block, form; the spec digest the running
+        model expects) and supplies the chain facts a record does not store (parent, span):
         the block hash binds them, and intersection checks the hash.
         """
         assert self.disk_root is not None
-        path = of.path_for(self.disk_root, _disk_key(want))
         try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                head = os.pread(f.fileno(), 8, 0)
-                # NOTE: read straight into an uninitialised tensor (one copy, no zero-fill), placed
-                # so that the payload after the variable-length header starts ALIGN-aligned: the
-                # model views these bytes as its dtype.
-                hlen = int.from_bytes(head[4:8], "little") if len(head) == 8 else 0
-                pad = (-(8 + hlen)) % ALIGN
-                whole = torch.empty(pad + size + ALIGN, dtype=torch.uint8)
-                skew = (-whole.data_ptr()) % ALIGN
-                buf = whole[skew + pad:skew + pad + size]
-                n = f.readinto(memoryview(buf.numpy())) if size else 0
-            buf = buf[:n]
-            raw = memoryview(buf.numpy())
-        except FileNotFoundError:
-            if not self.disk_root.exists():
-                return DiskRead(Observed(None), None, unavailable=f"offload directory {self.disk_root} is missing")
+            found = self._index.read_many([_disk_key(w) for w in wants])
+        except of.OffloadUnavailable as e:
+            return [DiskRead(Observed(None), None, unavailable=str(e)) for _ in wants]
+        return [self._observe(w, f) for w, f in zip(wants, found)]
+
+    @staticmethod
+    def _observe(want: BlockMeta, f: Found) -> DiskRead:
+        if f.unavailable:
+            return DiskRead(Observed(None), None, unavailable=f.unavailable)
+        if f.record is None:
             return DiskRead(Observed(None), None)
-        except OSError as e:
-            return DiskRead(Observed(None), None, unavailable=f"offload read failed: {e.strerror}")
-        try:
-            h, payload = of.split(raw)   # views: the payload is not copied
-        except of.OffloadCorrupt as e:
-            return DiskRead(Observed(want, damage=str(e)), None)
+        h = f.record.header
         meta = BlockMeta(namespace=h.namespace, tenant=h.tenant, block_hash=h.block_hash,
                          parent_hash=want.parent_hash, token_start=want.token_start, token_end=want.token_end,
                          form=h.form, spec_digest=h.spec_digest, checksum=h.checksum)
-        if h.version != of.OFFLOAD_FILE_VERSION:
-            return DiskRead(Observed(meta, damage=f"offload file format v{h.version}; this build reads "
-                                                  f"v{of.OFFLOAD_FILE_VERSION}"), None)
-        if len(payload) != h.length:
-            return DiskRead(Observed(meta, damage=f"payload is {len(payload)} bytes, header says {h.length} "
-                                                  f"(truncated file)"), None)
-        data = buf[len(buf) - len(payload):]
-        return DiskRead(Observed(meta, nbytes=len(payload), checksum=lambda: checksum(payload),
+        if h.version != SEGMENT_FORMAT_VERSION:
+            return DiskRead(Observed(meta, damage=f"segment record format v{h.version}; this build reads "
+                                                  f"v{SEGMENT_FORMAT_VERSION}"), None)
+        if f.damage or f.data is None:
+            return DiskRead(Observed(meta, damage=f.damage or "unreadable record"), None)
+        data = f.data
+        view = memoryview(data.numpy())
+        return DiskRead(Observed(meta, nbytes=data.numel(), checksum=lambda: checksum(view),
                                  aligned=data.data_ptr() % ALIGN == 0), data)
 
-    def disk_remove(self, meta: BlockMeta) -> bool:
-        if self.disk_root is None:
-            return False
-        try:
-            return of.remove_block(self.disk_root, _disk_key(meta))
-        except of.OffloadUnavailable:
-            return False
+    def disk_check(self, wants: Sequence[tuple[BlockMeta, str]]) -> list[str]:
+        """For the audit: each ``(block, checksum recorded at commit)``'s record verified without
+        keeping it: ``""`` (whole and as expected), ``"missing"``, or what is wrong. Raises
+        OffloadUnavailable (the directory itself cannot be read)."""
+        self._index.refresh()
+        out = []
+        for (want, expected), r in zip(wants, self.disk_read_many([w for w, _ in wants])):
+            if r.unavailable:
+                raise of.OffloadUnavailable(r.unavailable)
+            obs = r.observed
+            if obs.meta is None:
+                out.append("missing")
+            elif obs.damage:
+                out.append(obs.damage)
+            elif obs.meta.spec_digest != want.spec_digest:
+                out.append(f"record is for spec_digest={obs.meta.spec_digest!r}, expected {want.spec_digest!r}")
+            elif obs.checksum() != obs.meta.checksum:
+                out.append("payload checksum does not match the record's header (corrupted bytes)")
+            elif expected and obs.meta.checksum != expected:
+                out.append("payload checksum differs from the one recorded at commit")
+            else:
+                out.append("")
+        return out
+
+    def disk_drop(self, meta: BlockMeta) -> None:
+        """Stop reading one record (it failed validation); its segment goes with the GC."""
+        if self.disk_root is not None:
+            self._index.drop(key_of(_disk_key(meta)))
+
+    # --- the bound on this worker's segments ---------------------------------------------------
+
+    def disk_usage(self) -> int:
+        """Bytes of this worker's own segments."""
+        return sum(size for _, size in self._writer.segments()) if self._writer is not None else 0
+
+    def disk_collectable(self) -> list[tuple[Path, int, list[BlockMeta]]]:
+        """This worker's segments the GC may delete, oldest first (not the one being appended
+        to), each with its size and the blocks its records hold (as the index knows them)."""
+        if self._writer is None:
+            return []
+        self._index.refresh()
+        out = []
+        for path, size in self._writer.segments():
+            if path == self._writer.current:
+                continue
+            metas = [BlockMeta(namespace=r.header.namespace, tenant=r.header.tenant, block_hash=r.header.block_hash,
+                               parent_hash="", token_start=0, token_end=0, form=r.header.form,
+                               spec_digest=r.header.spec_digest, checksum=r.header.checksum)
+                     for r in self._index.records(path)]
+            out.append((path, size, metas))
+        return out
+
+    def disk_delete(self, path: Path) -> None:
+        """Delete one of this worker's segments (its replicas evicted in the ledger first)."""
+        assert self._writer is not None
+        self._writer.delete(path)
+        self._index.forget(path)
+
+    @property
+    def disk_index_skipped(self) -> int:
+        """Records the index skipped for a damaged header (each lost alone)."""
+        return self._index.skipped

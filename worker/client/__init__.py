@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from shared.messages import (
-    CommitWatermark, Control, ControlAck, ErrorCode, Heartbeat, HeartbeatReply, InventoryReply, InventoryRequest,
+    CommitWatermark, Control, ControlAck, DiskGc, DiskGcReply, ErrorCode, Heartbeat, HeartbeatReply, InventoryReply, InventoryRequest,
     LeaseAcquire, LeaseGrant, LeaseRelease, LeaseReleased, LeaseRenew, LeaseRenewed, RegisterReply, ResumeReply,
     TransitionEvent, WorkerRegister, WorkerResume,
 )
@@ -71,6 +71,8 @@ class CoordinatorClient(Protocol):
     async def renew(self, msg: LeaseRenew) -> LeaseRenewed: ...
 
     async def release(self, msg: LeaseRelease) -> LeaseReleased: ...
+
+    async def disk_gc(self, msg: DiskGc) -> DiskGcReply: ...
 
     async def publish(self, event: TransitionEvent) -> None:
         """Hand one transition to the broker (raises PublishFailed). Not durability: see the outbox."""

@@ -155,6 +155,9 @@ class NatsCoordinatorClient:
     async def release(self, msg: m.LeaseRelease) -> m.LeaseReleased:
         return await self._request(self.subjects.request("release", msg.worker_id), msg, m.LeaseReleased, "lease.release")
 
+    async def disk_gc(self, msg: m.DiskGc) -> m.DiskGcReply:
+        return await self._request(self.subjects.request("disk_gc", msg.worker_id), msg, m.DiskGcReply, "disk.gc")
+
     async def publish(self, event: m.TransitionEvent) -> None:
         if self._js is None or self._nc is None or not self._nc.is_connected:
             raise PublishFailed("not connected to NATS")

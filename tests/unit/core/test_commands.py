@@ -6,11 +6,12 @@ import pytest
 
 from coordinator.core import (
     CoreParams, ReplicaPinned, SnapshotError, TransitionApplied, TransitionRejected, UnknownReplica,
-    UnknownScope, UnknownWorker, WorkerLost, WorkerRegistered, acquire_lease, drain_worker, evict_replica,
+    UnknownScope, UnknownWorker, WorkerLost, WorkerRegistered, acquire_lease, collect_disk, drain_worker,
+    evict_replica,
     expire, from_snapshot, heartbeat, ingest_transition, invalidate, register_worker, release_lease,
     renew_lease, replay, resume, state_hash, to_snapshot,
 )
-from shared.messages import ErrorCode, ErrorReply, LeaseGrant, ReplicaState as S
+from shared.messages import DiskBlock, DiskGc, ErrorCode, ErrorReply, LeaseGrant, ReplicaState as S
 
 from .support import FORMS, NS, Driver, acquire, consistent, h, hb, register, release, renew, transition
 
@@ -301,6 +302,32 @@ def test_offloads_survive_fencing_on_disk_only_and_serve_other_workers() -> None
     assert {k[2]: v for k, v in states.items() if k[1] == "swa" and k[2] != "gpu:w2"} == {
         "gpu:w1": S.LOST, "host:w1": S.LOST, "disk": S.READY}
     assert d.state.replicas[(h(0), "swa", "disk")].pins == 1
+    consistent(d)
+
+
+def test_disk_gc_evicts_all_or_none_of_a_segments_replicas() -> None:
+    """A worker's disk GC: every named live disk replica is evicted, unless a lease pins one of
+    them (then none is, and the reply names the pinned ones); names that are not live are no-ops."""
+    d, seq = fresh(workers=("w1", "w2")), Seq()
+    warm(d, [h(0), h(1)], seq)
+    for i, b in enumerate([h(0), h(1)]):
+        for f in FORMS:
+            d.run(ingest_transition, transition("w1", 1, seq(), b, f, None, S.READY, location="disk",
+                                                generation=7, checksum=f"c{i}"), 10)
+            d.run(ingest_transition, transition("w1", 1, seq(), b, f, S.READY, S.EVICTED, generation=7), 11)
+    g = d.run(acquire_lease, acquire("w2", 1, [h(0)]), 12, "L2")            # w2 pins h(0)'s disk replicas
+    assert {r.location for r in g.read} == {"disk"}
+    both = [DiskBlock(block_hash=b, form=f) for b in (h(0), h(1)) for f in FORMS]
+    reply = d.run(collect_disk, DiskGc(worker_id="w1", epoch=1, blocks=both), 13)
+    assert reply.evicted == 0 and {(p.block_hash, p.form) for p in reply.pinned} == \
+        {(h(0), r.form) for r in g.read}
+    assert all(d.state.replica_state((b.block_hash, b.form, "disk")) is S.READY for b in both)
+    d.run(release_lease, release("w2", 1, "L2"), 14)
+    ghost = DiskBlock(block_hash=h(9), form=FORMS[0])                        # never offloaded
+    reply = d.run(collect_disk, DiskGc(worker_id="w1", epoch=1, blocks=[*both, ghost]), 15)
+    assert reply.evicted == len(both) and reply.pinned == []
+    assert all(d.state.replica_state((b.block_hash, b.form, "disk")) is S.EVICTED for b in both)
+    err(d.run(collect_disk, DiskGc(worker_id="w1", epoch=2, blocks=both), 16), ErrorCode.FENCED)
     consistent(d)
 
 

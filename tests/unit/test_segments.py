@@ -1,0 +1,140 @@
+"""Segment files: batches appended and read back whole; a torn tail, a damaged header or a
+damaged payload costs that record alone; a restarted writer never appends to an old segment;
+another writer's segment is read as it grows; contiguous records are read with one call."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from shared.hashing import checksum
+from tests.segment_files import cut_inside, flip_header, flip_payload, records, segment_files
+from worker.cache import segments as sg
+from worker.cache.offload_key import BlockKey, OffloadUnavailable
+from worker.cache.segments import ALIGN, SegmentIndex, SegmentWriter
+
+NS = "ab" * 16
+
+
+def key(i: int, form: str = "swa", tenant: str = "t1") -> BlockKey:
+    return BlockKey(namespace=NS, tenant=tenant, block_hash=f"{i + 1:032x}", form=form, spec_digest="0123abcd")
+
+
+def payload(i: int, n: int = 1000) -> bytes:
+    return bytes((i * 7 + j) % 251 for j in range(n))
+
+
+def write(w: SegmentWriter, ids: range, n: int = 1000) -> list[sg.Record]:
+    return w.append([(key(i), memoryview(payload(i, n))) for i in ids])
+
+
+def read(root, ids) -> list[sg.Found]:
+    return SegmentIndex(root).read_many([key(i) for i in ids])
+
+
+def test_a_batch_round_trips_aligned_and_contiguous_records_are_one_read(tmp_path, monkeypatch) -> None:
+    w = SegmentWriter(tmp_path, "w1", segment_bytes=1 << 20)
+    recs = write(w, range(5))
+    assert all(r.start % ALIGN == 0 and r.payload % ALIGN == 0 for r in recs)
+    assert [r.header.checksum for r in recs] == [checksum(payload(i)) for i in range(5)]
+    calls = []
+    real = os.preadv
+    monkeypatch.setattr(sg.os, "preadv", lambda fd, bufs, at: calls.append(at) or real(fd, bufs, at))
+    found = read(tmp_path, [3, 0, 1, 2, 4])
+    assert [bytes(f.data.numpy()) for f in found] == [payload(i) for i in (3, 0, 1, 2, 4)]
+    assert all(f.data.data_ptr() % ALIGN == 0 for f in found)
+    assert calls == [0]                                         # five records, one read
+    assert read(tmp_path, [9]) == [sg.Found(None)]              # never written: missing
+
+
+def test_a_torn_tail_loses_only_the_last_record_and_a_restart_starts_a_new_segment(tmp_path) -> None:
+    w = SegmentWriter(tmp_path, "w1", segment_bytes=1 << 20)
+    recs = write(w, range(4))
+    w.close()
+    cut_inside(recs[-1])                                        # a crash in the middle of the last write
+    assert [f.data is not None for f in read(tmp_path, range(4))] == [True, True, True, False]
+    w2 = SegmentWriter(tmp_path, "w1", segment_bytes=1 << 20)  # the same worker, restarted
+    write(w2, range(10, 12))
+    assert [p.name for p in segment_files(tmp_path)] == ["00000001.kvs", "00000002.kvs"]
+    assert all(f.data is not None for f in read(tmp_path, [0, 1, 2, 10, 11]))
+
+
+def test_a_damaged_header_loses_that_record_alone(tmp_path) -> None:
+    w = SegmentWriter(tmp_path, "w1", segment_bytes=1 << 20)
+    recs = write(w, range(6))
+    flip_header(recs[2])
+    idx = SegmentIndex(tmp_path)
+    found = idx.read_many([key(i) for i in range(6)])
+    assert [f.record is not None for f in found] == [True, True, False, True, True, True]
+    assert idx.skipped == 1                                     # the scan resynchronised after it
+
+
+def test_a_damaged_payload_is_read_and_fails_its_checksum(tmp_path) -> None:
+    w = SegmentWriter(tmp_path, "w1", segment_bytes=1 << 20)
+    recs = write(w, range(3))
+    flip_payload(recs[1])
+    f = read(tmp_path, [1])[0]
+    assert not f.damage and checksum(memoryview(f.data.numpy())) != f.record.header.checksum
+
+
+def test_segments_roll_and_another_writer_is_read_as_it_grows(tmp_path) -> None:
+    a = SegmentWriter(tmp_path, "wa", segment_bytes=2048)
+    b = SegmentWriter(tmp_path, "wb", segment_bytes=4096)
+    reader = SegmentIndex(tmp_path)
+    write(a, range(3))
+    write(a, range(3, 6))                                       # past 2048 bytes: a second segment
+    assert len(a.segments()) == 2
+    assert all(f.data is not None for f in reader.read_many([key(i) for i in range(6)]))
+    recs = write(b, range(20, 23))
+    # a batch of b's still being written: the reader stops before it and sees it once whole
+    path = recs[0].path
+    whole = path.read_bytes()
+    write(b, range(23, 25))
+    grown = path.read_bytes()
+    path.write_bytes(grown[:len(whole) + 100])
+    assert reader.read_many([key(23)])[0].record is None
+    path.write_bytes(grown)
+    assert reader.read_many([key(23)])[0].data is not None
+    assert {r.header.block_hash for r in records(tmp_path)} == {key(i).block_hash for i in [*range(6), *range(20, 25)]}
+
+
+def test_a_failed_write_leaves_nothing_half_written_and_the_next_batch_goes_on(tmp_path, monkeypatch) -> None:
+    w = SegmentWriter(tmp_path, "w1", segment_bytes=1 << 20)
+    write(w, range(2))
+    size = segment_files(tmp_path)[0].stat().st_size
+    real = os.writev
+
+    def full(fd, bufs):
+        real(fd, bufs[:1])                                      # part of the batch reaches the disk
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(sg.os, "writev", full)
+    with pytest.raises(OffloadUnavailable, match="ENOSPC"):
+        write(w, range(2, 4))
+    monkeypatch.setattr(sg.os, "writev", real)
+    assert segment_files(tmp_path)[0].stat().st_size == size   # cut back to where the batch began
+    write(w, range(4, 6))                                       # a new segment
+    found = read(tmp_path, range(6))
+    assert [f.data is not None for f in found] == [True, True, False, False, True, True]
+    assert len(segment_files(tmp_path)) == 2
+
+
+def test_a_deleted_segment_is_forgotten(tmp_path) -> None:
+    w = SegmentWriter(tmp_path, "w1", segment_bytes=2048)
+    write(w, range(2))
+    write(w, range(2, 4))
+    idx = SegmentIndex(tmp_path)
+    assert all(f.data is not None for f in idx.read_many([key(i) for i in range(4)]))
+    first = w.segments()[0][0]
+    w.delete(first)
+    found = idx.read_many([key(i) for i in range(4)])
+    assert [f.data is not None for f in found] == [False, False, True, True]
+    assert idx.records(first) == []
+
+
+def test_unsafe_names_are_refused(tmp_path) -> None:
+    with pytest.raises(ValueError, match="tenant"):
+        BlockKey(namespace=NS, tenant="../etc", block_hash="cd" * 16, form="f", spec_digest="x")
+    with pytest.raises(ValueError, match="writer"):
+        SegmentWriter(tmp_path, "../w", segment_bytes=4096)

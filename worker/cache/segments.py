@@ -1,0 +1,424 @@
+"""Append-only segment files: the shared disk tier's storage.
+
+Each worker appends the replicas it offloads to its own segment files,
+``<root>/segments/<writer>/<NNNNNNNN>.kvs``, one batch at a time (sequential writes, one fsync
+per batch). A process never appends to a segment an earlier process left (its tail may be
+torn): it starts the next number. Any worker reads any writer's segments (the shared
+directory), through an index of the records it has scanned.
+
+One record, starting at a multiple of :data:`ALIGN` bytes::
+
+    magic "KVLR" | header length (u32 LE) | CRC-32 of the header (u32 LE) | header (JSON, padded
+    with spaces so the payload starts ALIGN-aligned) | payload | zero padding to ALIGN
+
+The header carries the format version, namespace, tenant, block hash, form, the form's spec
+digest, the payload length and its xxh3-128 checksum (``shared.hashing.checksum``): a reader
+checks them against what it expects, and the checksum against the bytes, before anything
+reaches a pool (``worker.cache.planner.validate``).
+
+What damage costs: a record whose header fails its CRC (a torn write, a flipped bit) is
+skipped, and the scan resynchronises at the next aligned offset holding a record whose
+header passes its CRC; a record whose payload fails its checksum is rejected when read. Either
+way that record alone is lost. A segment's tail that ends inside a record is a torn write (or,
+for another writer's live segment, a batch still being written): the scan stops before it
+and looks again on the next refresh.
+
+Reads: :meth:`SegmentIndex.read_many` groups the records a resume wants by segment and reads
+each contiguous run with one ``pread`` into an aligned buffer (blocks offloaded together lie
+together); payloads are views of that buffer.
+
+Segments are deleted whole (:meth:`SegmentWriter.delete`), by their writer, once the ledger has
+evicted every replica they hold (the engine's garbage collector).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import torch
+
+from shared.hashing import checksum
+from shared.versions import SEGMENT_FORMAT_VERSION
+from worker.cache.offload_key import BlockKey, OffloadUnavailable, check_token
+
+MAGIC = b"KVLR"
+_PREFIX = struct.Struct("<4sII")          # magic, header length, header CRC-32
+#: Alignment of records (and so of payloads): enough for any dtype a form stores.
+ALIGN = 64
+SUFFIX = ".kvs"
+_MAX_HEADER = 16 * 1024
+#: How far past a damaged header the scan looks for the next record at most, per step.
+_RESYNC_CHUNK = 1 << 20
+
+Key = tuple[str, str, str, str]           # (namespace, tenant, block_hash, form)
+
+
+class RecordHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    version: int
+    namespace: str
+    tenant: str
+    block_hash: str
+    form: str
+    spec_digest: str
+    length: int
+    checksum: str
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """Where one record lies: its segment, its start, where its payload starts, its end."""
+
+    path: Path
+    start: int
+    payload: int
+    end: int
+    header: RecordHeader
+
+    @property
+    def key(self) -> Key:
+        h = self.header
+        return (h.namespace, h.tenant, h.block_hash, h.form)
+
+
+def key_of(k: BlockKey) -> Key:
+    return (k.namespace, k.tenant, k.block_hash, k.form)
+
+
+def _pad(n: int) -> int:
+    return (-n) % ALIGN
+
+
+def encode_header(key: BlockKey, length: int, digest: str) -> bytes:
+    """The prefix and header of a record, padded so the payload that follows is aligned."""
+    body = msgspec.json.encode(RecordHeader(version=SEGMENT_FORMAT_VERSION, namespace=key.namespace,
+                                            tenant=key.tenant, block_hash=key.block_hash, form=key.form,
+                                            spec_digest=key.spec_digest, length=length, checksum=digest))
+    body += b" " * _pad(_PREFIX.size + len(body))
+    return _PREFIX.pack(MAGIC, len(body), zlib.crc32(body)) + body
+
+
+def _errno_name(e: OSError) -> str:
+    return errno.errorcode.get(e.errno or 0, str(e.errno))
+
+
+# --- writing ------------------------------------------------------------------------------------
+
+class SegmentWriter:
+    """One writer's segments: appends batches to the current one, starts a new one past
+    ``segment_bytes``, lists and deletes its own. Blocking (the engine's I/O thread)."""
+
+    def __init__(self, root: Path, writer: str, segment_bytes: int) -> None:
+        check_token("writer", writer)
+        self.root = root
+        self.dir = root / "segments" / writer
+        self.segment_bytes = segment_bytes
+        self._fd: int | None = None
+        self.current: Path | None = None
+        self._size = 0
+
+    def _open_next(self) -> None:
+        self.close()
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        nums = [int(p.stem) for p in self.dir.glob(f"*{SUFFIX}") if p.stem.isdigit()]
+        path = self.dir / f"{max(nums, default=0) + 1:08d}{SUFFIX}"
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+        self.current, self._size = path, 0
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd, self.current, self._size = None, None, 0
+
+    def append(self, items: Sequence[tuple[BlockKey, memoryview]]) -> list[Record]:
+        """Append one record per item and fsync once; returns where each lies.
+
+        Raises :class:`OffloadUnavailable` (nothing of the batch is readable then: the segment
+        is cut back to where the batch began and closed, so the next batch starts a new one).
+        """
+        if not items:
+            return []
+        try:
+            if self._fd is not None and os.fstat(self._fd).st_size != self._size:
+                self.close()        # cut or grown behind our back: never append after bytes we did not write
+            if self._fd is None or self._size >= self.segment_bytes:
+                self._open_next()
+            assert self._fd is not None and self.current is not None
+            start = self._size
+            out: list[Record] = []
+            bufs: list[bytes | memoryview] = []
+            at = start
+            for key, data in items:
+                data = data.cast("B")
+                digest = checksum(data)
+                head = encode_header(key, len(data), digest)
+                end = at + len(head) + len(data)
+                bufs += [head, data, b"\0" * _pad(end)]
+                out.append(Record(self.current, at, at + len(head), end,
+                                  msgspec.json.decode(head[_PREFIX.size:], type=RecordHeader)))
+                at = end + _pad(end)
+            try:
+                for i in range(0, len(bufs), 960):      # under IOV_MAX
+                    chunk = bufs[i:i + 960]
+                    want = sum(len(b) for b in chunk)
+                    if os.writev(self._fd, chunk) != want:
+                        raise OSError(errno.EIO, "short write")
+                os.fsync(self._fd)
+            except OSError:
+                try:
+                    os.ftruncate(self._fd, start)
+                except OSError:
+                    pass
+                self.close()
+                raise
+            self._size = at
+            return out
+        except OSError as e:
+            raise OffloadUnavailable(f"offload write failed ({_errno_name(e)}): {e.strerror}") from e
+
+    def segments(self) -> list[tuple[Path, int]]:
+        """This writer's segments, oldest first, with their sizes."""
+        out = []
+        for p in sorted(self.dir.glob(f"*{SUFFIX}")) if self.dir.exists() else ():
+            try:
+                out.append((p, p.stat().st_size))
+            except FileNotFoundError:
+                pass
+        return out
+
+    def delete(self, path: Path) -> None:
+        if path == self.current:
+            self.close()
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise OffloadUnavailable(f"offload delete failed ({_errno_name(e)}): {e.strerror}") from e
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """One wanted record as read: the record and its payload bytes (an aligned uint8 view), or
+    what went wrong (``missing``: no record; ``damage``: a record whose bytes are not whole)."""
+
+    record: Record | None
+    data: torch.Tensor | None = None
+    damage: str = ""
+    unavailable: str = ""
+
+
+class SegmentIndex:
+    """Every record this process has scanned in every writer's segments, by key.
+
+    :meth:`refresh` scans what is new (grown or new segments; vanished ones are forgotten).
+    Blocking (the engine's I/O thread).
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._by_key: dict[Key, Record] = {}
+        self._by_path: dict[Path, list[Record]] = {}
+        self._scanned: dict[Path, int] = {}
+        #: Records skipped by the scan (a damaged header), counted for a metric.
+        self.skipped = 0
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def lookup(self, key: Key) -> Record | None:
+        return self._by_key.get(key)
+
+    def records(self, path: Path) -> list[Record]:
+        return list(self._by_path.get(path, ()))
+
+    def add(self, records: Sequence[Record]) -> None:
+        """Records this process just wrote (known without a scan)."""
+        for r in records:
+            self._by_key[r.key] = r
+            self._by_path.setdefault(r.path, []).append(r)
+            self._scanned[r.path] = max(self._scanned.get(r.path, 0), r.end + _pad(r.end))
+
+    def drop(self, key: Key) -> None:
+        """Stop offering one record (its bytes failed validation; the segment stays)."""
+        r = self._by_key.pop(key, None)
+        if r is not None:
+            self._by_path[r.path] = [x for x in self._by_path.get(r.path, ()) if x is not r]
+
+    def forget(self, path: Path) -> None:
+        for r in self._by_path.pop(path, ()):
+            if self._by_key.get(r.key) is r:
+                del self._by_key[r.key]
+        self._scanned.pop(path, None)
+
+    def refresh(self) -> None:
+        """Scan what is new in every writer's segments. Raises :class:`OffloadUnavailable` when
+        the directory itself cannot be listed."""
+        top = self.root / "segments"
+        try:
+            if not self.root.exists():
+                raise OffloadUnavailable(f"offload directory {self.root} is missing")
+            writers = [d for d in top.iterdir() if d.is_dir()] if top.exists() else []
+            seen: set[Path] = set()
+            for d in writers:
+                for p in d.glob(f"*{SUFFIX}"):
+                    seen.add(p)
+                    try:
+                        size = p.stat().st_size
+                    except FileNotFoundError:
+                        continue
+                    if size > self._scanned.get(p, 0):
+                        self._scan(p, self._scanned.get(p, 0), size)
+        except OSError as e:
+            raise OffloadUnavailable(f"offload directory {self.root} cannot be read ({_errno_name(e)}): "
+                                     f"{e.strerror}") from e
+        for p in [p for p in self._by_path if p not in seen]:
+            self.forget(p)
+
+    def _scan(self, path: Path, at: int, size: int) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            new: list[Record] = []
+            while at + _PREFIX.size <= size:
+                rec, nxt = _read_record(fd, path, at, size)
+                if rec is None and nxt is None:
+                    break                                   # a tail inside a record: torn, or being written
+                if rec is None:
+                    self.skipped += 1
+                    at = _resync(fd, nxt, size)             # type: ignore[arg-type]
+                    continue
+                new.append(rec)
+                at = nxt                                    # type: ignore[assignment]
+            self.add(new)
+            self._scanned[path] = at
+        finally:
+            os.close(fd)
+
+    def read_many(self, keys: Sequence[BlockKey]) -> list[Found]:
+        """Each key's record and payload, reading every contiguous run of records once."""
+        wanted = [key_of(k) for k in keys]
+        if any(k not in self._by_key for k in wanted):
+            self.refresh()
+        recs = [self._by_key.get(k) for k in wanted]
+        out: list[Found | None] = [None] * len(keys)
+        by_path: dict[Path, list[int]] = {}
+        for i, r in enumerate(recs):
+            if r is None:
+                out[i] = Found(None)
+            else:
+                by_path.setdefault(r.path, []).append(i)
+        for path, idx in by_path.items():
+            idx.sort(key=lambda i: recs[i].start)           # type: ignore[union-attr]
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                for i in idx:
+                    out[i] = Found(None)                    # deleted since the scan
+                self.forget(path)
+                continue
+            except OSError as e:
+                for i in idx:
+                    out[i] = Found(recs[i], unavailable=f"offload read failed ({_errno_name(e)}): {e.strerror}")
+                continue
+            try:
+                run: list[int] = []
+                for i in idx + [-1]:
+                    r = recs[i] if i >= 0 else None
+                    prev = recs[run[-1]] if run else None
+                    if r is not None and prev is not None and r.start <= prev.end + _pad(prev.end):
+                        run.append(i)
+                        continue
+                    if run:
+                        _read_run(fd, [recs[j] for j in run], run, out)  # type: ignore[misc]
+                    run = [i] if r is not None else []
+            finally:
+                os.close(fd)
+        return out  # type: ignore[return-value]
+
+
+def _read_record(fd: int, path: Path, at: int, size: int) -> tuple[Record | None, int | None]:
+    """The record at ``at`` and where the next one starts; ``(None, at + ALIGN)`` for a damaged
+    header; ``(None, None)`` when the file ends inside the record."""
+    head = os.pread(fd, _PREFIX.size, at)
+    if len(head) < _PREFIX.size:
+        return None, None
+    magic, hlen, crc = _PREFIX.unpack(head)
+    if magic != MAGIC or hlen > _MAX_HEADER:
+        return None, at + ALIGN
+    if at + _PREFIX.size + hlen > size:
+        return None, None
+    body = os.pread(fd, hlen, at + _PREFIX.size)
+    if len(body) < hlen:
+        return None, None
+    if zlib.crc32(body) != crc:
+        return None, at + ALIGN
+    try:
+        h = msgspec.json.decode(body, type=RecordHeader)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None, at + ALIGN
+    payload = at + _PREFIX.size + hlen
+    end = payload + h.length
+    if end > size:
+        return None, None
+    return Record(path, at, payload, end, h), end + _pad(end)
+
+
+def _resync(fd: int, at: int, size: int) -> int:
+    """The next aligned offset from ``at`` that starts with the record magic (or ``size``)."""
+    while at < size:
+        chunk = os.pread(fd, min(_RESYNC_CHUNK, size - at), at)
+        if not chunk:
+            return size
+        i = 0
+        while True:
+            i = chunk.find(MAGIC, i)
+            if i < 0:
+                break
+            if (at + i) % ALIGN == 0:
+                return at + i
+            i += 1
+        at += len(chunk) - len(chunk) % ALIGN or len(chunk)
+    return size
+
+
+def _read_run(fd: int, run: list[Record], idx: list[int], out: list[Found | None]) -> None:
+    """One pread for records that lie back to back; payloads are aligned views of the buffer."""
+    lo, hi = run[0].start, run[-1].end
+    whole = torch.empty(hi - lo + ALIGN, dtype=torch.uint8)
+    skew = (-whole.data_ptr()) % ALIGN
+    buf = whole[skew:skew + hi - lo]
+    try:
+        n = os.preadv(fd, [memoryview(buf.numpy())], lo)
+    except OSError as e:
+        for i, r in zip(idx, run):
+            out[i] = Found(r, unavailable=f"offload read failed ({_errno_name(e)}): {e.strerror}")
+        return
+    raw = memoryview(buf.numpy())
+    for i, r in zip(idx, run):
+        if r.end - lo > n:
+            out[i] = Found(r, damage=f"segment {r.path.name} ends inside the record at {r.start} "
+                                     f"(truncated after it was indexed)")
+            continue
+        # NOTE: the header is re-checked on every read (it came with the run anyway): bytes that
+        # changed on disk since the scan are damage, not a record to trust from memory
+        magic, hlen, crc = _PREFIX.unpack_from(raw, r.start - lo)
+        body = raw[r.start - lo + _PREFIX.size:r.payload - lo]
+        if magic != MAGIC or hlen != len(body) or zlib.crc32(body) != crc:
+            out[i] = Found(r, damage=f"the header of the record at {r.start} of segment {r.path.name} fails its "
+                                     f"CRC (damaged since it was indexed)")
+        else:
+            out[i] = Found(r, buf[r.payload - lo:r.end - lo])
+
+
+__all__ = ["ALIGN", "Found", "Record", "RecordHeader", "SegmentIndex", "SegmentWriter", "encode_header", "key_of"]
