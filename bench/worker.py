@@ -49,6 +49,8 @@ from typing import Any
 
 import torch
 
+from worker.engine import SPILL_BATCH   # blocks per disk batch, as the engine writes them
+
 
 def _log(*a: Any) -> None:
     print(*a, file=sys.stderr, flush=True)
@@ -100,7 +102,6 @@ def _reload_ratios(catalogue: Any, specs: dict, namespace: str, hashes: list[str
                    root: Path, reps: int) -> dict[str, float]:
     """Reload ``items`` ``(index, meta, bytes)`` through the engine's path vs a raw read, host and disk."""
     from shared.messages import ReplicaRef
-    from worker.cache import offload_file as of
     from worker.cache.planner import Expect, Switches, validate
     from worker.cache.store import CacheStore
     from worker.cache.tiers import Tiers
@@ -108,17 +109,20 @@ def _reload_ratios(catalogue: Any, specs: dict, namespace: str, hashes: list[str
     nbytes = sum(d.numel() for _, _, d in items)
     counts = {f: sum(1 for _, m, _ in items if m.form == f) + 1 for f in catalogue.names}
     dst = CacheStore(catalogue, counts, device)
-    tiers = Tiers(host_bytes=nbytes + 1, disk_root=root)
+    out: dict[str, float] = {}
+    out.update(_write_ratio(items, root, reps))
+    tiers = Tiers(host_bytes=nbytes + 1, disk_root=root / "tier", writer="bench")
     for _, meta, data in items:
         tiers.put_host(meta, data)
-        tiers.disk_write(meta, data)
+    for i in range(0, len(items), SPILL_BATCH):
+        tiers.disk_write_many([(m, d) for _, m, d in items[i:i + SPILL_BATCH]])
     expect = Expect(namespace=namespace, tenant="default", block_hashes=hashes, block_size=16, specs=specs,
                     digests={f: sp.spec_digest for f, sp in specs.items()})
     switches = Switches(forms=frozenset(catalogue.names))
     refs = [ReplicaRef(block_hash=m.block_hash, form=m.form, location="disk", generation=0, checksum=m.checksum)
             for _, m, _ in items]
-    paths = [of.path_for(root, of.BlockKey(m.namespace, m.tenant, m.block_hash, m.form, m.spec_digest))
-             for _, m, _ in items]
+    segments = sorted((root / "tier" / "segments").rglob("*.kvs"))
+    raw_buf = torch.empty(max(p.stat().st_size for p in segments), dtype=torch.uint8)
     slots = {f: dst.pools[f].storage for f in catalogue.names}
 
     def host_reload() -> None:
@@ -137,16 +141,20 @@ def _reload_ratios(catalogue: Any, specs: dict, namespace: str, hashes: list[str
 
     def disk_reload() -> None:
         dst.clear()
-        reads = [tiers.disk_read(m) for _, m, _ in items]
+        reads = tiers.disk_read_many([m for _, m, _ in items])
         for (i, m, _), ref, r in zip(items, refs, reads):
             assert validate(ref, i, r.observed, expect, switches, reload=True).ok
             dst.install(m, r.data)
 
     def disk_raw() -> None:
-        for p in paths:
-            p.read_bytes()
+        # the same segment files read whole into one buffer: the bytes, with none of the bookkeeping
+        for p in segments:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.preadv(fd, [memoryview(raw_buf.numpy())[:p.stat().st_size]], 0)
+            finally:
+                os.close(fd)
 
-    out: dict[str, float] = {}
     for name, path_fn, raw_fn in (("host", host_reload, host_raw), ("disk", disk_reload, disk_raw)):
         path_fn(), raw_fn()  # warm-up (and page cache)
         t_path, t_raw = [], []
@@ -162,6 +170,40 @@ def _reload_ratios(catalogue: Any, specs: dict, namespace: str, hashes: list[str
         out[f"{name}_raw_gbps"] = round(_gbps(nbytes, tr), 3)
         out[f"{name}_reload_ratio_vs_raw"] = round(tr / tp, 3)
     return out
+
+
+def _write_ratio(items: list, root: Path, reps: int) -> dict[str, float]:
+    """Offload writes through the disk tier (segment records, a checksum each, one fsync per
+    batch of ``SPILL_BATCH`` as the engine writes) against a raw sequential write of the same
+    payloads with the same fsyncs, each into a fresh directory."""
+    import shutil
+
+    from worker.cache.tiers import Tiers
+
+    nbytes = sum(d.numel() for _, _, d in items)
+    batches = [items[i:i + SPILL_BATCH] for i in range(0, len(items), SPILL_BATCH)]
+    t_path, t_raw = [], []
+    for rep in range(max(3, reps // 2)):
+        d = root / f"w{rep}"
+        tiers = Tiers(host_bytes=0, disk_root=d / "tier", writer="bench", segment_bytes=1 << 40)
+        t0 = time.perf_counter()
+        for b in batches:
+            tiers.disk_write_many([(m, x) for _, m, x in b])
+        t_path.append(time.perf_counter() - t0)
+        (d / "raw").mkdir(parents=True)
+        t0 = time.perf_counter()
+        fd = os.open(d / "raw" / "data", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            for b in batches:
+                os.writev(fd, [memoryview(x.numpy()) for _, _, x in b])
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        t_raw.append(time.perf_counter() - t0)
+        shutil.rmtree(d)
+    tp, tr = statistics.median(t_path), statistics.median(t_raw)
+    return {"offload_write_mb_per_s": round(nbytes / tp / 1e6, 1), "raw_write_mb_per_s": round(nbytes / tr / 1e6, 1),
+            "offload_write_ratio_vs_raw": round(tr / tp, 3)}
 
 
 def reload_bench(engine: Any, hashes: list[str], n_blocks: int, tmp: Path, reps: int,
