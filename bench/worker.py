@@ -186,11 +186,13 @@ def _write_ratio(items: list, root: Path, reps: int) -> dict[str, float]:
     for rep in range(max(3, reps // 2)):
         d = root / f"w{rep}"
         tiers = Tiers(host_bytes=0, disk_root=d / "tier", writer="bench", segment_bytes=1 << 40)
+        os.sync()                           # NOTE: neither write pays for the other's (or a deletion's) dirty pages
         t0 = time.perf_counter()
         for b in batches:
             tiers.disk_write_many([(m, x) for _, m, x in b])
         t_path.append(time.perf_counter() - t0)
         (d / "raw").mkdir(parents=True)
+        os.sync()
         t0 = time.perf_counter()
         fd = os.open(d / "raw" / "data", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:

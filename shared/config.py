@@ -58,6 +58,10 @@ class CacheConfig(_Section):
     #: the worker's oldest segments are deleted once the ledger has evicted what they hold
     #: (a segment holding a replica a live lease pins waits). Each worker bounds its own.
     offload_dir_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    #: Pool usage (fraction of a form's slots) above which the coldest replicas are copied to the
+    #: host or disk tier in the background, before an eviction needs them there (1.0 = only
+    #: when evicted).
+    offload_threshold: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
     #: A worker starts a new segment file once its current one reaches this size.
     offload_segment_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 16 * 2**20
     #: Host-memory tier size in bytes (0 = no host tier).

@@ -139,6 +139,8 @@ class Engine:
         #: heartbeat (gateways weigh load with it); the scheduler installs its own.
         self.load_probe: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self.settle_timeout_s = 2.0
+        #: GPU replicas (block, form, generation) the threshold copied down a tier already.
+        self._backed: dict[tuple[str, str, int], None] = {}
         #: What the start-up self-check found (``worker.selfcheck``; None before start).
         self.checked: SelfCheck | None = None
         #: Validate and restore from the worker's own pools while the lease is in flight.
@@ -660,7 +662,13 @@ class Engine:
 
     def _offload(self, meta: BlockMeta, data: torch.Tensor) -> None:
         """Copy a block leaving the GPU to the host tier, or queue it for disk (no host tier, or
-        one that cannot take it: too large, or full of replicas live leases pin)."""
+        one that cannot take it: too large, or full of replicas live leases pin). A block a lower
+        tier already holds (the threshold copied it down: :meth:`_pre_offload`) is not copied again."""
+        self._backed.pop((meta.block_hash, meta.form, meta.generation), None)
+        if not self.tiers.holds(meta):
+            self._offload_copy(meta, data)
+
+    def _offload_copy(self, meta: BlockMeta, data: torch.Tensor) -> None:
         to_disk = self.tiers.disk_root is not None
         if self.tiers.host is not None:
             t0 = time.perf_counter()
@@ -685,6 +693,30 @@ class Engine:
                 await self._spill_once()
             except Exception as e:  # noqa: BLE001 - the task must survive a bad block
                 self.log.error("spill failed", error=repr(e))
+
+    def _pre_offload(self) -> None:
+        """Above ``cache.offload_threshold`` of a form's slots, copy its coldest replicas down a
+        tier now (the GPU copy stays READY), so the eviction that comes when the pool runs out
+        loses nothing and copies nothing: the lower tier already holds them."""
+        th = self.cfg.cache.offload_threshold
+        if self.store is None or th >= 1.0 or (self.tiers.host is None and self.tiers.disk_root is None):
+            return
+        for form, (used, slots) in self.store.usage().items():
+            over = used - int(th * slots)
+            if over <= 0:
+                continue
+            for meta, data in self.store.coldest(form, over):
+                key = (meta.block_hash, meta.form, meta.generation)
+                if key in self._backed:
+                    continue
+                self._backed[key] = None
+                if not self.tiers.holds(meta):
+                    self._offload_copy(meta, data)
+                    self.metrics.pre_offloaded.labels(form=form).inc()
+        # forget backings of slots that left the pool some other way (invalidated, fenced)
+        live = {(m.block_hash, f, m.generation) for f, _, m in self.store.items()}
+        for key in [k for k in self._backed if k not in live]:
+            del self._backed[key]
 
     async def _spill_once(self) -> None:
         """Write the spill queue to the disk tier in batches (one fsync each), then keep this
@@ -789,6 +821,11 @@ class Engine:
             self.metrics.disk_gc.labels(outcome="deleted").inc()
             self.metrics.disk_gc_bytes.inc(size)
         self.metrics.disk_bytes.set(usage)
+
+    def committed(self) -> None:
+        """After a session's commits: pool gauges, and the threshold's copies down a tier."""
+        self._update_pool_metrics()
+        self._pre_offload()
 
     def pool_metrics(self) -> None:
         self._update_pool_metrics()

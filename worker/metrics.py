@@ -46,6 +46,8 @@ class WorkerMetrics:
                                         "be used", ["tier"], registry=r)
         self.offloaded_bytes = Counter(p + "offload_bytes", "Bytes copied to a tier", ["tier"], registry=r)
         self.reloaded_bytes = Counter(p + "reload_bytes", "Bytes reloaded from a tier", ["tier"], registry=r)
+        self.pre_offloaded = Counter(p + "pre_offloaded_blocks", "Cold GPU replicas copied down a tier above "
+                                     "cache.offload_threshold, before an eviction needed them", ["form"], registry=r)
         self.disk_bytes = Gauge(p + "disk_segment_bytes", "Bytes of this worker's own segment files in the "
                                 "offload directory (bounded by cache.offload_dir_bytes)", registry=r)
         self.disk_gc = Counter(p + "disk_gc_segments", "This worker's segments the disk GC considered, by outcome "

@@ -707,7 +707,7 @@ class Session:
                 seq = e.commit(meta, data, lease_id=lease.lease_id)
                 if seq:
                     self.last_seq = max(self.last_seq, seq)
-            e.pool_metrics()
+            e.committed()
         # else: the epoch that holds the lease is gone: its writes were fenced
         self._spent("commit", t0)
 

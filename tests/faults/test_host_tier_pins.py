@@ -40,7 +40,7 @@ def prompt(n: int, seed: int) -> list[int]:
 async def test_a_host_replica_pinned_by_a_lease_is_not_dropped_behind_the_ledgers_back(tmp_path) -> None:
     # two window slots on the GPU, room for two window blocks in the host tier, no disk tier
     cfg = parse_config({
-        "cache": {"chunk_blocks": 1, "host_tier_bytes": 2 * SWA_BLOCK + 1000, "offload_dir": "",
+        "cache": {"chunk_blocks": 1, "host_tier_bytes": 2 * SWA_BLOCK + 1000, "offload_dir": "", "offload_threshold": 1.0,
                   "compressed_pool_limit": 0.5, "tail_pool_limit": 0.2, "swa_pool_limit": 0.07},
         "worker": {"worker_id": "w1", "pool_bytes": 2**20, "outbox_resend_ms": 200},
         "coordinator": {"heartbeat_interval_ms": 100},

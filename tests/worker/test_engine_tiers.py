@@ -3,6 +3,8 @@ coordinator twin, two engines sharing one ledger and one directory."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 
 import torch
 
@@ -148,3 +150,33 @@ async def test_the_disk_tier_stays_within_its_bound_and_never_drops_a_pinned_or_
         assert evicted                                   # each deleted record's replica, in the ledger
         r = await a.generate(first, max_tokens=2)
         assert same(r, await reference().generate(first, max_tokens=2))
+
+
+async def test_above_the_threshold_cold_replicas_are_copied_down_before_they_are_evicted(
+        make_engine, reference, tmp_path) -> None:
+    """cache.offload_threshold: past it, the coldest GPU replicas get a host copy while they
+    stay READY on the GPU; the eviction that follows copies nothing again; reuse is exact."""
+    twin = InProcessCoordinator()
+    over = {**SMALL, "cache.host_tier_bytes": 8 * ONE_PROMPT, "cache.offload_dir": "", "cache.offload_threshold": 0.5}
+    async with make_engine(twin, **over) as e:
+        first = prompt(100, seed=80)
+        await e.generate(first, max_tokens=1)
+        await e.generate(prompt(100, seed=81), max_tokens=1)
+        assert await e.flush(timeout=10)
+        pre = sum(e.metrics.value("kvl_worker_pre_offloaded_blocks_total", {"form": f}) for f in e.slots)
+        assert pre > 0
+        both = [k[:2] for k, r in twin.state.replicas.items() if r.state is ReplicaState.READY
+                and k[2] == "host:w1" and twin.state.replica_state((k[0], k[1], "gpu:w1")) is ReplicaState.READY]
+        assert both                                      # copied down, still on the GPU
+        for seed in range(82, 86):                       # now the pools run out: evictions
+            await e.generate(prompt(100, seed=seed), max_tokens=1)
+        assert await e.flush(timeout=10)
+        evicted_backed = [k for k in both if twin.state.replica_state((*k, "gpu:w1")) is not ReplicaState.READY]
+        assert evicted_backed                            # some of the copied ones were evicted since ...
+        assert all(twin.state.replica_state((*k, "host:w1")) is ReplicaState.READY for k in evicted_backed)
+        copies = Counter((t.block_hash, t.form) for t in twin.published
+                         if t.location == "host:w1" and t.from_state is None and t.to_state is ReplicaState.READY)
+        assert all(copies[k] == 1 for k in evicted_backed), copies   # their eviction copied nothing again
+        r = await e.generate(first, max_tokens=2)
+        assert r.reloaded.get("host", 0) > 0 and same(r, await reference().generate(first, max_tokens=2))
+        assert not [x for x in twin.rejected if x[0].location.startswith("host:")], twin.rejected[:3]

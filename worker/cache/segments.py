@@ -97,11 +97,9 @@ def _pad(n: int) -> int:
     return (-n) % ALIGN
 
 
-def encode_header(key: BlockKey, length: int, digest: str) -> bytes:
+def encode_header(h: RecordHeader) -> bytes:
     """The prefix and header of a record, padded so the payload that follows is aligned."""
-    body = msgspec.json.encode(RecordHeader(version=SEGMENT_FORMAT_VERSION, namespace=key.namespace,
-                                            tenant=key.tenant, block_hash=key.block_hash, form=key.form,
-                                            spec_digest=key.spec_digest, length=length, checksum=digest))
+    body = msgspec.json.encode(h)
     body += b" " * _pad(_PREFIX.size + len(body))
     return _PREFIX.pack(MAGIC, len(body), zlib.crc32(body)) + body
 
@@ -158,12 +156,13 @@ class SegmentWriter:
             at = start
             for key, data in items:
                 data = data.cast("B")
-                digest = checksum(data)
-                head = encode_header(key, len(data), digest)
+                h = RecordHeader(version=SEGMENT_FORMAT_VERSION, namespace=key.namespace, tenant=key.tenant,
+                                 block_hash=key.block_hash, form=key.form, spec_digest=key.spec_digest,
+                                 length=len(data), checksum=checksum(data))
+                head = encode_header(h)
                 end = at + len(head) + len(data)
                 bufs += [head, data, b"\0" * _pad(end)]
-                out.append(Record(self.current, at, at + len(head), end,
-                                  msgspec.json.decode(head[_PREFIX.size:], type=RecordHeader)))
+                out.append(Record(self.current, at, at + len(head), end, h))
                 at = end + _pad(end)
             try:
                 for i in range(0, len(bufs), 960):      # under IOV_MAX

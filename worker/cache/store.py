@@ -156,6 +156,19 @@ class CacheStore:
         self._free(form, slot)
         return (meta, data) if meta is not None else None
 
+    def coldest(self, form: str, n: int) -> list[tuple[BlockMeta, torch.Tensor]]:
+        """The ``n`` least recently used READY blocks of ``form`` with a copy of their bytes
+        (untouched: copying them down a tier does not make them recent)."""
+        out = []
+        for slot in self._lru[form]:
+            if len(out) >= n:
+                break
+            meta = self._meta.get((form, slot))
+            info = self.pools[form].table.get(slot)
+            if meta is not None and info is not None and info.ready:
+                out.append((meta, self.pools[form].view(slot).clone()))
+        return out
+
     def lru_victim(self, form: str, keep: set[str]) -> BlockMeta | None:
         """The least recently used READY slot of ``form`` whose block is not in ``keep``."""
         for slot in self._lru[form]:

@@ -146,6 +146,20 @@ class Tiers:
     def spilled(self, meta: BlockMeta) -> None:
         self._spills.pop((meta.block_hash, meta.form), None)
 
+    def holds(self, meta: BlockMeta) -> bool:
+        """Whether a lower tier already has these bytes (host entry, queued for disk, or a disk
+        record this worker knows of, with the same checksum)."""
+        key = (meta.block_hash, meta.form)
+        have = self._host_meta.get(key)
+        if have is not None and have.checksum == meta.checksum:
+            return True
+        if key in self._spills:
+            return True
+        if self.disk_root is not None:
+            r = self._index.lookup(key_of(_disk_key(meta)))
+            return r is not None and r.header.checksum == meta.checksum
+        return False
+
     @property
     def spill_depth(self) -> int:
         return len(self._spills)
