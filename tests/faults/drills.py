@@ -45,6 +45,7 @@ from tests.faults.harness import (
     Observer,
     Stack,
     WorkerSpec,
+    fill_fs,
     make_read_only,
     make_writable,
 )
@@ -66,7 +67,7 @@ from tests.faults.workload import (
 #: Drills in the order the suite runs them (also the tenants that get API keys).
 DRILLS = ("coordinator-kill", "standby-takeover", "coordinator-stall", "cpu-starvation", "worker-kill",
           "nats-kill", "postgres-outage", "coordinator-stall-past-grace", "offload-readonly", "offload-damage",
-          "pool-exhausted", "spike")
+          "offload-full", "pool-exhausted", "spike")
 #: Failures a drill's fault explains; anything else fails the drill.
 KILLED_WORKER = {"connection refused", "connection reset", "killed mid-request", "nats no responders"}
 NATS_DOWN = {"killed mid-request", "nats no responders", "nats disconnected", "nats timeout"}
@@ -690,6 +691,44 @@ async def offload_damage(run: Run, drill: str) -> Fault:
     return run.close(f, set(), load)
 
 
+async def offload_full(run: Run, drill: str) -> Fault:
+    """The offload directory's file system filled up (ENOSPC on every write), then freed."""
+    stack = run.stack
+    load = await run.begin(drill)
+    f = Fault(drill, "offload file system full (ENOSPC), then freed", run.history.now())
+    if not stack.offload_fs:
+        await load.stop()
+        f.not_exercised = f"no small file system for the offload directory: {stack.offload_fs_reason}"
+        return run.close(f, set(), load)
+    failures = "kvl_worker_offload_failures_total"
+    fails0 = await _sum_metric(stack, failures, tier="disk", reason="unavailable")
+    t0 = time.monotonic()
+    filler, size = await asyncio.to_thread(fill_fs, stack.offload_dir)
+    f.evidence["filler_mib"] = round(size / 2**20, 1)
+    probe = run.probe(drill, t0, "wa", "wb")
+    try:
+        fails = await run.churn_until(drill, f"{drill}-full", lambda: _sum_metric(stack, failures, tier="disk",
+                                                                                  reason="unavailable"), fails0)
+    finally:
+        filler.unlink()
+    f.evidence["disk_write_failures"] = int(fails - fails0)
+    f.evidence["enospc_logged"] = any("ENOSPC" in stack.workers[w].log.read_text(errors="replace")
+                                      for w in ("wa", "wb"))
+    written0 = await _sum_metric(stack, "kvl_worker_offload_bytes_total", tier="disk")
+    await load.wait_done(run.settings.before)
+    await asyncio.sleep(OFFLOAD_RETRY_S)           # the tier's back-off, then writes resume
+    written = await run.churn_until(drill, f"{drill}-freed",
+                                    lambda: _sum_metric(stack, "kvl_worker_offload_bytes_total", tier="disk"), written0)
+    f.recovery_s = max(await probe)
+    await load.stop()
+    f.evidence["writes_resumed"] = written > written0
+    f.evidence["disk_gc_deleted"] = int(await _sum_metric(stack, "kvl_worker_disk_gc_segments_total", outcome="deleted"))
+    assert f.evidence["disk_write_failures"] > 0, f"no disk write failed while the file system was full: {f.evidence}"
+    assert f.evidence["enospc_logged"], "the workers did not say ENOSPC"
+    assert f.evidence["writes_resumed"], f"disk writes never resumed once space was freed: {f.evidence}"
+    return run.close(f, set(), load)
+
+
 async def pool_exhausted(run: Run, drill: str) -> Fault:
     """Worker wp's smallest pool (``tail``, or a one-form model's only pool: 2 slots) under three
     concurrent conversations: capacity refused."""
@@ -782,7 +821,8 @@ ALL = {"coordinator-kill": coordinator_kill, "standby-takeover": standby_takeove
        "coordinator-stall": coordinator_stall, "cpu-starvation": cpu_starvation, "worker-kill": worker_kill,
        "nats-kill": nats_kill, "postgres-outage": postgres_outage,
        "coordinator-stall-past-grace": coordinator_stall_past_grace, "offload-readonly": offload_readonly,
-       "offload-damage": offload_damage, "pool-exhausted": pool_exhausted, "spike": spike}
+       "offload-damage": offload_damage, "offload-full": offload_full, "pool-exhausted": pool_exhausted,
+       "spike": spike}
 
 
 # --- the end of a run -----------------------------------------------------------------------------

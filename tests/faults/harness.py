@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -61,8 +62,9 @@ def api_key(tenant: str) -> str:
 
 def tenant_family(tenant: str) -> list[str]:
     """A drill's tenant and the fresh tenants its churn uses (``<t>-ro-<k>``, ``<t>-rm-<k>``,
-    ``<t>-push<k>``): every request names its tenant by an API key, so each needs one."""
-    return [tenant, *(f"{tenant}-{what}-{k}" for what in ("ro", "rm") for k in range(6)),
+    ``<t>-full-<k>``, ``<t>-freed-<k>``, ``<t>-push<k>``): every request names its tenant by an
+    API key, so each needs one."""
+    return [tenant, *(f"{tenant}-{what}-{k}" for what in ("ro", "rm", "full", "freed") for k in range(6)),
             *(f"{tenant}-push{k}" for k in range(2))]
 
 
@@ -120,6 +122,10 @@ class Stack:
         self.standby_port = free_port()
         self.standby: Proc | None = None
         self.offload_dir = root / "offload"
+        #: The offload directory's own small file system ("" = none could be mounted; why in
+        #: ``offload_fs_reason``): what lets a drill fill the disk for real.
+        self.offload_fs = ""
+        self.offload_fs_reason = ""
         self.specs = {s.worker_id: s for s in specs}
         self.ports = {wid: free_port() for wid in self.specs}
         self.tenants = tenants
@@ -181,8 +187,9 @@ class Stack:
     def worker_config(self, wid: str) -> dict[str, Any]:
         spec = self.specs[wid]
         doc = self._base()
+        # NOTE: a bound and small segments, so the disk GC (and its DiskGc requests) runs in every drill
         doc["cache"] = {"chunk_blocks": 1, "offload_dir": str(self.offload_dir), "host_tier_bytes": 0,
-                        **spec.cache}
+                        "offload_dir_bytes": OFFLOAD_DIR_BYTES, "offload_segment_bytes": 2**20, **spec.cache}
         doc["worker"] = {"worker_id": wid, "host": "127.0.0.1", "port": self.ports[wid], "pool_bytes": 4 * 2**20,
                          "outbox_resend_ms": 500, "debug_subjects": True,
                          "model_dir": os.environ.get("KVL_DRILL_MODEL_DIR", ""), **spec.worker}
@@ -209,6 +216,7 @@ class Stack:
     # --- processes ---------------------------------------------------------------------------
 
     async def start(self, timeout_s: float = 180) -> None:
+        self.offload_fs, self.offload_fs_reason = mount_small_fs(self.offload_dir, OFFLOAD_FS_BYTES)
         await asyncio.to_thread(self.pg.start, 60)
         await asyncio.to_thread(self.nats.start, 30)
         self.http = aiohttp.ClientSession()
@@ -367,6 +375,9 @@ class Stack:
             p.kill()
         await asyncio.to_thread(self.nats.stop)
         await asyncio.to_thread(self.pg.stop)
+        if self.offload_fs:
+            make_writable(self.offload_dir)
+            subprocess.run(["umount", "-l", str(self.offload_dir)], capture_output=True)
 
     def log_tails(self, n: int = 25) -> str:
         procs = [p for p in (self.coordinator, self.standby, *self.workers.values(), self.gateway) if p is not None]
@@ -628,6 +639,40 @@ class Observer:
 
 
 # --- file-system faults --------------------------------------------------------------------------
+
+#: The offload directory's file system (a tmpfs of its own where this process may mount one), and
+#: what each drill worker may keep there: a fleet of two offloading workers stays well inside it.
+OFFLOAD_FS_BYTES = 256 * 2**20
+OFFLOAD_DIR_BYTES = 48 * 2**20
+
+
+def mount_small_fs(path: Path, nbytes: int) -> tuple[str, str]:
+    """Mount a tmpfs of ``nbytes`` at ``path`` (root only): ``(what, "")``, or ``("", why not)``."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return "", "not root (mounting a small file system needs CAP_SYS_ADMIN)"
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={nbytes},mode=0700", "tmpfs", str(path)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        return "", f"mount -t tmpfs failed: {r.stderr.strip()[:200]}"
+    return f"tmpfs of {nbytes // 2**20} MiB", ""
+
+
+def fill_fs(path: Path) -> tuple[Path, int]:
+    """Write a filler file under ``path`` until its file system is full (ENOSPC); returns it and
+    its size."""
+    filler = path / "filler"
+    chunk = b"\0" * 2**20
+    n = 0
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                n += f.write(chunk)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+    return filler, n
+
 
 def make_read_only(path: Path) -> str:
     """Make a directory tree unwritable, also for root; returns how (for the report).

@@ -107,7 +107,8 @@ def test_a_failed_write_leaves_nothing_half_written_and_the_next_batch_goes_on(t
     real = os.writev
 
     def full(fd, bufs):
-        real(fd, bufs[:1])                                      # part of the batch reaches the disk
+        if len(bufs) > 1:
+            return real(fd, bufs[:1])                           # a short write: part of the batch lands
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(sg.os, "writev", full)
     with pytest.raises(OffloadUnavailable, match="ENOSPC"):
@@ -138,3 +139,15 @@ def test_unsafe_names_are_refused(tmp_path) -> None:
         BlockKey(namespace=NS, tenant="../etc", block_hash="cd" * 16, form="f", spec_digest="x")
     with pytest.raises(ValueError, match="writer"):
         SegmentWriter(tmp_path, "../w", segment_bytes=4096)
+
+
+def test_a_writer_whose_segment_was_deleted_starts_a_new_one(tmp_path) -> None:
+    """Someone emptied the directory under a live writer: its next batch must land in a file
+    readers can find, not in the unlinked one it still has open."""
+    import shutil
+
+    w = SegmentWriter(tmp_path, "w1", segment_bytes=1 << 20)
+    write(w, range(2))
+    shutil.rmtree(tmp_path / "segments")
+    write(w, range(2, 4))
+    assert [f.data is not None for f in read(tmp_path, range(4))] == [False, False, True, True]

@@ -131,6 +131,17 @@ class SegmentWriter:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
         self.current, self._size = path, 0
 
+    def _still_ours(self) -> bool:
+        """The open segment is still the file at its path, as long as we wrote it: appending to
+        an unlinked file (someone emptied the directory) would write bytes nobody can find."""
+        assert self._fd is not None and self.current is not None
+        st = os.fstat(self._fd)
+        try:
+            at = os.stat(self.current)
+        except FileNotFoundError:
+            return False
+        return st.st_nlink > 0 and st.st_size == self._size and (at.st_dev, at.st_ino) == (st.st_dev, st.st_ino)
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
@@ -145,8 +156,8 @@ class SegmentWriter:
         if not items:
             return []
         try:
-            if self._fd is not None and os.fstat(self._fd).st_size != self._size:
-                self.close()        # cut or grown behind our back: never append after bytes we did not write
+            if self._fd is not None and not self._still_ours():
+                self.close()        # cut, grown, deleted or replaced behind our back: start a new segment
             if self._fd is None or self._size >= self.segment_bytes:
                 self._open_next()
             assert self._fd is not None and self.current is not None
@@ -165,11 +176,7 @@ class SegmentWriter:
                 out.append(Record(self.current, at, at + len(head), end, h))
                 at = end + _pad(end)
             try:
-                for i in range(0, len(bufs), 960):      # under IOV_MAX
-                    chunk = bufs[i:i + 960]
-                    want = sum(len(b) for b in chunk)
-                    if os.writev(self._fd, chunk) != want:
-                        raise OSError(errno.EIO, "short write")
+                _write_all(self._fd, bufs)
                 os.fsync(self._fd)
             except OSError:
                 try:
@@ -202,6 +209,23 @@ class SegmentWriter:
             pass
         except OSError as e:
             raise OffloadUnavailable(f"offload delete failed ({_errno_name(e)}): {e.strerror}") from e
+
+
+def _write_all(fd: int, bufs: list[bytes | memoryview]) -> None:
+    """``writev`` until every buffer is written: a short write (a full disk) is followed by
+    another, which then fails with the real error (ENOSPC) rather than a made-up one."""
+    pending = [memoryview(b).cast("B") for b in bufs if len(b)]
+    while pending:
+        n = os.writev(fd, pending[:960])               # under IOV_MAX
+        if n == 0:
+            raise OSError(errno.EIO, "write made no progress")
+        while n and pending:
+            if n >= len(pending[0]):
+                n -= len(pending[0])
+                pending.pop(0)
+            else:
+                pending[0] = pending[0][n:]
+                n = 0
 
 
 # --- reading ------------------------------------------------------------------------------------
