@@ -26,7 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from coordinator.audit import run_audit
-from coordinator.core import CoreError, UnknownReplica, UnknownWorker, drain_worker, invalidate
+from coordinator.core import CoreError, UnknownReplica, UnknownWorker, drain_worker, invalidate, switch_cache
 from coordinator.core.events import replica_stream
 from coordinator.ledger import Ledger, Unavailable
 from coordinator.log.port import LogError, StoredEvent
@@ -190,6 +190,14 @@ InvalidateBody = InvalidateNamespace | InvalidateWorker | InvalidateBlock
 
 
 class DrainBody(msgspec.Struct, forbid_unknown_fields=True):
+    reason: Reason = ""
+
+
+class CacheSwitchBody(msgspec.Struct, forbid_unknown_fields=True):
+    #: "on" = reuse again, "off" = every request recomputes and nothing new is cached.
+    state: Literal["on", "off"]
+    #: One namespace (32 hex), or "" for every namespace.
+    namespace: Annotated[str, msgspec.Meta(pattern="^(?:[0-9a-f]{32})?$")] = ""
     reason: Reason = ""
 
 
@@ -414,6 +422,23 @@ async def post_invalidate(request: web.Request) -> web.Response:
                               "workers_notified": notified})
 
 
+async def cache_switch(request: web.Request) -> web.Response:
+    body = await _body(request, CacheSwitchBody)
+    enabled = body.state == "on"
+    await _ledger(request).execute(
+        lambda s: ((evs := switch_cache(s, body.namespace, enabled, body.reason, now_ms())), evs))
+    return web.json_response(cache_status(_ledger(request).state))
+
+
+def cache_status(s: Any) -> dict[str, Any]:
+    return {"reuse": "off" if "" in s.reuse_off else ("partly off" if s.reuse_off else "on"),
+            "off": [{"namespace": ns or "*", "reason": why} for ns, why in sorted(s.reuse_off.items())]}
+
+
+async def get_cache(request: web.Request) -> web.Response:
+    return web.json_response(cache_status(_ledger(request).state))
+
+
 async def drain(request: web.Request) -> web.Response:
     worker = request.match_info["worker_id"]
     if not NAME.fullmatch(worker):
@@ -497,6 +522,9 @@ ROUTES: list[Route] = [
     Route("POST", "/v1/snapshot", snapshot, "Save a snapshot of the live state now"),
     Route("POST", "/v1/invalidate", post_invalidate, "Invalidate every live replica of a namespace, worker or block",
           body=InvalidateBody, body_required=True, errors=(404,)),
+    Route("GET", "/v1/cache", get_cache, "Whether reuse is on, and every namespace an operator turned it off for"),
+    Route("POST", "/v1/cache", cache_switch, "Turn reuse off (every request recomputes, nothing new is cached) or "
+          "back on, for one namespace or all; durable in the log", body=CacheSwitchBody, body_required=True),
     Route("POST", "/v1/workers/{worker_id}/drain", drain, "Stop granting writes to a worker; tell it to drain",
           params=[_p("worker_id", "worker id", _NAME)], body=DrainBody, errors=(404,)),
 ]

@@ -421,6 +421,25 @@ def cmd_invalidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    client = client_for(args)
+    if args.action == "status":
+        doc = client.call("GET", "/v1/cache")
+    else:
+        doc = client.call("POST", "/v1/cache", body={"state": "off" if args.action == "disable" else "on",
+                                                     "namespace": args.namespace or "", "reason": args.reason})
+    if args.json:
+        _print_json(doc)
+        return 0
+    print(f"reuse: {doc['reuse']}")
+    for off in doc["off"]:
+        which = "every namespace" if off["namespace"] == "*" else f"namespace {off['namespace']}"
+        print(f"  off for {which}" + (f" ({off['reason']})" if off["reason"] else ""))
+    if args.action == "enable" and doc["off"]:
+        print("  (each switch is turned on by its own: enable --namespace NS for those still listed)")
+    return 0
+
+
 def cmd_drain(args: argparse.Namespace) -> int:
     doc = client_for(args).call("POST", f"/v1/workers/{urllib.parse.quote(args.worker_id)}/drain",
                                 body={"reason": args.reason})
@@ -569,6 +588,12 @@ def register(sub: Any) -> None:
     g.add_argument("--namespace", help="32 hex: e.g. after a weights or cache-format change")
     g.add_argument("--worker", help="worker id")
     g.add_argument("--block", help="32 hex block hash")
+    p.add_argument("--reason", default="", help="recorded in the event log")
+
+    p = add("cache", cmd_cache, "turn reuse off for the whole fleet (every request recomputes, nothing new is "
+                                "cached; the first rollback step) or back on; durable in the event log")
+    p.add_argument("action", choices=["disable", "enable", "status"])
+    p.add_argument("--namespace", help="32 hex: only this namespace (default: every namespace)")
     p.add_argument("--reason", default="", help="recorded in the event log")
 
     p = add("drain", cmd_drain, "stop granting writes to a worker and tell it to drain (before taking it away)")

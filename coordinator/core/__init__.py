@@ -16,11 +16,11 @@ Map:
 
 from coordinator.core.commands import (
     CoreError, ReplicaPinned, UnknownReplica, UnknownScope, UnknownWorker, acquire_lease, collect_disk,
-    drain_worker, evict_replica, expire, heartbeat, ingest_transition, invalidate, lease_deadline, readable_locations,
+    drain_worker, evict_replica, switch_cache, expire, heartbeat, ingest_transition, invalidate, lease_deadline, readable_locations,
     register_worker, release_lease, renew_lease, resume, resume_worker,
 )
 from coordinator.core.events import (
-    EVENT_SCHEMA_VERSION, EVENT_TYPES, CoordinatorResumed, EventDecodeError, Invalidated, LeaseExpired,
+    EVENT_SCHEMA_VERSION, EVENT_TYPES, CacheSwitched, CoordinatorResumed, EventDecodeError, Invalidated, LeaseExpired,
     LeaseGranted, LeaseReleased, LeaseRenewed, LedgerEvent, ReplicaAllocated, ReplicaEvicted,
     TransitionApplied, TransitionRejected, WorkerDraining, WorkerHeartbeat, WorkerLost, WorkerRegistered,
     WorkerResumed, WorkerSuspended, decode_event, encode_event, stream_of,
@@ -35,7 +35,7 @@ from coordinator.core.state import (
 
 __all__ = [
     # events
-    "EVENT_SCHEMA_VERSION", "EVENT_TYPES", "CoordinatorResumed", "EventDecodeError", "Invalidated", "LeaseExpired",
+    "EVENT_SCHEMA_VERSION", "EVENT_TYPES", "CacheSwitched", "CoordinatorResumed", "EventDecodeError", "Invalidated", "LeaseExpired",
     "LeaseGranted", "LeaseReleased", "LeaseRenewed", "LedgerEvent", "ReplicaAllocated", "ReplicaEvicted",
     "TransitionApplied", "TransitionRejected", "WorkerDraining", "WorkerHeartbeat", "WorkerLost",
     "WorkerRegistered", "WorkerResumed", "WorkerSuspended", "decode_event", "encode_event", "stream_of",
@@ -48,7 +48,7 @@ __all__ = [
     "PrefixResult", "longest_usable_prefix",
     # commands
     "CoreError", "ReplicaPinned", "UnknownReplica", "UnknownScope", "UnknownWorker", "acquire_lease",
-    "collect_disk", "drain_worker", "evict_replica", "expire", "heartbeat", "ingest_transition", "invalidate", "lease_deadline",
+    "collect_disk", "drain_worker", "switch_cache", "evict_replica", "expire", "heartbeat", "ingest_transition", "invalidate", "lease_deadline",
     "readable_locations", "register_worker", "release_lease", "renew_lease", "resume", "resume_worker",
     # invariants
     "check_invariants",

@@ -23,6 +23,8 @@ import heapq
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from coordinator.core import events as ev
 from coordinator.core.lifecycle import (
     ALLOCATED, LIVE, READY, WORKER_KINDS, IllegalTransition, kind_of, step,
@@ -388,6 +390,9 @@ def acquire_lease(state: LedgerState, msg: m.LeaseAcquire, now_ms: int,
         return _error(m.ErrorCode.INVALID, f"write_forms lists a form twice: {msg.write_forms}"), []
     if lease_id in state.leases:
         return _error(m.ErrorCode.INVALID, f"lease id {lease_id} is already live"), []
+    if not state.reuse_enabled(msg.namespace):
+        # an operator turned reuse off: pin nothing, reserve nothing (the request recomputes)
+        msg = msgspec.structs.replace(msg, reuse=False, write_forms=[])
     p = state.params
     hashes = msg.block_hashes
     n = len(hashes)
@@ -463,6 +468,16 @@ def release_lease(state: LedgerState, msg: m.LeaseRelease,
     if isinstance(lease, m.ErrorReply):
         return lease, []
     return m.LeaseReleased(lease_id=lease.lease_id), [ev.LeaseReleased(lease_id=lease.lease_id, at_ms=now_ms)]
+
+
+def switch_cache(state: LedgerState, namespace: str, enabled: bool, reason: str = "", now_ms: int = 0) -> Events:
+    """Turn reuse of ``namespace`` ("" = every namespace) off or back on, for the whole fleet.
+
+    Durable (the event is in the log before the answer), idempotent, and effective at the next
+    lease: leases already granted keep what they pinned until they end. Turning "" on does not
+    turn on a namespace switched off on its own (each switch is undone by its own ``on``).
+    """
+    return [ev.CacheSwitched(namespace=namespace, enabled=enabled, reason=reason, at_ms=now_ms)]
 
 
 def collect_disk(state: LedgerState, msg: m.DiskGc, now_ms: int) -> tuple[m.DiskGcReply | m.ErrorReply, Events]:

@@ -297,6 +297,18 @@ class Invalidated(_Event, tag="invalidated", kw_only=True):
     affected: list[RKey] = []
 
 
+class CacheSwitched(_Event, tag="cache.switched", kw_only=True):
+    """An operator turned reuse off (or back on) for one namespace, or for all (``namespace`` "").
+
+    While off, leases of that namespace pin nothing and reserve nothing: every request is
+    served by recomputation and nothing new is cached; routing hints offer no prefix.
+    """
+
+    namespace: str = ""
+    enabled: bool = False
+    reason: str = ""
+
+
 class CoordinatorResumed(_Event, tag="coordinator.resumed", kw_only=True):
     """A coordinator took over the log: liveness clocks restart from ``at_ms``.
 
@@ -309,7 +321,7 @@ LedgerEvent = Union[
     WorkerRegistered, WorkerHeartbeat, WorkerSuspended, WorkerResumed, WorkerDraining, WorkerLost,
     LeaseGranted, LeaseRenewed, LeaseReleased, LeaseExpired,
     ReplicaAllocated, ReplicaEvicted,
-    TransitionApplied, TransitionRejected, Invalidated, CoordinatorResumed,
+    TransitionApplied, TransitionRejected, Invalidated, CacheSwitched, CoordinatorResumed,
 ]
 EVENT_TYPES: Final[dict[str, type[_Event]]] = {
     t.__struct_config__.tag: t for t in LedgerEvent.__args__  # type: ignore[attr-defined]
@@ -373,7 +385,8 @@ def stream_of(e: _Event) -> str:
 
     ``worker:<id>`` for worker life and rejected transitions, ``lease:<id>`` for leases,
     ``replica:<block>:<form>:<location>`` for one replica's history, ``invalidation:<scope>:<value>``
-    for operator invalidations, ``coordinator`` for takeovers.
+    for operator invalidations, ``cache:<namespace or *>`` for reuse switches, ``coordinator`` for
+    takeovers.
     """
     t = type(e)
     if t is TransitionApplied:
@@ -389,6 +402,8 @@ def stream_of(e: _Event) -> str:
         return f"worker:{e.transition.worker_id}"  # type: ignore[attr-defined]
     if t is Invalidated:
         return f"invalidation:{e.scope}:{e.value}"  # type: ignore[attr-defined]
+    if t is CacheSwitched:
+        return f"cache:{e.namespace or '*'}"  # type: ignore[attr-defined]
     if t is CoordinatorResumed:
         return "coordinator"
     raise TypeError(f"not a ledger event: {t.__name__}")

@@ -29,7 +29,7 @@ def route(state: LedgerState, query: m.RouteQuery, fresh: Container[str],
         if query.namespace and w.namespace != query.namespace:
             continue
         usable = 0
-        if query.namespace and query.block_hashes and not w.suspended:
+        if query.namespace and query.block_hashes and not w.suspended and state.reuse_enabled(query.namespace):
             usable = longest_usable_prefix(state, w.catalogue, query.block_hashes, readable_locations(w),
                                            max_reasons=0).usable_blocks
         running, queued = load.get(w.worker_id, (0, 0))

@@ -224,6 +224,8 @@ class LedgerState:
     resumed_at_ms: int = 0
     #: Terminal replicas kept, per owner worker, oldest first (see "Retention" above).
     tombstones: dict[str, dict[ReplicaKey, None]] = field(default_factory=dict)
+    #: Namespaces whose reuse an operator turned off ("" = every namespace) → the reason.
+    reuse_off: dict[str, str] = field(default_factory=dict)
     #: Events folded so far (not part of the state hash).
     applied: int = 0
     # derived:
@@ -242,6 +244,10 @@ class LedgerState:
     @classmethod
     def empty(cls, params: CoreParams | None = None) -> LedgerState:
         return cls(params=params or CoreParams())
+
+    def reuse_enabled(self, namespace: str) -> bool:
+        """Whether leases of ``namespace`` may pin and reserve (no operator switch says off)."""
+        return not self.reuse_off or ("" not in self.reuse_off and namespace not in self.reuse_off)
 
     def pool_used(self, worker_id: str, form: str) -> int:
         p = self.pools.get((worker_id, form))
@@ -721,6 +727,13 @@ def _apply_invalidated(s: LedgerState, e: ev.Invalidated) -> None:
         _move(s, tuple(key), "invalidate")  # type: ignore[arg-type]
 
 
+def _apply_cache_switched(s: LedgerState, e: ev.CacheSwitched) -> None:
+    if e.enabled:
+        s.reuse_off.pop(e.namespace, None)
+    else:
+        s.reuse_off[e.namespace] = e.reason
+
+
 def _apply_coordinator_resumed(s: LedgerState, e: ev.CoordinatorResumed) -> None:
     s.resumed_at_ms = e.at_ms
 
@@ -741,6 +754,7 @@ _APPLY: Final[dict[type, Callable[[LedgerState, Any], None]]] = {
     ev.TransitionApplied: _apply_transition_applied,
     ev.TransitionRejected: _apply_transition_rejected,
     ev.Invalidated: _apply_invalidated,
+    ev.CacheSwitched: _apply_cache_switched,
     ev.CoordinatorResumed: _apply_coordinator_resumed,
 }
 assert set(_APPLY) == set(ev.EVENT_TYPES.values()), "every ledger event needs a fold"
@@ -809,7 +823,10 @@ def _canon(s: LedgerState) -> list[Any]:
     tenants = sorted(s.tenant_used.items())
     # NOTE: in order: which tombstone leaves next is a fact of the state.
     tombstones = [[owner, list(ring)] for owner, ring in sorted(s.tombstones.items())]
-    return [SNAPSHOT_VERSION, workers, replicas, leases, marks, pools, tenants, s.resumed_at_ms, tombstones]
+    out = [SNAPSHOT_VERSION, workers, replicas, leases, marks, pools, tenants, s.resumed_at_ms, tombstones]
+    if s.reuse_off:     # NOTE: only when set, so the digests of states without a switch stay as they were
+        out.append(sorted(s.reuse_off.items()))
+    return out
 
 
 def state_hash(state: LedgerState) -> str:
@@ -890,6 +907,8 @@ class _Snapshot(msgspec.Struct):
     watermarks: list[tuple[str, int, int, list[int]]]
     #: ``(owner, keys oldest first)`` per owner with tombstones.
     tombstones: list[tuple[str, list[ReplicaKey]]] = []
+    #: ``(namespace, reason)`` of every reuse switch that is off.
+    reuse_off: list[tuple[str, str]] = []
 
 
 class SnapshotError(ValueError):
@@ -922,6 +941,7 @@ def _to_snapshot(state: LedgerState) -> bytes:
                 for l in state.leases.values()],
         watermarks=[(w, e, m.contiguous, sorted(m.pending)) for (w, e), m in state.watermarks.items()],
         tombstones=[(owner, list(ring)) for owner, ring in state.tombstones.items()],
+        reuse_off=sorted(state.reuse_off.items()),
     )
     return msgspec.msgpack.encode(snap)
 
@@ -979,6 +999,7 @@ def _from_snapshot(data: bytes, params: CoreParams | None) -> LedgerState:
             w.leases[sl.lease_id] = None
     for wid, epoch, contiguous, pending in snap.watermarks:
         s.watermarks[(wid, epoch)] = Watermark(contiguous, set(pending))
+    s.reuse_off = dict(snap.reuse_off)
     for owner, keys in snap.tombstones:
         s.tombstones[owner] = {tuple(k): None for k in keys}  # type: ignore[misc]
     for pool in s.pools:

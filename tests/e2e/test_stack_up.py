@@ -197,6 +197,17 @@ def test_up_two_workers_requests_audit_and_sigterm_leaves_nothing(tmp_path: Path
     audit = kvledger("audit", *url)
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert "CLEAN" in audit.stdout and "worker-0, worker-1" in audit.stdout
+    # the fleet-wide switch: reuse off (durable in the log), then back on
+    off = kvledger("cache", "disable", *url, "--reason", "rollback drill")
+    assert off.returncode == 0 and "reuse: off" in off.stdout and "rollback drill" in off.stdout, off.stdout + off.stderr
+    r = client.completions.create(prompt=prompt, max_tokens=1, model="kvledger/dsv4-tiny")
+    assert r.usage.prompt_tokens_details.cached_tokens == 0      # served by recomputation
+    on = kvledger("cache", "enable", *url)
+    assert on.returncode == 0 and "reuse: on" in on.stdout, on.stdout + on.stderr
+    r = client.completions.create(prompt=prompt, max_tokens=1, model="kvledger/dsv4-tiny")
+    assert r.usage.prompt_tokens_details.cached_tokens == 32
+    for worker_url in stack["worker_urls"]:
+        wait_outbox_empty(worker_url)
     blocks = kvledger("blocks", *url, "--state", "READY", "--json")
     assert blocks.returncode == 0, blocks.stderr
     ready = json.loads(blocks.stdout)["replicas"]

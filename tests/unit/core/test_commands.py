@@ -9,9 +9,10 @@ from coordinator.core import (
     UnknownScope, UnknownWorker, WorkerLost, WorkerRegistered, acquire_lease, collect_disk, drain_worker,
     evict_replica,
     expire, from_snapshot, heartbeat, ingest_transition, invalidate, register_worker, release_lease,
-    renew_lease, replay, resume, state_hash, to_snapshot,
+    renew_lease, replay, resume, state_hash, switch_cache, to_snapshot,
 )
-from shared.messages import DiskBlock, DiskGc, ErrorCode, ErrorReply, LeaseGrant, ReplicaState as S
+from coordinator.core.route import route
+from shared.messages import DiskBlock, DiskGc, ErrorCode, ErrorReply, LeaseGrant, ReplicaState as S, RouteQuery
 
 from .support import FORMS, NS, Driver, acquire, consistent, h, hb, register, release, renew, transition
 
@@ -328,6 +329,27 @@ def test_disk_gc_evicts_all_or_none_of_a_segments_replicas() -> None:
     assert reply.evicted == len(both) and reply.pinned == []
     assert all(d.state.replica_state((b.block_hash, b.form, "disk")) is S.EVICTED for b in both)
     err(d.run(collect_disk, DiskGc(worker_id="w1", epoch=2, blocks=both), 16), ErrorCode.FENCED)
+    consistent(d)
+
+
+def test_reuse_switched_off_pins_and_reserves_nothing_until_switched_back_on() -> None:
+    d, seq = fresh(workers=("w1", "w2")), Seq()
+    warm(d, [h(0), h(1)], seq)
+    live = {w: d.state.workers[w] for w in ("w1", "w2")}
+    d.run(switch_cache, NS, False, "suspect cache", 10)
+    g = d.run(acquire_lease, acquire("w1", 1, [h(0), h(1), h(2)]), 11, "L1")
+    assert g.usable_blocks == 0 and g.read == [] and g.write == {} and g.evict == []
+    assert all(c.usable_blocks == 0 for c in route(d.state, RouteQuery(gateway_id="g", namespace=NS,
+                                                                        block_hashes=[h(0)]), set(live)).workers)
+    d.run(release_lease, release("w1", 1, "L1"), 12)
+    d.run(switch_cache, "", False, "", 13)                    # every namespace off as well
+    d.run(switch_cache, NS, True, "", 14)                     # NS's own switch on: "" still says off
+    assert not d.state.reuse_enabled(NS)
+    snap = from_snapshot(to_snapshot(d.state))
+    assert snap.reuse_off == {"": ""} and state_hash(snap) == d.hash
+    d.run(switch_cache, "", True, "", 15)
+    g = d.run(acquire_lease, acquire("w1", 1, [h(0), h(1), h(2)]), 16, "L2")
+    assert g.usable_blocks == 2 and g.write
     consistent(d)
 
 

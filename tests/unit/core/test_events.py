@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from coordinator.core import (
-    EVENT_TYPES, CoordinatorResumed, EventDecodeError, Invalidated, LeaseExpired, LeaseGranted, LeaseReleased,
+    EVENT_TYPES, CacheSwitched, CoordinatorResumed, EventDecodeError, Invalidated, LeaseExpired, LeaseGranted, LeaseReleased,
     LeaseRenewed, ReplicaAllocated, ReplicaEvicted, TransitionApplied, TransitionRejected, WorkerDraining,
     WorkerHeartbeat, WorkerLost, WorkerRegistered, WorkerResumed, WorkerSuspended, decode_event, encode_event,
     stream_of,
@@ -40,6 +40,7 @@ SAMPLES = [
     TransitionApplied(transition=REC, kind="commit", at_ms=11),
     TransitionRejected(transition=REC, reason="stale", at_ms=12),
     Invalidated(scope="namespace", value=NS, reason="upgrade", affected=[K], at_ms=13),
+    CacheSwitched(namespace=NS, enabled=False, reason="rollback", at_ms=13),
     CoordinatorResumed(at_ms=14),
     WorkerSuspended(worker_id="w1", epoch=2, reason="coordinator takeover", at_ms=15),
     WorkerResumed(worker_id="w1", epoch=2, kept=3, invalidated=[K], dropped=2, at_ms=16),
@@ -91,7 +92,7 @@ def test_streams() -> None:
         "worker:w1", "worker:w1", "worker:w1", "worker:w1",
         "lease:L1", "lease:L1", "lease:L1", "lease:L1",
         f"replica:{h(1)}:swa:gpu:w1", f"replica:{h(1)}:swa:gpu:w1", f"replica:{h(1)}:swa:gpu:w1",
-        "worker:w1", f"invalidation:namespace:{NS}", "coordinator", "worker:w1", "worker:w1",
+        "worker:w1", f"invalidation:namespace:{NS}", f"cache:{NS}", "coordinator", "worker:w1", "worker:w1",
     ]
     with pytest.raises(TypeError):
         stream_of(T)  # type: ignore[arg-type]
