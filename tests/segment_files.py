@@ -41,3 +41,12 @@ def cut_inside(r: Record) -> None:
     """Truncate ``r``'s segment in the middle of ``r`` (it and every later record of the file go)."""
     with open(r.path, "r+b") as f:
         f.truncate(r.payload + (r.end - r.payload) // 2)
+
+
+def torn_tail_bytes(root: Path, writer: str) -> int:
+    """Bytes at the ends of ``writer``'s segments that hold no whole record (a write cut short)."""
+    idx = SegmentIndex(root)
+    if not root.exists():
+        return 0
+    idx.refresh()
+    return sum(p.stat().st_size - idx._scanned.get(p, 0) for p in sorted((root / "segments" / writer).glob("*.kvs")))

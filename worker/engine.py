@@ -151,6 +151,7 @@ class Engine:
         self.tiers = Tiers(cfg.cache.host_tier_bytes if self.cache_enabled else 0,
                            cfg.cache.offload_dir if self.cache_enabled else None, host_pins=self._host_pins,
                            writer=self.worker_id, segment_bytes=cfg.cache.offload_segment_bytes)
+        self.metrics.disk_skipped.set_function(lambda: self.tiers.disk_index_skipped)
         for form, n in self.slots.items():
             self.metrics.pool_slots.labels(form=form).set(n)
             self.metrics.pool_used.labels(form=form).set(0)
@@ -829,7 +830,6 @@ class Engine:
 
     def pool_metrics(self) -> None:
         self._update_pool_metrics()
-        self.metrics.disk_skipped.set(self.tiers.disk_index_skipped)
 
     def _update_pool_metrics(self) -> None:
         if self.store is None:

@@ -49,7 +49,7 @@ from tests.faults.harness import (
     make_read_only,
     make_writable,
 )
-from tests.segment_files import cut_inside, flip_header, flip_payload, records, segment_files
+from tests.segment_files import cut_inside, flip_header, flip_payload, records, segment_files, torn_tail_bytes
 from worker.cache.segments import Record
 from tests.faults.workload import (
     Conversation,
@@ -515,13 +515,20 @@ async def coordinator_stall_past_grace(run: Run, drill: str) -> Fault:
 
 
 async def worker_kill(run: Run, drill: str) -> Fault:
-    """kill -9 a worker with requests in flight (wb, then wa, in turn); restart it; its old epoch is fenced."""
+    """kill -9 a worker with requests in flight (wb, then wa, in turn), while it writes blocks to
+    the shared offload directory; restart it; its old epoch is fenced, and the other worker keeps
+    reading the victim's segments (a record cut short by the kill is lost alone)."""
     victim = ("wb", "wa")[run.count(worker_kill) % 2]
     load = await run.begin(drill)
     old = (await run.epochs())[victim]
-    f = Fault(drill, f"worker {victim} kill -9 under load, restarted at once", run.history.now())
+    f = Fault(drill, f"worker {victim} kill -9 under load (spilling to the shared disk tier), restarted at once",
+              run.history.now())
+    segs0 = len(list((run.stack.offload_dir / "segments" / victim).glob("*.kvs")))
+    churn = asyncio.get_running_loop().create_task(run.churn(drill, f"{drill}-push0", victim))
+    await asyncio.sleep(0.5)                      # fresh blocks push older ones out: spills under way
     t0 = time.monotonic()
     run.stack.kill_worker(victim)
+    await churn
     run.stack.start_worker(victim)
     probe = run.probe(drill, t0, victim)
     await run.stack.wait_worker(victim, epoch_above=old)
@@ -539,7 +546,9 @@ async def worker_kill(run: Run, drill: str) -> Fault:
     await run.stack.wait_worker("wr", epoch_above=wr_old)
     f.retained_pct = await run.retained_pct(drill, warm)
     f.evidence = {f"{victim}_epoch": f"{old}→{new}", "wr_epoch": f"{wr_old}→{(await run.epochs())['wr']}",
-                  "cache_retained_pct (wr killed too)": f.retained_pct}
+                  "cache_retained_pct (wr killed too)": f.retained_pct,
+                  f"{victim}_segments_before_kill": segs0,
+                  f"{victim}_torn_tail_bytes": torn_tail_bytes(run.stack.offload_dir, victim)}
     assert f.retained_pct == 0, f"{drill}: a killed worker's fenced cache was reused ({f.retained_pct} %)"
     return run.close(f, KILLED_WORKER, load, only_on={victim})
 
