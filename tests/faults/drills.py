@@ -732,6 +732,7 @@ async def offload_full(run: Run, drill: str) -> Fault:
     await load.stop()
     f.evidence["writes_resumed"] = written > written0
     f.evidence["disk_gc_deleted"] = int(await _sum_metric(stack, "kvl_worker_disk_gc_segments_total", outcome="deleted"))
+    f.evidence["disk_gc_kept_pinned"] = int(await _sum_metric(stack, "kvl_worker_disk_gc_segments_total", outcome="pinned"))
     assert f.evidence["disk_write_failures"] > 0, f"no disk write failed while the file system was full: {f.evidence}"
     assert f.evidence["enospc_logged"], "the workers did not say ENOSPC"
     assert f.evidence["writes_resumed"], f"disk writes never resumed once space was freed: {f.evidence}"

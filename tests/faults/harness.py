@@ -189,7 +189,7 @@ class Stack:
         doc = self._base()
         # NOTE: a bound and small segments, so the disk GC (and its DiskGc requests) runs in every drill
         doc["cache"] = {"chunk_blocks": 1, "offload_dir": str(self.offload_dir), "host_tier_bytes": 0,
-                        "offload_dir_bytes": OFFLOAD_DIR_BYTES, "offload_segment_bytes": 2**20, **spec.cache}
+                        "offload_dir_bytes": OFFLOAD_DIR_BYTES, "offload_segment_bytes": 2**19, **spec.cache}
         doc["worker"] = {"worker_id": wid, "host": "127.0.0.1", "port": self.ports[wid], "pool_bytes": 4 * 2**20,
                          "outbox_resend_ms": 500, "debug_subjects": True,
                          "model_dir": os.environ.get("KVL_DRILL_MODEL_DIR", ""), **spec.worker}
@@ -641,9 +641,10 @@ class Observer:
 # --- file-system faults --------------------------------------------------------------------------
 
 #: The offload directory's file system (a tmpfs of its own where this process may mount one), and
-#: what each drill worker may keep there: a fleet of two offloading workers stays well inside it.
+#: what each drill worker may keep there: small, so the disk GC deletes segments (after DiskGc
+#: evictions) in the drills, and two offloading workers stay well inside the file system.
 OFFLOAD_FS_BYTES = 256 * 2**20
-OFFLOAD_DIR_BYTES = 48 * 2**20
+OFFLOAD_DIR_BYTES = 3 * 2**20
 
 
 def mount_small_fs(path: Path, nbytes: int) -> tuple[str, str]:
