@@ -183,14 +183,16 @@ def _write_ratio(items: list, root: Path, reps: int) -> dict[str, float]:
     nbytes = sum(d.numel() for _, _, d in items)
     batches = [items[i:i + SPILL_BATCH] for i in range(0, len(items), SPILL_BATCH)]
     t_path, t_raw = [], []
-    for rep in range(max(3, reps // 2)):
-        d = root / f"w{rep}"
+
+    def through_tier(d: Path) -> float:
         tiers = Tiers(host_bytes=0, disk_root=d / "tier", writer="bench", segment_bytes=1 << 40)
         os.sync()                           # NOTE: neither write pays for the other's (or a deletion's) dirty pages
         t0 = time.perf_counter()
         for b in batches:
             tiers.disk_write_many([(m, x) for _, m, x in b])
-        t_path.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    def raw(d: Path) -> float:
         (d / "raw").mkdir(parents=True)
         os.sync()
         t0 = time.perf_counter()
@@ -201,7 +203,17 @@ def _write_ratio(items: list, root: Path, reps: int) -> dict[str, float]:
                 os.fsync(fd)
         finally:
             os.close(fd)
-        t_raw.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    for rep in range(max(4, reps // 2)):
+        d = root / f"w{rep}"
+        # alternate which goes first: the second write of a pair was measurably slower either way
+        if rep % 2:
+            t_raw.append(raw(d))
+            t_path.append(through_tier(d))
+        else:
+            t_path.append(through_tier(d))
+            t_raw.append(raw(d))
         shutil.rmtree(d)
     tp, tr = statistics.median(t_path), statistics.median(t_raw)
     return {"offload_write_mb_per_s": round(nbytes / tp / 1e6, 1), "raw_write_mb_per_s": round(nbytes / tr / 1e6, 1),
