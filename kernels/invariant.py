@@ -196,6 +196,41 @@ def calibrate(shapes: Iterable[tuple[int, int]], *, dtype: torch.dtype = torch.f
     return failures
 
 
+#: CPU features whose presence changes which kernels MKL and ATen dispatch to (and so the bits).
+_ISA_FLAGS = ("fma", "avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+              "amx_tile", "amx_bf16")
+
+
+def compute_fingerprint(device: torch.device | str = "cpu") -> str:
+    """What decides the bits a product computes here, besides the model: the torch build (and
+    the BLAS it bundles), the instruction set it dispatches to, the intra-op thread count; on
+    CUDA the device and its capability. Two workers with different fingerprints may compute
+    different bits from the same weights (measured: the row floor moved from 4 to 16 between two
+    Xeons with the same torch build), so the engine puts this in the namespace and they never
+    share blocks."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        cap = torch.cuda.get_device_capability(dev)
+        return (f"cuda:{torch.__version__}:{torch.version.cuda}:{torch.cuda.get_device_name(dev)}:"
+                f"sm{cap[0]}{cap[1]}")
+    vendor, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "vendor_id" and not vendor:
+                    vendor = value.strip()
+                elif key == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    isa = ",".join(x for x in _ISA_FLAGS if x in flags)
+    return (f"{dev.type}:{torch.__version__}:{torch.backends.cpu.get_cpu_capability()}:{vendor}:{isa}:"
+            f"threads{torch.get_num_threads()}")
+
+
 def _calibrate_at_import() -> None:
     """Calibrate once for shapes typical of small models, with one thread (the rule's condition),
     before any product runs: every computation of this process then uses the same floor, whether

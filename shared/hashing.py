@@ -36,12 +36,16 @@ def _field(b: bytes) -> bytes:
 
 def namespace_hash(model_id: str, weights_digest: str, *,
                    cache_format_version: int = CACHE_FORMAT_VERSION,
-                   kernel_abi_version: int = KERNEL_ABI_VERSION) -> Namespace:
-    """Hash of everything that decides whether two workers compute the same cache bits."""
+                   kernel_abi_version: int = KERNEL_ABI_VERSION, compute: str = "") -> Namespace:
+    """Hash of everything that decides whether two workers compute the same cache bits.
+
+    ``compute``: the machine's compute fingerprint (``kernels.invariant.compute_fingerprint``:
+    torch build, instruction set, threads; CUDA device) — "" leaves it out (the golden vectors)."""
     h = hashlib.blake2b(digest_size=16, person=b"kvl-namespace")
     h.update(_DOMAIN_NS)
     for part in (model_id.encode(), weights_digest.encode(),
-                 struct.pack("<II", cache_format_version, kernel_abi_version)):
+                 struct.pack("<II", cache_format_version, kernel_abi_version),
+                 *((compute.encode(),) if compute else ())):
         h.update(_field(part))
     return Namespace(h.hexdigest())
 

@@ -72,6 +72,7 @@ from worker.client import CoordinatorClient, CoordinatorRefused, CoordinatorUnav
 from worker.generation import SamplingParams, generate
 from worker.metrics import WorkerMetrics
 from worker.model import CausalLM, weights_digest
+from kernels.invariant import compute_fingerprint
 from worker.selfcheck import SelfCheck, self_check
 from worker.publisher import OutboxFull, TransitionPublisher
 from worker.session import CacheValidationError, Result, Session
@@ -122,9 +123,12 @@ class Engine:
         self.specs = {n: lay.spec for n, lay in self.layouts.items()}
         self.spec_digests = {n: spec.spec_digest for n, spec in self.specs.items()}
         # A checkpoint directory's namespace is its files' digest (shared.manifest) and the
-        # dtype it computes in; seeded weights hash their tensors (which covers the dtype).
+        # dtype it computes in; seeded weights hash their tensors (which covers the dtype). The
+        # machine's compute fingerprint goes in too: other CPUs (or thread counts) compute other
+        # bits, so their blocks must never be reused here.
+        self.compute = compute_fingerprint(model.device)
         self.namespace = namespace_hash(model.cfg.model_id, f"{model.checkpoint_digest}:{model.dtype}"
-                                        if model.checkpoint_digest else weights_digest(model))
+                                        if model.checkpoint_digest else weights_digest(model), compute=self.compute)
         self.worker_id = worker_id_ or worker_id(cfg)
         self.gpu = f"gpu:{self.worker_id}"
         self.host_location = f"host:{self.worker_id}"
@@ -206,7 +210,7 @@ class Engine:
         c = self.checked
         (self.log.info if c.offload in ("ok", "off") else self.log.error)(
             "self_check", offload=c.offload, pools_allocated=c.pools_allocated, pool_slots=c.pool_slots,
-            namespace=c.namespace[:16], batch_invariant=c.batch_invariant, row_floor=c.row_floor)
+            namespace=c.namespace[:16], batch_invariant=c.batch_invariant, row_floor=c.row_floor, compute=c.compute)
         self.publisher.start()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._supervise(), name="kvl-supervisor"),

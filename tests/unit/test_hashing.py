@@ -93,3 +93,14 @@ def test_token_range_checked(bad: int) -> None:
 def test_bad_parent_rejected() -> None:
     with pytest.raises(ValueError, match="parent hash"):
         block_hash("abc", [1], NS, b"")  # type: ignore[arg-type]
+
+
+def test_the_compute_fingerprint_separates_namespaces() -> None:
+    """Other CPUs (or thread counts) compute other bits: their namespaces differ; "" is the old hash."""
+    from kernels.invariant import compute_fingerprint
+
+    here = compute_fingerprint()
+    assert here.startswith("cpu:") and "threads" in here
+    assert namespace_hash("m", "w" * 8, compute="") == namespace_hash("m", "w" * 8)
+    assert namespace_hash("m", "w" * 8, compute=here) != namespace_hash("m", "w" * 8)
+    assert namespace_hash("m", "w" * 8, compute=here) != namespace_hash("m", "w" * 8, compute=here + "x")
