@@ -126,9 +126,9 @@ class Engine:
         # dtype it computes in; seeded weights hash their tensors (which covers the dtype). The
         # machine's compute fingerprint goes in too: other CPUs (or thread counts) compute other
         # bits, so their blocks must never be reused here.
-        self.compute = compute_fingerprint(model.device)
+        self.fingerprint = compute_fingerprint(model.device)
         self.namespace = namespace_hash(model.cfg.model_id, f"{model.checkpoint_digest}:{model.dtype}"
-                                        if model.checkpoint_digest else weights_digest(model), compute=self.compute)
+                                        if model.checkpoint_digest else weights_digest(model), compute=self.fingerprint)
         self.worker_id = worker_id_ or worker_id(cfg)
         self.gpu = f"gpu:{self.worker_id}"
         self.host_location = f"host:{self.worker_id}"

@@ -100,7 +100,7 @@ def self_check(engine: Engine) -> SelfCheck:
             engine.tiers.mark_disk_down(failure)
     return SelfCheck(offload=offload, pools_allocated=engine.store is not None or not engine.cache_enabled,
                      pool_slots=dict(engine.slots), namespace=engine.namespace,
-                     batch_invariant=engine.stepper.fused, row_floor=inv.MIN_ROWS, compute=engine.compute)
+                     batch_invariant=engine.stepper.fused, row_floor=inv.MIN_ROWS, compute=engine.fingerprint)
 
 
 __all__ = ["PROBE_BYTES", "SelfCheck", "check_offload_dir", "self_check"]
