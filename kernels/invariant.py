@@ -143,35 +143,32 @@ def probe(shapes: Iterable[tuple[int, int]], rows: Iterable[int] = PROBE_ROWS,
     """
     g = torch.Generator().manual_seed(seed)
     rows = sorted(set(rows))
+    kind = str(dtype).removeprefix("torch.")
     failures = []
+
+    def diverges(lead: tuple[int, ...], k: int, product) -> int | None:
+        """The first row count in ``rows`` whose middle row differs from the first count's."""
+        probe_row = torch.randn(k, generator=g).to(dtype)
+        ref = None
+        for m in rows:
+            x = torch.randn(*lead, m, k, generator=g).to(dtype)
+            x[..., m // 2, :] = probe_row
+            got = product(x)[..., m // 2, :]
+            if ref is None:
+                ref = got
+            elif not torch.equal(got, ref):
+                return m
+        return None
+
     for k, n in sorted(set(shapes)):
         w = torch.randn(n, k, generator=g).to(dtype)
-        probe_row = torch.randn(k, generator=g).to(dtype)
-        ref = None
-        for m in rows:
-            x = torch.randn(m, k, generator=g).to(dtype)
-            x[m // 2] = probe_row
-            got = linear(x, w)[m // 2]
-            if ref is None:
-                ref = got
-            elif not torch.equal(got, ref):
-                failures.append(f"linear {k}->{n} {str(dtype).removeprefix('torch.')}: row differs at {m} rows "
-                                f"vs {rows[0]} (row floor {MIN_ROWS})")
-                break
+        if (m := diverges((), k, lambda x, w=w: linear(x, w))) is not None:
+            failures.append(f"linear {k}->{n} {kind}: row differs at {m} rows vs {rows[0]} (row floor {MIN_ROWS})")
     for groups, k, n in sorted(set(grouped)):
         w = torch.randn(groups, n, k, generator=g).to(dtype).transpose(1, 2)
-        probe_row = torch.randn(k, generator=g).to(dtype)
-        ref = None
-        for m in rows:
-            x = torch.randn(groups, m, k, generator=g).to(dtype)
-            x[:, m // 2] = probe_row
-            got = bmm_rows(x, w)[:, m // 2]
-            if ref is None:
-                ref = got
-            elif not torch.equal(got, ref):
-                failures.append(f"bmm {groups}x {k}->{n} {str(dtype).removeprefix('torch.')}: row differs at {m} rows "
-                                f"vs {rows[0]} (row floor {MIN_ROWS})")
-                break
+        if (m := diverges((groups,), k, lambda x, w=w: bmm_rows(x, w))) is not None:
+            failures.append(f"bmm {groups}x {k}->{n} {kind}: row differs at {m} rows vs {rows[0]} "
+                            f"(row floor {MIN_ROWS})")
     return failures
 
 

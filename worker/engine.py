@@ -710,18 +710,22 @@ class Engine:
             over = used - int(th * slots)
             if over <= 0:
                 continue
-            for meta, data in self.store.coldest(form, over):
+            def unbacked(meta: BlockMeta) -> bool:
                 key = (meta.block_hash, meta.form, meta.generation)
                 if key in self._backed:
-                    continue
+                    return False
                 self._backed[key] = None
-                if not self.tiers.holds(meta):
-                    self._offload_copy(meta, data)
-                    self.metrics.pre_offloaded.labels(form=form).inc()
-        # forget backings of slots that left the pool some other way (invalidated, fenced)
-        live = {(m.block_hash, f, m.generation) for f, _, m in self.store.items()}
-        for key in [k for k in self._backed if k not in live]:
-            del self._backed[key]
+                return not self.tiers.holds(meta)
+            # NOTE: only the ones not yet below are copied out of the pool (this runs after commits)
+            for meta, data in self.store.coldest(form, over, unbacked):
+                self._offload_copy(meta, data)
+                self.metrics.pre_offloaded.labels(form=form).inc()
+        if len(self._backed) > sum(self.slots.values()):
+            # forget backings of slots that left the pool some other way (invalidated, fenced):
+            # rarely, once there are more of them than slots
+            live = {(m.block_hash, f, m.generation) for f, _, m in self.store.items()}
+            for key in [k for k in self._backed if k not in live]:
+                del self._backed[key]
 
     async def _spill_once(self) -> None:
         """Write the spill queue to the disk tier in batches (one fsync each), then keep this

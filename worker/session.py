@@ -202,10 +202,10 @@ class Session:
         #: ``(meta, bytes)`` to install and commit once the model is busy again (or at close).
         self._pending: list[tuple[BlockMeta, torch.Tensor]] = []
         self._outcomes: dict[tuple[str, str], int] = {}
-        #: A copy of another session's state after its prompt (``n`` > 1 samples): it holds no
-        #: lease of its own, and caches only its reply's blocks, under a lease taken at close.
-        self.forked = False
-        self._forked_leased = False     # a fork: whether the session it forked from held a lease
+        #: A fork (a copy of another session's state after its prompt, ``n`` > 1 samples) holds
+        #: no lease of its own and caches only its reply's blocks, under a lease taken at close:
+        #: whether its source's prompt was leased. None: not a fork.
+        self._source_leased: bool | None = None
 
     def _spent(self, phase: str, since: float) -> None:
         self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - since
@@ -622,13 +622,13 @@ class Session:
         c.fallbacks = list(self.fallbacks)
         c.degraded = self.degraded
         c.state, c.prefill_pos, c.logits = state, self.prefill_pos, self.logits
-        c.forked, c._forked_leased = True, self._leased_prompt
+        c._source_leased = self._leased_prompt
         return c
 
     @property
     def _leased_prompt(self) -> bool:
         """Whether a lease covered this prompt when it opened (the fork's source's, for a fork)."""
-        return self._forked_leased if self.forked else self.main is not None
+        return self.main is not None if self._source_leased is None else self._source_leased
 
     # --- prefill, decode ----------------------------------------------------------------------
 

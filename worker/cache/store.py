@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -156,17 +156,20 @@ class CacheStore:
         self._free(form, slot)
         return (meta, data) if meta is not None else None
 
-    def coldest(self, form: str, n: int) -> list[tuple[BlockMeta, torch.Tensor]]:
-        """The ``n`` least recently used READY blocks of ``form`` with a copy of their bytes
-        (untouched: copying them down a tier does not make them recent)."""
+    def coldest(self, form: str, n: int, want: Callable[[BlockMeta], bool]) -> list[tuple[BlockMeta, torch.Tensor]]:
+        """Of the ``n`` least recently used READY blocks of ``form``, those ``want`` accepts, with
+        a copy of their bytes (untouched: copying them down a tier does not make them recent)."""
         out = []
+        seen = 0
         for slot in self._lru[form]:
-            if len(out) >= n:
+            if seen >= n:
                 break
             meta = self._meta.get((form, slot))
             info = self.pools[form].table.get(slot)
             if meta is not None and info is not None and info.ready:
-                out.append((meta, self.pools[form].view(slot).clone()))
+                seen += 1
+                if want(meta):
+                    out.append((meta, self.pools[form].view(slot).clone()))
         return out
 
     def lru_victim(self, form: str, keep: set[str]) -> BlockMeta | None:

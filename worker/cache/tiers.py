@@ -61,7 +61,7 @@ class Tiers:
         self.disk_root = Path(disk_root) if disk_root else None
         #: This worker's segments (None without a disk tier or a writer id: read-only).
         self._writer = SegmentWriter(self.disk_root, writer, segment_bytes) if self.disk_root and writer else None
-        self._index = SegmentIndex(self.disk_root) if self.disk_root else SegmentIndex(Path("."))
+        self._disk_index = SegmentIndex(self.disk_root) if self.disk_root else None
         self.retry_s = retry_s
         self._disk_down_until = 0.0
         self.disk_down_reason = ""
@@ -284,4 +284,10 @@ class Tiers:
     @property
     def disk_index_skipped(self) -> int:
         """Records the index skipped for a damaged header (each lost alone)."""
-        return self._index.skipped
+        return self._disk_index.skipped if self._disk_index is not None else 0
+
+    @property
+    def _index(self) -> SegmentIndex:
+        """The disk tier's index (only with an offload directory)."""
+        assert self._disk_index is not None, "no disk tier"
+        return self._disk_index
