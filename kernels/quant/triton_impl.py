@@ -83,10 +83,25 @@ def _decode_e4m3(code):
 
 
 @triton.jit
+def _e8m0_exponent(amax):
+    """The reference's ``e8m0_exponent``: smallest ``k`` with ``amax ≤ 448 · 2^k``, from the bits."""
+    b = amax.to(tl.int32, bitcast=True)
+    k = (b >> 23) - 135 + ((b & 0x7FFFFF) > 0x600000).to(tl.int32)
+    k = tl.where(amax > 0, k, 0)
+    return tl.minimum(tl.maximum(k, -126), 127)
+
+
+@triton.jit
+def _pow2(k):
+    """``2^k`` as fp32 for ``k`` in [-126, 127], from its bits (exact)."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _quantize_kernel(
     X, QB, SCALE, G, group,
     stride_xn, stride_xd, stride_qn, stride_qd, stride_sn, stride_sg,
-    BLOCK_G: tl.constexpr, GROUP_P2: tl.constexpr,
+    BLOCK_G: tl.constexpr, GROUP_P2: tl.constexpr, E8M0: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     offs_g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
@@ -95,18 +110,24 @@ def _quantize_kernel(
     ch = offs_g[:, None] * group + offs_c[None, :]
     x = tl.load(X + n * stride_xn + ch * stride_xd, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
-    y = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    if E8M0:
+        # a power-of-two scale: the product by 2^-k is exact and |y| ≤ 448 by construction
+        k = _e8m0_exponent(amax)
+        y = x * tl.broadcast_to(_pow2(-k)[:, None], x.shape)
+        tl.store(SCALE + n * stride_sn + offs_g * stride_sg, (k + 127).to(tl.uint8), mask=offs_g < G)
+    else:
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+        y = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        tl.store(SCALE + n * stride_sn + offs_g * stride_sg, scale, mask=offs_g < G)
     tl.store(QB + n * stride_qn + ch * stride_qd, _encode_e4m3(y).to(tl.uint8), mask=mask)
-    tl.store(SCALE + n * stride_sn + offs_g * stride_sg, scale, mask=offs_g < G)
 
 
 @triton.jit
 def _dequantize_kernel(
     QB, SCALE, OUT, G, group,
     stride_qn, stride_qd, stride_sn, stride_sg, stride_on, stride_od,
-    BLOCK_G: tl.constexpr, GROUP_P2: tl.constexpr,
+    BLOCK_G: tl.constexpr, GROUP_P2: tl.constexpr, E8M0: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     offs_g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
@@ -114,7 +135,11 @@ def _dequantize_kernel(
     mask = (offs_g < G)[:, None] & (offs_c < group)[None, :]
     ch = offs_g[:, None] * group + offs_c[None, :]
     code = tl.load(QB + n * stride_qn + ch * stride_qd, mask=mask, other=0).to(tl.int32)
-    scale = tl.load(SCALE + n * stride_sn + offs_g * stride_sg, mask=offs_g < G, other=1.0)
+    if E8M0:
+        scale = _pow2(tl.load(SCALE + n * stride_sn + offs_g * stride_sg, mask=offs_g < G, other=127)
+                      .to(tl.int32) - 127)
+    else:
+        scale = tl.load(SCALE + n * stride_sn + offs_g * stride_sg, mask=offs_g < G, other=1.0)
     v = _decode_e4m3(code) * scale[:, None]
     if OUT.dtype.element_ty == tl.bfloat16:
         v = _round_bf16(v)
@@ -141,14 +166,20 @@ def _check_group(group: object, D: int) -> None:
         raise ValueError(f"channel count {D} is not a multiple of the quantisation group {group}")
 
 
+def _check_scale_format(scale_format: str) -> bool:
+    if scale_format not in ("fp32", "e8m0"):
+        raise ValueError(f"scale_format {scale_format!r}: use one of fp32, e8m0")
+    return scale_format == "e8m0"
+
+
 def _tiles(G: int, group: int) -> tuple[int, int]:
     group_p2 = triton.next_power_of_2(group)
     return max(1, min(triton.next_power_of_2(G), 2048 // group_p2)), group_p2
 
 
-def quantize_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(x: torch.Tensor, group: int, scale_format: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`kernels.quant.reference.quantize_fp8_ref`: x ``[N, D]`` →
-    (``[N, D]`` float8_e4m3fn, ``[N, D // group]`` fp32 scales), bit-identical."""
+    (``[N, D]`` float8_e4m3fn, ``[N, D // group]`` scales: fp32, or uint8 for ``e8m0``), bit-identical."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
@@ -156,16 +187,17 @@ def quantize_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"x has dtype {x.dtype}; allowed: {', '.join(map(str, _FLOAT_DTYPES))}")
     _require_runnable("x", x)
+    e8m0 = _check_scale_format(scale_format)
     N, D = x.shape
     _check_group(group, D)
     G = D // group
     codes = torch.empty((N, D), dtype=torch.uint8, device=x.device)
-    scale = torch.empty((N, G), dtype=torch.float32, device=x.device)
+    scale = torch.empty((N, G), dtype=torch.uint8 if e8m0 else torch.float32, device=x.device)
     if N and G:
         BLOCK_G, GROUP_P2 = _tiles(G, group)
         _quantize_kernel[(N, triton.cdiv(G, BLOCK_G))](
             x, codes, scale, G, group, *x.stride(), *codes.stride(), *scale.stride(),
-            BLOCK_G=BLOCK_G, GROUP_P2=GROUP_P2, num_warps=4,
+            BLOCK_G=BLOCK_G, GROUP_P2=GROUP_P2, E8M0=e8m0, num_warps=4,
         )
     return codes.view(torch.float8_e4m3fn), scale
 
@@ -173,7 +205,7 @@ def quantize_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, group: int,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Triton twin of :func:`kernels.quant.reference.dequantize_fp8_ref`: ``q · scale`` per
-    group, in ``dtype``, bit-identical."""
+    group, in ``dtype``, bit-identical (a uint8 ``scale`` is e8m0: ``2^(scale - 127)``)."""
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dim() != 2 or q.dtype != torch.float8_e4m3fn:
@@ -182,8 +214,8 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, group: int,
     N, D = q.shape
     _check_group(group, D)
     G = D // group
-    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
-        raise TypeError("scale must be a float32 tensor")
+    if not isinstance(scale, torch.Tensor) or scale.dtype not in (torch.float32, torch.uint8):
+        raise TypeError("scale must be a float32 tensor (or uint8 e8m0 exponents)")
     if tuple(scale.shape) != (N, G):
         raise ValueError(f"scale must be [N, D // group] = {[N, G]}, got {list(scale.shape)}")
     if scale.device != q.device:
@@ -196,6 +228,6 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, group: int,
         codes = q.view(torch.uint8)
         _dequantize_kernel[(N, triton.cdiv(G, BLOCK_G))](
             codes, scale, out, G, group, *codes.stride(), *scale.stride(), *out.stride(),
-            BLOCK_G=BLOCK_G, GROUP_P2=GROUP_P2, num_warps=4,
+            BLOCK_G=BLOCK_G, GROUP_P2=GROUP_P2, E8M0=scale.dtype == torch.uint8, num_warps=4,
         )
     return out

@@ -102,3 +102,44 @@ def test_validation_names_the_argument(device):
             dequantize_fp8(q, scale[:, :2], 4)
         with pytest.raises(TypeError, match="q must be a 2-D float8_e4m3fn tensor"):
             dequantize_fp8(x, scale, 4)
+
+
+# --- e8m0 (power-of-two) scales: what kvledger stores cached state with -------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("N", "D", "group"), [(5, 36, 12), (2, 64, 32)], ids=["g12", "g32"])
+def test_e8m0_quantize_and_dequantize_are_bit_exact(N, D, group, dtype, device):
+    x = _wide_range(N, D, dtype, seed=33)
+    x[1, :group] = 0  # an all-zero group
+    with force_backend("triton"):
+        q, scale = quantize_fp8(x.to(device), group, scale_format="e8m0")
+        back = dequantize_fp8(q, scale, group)
+    q_ref, scale_ref = quantize_fp8_ref(x, group, scale_format="e8m0")
+    assert scale_ref.dtype == torch.uint8 and scale_ref[1, 0] == 127
+    assert_bits_equal(q.cpu(), q_ref)
+    assert_bits_equal(scale.cpu(), scale_ref)
+    assert_bits_equal(back.cpu(), dequantize_fp8_ref(q_ref, scale_ref, group))
+
+
+def test_e8m0_scale_is_the_smallest_power_of_two_that_fits():
+    """amax ≤ 448·2^k and amax > 448·2^(k-1), at and around every boundary 448·2^j."""
+    edges = torch.tensor([448.0 * 2.0**j for j in range(-20, 20)])
+    amax = torch.cat([edges, torch.nextafter(edges, edges * 2), torch.nextafter(edges, edges / 2),
+                      torch.tensor([1e-30, 3.0, 447.9, 448.0, 449.0, 1.75, 1.7500001, 2**-140])])
+    x = torch.stack([amax, torch.zeros_like(amax)], 1)      # one group of 2 per row
+    _, s = quantize_fp8_ref(x, 2, scale_format="e8m0")
+    k = s.double().squeeze(1) - 127
+    a = amax.double()
+    assert (a <= 448 * 2.0**k).all()
+    assert ((a > 448 * 2.0 ** (k - 1)) | (k == -126)).all()
+
+
+def test_e8m0_round_trip_is_idempotent():
+    """Stored, read back and stored again: the same values (the property cached state needs)."""
+    for seed in range(4):
+        x = _wide_range(16, 64, torch.float32, seed=seed) * 10.0**seed
+        once = dequantize_fp8_ref(*quantize_fp8_ref(x, 32, "e8m0"), 32)
+        twice = dequantize_fp8_ref(*quantize_fp8_ref(once, 32, "e8m0"), 32)
+        assert_bits_equal(twice, once)
+        # and the values are exact in bfloat16 (a bfloat16 model keeps them without rounding)
+        assert_bits_equal(once.to(torch.bfloat16).float(), once)
