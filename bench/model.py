@@ -11,6 +11,11 @@ rest. ``ideal_speedup`` is the compute ratio ``prompt / uncached tokens``;
 ``speedup_vs_ideal`` = measured / ideal. The warm logits must equal the cold ones bit for
 bit (``warm_bit_identical``). Decode is timed after 256 and after 2,048 tokens.
 
+``cache_dtype_drift``: for each low storage precision (``cache.dtype``), the bytes per block
+against float32 storage and the logit drift against float32 storage over a 1,024-token
+prompt (max/mean |Δlogit|, KL, top-1 agreement), and whether a warm run at that precision
+equals its own cold run (``fp8_cache_bytes_ratio``: the fp8 bytes ratio, scales included).
+
     python -m bench.model            # full: more repetitions
     python -m bench.model --quick    # within 60 s
 
@@ -50,15 +55,49 @@ def load(args):
     return build_dense(dense_tiny(args.family), seed=args.seed, dtype=dtype)
 
 
-def _timed(fn) -> tuple[float, float, object]:
-    """(wall ms, process CPU ms, result) of one call (a CUDA device is synchronised first and after)."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    w0, c0 = time.perf_counter(), time.process_time()
-    out = fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return (time.perf_counter() - w0) * 1000, (time.process_time() - c0) * 1000, out
+def storage_drift(model, bs: int, prompt: torch.Tensor, n_tokens: int) -> dict:
+    """What each ``cache.dtype`` costs in logits and buys in bytes, against float32 storage.
+
+    One cold prefill of ``n_tokens`` per precision (every position's logits: a request reads
+    its own rows as stored, so the drift grows along the prompt); then a warm run at that
+    precision, resumed from its own exported blocks, must equal its own cold run bit for bit.
+    """
+    from worker.model.storage import StorageError
+
+    toks = prompt[:n_tokens]
+    cap = -(-(n_tokens + 1) // bs) * bs
+    out: dict = {}
+
+    def cold(dt):
+        st = model.new_state(bs, cap, cache_dtype=dt)
+        return model.prefill(toks, st), st
+
+    ref, ref_state = cold("float32")
+    f32_bytes = sum(lay.spec.bytes_per_block for lay in ref_state.layouts.values())
+    p_ref = torch.log_softmax(ref.float(), -1)
+    for dt in ("bfloat16", "float16", "float8_e4m3fn"):
+        try:
+            logits, st = cold(dt)
+        except StorageError as e:
+            out[dt] = {"skipped": str(e)}
+            continue
+        d = (logits.float() - ref.float()).abs()
+        p = torch.log_softmax(logits.float(), -1)
+        kl = (p_ref.exp() * (p_ref - p)).sum(-1)
+        n = st.completed_blocks - 1
+        warm = model.new_state(bs, cap, cache_dtype=dt)
+        warm.restore([st.export_block(i) for i in range(n)], n)
+        again = model.prefill(toks[n * bs:], warm)
+        out[dt] = {
+            "bytes_ratio_vs_float32": round(sum(lay.spec.bytes_per_block for lay in st.layouts.values()) / f32_bytes, 4),
+            "logit_max_abs_diff": float(d.max()),
+            "logit_mean_abs_diff": float(d.mean()),
+            "logit_max_abs_diff_rel": float(d.max() / ref.float().abs().max()),
+            "kl_mean": float(kl.mean()),
+            "top1_agreement": float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
+            "warm_bit_identical": bool(torch.equal(again, logits[n * bs:])),
+        }
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -174,6 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
     ref = model.prefill(prompt[:256], model.new_state(bs, capacity))
     big = model.prefill(prompt[:256], model.new_state(bs, capacity), chunk_blocks=4)
 
+    drift = storage_drift(model, bs, prompt, 256 if args.quick else 1024)
+
     ideal = args.prompt / (args.prompt - P)
     speedup = cold_ms / warm_ms
     result = {
@@ -210,6 +251,12 @@ def main(argv: list[str] | None = None) -> dict:
            {"batching": "off: " + "; ".join(invariance_failures)}),
         "device": args.device,
         "batch_invariant_slowdown": round(statistics.median(inv_ms) / statistics.median(plain_ms), 3),
+        # cache.dtype: bytes per block against float32 storage (goal for fp8: <= 0.27, scales
+        # included) and the logit drift each precision costs (issue 18)
+        "fp8_cache_bytes_ratio": drift.get("float8_e4m3fn", {}).get("bytes_ratio_vs_float32"),
+        "bf16_cache_bytes_ratio": drift.get("bfloat16", {}).get("bytes_ratio_vs_float32"),
+        "cache_dtype_drift": drift,
+        "cache_dtype_warm_bit_identical": all(v.get("warm_bit_identical", True) for v in drift.values()),
         "mode": "quick" if args.quick else "full",
     }
     print(json.dumps(result))

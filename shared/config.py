@@ -68,6 +68,12 @@ class CacheConfig(_Section):
     host_tier_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * 2**20
     hit_validation: HitValidation = msgspec.field(default_factory=HitValidation)
     on_invalid: Literal["refill", "error"] = "refill"
+    #: Precision cached state is stored in — pools, host and disk tiers (``worker.model.storage``):
+    #: ``auto`` = the model's own (float32 for the DeepSeek-V4 hybrid, the compute dtype for dense
+    #: models), ``bfloat16`` / ``float16`` (half the bytes of float32), ``float8_e4m3fn`` (fp8 codes
+    #: and one power-of-two scale per 32 values: 0.26 of float32). A request reads its own rows as
+    #: stored, so a warm run equals a cold one at the same setting; changing it changes the namespace.
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float8_e4m3fn"] = "auto"
     #: Prefill unit in blocks when the model's ops are NOT batch-invariant (the start-up probe
     #: failed, or more than one torch thread): then a resume must start on this grid to compute
     #: exactly what a cold run computes. With invariant ops (the default here) prompts are cut

@@ -72,6 +72,7 @@ from worker.client import CoordinatorClient, CoordinatorRefused, CoordinatorUnav
 from worker.generation import SamplingParams, generate
 from worker.metrics import WorkerMetrics
 from worker.model import CausalLM, weights_digest
+from worker.model.storage import stored_precisions
 from kernels.invariant import compute_fingerprint
 from worker.selfcheck import SelfCheck, self_check
 from worker.publisher import OutboxFull, TransitionPublisher
@@ -118,17 +119,27 @@ class Engine:
         self.log = get_logger("kvl.worker")
         self.block_size = cfg.cache.block_size
         self.chunk_blocks = cfg.cache.chunk_blocks
-        self.layouts = model.form_layouts(self.block_size)
-        self.catalogue = model.declare_forms(self.block_size)
+        #: The storage precision of every form (``worker.model.storage``): this engine's, passed
+        #: to every layout and state it makes (other engines may share the model).
+        self.cache_dtype = cfg.cache.dtype
+        self.layouts = model.form_layouts(self.block_size, self.cache_dtype)
+        self.catalogue = model.declare_forms(self.block_size, self.cache_dtype)
         self.specs = {n: lay.spec for n, lay in self.layouts.items()}
         self.spec_digests = {n: spec.spec_digest for n, spec in self.specs.items()}
+        #: digest → storage precision, for this model's forms at every ``cache.dtype`` it can use
+        #: (hit validation names the precision a refused replica was stored in).
+        self.stored_as = stored_precisions(model, self.block_size)
         # A checkpoint directory's namespace is its files' digest (shared.manifest) and the
         # dtype it computes in; seeded weights hash their tensors (which covers the dtype). The
         # machine's compute fingerprint goes in too: other CPUs (or thread counts) compute other
         # bits, so their blocks must never be reused here.
         self.fingerprint = compute_fingerprint(model.device)
-        self.namespace = namespace_hash(model.cfg.model_id, f"{model.checkpoint_digest}:{model.dtype}"
-                                        if model.checkpoint_digest else weights_digest(model), compute=self.fingerprint)
+        weights = f"{model.checkpoint_digest}:{model.dtype}" if model.checkpoint_digest else weights_digest(model)
+        # A storage precision other than the family's own changes what requests compute (they
+        # read their rows back as stored): its blocks must never meet another setting's.
+        if self.cache_dtype != "auto":
+            weights += f":cache={self.cache_dtype}"
+        self.namespace = namespace_hash(model.cfg.model_id, weights, compute=self.fingerprint)
         self.worker_id = worker_id_ or worker_id(cfg)
         self.gpu = f"gpu:{self.worker_id}"
         self.host_location = f"host:{self.worker_id}"
@@ -272,7 +283,7 @@ class Engine:
 
         def work() -> torch.Tensor:
             with torch.inference_mode():
-                state = self.model.new_state(bs, cap)
+                state = self.model.new_state(bs, cap, cache_dtype=self.cache_dtype)
                 return self.model.prefill(list(tokens), state, chunk_blocks=self.chunk_blocks, logits="all")
 
         return await self.compute(work)

@@ -41,6 +41,7 @@ from shared.subjects import Subjects
 from shared.tls import client_context
 from shared.text.chat_template import load_chat_template
 from shared.text.checkpoint_files import CheckpointFileError
+from worker.model.storage import StorageError
 from worker.client.nats_adapter import NatsCoordinatorClient
 from worker.engine import Engine
 from worker.generation import SamplingParams
@@ -188,7 +189,11 @@ async def serve(cfg: Config) -> int:
         return 2
     client = NatsCoordinatorClient(cfg.nats.url, subjects, timeout_s=cfg.nats.request_timeout_ms / 1000,
                                    tls=client_context(cfg.tls), auth=auth)
-    engine = Engine(model, cfg, client)
+    try:
+        engine = Engine(model, cfg, client)
+    except StorageError as e:   # cache.dtype this model's forms cannot be stored in
+        print(f"kvledger worker: config key cache.dtype: {e}", file=sys.stderr, flush=True)
+        return 2
     if cfg.nats.user and cfg.nats.user != nats_auth.worker(engine.worker_id).user:
         print(f"kvledger worker: config key nats.user: worker {engine.worker_id} connects as "
               f"{nats_auth.worker(engine.worker_id).user!r}, not {cfg.nats.user!r} (NATS lets each identity act "

@@ -329,7 +329,7 @@ class Session:
         bs, cap = self.bs, self.capacity
 
         def work():
-            state = e.model.new_state(bs, cap)
+            state = e.model.new_state(bs, cap, cache_dtype=e.cache_dtype)
             if blocks is not None:
                 state.restore(blocks, spec.p)
             return state
@@ -403,7 +403,7 @@ class Session:
             return None
         want = needs(e.catalogue, p)
         expect = Expect(namespace=e.namespace, tenant=self.tenant, block_hashes=self.hashes, block_size=self.bs,
-                        specs=e.specs, digests=e.spec_digests)
+                        specs=e.specs, digests=e.spec_digests, stored_as=e.stored_as)
         found: dict[Need, _Found] = {}
         outcomes: dict[tuple[str, str], int] = {}
         by_form: dict[str, list[Need]] = {}
@@ -475,7 +475,7 @@ class Session:
         t_start = time.perf_counter()
         self._outcomes: dict[tuple[str, str], int] = {}
         expect = Expect(namespace=e.namespace, tenant=self.tenant, block_hashes=self.hashes, block_size=self.bs,
-                        specs=e.specs, digests=e.spec_digests)
+                        specs=e.specs, digests=e.spec_digests, stored_as=e.stored_as)
         failed = 0
         disk: list[tuple[Need, ReplicaRef]] = []
         gpu: dict[str, list[tuple[Need, ReplicaRef]]] = {}

@@ -170,6 +170,9 @@ class Expect:
     specs: Mapping[str, FormSpec]
     #: ``spec_digest`` per form (computed from ``specs`` when not given; pass it to skip the hashing).
     digests: Mapping[str, str] = field(default_factory=dict)
+    #: Storage precision of the specs this worker knows by digest (its forms at every
+    #: ``cache.dtype``), so an ABI failure can say "stored as bfloat16" instead of a digest.
+    stored_as: Mapping[str, str] = field(default_factory=dict)
 
     def digest(self, form: str) -> str:
         d = self.digests.get(form)
@@ -231,8 +234,10 @@ def validate(ref: ReplicaRef, index: int, obs: Observed, expect: Expect, switche
     if on(Layer.ABI):
         want = expect.digest(form)
         if meta.spec_digest != want:
-            return _fail(Layer.ABI, f"{form} of block {index} was written under spec {meta.spec_digest}; running "
-                                    f"spec is {want}", outcomes)
+            was = expect.stored_as.get(meta.spec_digest)
+            return _fail(Layer.ABI, f"{form} of block {index} was written under spec {meta.spec_digest}"
+                                    f"{f' (stored as {was})' if was else ''}; running spec is {want} (stored as "
+                                    f"{spec.dtype})", outcomes)
         outcomes.append((Layer.ABI, "pass"))
     if on(Layer.INTERSECTION):
         hs = expect.block_hashes

@@ -66,6 +66,18 @@ class Compressor(nn.Module):
         ext_kv = torch.cat([slot.ring_kv[ring_pos], kv], 0)
         ext_score = torch.cat([slot.ring_score[ring_pos], score], 0)
         base = s - R                                               # position of ext row 0
+        keep = min(span.length, R)                                 # ring rows this span replaces
+        if self.overlap and slot.halo_layout is not None:
+            # NOTE: a resume at a block boundary b starts from the stored halo — the a-halves of
+            # rows [b - m, b) in the storage precision — so a run that crosses b must use those
+            # rounded values too, for the window after b (here and, through the ring, in later
+            # forwards): then cold and resumed runs read the same numbers (worker.model.storage).
+            w = self.width
+            for b in range((s // block_size + 1) * block_size, e + 1, block_size):
+                rows = slice(b - m - base, b - base)
+                ext_kv[rows, :w] = slot.halo_layout.round(ext_kv[rows, :w])
+                ext_score[rows, :w] = slot.halo_layout.round(ext_score[rows, :w])
+                keep = R                                           # rounded rows may lie in the ring
         w_lo, w_hi = s // m, e // m                                # windows closing in [s, e)
         if w_hi > w_lo:
             wins = torch.arange(w_lo, w_hi, device=kv.device)
@@ -85,6 +97,7 @@ class Compressor(nn.Module):
             for b in range(first_boundary, e + 1, block_size):
                 rows = slice(b - m - base, b - base)
                 slot.capture_halo(b // block_size - 1, ext_kv[rows, :self.width], ext_score[rows, :self.width])
-        keep = min(span.length, R)
-        save_state(slot.ring_kv, slot.ring_score, kv[-keep:], score[-keep:], span.positions[-keep:])
+        # ext's last rows are positions [e - keep, e), with any boundary rounding above
+        save_state(slot.ring_kv, slot.ring_score, ext_kv[-keep:], ext_score[-keep:],
+                   torch.arange(e - keep, e, device=kv.device))
         return w_hi

@@ -21,6 +21,7 @@ from torch import nn
 from kernels.invariant import calibrate, invariant_here
 from shared.forms import FormCatalogue
 from worker.model.state import Batch, CacheState, Segment
+from worker.model.storage import CACHE_DTYPES, StorageError
 
 
 class CausalLM(nn.Module):
@@ -36,13 +37,21 @@ class CausalLM(nn.Module):
         #: The checkpoint's digest when it was loaded from a directory (``shared.manifest``);
         #: ``None`` for seeded weights (their namespace is the digest of the tensors themselves).
         self.checkpoint_digest: str | None = None
+        #: The default ``cache.dtype`` of states and layouts made without one (``worker.model.storage``;
+        #: ``auto`` = the family's own). An engine passes its own setting explicitly, so engines
+        #: with different settings may share one model. The precision changes what a request
+        #: computes (rows are read back as stored): it is part of the forms' specs and the namespace.
+        self.cache_dtype = "auto"
 
     # ---- what a family provides ---------------------------------------------------------------
 
-    def new_state(self, block_size: int, capacity: int | None = None) -> CacheState:
+    def new_state(self, block_size: int, capacity: int | None = None, *,
+                  cache_dtype: str | None = None) -> CacheState:
+        """A fresh per-request state (``cache_dtype``: the storage precision; None = :attr:`cache_dtype`)."""
         raise NotImplementedError
 
-    def form_layouts(self, block_size: int) -> dict:
+    def form_layouts(self, block_size: int, cache_dtype: str | None = None) -> dict:
+        """``{form: FormLayout}`` at ``block_size`` (``cache_dtype`` None = :attr:`cache_dtype`)."""
         raise NotImplementedError
 
     def _body(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -67,14 +76,22 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
+    def use_cache_dtype(self, cache_dtype: str) -> None:
+        """Store cached state in ``cache_dtype`` from now on (``StorageError`` for an unknown name;
+        a form that cannot be stored so — fp8 groups too small for its rows — says so when its
+        layout is built)."""
+        if cache_dtype not in CACHE_DTYPES:
+            raise StorageError(f"cache.dtype {cache_dtype!r}: use one of {', '.join(CACHE_DTYPES)}")
+        self.cache_dtype = cache_dtype
+
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def declare_forms(self, block_size: int) -> FormCatalogue:
+    def declare_forms(self, block_size: int, cache_dtype: str | None = None) -> FormCatalogue:
         """The catalogue this model declares to the coordinator."""
         return FormCatalogue(model_id=self.cfg.model_id, block_size=block_size,
-                             forms=tuple(layout.spec for layout in self.form_layouts(block_size).values()))
+                             forms=tuple(layout.spec for layout in self.form_layouts(block_size, cache_dtype).values()))
 
     def check_invariance(self) -> list[str]:
         """Find this machine's row floor at this model's shapes and dtype (``kernels.invariant.calibrate``);

@@ -95,12 +95,14 @@ class HybridAttentionLM(CausalLM):
             (cfg.hidden_size, cfg.n_routed_experts), (cfg.hc_mult * cfg.hidden_size, cfg.hc_mult),
             (cfg.hc_mult * cfg.hidden_size, (2 + cfg.hc_mult) * cfg.hc_mult)}
 
-    def new_state(self, block_size: int, capacity: int | None = None) -> RequestState:
+    def new_state(self, block_size: int, capacity: int | None = None, *,
+                  cache_dtype: str | None = None) -> RequestState:
         """A fresh per-request state on this model's device."""
-        return RequestState(self.cfg, block_size, capacity, device=self.device)
+        return RequestState(self.cfg, block_size, capacity, device=self.device,
+                            cache_dtype=cache_dtype or self.cache_dtype)
 
-    def form_layouts(self, block_size: int) -> dict:
-        return form_layouts(self.cfg, block_size)
+    def form_layouts(self, block_size: int, cache_dtype: str | None = None) -> dict:
+        return form_layouts(self.cfg, block_size, cache_dtype or self.cache_dtype)
 
     def _body(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
         x = self.model.embed_tokens(ids)

@@ -101,6 +101,9 @@ class CacheState:
     ``export_block(i)`` and ``restore(blocks, n_blocks)``; both go through the checks here.
     """
 
+    #: The dtype the state keeps cached rows in (payloads are decoded into it on restore).
+    buffer_dtype: torch.dtype = torch.float32
+
     def _init_positions(self, block_size: int, capacity: int, device: torch.device | str) -> None:
         if capacity <= 0 or capacity % block_size:
             raise ValueError(f"capacity {capacity} must be a positive multiple of block_size {block_size}")
@@ -175,7 +178,8 @@ class CacheState:
         if tuple(t.shape) != layout.shape or t.dtype != layout.dtype:
             raise ValueError(f"restore: block {i} form {form!r} has shape {tuple(t.shape)} {t.dtype}; its spec "
                              f"says {layout.shape} {layout.dtype} (corrupt payload)")
-        return t.to(self.device)
+        # the logical tensor, decoded from the storage precision into the dtype the state keeps
+        return layout.decode(t.to(self.device), self.buffer_dtype)
 
     def _payload_out(self, out: dict[str, torch.Tensor]) -> BlockPayload:
         for name, t in out.items():
@@ -187,11 +191,16 @@ class CompressorSlot:
     """What one compressor (a layer's main or indexer compressor) may touch in the state."""
 
     def __init__(self, state: RequestState, layer: int, kind: str, ratio: int, overlap: bool,
-                 width: int, ring_kv: torch.Tensor, ring_score: torch.Tensor, entries: torch.Tensor) -> None:
+                 width: int, ring_kv: torch.Tensor, ring_score: torch.Tensor, entries: torch.Tensor,
+                 entries_layout: FormLayout | None, halo_layout: FormLayout | None) -> None:
         self._state, self.layer, self.kind = state, layer, kind
         self.ratio, self.overlap, self.width = ratio, overlap, width
         self.ring_kv, self.ring_score = ring_kv, ring_score
         self._entries = entries
+        # Storage rounding (``worker.model.storage``): None when the cache stores float32 rows.
+        self._entries_layout = entries_layout if entries_layout is not None and entries_layout.lossy else None
+        #: Rounds the halo rows a block boundary leaves (None: stored as computed).
+        self.halo_layout = halo_layout if halo_layout is not None and halo_layout.lossy else None
 
     def reset(self) -> None:
         # NOTE: kv 0 / score -inf is the sentinel for rows before position 0; a new request
@@ -199,7 +208,10 @@ class CompressorSlot:
         self.ring_kv.zero_()
         self.ring_score.fill_(float("-inf"))
 
-    def write_entries(self, first: int, rows: torch.Tensor) -> None:
+    def write_entries(self, first: int, rows: torch.Tensor, *, stored: bool = False) -> None:
+        """Entries ``first…``; rounded to the storage precision unless they come from storage."""
+        if self._entries_layout is not None and not stored:
+            rows = self._entries_layout.round(rows)
         self._entries[first:first + rows.shape[0]] = rows
 
     def entries(self, n: int) -> torch.Tensor:
@@ -214,13 +226,18 @@ class CompressorSlot:
 class RequestState(CacheState):
     """Cache state of one request of the hybrid model (batch 1). See the module docstring."""
 
+    #: Rows are kept in float32 whatever the storage precision (they are rounded to it as written).
+    buffer_dtype = torch.float32
+
     def __init__(self, cfg: ModelConfig, block_size: int, capacity: int | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", cache_dtype: str = "auto") -> None:
         check_block_size(cfg, block_size)
         capacity = cfg.max_position_embeddings if capacity is None else capacity
         self._init_positions(block_size, capacity, device)
         self.cfg = cfg
-        self.layouts: dict[str, FormLayout] = form_layouts(cfg, block_size)
+        self.layouts: dict[str, FormLayout] = form_layouts(cfg, block_size, cache_dtype)
+        swa = self.layouts[SWA]
+        self._swa_round = swa.round if swa.lossy else None
         f32 = dict(dtype=torch.float32, device=self.device)
         D, dI = cfg.head_dim, cfg.index_head_dim
         self._swa = torch.zeros(cfg.num_hidden_layers, capacity, D, **f32)
@@ -239,7 +256,8 @@ class RequestState(CacheState):
                 self._slots[(layer, kind)] = CompressorSlot(
                     self, layer, kind, m, csa, width,
                     torch.zeros(ring, coff * width, **f32), torch.zeros(ring, coff * width, **f32),
-                    torch.zeros(capacity // m, width, **f32))
+                    torch.zeros(capacity // m, width, **f32),
+                    self.layouts.get(COMPRESSED if kind == MAIN else INDEXER), self.layouts.get(TAIL))
         self.reset()
 
     @classmethod
@@ -263,6 +281,8 @@ class RequestState(CacheState):
     # ---- what the model touches --------------------------------------------------------
 
     def write_swa(self, layer: int, start: int, rows: torch.Tensor) -> None:
+        if self._swa_round is not None:
+            rows = self._swa_round(rows)
         self._swa[layer, start:start + rows.shape[0]] = rows
 
     def window_rows(self, layer: int, lo: int, hi: int) -> torch.Tensor:
@@ -300,7 +320,8 @@ class RequestState(CacheState):
         if TAIL in self.layouts:
             out[TAIL] = self._halos[i].clone()
         out[SWA] = self._swa[:, i * bs:(i + 1) * bs].clone()
-        return self._payload_out(out)
+        # every row is already rounded to the storage precision: encoding it is exact
+        return self._payload_out({name: self.layouts[name].encode(t) for name, t in out.items()})
 
     def restore(self, blocks: Sequence[Mapping[str, torch.Tensor]], n_blocks: int, *,
                 specs: Mapping[str, FormSpec] | None = None) -> None:
@@ -322,13 +343,15 @@ class RequestState(CacheState):
             row = 0
             for layer in cfg.compressed_layers:
                 k = bs // cfg.compress_ratios[layer]
-                self._slots[(layer, MAIN)].write_entries(0, hist[:, row:row + k].reshape(-1, cfg.head_dim))
+                self._slots[(layer, MAIN)].write_entries(0, hist[:, row:row + k].reshape(-1, cfg.head_dim),
+                                                         stored=True)
                 row += k
         if INDEXER in self.layouts:
             hist = torch.stack([self._payload(blocks, i, INDEXER, specs) for i in range(n_blocks)])
             k = bs // cfg.csa_ratio
             for c, layer in enumerate(cfg.csa_layers):
-                self._slots[(layer, IDX)].write_entries(0, hist[:, c * k:(c + 1) * k].reshape(-1, cfg.index_head_dim))
+                self._slots[(layer, IDX)].write_entries(
+                    0, hist[:, c * k:(c + 1) * k].reshape(-1, cfg.index_head_dim), stored=True)
         first = max(0, P - self.layouts[SWA].spec.window_tokens) // bs
         for i in range(first, n_blocks):
             self._swa[:, i * bs:(i + 1) * bs] = self._payload(blocks, i, SWA, specs)

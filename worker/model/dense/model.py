@@ -171,11 +171,13 @@ class DenseLM(CausalLM):
         self.rope = RopeTable(self.cfg, self.dtype, self.device)
         return out
 
-    def new_state(self, block_size: int, capacity: int | None = None) -> DenseState:
-        return DenseState(self.cfg, block_size, capacity, dtype=self.dtype, device=self.device)
+    def new_state(self, block_size: int, capacity: int | None = None, *,
+                  cache_dtype: str | None = None) -> DenseState:
+        return DenseState(self.cfg, block_size, capacity, dtype=self.dtype, device=self.device,
+                          cache_dtype=cache_dtype or self.cache_dtype)
 
-    def form_layouts(self, block_size: int) -> dict:
-        return dense_form_layouts(self.cfg, block_size, self.dtype)
+    def form_layouts(self, block_size: int, cache_dtype: str | None = None) -> dict:
+        return dense_form_layouts(self.cfg, block_size, self.dtype, cache_dtype or self.cache_dtype)
 
     def _body(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
         x = self.model.embed_tokens(ids)

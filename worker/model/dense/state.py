@@ -12,7 +12,6 @@ forward writes its rows in place and attention reads a contiguous prefix of them
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -21,39 +20,53 @@ from shared.forms import FormScope, FormSpec
 from worker.model.dense.config import DenseConfig
 from worker.model.forms import FormLayout
 from worker.model.state import BlockPayload, CacheState
+from worker.model.storage import resolve
 
 #: Byte layout version of the ``kv`` form; bump with any layout change.
 LAYOUT_VERSION = 1
 KV = "kv"
 
 
-def dense_form_layouts(cfg: DenseConfig, block_size: int, dtype: torch.dtype) -> dict[str, FormLayout]:
-    """The dense family's one form at ``block_size``, stored in ``dtype``."""
+def dense_form_layouts(cfg: DenseConfig, block_size: int, dtype: torch.dtype,
+                       cache_dtype: str = "auto") -> dict[str, FormLayout]:
+    """The dense family's one form at ``block_size`` for a model computing in ``dtype``, stored in
+    ``cache_dtype`` (``auto``: ``dtype`` itself)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
+    storage = resolve(cache_dtype, dtype)
     shape = (cfg.num_hidden_layers, 2, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    spec = FormSpec(name=KV, scope=FormScope.FULL_HISTORY, bytes_per_block=nbytes,
-                    dtype=str(dtype).removeprefix("torch."), layout_version=LAYOUT_VERSION,
-                    params={"block_size": block_size, "shape": ",".join(map(str, shape)), "family": cfg.family,
-                            "qk_norm": int(cfg.qk_norm), "rope": "half:" + cfg.rope.describe(),
-                            "layer_types": ",".join("s" if t == "sliding_attention" else "f" for t in cfg.layer_types),
-                            "sliding_window": cfg.sliding_window})
-    return {KV: FormLayout(spec=spec, shape=shape, dtype=dtype)}
+    params = {"block_size": block_size, "shape": ",".join(map(str, shape)), "family": cfg.family,
+              "qk_norm": int(cfg.qk_norm), "rope": "half:" + cfg.rope.describe(),
+              "layer_types": ",".join("s" if t == "sliding_attention" else "f" for t in cfg.layer_types),
+              "sliding_window": cfg.sliding_window}
+    return {KV: FormLayout.of(KV, FormScope.FULL_HISTORY, shape, storage, params, layout_version=LAYOUT_VERSION,
+                              group=storage.group(KV, cfg.head_dim))}
 
 
 class DenseState(CacheState):
-    """K/V of one request (batch 1). See the module docstring."""
+    """K/V of one request (batch 1). See the module docstring.
+
+    Rows are rounded to the storage precision as they are written (``worker.model.storage``),
+    so every read — this request's own attention, or a later request's resumed from the
+    exported block — sees the same values. They are kept in the compute dtype where it holds
+    the stored values exactly, else in float32 and cast for attention.
+    """
 
     def __init__(self, cfg: DenseConfig, block_size: int, capacity: int | None = None, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 cache_dtype: str = "auto") -> None:
         capacity = cfg.max_position_embeddings if capacity is None else capacity
         self._init_positions(block_size, capacity, device)
         self.cfg = cfg
-        self.layouts = dense_form_layouts(cfg, block_size, dtype)
+        self.layouts = dense_form_layouts(cfg, block_size, dtype, cache_dtype)
+        self._layout = self.layouts[KV]
+        storage = self._layout.storage
+        self.compute_dtype = dtype
+        self.buffer_dtype = storage.buffer_dtype(dtype)
+        self._round = None if storage.lossless_for(dtype) else self._layout.round
         shape = (cfg.num_hidden_layers, capacity, cfg.num_key_value_heads, cfg.head_dim)
-        self._k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self._v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._k = torch.zeros(shape, dtype=self.buffer_dtype, device=self.device)
+        self._v = torch.zeros(shape, dtype=self.buffer_dtype, device=self.device)
         self.reset()
 
     def reset(self) -> None:
@@ -62,18 +75,24 @@ class DenseState(CacheState):
         self._reset_positions()
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self._round is not None:
+            k, v = self._round(k), self._round(v)
         self._k[layer, start:start + k.shape[0]] = k
         self._v[layer, start:start + v.shape[0]] = v
 
     def keys(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V rows of positions ``[lo, hi)`` (views)."""
-        return self._k[layer, lo:hi], self._v[layer, lo:hi]
+        """K and V rows of positions ``[lo, hi)`` in the compute dtype (views when kept in it)."""
+        k, v = self._k[layer, lo:hi], self._v[layer, lo:hi]
+        if self.buffer_dtype != self.compute_dtype:
+            return k.to(self.compute_dtype), v.to(self.compute_dtype)
+        return k, v
 
     def export_block(self, i: int) -> BlockPayload:
         self._check_exportable(i)
         bs = self.block_size
         rows = slice(i * bs, (i + 1) * bs)
-        return self._payload_out({KV: torch.stack([self._k[:, rows], self._v[:, rows]], 1)})
+        # the rows were rounded as written: encoding them is exact
+        return self._payload_out({KV: self._layout.encode(torch.stack([self._k[:, rows], self._v[:, rows]], 1))})
 
     def restore(self, blocks: Sequence[Mapping[str, torch.Tensor]], n_blocks: int, *,
                 specs: Mapping[str, FormSpec] | None = None) -> None:
