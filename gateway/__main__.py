@@ -1,8 +1,9 @@
 """``python -m gateway [--config FILE]``: the gateway process (``kvledger gateway`` in the stack).
 
-Reads the workers' text side from ``worker.model_dir`` (tokenizer, chat template) so that it
-hashes prompts as they do, connects to NATS as ``gateway.<gateway.gateway_id>``, serves HTTP on
-``gateway.host:gateway.port`` and prints ``listening on <url>`` once bound.
+Reads the workers' text side from ``worker.model_dir`` (tokenizer, chat template, and the vision
+input its ``config.json`` declares) so that it hashes prompts as they do, connects to NATS as
+``gateway.<gateway.gateway_id>``, serves HTTP on ``gateway.host:gateway.port`` and prints
+``listening on <url>`` once bound.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from shared import nats_auth
 from shared.config import ConfigError, load_config
 from shared.event_loop import loop_factory
 from shared.logging import configure_logging, get_logger
+from shared.images import image_spec_of
 from shared.text.chat_template import load_chat_template
+from shared.text.image_prompt import ImagePrompting
 from shared.text.checkpoint_files import CheckpointFileError
 from shared.text.tokenizer import load_tokenizer
 from shared.tls import client_context, http_scheme, server_context
@@ -35,13 +38,15 @@ async def serve(cfg) -> int:
         # NOTE: no model here: the vocabulary check is the workers' (2**31 admits any tokenizer).
         tokenizer = load_tokenizer(cfg.worker.model_dir, 2**31)
         template = load_chat_template(cfg.worker.model_dir)
+        spec = image_spec_of(cfg.worker.model_dir)     # the model's vision input, as its workers read it
+        images = ImagePrompting.of(tokenizer, spec) if spec is not None else None
         auth = nats_auth.connect_kwargs(cfg.nats)
     except (CheckpointFileError, nats_auth.AuthConfigError) as e:
         print(f"kvledger gateway: {e}", file=sys.stderr)
         return 2
     tls = client_context(cfg.tls)
     gw = Gateway(cfg, tokenizer, template, nats_kwargs={**auth, **({"tls": tls} if tls is not None else {})},
-                 client_ssl=tls)
+                 client_ssl=tls, images=images)
     try:
         await gw.start()
     except Exception as e:  # noqa: BLE001 - NATS unreachable at start

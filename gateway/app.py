@@ -41,12 +41,14 @@ from gateway.routing import Choice, Worker, choose
 from shared import messages as m
 from shared.config import Config
 from shared.hashing import chain_hashes
+from shared.images import ImageLimits, PromptImage, image_block_keys
 from shared.logging import get_logger
 from shared.subjects import Subjects
 from shared.tenant_header import SIGNATURE_HEADER, TENANT_HEADER, sign
 from shared.tenants import DEFAULT_TENANT, AuthError, Tenant, TenantDirectory, salt_secret, tenant_salt
 from shared.text.generation_config import DEFAULT_MAX_TOKENS
 from shared.text.chat_template import ChatTemplate
+from shared.text.image_prompt import ImagePrompting
 from shared.text.tokenizer import Tokenizer
 from shared.versions import package_version
 
@@ -92,9 +94,12 @@ def _error(status: int, message: str, type_: str, code: str, headers: dict[str, 
 
 class Gateway:
     def __init__(self, cfg: Config, tokenizer: Tokenizer, template: ChatTemplate, *,
-                 nats_kwargs: dict[str, Any] | None = None, client_ssl: Any = None) -> None:
+                 nats_kwargs: dict[str, Any] | None = None, client_ssl: Any = None,
+                 images: ImagePrompting | None = None) -> None:
         self.cfg, self.g = cfg, cfg.gateway
         self.tokenizer, self.template = tokenizer, template
+        #: How the workers' model takes images (None: it takes none); limits as the workers'.
+        self.images, self.image_limits = images, ImageLimits.of(cfg.service)
         self.subjects = Subjects(cfg.nats.subject_prefix)
         self.tenants = TenantDirectory.from_config(cfg.auth)
         self.metrics = GatewayMetrics()
@@ -196,8 +201,10 @@ class Gateway:
             s = self._salts[tenant] = tenant_salt(salt_secret(self.cfg, tenant), tenant)
         return s
 
-    async def route(self, tokens: list[int] | None, tenant: str) -> tuple[list[Choice], str]:
-        """Candidates best first, and the affinity key used."""
+    async def route(self, tokens: list[int] | None, tenant: str,
+                    images: tuple[PromptImage, ...] = ()) -> tuple[list[Choice], str]:
+        """Candidates best first, and the affinity key used (``images``: the prompt's, whose
+        content hashes key the blocks they overlap, as on the workers)."""
         now = time.monotonic()
         down = frozenset(w for w, until in self.down.items() if until > now)
         usable: dict[str, int] = {}
@@ -208,7 +215,7 @@ class Gateway:
                 groups.setdefault((w.namespace, w.block_size), []).append(w)
             asks = []
             for (ns, bs), _ws in groups.items():
-                hashes = chain_hashes(tokens, bs, ns, self.salt(tenant))
+                hashes = chain_hashes(tokens, bs, ns, self.salt(tenant), image_block_keys(images, bs))
                 if hashes:
                     affinity = hashes[0]
                     asks.append(self._ask(m.RouteQuery(gateway_id=self.g.gateway_id, namespace=ns,
@@ -283,7 +290,11 @@ class Gateway:
             doc = json.loads(body)
         except ValueError:
             doc = None
-        tokens = prompt_tokens(path, doc, self.tokenizer, self.template)
+        args = (path, doc, self.tokenizer, self.template, self.images, self.image_limits)
+        # NOTE: images are decoded and resized to hash them: CPU work, off the event loop
+        prompt = (await asyncio.to_thread(prompt_tokens, *args) if self.images is not None and b'"image_url"' in body
+                  else prompt_tokens(*args))
+        tokens = prompt.tokens if prompt is not None else None
         admitted = self.limits.admit(tenant, len(tokens or ()) + _max_tokens(doc), time.monotonic())
         if isinstance(admitted, Refused):
             self.metrics.limited.labels(tenant=tenant.id, code=admitted.code).inc()
@@ -291,7 +302,7 @@ class Gateway:
             return self._count(path, _error(admitted.status, admitted.message, "rate_limit_error"
                                             if admitted.status == 429 else "invalid_request_error", admitted.code,
                                             headers))
-        choices, _ = await self.route(tokens, tenant.id)
+        choices, _ = await self.route(tokens, tenant.id, prompt.images if prompt is not None else ())
         self.metrics.route_seconds.observe(time.perf_counter() - t0)
         if choices:
             self.metrics.decisions.labels(reason=choices[0].reason if tokens else "no_hint").inc()

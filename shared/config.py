@@ -101,6 +101,24 @@ class ServiceConfig(_Section):
     keepalive_timeout_ms: PosInt = 15000
     #: Time allowed to receive a request body once its headers are in; slower is a 408.
     body_read_timeout_ms: PosInt = 10000
+    #: How tool calls are read from chat output (``shared.text.tool_calls``): ``auto`` = the syntax the
+    #: chat template renders (``<tool_call>`` → hermes, ``[TOOL_CALLS]`` → mistral, Llama 3's
+    #: ``"parameters"`` → llama3_json; ``builtin`` for kvledger's own template), or one named; ``none``
+    #: = never (``tool_choice`` ``required`` and named functions are then refused).
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "builtin", "none"] = "auto"
+    #: Largest image a chat request may carry, in bytes of the encoded file (a ``data:`` URL's
+    #: decoded payload, checked on its base64 length before decoding; or a fetched file).
+    max_image_bytes: PosInt = 4 * 2**20
+    #: Most pixels (width × height, read from the image's header before decoding) one image may have.
+    max_image_pixels: PosInt = 4096 * 4096
+    #: Most images one chat request may carry (each adds the vision encoder's patch count of tokens).
+    max_images_per_request: PosInt = 8
+    #: Fetch ``http(s)`` image URLs (aiohttp, at most 3 redirects, ``max_image_bytes``, within
+    #: ``image_fetch_timeout_ms``). False: only ``data:`` URLs; a remote URL is a 400 saying so. Lets
+    #: clients make the worker fetch any URL it can reach: enable only where that is acceptable.
+    allow_remote_images: bool = False
+    #: Time allowed to fetch one remote image (connect, redirects and body), when allowed.
+    image_fetch_timeout_ms: PosInt = 10000
 
 
 class DatabaseConfig(_Section):

@@ -81,11 +81,14 @@ def trained_tokenizer() -> str:
 
 
 def save_tokenizer(d: Path, *, bos: str | None, eos: str, template: Any = None, jinja_files: bool = True,
-          gen: dict[str, Any] | None = None, **tokens: str) -> Path:
+          gen: dict[str, Any] | None = None, added: tuple[str, ...] = (), **tokens: str) -> Path:
+    """``added``: special tokens appended to the vocabulary (ids from 200 on; e.g. an image token)."""
     from tokenizers import Tokenizer, processors
     from transformers import GenerationConfig, PreTrainedTokenizerFast
 
     tok = Tokenizer.from_str(trained_tokenizer())
+    if added:
+        tok.add_special_tokens(list(added))
     if bos is not None:     # Llama's tokenizer.json adds BOS in its post-processor
         tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
                                                            special_tokens=[(bos, tok.token_to_id(bos))])
@@ -100,3 +103,36 @@ def token_id(token: str) -> int:
     from tokenizers import Tokenizer
 
     return Tokenizer.from_str(trained_tokenizer()).token_to_id(token)
+
+
+# --- a vision encoder beside a dense checkpoint ------------------------------------------------------
+
+def add_vision(d: Path, *, image_token_id: int, seed: int = 0, **sizes: Any) -> Path:
+    """Give the dense checkpoint in ``d`` kvledger's vision encoder: ``config.json``'s ``vision``
+    section and ``image_token_id``, and seeded ``vision.*`` weights in ``vision.safetensors``."""
+    import dataclasses
+    import json
+    import math
+
+    from safetensors.torch import save_file
+
+    from worker.model.vision import VisionConfig, VisionEncoder
+
+    doc = json.loads((d / "config.json").read_text())
+    vc = VisionConfig(**sizes)
+    enc = VisionEncoder(vc, doc["hidden_size"])
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, t in enc.state_dict().items():
+        if name == "norm.weight":
+            v = torch.randn(t.shape, generator=g) * 0.1 + 1.0
+        elif name.endswith("bias"):
+            v = torch.randn(t.shape, generator=g) * 0.1
+        else:
+            v = torch.randn(t.shape, generator=g) / math.sqrt(t.shape[-1])
+        tensors[f"vision.{name}"] = v.contiguous()
+    save_file(tensors, str(d / "vision.safetensors"))
+    doc["vision"] = dataclasses.asdict(vc)
+    doc["image_token_id"] = image_token_id
+    (d / "config.json").write_text(json.dumps(doc, indent=2))
+    return d

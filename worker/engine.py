@@ -40,6 +40,7 @@ import torch
 
 from shared.config import Config
 from shared.hashing import namespace_hash, replica_digest, split_digests
+from shared.images import PromptImage, check_placement
 from shared.logging import get_logger
 from shared.messages import (
     MAX_DISK_GC_BLOCKS,
@@ -73,6 +74,7 @@ from worker.generation import SamplingParams, generate
 from worker.metrics import WorkerMetrics
 from worker.model import CausalLM, weights_digest
 from worker.model.storage import stored_precisions
+from worker.model.vision import PromptEmbeds, encode_images
 from kernels.invariant import compute_fingerprint
 from worker.selfcheck import SelfCheck, self_check
 from worker.publisher import OutboxFull, TransitionPublisher
@@ -273,18 +275,24 @@ class Engine:
     async def io(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn)
 
-    async def prompt_logits(self, tokens: Sequence[int]) -> torch.Tensor:
+    async def prompt_logits(self, tokens: Sequence[int], images: Sequence[PromptImage] = ()) -> torch.Tensor:
         """The model's logits at every prompt position ``[len, vocab]`` (``echo`` + ``logprobs``),
         from a cold prefill of its own: positions served from cache have no logits, so they are
         recomputed here — on the grid a cold request's prefill follows, so row ``j`` holds the
-        bits a cold run computes at position ``j``. No cache is read or written."""
+        bits a cold run computes at position ``j`` (its images encoded as a request's are). No
+        cache is read or written."""
         bs = self.block_size
         cap = -(-len(tokens) // bs) * bs
+        if images:
+            check_placement(images, tokens, getattr(self.model.cfg, "image_token_id", None))
 
         def work() -> torch.Tensor:
             with torch.inference_mode():
+                vectors = encode_images(self.model, [im.pixels for im in images]) if images else []
+                embeds = PromptEmbeds([(im.offset, v) for im, v in zip(images, vectors)]) if images else None
                 state = self.model.new_state(bs, cap, cache_dtype=self.cache_dtype)
-                return self.model.prefill(list(tokens), state, chunk_blocks=self.chunk_blocks, logits="all")
+                return self.model.prefill(list(tokens), state, chunk_blocks=self.chunk_blocks, logits="all",
+                                          embeds=embeds)
 
         return await self.compute(work)
 
@@ -936,9 +944,10 @@ class Engine:
     # --- requests -------------------------------------------------------------------------
 
     async def open(self, tokens: Sequence[int], *, tenant: str = "default", reuse: bool = True,
-                   max_new_tokens: int = 1) -> Session:
-        """Lease, validate and restore for ``tokens``; the session is ready for :meth:`Session.prefill_step`."""
-        s = Session(self, tokens, tenant=tenant, reuse=reuse, max_new_tokens=max_new_tokens)
+                   max_new_tokens: int = 1, images: Sequence[PromptImage] = ()) -> Session:
+        """Lease, validate and restore for ``tokens`` (holding ``images``); the session is ready for
+        :meth:`Session.prefill_step`."""
+        s = Session(self, tokens, tenant=tenant, reuse=reuse, max_new_tokens=max_new_tokens, images=images)
         self.sessions.add(s)
         try:
             await s.open()
@@ -955,14 +964,14 @@ class Engine:
 
     async def generate(self, tokens: Sequence[int], *, tenant: str = "default", max_tokens: int = 16,
                        reuse: bool = True, sampling: SamplingParams | None = None, return_logits: bool = True,
-                       stop_token_ids: Sequence[int] = ()) -> Result:
+                       stop_token_ids: Sequence[int] = (), images: Sequence[PromptImage] = ()) -> Result:
         """Run one request to completion: prefill (resuming from validated cache), then decode —
         the serving scheduler's loop (:func:`worker.generation.generate`) without the queue."""
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         t0 = time.perf_counter()
         outcome = "error"
-        s = await self.open(tokens, tenant=tenant, reuse=reuse, max_new_tokens=max_tokens)
+        s = await self.open(tokens, tenant=tenant, reuse=reuse, max_new_tokens=max_tokens, images=images)
         try:
             g = await generate(s, sampling or SamplingParams(), max_tokens=max_tokens,
                                stop_token_ids=frozenset(stop_token_ids), keep_logits=return_logits)

@@ -43,6 +43,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from shared.config import ServiceConfig
+from shared.images import PromptImage
 from shared.logging import get_logger
 from worker.generation import Sampler, SamplingParams, TokenLogprobs, generate
 from shared.tenants import Tenant
@@ -163,6 +164,8 @@ class GenRequest:
     stop_token_ids: frozenset[int] = frozenset()
     #: Keep each step's logits in the outcome (tests; not exposed over HTTP).
     keep_logits: bool = False
+    #: Images in the prompt: their token runs, content hashes and pixels (chat image parts).
+    images: tuple[PromptImage, ...] = ()
 
 
 @dataclass(slots=True)
@@ -477,7 +480,8 @@ class Scheduler:
                 self.metrics.forked.inc()
                 job.forked = True
                 return s
-        return await e.open(req.tokens, tenant=req.tenant.id, reuse=req.reuse, max_new_tokens=req.max_tokens)
+        return await e.open(req.tokens, tenant=req.tenant.id, reuse=req.reuse, max_new_tokens=req.max_tokens,
+                            images=req.images)
 
     async def _fork(self, job: Job, s: Session) -> None:
         """Hand a copy of ``s``'s state to every job waiting for one (at the end of the prompt)."""

@@ -35,6 +35,13 @@ second, write-only lease (their hashes were unknown at open).
 *Closing.* Leases are released only once the commit watermark covers this session's
 transitions (or a timeout passes): a release processed before a commit would abort the
 replica the commit fills.
+
+*Images.* A prompt may hold images (``shared.images.PromptImage``: a run of image tokens, a
+content hash, the pixels). Their keys enter the hashes of the blocks they overlap
+(``image_block_keys``: at open and for the reply's commit alike, so the prompt's hashes stay a
+prefix of the grown chain). Once the resume point is known, the vision encoder runs on the model
+thread for each image the prefill still reads (one that ends before the resume point is served
+whole from the cache and never encoded), and each prefill piece carries its image rows' vectors.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ import torch
 from shared.forms import FormScope
 from shared.hashing import chain_hashes
 from shared.ids import ROOT_HASH
+from shared.images import PromptImage, check_placement, image_block_keys
 from shared.messages import (
     ErrorCode,
     LeaseAcquire,
@@ -79,6 +87,7 @@ from worker.cache.planner import (
 from worker.cache.store import as_bytes, bytes_checksum
 from worker.client import CoordinatorRefused, CoordinatorUnavailable
 from worker.model.state import BlockPayload
+from worker.model.vision import PromptEmbeds, encode_images
 
 if TYPE_CHECKING:
     from worker.engine import Engine
@@ -120,9 +129,9 @@ class Result:
     ttft_s: float = 0.0
     #: Seconds spent per phase: ``hash``, ``lease``, ``speculate`` (validation while the lease is
     #: in flight), ``evict``, ``validate``, ``restore`` (state build, the part not hidden behind
-    #: the lease), ``forward`` (model prefill), ``export``, ``handoff`` (to the model thread and
-    #: back), ``commit`` (off the TTFT path). Everything but ``restore`` and ``forward`` is the
-    #: cache engine's own cost.
+    #: the lease), ``vision`` (the image encoder), ``forward`` (model prefill), ``export``,
+    #: ``handoff`` (to the model thread and back), ``commit`` (off the TTFT path). Everything but
+    #: ``restore``, ``vision`` and ``forward`` is the cache engine's own cost.
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -152,7 +161,7 @@ class _Found:
 
 class Session:
     def __init__(self, engine: Engine, tokens: Sequence[int], *, tenant: str, reuse: bool,
-                 max_new_tokens: int) -> None:
+                 max_new_tokens: int, images: Sequence[PromptImage] = ()) -> None:
         e = engine
         self.engine = e
         self.tokens = [int(t) for t in tokens]
@@ -162,6 +171,13 @@ class Session:
         n = len(self.tokens)
         if n == 0:
             raise ValueError("a request needs at least one prompt token")
+        if images:
+            check_placement(images, self.tokens, getattr(e.model.cfg, "image_token_id", None))
+        self.images = tuple(images)
+        #: Per-block hash keys of the images (``shared.images.image_block_keys``).
+        self._image_keys = image_block_keys(self.images, self.bs)
+        #: The vectors of the images the prefill reads (set at open).
+        self.embeds: PromptEmbeds | None = None
         limit = e.max_context
         if n + max(0, max_new_tokens - 1) > limit:
             raise ValueError(f"prompt of {n} tokens + {max_new_tokens} new tokens exceeds the context limit of "
@@ -218,7 +234,7 @@ class Session:
             if e.cache_enabled:
                 e.metrics.queries.inc(len(self.tokens))
                 t0 = time.perf_counter()
-                self.hashes = chain_hashes(self.tokens, self.bs, e.namespace, e.salt(self.tenant))
+                self.hashes = chain_hashes(self.tokens, self.bs, e.namespace, e.salt(self.tenant), self._image_keys)
                 self._spent("hash", t0)
                 await self._lease_and_restore()
         finally:
@@ -233,6 +249,7 @@ class Session:
             self.state = fresh
             self.resume_blocks = 0
         self.prefill_pos = self.resume_blocks * self.bs
+        await self._encode_images()
         if self.main is not None:
             for form, idx in self.main.write.items():
                 for i in idx:
@@ -240,6 +257,18 @@ class Session:
                         self.writes.setdefault(i, []).append(form)
         if e.cache_enabled:
             e.metrics.validated_hits.inc(self.resume_blocks * self.bs)
+
+    async def _encode_images(self) -> None:
+        """Run the vision encoder (on the model thread, each image alone) for the images the
+        prefill still has to read: those ending after the resume point."""
+        todo = [im for im in self.images if im.offset + im.tokens > self.prefill_pos]
+        if not todo:
+            return
+        model = self.engine.model
+        t0 = time.perf_counter()
+        vectors = await self.engine.compute(lambda: encode_images(model, [im.pixels for im in todo]))
+        self.embeds = PromptEmbeds([(im.offset, v) for im, v in zip(todo, vectors, strict=True)])
+        self._spent("vision", t0)
 
     @property
     def cached_tokens(self) -> int:
@@ -613,7 +642,8 @@ class Session:
             raise RuntimeError("a session forks at the end of its prompt, before it decodes")
         if state.pos != self.state.pos:
             raise ValueError(f"fork: the state is at {state.pos}, the session at {self.state.pos}")
-        c = Session(self.engine, self.tokens, tenant=self.tenant, reuse=self.reuse, max_new_tokens=1)
+        c = Session(self.engine, self.tokens, tenant=self.tenant, reuse=self.reuse, max_new_tokens=1,
+                    images=self.images)
         c.capacity = self.capacity      # the state's, which this session's max_new_tokens sized
         c.hashes = list(self.hashes)
         c.epoch = self.epoch
@@ -667,7 +697,7 @@ class Session:
             return True
         e = self.engine
         t0 = time.perf_counter()
-        fut = e.stepper.prefill(self.state, self._plan, self.order)
+        fut = e.stepper.prefill(self.state, self._plan, self.order, self.embeds)
         self._commit_pending()          # NOTE: overlaps the model call just queued
         res = await fut
         self._spent("forward", t0)
@@ -744,7 +774,7 @@ class Session:
             return
         t0 = time.perf_counter()
         tokens = (self.tokens + self.fed)[:full * self.bs]
-        hashes = chain_hashes(tokens, self.bs, e.namespace, e.salt(self.tenant))
+        hashes = chain_hashes(tokens, self.bs, e.namespace, e.salt(self.tenant), self._image_keys)
         assert hashes[:len(self.hashes)] == self.hashes
         grant = await self._acquire(hashes, write=True, reuse=False)
         if grant is None:

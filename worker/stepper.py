@@ -60,6 +60,8 @@ class _Step:
     #: decode: the one token. prefill: a callable (max tokens) → (token ids, blocks to export).
     token: int = 0
     plan: Callable[[int | None], tuple[list[int], list[int]]] | None = None
+    #: prefill: the prompt's image vectors by position (``worker.model.vision.PromptEmbeds``), or None.
+    embeds: object = None
     fut: asyncio.Future = None  # type: ignore[assignment]
     ids: list[int] = field(default_factory=list)
     export: list[int] = field(default_factory=list)
@@ -93,10 +95,11 @@ class Stepper:
         """Queue one decode token; the future resolves with its logits."""
         return self._submit(_Step(state, order, True, token=int(token)))
 
-    def prefill(self, state, plan, order: tuple) -> asyncio.Future[StepResult]:
+    def prefill(self, state, plan, order: tuple, embeds=None) -> asyncio.Future[StepResult]:
         """Queue more of a prompt. ``plan(max_tokens)`` names the prompt tokens to run now
-        (``max_tokens`` None = the request's own next unit) and the blocks to export after."""
-        return self._submit(_Step(state, order, False, plan=plan))
+        (``max_tokens`` None = the request's own next unit) and the blocks to export after;
+        ``embeds`` (``PromptEmbeds``) gives the piece the vectors of the image rows it runs."""
+        return self._submit(_Step(state, order, False, plan=plan, embeds=embeds))
 
     def _submit(self, step: _Step) -> asyncio.Future[StepResult]:
         loop = asyncio.get_running_loop()
@@ -185,7 +188,9 @@ class Stepper:
         return [refused[k] if k in refused else next(outs) for k in range(len(batch))]
 
     def _forward(self, batch: list[_Step]) -> list[StepResult]:
-        outs = self.model.forward_batch([(s.ids, s.state) for s in batch], logits="last")
+        # NOTE: a state's position is its step's first position until this forward commits it
+        outs = self.model.forward_batch([(s.ids, s.state, s.embeds.piece(s.state.pos, len(s.ids))
+                                          if s.embeds is not None else None) for s in batch], logits="last")
         self.forwards += 1
         self.segments += len(batch)
         self.rows += sum(len(s.ids) for s in batch)

@@ -1,7 +1,9 @@
 """Structured output: ``response_format`` ``json_object`` / ``json_schema``, and vLLM's
 ``structured_outputs`` extension (exactly one of ``json`` (a schema), ``regex``, ``choice`` (a
 list of strings, the output is one of them) or ``grammar`` (a context-free grammar in the Lark
-syntax llguidance reads: ``start: expr`` and so on)), as a token mask on each step, computed by
+syntax llguidance reads: ``start: expr`` and so on)), and a forced tool call (chat's ``tool_choice``
+``required`` or a named function: the template's call syntax around each function's ``parameters``,
+``shared.text.tool_calls.grammar``), as a token mask on each step, computed by
 llguidance (an Earley parser over the tokenizer's vocabulary, made for
 LLM decoding; no dependencies, no per-schema precompilation).
 
@@ -31,7 +33,7 @@ How it keeps the rules:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +44,11 @@ from shared.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 
 class GrammarError(ValueError):
-    """The response_format cannot be served (a 400 naming it)."""
+    """The response_format cannot be served (a 400 naming it, or ``param`` when given)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class _ByteVocab:
@@ -79,8 +85,12 @@ class StructuredOutput:
                                                      n_vocab=self.model_vocab + 1)
             elif isinstance(tok, HFTokenizer):
                 n = max(self.model_vocab, tok.vocab_size)
-                self._lltok = llguidance.LLTokenizer(tok.to_json(), n_vocab=n if eos else n + 1,
-                                                     eos_token=eos or n)
+                try:
+                    self._lltok = llguidance.LLTokenizer(tok.to_json(), n_vocab=n if eos else n + 1,
+                                                         eos_token=eos or n)
+                except ValueError as e:     # a decoder llguidance cannot map to bytes (a 400, not a 500)
+                    raise GrammarError(f"structured output is not available with this model's tokenizer: {e}") \
+                        from None
             else:
                 raise GrammarError(f"response_format: structured output needs a byte or tokenizers tokenizer, "
                                    f"not {type(tok).__name__}")
@@ -144,6 +154,25 @@ class StructuredOutput:
         if kind == "regex":
             return self._build("structured_outputs: the regex", lambda: M.grammar_from_regex(value))
         return self._build("structured_outputs: the grammar", lambda: M.grammar_from_lark(value))
+
+    def compile_tool_calls(self, lark: str, schemas: Sequence[tuple[str, dict[str, Any]]]) -> Grammar:
+        """The grammar that forces a tool call (``shared.text.tool_calls.grammar``, a Lark grammar with
+        each function's ``parameters`` inline). When it does not compile, each schema
+        (``(param, schema)``) is compiled alone, so the error names the one at fault."""
+        import llguidance
+
+        M = llguidance.LLMatcher
+        self._llg()                     # a tokenizer llguidance cannot read is no schema's fault
+        try:
+            return self._build("tool_choice: the tool-call grammar", lambda: M.grammar_from_lark(lark))
+        except GrammarError as whole:
+            for param, schema in schemas:
+                try:
+                    self._build(f"{param}: the schema", lambda: M.grammar_from_json_schema(
+                        json.dumps(schema), defaults={"whitespace_flexible": False}))
+                except GrammarError as e:
+                    raise GrammarError(str(e), param) from None
+            raise whole from None
 
     def _build(self, what: str, make: Callable[[], str]) -> Grammar:
         import llguidance

@@ -12,8 +12,9 @@ and ``render_jinja_template``), so that a template gives the prompt that
 * the globals ``raise_exception(message)`` (a template's way to refuse a conversation: a
   :class:`jinja2.TemplateError`), ``strftime_now(format)`` (local time, as transformers), and
   transformers' ``dict`` and ``namespace`` (a namespace refuses underscore-prefixed names);
-* the variables ``messages``, ``tools``, ``documents`` (None: neither is accepted by the API),
-  ``add_generation_prompt`` and the tokenizer's special tokens (``bos_token``, ...).
+* the variables ``messages``, ``tools`` (the request's tool definitions as sent, else None),
+  ``documents`` (None: the API takes none), ``add_generation_prompt`` and the tokenizer's special
+  tokens (``bos_token``, ...).
 
 Templates from the Hub are untrusted code: jinja2 >= 3.1.6 (earlier ones have known sandbox
 escapes) and the immutable sandbox, as transformers requires.
@@ -101,14 +102,14 @@ def compile_template(source: str) -> jinja2.Template:
 
 
 def render(template: jinja2.Template, messages: Sequence[Mapping[str, Any]],
-           special_tokens: Mapping[str, str]) -> str:
+           special_tokens: Mapping[str, str], tools: Sequence[Any] | None = None) -> str:
     """The prompt: ``messages`` (plain dicts) followed by the assistant's generation prompt.
 
     Raises :class:`jinja2.TemplateError` when the template refuses the messages
     (``raise_exception``) or fails on them; any other exception is the template's bug.
     """
-    return template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
-                           add_generation_prompt=True, **special_tokens)
+    return template.render(messages=[dict(m) for m in messages], tools=list(tools) if tools is not None else None,
+                           documents=None, add_generation_prompt=True, **special_tokens)
 
 
 __all__ = ["compile_template", "render"]

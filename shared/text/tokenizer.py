@@ -51,6 +51,10 @@ class Tokenizer(Protocol):
     def token_bytes(self, token: int) -> bytes | None:
         """The token's own bytes when the tokenizer knows them exactly (None: use ``decode``)."""
 
+    def added_token(self, token: int) -> str | None:
+        """The text of ``token`` when it is an added (special) token, e.g. a model's image token;
+        None otherwise."""
+
     def detokenizer(self) -> Detokenizer: ...
 
 
@@ -77,6 +81,9 @@ class ByteTokenizer:
 
     def token_bytes(self, token: int) -> bytes | None:
         return bytes((token,)) if 0 <= token < 256 else None
+
+    def added_token(self, token: int) -> str | None:
+        return None                             # no added tokens
 
     def detokenizer(self) -> _ByteDetokenizer:
         return _ByteDetokenizer()
@@ -122,6 +129,10 @@ class HFTokenizer:
         # NOTE: the vocabulary's own spelling (byte-level "Ġ", sentencepiece "<0xE2>") needs the
         # decoder to become bytes; the decoded text is what is known for sure
         return None
+
+    def added_token(self, token: int) -> str | None:
+        added = self._tok.get_added_tokens_decoder().get(token)
+        return added.content if added is not None else None
 
     def detokenizer(self) -> _DiffDetokenizer:
         return _DiffDetokenizer(self)

@@ -363,10 +363,18 @@ async def test_a_chatml_checkpoint_adds_no_bos(serve, dirs, monkeypatch) -> None
     async with serve(**{"worker.model_dir": str(d)}) as s:
         seen = spy(s, monkeypatch)
         c = s.client()
-        reply = await c.chat.completions.create(model="kvledger/dsv4-tiny", messages=CHATS["tool"], max_tokens=2,
+        # a tool result answers a call of an earlier assistant turn (the API checks it); the template
+        # gets the call's arguments as an object, as transformers' own server passes them
+        call = {"id": "call_1", "type": "function", "function": {"name": "look", "arguments": '{"q": "x"}'}}
+        sent = [CHATS["tool"][0], {"role": "assistant", "content": None, "tool_calls": [call]},
+                {**CHATS["tool"][1], "tool_call_id": "call_1"}]
+        oracle = [sent[0], {"role": "assistant", "tool_calls": [{**call, "function": {"name": "look",
+                                                                                      "arguments": {"q": "x"}}}]},
+                  sent[2]]
+        reply = await c.chat.completions.create(model="kvledger/dsv4-tiny", messages=sent, max_tokens=2,
                                                 temperature=0)
         assert reply.choices[0].message.role == "assistant"
-        assert seen[-1].tokens == ref.apply_chat_template(CHATS["tool"], tokenize=True, add_generation_prompt=True,
+        assert seen[-1].tokens == ref.apply_chat_template(oracle, tokenize=True, add_generation_prompt=True,
                                                           return_dict=False)
         assert (seen[-1].sampling.temperature, seen[-1].sampling.top_p, seen[-1].sampling.top_k) == (0.0, 0.8, 20)
         await c.completions.create(model="kvledger/dsv4-tiny", prompt="Hello!", max_tokens=1)

@@ -48,7 +48,7 @@ def test_chat_template_is_documented_and_extends_by_prefix() -> None:
     assert render(turn2).startswith(render(msgs))
     assert render([ChatMessage("developer", "x")]) == render([ChatMessage("system", "x")])
     with pytest.raises(ChatTemplateError, match=r"messages\[1\].role"):
-        render([ChatMessage("user", "a"), ChatMessage("tool", "b")])
+        render([ChatMessage("user", "a"), ChatMessage("function", "b")])   # "tool" is a role: tool results
     with pytest.raises(ChatTemplateError, match="at least one"):
         render([])
 

@@ -11,8 +11,10 @@ from shared.config import Config
 from worker.api import handlers as h
 from worker.api.errors import Handler, error_middleware
 from worker.api.keys import (
-    CHAT_TEMPLATE, CONFIG, ENGINE, METRICS, SAMPLING, SCHEDULER, SERVED, STRUCTURED, TENANT, TENANTS, TOKENIZER, Served,
+    CHAT_TEMPLATE, CONFIG, ENGINE, METRICS, SAMPLING, SCHEDULER, SERVED, STRUCTURED, TENANT, TENANTS, TOKENIZER,
+    TOOL_FORMAT, Served,
 )
+from worker.api.tools import choose_format
 from shared.text.chat_template import ChatTemplate
 from worker.engine import Engine
 from shared.text.generation_config import SamplingDefaults
@@ -72,6 +74,7 @@ def create_app(engine: Engine, cfg: Config, tokenizer: Tokenizer, scheduler: Sch
     app[TENANTS] = TenantDirectory.from_config(cfg.auth)
     app[METRICS] = scheduler.metrics
     app[STRUCTURED] = StructuredOutput(tokenizer, engine.model.cfg.vocab_size)
+    app[TOOL_FORMAT] = choose_format(cfg.service.tool_call_parser, chat_template.tool_format)
     app[SERVED] = Served(model_id=engine.model.cfg.model_id, fingerprint=f"kvl-{engine.namespace[:16]}",
                          created=int(time.time()), max_body_bytes=limit,
                          body_read_timeout_s=cfg.service.body_read_timeout_ms / 1000)

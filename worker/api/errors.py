@@ -11,6 +11,7 @@ bad JSON, nesting > 64, limits     400     invalid_request_error     (per case)
 prompt + max_tokens > context      400     invalid_request_error     context_length_exceeded
 model has no chat template         400     invalid_request_error     chat_template_missing
 chat template refuses the messages 400     invalid_request_error     chat_template_error
+an image part refused (limits…)    400     invalid_request_error     (per case: shared.images)
 missing / wrong / malformed key    401     authentication_error      invalid_api_key
 unknown model                      404     invalid_request_error     model_not_found
 unknown route                      404     invalid_request_error     not_found
@@ -37,6 +38,7 @@ import msgspec
 from aiohttp import web
 
 from shared.logging import get_logger
+from shared.images import ImageError
 from shared.text.chat_template import ChatTemplateError
 from worker.scheduler import (
     ContextTooLong, InternalError, InvalidRequest, QueueFull, QueueTimeout, RequestTimeout, SchedulerError, ShuttingDown,
@@ -80,6 +82,8 @@ def to_api_error(e: BaseException) -> ApiError | None:
     if isinstance(e, InvalidRequest):
         return ApiError(400, str(e), param=e.param)
     if isinstance(e, ChatTemplateError):
+        return ApiError(400, str(e), param=e.param, code=e.code)
+    if isinstance(e, ImageError):
         return ApiError(400, str(e), param=e.param, code=e.code)
     if isinstance(e, AuthError):
         return ApiError(401, str(e), type="authentication_error", code="invalid_api_key",

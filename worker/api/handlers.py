@@ -7,6 +7,10 @@ Llama's BOS), a chat prompt without them (its template writes them), as vLLM doe
 sampling fields take the checkpoint's defaults (:mod:`shared.text.generation_config`). Streaming
 is Server-Sent Events in OpenAI's chunk format, ending with ``data: [DONE]``.
 
+Chat ``image_url`` parts are checked, read and placed in the prompt by :mod:`worker.api.images`.
+Chat ``tools`` are rendered by the template; the output's tool calls become ``message.tool_calls``
+(streamed: ``delta.tool_calls``, whole calls once the output ends), :mod:`worker.api.tools`.
+
 ``usage`` always carries ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and
 ``prompt_tokens_details.cached_tokens`` (prompt tokens restored from validated cache; 0 on
 a miss). A stream carries it on its last chunk — in the separate ``choices: []`` chunk when
@@ -34,7 +38,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from worker.api.errors import ApiError, to_api_error, internal_error
-from worker.api.keys import CHAT_TEMPLATE, CONFIG, ENGINE, SAMPLING, SCHEDULER, SERVED, STRUCTURED, TENANT, TOKENIZER, Served
+from worker.api.keys import (
+    CHAT_TEMPLATE, CONFIG, ENGINE, SAMPLING, SCHEDULER, SERVED, STRUCTURED, TENANT, TOKENIZER, TOOL_FORMAT, Served,
+)
 from shared.text.generation_config import DEFAULT_MAX_TOKENS
 from shared.versions import package_version
 from worker.api.logprobs import LogprobsShape
@@ -42,7 +48,11 @@ from worker.api.schemas import (
     BaseRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, decode,
 )
 from worker.api.text import TextStream
-from shared.text.chat_template import ChatMessage
+from shared.images import PromptImage
+from shared.text.chat_template import ChatMessage, message
+from worker.api import tools as tools_api
+from worker.api.images import chat_images
+from worker.api.tools import ToolPlan
 from worker.scheduler import GenRequest, Job, SamplingParams
 from worker.structured import GrammarError
 
@@ -84,7 +94,9 @@ def structured(request: web.Request, body: BaseRequest) -> Any:
         raise ApiError.invalid(str(e), "response_format") from None
 
 
-def gen_request(request: web.Request, body: BaseRequest, tokens: list[int], max_tokens: int | None) -> GenRequest:
+def gen_request(request: web.Request, body: BaseRequest, tokens: list[int], max_tokens: int | None,
+                images: tuple[PromptImage, ...] = (), tools: ToolPlan | None = None) -> GenRequest:
+    """The scheduler's request; a forced tool call (``tools.grammar``) is its output's grammar."""
     tok = request.app[TOKENIZER]
     max_tokens = max_tokens or DEFAULT_MAX_TOKENS
     body.check_vocab(request.app[ENGINE].model.cfg.vocab_size, max_tokens)
@@ -93,10 +105,11 @@ def gen_request(request: web.Request, body: BaseRequest, tokens: list[int], max_
         temperature=temperature, top_p=top_p, top_k=top_k, seed=body.seed63, min_p=body.min_p or 0.0,
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=body.repetition_penalty or 1.0, logit_bias=body.bias(), min_tokens=body.min_tokens,
-        logprobs=body.top_logprobs_count, grammar=structured(request, body))
+        logprobs=body.top_logprobs_count,
+        grammar=tools.grammar if tools is not None and tools.grammar is not None else structured(request, body))
     return GenRequest(tokens=tokens, max_tokens=max_tokens, tenant=request[TENANT], sampling=sampling,
                       reuse=body.cache_reuse, priority=body.priority,
-                      stop_token_ids=tok.eos_token_ids | frozenset(body.stop_token_ids or ()))
+                      stop_token_ids=tok.eos_token_ids | frozenset(body.stop_token_ids or ()), images=images)
 
 
 # --- output --------------------------------------------------------------------------------------
@@ -110,6 +123,8 @@ class _Shape:
     created: int
     model: str
     fingerprint: str
+    #: A chat request with tools: how its output becomes ``tool_calls`` (None: text only).
+    tools: ToolPlan | None = None
 
     def head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -128,10 +143,17 @@ class _Shape:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return {**self.head("text_completion"), "choices": [choice]}
 
+    def tool_chunk(self, calls: list[dict[str, Any]], index: int = 0) -> dict[str, Any]:
+        """A chat chunk of whole tool calls (``delta.tool_calls``, each with its ``index``)."""
+        choice = {"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}
+        return {**self.head("chat.completion.chunk"), "choices": [choice]}
+
     def choice(self, text: str, finish: str, logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": finish}
+            msg: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                msg, finish = self.tools.message(text, finish)
+            return {"index": index, "message": msg, "logprobs": logprobs, "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     def full(self, text: str, finish: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -154,14 +176,14 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
 
 
 async def _generate(request: web.Request, body: BaseRequest, shape: _Shape, tokens: list[int],
-                    max_tokens: int | None) -> web.StreamResponse:
+                    max_tokens: int | None, images: tuple[PromptImage, ...] = ()) -> web.StreamResponse:
     if body.samples > 1:
-        return await _generate_samples(request, body, shape, tokens, max_tokens)
+        return await _generate_samples(request, body, shape, tokens, max_tokens, images)
     sched = request.app[SCHEDULER]
     # NOTE: everything that can refuse the request happens before submit: a request answered
     # 400 must never be left running in the scheduler (it would hold a slot to max_tokens).
     text = TextStream(request.app[TOKENIZER].detokenizer(), body.stops())
-    req = gen_request(request, body, tokens, max_tokens)
+    req = gen_request(request, body, tokens, max_tokens, images, shape.tools)
     lps = (LogprobsShape(request.app[TOKENIZER], chat=shape.chat, top=req.sampling.logprobs)
            if req.sampling.logprobs is not None else None)
     echo: tuple[str, dict[str, Any] | None] | None = None
@@ -169,7 +191,7 @@ async def _generate(request: web.Request, body: BaseRequest, shape: _Shape, toke
         # the prompt's text before the completion; with logprobs, its tokens' from a cold pass
         prompt = body.prompt_value()                              # type: ignore[attr-defined]
         echo = (prompt if isinstance(prompt, str) else request.app[TOKENIZER].decode(tokens),
-                lps.prompt_entries(tokens, await request.app[ENGINE].prompt_logits(tokens)) if lps else None)
+                lps.prompt_entries(tokens, await request.app[ENGINE].prompt_logits(tokens, images)) if lps else None)
     job = sched.submit(req)
     try:
         if body.stream:
@@ -217,6 +239,7 @@ async def _stream(request: web.Request, body: BaseRequest, shape: _Shape, job: J
     resp: web.StreamResponse | None = None
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     sent_lp = 0                    # tokens whose logprobs went out with a chunk
+    calls = shape.tools.stream() if shape.tools is not None else None
 
     def logprobs_upto(n: int) -> dict[str, Any] | None:
         nonlocal sent_lp
@@ -246,6 +269,8 @@ async def _stream(request: web.Request, body: BaseRequest, shape: _Shape, job: J
             if first:
                 await start()
             piece = text.push(tok)
+            if calls is not None:
+                piece = calls.push(piece)      # text that may begin a tool call is held
             if piece or (first and not shape.chat):
                 # NOTE: the first token always makes a chunk (chat: the role chunk), even when its
                 # text is still held back (a partial UTF-8 sequence), so clients see time to first token.
@@ -265,6 +290,13 @@ async def _stream(request: web.Request, body: BaseRequest, shape: _Shape, job: J
     tail = text.finish()
     await job.aclose()
     finish = "stop" if text.stopped else job.finish_reason
+    if calls is not None:
+        tail, deltas, finish = calls.end(tail, finish)
+        if deltas:
+            if tail:
+                await send(shape.chunk(tail))
+                tail = ""
+            await send(shape.tool_chunk(deltas))
     last = shape.chunk(tail if tail else (None if shape.chat else ""), finish,
                        logprobs=logprobs_upto(text.tokens) if lps is not None and sent_lp < text.tokens else None)
     last["kvl"] = kvl_info(job)
@@ -297,14 +329,14 @@ class _Sample:
 
 
 async def _generate_samples(request: web.Request, body: BaseRequest, shape: _Shape, tokens: list[int],
-                            max_tokens: int | None) -> web.StreamResponse:
+                            max_tokens: int | None, images: tuple[PromptImage, ...] = ()) -> web.StreamResponse:
     """``n`` (or ``best_of``) samples of one prompt, one prefill: the first sample leases,
     restores and prefills the prompt; the others wait for it and each decode a copy of the state
     it leaves (``Scheduler.submit(fork_of=)``); their decode steps share forwards. Sample ``i``
     is seeded ``seed + i`` (with a ``seed``)."""
     sched = request.app[SCHEDULER]
     body.check_n(request.app[CONFIG].service.max_n)
-    base = gen_request(request, body, tokens, max_tokens)
+    base = gen_request(request, body, tokens, max_tokens, images, shape.tools)
     k, n = body.samples, body.n
     want_lp = base.sampling.logprobs
 
@@ -378,6 +410,7 @@ async def _stream_samples(request: web.Request, body: BaseRequest, shape: _Shape
 
     async def run(i: int, s: _Sample) -> None:
         sent = 0
+        calls = shape.tools.stream() if shape.tools is not None else None
         if shape.chat:
             await send(shape.chunk("", role=True, index=i))
 
@@ -399,6 +432,8 @@ async def _stream_samples(request: web.Request, body: BaseRequest, shape: _Shape
 
         async for tok in tokens_of():
             piece = s.text.push(tok)
+            if calls is not None:
+                piece = calls.push(piece)
             if piece:
                 await send(shape.chunk(piece, logprobs=lp_upto(), index=i))
             if s.text.stopped:
@@ -407,6 +442,13 @@ async def _stream_samples(request: web.Request, body: BaseRequest, shape: _Shape
         tail = s.text.finish()
         await s.job.aclose()
         finish = "stop" if s.text.stopped else s.job.finish_reason
+        if calls is not None:
+            tail, deltas, finish = calls.end(tail, finish)
+            if deltas:
+                if tail:
+                    await send(shape.chunk(tail, index=i))
+                    tail = ""
+                await send(shape.tool_chunk(deltas, index=i))
         await send(shape.chunk(tail if tail else (None if shape.chat else ""), finish,
                                logprobs=lp_upto() if sent < s.text.tokens else None, index=i))
 
@@ -424,11 +466,18 @@ async def _stream_samples(request: web.Request, body: BaseRequest, shape: _Shape
     return resp
 
 
-def _shape(request: web.Request, chat: bool) -> _Shape:
+def _shape(request: web.Request, chat: bool, tools: ToolPlan | None = None) -> _Shape:
     served = request.app[SERVED]
     prefix = "chatcmpl-" if chat else "cmpl-"
     return _Shape(chat=chat, id=prefix + uuid.uuid4().hex, created=int(time.time()), model=served.model_id,
-                  fingerprint=served.fingerprint)
+                  fingerprint=served.fingerprint, tools=tools)
+
+
+def _message(body: ChatCompletionRequest | TokenizeRequest, i: int, image: str | None) -> ChatMessage:
+    """Message ``i`` as the template gets it (:func:`shared.text.chat_template.message`, as the gateway too)."""
+    m = (body.messages or [])[i]
+    return message(m.role, None if m.content is None else body.text_of(i, image), m.name, m.tool_calls,
+                   m.tool_call_id)
 
 
 # --- handlers ------------------------------------------------------------------------------------
@@ -448,10 +497,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body: ChatCompletionRequest = decode(await read_body(request, served), ChatCompletionRequest)
     body.checks()
     check_model(served, body.model)
-    messages = [ChatMessage(m.role, body.text_of(i), m.name) for i, m in enumerate(body.messages)]
-    tokens = request.app[TOKENIZER].encode(request.app[CHAT_TEMPLATE].render(messages), add_special_tokens=False)
-    return await _generate(request, body, _shape(request, chat=True), tokens,
-                           body.max_completion_tokens or body.max_tokens)
+    tools = tools_api.plan(request.app[TOOL_FORMAT], body.tools, body.choice, body.parallel_tool_calls is not False,
+                           request.app[STRUCTURED])
+    images = await chat_images(request, body.messages)        # empty without image parts
+    messages = [images.message(i, _message(body, i, images.placeholder)) for i in range(len(body.messages))]
+    tokens, placed = images.tokens(request.app[TOKENIZER], request.app[CHAT_TEMPLATE].render(messages, body.tools))
+    return await _generate(request, body, _shape(request, chat=True, tools=tools), tokens,
+                           body.max_completion_tokens or body.max_tokens, placed)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -474,9 +526,10 @@ async def tokenize(request: web.Request) -> web.Response:
         add = True if body.add_special_tokens is None else body.add_special_tokens
         ids = tok.encode(body.prompt, add_special_tokens=add)
     else:
-        messages = [ChatMessage(m.role, body.text_of(i), m.name) for i, m in enumerate(body.messages or [])]
-        text = request.app[CHAT_TEMPLATE].render(messages)
-        ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        images = await chat_images(request, body.messages or [])
+        messages = [images.message(i, _message(body, i, images.placeholder)) for i in range(len(body.messages or []))]
+        text = request.app[CHAT_TEMPLATE].render(messages, body.tools)
+        ids, _ = images.tokens(tok, text, add_special_tokens=bool(body.add_special_tokens))
     return json_response({"count": len(ids), "max_model_len": request.app[SCHEDULER].max_context, "tokens": ids})
 
 

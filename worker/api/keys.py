@@ -38,4 +38,6 @@ CONFIG = web.AppKey("config", Config)
 SERVED = web.AppKey("served", Served)
 METRICS = web.AppKey("serving_metrics", ServingMetrics)
 STRUCTURED = web.AppKey("structured_output", StructuredOutput)
+#: The tool-call syntax read from chat output (``service.tool_call_parser`` and the template's).
+TOOL_FORMAT = web.AppKey("tool_call_format", str)
 TENANT = web.RequestKey("tenant", Tenant)

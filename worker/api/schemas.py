@@ -2,8 +2,10 @@
 
 Fields follow the OpenAI API. Unknown fields are ignored (clients send fields this server
 does not use, such as ``user``); known but unsupported features are refused with a 400
-that names the parameter, rather than silently ignored (``suffix``, tools, ``echo`` with
-``n`` > 1). ``echo`` puts the prompt's text before the completion (and with ``logprobs``, the
+that names the parameter, rather than silently ignored (``suffix``, ``echo`` with ``n`` > 1).
+Chat's ``tools``, ``tool_choice``, ``parallel_tool_calls`` and tool messages: :mod:`worker.api.tools`.
+Chat content parts are ``text`` and ``image_url`` (a ``data:`` URL; :mod:`worker.api.images`).
+``echo`` puts the prompt's text before the completion (and with ``logprobs``, the
 prompt tokens' log probabilities: :meth:`worker.engine.Engine.prompt_logits`).
 ``n`` (and completions' ``best_of``, the ``n`` most likely of ``best_of`` samples by total
 log probability) run that many samples of one prompt, at most ``service.max_n``; sample ``i``
@@ -36,10 +38,11 @@ so an unbounded default would run to the context limit). ``temperature``, ``top_
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
+from worker.api import tools as tools_api
 from worker.api.errors import ApiError
 
 MAX_STOP = 4
@@ -194,15 +197,27 @@ class CompletionRequest(BaseRequest, kw_only=True):
         raise ApiError.invalid("prompt: expected a string or a list of integer token ids", "prompt")
 
 
+class ImageURL(msgspec.Struct, kw_only=True):
+    """An ``image_url`` part's object: a ``data:`` URL (or ``http(s)`` with
+    ``service.allow_remote_images``); ``detail`` is accepted and has no effect (one resolution)."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class ContentPart(msgspec.Struct, kw_only=True):
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class Message(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    #: An assistant turn's calls and the call a ``tool`` message answers (``worker.api.tools`` checks them).
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(BaseRequest, kw_only=True):
@@ -210,25 +225,38 @@ class ChatCompletionRequest(BaseRequest, kw_only=True):
     max_completion_tokens: PosInt | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
+    #: ``worker.api.tools``: checked by :meth:`checks` (which leaves None for ``[]``).
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def top_logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def choice(self) -> tools_api.ToolChoice:
+        """``tool_choice`` resolved against the tools (after :meth:`checks`)."""
+        return tools_api.check_tool_choice(self.tool_choice, self.tools)
+
     def checks(self) -> None:
         self.common_checks()
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError.invalid("top_logprobs: only allowed when logprobs is true", "top_logprobs")
-        if self.tools:
-            raise ApiError.invalid("tools are not supported", "tools")
+        self.tools = tools_api.check_tools(self.tools)
+        if self.choice.mode in ("required", "function") and (
+                self.structured_outputs or (self.response_format or {}).get("type") not in (None, "text")):
+            raise ApiError.invalid("tool_choice: a forced tool call and response_format / structured_outputs "
+                                   "both constrain the output; send one of them", "tool_choice")
+        tools_api.check_tool_messages(self.messages)
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise ApiError.invalid("max_tokens and max_completion_tokens disagree; send one of them",
                                    "max_completion_tokens")
 
-    def text_of(self, i: int) -> str:
+    def text_of(self, i: int, image: str | None = None) -> str:
+        """Message ``i``'s text; an ``image_url`` part becomes ``image`` (the model's placeholder,
+        ``worker.api.images``), and is refused when that is None."""
         c = self.messages[i].content
         if c is None:
             return ""
@@ -236,8 +264,11 @@ class ChatCompletionRequest(BaseRequest, kw_only=True):
             return c
         out = []
         for j, part in enumerate(c):
+            if part.type == "image_url" and image is not None:
+                out.append(image)
+                continue
             if part.type != "text" or part.text is None:
-                raise ApiError.invalid(f"messages[{i}].content[{j}]: only text parts are supported "
+                raise ApiError.invalid(f"messages[{i}].content[{j}]: only text and image_url parts are supported "
                                        f"(type 'text' with a 'text' string)", f"messages[{i}].content")
             out.append(part.text)
         return "".join(out)
@@ -251,13 +282,17 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     prompt: str | None = None
     messages: list[Message] | None = None
     add_special_tokens: bool | None = None
+    #: The chat request's ``tools`` (rendered into the prompt, as the chat endpoint renders them).
+    tools: list[Any] | None = None
 
     def checks(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ApiError.invalid("send exactly one of prompt and messages", "prompt")
+        self.tools = tools_api.check_tools(self.tools)
+        tools_api.check_tool_messages(self.messages or [])
 
-    def text_of(self, i: int) -> str:
-        return ChatCompletionRequest(messages=self.messages or []).text_of(i)
+    def text_of(self, i: int, image: str | None = None) -> str:
+        return ChatCompletionRequest(messages=self.messages or []).text_of(i, image)
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

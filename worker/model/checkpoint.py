@@ -14,6 +14,12 @@ hold the one value this implementation runs (``hidden_act: silu``, ``pretraining
 or listed as not changing what the model computes (token ids, training-only knobs, metadata).
 Anything else — another architecture, an unknown RoPE type, quantised weights, a field we do
 not know — refuses to start with :class:`CheckpointError` naming the field and its value.
+
+A dense checkpoint may add kvledger's vision encoder (:mod:`worker.model.vision`): a ``vision``
+section in ``config.json`` (``image_size``, ``patch_size``, ``hidden_size``, ``num_channels``,
+``rms_norm_eps``; an unknown field is refused) with a top-level ``image_token_id``, and its
+weights under ``vision.*`` in any of the safetensors files. Both are in the directory's digest,
+so a changed encoder never reuses cached blocks.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from worker.model.dense.model import DenseLM
 from worker.model.hf_names import DSV4_IGNORED, dsv4_target
 from worker.model.lm import CausalLM
 from worker.model.model import HybridAttentionLM
+from worker.model.vision import VisionConfig
 from worker.model.weights import WeightsError
 
 ARCHITECTURES = {"DeepseekV4ForCausalLM": "deepseek_v4", "LlamaForCausalLM": "llama",
@@ -175,6 +182,17 @@ def _rope_spec(f: _Fields, doc: Mapping[str, Any]) -> RopeSpec:
         raise _err(where, params, f"ill-typed ({e})") from e
 
 
+def _vision(f: _Fields) -> VisionConfig | None:
+    """kvledger's ``vision`` section (``shared.images.CONFIG_KEY``), or None."""
+    section = f.get("vision", None, kind=dict)
+    if section is None:
+        return None
+    try:
+        return VisionConfig.from_dict(section)
+    except TypeError as e:
+        raise _err("vision", section, f"ill-typed ({e})") from e
+
+
 def dense_config(doc: Mapping[str, Any], family: str, model_id: str) -> DenseConfig:
     f = _Fields(doc, DENSE_IGNORED)
     f.require("hidden_act", ("silu",), "silu", "only SwiGLU with silu is implemented")
@@ -216,7 +234,7 @@ def dense_config(doc: Mapping[str, Any], family: str, model_id: str) -> DenseCon
             o_bias=False if family == "qwen2" else attention_bias,
             mlp_bias=f.get("mlp_bias", False, kind=bool), qk_norm=family == "qwen3",
             layer_types=tuple(types), sliding_window=window if SLIDING in types else 0,
-            rope=_rope_spec(f, doc))
+            rope=_rope_spec(f, doc), vision=_vision(f), image_token_id=f.get("image_token_id", None, kind=int))
     except CheckpointError:
         raise
     except ConfigError as e:

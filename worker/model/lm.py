@@ -14,14 +14,18 @@ batch, every state commits its span after the forward, and logits are cut per re
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kernels.invariant import calibrate, invariant_here
 from shared.forms import FormCatalogue
-from worker.model.state import Batch, CacheState, Segment
+from worker.model.state import Batch, CacheState, Embeds, Segment
 from worker.model.storage import CACHE_DTYPES, StorageError
+
+if TYPE_CHECKING:
+    from worker.model.vision import PromptEmbeds
 
 
 class CausalLM(nn.Module):
@@ -61,6 +65,17 @@ class CausalLM(nn.Module):
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+
+    def _embed(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The input rows of a forward (what ``_body`` starts from): the token embeddings, with
+        each segment's ``embeds`` (an image's vectors) copied over its rows — a copy, so every
+        row still depends on its own inputs alone."""
+        x = self.model.embed_tokens(ids)
+        for g in batch.segments:
+            if g.embeds is not None:
+                x[g.embeds.rows + g.rows.start] = g.embeds.vectors.to(x.dtype)
+        return x
+
     def _product_shapes(self) -> set[tuple[int, int]]:
         """``(in, out)`` of every product the forward runs, for :meth:`check_invariance`."""
         return {(m.in_features, m.out_features) for m in self.modules() if isinstance(m, nn.Linear)}
@@ -72,10 +87,6 @@ class CausalLM(nn.Module):
 
     # ---- shared ---------------------------------------------------------------------------------
 
-    @property
-    def device(self) -> torch.device:
-        return self.lm_head.weight.device
-
     def use_cache_dtype(self, cache_dtype: str) -> None:
         """Store cached state in ``cache_dtype`` from now on (``StorageError`` for an unknown name;
         a form that cannot be stored so — fp8 groups too small for its rows — says so when its
@@ -83,6 +94,10 @@ class CausalLM(nn.Module):
         if cache_dtype not in CACHE_DTYPES:
             raise StorageError(f"cache.dtype {cache_dtype!r}: use one of {', '.join(CACHE_DTYPES)}")
         self.cache_dtype = cache_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
@@ -119,31 +134,38 @@ class CausalLM(nn.Module):
         return ids
 
     @torch.no_grad()
-    def forward_batch(self, work: Sequence[tuple[torch.Tensor | Sequence[int], CacheState]], *,
+    def forward_batch(self, work: Sequence[tuple[torch.Tensor | Sequence[int], CacheState]
+                                            | tuple[torch.Tensor | Sequence[int], CacheState, Embeds | None]], *,
                       logits: str = "last") -> list[torch.Tensor]:
         """Run several requests' next tokens as ONE forward and advance each state.
 
-        ``work`` is ``(tokens, state)`` per request (distinct states; any lengths: a decode
-        token, a prefill unit). Every op is batch-invariant (``kernels.invariant``), so each
-        request's rows come out bit-identical to running it alone. Returns, per request, logits
-        ``[T, vocab]`` (``logits="all"``) or ``[vocab]`` of its last token (``"last"``).
+        ``work`` is ``(tokens, state)`` or ``(tokens, state, embeds)`` per request (distinct
+        states; any lengths: a decode token, a prefill unit); ``embeds`` replaces the input of
+        some of its rows (an image's vectors, :meth:`_embed`). Every op is batch-invariant
+        (``kernels.invariant``), so each request's rows come out bit-identical to running it
+        alone. Returns, per request, logits ``[T, vocab]`` (``logits="all"``) or ``[vocab]`` of
+        its last token (``"last"``).
         """
         if logits not in ("all", "last"):
             raise ValueError(f"logits={logits!r}: use 'all' or 'last'")
         if not work:
             return []
-        if len({id(st) for _, st in work}) != len(work):
+        if len({id(item[1]) for item in work}) != len(work):
             raise ValueError("forward_batch: each request state may appear once per forward")
         invariant = self.batch_invariant and invariant_here()
         if len(work) > 1 and not invariant:
             raise RuntimeError("this model's ops are not batch-invariant on this machine "
                                "(kernels.invariant.probe failed, or torch runs more than one intra-op thread): "
                                "run requests one at a time")
-        ids_list = [self._ids(tokens) for tokens, _ in work]
+        ids_list = [self._ids(item[0]) for item in work]
         segs, row = [], 0
-        for ids, (_, state) in zip(ids_list, work):
+        for ids, item in zip(ids_list, work):
+            state, embeds = item[1], (item[2] if len(item) > 2 else None)
             span = state.span(ids.numel())
-            segs.append(Segment(state, span, slice(row, row + span.length)))
+            if embeds is not None and embeds.rows.numel() and (int(embeds.rows.min()) < 0
+                                                               or int(embeds.rows.max()) >= span.length):
+                raise ValueError(f"embeds name rows outside this step's {span.length} rows")
+            segs.append(Segment(state, span, slice(row, row + span.length), embeds))
             row += span.length
         batch = Batch(tuple(segs), torch.cat([g.span.positions for g in segs]) if len(segs) > 1
                       else segs[0].span.positions)
@@ -159,16 +181,18 @@ class CausalLM(nn.Module):
         return [out[g.rows] for g in segs]
 
     def extend(self, tokens: torch.Tensor | Sequence[int], state: CacheState, *,
-               logits: str = "all") -> torch.Tensor:
+               logits: str = "all", embeds: PromptEmbeds | None = None) -> torch.Tensor:
         """Run ``tokens`` as ONE unit at the state's position and advance the state.
 
         Any length is valid (tests use it for arbitrary chunkings). Returns logits
         ``[T, vocab]`` (``logits="all"``) or ``[vocab]`` for the last token (``"last"``).
+        ``embeds``: the prompt's image vectors by position (``worker.model.vision.PromptEmbeds``).
         """
-        return self.forward_batch([(tokens, state)], logits=logits)[0]
+        piece = embeds.piece(state.pos, self._ids(tokens).numel()) if embeds is not None else None
+        return self.forward_batch([(tokens, state, piece)], logits=logits)[0]
 
     def prefill(self, tokens: torch.Tensor | Sequence[int], state: CacheState, *, chunk_blocks: int = 1,
-                logits: str = "all") -> torch.Tensor:
+                logits: str = "all", embeds: PromptEmbeds | None = None) -> torch.Tensor:
         """Prefill ``tokens`` from the state's position (a block boundary) in grid-anchored units:
         each unit ends on a multiple of ``chunk_blocks`` blocks (or at the last full block), and
         the trailing partial block is a unit of its own. Without batch invariance this is the
@@ -189,11 +213,11 @@ class CausalLM(nn.Module):
         s = start
         while s < full_end:
             e = min((s // unit + 1) * unit, full_end)      # next grid point, or the last full block
-            outs.append(self.extend(ids[s - start:e - start], state, logits=logits))
+            outs.append(self.extend(ids[s - start:e - start], state, logits=logits, embeds=embeds))
             s = e
         if s < end:
             # NOTE: the trailing partial block is a unit of its own and is never exportable.
-            outs.append(self.extend(ids[s - start:], state, logits=logits))
+            outs.append(self.extend(ids[s - start:], state, logits=logits, embeds=embeds))
         if logits == "last":
             return outs[-1]
         return torch.cat(outs, 0)

@@ -105,7 +105,7 @@ class HybridAttentionLM(CausalLM):
         return form_layouts(self.cfg, block_size, cache_dtype or self.cache_dtype)
 
     def _body(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
-        x = self.model.embed_tokens(ids)
+        x = self._embed(ids, batch)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for layer in self.model.layers:
             streams = layer(streams, ids, batch, self.rope)

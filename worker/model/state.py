@@ -73,12 +73,23 @@ class Span:
 
 
 @dataclass(frozen=True, slots=True)
+class Embeds:
+    """Input vectors that replace the token embedding at some rows of one request's span (an
+    image's patch vectors, ``worker.model.vision``): ``vectors[k]`` is the input of row ``rows[k]``."""
+
+    rows: torch.Tensor     # int64 [k], offsets from the span's start
+    vectors: torch.Tensor  # [k, hidden]
+
+
+@dataclass(frozen=True, slots=True)
 class Segment:
-    """One request's part of a batched forward: its state, its span, its rows in the batch."""
+    """One request's part of a batched forward: its state, its span, its rows in the batch, and
+    the rows whose input is not a token embedding (``CausalLM._embed``)."""
 
     state: CacheState
     span: Span
     rows: slice
+    embeds: Embeds | None = None
 
 
 @dataclass(frozen=True, slots=True)

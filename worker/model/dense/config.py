@@ -9,7 +9,10 @@ and refuses what it cannot run. The per-family differences are flags, not subcla
   ``attention_bias``; never Qwen2), ``mlp_bias`` (Llama's ``mlp_bias``);
 * ``qk_norm`` — Qwen3's per-head RMSNorm of q and k before the rotation;
 * ``layer_types`` — ``full_attention`` or ``sliding_attention`` per layer; a sliding layer
-  attends to the ``sliding_window`` most recent positions, itself included.
+  attends to the ``sliding_window`` most recent positions, itself included;
+* ``vision`` and ``image_token_id`` — a vision encoder (:mod:`worker.model.vision`) whose vectors
+  replace the embeddings of the prompt's image tokens (which carry ``image_token_id``); both or
+  neither.
 
 RoPE types: ``default``, ``linear``, ``llama3`` and ``yarn``, computed as transformers computes
 them (``rope_inv_freq``). ``dynamic`` and ``longrope`` change the frequencies with the length
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from worker.model.config import ConfigError
+from worker.model.vision import VisionConfig
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -142,6 +146,8 @@ class DenseConfig:
     layer_types: tuple[str, ...] = (FULL,) * 4
     sliding_window: int = 0
     rope: RopeSpec = field(default_factory=RopeSpec)
+    vision: VisionConfig | None = None
+    image_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -163,6 +169,12 @@ class DenseConfig:
             raise ConfigError(f"layer_types: {bad} not supported; use {FULL!r} or {SLIDING!r}")
         if SLIDING in self.layer_types and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window must be > 0 when a layer is {SLIDING!r}, got {self.sliding_window}")
+        if (self.vision is None) != (self.image_token_id is None):
+            raise ConfigError("vision and image_token_id go together: a vision encoder needs the token id its "
+                              "image positions carry, and an image token needs an encoder")
+        if self.image_token_id is not None and not 0 <= self.image_token_id < self.vocab_size:
+            raise ConfigError(f"image_token_id {self.image_token_id} is not in the vocabulary "
+                              f"(0..{self.vocab_size - 1})")
 
     def window(self, layer: int) -> int:
         """Keys a query of ``layer`` sees (itself included); 0 = all before it."""

@@ -25,6 +25,7 @@ from worker.model.dense.state import DenseState, dense_form_layouts
 from worker.model.linear import Linear
 from worker.model.lm import CausalLM
 from worker.model.state import Batch
+from worker.model.vision import VisionEncoder
 
 
 class RMSNorm(nn.Module):
@@ -150,7 +151,8 @@ class DenseBackbone(nn.Module):
 
 
 class DenseLM(CausalLM):
-    """A Llama / Qwen2 / Qwen3 decoder. ``tie_word_embeddings`` shares the embedding as the head."""
+    """A Llama / Qwen2 / Qwen3 decoder. ``tie_word_embeddings`` shares the embedding as the head;
+    ``cfg.vision`` adds a vision encoder (``vision.*``, :mod:`worker.model.vision`)."""
 
     def __init__(self, cfg: DenseConfig) -> None:
         super().__init__()
@@ -158,6 +160,7 @@ class DenseLM(CausalLM):
         self.family = cfg.family
         self.model = DenseBackbone(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.vision = VisionEncoder(cfg.vision, cfg.hidden_size) if cfg.vision is not None else None
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RopeTable(cfg, torch.float32)
@@ -180,7 +183,7 @@ class DenseLM(CausalLM):
         return dense_form_layouts(self.cfg, block_size, self.dtype, cache_dtype or self.cache_dtype)
 
     def _body(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
-        x = self.model.embed_tokens(ids)
+        x = self._embed(ids, batch)
         cos, sin = self.rope.at(batch.positions)
         for layer in self.model.layers:
             x = layer(x, batch, cos, sin)
