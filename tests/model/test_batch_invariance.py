@@ -121,6 +121,8 @@ DENSE = {
                                 "layer_types": ("sliding_attention", "full_attention") * 2}, torch.bfloat16),
     "qwen3-float16": ({"family": "qwen3", "qk_norm": True, "num_key_value_heads": 1}, torch.float16),
     "hybrid-bfloat16": (None, torch.bfloat16),
+    "yoco-float32": ("yoco", torch.float32),
+    "yoco-bfloat16": ("yoco", torch.bfloat16),
 }
 
 
@@ -128,8 +130,12 @@ DENSE = {
 def dense(request):
     from worker.model import build_model
     from worker.model.dense import DenseConfig, build_dense
+    from worker.model.yoco import YocoConfig, build_yoco
     over, dtype = DENSE[request.param]
-    model = build_model(seed=4).to(dtype) if over is None else build_dense(DenseConfig(**over), seed=4, dtype=dtype)
+    if over == "yoco":    # a short window, so prompts cross it
+        model = build_yoco(YocoConfig(sliding_window=20), seed=4, dtype=dtype)
+    else:
+        model = build_model(seed=4).to(dtype) if over is None else build_dense(DenseConfig(**over), seed=4, dtype=dtype)
     assert model.check_invariance() == []
     return model
 
@@ -138,8 +144,8 @@ def dense(request):
 @given(reqs=requests, budget=st.sampled_from([1, 17, 48, 256]), seed=st.integers(0, 2**16))
 def test_dense_random_mixes_run_batched_equal_each_request_run_alone(dense, reqs, budget, seed) -> None:
     """The dense family (decode tokens of several requests share one attention call, each over
-    its own padded keys; prefill units of one size likewise) and the hybrid model in bfloat16:
-    every request keeps its bits."""
+    its own padded keys; prefill units of one size likewise), the hybrid model in bfloat16 and
+    the YOCO family (its cross-decoder on each piece's last row only): every request keeps its bits."""
     check_mix(dense, reqs, budget, seed)
 
 

@@ -33,12 +33,19 @@ def _dense(dtype):
     return build_dense(cfg, seed=4, dtype=dtype)
 
 
+def _yoco(dtype):
+    from worker.model.yoco import YocoConfig, build_yoco
+    return build_yoco(YocoConfig(sliding_window=24, max_position_embeddings=512), seed=5, dtype=dtype)
+
+
 MODELS = {
     "hybrid-fp32": lambda: _hybrid(torch.float32),
     "hybrid-bf16": lambda: _hybrid(torch.bfloat16),
     "dense-fp32": lambda: _dense(torch.float32),
     "dense-bf16": lambda: _dense(torch.bfloat16),
     "dense-fp16": lambda: _dense(torch.float16),
+    "yoco-fp32": lambda: _yoco(torch.float32),
+    "yoco-bf16": lambda: _yoco(torch.bfloat16),
 }
 
 
@@ -124,7 +131,7 @@ def test_precision_changes_the_spec_and_reads_back_rounded(family):
         model.use_cache_dtype(dt)
         digests[dt] = {n: lay.spec.spec_digest for n, lay in model.form_layouts(BS).items()}
     model.use_cache_dtype("auto")
-    auto_is = "float32" if name.startswith("hybrid") else str(model.dtype).removeprefix("torch.")
+    auto_is = "float32" if name.startswith("hybrid") else str(model.dtype).removeprefix("torch.")  # dense, yoco
     stored = [dt for dt in CACHE_DTYPES if dt not in ("auto", auto_is)]
     for a in stored:
         assert digests[a] != digests["auto"], a
@@ -132,7 +139,7 @@ def test_precision_changes_the_spec_and_reads_back_rounded(family):
 
 
 def test_fp8_costs_at_most_0_27_of_float32_per_form():
-    for model in (_hybrid(torch.float32), _dense(torch.float32)):
+    for model in (_hybrid(torch.float32), _dense(torch.float32), _yoco(torch.float32)):
         model.use_cache_dtype("float32")
         f32 = {n: lay.spec.bytes_per_block for n, lay in model.form_layouts(BS).items()}
         model.use_cache_dtype("float8_e4m3fn")

@@ -17,7 +17,9 @@ from worker.model.checkpoint import load_checkpoint
 pytest.importorskip("transformers")
 
 CASES = [("llama", "float32"), ("llama", "bfloat16"), ("qwen2", "float32"), ("qwen2", "float16"),
-         ("qwen3", "bfloat16"), ("deepseek_v4", "float32"), ("deepseek_v4", "bfloat16")]
+         ("qwen3", "bfloat16"), ("deepseek_v4", "float32"), ("deepseek_v4", "bfloat16"),
+         ("yoco", "float32"), ("yoco", "bfloat16")]
+FORMS = {"deepseek_v4": ("compressed", "indexer", "tail", "swa"), "yoco": ("global_kv", "swa")}
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +28,10 @@ def checkpoints(tmp_path_factory):
     for family in ("llama", "qwen2", "qwen3"):
         made[family] = save_hf(family, tmp_path_factory.mktemp(family) / "ckpt", seed=5)
     made["deepseek_v4"] = save_hf("deepseek_v4", tmp_path_factory.mktemp("dsv4") / "ckpt", seed=5)
+    # kvledger's own format (there is no transformers class): a window shorter than the prompt
+    from worker.model.yoco import YocoConfig, build_yoco
+    from worker.model.yoco.checkpoint import save_yoco
+    made["yoco"] = save_yoco(build_yoco(YocoConfig(sliding_window=40), seed=5), tmp_path_factory.mktemp("yoco") / "ckpt")
     return made
 
 
@@ -43,8 +49,7 @@ async def test_resume_at_every_block_boundary_is_bit_identical(checkpoints, tmp_
     engine = Engine(model, config(tmp_path), twin)
     await engine.start()
     try:
-        assert engine.catalogue.names == (("kv",) if family != "deepseek_v4" else
-                                          ("compressed", "indexer", "tail", "swa"))
+        assert engine.catalogue.names == FORMS.get(family, ("kv",))
         first = await engine.generate(toks, max_tokens=3)
         assert first.cached_tokens == 0
         assert same(first, await cold.generate(toks, max_tokens=3))

@@ -2,7 +2,8 @@
 
 ``load_checkpoint(directory)`` reads ``config.json``, picks the family from ``architectures``
 (``DeepseekV4ForCausalLM`` → :class:`HybridAttentionLM`; ``LlamaForCausalLM``,
-``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` → :class:`DenseLM`), maps the config's fields onto
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` → :class:`DenseLM`; kvledger's ``YocoForCausalLM`` →
+:class:`worker.model.yoco.YocoLM`), maps the config's fields onto
 the family's config, loads ``model.safetensors`` or the shards of
 ``model.safetensors.index.json`` under the names of :mod:`worker.model.hf_names`, casts to the
 dtype it will compute in, and records the directory's digest (:mod:`shared.manifest`).
@@ -45,7 +46,9 @@ from worker.model.vision import VisionConfig
 from worker.model.weights import WeightsError
 
 ARCHITECTURES = {"DeepseekV4ForCausalLM": "deepseek_v4", "LlamaForCausalLM": "llama",
-                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 # kvledger's own format for the YOCO family (worker.model.yoco.checkpoint)
+                 "YocoForCausalLM": "yoco"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 #: Fields of every transformers config that do not change what the model computes from token
@@ -511,6 +514,16 @@ def load_checkpoint(directory: str | Path, *, dtype: str = "auto", require_manif
         want = DTYPES[dtype] if dtype != "auto" else declared
         model = _empty(HybridAttentionLM, dsv4_config(doc, model_id_for(d, doc)), want, device)
         load_weights(model, weight_files(d), _dsv4_target, ignore=lambda k: bool(DSV4_IGNORED.match(k)))
+    elif family == "yoco":
+        from worker.model.yoco.checkpoint import yoco_config
+        from worker.model.yoco.model import YocoLM
+        declared = checkpoint_dtype(doc)
+        want = DTYPES[dtype] if dtype != "auto" else declared
+        model = _empty(YocoLM, yoco_config(doc, model_id_for(d, doc)), want, device)
+        tied = model.cfg.tie_word_embeddings
+        load_weights(model, weight_files(d), _identity,
+                     ignore=(lambda k: k == "lm_head.weight") if tied else (lambda k: False),
+                     optional=frozenset({"lm_head.weight"}) if tied else frozenset())
     else:
         declared = checkpoint_dtype(doc)
         want = DTYPES[dtype] if dtype != "auto" else declared

@@ -65,6 +65,12 @@ class CausalLM(nn.Module):
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def _hidden(self, ids: torch.Tensor, batch: Batch, need: torch.Tensor | None) -> torch.Tensor:
+        """The last hidden state of the rows ``need`` (every row when None) — what the head reads.
+        A family whose last layers only matter for the rows whose logits are wanted (YOCO's
+        cross-decoder) overrides this to run them on those rows alone."""
+        h = self._body(ids, batch)
+        return h if need is None else h[need]
 
     def _embed(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
         """The input rows of a forward (what ``_body`` starts from): the token embeddings, with
@@ -170,11 +176,10 @@ class CausalLM(nn.Module):
         batch = Batch(tuple(segs), torch.cat([g.span.positions for g in segs]) if len(segs) > 1
                       else segs[0].span.positions)
         ids = torch.cat(ids_list) if len(ids_list) > 1 else ids_list[0]
-        h = self._body(ids, batch)
+        need = torch.tensor([g.rows.stop - 1 for g in segs], device=self.device) if logits == "last" else None
+        h = self._hidden(ids, batch, need)
         for g in segs:
             g.state.commit(g.span, invariant=invariant)
-        if logits == "last":
-            h = h[torch.tensor([g.rows.stop - 1 for g in segs], device=self.device)]
         out = self._head(h)
         if logits == "last":
             return list(out.unbind(0))
