@@ -1,5 +1,5 @@
-"""``kvledger model manifest|verify DIR``: the manifest of a checkpoint directory
-(:mod:`shared.manifest`), loaded by kvledger/cli.py.
+"""``kvledger model manifest|verify|init DIR``: the manifest of a checkpoint directory
+(:mod:`shared.manifest`), loaded by kvledger/cli.py, and tiny seeded checkpoints to try a family.
 
 ``manifest`` hashes every file and writes ``kvledger-manifest.json``; ``verify`` checks the
 files against it. Both print the checkpoint digest (what enters the cache namespace) and show
@@ -35,6 +35,20 @@ def register(sub: Any) -> None:
     v.add_argument("dir", metavar="DIR", help="the checkpoint directory (worker.model_dir)")
     v.add_argument("--no-progress", action="store_true", help="no progress bar")
     v.set_defaults(func=cmd_verify)
+    i = msub.add_parser("init", help="write a tiny seeded checkpoint directory of a model family (to try one out)",
+                        description="Write a checkpoint directory with seeded random weights: config.json, "
+                                    "model.safetensors, a ChatML chat template with tools (Hermes syntax; the "
+                                    "byte-level tokenizer reads its markers as text) and the manifest. Serve it "
+                                    "with worker.model_dir=DIR.")
+    i.add_argument("dir", metavar="DIR", help="where to write it (created; must be empty if it exists)")
+    i.add_argument("--family", choices=("yoco", "deepseek_v4"), default="yoco",
+                   help="yoco: the YOCO decoder-decoder; deepseek_v4: the hybrid model (kvledger's own format)")
+    i.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+    i.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the weights' dtype (default float32)")
+    i.add_argument("--sliding-window", type=int, default=None, metavar="TOKENS",
+                   help="yoco: the self-decoder's window (default the config's, 64)")
+    i.set_defaults(func=cmd_init)
     m.set_defaults(func=lambda args: (m.print_help(), EXIT_USAGE)[1])
 
 
@@ -68,6 +82,41 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"kvledger model verify: {e}", file=sys.stderr)
         return EXIT_MISMATCH
     print(f"{args.dir}: {files} files match the manifest\ncheckpoint digest: {digest}")
+    return 0
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    d = Path(args.dir)
+    if d.exists() and (not d.is_dir() or any(d.iterdir())):
+        print(f"kvledger model init: {d} exists and is not an empty directory", file=sys.stderr)
+        return EXIT_USAGE
+    import json
+
+    import torch
+
+    from shared.manifest import write_manifest
+
+    dtype = getattr(torch, args.dtype)
+    d.mkdir(parents=True, exist_ok=True)
+    if args.family == "yoco":
+        from worker.model.yoco import YocoConfig, build_yoco
+        from worker.model.yoco.checkpoint import save_yoco
+        cfg = YocoConfig() if args.sliding_window is None else YocoConfig(sliding_window=args.sliding_window)
+        model = build_yoco(cfg, seed=args.seed, dtype=dtype)
+        save_yoco(model, d)
+    else:
+        import dataclasses
+
+        from worker.model import build_model, save_safetensors
+        model = build_model(seed=args.seed).to(dtype)
+        save_safetensors(model, d / "model.safetensors")
+        doc = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(model.cfg).items()}
+        (d / "config.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (d / "chat_template.jinja").write_text((Path(__file__).parent / "templates" / "chatml_tools.jinja").read_text())
+    manifest = write_manifest(d)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"wrote {d}: {args.family} ({model.cfg.model_id}), {params:,} parameters in {args.dtype}, seed {args.seed}\n"
+          f"manifest {manifest.name}; serve it with KVL_WORKER__MODEL_DIR={d}")
     return 0
 
 

@@ -85,11 +85,16 @@ DENSE_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-8b": _dense("qwen3-8b (preset)", "qwen3", 36, 4096, 32, 8, 40960, 151936, 12288),
 }
 
+#: YOCO decoder-decoders (``worker.model.yoco``): one global K/V per token plus a window.
+YOCO_PRESETS: dict[str, dict[str, Any]] = {
+    "yoco-tiny": {},
+}
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {},
     "dsv4-flash": _preset("deepseek-v4-flash (preset)", 43, _flash_ratios(), 4096, 64, 1024, 8, 512, 256, 2048),
     "dsv4-pro": _preset("deepseek-v4-pro (preset)", 61, _pro_ratios(), 7168, 128, 1536, 16, 1024, 384, 3072),
     **DENSE_PRESETS,
+    **YOCO_PRESETS,
 }
 
 
@@ -126,6 +131,35 @@ class FormPlan:
         return self.bytes_per_block / block_size
 
 
+def worker_form_plans(model: Any, block_size: int, compute_dtype: str, cache_dtype: str) -> list[FormPlan]:
+    """Every form exactly as a worker with ``cache.dtype: cache_dtype`` stores it (its own layouts)."""
+    import torch
+
+    from worker.model.config import ConfigError as ModelConfigError
+    from worker.model.dense.state import dense_form_layouts
+    from worker.model.forms import form_layouts
+    from worker.model.storage import CACHE_DTYPES, StorageError
+
+    if cache_dtype not in CACHE_DTYPES:
+        raise PlanError(f"--cache-dtype {cache_dtype!r}: allowed: {', '.join(CACHE_DTYPES)}")
+    if block_size <= 0:
+        raise PlanError(f"--block-size must be > 0, got {block_size}")
+    from worker.model.yoco.state import yoco_form_layouts
+    try:
+        if is_yoco(model):
+            layouts = yoco_form_layouts(model, block_size, getattr(torch, compute_dtype), cache_dtype)
+        elif is_dense(model):
+            layouts = dense_form_layouts(model, block_size, getattr(torch, compute_dtype), cache_dtype)
+        else:
+            layouts = form_layouts(model, block_size, cache_dtype)
+    except ModelConfigError as e:
+        raise PlanError(f"--block-size: {e}") from None
+    except StorageError as e:
+        raise PlanError(f"--cache-dtype: {e}") from None
+    return [FormPlan(n, str(lay.spec.scope), lay.spec.dtype, lay.spec.bytes_per_block, lay.spec.window_tokens)
+            for n, lay in layouts.items()]
+
+
 def form_plans(model: Any, block_size: int, dtype: str, state_dtype: str = "float32") -> list[FormPlan]:
     """Every form of ``model`` at ``block_size``, with its bytes per block at the given dtypes."""
     from worker.model.config import ConfigError as ModelConfigError
@@ -135,6 +169,12 @@ def form_plans(model: Any, block_size: int, dtype: str, state_dtype: str = "floa
         raise PlanError(f"--dtype {dtype!r}: allowed: {', '.join(DTYPES)}")
     if state_dtype not in STATE_DTYPES:
         raise PlanError(f"--state-dtype {state_dtype!r}: allowed: {', '.join(STATE_DTYPES)}")
+    if is_yoco(model):
+        # the global K/V and the self-decoder's window, as the worker lays them out
+        if dtype == "fp8":
+            raise PlanError("--dtype fp8: plan YOCO's fp8 storage with --cache-dtype float8_e4m3fn (what the "
+                            "worker stores with cache.dtype)")
+        return worker_form_plans(model, block_size, dtype, "auto")
     if is_dense(model):
         # layers × 2 (K, V) × block × KV heads × head dim × dtype: the dense family's one form.
         import torch
@@ -280,7 +320,12 @@ class Plan:
 
 
 def is_dense(model: Any) -> bool:
-    return not hasattr(model, "compress_ratios")
+    """A dense decoder's config (one K/V form): neither the hybrid's compress ratios nor YOCO's decoders."""
+    return not hasattr(model, "compress_ratios") and not is_yoco(model)
+
+
+def is_yoco(model: Any) -> bool:
+    return hasattr(model, "num_cross_decoder_layers")
 
 
 def load_model_config(preset: str | None, model_dir: str | None) -> Any:
@@ -301,10 +346,16 @@ def load_model_config(preset: str | None, model_dir: str | None) -> Any:
                 return ck.native_config(doc)
             if family == "deepseek_v4":
                 return ck.dsv4_config(doc, ck.model_id_for(d, doc))
+            if family == "yoco":
+                from worker.model.yoco.checkpoint import yoco_config
+                return yoco_config(doc, ck.model_id_for(d, doc))
             return ck.dense_config(doc, family, ck.model_id_for(d, doc))
         name = preset or "tiny"
         if name not in PRESETS:
             raise PlanError(f"--model {name!r}: allowed: {', '.join(PRESETS)} (or --model-dir DIR)")
+        if name in YOCO_PRESETS:
+            from worker.model.yoco import YocoConfig
+            return YocoConfig(**PRESETS[name])
         return DenseConfig(**PRESETS[name]) if name in DENSE_PRESETS else ModelConfig(**PRESETS[name])
     except ModelConfigError as e:
         raise PlanError(f"model config: {e}") from None
@@ -317,13 +368,15 @@ def model_dtype(preset: str | None, model_dir: str | None) -> str | None:
         doc = ck.read_config(Path(model_dir))
         return None if ck.family_of(doc) in ("kvledger", "deepseek_v4") else \
             str(ck.checkpoint_dtype(doc)).removeprefix("torch.")
-    return "float32" if preset == "llama-tiny" else "bfloat16" if preset in DENSE_PRESETS else None
+    if preset in ("llama-tiny", "yoco-tiny"):
+        return "float32"
+    return "bfloat16" if preset in DENSE_PRESETS else None
 
 
 def default_block_size(model: Any, wanted: int) -> int:
     """``wanted`` rounded up to a multiple of every compress ratio (blocks must end on a
     compression boundary of every layer)."""
-    step = 1 if is_dense(model) else math.lcm(*[r for r in model.compress_ratios if r] or [1])
+    step = math.lcm(*[r for r in getattr(model, "compress_ratios", ()) if r] or [1])
     return -(-wanted // step) * step
 
 
@@ -333,11 +386,12 @@ def weights_bytes(preset: str | None, model_dir: str | None) -> int | None:
     if model_dir:
         files = list(Path(model_dir).glob("*.safetensors"))
         return sum(f.stat().st_size for f in files) if files else None
-    if (preset or "tiny") in ("tiny", "llama-tiny"):
+    if (preset or "tiny") in ("tiny", "llama-tiny", "yoco-tiny"):
         from worker.model import build_model
         from worker.model.dense import build_dense
+        from worker.model.yoco import build_yoco
 
-        model = build_dense() if preset == "llama-tiny" else build_model(seed=0)
+        model = build_dense() if preset == "llama-tiny" else build_yoco() if preset == "yoco-tiny" else build_model(seed=0)
         return sum(p.numel() * p.element_size() for p in model.parameters())
     return None
 
@@ -353,6 +407,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="storage dtype of the KV forms (default: a dense model's own dtype; float32 for the "
                         "hybrid tiny/--model-dir — what this worker stores — and bfloat16 for the presets)")
     p.add_argument("--state-dtype", choices=STATE_DTYPES, default="float32", help="dtype of the compressor tail")
+    p.add_argument("--cache-dtype", default=None, metavar="DTYPE",
+                   help="plan every form exactly as a worker with this cache.dtype stores it (auto, float32, "
+                        "bfloat16, float16, float8_e4m3fn; default: the config's cache.dtype when it is not auto "
+                        "and no --dtype is given)")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per block (default: cache.block_size rounded up to a multiple of every ratio)")
     p.add_argument("--memory", type=float, default=None, metavar="GiB",
@@ -396,13 +454,22 @@ def build_plan(args: argparse.Namespace, cfg: Any) -> Plan:
         if pool <= 0:
             raise PlanError(f"--memory {args.memory:g} GiB leaves nothing after the weights ({fmt_bytes(weights)})")
         note = f"(memory {args.memory:g} GiB − weights {fmt_bytes(weights)}) × reserve {reserve}"
-    forms = form_plans(model, block_size, dtype, args.state_dtype)
+    cache_dtype = getattr(args, "cache_dtype", None) or (
+        cfg.cache.dtype if cfg.cache.dtype != "auto" and not args.dtype else None)
+    if cache_dtype:
+        compute = model_dtype(preset, model_dir) or "float32"
+        forms = worker_form_plans(model, block_size, compute, cache_dtype)
+        dtype = forms[0].dtype if len({f.dtype for f in forms}) == 1 else cache_dtype
+    else:
+        forms = form_plans(model, block_size, dtype, args.state_dtype)
     max_pos = model.max_position_embeddings
     contexts = sorted(set(args.context)) if args.context else \
         [c for c in DEFAULT_CONTEXTS if block_size <= c <= max_pos]
     limits = {"compressed": cfg.cache.compressed_pool_limit, "swa": cfg.cache.swa_pool_limit,
               "tail": cfg.cache.tail_pool_limit}
-    return Plan(model.model_id, block_size, dtype, args.state_dtype, forms, note, pool * reserve, limits, max_pos,
+    state_dtype = next((f.dtype for f in forms if f.scope == "resume_point"), args.state_dtype) if cache_dtype \
+        else args.state_dtype
+    return Plan(model.model_id, block_size, dtype, state_dtype, forms, note, pool * reserve, limits, max_pos,
                 contexts, args.concurrency or cfg.service.max_concurrency)
 
 

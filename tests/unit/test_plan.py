@@ -150,3 +150,30 @@ def test_plan_reads_a_save_pretrained_directory_and_gives_a_dense_model_the_whol
     c = cfg.cache
     share = c.compressed_pool_limit + c.swa_pool_limit + c.tail_pool_limit
     assert plan.slots()["kv"] == int(plan.cache_budget_bytes * share // kv.bytes_per_block)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_cache_dtype_plans_what_the_worker_allocates(preset, cache_dtype) -> None:
+    """--cache-dtype plans each form with the worker's own layout at that ``cache.dtype``: the
+    pool slot sizes a worker allocates, and the slots a budget holds (fp8 ≈ 0.26 of float32)."""
+    cfg = parse_config({})
+    plan = build_plan(args(model=preset, cache_dtype=cache_dtype), cfg)
+    f32 = build_plan(args(model=preset, cache_dtype="float32"), cfg)
+    model = load_model_config(preset, None)
+    if preset == "tiny":
+        want = {n: lay.spec.bytes_per_block for n, lay in form_layouts(model, plan.block_size, cache_dtype).items()}
+    else:
+        import torch
+
+        from worker.model.dense.state import dense_form_layouts
+        want = {n: lay.spec.bytes_per_block
+                for n, lay in dense_form_layouts(model, plan.block_size, torch.float32, cache_dtype).items()}
+    assert {f.name: f.bytes_per_block for f in plan.forms} == want
+    assert all(f.dtype == cache_dtype for f in plan.forms)
+    ratio = 0.5 if cache_dtype == "bfloat16" else 0.27
+    for f, g in zip(plan.forms, f32.forms):
+        assert f.bytes_per_block <= ratio * g.bytes_per_block
+    assert sum(plan.slots().values()) > sum(f32.slots().values())
+    with pytest.raises(PlanError, match="--cache-dtype 'int4'"):
+        build_plan(args(model=preset, cache_dtype="int4"), cfg)
