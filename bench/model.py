@@ -52,7 +52,73 @@ def load(args):
     dtype = DTYPES[args.dtype or "float32"]
     if args.family == "hybrid":
         return build_model(ModelConfig(), seed=args.seed).to(dtype)
+    if args.family == "yoco":
+        from worker.model.yoco import build_yoco
+        return build_yoco(seed=args.seed, dtype=dtype)
     return build_dense(dense_tiny(args.family), seed=args.seed, dtype=dtype)
+
+
+def yoco_vs_standard(yoco, bs: int, n_tokens: int, reps: int) -> dict:
+    """YOCO against a standard decoder of the same depth and width (every layer full attention,
+    the same heads, K/V heads, head dim and MLP), on the same long prompt.
+
+    * prefill: a cold prefill producing the last token's logits, in 256-token pieces as a
+      worker runs it, timed interleaved, medians (ideal ≈ self-decoder layers / all layers: a
+      prompt's tokens skip the cross-decoder; the self-decoder's windowed attention costs less
+      than full attention on long prompts, so it can do better than that);
+    * cache bytes per token at that context: YOCO's global K/V for every token plus its window
+      form's blocks (a resume needs only those), against the standard model's K/V of every
+      layer for every token (ideal = 1 / layers, plus the window).
+    """
+    from worker.model.dense.state import dense_form_layouts
+    from worker.model.yoco import GLOBAL_KV, SWA
+
+    c = yoco.cfg
+    std = build_dense(DenseConfig(model_id="kvledger/standard-like-yoco", vocab_size=c.vocab_size,
+                                  hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                                  num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                                  num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                                  max_position_embeddings=max(c.max_position_embeddings, n_tokens + bs),
+                                  layer_types=("full_attention",) * c.num_hidden_layers),
+                      seed=1, dtype=yoco.dtype)
+    prompt = torch.randint(0, c.vocab_size, (n_tokens,), generator=torch.Generator().manual_seed(11))
+    cap = -(-(n_tokens + 1) // bs) * bs
+    # in the pieces a worker's stepper runs (service.max_batch_tokens, 256 by default): each piece's
+    # last row goes through the cross-decoder, and a windowed layer reads its window, not the history
+    units = max(1, 256 // bs)
+    t_yoco, t_std = [], []
+    for _ in range(reps):
+        t_yoco.append(_timed(lambda: yoco.prefill(prompt, yoco.new_state(bs, cap), chunk_blocks=units,
+                                                  logits="last"))[0])
+        t_std.append(_timed(lambda: std.prefill(prompt, std.new_state(bs, cap), chunk_blocks=units,
+                                                logits="last"))[0])
+    lay = yoco.form_layouts(bs)
+    g, w = lay[GLOBAL_KV].spec, lay[SWA].spec
+    window_blocks = min(-(-n_tokens // bs), -(-w.window_tokens // bs) + 1)
+    yoco_bytes = -(-n_tokens // bs) * g.bytes_per_block + window_blocks * w.bytes_per_block
+    std_bytes = -(-n_tokens // bs) * next(iter(dense_form_layouts(std.cfg, bs, std.dtype).values())).spec.bytes_per_block
+    L = c.num_hidden_layers
+    return {
+        "yoco_layers": f"{c.num_self_decoder_layers} self + {c.num_cross_decoder_layers} cross",
+        "yoco_prompt_tokens": n_tokens,
+        "yoco_prefill_ms": round(statistics.median(t_yoco), 2),
+        "standard_prefill_ms": round(statistics.median(t_std), 2),
+        "yoco_prefill_ratio_vs_standard": round(statistics.median(t_yoco) / statistics.median(t_std), 3),
+        "yoco_prefill_ratio_ideal": round(c.num_self_decoder_layers / L, 3),
+        "yoco_cache_bytes_per_token_vs_standard": round(yoco_bytes / std_bytes, 4),
+        "yoco_cache_bytes_per_token_ideal": round(1 / L + window_blocks * w.bytes_per_block / std_bytes, 4),
+    }
+
+
+def _timed(fn) -> tuple[float, float, object]:
+    """(wall ms, process CPU ms, result) of one call (a CUDA device is synchronised first and after)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    w0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - w0) * 1000, (time.process_time() - c0) * 1000, out
 
 
 def storage_drift(model, bs: int, prompt: torch.Tensor, n_tokens: int) -> dict:
@@ -109,8 +175,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="torch device for the model and its states (default cpu)")
-    ap.add_argument("--family", choices=("hybrid", "llama", "qwen2", "qwen3"), default="hybrid",
-                    help="the model family (default hybrid: the DeepSeek-V4-style tiny model)")
+    ap.add_argument("--family", choices=("hybrid", "llama", "qwen2", "qwen3", "yoco"), default="hybrid",
+                    help="the model family (default hybrid: the DeepSeek-V4-style tiny model; yoco adds the "
+                         "comparison with a standard decoder of the same depth and width)")
     ap.add_argument("--model-dir", help="benchmark this checkpoint directory (as worker.model_dir) instead")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                     help="compute dtype (default: float32, or the checkpoint's own with --model-dir)")
@@ -214,6 +281,8 @@ def main(argv: list[str] | None = None) -> dict:
     big = model.prefill(prompt[:256], model.new_state(bs, capacity), chunk_blocks=4)
 
     drift = storage_drift(model, bs, prompt, 256 if args.quick else 1024)
+    yoco = (yoco_vs_standard(model, bs, 2048 if args.quick else 4096, 3 if args.quick else 5)
+            if model.family == "yoco" else {})
 
     ideal = args.prompt / (args.prompt - P)
     speedup = cold_ms / warm_ms
@@ -257,6 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
         "bf16_cache_bytes_ratio": drift.get("bfloat16", {}).get("bytes_ratio_vs_float32"),
         "cache_dtype_drift": drift,
         "cache_dtype_warm_bit_identical": all(v.get("warm_bit_identical", True) for v in drift.values()),
+        **yoco,
         "mode": "quick" if args.quick else "full",
     }
     print(json.dumps(result))

@@ -37,6 +37,13 @@ from them (the model thread is the bottleneck; its CPU time barely depends on ot
 
     python -m bench.serving            # 4 turns, prompts ~355 → ~830 tokens; a few minutes
     python -m bench.serving --quick    # 2 turns, prompts ~180 → ~240 tokens; about a minute on an idle machine
+    python -m bench.serving --long-agent [--quick] [--cache-dtype float8_e4m3fn]
+
+``--long-agent`` runs seed 003's workload instead (``LongAgent``): one agent at a time reads a
+long document (3,072 tokens; quick 768), makes a forced tool call, gets the result, answers in a
+few tokens and asks follow-ups — on the built-in hybrid model and on a YOCO checkpoint
+(``kvledger model init --family yoco``), reuse on vs off: ``long_agent_<family>_*`` keys
+(later turns' TTFT speedup, the cached fraction, whether tool calls parsed and outputs agree).
 
 Pools: ``--pool-mb`` (default 256) is ``worker.pool_bytes``. The window form (``swa``,
 24 KiB per block for the tiny model) is the scarce one: with the config's default 64 MiB,
@@ -266,6 +273,135 @@ async def structured_phase(url: str, requests: int) -> dict[str, Any]:
             "json_schema_parsed_fraction": round(parsed / requests, 3)}
 
 
+# --- the long-context agent workload (seed 003) ------------------------------------------------------
+
+@dataclass(frozen=True)
+class LongAgent:
+    """Seed 003's workload: long inputs, short outputs, tool-call chains, multi-turn continuation.
+
+    An agent reads a long document (its own, after a system prompt and tool list shared by every
+    agent), calls a tool (a forced call: ``tool_choice`` names it, as an agent framework does when
+    it needs a lookup), gets the tool's result, answers in a few tokens, then asks ``followups``
+    more short questions about the same document — every turn's prompt extends the last."""
+
+    doc_chars: int
+    followups: int
+    agents: int
+    answer_tokens: int = 8
+
+
+LONG_FULL = LongAgent(doc_chars=3072, followups=2, agents=3)
+LONG_QUICK = LongAgent(doc_chars=768, followups=1, agents=2)
+#: The tool every agent calls; its argument is an enum so a random-weight model's forced call ends.
+LOOKUP = [{"type": "function", "function": {
+    "name": "lookup", "description": "Look a term up in the knowledge base.",
+    "parameters": {"type": "object", "required": ["term"],
+                   "properties": {"term": {"enum": ["ledger", "replica", "lease", "block"]}}}}}]
+
+
+async def long_agent_run(url: str, model: str, w: LongAgent, reuse: bool, seed: int, worker_pid: int) -> dict[str, Any]:
+    """Every agent one after the other (one conversation at a time: the latency of a long input),
+    reuse on or off; per turn its TTFT, tokens and cached tokens, and the replies to compare."""
+    import aiohttp
+
+    rng = random.Random(seed)
+    system = "You answer questions about the document. Call lookup for unknown terms. " + _text(rng, 256)
+    headers = {"Authorization": f"Bearer {KEYS['on' if reuse else 'off']}"}
+    turns: list[dict[str, Any]] = []
+    replies: list[Any] = []
+    calls = parsed = 0
+    t0, cpu0 = time.perf_counter(), cpu_seconds(worker_pid)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1200)) as http:
+        async def ask(messages, **extra) -> dict[str, Any]:
+            body = {"model": model, "messages": messages, "temperature": 0, "cache_reuse": reuse,
+                    "max_tokens": w.answer_tokens, "tools": LOOKUP, **extra}
+            t = time.perf_counter()
+            async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+                doc = await r.json()
+            if r.status != 200:
+                raise RuntimeError(f"long agent: HTTP {r.status}: {str(doc)[:300]}")
+            u = doc["usage"]
+            turns.append({"s": time.perf_counter() - t, "prompt": u["prompt_tokens"], "out": u["completion_tokens"],
+                          "cached": u["prompt_tokens_details"]["cached_tokens"]})
+            return doc["choices"][0]
+
+        for a in range(w.agents):
+            doc = _text(rng, w.doc_chars)
+            messages: list[dict[str, Any]] = [{"role": "system", "content": system},
+                                              {"role": "user", "content": f"Document:\n{doc}\n\nWhat is it about?"}]
+            first = await ask(messages, max_tokens=96, tool_choice={"type": "function", "function": {"name": "lookup"}})
+            calls += 1
+            tool_calls = first["message"].get("tool_calls") or []
+            parsed += bool(tool_calls)
+            replies.append(tool_calls[0]["function"]["arguments"] if tool_calls else first["message"]["content"])
+            if tool_calls:
+                messages += [{"role": "assistant", "content": None, "tool_calls": tool_calls[:1]},
+                             {"role": "tool", "tool_call_id": tool_calls[0]["id"], "content": _text(rng, 96)}]
+            for k in range(1 + w.followups):
+                answer = await ask(messages, tool_choice="none")
+                replies.append(answer["message"]["content"])
+                messages += [{"role": "assistant", "content": answer["message"]["content"] or ""},
+                             {"role": "user", "content": f"And {_text(rng, 24)}?"}]
+    wall = time.perf_counter() - t0
+    prompt = sum(t["prompt"] for t in turns)
+    first_turns = turns[::2 + w.followups]
+    later = [t for i, t in enumerate(turns) if i % (2 + w.followups)]
+    return {"wall_s": wall, "worker_cpu_s": cpu_seconds(worker_pid) - cpu0 if worker_pid else 0.0,
+            "requests": len(turns), "prompt_tokens": prompt, "completion_tokens": sum(t["out"] for t in turns),
+            "ttft_p50_ms": percentile([t["s"] * 1000 for t in turns], 50),
+            "later_turn_ttft_p50_ms": percentile([t["s"] * 1000 for t in later], 50),
+            "first_turn_ttft_p50_ms": percentile([t["s"] * 1000 for t in first_turns], 50),
+            "cached_fraction": sum(t["cached"] for t in turns) / max(1, prompt),
+            "later_turn_cached_fraction": sum(t["cached"] for t in later) / max(1, sum(t["prompt"] for t in later)),
+            "tool_calls_parsed_fraction": parsed / max(1, calls), "replies": replies}
+
+
+async def long_agent_phase(args: argparse.Namespace, family: str, db_url: str, nats_url: str, tmp: Path,
+                           w: LongAgent) -> dict[str, Any]:
+    """The long-context agent workload on one family (its own worker), reuse on and off."""
+    from bench.worker import _create_db, _drop_db
+
+    model_dir = ""
+    if family == "yoco":
+        from kvledger.cli import main as kvledger
+        model_dir = str(tmp / "yoco-model")
+        if kvledger(["model", "init", model_dir, "--family", "yoco"]) != 0:
+            raise RuntimeError("kvledger model init --family yoco failed")
+    bench_db, db_name = await _create_db(db_url)
+    sub = tmp / f"long-{family}"
+    sub.mkdir()
+    cluster = Cluster(sub, db_url, nats_url, args.pool_mb, model_dir=model_dir, cache_dtype=args.cache_dtype)
+    try:
+        cluster.start(bench_db)
+        url = await cluster.wait_ready()
+        model = "yoco-model" if family == "yoco" else "kvledger/dsv4-tiny"
+        await long_agent_run(url, model, dataclasses.replace(w, doc_chars=64, followups=0, agents=1), True, 0, 0)
+        out: dict[str, Any] = {}
+        for mode in ("on", "off"):
+            out[mode] = await long_agent_run(url, model, w, mode == "on", 7, cluster.worker.pid)
+            _log(f"long agent, {family}, reuse {mode}: " + ", ".join(
+                f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in out[mode].items() if k != "replies"))
+        on, off = out["on"], out["off"]
+        p = f"long_agent_{family}_"
+        return {p + "requests": on["requests"], p + "prompt_tokens": on["prompt_tokens"],
+                p + "ttft_p50_ms_on": round(on["ttft_p50_ms"], 1), p + "ttft_p50_ms_off": round(off["ttft_p50_ms"], 1),
+                p + "later_turn_ttft_p50_ms_on": round(on["later_turn_ttft_p50_ms"], 1),
+                p + "later_turn_ttft_p50_ms_off": round(off["later_turn_ttft_p50_ms"], 1),
+                p + "later_turn_ttft_speedup": round(off["later_turn_ttft_p50_ms"] / on["later_turn_ttft_p50_ms"], 3),
+                p + "cached_fraction": round(on["cached_fraction"], 3),
+                p + "later_turn_cached_fraction": round(on["later_turn_cached_fraction"], 3),
+                p + "throughput_ratio_on_vs_off": round(off["wall_s"] / on["wall_s"], 3),
+                p + "cpu_ratio_on_vs_off": round(off["worker_cpu_s"] / on["worker_cpu_s"], 3) if on["worker_cpu_s"] else None,
+                p + "tool_calls_parsed_fraction": round(on["tool_calls_parsed_fraction"], 3),
+                p + "outputs_identical": on["replies"] == off["replies"]}
+    finally:
+        cluster.stop()
+        try:
+            await _drop_db(db_url, db_name)
+        except Exception as e:  # noqa: BLE001 - best effort
+            _log(f"could not drop {db_name}: {e}")
+
+
 _COUNTERS = {"evictions": ('kvl_worker_transitions_total', {"kind": "evict"}),
              "fallbacks_grid": ("kvl_worker_fallbacks_total", {"reason": "grid"}),
              "fallbacks_validation": ("kvl_worker_fallbacks_total", {"reason": "validation"}),
@@ -331,9 +467,12 @@ async def run_level(url: str, w: Workload, c: int, reuse: bool, seed: int, worke
 class Cluster:
     """A coordinator and one worker process, with their own database and subject prefix."""
 
-    def __init__(self, tmp: Path, db_url: str, nats_url: str, pool_mb: int) -> None:
+    def __init__(self, tmp: Path, db_url: str, nats_url: str, pool_mb: int, model_dir: str = "",
+                 cache_dtype: str = "auto") -> None:
         from shared.embedded import free_port
 
+        self.model_dir = model_dir
+        self.cache_dtype = cache_dtype
         self.tmp = tmp
         self.db_url = db_url
         self.nats_url = nats_url
@@ -365,8 +504,9 @@ class Cluster:
         self.coordinator = self._start("coordinator", "coordinator", {**base, "state_dir": str(self.tmp / "c")})
         self.worker = self._start("worker", "worker", {
             **base, "state_dir": str(self.tmp / "w"),
-            "cache": {"host_tier_bytes": 0, "offload_dir": ""},
-            "worker": {"worker_id": "bench-serving", "port": 0, "pool_bytes": self.pool_mb * 2**20},
+            "cache": {"host_tier_bytes": 0, "offload_dir": "", "dtype": self.cache_dtype},
+            "worker": {"worker_id": "bench-serving", "port": 0, "pool_bytes": self.pool_mb * 2**20,
+                       "model_dir": self.model_dir},
             "service": {"request_timeout_ms": 600_000, "queue_timeout_ms": 600_000},
             "auth": {"keys": [{"key_sha256": hashlib.sha256(k.encode()).hexdigest(), "tenant": f"bench-{mode}"}
                               for mode, k in KEYS.items()]}})
@@ -420,8 +560,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         _log("starting embedded PostgreSQL and NATS ...")
         services = await asyncio.to_thread(start_services, db_url, nats_url, str(tmp / "services"))
         db_url, nats_url = services.database_url, services.nats_url
+    if args.long_agent:
+        try:
+            w_long = LONG_QUICK if args.quick else LONG_FULL
+            result: dict[str, Any] = {"bench": "serving", "mode": "quick" if args.quick else "full",
+                                      "workload": "long-agent", "long_agent": dataclasses.asdict(w_long),
+                                      "cache_dtype": args.cache_dtype}
+            for family in args.families:
+                result.update(await long_agent_phase(args, family, db_url, nats_url, tmp, w_long))
+            result["load_average_1m"] = round(os.getloadavg()[0], 2)
+            result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+            return result
+        finally:
+            if services is not None:
+                await asyncio.to_thread(services.stop)
     bench_db, db_name = await _create_db(db_url)
-    cluster = Cluster(tmp, db_url, nats_url, args.pool_mb)
+    cluster = Cluster(tmp, db_url, nats_url, args.pool_mb, cache_dtype=args.cache_dtype)
     try:
         cluster.start(bench_db)
         url = await cluster.wait_ready()
@@ -503,10 +657,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--pool-mb", type=int, default=256, help="worker.pool_bytes in MiB (default 256)")
     ap.add_argument("--api-only", action="store_true",
                     help="only the API-features phase (structured output), not the concurrency levels")
+    ap.add_argument("--long-agent", action="store_true",
+                    help="seed 003's long-context agent workload (long documents, a forced tool call, its result, "
+                         "short answers, follow-ups) on each of --families, reuse on vs off")
+    ap.add_argument("--families", default="hybrid,yoco",
+                    help="with --long-agent: hybrid (the built-in DeepSeek-V4-style model) and/or yoco (a seeded "
+                         "YOCO checkpoint written by kvledger model init)")
+    ap.add_argument("--cache-dtype", default="auto", help="the workers' cache.dtype (default auto)")
     ap.add_argument("--database-url", default=os.environ.get("KVL_DATABASE_URL", ""))
     ap.add_argument("--nats-url", default=os.environ.get("KVL_NATS_URL", ""))
     args = ap.parse_args(argv)
     args.levels = tuple(int(x) for x in args.levels.split(","))
+    args.families = tuple(f for f in args.families.split(",") if f)
+    if bad := [f for f in args.families if f not in ("hybrid", "yoco")]:
+        ap.error(f"--families: {bad} not known; use hybrid and/or yoco")
     result = asyncio.run(run(args))
     print(json.dumps(result))
     return result
