@@ -58,6 +58,8 @@ from tests.faults.workload import (
     Reference,
     Script,
     ask,
+    drill_bytes_scale,
+    drill_cache_dtype,
     drill_model,
     probe_prompt,
     probe_reuse,
@@ -112,7 +114,16 @@ def pressured_worker(service: dict) -> WorkerSpec:
     if not os.environ.get("KVL_DRILL_MODEL_DIR"):
         return WorkerSpec("wp", cache={"tail_pool_limit": 0.005}, service=service)
     cfg = parse_config({})
-    forms = drill_model().form_layouts(cfg.cache.block_size)
+    forms = drill_model().form_layouts(cfg.cache.block_size, drill_cache_dtype())
+    if "swa" in forms:     # a window form beside full-history ones (YOCO): its pool cut to 2 slots
+        from worker.settings import scope_slots
+        c = cfg.cache
+        budget = 4 * 2**20 * drill_bytes_scale() * cfg.service.cache_reserve_ratio   # the harness's pool_bytes
+        specs = [lay.spec for lay in forms.values()]
+        share = next(x / 10_000 for x in range(1, 10_000) if scope_slots(specs, budget, {
+            FormScope.FULL_HISTORY: c.compressed_pool_limit, FormScope.WINDOW: x / 10_000,
+            FormScope.RESUME_POINT: c.tail_pool_limit})["swa"] >= 2)
+        return WorkerSpec("wp", cache={"swa_pool_limit": share}, service=service)
     if len(forms) != 1:
         raise AssertionError(f"KVL_DRILL_MODEL_DIR: a model with forms {list(forms)} has no pressure rule here")
     share = cfg.service.cache_reserve_ratio * (cfg.cache.compressed_pool_limit + cfg.cache.swa_pool_limit
@@ -122,7 +133,7 @@ def pressured_worker(service: dict) -> WorkerSpec:
 
 
 def pressured_form(forms: dict) -> str:
-    return "tail" if "tail" in forms else next(iter(forms))
+    return "tail" if "tail" in forms else "swa" if "swa" in forms else next(iter(forms))
 
 
 def conversations(n: int) -> list[Conversation]:

@@ -189,11 +189,18 @@ class Stack:
         doc = self._base()
         # NOTE: a bound and small segments, so the disk GC (and its DiskGc requests) runs in every drill
         doc["cache"] = {"chunk_blocks": 1, "offload_dir": str(self.offload_dir), "host_tier_bytes": 0,
-                        "offload_dir_bytes": OFFLOAD_DIR_BYTES, "offload_segment_bytes": 2**19, **spec.cache}
+                        "offload_dir_bytes": OFFLOAD_DIR_BYTES, "offload_segment_bytes": 2**19,
+                        "dtype": os.environ.get("KVL_DRILL_CACHE_DTYPE", "auto"), **spec.cache}
         doc["worker"] = {"worker_id": wid, "host": "127.0.0.1", "port": self.ports[wid], "pool_bytes": 4 * 2**20,
                          "outbox_resend_ms": 500, "debug_subjects": True,
                          "model_dir": os.environ.get("KVL_DRILL_MODEL_DIR", ""), **spec.worker}
         doc["service"] = {"batch_window_ms": 5, **spec.service}
+        from tests.faults.workload import drill_bytes_scale
+        if (scale := drill_bytes_scale()) != 1.0:
+            # a smaller storage precision: the same number of blocks per pool, tier and disk bound
+            doc["worker"]["pool_bytes"] = int(doc["worker"]["pool_bytes"] * scale)
+            for key in ("host_tier_bytes", "offload_dir_bytes", "offload_segment_bytes"):
+                doc["cache"][key] = int(doc["cache"][key] * scale)
         doc["auth"] = self._auth()
         doc["state_dir"] = str(self.root / f"{wid}-state")
         doc["nats"].update(self.identity(nats_auth.worker(wid)))

@@ -22,6 +22,7 @@ error; it is recorded by kind and retried (bounded), never counted as an answer.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import time
@@ -47,6 +48,25 @@ class Expected:
         return bytes(self.tokens).decode("utf-8", errors="replace")
 
 
+def drill_cache_dtype() -> str:
+    """``cache.dtype`` of every drill worker and of the cold reference (``KVL_DRILL_CACHE_DTYPE``,
+    default ``auto``), to put a storage precision through the same drills."""
+    return os.environ.get("KVL_DRILL_CACHE_DTYPE", "auto")
+
+
+@functools.cache
+def drill_bytes_scale() -> float:
+    """Bytes of a block (all forms) at the drills' ``cache.dtype`` over its bytes at ``auto``: the
+    drills' pool, host-tier and disk bounds are scaled by it, so an fp8 run evicts, spills and
+    collects as much as the default one."""
+    cache_dtype = drill_cache_dtype()
+    if cache_dtype == "auto":
+        return 1.0
+    model = drill_model()
+    size = lambda dt: sum(lay.spec.bytes_per_block for lay in model.form_layouts(16, dt).values())  # noqa: E731
+    return size(cache_dtype) / size("auto")
+
+
 def drill_model():
     """The model every drill runs: the built-in tiny one, or ``KVL_DRILL_MODEL_DIR`` (a checkpoint
     directory with a vocabulary of at least 256 ids — prompts are random byte ids — that the
@@ -63,7 +83,8 @@ class Reference:
 
     def __init__(self, chunk_blocks: int = 1) -> None:
         torch.set_num_threads(1)
-        self.engine = Engine(drill_model(), parse_config({"cache": {"chunk_blocks": chunk_blocks}}), None)
+        self.engine = Engine(drill_model(), parse_config({"cache": {"chunk_blocks": chunk_blocks,
+                                                                    "dtype": drill_cache_dtype()}}), None)
         assert not self.engine.cache_enabled
         self._runs: dict[tuple[tuple[int, ...], int], asyncio.Future[Expected]] = {}
         self.computed = 0
