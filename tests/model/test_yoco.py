@@ -134,3 +134,29 @@ def test_bfloat16_and_fp8_storage_shrink_the_global_kv(yoco) -> None:
     f32 = yoco.form_layouts(BS, "float32")[GLOBAL_KV].spec.bytes_per_block
     assert yoco.form_layouts(BS, "bfloat16")[GLOBAL_KV].spec.bytes_per_block * 2 == f32
     assert yoco.form_layouts(BS, "float8_e4m3fn")[GLOBAL_KV].spec.bytes_per_block <= 0.27 * f32
+
+
+def test_an_image_in_the_prompt_is_exact_across_cuts_and_resumes() -> None:
+    """A YOCO config may declare the vision encoder: its vectors replace the image rows in the
+    self-decoder's input; a resume after the image (its rows served from global_kv and swa) gives
+    the cold run's logits bit for bit, and the image changes what follows it."""
+    import numpy as np
+
+    from worker.model.vision import PromptEmbeds, VisionConfig, encode_images, image_spec
+
+    img = 255
+    vlm = build_yoco(YocoConfig(sliding_window=40, vision=VisionConfig(), image_token_id=img), seed=9)
+    assert image_spec(vlm).image_token_id == img
+    pixels = np.random.default_rng(4).integers(0, 256, (32, 32, 3), dtype=np.uint8).tobytes()
+    (v,) = encode_images(vlm, [pixels])
+    toks = _toks(20, seed=10) + [img] * v.shape[0] + _toks(40, seed=11)
+    embeds = PromptEmbeds([(20, v)])
+    cold = vlm.new_state(BS, 6 * BS)
+    logits = vlm.prefill(toks, cold, embeds=embeds, logits="all")
+    assert not torch.equal(logits[20:], vlm.prefill(toks, vlm.new_state(BS, 6 * BS), logits="all")[20:])
+    blocks = [cold.export_block(i) for i in range(cold.completed_blocks)]
+    for n in (1, 2, 3, 4):     # before, inside (20..36 spans blocks 1 and 2) and after the image
+        warm = vlm.new_state(BS, 6 * BS)
+        warm.restore(blocks, n)
+        rest = PromptEmbeds([(20, v)]) if n * BS < 36 else None
+        assert torch.equal(bits(vlm.prefill(toks[n * BS:], warm, embeds=rest, logits="all")), bits(logits[n * BS:])), n
