@@ -62,7 +62,14 @@ def _equal(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-@pytest.mark.parametrize("cache_dtype", STORED)
+#: fp8 for every family, and the other precisions where they matter: a state keeping rows in
+#: another dtype than it computes in (float32 buffers for bf16/fp16 compute), or rounding float32 rows.
+CASES = [(f, "float8_e4m3fn") for f in MODELS] + [
+    ("hybrid-fp32", "bfloat16"), ("hybrid-bf16", "float16"), ("dense-fp32", "bfloat16"),
+    ("dense-bf16", "float16"), ("dense-fp16", "bfloat16"), ("yoco-fp32", "float16")]
+
+
+@pytest.mark.parametrize("family,cache_dtype", CASES, indirect=["family"])
 def test_resume_at_every_block_is_bit_identical_to_a_cold_run_at_that_precision(family, cache_dtype):
     name, model = family
     model.use_cache_dtype(cache_dtype)
@@ -86,7 +93,7 @@ def test_resume_at_every_block_is_bit_identical_to_a_cold_run_at_that_precision(
         model.use_cache_dtype("auto")
 
 
-@pytest.mark.parametrize("cache_dtype", ("bfloat16", "float8_e4m3fn"))
+@pytest.mark.parametrize("family,cache_dtype", CASES, indirect=["family"])
 def test_decode_made_blocks_equal_prefill_made_blocks(family, cache_dtype):
     """Replies are cached: a block completed token by token holds the prefill's bytes."""
     name, model = family
