@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.invariant import pointwise
+
 
 def as_float32(x: torch.Tensor) -> torch.Tensor:
     """``x`` in float32, without a (no-op) dispatch when it already is: the tiny model is
@@ -33,3 +35,20 @@ class RMSNorm(nn.Module):
         xf = as_float32(x)
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return as_dtype(self.weight * normed, x.dtype)
+
+
+class CastRMSNorm(nn.Module):
+    """transformers' ``LlamaRMSNorm``: normalise in float32, cast back to the input's dtype, then
+    the weight (in the weight's dtype) — the dense and YOCO families' norm and the vision
+    encoder's; ``rsqrt`` through ``kernels.invariant.pointwise`` (a row's bits do not depend on
+    how many rows are normalised together)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * pointwise(torch.rsqrt, xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)

@@ -35,6 +35,7 @@ from kernels.invariant import pointwise
 from shared.images import ImageSpec
 from worker.model.config import ConfigError
 from worker.model.linear import Linear
+from worker.model.norms import CastRMSNorm
 from worker.model.state import Embeds
 
 
@@ -90,7 +91,7 @@ class VisionEncoder(nn.Module):
         p, c = cfg.patch_size, cfg.num_channels
         self.patch_embed = Linear(c * p * p, cfg.hidden_size)
         self.position_embedding = nn.Parameter(torch.zeros(cfg.patches, cfg.hidden_size))
-        self.norm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = CastRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.proj_in = Linear(cfg.hidden_size, text_hidden)
         self.proj_out = Linear(text_hidden, text_hidden)
 
@@ -111,20 +112,6 @@ class VisionEncoder(nn.Module):
         x = self.patch_embed(self.patches(pixels).to(dtype)) + self.position_embedding
         x = self.norm(x)
         return self.proj_out(pointwise(F.gelu, self.proj_in(x)))
-
-
-class _RMSNorm(nn.Module):
-    """The dense family's RMSNorm: normalise in float32, cast back, then the weight."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * pointwise(torch.rsqrt, xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
 
 
 def image_spec(model: nn.Module) -> ImageSpec | None:

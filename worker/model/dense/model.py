@@ -24,20 +24,9 @@ from worker.model.dense.config import DenseConfig, rope_inv_freq
 from worker.model.dense.state import DenseState, dense_form_layouts
 from worker.model.linear import Linear
 from worker.model.lm import CausalLM
+from worker.model.norms import CastRMSNorm as RMSNorm
 from worker.model.state import Batch
 from worker.model.vision import VisionEncoder
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * pointwise(torch.rsqrt, xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -195,11 +184,17 @@ class DenseLM(CausalLM):
 
 @torch.no_grad()
 def build_dense(cfg: DenseConfig | None = None, seed: int = 0, dtype: torch.dtype = torch.float32) -> DenseLM:
-    """A dense model with seeded weights (each tensor from its own generator, as
-    ``worker.model.weights.init_weights``), in eval mode."""
+    """A dense model with seeded weights (:func:`seed_weights`), in eval mode."""
+    return seed_weights(DenseLM(cfg or DenseConfig()), seed).to(dtype).eval()
+
+
+@torch.no_grad()
+def seed_weights(model: CausalLM, seed: int) -> CausalLM:
+    """Seeded weights for a model of dense-style names (the dense and YOCO families): each tensor
+    from its own generator (as ``worker.model.weights.init_weights``), embeddings N(0, 1), norms
+    around 1, biases small, products scaled by their fan-in; a tied head is the embedding."""
     from worker.model.weights import _generator
 
-    model = DenseLM(cfg or DenseConfig())
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
             continue
@@ -214,4 +209,4 @@ def build_dense(cfg: DenseConfig | None = None, seed: int = 0, dtype: torch.dtyp
         else:
             val = torch.randn(t.shape, generator=g) / math.sqrt(t.shape[-1])
         t.copy_(val)
-    return model.to(dtype).eval()
+    return model

@@ -29,16 +29,15 @@ cold run computes it.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from kernels.invariant import KEY_CHUNK
 from worker.model.dense.attention import attend
-from worker.model.dense.model import DenseLayer, DenseMLP, RMSNorm, RopeTable, rotate_half
+from worker.model.dense.model import DenseLayer, DenseMLP, RopeTable, rotate_half, seed_weights
 from worker.model.linear import Linear
 from worker.model.lm import CausalLM
+from worker.model.norms import CastRMSNorm as RMSNorm
 from worker.model.state import Batch
 from worker.model.vision import VisionEncoder
 from worker.model.yoco.config import YocoConfig
@@ -191,25 +190,6 @@ class YocoLM(CausalLM):
         return self.lm_head(self.model.norm(h))
 
 
-@torch.no_grad()
 def build_yoco(cfg: YocoConfig | None = None, seed: int = 0, dtype: torch.dtype = torch.float32) -> YocoLM:
-    """A YOCO model with seeded weights (each tensor from its own generator, as the other
-    families' builders), in eval mode."""
-    from worker.model.weights import _generator
-
-    model = YocoLM(cfg or YocoConfig())
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
-            continue
-        g = _generator(seed, name)
-        leaf = name.rsplit(".", 1)[-1]
-        if name.endswith("embed_tokens.weight") or name.endswith("position_embedding"):
-            val = torch.randn(t.shape, generator=g)
-        elif "norm" in name:
-            val = torch.randn(t.shape, generator=g) * 0.1 + 1.0
-        elif leaf == "bias":
-            val = torch.randn(t.shape, generator=g) * 0.1
-        else:
-            val = torch.randn(t.shape, generator=g) / math.sqrt(t.shape[-1])
-        t.copy_(val)
-    return model.to(dtype).eval()
+    """A YOCO model with seeded weights (the dense family's rule, ``seed_weights``), in eval mode."""
+    return seed_weights(YocoLM(cfg or YocoConfig()), seed).to(dtype).eval()
