@@ -41,7 +41,6 @@ from shared.subjects import Subjects
 from shared.tls import client_context
 from shared.text.chat_template import load_chat_template
 from shared.text.checkpoint_files import CheckpointFileError
-from worker.model.storage import StorageError
 from worker.client.nats_adapter import NatsCoordinatorClient
 from worker.engine import Engine
 from worker.generation import SamplingParams
@@ -49,6 +48,7 @@ from shared.text.generation_config import load_generation_config
 from worker.http_server import bound_address, start_http
 from worker.model import CausalLM, build_model
 from worker.model.checkpoint import DTYPES, CheckpointError, load_checkpoint
+from worker.model.storage import StorageError
 from worker.model.weights import WeightsError
 from shared.tenants import AuthError, TenantDirectory
 from shared.text.tokenizer import load_tokenizer

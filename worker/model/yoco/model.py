@@ -165,11 +165,9 @@ class YocoLM(CausalLM):
         rows = torch.arange(x.shape[0], device=x.device) if need is None else need
         # group the needed rows by request; requests with as many such rows share attention calls
         by_count: dict[int, list] = {}
-        start = 0
         for g in batch.segments:
             mine = rows[(rows >= g.rows.start) & (rows < g.rows.stop)]
             by_count.setdefault(int(mine.numel()), []).append((g, mine))
-            start += 1
         index = {int(r): j for j, r in enumerate(rows.tolist())}     # batch row → row of h
         groups = []
         for n, items in by_count.items():
