@@ -180,6 +180,11 @@ class WorkerConfig(_Section):
     worker_id: str = ""
     host: str = "127.0.0.1"
     port: Port = 8400
+    #: The URL the gateway reaches this worker's API at (recorded with its registration), e.g.
+    #: ``http://worker-0:8400`` in a container network. Empty: ``http://<host>:<port>`` as bound, or
+    #: the machine's host name in place of a wildcard ``host`` (``0.0.0.0``, ``::``), which no
+    #: other machine can connect to.
+    advertise_url: Annotated[str, msgspec.Meta(pattern=r"^(https?://[^\s/]+)?$")] = ""
     #: ``cpu``, ``cuda``, ``cuda:N``.
     device: str = "cpu"
     #: A checkpoint directory as transformers' ``save_pretrained`` writes it (DeepseekV4, Llama,

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -68,6 +69,18 @@ def load_model(cfg: Config) -> CausalLM:
     log.info("model_loaded", family=loaded.family, model_id=loaded.model.cfg.model_id,
              dtype=str(loaded.dtype).removeprefix("torch."), digest=loaded.model.checkpoint_digest[:16])
     return loaded.model
+
+
+def advertised_endpoint(worker: Any, host: str, port: int) -> str:
+    """The URL the coordinator records for the gateway: ``worker.advertise_url``, else the bound
+    address — with the machine's host name for a wildcard bind, which is no address to connect to."""
+    if worker.advertise_url:
+        return worker.advertise_url
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+        log.warning("advertising_hostname", host=host, port=port,
+                    note="worker.host is a wildcard: set worker.advertise_url to the URL the gateway reaches")
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def debug_subject(subjects: Subjects, worker_id: str, what: str) -> str:
@@ -214,8 +227,7 @@ async def serve(cfg: Config) -> int:
         print(f"kvledger worker: cannot serve HTTP on {cfg.worker.host}:{cfg.worker.port}: {e}", file=sys.stderr,
               flush=True)
         return 2
-    host, port = bound_address(http)
-    engine.endpoint = f"http://{host}:{port}"
+    engine.endpoint = advertised_endpoint(cfg.worker, *bound_address(http))
     await engine.start(wait_s=0)
     try:
         if debug is not None:

@@ -71,6 +71,15 @@ def test_services_and_start_order(compose: dict[str, Any]) -> None:
                                                 "worker-0", "gateway"))
 
 
+def test_workers_advertise_their_service_name(compose: dict[str, Any]) -> None:
+    """The gateway reaches a worker at the URL it registered: its name on the compose network,
+    not the wildcard it binds (found by deploy/smoke.sh: http://0.0.0.0:8400 was refused)."""
+    s = services(compose)
+    for name in ("worker-0", "worker-1"):
+        env = s[name]["environment"]
+        assert env["KVL_WORKER__ADVERTISE_URL"] == f"http://{name}:{env['KVL_WORKER__PORT']}"
+
+
 def test_healthchecks(compose: dict[str, Any]) -> None:
     s = services(compose)
     for name in ("postgres", "nats", "coordinator", "coordinator-standby", "worker-0", "worker-1", "gateway",
