@@ -27,10 +27,10 @@ def call(url: str, body: dict | None = None, token: str = "", timeout: float = 6
         return json.loads(r.read())
 
 
-def complete(gateway: str) -> tuple[str, int, str]:
+def complete(gateway: str, model: str) -> tuple[str, int, str]:
     """(text, cached tokens, the worker that answered) of one greedy completion."""
     req = urllib.request.Request(gateway + "/v1/completions", headers={"Content-Type": "application/json"},
-                                 data=json.dumps({"model": "kvledger", "prompt": PROMPT, "max_tokens": 8,
+                                 data=json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 8,
                                                   "temperature": 0}).encode())
     with urllib.request.urlopen(req, timeout=120) as r:
         doc = json.loads(r.read())
@@ -53,11 +53,12 @@ def main() -> None:
     ap.add_argument("--phase", choices=("before", "after"), required=True)
     ap.add_argument("--timeout", type=float, default=120)
     a = ap.parse_args()
-    first, cached, worker = complete(a.gateway)
+    model = call(a.gateway + "/v1/models")["data"][0]["id"]
+    first, cached, worker = complete(a.gateway, model)
     print(f"smoke: completion through the gateway (worker {worker}): cached_tokens {cached}")
     deadline = time.monotonic() + a.timeout
     while True:
-        text, cached, worker = complete(a.gateway)
+        text, cached, worker = complete(a.gateway, model)
         if cached > 0:
             break
         if time.monotonic() > deadline:
