@@ -31,6 +31,7 @@ from coordinator.core.events import replica_stream
 from coordinator.ledger import Ledger, Unavailable
 from coordinator.log.port import LogError, StoredEvent
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.ui import cache_summary, status_page
 from shared.messages import Control, ReplicaState, now_ms
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -371,6 +372,15 @@ async def list_pools(request: web.Request) -> web.Response:
                               "tenant_quota": s.params.tenant_quota_replicas or None})
 
 
+async def summary(request: web.Request) -> web.Response:
+    """What the status page shows beside the other views: where the log is, and the workers'
+    prefix-cache counters from their heartbeats (soft state; see ``coordinator.ui``)."""
+    ledger = await _serving_ledger(request)
+    s = ledger.state
+    return web.json_response({"now_ms": now_ms(), "leader_epoch": ledger.epoch, "position": ledger.position,
+                              "reuse": cache_status(s)["reuse"], "cache": cache_summary(s, ledger.cache_counters)})
+
+
 async def list_events(request: web.Request) -> web.Response:
     after = _int_param(request, "after", 0, 0, MAX_AFTER)
     limit = _int_param(request, "limit", 100, 1, MAX_PAGE)
@@ -497,6 +507,11 @@ ROUTES: list[Route] = [
           errors=(503,)),
     Route("GET", "/metrics", metrics, "Prometheus metrics", auth=False, content_type=CONTENT_TYPE_LATEST),
     Route("GET", "/openapi.json", openapi, "This document", auth=False),
+    # The page is static and holds no data: it asks for the token and sends it with each /v1/ call
+    # (a browser cannot send a bearer header when it opens a page). Without a configured token
+    # it is served to loopback clients only, as the API is.
+    Route("GET", "/ui", status_page, "Status page (HTML; its data comes from the /v1/ calls, under their token)",
+          auth=False, content_type="text/html", errors=(401,)),
     Route("GET", "/v1/workers", list_workers, "Registered workers, their epochs and liveness", links={
         "DrainWorker": {"operationId": "drain",
                         "parameters": {"worker_id": "$response.body#/workers/0/worker_id"}}}),
@@ -513,6 +528,8 @@ ROUTES: list[Route] = [
     Route("GET", "/v1/leases", list_leases, "Live leases, filtered and paged", params=[
         _q("worker", "holder worker id", _NAME), _q("tenant", "tenant id", _NAME), *PAGE]),
     Route("GET", "/v1/pools", list_pools, "Pool usage per worker and form against its limits"),
+    Route("GET", "/v1/summary", summary, "Log position, leader epoch, reuse switch and the workers' prefix-cache "
+          "counters (hit and validated-hit rates, fallbacks by reason) from their latest heartbeats"),
     Route("GET", "/v1/events", list_events, "The event log from a position", params=[
         _q("after", "return events with position > after",
            {"type": "integer", "minimum": 0, "maximum": MAX_AFTER, "default": 0}),
@@ -539,7 +556,8 @@ _ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error"
     "type": "object", "required": ["code", "message"],
     "properties": {"code": {"type": "string"}, "message": {"type": "string"}}}}}
 _ERROR_TEXT = {400: "Bad input (the message names what was wrong and what is allowed)",
-               401: "Missing or wrong bearer token", 404: "What the path or body names does not exist",
+               401: "Missing or wrong bearer token (without a configured token: a client not on loopback)",
+               404: "What the path or body names does not exist",
                413: "Request body too large",
                503: "Not serving (starting, standby, replaying, log unavailable)"}
 
@@ -557,8 +575,9 @@ def openapi_document() -> dict[str, Any]:
             errors |= {400, 401, 503}
         if r.body is not None:
             errors |= {400, 413}
+        body_type = "object" if r.content_type == "application/json" else "string"  # text: metrics, the page
         responses: dict[str, Any] = {"200": {"description": "OK", "content": {r.content_type: {"schema": {
-            "type": "object"}}}}}
+            "type": body_type}}}}}
         if r.links:
             responses["200"]["links"] = r.links
         for status in sorted(errors):
@@ -623,6 +642,9 @@ def _loopback(request: web.Request) -> bool:
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path == "/ui" and not _ctx(request).admin_token and not _loopback(request):
+        raise ApiError(401, "unauthorized", "the status page without an admin token (coordinator.admin_token or "
+                                            "KVL_ADMIN_TOKEN) is served to loopback clients only")
     if request.path.startswith("/v1/"):
         token = _ctx(request).admin_token
         if token:

@@ -48,7 +48,9 @@ from coordinator.log.port import EventLog, LogError, NewEvent, NotLeader, Snapsh
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.replay import LogCorrupt, load_state
 from coordinator.core.route import route
-from shared.messages import ErrorCode, ErrorReply, Heartbeat, HeartbeatReply, RouteQuery, RouteReply, now_ms
+from shared.messages import (
+    CacheCounters, ErrorCode, ErrorReply, Heartbeat, HeartbeatReply, RouteQuery, RouteReply, now_ms,
+)
 
 R = TypeVar("R")
 Decision = Callable[[LedgerState], tuple[R, list[Any]]]
@@ -112,6 +114,9 @@ class Ledger:
         self.seen: dict[tuple[str, int], int] = {}
         #: worker → (running, queued) requests of its last heartbeat (soft state for route answers).
         self.load: dict[str, tuple[int, int]] = {}
+        #: worker → (epoch, prefix-cache counters) of its last heartbeat that carried them (soft
+        #: state for the status page; one entry per worker id, so it stays bounded).
+        self.cache_counters: dict[str, tuple[int, CacheCounters]] = {}
         #: When this process took the lead (``seen`` starts empty then).
         self.took_over_ms = 0
         #: True while :attr:`state` is the log folded up to :attr:`position` (a standby following it).
@@ -135,6 +140,7 @@ class Ledger:
         await self._load(incremental=incremental)
         self.seen.clear()
         self.load.clear()
+        self.cache_counters.clear()
         self.took_over_ms = now_ms()
         self.committer = GroupCommitter(self.log, batch_ms=self.batch_ms, batch_max=self.batch_max,
                                         leader_epoch=epoch, on_commit=self._on_commit,
@@ -234,6 +240,8 @@ class Ledger:
         key = (msg.worker_id, msg.epoch)
         self.seen[key] = now
         self.load[msg.worker_id] = (msg.running, msg.queued)
+        if msg.cache is not None:
+            self.cache_counters[msg.worker_id] = (msg.epoch, msg.cache)
         return HeartbeatReply(committed_seq=self.durable.get(key, 0))
 
     def route(self, query: RouteQuery) -> RouteReply:

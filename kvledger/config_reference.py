@@ -194,7 +194,7 @@ def config_markdown() -> str:
 def metric_rows() -> list[dict[str, str]]:
     from coordinator.metrics import CoordinatorMetrics
     from gateway.app import GatewayMetrics
-    from worker.metrics import WorkerMetrics
+    from worker.metrics import GpuMemory, WorkerMetrics
     from worker.scheduler import ServingMetrics
 
     cm = CoordinatorMetrics()
@@ -202,6 +202,8 @@ def metric_rows() -> list[dict[str, str]]:
     cm.watch_workers(lambda: {"live": 0})
     wm = WorkerMetrics()
     ServingMetrics.of(wm.registry)
+    # a worker on CUDA has these too (none on CPU, where this runs): listed from a stand-in device
+    wm.watch_gpu("cuda:0", 0, read=lambda _: GpuMemory(0, 0, 0, 0))
     rows = []
     for service, registry in (("coordinator", cm.registry), ("worker", wm.registry),
                               ("gateway", GatewayMetrics().registry)):

@@ -155,6 +155,22 @@ class ResumeReply(_Msg, tag="worker.resumed", kw_only=True):
     resume_grace_ms: NonNeg = 0
 
 
+#: Most fallback reasons one heartbeat may report (the worker has a handful).
+MAX_FALLBACK_REASONS = 32
+
+
+class CacheCounters(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A worker process's prefix-cache counters since it started, in prompt tokens: the values
+    of its ``kvl_worker_prefix_cache_{queries,hits,validated_hits}_total`` and
+    ``kvl_worker_fallbacks_total{reason}`` (requests). Only the worker knows them (validation
+    and fallbacks happen there); heartbeats carry them to the coordinator's status page."""
+
+    queried: NonNeg = 0
+    hits: NonNeg = 0
+    validated: NonNeg = 0
+    fallbacks: Annotated[dict[Name, NonNeg], msgspec.Meta(max_length=MAX_FALLBACK_REASONS)] = {}
+
+
 class Heartbeat(_Msg, tag="worker.heartbeat", kw_only=True):
     worker_id: Name
     epoch: Pos
@@ -164,6 +180,9 @@ class Heartbeat(_Msg, tag="worker.heartbeat", kw_only=True):
     #: gateways with route answers (their load signal across gateways), never logged.
     running: NonNeg = 0
     queued: NonNeg = 0
+    #: Its prefix-cache counters (soft state like the load: kept in memory for the status
+    #: page, never logged); None from a worker that does not send them.
+    cache: CacheCounters | None = None
 
 
 class HeartbeatReply(_Msg, tag="worker.heartbeat.ok", kw_only=True):

@@ -169,6 +169,7 @@ class Engine:
                            cfg.cache.offload_dir if self.cache_enabled else None, host_pins=self._host_pins,
                            writer=self.worker_id, segment_bytes=cfg.cache.offload_segment_bytes)
         self.metrics.disk_skipped.set_function(lambda: self.tiers.disk_index_skipped)
+        self.metrics.watch_gpu(str(self.device), self.store.pools.nbytes() if self.store is not None else 0)
         for form, n in self.slots.items():
             self.metrics.pool_slots.labels(form=form).set(n)
             self.metrics.pool_used.labels(form=form).set(0)
@@ -574,7 +575,7 @@ class Engine:
             running, queued = self.load_probe()
             reply = await self.call("heartbeat", self.client.heartbeat(Heartbeat(
                 worker_id=self.worker_id, epoch=self.epoch, ready=self.store.ready_counts(),
-                running=running, queued=queued)))
+                running=running, queued=queued, cache=self.metrics.cache_counters())))
         except (CoordinatorUnavailable, CoordinatorRefused):
             return
         self.publisher.ack(self.epoch, reply.committed_seq)

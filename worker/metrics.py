@@ -6,11 +6,23 @@ coordinator offered (a hash hit), ``validated_hits`` the tokens actually reused 
 validation. The gap between the last two is explained, by layer and form, in
 ``hit_invalid_total``, and every request that recomputed more than it had to says why in
 ``fallbacks_total`` — a miss is never silent.
+
+On a CUDA device the worker also reports the device's memory (``kvl_worker_gpu_*``, read at
+scrape time by :class:`GpuCollector`); on CPU those series are absent, not zero.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from shared.messages import MAX_FALLBACK_REASONS, CacheCounters
 
 _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _SLOW = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -88,6 +100,28 @@ class WorkerMetrics:
         self.step_tokens.observe(tokens)
         self.step_seconds.observe(seconds)
 
+    def watch_gpu(self, device: str, pool_bytes: int,
+                  read: Callable[[str], GpuMemory] | None = None) -> bool:
+        """Register the GPU memory gauges if ``device`` is a CUDA device (``cuda``, ``cuda:N``);
+        on any other device register nothing, so the series are absent rather than zero.
+        ``pool_bytes``: the cache pools' storage on it (static: allocated once). ``read``
+        replaces :func:`read_cuda` (tests and the metrics reference, where there is no GPU)."""
+        if device.split(":", 1)[0] != "cuda":
+            return False
+        self.registry.register(GpuCollector(device, pool_bytes, read or read_cuda))
+        return True
+
+    def cache_counters(self) -> CacheCounters:
+        """This process's prefix-cache counters, for its heartbeats (the coordinator's status page)."""
+        fallbacks = {}
+        for s in _samples(self.fallbacks):
+            reason = s.labels["reason"]
+            # NOTE: a value the coordinator would refuse must not cost the whole heartbeat.
+            if _REASON.fullmatch(reason) and len(fallbacks) < MAX_FALLBACK_REASONS:
+                fallbacks[reason] = int(s.value)
+        return CacheCounters(queried=_total(self.queries), hits=_total(self.hits),
+                             validated=_total(self.validated_hits), fallbacks=fallbacks)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -95,3 +129,84 @@ class WorkerMetrics:
         """A sample's current value (0 if absent): for tests and the benchmark."""
         v = self.registry.get_sample_value(name, labels or {})
         return 0.0 if v is None else float(v)
+
+
+_REASON = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
+
+
+def _samples(counter: Counter) -> Iterator[Any]:
+    """The ``_total`` samples of a counter (one per label set): its own, not the registry's."""
+    for family in counter.collect():
+        yield from (s for s in family.samples if s.name.endswith("_total"))
+
+
+def _total(counter: Counter) -> int:
+    return int(sum(s.value for s in _samples(counter)))
+
+
+# --- GPU memory (CUDA only) ------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class GpuMemory:
+    """One CUDA device's memory, in bytes, as torch sees it at one moment."""
+
+    #: ``torch.cuda.memory_allocated``: bytes of live tensors of this process (pools included).
+    allocated: int
+    #: ``torch.cuda.memory_reserved``: what torch's caching allocator holds (allocated + cached).
+    reserved: int
+    #: ``get_device_properties(d).total_memory``.
+    total: int
+    #: ``torch.cuda.mem_get_info(d)[0]``: free as the driver sees it (other processes count).
+    free: int
+
+
+def read_cuda(device: str) -> GpuMemory:
+    """The CUDA calls, nothing else (the arithmetic is :func:`gpu_families`)."""
+    import torch  # here, not at the top: this module is also read by tools that never touch a GPU
+
+    d = torch.device(device)
+    return GpuMemory(allocated=torch.cuda.memory_allocated(d), reserved=torch.cuda.memory_reserved(d),
+                     total=torch.cuda.get_device_properties(d).total_memory, free=torch.cuda.mem_get_info(d)[0])
+
+
+def gpu_families(device: str, mem: GpuMemory, pool_bytes: int) -> list[GaugeMetricFamily]:
+    """The ``kvl_worker_gpu_*`` families for one device: memory as read, the pools' bytes, and
+    their share of what this process allocated and of the device (0 where a divisor is 0)."""
+    p = "kvl_worker_gpu_"
+    rows = [
+        ("memory_allocated_bytes", "Bytes of this worker's live tensors on its CUDA device, pools included "
+         "(torch.cuda.memory_allocated)", mem.allocated),
+        ("memory_reserved_bytes", "Bytes torch's caching allocator holds on the CUDA device: allocated + cached "
+         "(torch.cuda.memory_reserved)", mem.reserved),
+        ("memory_total_bytes", "The CUDA device's memory (torch.cuda.get_device_properties)", mem.total),
+        ("memory_free_bytes", "Free memory of the CUDA device as the driver reports it, other processes "
+         "included (torch.cuda.mem_get_info)", mem.free),
+        ("pool_bytes", "Bytes of the cache pools' storage on the CUDA device (allocated once, at start)", pool_bytes),
+        ("pool_share_of_allocated", "Cache pools' bytes / memory_allocated: the cache's part of this worker's "
+         "tensors on the CUDA device (the rest: weights, activations)",
+         pool_bytes / mem.allocated if mem.allocated else 0.0),
+        ("pool_share_of_device", "Cache pools' bytes / the CUDA device's memory",
+         pool_bytes / mem.total if mem.total else 0.0),
+    ]
+    out = []
+    for name, doc, value in rows:
+        g = GaugeMetricFamily(p + name, doc, labels=["device"])
+        g.add_metric([device], value)
+        out.append(g)
+    return out
+
+
+class GpuCollector(Collector):
+    """Reads the device at scrape time (a gauge set on a timer would be stale or cost a thread)."""
+
+    def __init__(self, device: str, pool_bytes: int, read: Callable[[str], GpuMemory]) -> None:
+        self.device = device
+        self.pool_bytes = pool_bytes
+        self.read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield from gpu_families(self.device, self.read(self.device), self.pool_bytes)
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        # the names, without touching the device at registration
+        yield from gpu_families(self.device, GpuMemory(0, 0, 0, 0), 0)

@@ -215,7 +215,7 @@ def test_the_standby_coordinator_shares_the_log_and_nats_on_its_own_port(compose
 
 def test_prometheus_scrapes_both_and_alerts_use_real_metrics(compose: dict[str, Any]) -> None:
     from coordinator.metrics import CoordinatorMetrics
-    from worker.metrics import WorkerMetrics
+    from worker.metrics import GpuMemory, WorkerMetrics
     from worker.scheduler import ServingMetrics
 
     prom = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
@@ -231,6 +231,7 @@ def test_prometheus_scrapes_both_and_alerts_use_real_metrics(compose: dict[str, 
     cm.watch_workers(lambda: {"live": 1})
     wm = WorkerMetrics()
     ServingMetrics.of(wm.registry)
+    wm.watch_gpu("cuda:0", 0, read=lambda _: GpuMemory(0, 0, 0, 0))  # a CUDA worker's (absent on CPU)
     for registry in (cm.registry, wm.registry):
         for fam in registry.collect():
             known.add(fam.name)

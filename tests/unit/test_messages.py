@@ -5,7 +5,7 @@ import pytest
 
 from shared.forms import FormCatalogue, FormScope, FormSpec
 from shared.messages import (
-    MESSAGE_TYPES, CommitWatermark, Control, ControlAck, ErrorCode, ErrorReply, Heartbeat, HeartbeatReply,
+    MESSAGE_TYPES, CacheCounters, CommitWatermark, Control, ControlAck, ErrorCode, ErrorReply, Heartbeat, HeartbeatReply,
     DiskBlock, DiskGc, DiskGcReply, InventoryItem, InventoryReply, InventoryRequest, LeaseAcquire, LeaseGrant, LeaseRelease, LeaseReleased,
     LeaseRenew, LeaseRenewed, MessageError, RegisterReply, ReplicaRef, ReplicaState, TransitionEvent,
     WorkerRegister, WorkerResume, ResumeReply, RouteCandidate, RouteQuery, RouteReply, decode, encode,
@@ -24,7 +24,8 @@ SAMPLES = [
     WorkerResume(worker_id="w1", epoch=2, namespace=H, catalogue=CAT, pool_slots={"swa": 10}, emitted_seq=4,
                  held=bytes(range(16))),
     ResumeReply(worker_id="w1", epoch=2, kept=1, drop=bytes(range(8)), committed_seq=4, resume_grace_ms=60000),
-    Heartbeat(worker_id="w1", epoch=2, ready={"swa": 1}),
+    Heartbeat(worker_id="w1", epoch=2, ready={"swa": 1}, running=1,
+              cache=CacheCounters(queried=96, hits=64, validated=48, fallbacks={"validation": 1})),
     HeartbeatReply(committed_seq=7),
     LeaseAcquire(worker_id="w1", epoch=2, namespace=H, tenant="t", block_hashes=[H, H], write_forms=["swa"]),
     LeaseGrant(lease_id="l1", expires_at_ms=5, usable_blocks=1, read=[REF], write={"swa": [1]}, evict=[REF],
@@ -80,6 +81,12 @@ def test_transition_source_id() -> None:
     (b'{"type":"lease.release","v":1,"worker_id":"w","epoch":1,"lease_id":"l","extra":1}', "unknown field `extra`"),
     (b'{"type":"transition","v":1,"worker_id":"w","epoch":1,"seq":1,"namespace":"' + H.encode()
      + b'","block_hash":"' + H.encode() + b'","parent_hash":"' + H.encode() + b'","to_state":"GONE"}', "to_state"),
+    # a heartbeat's cache counters: names, counts and the number of reasons are bounded
+    (b'{"type":"worker.heartbeat","v":1,"worker_id":"w","epoch":1,"cache":{"queried":-1}}', "cache.queried"),
+    (b'{"type":"worker.heartbeat","v":1,"worker_id":"w","epoch":1,"cache":{"fallbacks":{"<b>":1}}}',
+     "cache.fallbacks"),
+    (b'{"type":"worker.heartbeat","v":1,"worker_id":"w","epoch":1,"cache":{"fallbacks":{'
+     + b",".join(b'"r%d":1' % i for i in range(33)) + b'}}}', "cache.fallbacks"),
 ])
 def test_bad_messages_rejected_with_clear_error(data: bytes, needle: str) -> None:
     with pytest.raises(MessageError, match=needle.replace("(", r"\(").replace("[", r"\[")):

@@ -129,3 +129,7 @@ class PoolSet:
 
     def usage(self) -> dict[str, tuple[int, int]]:
         return {n: (p.used, p.slots) for n, p in self.pools.items()}
+
+    def nbytes(self) -> int:
+        """Bytes of every pool's storage (fixed at allocation: slots are recycled, storage never is)."""
+        return sum(p.storage.nbytes for p in self.pools.values())
