@@ -20,9 +20,11 @@ from typing import Any
 from aiohttp import web
 
 from coordinator.admin import ADMIN, LOGGER, AdminContext, add_routes, auth_middleware, error_middleware
+from coordinator.log.leader import make_holder_id
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.nats_service import StartupError
 from coordinator.runtime import Coordinator
+from shared import tracing
 from shared.event_loop import loop_factory
 from shared.config import Config, ConfigError
 from shared.embedded import EmbeddedServiceError, Services, start_services
@@ -111,7 +113,9 @@ def admin_site(runner: web.AppRunner, config: Config, host: str, port: int) -> w
 async def serve(config: Config, *, host: str | None = None, port: int | None = None) -> int:
     """Run until SIGTERM/SIGINT (exit 0) or until the coordinator cannot continue (exit 1)."""
     log = get_logger("coordinator")
-    app = create_app(config, logger=log, owns_process=True)
+    holder = make_holder_id()
+    tracing.setup(config.tracing, "coordinator", instance=holder)
+    app = create_app(config, logger=log, owns_process=True, holder=holder)
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -151,6 +155,7 @@ async def serve(config: Config, *, host: str | None = None, port: int | None = N
         code = 1
     log.info("coordinator_stopping", reason="fatal error" if code else "signal")
     await runner.cleanup()
+    tracing.shutdown()      # the last spans flushed
     return code
 
 

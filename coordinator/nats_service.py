@@ -16,6 +16,9 @@ decided joins the next one, which is decided in arrival order, submitted to the 
 as one, and answered once durable; the next batch's decisions need not wait for that commit
 (that is what group commit batches). Heartbeats are the exception: they append nothing and
 wait for nothing, so they are answered inline, never queued behind decisions or commits.
+
+A request whose NATS headers carry a ``traceparent`` (tracing on, ``shared.tracing``) gets its
+spans from :mod:`coordinator.request_trace`; an untraced one costs a header lookup at most.
 """
 
 from __future__ import annotations
@@ -42,11 +45,13 @@ from coordinator.core import (
 )
 from coordinator.ledger import Ledger, Unavailable
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.request_trace import BatchSpans
 from shared.messages import (
     CommitWatermark, Control, DiskGc, ErrorCode, ErrorReply, Heartbeat, InventoryReply, InventoryRequest, LeaseAcquire, LeaseRelease,
-    LeaseRenew, MessageError, ResumeReply, RouteQuery, TransitionEvent, WorkerRegister, WorkerResume, decode, encode,
-    now_ms,
+    LeaseRenew, MessageError, ResumeReply, RouteQuery, RouteReply, TransitionEvent, WorkerRegister, WorkerResume, decode,
+    encode, now_ms,
 )
+from shared import tracing
 from shared.hashing import REPLICA_DIGEST_BYTES
 from shared.subjects import COORDINATOR_QUEUE, Subjects
 
@@ -183,27 +188,31 @@ class NatsService:
         """A gateway's route query: decoded, checked against the subject's gateway id, answered
         from the live state (``Ledger.route``) — nothing decided, nothing appended."""
         t0 = time.perf_counter()
-        try:
-            req = decode(msg.data, expect=RouteQuery)
-        except Exception as e:  # noqa: BLE001 - whatever the bytes do to the decoder, INVALID
-            kind = error_kind(e) if isinstance(e, MessageError) else "undecodable"
-            self.metrics.malformed.labels(kind="route").inc()
-            self.log.warning("malformed_request", op="route", size=len(msg.data), error_kind=kind)
-            text = str(e) if isinstance(e, MessageError) else f"undecodable message ({type(e).__name__})"
-            reply: Any = ErrorReply(code=ErrorCode.INVALID, message=text[:1000])
-        else:
-            sender = self.subjects.route_gateway(msg.subject)
-            if sender != req.gateway_id:
-                self.metrics.forbidden.labels(op="route").inc()
-                reply = ErrorReply(code=ErrorCode.FORBIDDEN,
-                                   message=f"a route query for gateway {req.gateway_id} must arrive on "
-                                           f"{self.subjects.route(req.gateway_id)}, not on {msg.subject}")
+        with tracing.remote_span("coordinator.route", msg.headers) as span:   # a no-op unless the query is traced
+            try:
+                req = decode(msg.data, expect=RouteQuery)
+            except Exception as e:  # noqa: BLE001 - whatever the bytes do to the decoder, INVALID
+                kind = error_kind(e) if isinstance(e, MessageError) else "undecodable"
+                self.metrics.malformed.labels(kind="route").inc()
+                self.log.warning("malformed_request", op="route", size=len(msg.data), error_kind=kind)
+                text = str(e) if isinstance(e, MessageError) else f"undecodable message ({type(e).__name__})"
+                reply: Any = ErrorReply(code=ErrorCode.INVALID, message=text[:1000])
             else:
-                try:
-                    reply = self.ledger.route(req)
-                except Unavailable as e:
-                    reply = ErrorReply(code=e.code, message=str(e)[:1000], retry_after_ms=e.retry_after_ms)
-        await self._answer(_ROUTE, msg, t0, reply)
+                sender = self.subjects.route_gateway(msg.subject)
+                if sender != req.gateway_id:
+                    self.metrics.forbidden.labels(op="route").inc()
+                    reply = ErrorReply(code=ErrorCode.FORBIDDEN,
+                                       message=f"a route query for gateway {req.gateway_id} must arrive on "
+                                               f"{self.subjects.route(req.gateway_id)}, not on {msg.subject}")
+                else:
+                    try:
+                        reply = self.ledger.route(req)
+                    except Unavailable as e:
+                        reply = ErrorReply(code=e.code, message=str(e)[:1000], retry_after_ms=e.retry_after_ms)
+                span.set_attributes({"kvl.gateway_id": req.gateway_id, "kvl.blocks": len(req.block_hashes)})
+            span.set_attributes({"kvl.outcome": reply.code.value if isinstance(reply, ErrorReply) else "ok",
+                                 "kvl.candidates": len(reply.workers) if isinstance(reply, RouteReply) else 0})
+            await self._answer(_ROUTE, msg, t0, reply)
 
     def _request(self, op: _Op, msg: Msg) -> Any:
         """The decoded request, or the ErrorReply for a malformed one or one that speaks for
@@ -265,6 +274,7 @@ class NatsService:
         """
         self._batch = None
         batch, self._queued = self._queued, []
+        traced = BatchSpans.of(batch)    # None unless tracing is on and a request carries a traceparent
         try:
             replies: list[Any] = [None] * len(batch)
             reqs: list[Any] = [None] * len(batch)
@@ -279,7 +289,8 @@ class NatsService:
                     replies[i] = req
                 else:
                     todo.append(i)
-                    decisions.append(self._decision(op, req))
+                    decisions.append(self._decision(op, req) if traced is None
+                                     else traced.timed(i, self._decision(op, req)))
             if decisions:
                 try:
                     results: list[Any] = await self.ledger.execute_all(decisions)
@@ -289,13 +300,19 @@ class NatsService:
                     self.log.error("requests_failed", requests=len(decisions), error_type=type(e).__name__,
                                    exc_info=True)
                     results = [Unavailable("internal error; retry")] * len(decisions)
+                if traced is not None:
+                    traced.committed(todo)
                 for i, r in zip(todo, results):
                     replies[i] = self._reply_of(batch[i][0], r)
-            for (op, msg, t0), req, reply in zip(batch, reqs, replies):
+            for i, ((op, msg, t0), req, reply) in enumerate(zip(batch, reqs, replies)):
                 if isinstance(req, WorkerResume):
                     self._resume_answered(req, reply)
                 await self._answer(op, msg, t0, reply)
+                if traced is not None:
+                    traced.answered(i, req, reply)
         finally:
+            if traced is not None:
+                traced.close()
             for _ in batch:
                 self._slots.release()
 

@@ -16,7 +16,7 @@ import sys
 from aiohttp import web
 
 from gateway.app import Gateway, create_app
-from shared import nats_auth
+from shared import nats_auth, tracing
 from shared.config import ConfigError, load_config
 from shared.event_loop import loop_factory
 from shared.logging import configure_logging, get_logger
@@ -52,6 +52,7 @@ async def serve(cfg) -> int:
     except Exception as e:  # noqa: BLE001 - NATS unreachable at start
         print(f"kvledger gateway: cannot reach NATS: {e}", file=sys.stderr)
         return 2
+    tracing.setup(cfg.tracing, "gateway", instance=cfg.gateway.gateway_id)   # before the app: its middleware
     runner = web.AppRunner(create_app(gw), handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
@@ -72,6 +73,7 @@ async def serve(cfg) -> int:
     await stop.wait()
     await runner.cleanup()
     await gw.stop()
+    tracing.shutdown()      # the last spans flushed
     return 0
 
 

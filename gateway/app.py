@@ -39,6 +39,7 @@ from gateway.limits import Admitted, Refused, TenantLimits
 from gateway.prompt import prompt_tokens
 from gateway.routing import Choice, Worker, choose
 from shared import messages as m
+from shared import tracing
 from shared.config import Config
 from shared.hashing import chain_hashes
 from shared.images import ImageLimits, PromptImage, image_block_keys
@@ -59,6 +60,8 @@ RETRY_STATUSES = frozenset({429, 502, 503, 504})
 #: ``Authorization`` only when no gateway secret signs the tenant instead).
 FORWARDED = ("Content-Type", "Accept", "X-Request-Id")
 MAX_BODY = 32 * 2**20
+#: Routes traced when tracing is on (the ones routed by cache).
+TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 #: How much of a stream's end is kept to read its usage chunk (realised cached tokens, refunds).
 STREAM_TAIL = 16 * 1024
 
@@ -143,7 +146,8 @@ class Gateway:
 
     async def _ask(self, query: m.RouteQuery, timeout_s: float) -> m.RouteReply | None:
         try:
-            msg = await self._nc.request(self.subjects.route(self.g.gateway_id), m.encode(query), timeout=timeout_s)
+            msg = await self._nc.request(self.subjects.route(self.g.gateway_id), m.encode(query), timeout=timeout_s,
+                                         headers=tracing.headers())
             reply = m.decode(msg.data)
         except Exception as e:  # noqa: BLE001 - timeout, no responders, disconnected: route without a hint
             log.debug("route_query_failed", error=type(e).__name__)
@@ -285,28 +289,36 @@ class Gateway:
             tenant = self.tenants.authenticate(request.headers.get("Authorization"))
         except AuthError as e:
             return self._count(path, _error(401, str(e), "authentication_error", "invalid_api_key"))
+        tracing.current().set_attribute("kvl.tenant", tenant.id)
         t0 = time.perf_counter()
-        try:
-            doc = json.loads(body)
-        except ValueError:
-            doc = None
-        args = (path, doc, self.tokenizer, self.template, self.images, self.image_limits)
-        # NOTE: images are decoded and resized to hash them: CPU work, off the event loop
-        prompt = (await asyncio.to_thread(prompt_tokens, *args) if self.images is not None and b'"image_url"' in body
-                  else prompt_tokens(*args))
-        tokens = prompt.tokens if prompt is not None else None
-        admitted = self.limits.admit(tenant, len(tokens or ()) + _max_tokens(doc), time.monotonic())
-        if isinstance(admitted, Refused):
-            self.metrics.limited.labels(tenant=tenant.id, code=admitted.code).inc()
-            headers = {"Retry-After": str(admitted.retry_after_s)} if admitted.retry_after_s else None
-            return self._count(path, _error(admitted.status, admitted.message, "rate_limit_error"
-                                            if admitted.status == 429 else "invalid_request_error", admitted.code,
-                                            headers))
-        choices, _ = await self.route(tokens, tenant.id, prompt.images if prompt is not None else ())
-        self.metrics.route_seconds.observe(time.perf_counter() - t0)
-        if choices:
-            self.metrics.decisions.labels(reason=choices[0].reason if tokens else "no_hint").inc()
-            self.metrics.expected.inc(choices[0].cached_tokens)
+        with tracing.span("gateway.route") as span:     # tokenize + hash + route query (+ the rate limits)
+            try:
+                doc = json.loads(body)
+            except ValueError:
+                doc = None
+            args = (path, doc, self.tokenizer, self.template, self.images, self.image_limits)
+            # NOTE: images are decoded and resized to hash them: CPU work, off the event loop
+            prompt = (await asyncio.to_thread(prompt_tokens, *args)
+                      if self.images is not None and b'"image_url"' in body else prompt_tokens(*args))
+            tokens = prompt.tokens if prompt is not None else None
+            admitted = self.limits.admit(tenant, len(tokens or ()) + _max_tokens(doc), time.monotonic())
+            if isinstance(admitted, Refused):
+                span.set_attribute("kvl.rate_limited", admitted.code)
+                self.metrics.limited.labels(tenant=tenant.id, code=admitted.code).inc()
+                headers = {"Retry-After": str(admitted.retry_after_s)} if admitted.retry_after_s else None
+                return self._count(path, _error(admitted.status, admitted.message, "rate_limit_error"
+                                                if admitted.status == 429 else "invalid_request_error", admitted.code,
+                                                headers))
+            choices, _ = await self.route(tokens, tenant.id, prompt.images if prompt is not None else ())
+            self.metrics.route_seconds.observe(time.perf_counter() - t0)
+            if choices:
+                self.metrics.decisions.labels(reason=choices[0].reason if tokens else "no_hint").inc()
+                self.metrics.expected.inc(choices[0].cached_tokens)
+            if span.is_recording():
+                span.set_attributes({"kvl.prompt_tokens": len(tokens or ()), "kvl.candidates": len(choices),
+                                     **({"kvl.worker_id": choices[0].worker.worker_id,
+                                         "kvl.route_reason": choices[0].reason if tokens else "no_hint",
+                                         "kvl.expected_cached_tokens": choices[0].cached_tokens} if choices else {})})
         return await self._forward(request, "POST", body, choices, path, tenant, admitted)
 
     def _count(self, path: str, resp: web.StreamResponse) -> web.StreamResponse:
@@ -337,17 +349,20 @@ class Gateway:
             self.in_flight[w.worker_id] = self.in_flight.get(w.worker_id, 0) + 1
             self.metrics.in_flight.labels(worker=w.worker_id).set(self.in_flight[w.worker_id])
             try:
-                async with self._http.request(method, w.endpoint + request.path_qs, data=body or None,
-                                              headers=headers, timeout=timeout) as resp:
-                    if resp.status in RETRY_STATUSES and more:
-                        self.metrics.failovers.labels(why=f"http {resp.status}").inc()
-                        if resp.status != 429:
-                            self.down[w.worker_id] = time.monotonic() + self.g.worker_down_ms / 1000
-                        continue
-                    # A stream's first bytes are awaited before anything goes to the client: a worker
-                    # that dies between its headers and its first event still fails over.
-                    first = await resp.content.readany() if _is_stream(resp) else b""
-                    return await self._relay(request, resp, choice, first)
+                with tracing.span("gateway.forward", {"kvl.worker_id": w.worker_id, "kvl.attempt": i},
+                                  kind=tracing.CLIENT) as span:   # one per worker tried; its worker.request below
+                    async with self._http.request(method, w.endpoint + request.path_qs, data=body or None,
+                                                  headers=tracing.headers(headers), timeout=timeout) as resp:
+                        span.set_attribute("http.response.status_code", resp.status)
+                        if resp.status in RETRY_STATUSES and more:
+                            self.metrics.failovers.labels(why=f"http {resp.status}").inc()
+                            if resp.status != 429:
+                                self.down[w.worker_id] = time.monotonic() + self.g.worker_down_ms / 1000
+                            continue
+                        # A stream's first bytes are awaited before anything goes to the client: a worker
+                        # that dies between its headers and its first event still fails over.
+                        first = await resp.content.readany() if _is_stream(resp) else b""
+                        return await self._relay(request, resp, choice, first)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 # NOTE: only failures before anything reached the client land here (_relay
                 # raises no ClientError once it has prepared the response).
@@ -437,7 +452,10 @@ def _stream_usage(tail: bytes) -> Any:
 
 
 def create_app(gw: Gateway) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY)
+    # gateway.request: a generation request's span (the root of its trace, or a child of the client's traceparent)
+    traced = ([tracing.http_middleware("gateway.request", TRACED_PATHS, lambda _: {"kvl.gateway_id": gw.g.gateway_id})]
+              if tracing.enabled() else [])
+    app = web.Application(client_max_size=MAX_BODY, middlewares=traced)
     app.router.add_get("/healthz", gw.healthz)
     app.router.add_get("/health", gw.healthz)
     app.router.add_get("/readyz", gw.readyz)

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from shared.logging import mask_credentials
 from shared.nats_auth import AuthConfigError, Identity
 
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
@@ -269,6 +270,28 @@ class LoggingConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
 
 
+class TracingConfig(_Section):
+    """Request tracing (``shared.tracing``): one OpenTelemetry trace per request, exported over OTLP/HTTP."""
+    #: Trace requests across gateway, worker and coordinator (W3C ``traceparent`` in HTTP and NATS
+    #: headers) and export the spans. Off: no tracer is created, no span is made, nothing is sent.
+    enabled: bool = False
+    #: Where spans go: an OTLP/HTTP (protobuf) traces endpoint — an OpenTelemetry Collector, Jaeger
+    #: or Tempo. Headers (an API token) and a CA come from ``OTEL_EXPORTER_OTLP_TRACES_HEADERS`` /
+    #: ``OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE`` in the environment.
+    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    #: Each process reports itself as ``<service_name>-gateway``, ``-worker`` or ``-coordinator``.
+    service_name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")] = "kvledger"
+    #: Fraction of new traces recorded (by trace id). Parent-based: a request arriving with a
+    #: ``traceparent`` follows its caller's decision, so a trace is whole or absent.
+    sample_ratio: Fraction = 1.0
+    #: Time one export request may take; a slower collector loses that batch, never a request's time.
+    export_timeout_ms: PosInt = 10000
+    #: How often finished spans are sent (in batches, from a background thread).
+    schedule_delay_ms: PosInt = 2000
+    #: Finished spans kept for export; past it new ones are dropped (the collector is down or slow).
+    max_queue_size: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 8192
+
+
 class TlsConfig(_Section):
     """Optional TLS. Empty files = plain HTTP and the drivers' own URL-driven behaviour."""
     #: PEM server certificate (chain) of this process: the worker HTTP API and the coordinator's admin
@@ -316,6 +339,7 @@ class Config(_Section):
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
     #: Where embedded services and local state live.
     state_dir: str = ".kvl-state"
@@ -397,7 +421,7 @@ def apply_env(doc: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
         except yaml.YAMLError as e:
             raise ConfigError(f"{name}: value is not a YAML scalar: {e}") from e
         if name.endswith("URL") or path[-1] in ("url", "admin_token", "salt_secret", "offload_dir", "state_dir", "user",
-                                                 "password", "password_file"):
+                                                 "password", "password_file", "otlp_endpoint"):
             value = raw  # never reinterpret strings such as URLs or secrets
         _set_path(doc, path, value, name)
     return doc
@@ -457,6 +481,10 @@ def _cross_check(cfg: Config) -> None:
         raise ConfigError("config key database.url: expected a postgresql:// or postgresql+asyncpg:// URL")
     if cfg.nats.url and not cfg.nats.url.startswith(("nats://", "tls://", "ws://", "wss://")):
         raise ConfigError("config key nats.url: expected a nats:// URL")
+    if cfg.tracing.enabled and not re.match(r"^https?://[^/\s]+", cfg.tracing.otlp_endpoint):
+        raise ConfigError(f"config key tracing.otlp_endpoint: {mask_credentials(cfg.tracing.otlp_endpoint)!r} is not "
+                          "an http:// or https:// URL (an OTLP/HTTP traces endpoint, e.g. "
+                          "http://127.0.0.1:4318/v1/traces)")
     if cfg.nats.user:
         try:
             ident = Identity.parse(cfg.nats.user)

@@ -3,6 +3,7 @@
 The redaction processor removes prompt text, token ids and cache contents from every event
 before it is rendered, whatever a caller passed: keys that name such content are replaced
 by ``"<redacted>"`` and any string longer than ``MAX_FIELD_CHARS`` is cut to its length.
+With tracing on, a line logged inside a recorded span carries its ``trace_id`` and ``span_id``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
+
+from shared.tracing import log_trace_ids
 
 #: Keys whose values are content, never to be logged.
 REDACTED_KEYS = frozenset({
@@ -64,6 +67,7 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream: Any = None
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            log_trace_ids,      # trace_id / span_id while a traced request's span is current
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             redact_content,

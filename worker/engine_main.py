@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from shared import nats_auth
+from shared import nats_auth, tracing
 from shared.config import Config, ConfigError, load_config
 from shared.logging import configure_logging, get_logger, mask_credentials
 from shared.manifest import ManifestError
@@ -151,12 +151,15 @@ class DebugService:
             tenant = self.tenants.authenticate(f"Bearer {key}" if key else None)
         except AuthError as e:
             return {"error": f"unauthorized: {e}"}
-        r = await self.engine.generate(
-            [int(t) for t in req["tokens"]], tenant=tenant.id,
-            max_tokens=int(req.get("max_tokens", 16)), reuse=bool(req.get("reuse", True)),
-            sampling=SamplingParams(temperature=float(req.get("temperature", 0.0)), top_k=int(req.get("top_k", 0)),
-                                    seed=req.get("seed")),
-            return_logits=bool(req.get("return_logits", True)))
+        # one trace per request here too: the session's spans need a request span to hang under
+        with tracing.span("worker.request", {"kvl.worker_id": self.engine.worker_id, "kvl.tenant": tenant.id,
+                                             "kvl.debug_subject": True}, kind=tracing.SERVER):
+            r = await self.engine.generate(
+                [int(t) for t in req["tokens"]], tenant=tenant.id,
+                max_tokens=int(req.get("max_tokens", 16)), reuse=bool(req.get("reuse", True)),
+                sampling=SamplingParams(temperature=float(req.get("temperature", 0.0)),
+                                        top_k=int(req.get("top_k", 0)), seed=req.get("seed")),
+                return_logits=bool(req.get("return_logits", True)))
         out = {k: getattr(r, k) for k in ("tokens", "prompt_tokens", "cached_tokens", "hit_tokens", "validated",
                                           "invalid", "fallbacks", "reloaded", "degraded", "epoch", "ttft_s")}
         out.update(encode_logits(r.logits))
@@ -213,6 +216,7 @@ async def serve(cfg: Config) -> int:
               "only on its own subjects)", file=sys.stderr)
         return 2
     client.name = f"kvl-worker-{engine.worker_id}"
+    tracing.setup(cfg.tracing, "worker", instance=engine.worker_id)     # before the app: its middleware
     debug = DebugService(engine, cfg.nats.url, subjects, TenantDirectory.from_config(cfg.auth),
                          client_context(cfg.tls), auth) if cfg.worker.debug_subjects else None
     stop = asyncio.Event()
@@ -248,6 +252,7 @@ async def serve(cfg: Config) -> int:
     if debug is not None:
         await debug.stop()
     await engine.stop()
+    tracing.shutdown()      # the last spans flushed
     return 0
 
 

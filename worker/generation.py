@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shared import tracing
+
 if TYPE_CHECKING:
     from worker.session import Session
 
@@ -180,20 +182,22 @@ async def generate(s: Session, sampling: SamplingParams, *, max_tokens: int,
     out: list[int] = []
     kept: list[torch.Tensor] = []
     first_at = 0.0
-    while True:
-        if keep_logits:
-            kept.append(logits.detach().cpu().clone())
-        tok = sampler.pick(logits)
-        out.append(tok)
-        first_at = first_at or time.perf_counter()
-        stopped = on_token(tok, sampler.last) if on_token is not None else False
-        if tok in stop_token_ids or stopped or sampler.finished:
-            finish = "stop"
-            break
-        if len(out) >= max_tokens:
-            finish = "length"
-            break
-        logits = await s.decode(tok)
+    with tracing.span("worker.decode") as sp:     # sampling and decode steps, first token to last
+        while True:
+            if keep_logits:
+                kept.append(logits.detach().cpu().clone())
+            tok = sampler.pick(logits)
+            out.append(tok)
+            first_at = first_at or time.perf_counter()
+            stopped = on_token(tok, sampler.last) if on_token is not None else False
+            if tok in stop_token_ids or stopped or sampler.finished:
+                finish = "stop"
+                break
+            if len(out) >= max_tokens:
+                finish = "length"
+                break
+            logits = await s.decode(tok)
+        sp.set_attributes({"kvl.completion_tokens": len(out), "kvl.finish_reason": finish})
     return Generated(out, finish, torch.stack(kept) if kept else None, first_at)
 
 

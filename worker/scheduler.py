@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from shared import tracing
 from shared.config import ServiceConfig
 from shared.images import PromptImage
 from shared.logging import get_logger
@@ -423,7 +424,9 @@ class Scheduler:
         try:
             try:
                 async with timeout:
-                    await self._wait_admitted(job)
+                    with tracing.span("worker.admission", {"kvl.priority": job.req.priority,
+                                                           "kvl.queue_depth": len(self._waiting)}):
+                        await self._wait_admitted(job)
                     job.outcome = await self._generate(job)
                 reason = job.outcome.finish_reason
                 job._events.put_nowait(_END)
@@ -512,6 +515,11 @@ class Scheduler:
             job.cached_tokens = s.cached_tokens
             job.fallbacks = list(s.fallbacks)
             job.degraded = s.degraded
+            if (span := tracing.current()).is_recording():     # the request's span (worker.request)
+                span.set_attributes({"kvl.prompt_tokens": len(req.tokens), "kvl.cached_tokens": s.cached_tokens,
+                                     "kvl.hit_tokens": s.hit_blocks * s.bs, "kvl.epoch": s.epoch,
+                                     "kvl.fallbacks": s.fallbacks, "kvl.degraded": s.degraded,
+                                     "kvl.forked": job.forked})
             self._apply_quota(s, req.tenant)
             s.order = (req.priority, job.seq)
             ttft = 0.0

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shared import tracing
 from shared.forms import FormScope
 from shared.hashing import chain_hashes
 from shared.ids import ROOT_HASH
@@ -201,6 +202,8 @@ class Session:
         self.fallbacks: list[str] = []
         self.reloaded: dict[str, int] = {}
         self.last_seq = 0
+        #: Replicas this session committed (filled slots sent to the ledger).
+        self.commits = 0
         self.state = None
         #: Prompt tokens the state holds (restored or prefilled).
         self.prefill_pos = 0
@@ -302,7 +305,11 @@ class Session:
             self._acquire(self.hashes, write=not e.draining, reuse=self.reuse))
         # NOTE: while the lease is in flight, validate and restore what this worker's own pools
         # hold; the grant then only has to confirm it (same replicas, same generations).
-        spec = self._speculate() if self.reuse and e.speculate else None
+        spec = None
+        if self.reuse and e.speculate:
+            with tracing.span("worker.validation", {"kvl.speculative": True}) as sp:
+                spec = self._speculate()
+                sp.set_attribute("kvl.resume_blocks", spec.p if spec is not None else 0)
         self._build_state(spec)
         grant = await lease
         if grant is None:
@@ -325,10 +332,13 @@ class Session:
         while target > 0:
             want = needs(e.catalogue, target)
             if spec is not None and spec.p == target and all(refs.get(n) == spec.found[n].ref for n in want):
-                await self._accept(spec)
+                with tracing.span("worker.restore", {"kvl.resume_blocks": spec.p, "kvl.speculative": True}):
+                    await self._accept(spec)
                 return
             if all(n in refs for n in want):
-                failed = await self._gather(refs, want)
+                with tracing.span("worker.validation", {"kvl.blocks": target, "kvl.replicas": len(want)}) as sp:
+                    failed = await self._gather(refs, want)
+                    sp.set_attribute("kvl.failed", failed)
                 ok = best_boundary(e.catalogue, set(self.found), target, grid)
                 if ok == target:
                     break
@@ -349,7 +359,10 @@ class Session:
         if self.invalid:
             self.fallback("validation")
         if p:
-            await self._restore(p)
+            with tracing.span("worker.restore", {"kvl.resume_blocks": p}) as sp:
+                await self._restore(p)
+                sp.set_attributes({"kvl.reloaded_host": self.reloaded.get("host", 0),
+                                   "kvl.reloaded_disk": self.reloaded.get("disk", 0)})
 
     def _build_state(self, spec: _Speculation | None) -> None:
         """Allocate the request state on the model thread (restored at ``spec.p`` if speculating)."""
@@ -475,24 +488,34 @@ class Session:
                            write_forms=list(e.catalogue.names) if write else [], reuse=reuse,
                            ttl_ms=e.lease_ttl_ms)
         t0 = time.perf_counter()
-        try:
+        with tracing.span("worker.lease", {"kvl.epoch": self.epoch, "kvl.tenant": self.tenant,
+                                           "kvl.blocks": len(hashes), "kvl.write": write, "kvl.reuse": reuse},
+                          kind=tracing.CLIENT) as sp:
             try:
-                grant = await e.call("acquire", e.client.acquire(msg))
+                try:
+                    grant = await e.call("acquire", e.client.acquire(msg))
+                except CoordinatorRefused as err:
+                    # NOTE: suspended = a coordinator took over and has not heard from us yet; the
+                    # engine resumes at once (milliseconds), far cheaper than recomputing the prompt.
+                    if err.code is not ErrorCode.SUSPENDED or not await e.wait_resumed(RESUME_WAIT_S):
+                        raise
+                    grant = await e.call("acquire", e.client.acquire(msg))
             except CoordinatorRefused as err:
-                # NOTE: suspended = a coordinator took over and has not heard from us yet; the
-                # engine resumes at once (milliseconds), far cheaper than recomputing the prompt.
-                if err.code is not ErrorCode.SUSPENDED or not await e.wait_resumed(RESUME_WAIT_S):
-                    raise
-                grant = await e.call("acquire", e.client.acquire(msg))
-        except CoordinatorRefused as err:
-            self.fallback(f"lease:{err.code.value}")
-            return None
-        except CoordinatorUnavailable:
-            self.degraded = True
-            self.fallback("degraded")
-            return None
-        finally:
-            self._spent("lease", t0)
+                sp.set_attribute("kvl.outcome", err.code.value)
+                self.fallback(f"lease:{err.code.value}")
+                return None
+            except CoordinatorUnavailable as err:
+                tracing.failed(sp, err)
+                self.degraded = True
+                self.fallback("degraded")
+                return None
+            finally:
+                self._spent("lease", t0)
+            if sp.is_recording():
+                sp.set_attributes({"kvl.outcome": "granted", "kvl.usable_blocks": grant.usable_blocks,
+                                   "kvl.read_replicas": len(grant.read),
+                                   "kvl.write_replicas": sum(len(v) for v in grant.write.values()),
+                                   "kvl.evicted_replicas": len(grant.evict)})
         self.leases.append(_Lease(grant, self.epoch))
         if self._renew is None:
             self._renew = asyncio.get_running_loop().create_task(self._renew_loop())
@@ -710,8 +733,13 @@ class Session:
 
     async def prefill_rest(self) -> torch.Tensor:
         """Run every remaining piece of the prompt; returns the last prompt token's logits."""
-        while not await self.prefill_step():
-            pass
+        if not self.done_prefill:
+            with tracing.span("worker.prefill", {"kvl.prompt_tokens": len(self.tokens),
+                                                 "kvl.cached_tokens": self.prefill_pos}) as sp:
+                pieces = 1
+                while not await self.prefill_step():
+                    pieces += 1
+                sp.set_attribute("kvl.pieces", pieces)
         assert self.logits is not None
         return self.logits
 
@@ -737,6 +765,7 @@ class Session:
                 seq = e.commit(meta, data, lease_id=lease.lease_id)
                 if seq:
                     self.last_seq = max(self.last_seq, seq)
+                    self.commits += 1
             e.committed()
         # else: the epoch that holds the lease is gone: its writes were fenced
         self._spent("commit", t0)
@@ -826,19 +855,24 @@ class Session:
             return
         self._closed = True
         e = self.engine
-        self._commit_pending()
-        try:
-            await self._commit_reply()
-        except (CoordinatorRefused, CoordinatorUnavailable, ValueError) as err:
-            e.log.warning("reply blocks not cached", error=type(err).__name__)
+        settled = True
+        with tracing.span("worker.commit") as sp:
+            self._commit_pending()
+            try:
+                await self._commit_reply()
+            except (CoordinatorRefused, CoordinatorUnavailable, ValueError) as err:
+                e.log.warning("reply blocks not cached", error=type(err).__name__)
+            if self.leases and self.last_seq and e.publisher is not None:
+                settled = await e.publisher.wait_committed(self.epoch, self.last_seq, timeout=e.settle_timeout_s)
+            sp.set_attributes({"kvl.replicas_committed": self.commits, "kvl.reply_blocks": self.reply_blocks,
+                               "kvl.settled": settled})
         if not self.leases:
             self._stop_renewing()
             return
-        if self.last_seq and e.publisher is not None:
-            if not await e.publisher.wait_committed(self.epoch, self.last_seq, timeout=e.settle_timeout_s):
-                e.releasing.add(self)
-                e.background(self._settle_then_release())
-                return
+        if not settled:
+            e.releasing.add(self)
+            e.background(self._settle_then_release())
+            return
         await self._release()
 
     async def _settle_then_release(self) -> None:
@@ -859,14 +893,15 @@ class Session:
     async def _release(self) -> None:
         e = self.engine
         self._stop_renewing()
-        for lease in self.leases:
-            if lease.epoch != e.epoch:
-                continue
-            try:
-                await e.call("release", e.client.release(LeaseRelease(
-                    worker_id=e.worker_id, epoch=lease.epoch, lease_id=lease.grant.lease_id)))
-            except (CoordinatorRefused, CoordinatorUnavailable):
-                pass
+        with tracing.span("worker.release", {"kvl.leases": len(self.leases)}, kind=tracing.CLIENT):
+            for lease in self.leases:
+                if lease.epoch != e.epoch:
+                    continue
+                try:
+                    await e.call("release", e.client.release(LeaseRelease(
+                        worker_id=e.worker_id, epoch=lease.epoch, lease_id=lease.grant.lease_id)))
+                except (CoordinatorRefused, CoordinatorUnavailable):
+                    pass
         self.leases = []
 
     def result(self, tokens: list[int], logits: torch.Tensor | None, ttft: float) -> Result:

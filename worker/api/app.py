@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from aiohttp import web
 
+from shared import tracing
 from shared.config import Config
 from worker.api import handlers as h
 from worker.api.errors import Handler, error_middleware
@@ -26,6 +28,8 @@ from shared.text.tokenizer import Tokenizer
 
 #: Routes that need an API key (everything under /v1/); probes and metrics do not.
 AUTH_PREFIX = "/v1/"
+#: Routes traced when tracing is on (the ones that run the model).
+TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -51,6 +55,16 @@ def _count_status(request: web.Request, status: int) -> None:
     request.app[METRICS].http.labels(route=name, status=str(status)).inc()
 
 
+def _tracing_middleware(worker_id: str) -> Any:
+    """``worker.request``: a generation request's span, a child of the gateway's (or a client's)
+    ``traceparent`` or a new trace; the scheduler's and the session's spans are its children."""
+    def attributes(request: web.Request) -> dict[str, str]:
+        tenant = request.get(TENANT)
+        return {"kvl.worker_id": worker_id, **({"kvl.tenant": tenant.id} if tenant is not None else {})}
+
+    return tracing.http_middleware("worker.request", TRACED_PATHS, attributes)
+
+
 def create_app(engine: Engine, cfg: Config, tokenizer: Tokenizer, scheduler: Scheduler, *,
                chat_template: ChatTemplate, sampling: SamplingDefaults) -> web.Application:
     """The worker's HTTP application. The scheduler is stopped when the app is cleaned up.
@@ -59,8 +73,10 @@ def create_app(engine: Engine, cfg: Config, tokenizer: Tokenizer, scheduler: Sch
     checkpoint like the tokenizer (:func:`worker.http_server.start_http` loads all three).
     """
     limit = cfg.service.max_body_bytes
+    # NOTE: outermost, so the request's span sees the status error_middleware answered with
+    traced = [_tracing_middleware(engine.worker_id)] if tracing.enabled() else []
     app = web.Application(client_max_size=limit,
-                          middlewares=[error_middleware(limit, _count_status), auth_middleware],
+                          middlewares=[*traced, error_middleware(limit, _count_status), auth_middleware],
                           # NOTE: aiohttp's keep-alive timer runs from the connection's start and
                           # closes it if no complete request came, so it also bounds a client that
                           # sends its headers slowly; the body has its own limit (read_body).

@@ -23,6 +23,7 @@ import nats.errors
 import nats.js.errors
 
 from shared import messages as m
+from shared import tracing
 from shared.hashing import REPLICA_DIGEST_BYTES
 from shared.logging import get_logger, mask_credentials
 from shared.subjects import Subjects
@@ -107,7 +108,8 @@ class NatsCoordinatorClient:
     async def _request(self, subject: str, msg: Any, expect: type, op: str) -> Any:
         await self._connected(op)
         try:
-            reply = await self._nc.request(subject, m.encode(msg), timeout=self.timeout_s)
+            # the request's trace goes along as a traceparent header (none when tracing is off)
+            reply = await self._nc.request(subject, m.encode(msg), timeout=self.timeout_s, headers=tracing.headers())
         except nats.errors.NoRespondersError as e:
             raise CoordinatorUnavailable(f"{op}: no coordinator is listening on {subject}") from e
         except (nats.errors.TimeoutError, asyncio.TimeoutError) as e:
