@@ -1,4 +1,4 @@
-"""``kvledger coordinator`` and ``kvledger db upgrade|current`` (loaded by kvledger/cli.py)."""
+"""``kvledger coordinator`` and ``kvledger db upgrade|downgrade|current`` (loaded by kvledger/cli.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,13 @@ def register(sub: Any) -> None:
     up = dbsub.add_parser("upgrade", help="migrate the event log schema to the latest revision")
     up.add_argument("revision", nargs="?", default="head")
     up.set_defaults(func=cmd_db_upgrade)
+    down = dbsub.add_parser("downgrade", help="take the event log schema back to an older revision (a rollback; "
+                                              "every coordinator stopped first)",
+                            description="Run this release's migrations' downgrades, newest first, down to REVISION "
+                                        "(docs/operations.md, 'Releases and rollback'). Refused while a coordinator "
+                                        "is connected, and by a migration whose downgrade would lose history.")
+    down.add_argument("revision", help="the revision the older release needs (its `kvledger db current` 'latest')")
+    down.set_defaults(func=cmd_db_downgrade)
     cur = dbsub.add_parser("current", help="print the schema revision of the database (and the latest)")
     cur.set_defaults(func=cmd_db_current)
     db.set_defaults(func=lambda args: (db.print_help(), 2)[1])
@@ -39,6 +46,19 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
     cfg = load_config(getattr(args, "config", None))
     rev = _with_database(cfg, lambda engine: upgrade(engine, args.revision))
     print(f"event log schema at revision {rev} (latest: {head_revision()})")
+    return 0
+
+
+def cmd_db_downgrade(args: argparse.Namespace) -> int:
+    from coordinator.log.migrate import DowngradeRefused, downgrade
+
+    cfg = load_config(getattr(args, "config", None))
+    try:
+        rev = _with_database(cfg, lambda engine: downgrade(engine, args.revision))
+    except DowngradeRefused as e:
+        print(f"kvledger db downgrade: refused: {e}", file=sys.stderr)
+        return 1
+    print(f"event log schema at revision {rev}")
     return 0
 
 
@@ -76,8 +96,12 @@ def _with_database(cfg: Config, action: Any) -> Any:
         finally:
             await engine.dispose()
 
+    from coordinator.log.migrate import DowngradeRefused
+
     try:
         return asyncio.run(go())
+    except DowngradeRefused:
+        raise
     except Exception as e:  # noqa: BLE001 - one readable line, not a traceback
         print(f"kvledger db: {describe(e)}", file=sys.stderr)
         raise SystemExit(1) from None

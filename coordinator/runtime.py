@@ -191,10 +191,17 @@ class Coordinator:
                 rev = await self.event_log.schema_revision()
                 if rev == head:
                     return
-                from coordinator.log.migrate import upgrade  # only when behind (Alembic is slow to import)
+                from coordinator.log.migrate import known_revisions, upgrade  # only when not at head (slow import)
 
+                if rev is not None and rev not in known_revisions():
+                    raise StartupError(
+                        f"the event log's schema is at revision {rev}, which this coordinator (schema {head}) does not "
+                        f"know: a newer release migrated it. Run that release, or roll the schema back with its "
+                        f"`kvledger db downgrade {head}` first (docs/operations.md, 'Releases and rollback')")
                 await upgrade(self.event_log.engine)
                 return
+            except StartupError:
+                raise
             except Exception as e:  # noqa: BLE001 - waits for an unreachable database; anything else is fatal
                 if sqlstate(e) == "42501":  # insufficient_privilege: not the owner
                     why = f"schema at revision {rev or 'none'}, this coordinator needs {head}: {describe(e)}"

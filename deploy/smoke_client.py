@@ -42,7 +42,10 @@ def audit(admin: str, token: str) -> None:
     report = call(admin + "/v1/audit", {"replay_from": "empty", "check_workers": True}, token, timeout=120)
     if not report.get("ok"):
         sys.exit(f"smoke: the audit is not clean: {json.dumps(report)[:600]}")
-    print(f"smoke: audit clean ({report.get('events', '?')} events replayed)")
+    if not report.get("workers_checked"):
+        sys.exit(f"smoke: the audit checked no worker's inventory: {json.dumps(report)[:600]}")
+    print(f"smoke: audit clean: {report['replayed_events']} events replayed from empty to position "
+          f"{report['position']}, hash match, workers checked {report['workers_checked']}")
 
 
 def main() -> None:

@@ -107,3 +107,44 @@ async def test_services_start_a_nats_with_one_user_per_participant(tmp_path: Pat
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "stopped" in out
+
+
+async def test_rolling_the_schema_back_and_a_schema_too_new_for_a_coordinator(
+        tmp_path: Path, database_url: str, nats_url: str, subjects: Subjects,
+        coordinators: list[CoordinatorProcess]) -> None:
+    """A rollback's schema step (docs/operations.md, 'Releases and rollback'): `db downgrade` takes
+    the schema back one release and `db upgrade` forward again; it is refused while a coordinator
+    is connected and for a revision that is not older; and a coordinator meeting a schema newer
+    than it knows refuses to start with one line saying what to do."""
+    import asyncpg
+
+    env = clean_env(KVL_DATABASE_URL=database_url)
+    assert kvledger("db", "upgrade", env=env).returncode == 0
+    not_older = kvledger("db", "downgrade", "0004", env=env)
+    assert not_older.returncode == 1 and "refused: the schema is at 0004; 0004 is not older" in not_older.stderr
+    unknown = kvledger("db", "downgrade", "0099", env=env)
+    assert unknown.returncode == 1 and "'0099' is not one of this release's: 0001, 0002, 0003, 0004" in unknown.stderr
+    c = CoordinatorProcess("leader", tmp_path, database_url=database_url, nats_url=nats_url, subjects=subjects)
+    coordinators.append(c.start())
+    await c.wait_status("serving", timeout_s=90)
+    busy = kvledger("db", "downgrade", "0003", env=env)
+    assert busy.returncode == 1 and "coordinator session(s) are connected" in busy.stderr, busy.stderr
+    assert c.terminate() == 0
+    down = kvledger("db", "downgrade", "0003", env=env)
+    assert down.returncode == 0 and "event log schema at revision 0003" in down.stdout, down.stderr
+    behind = kvledger("db", "current", env=env)
+    assert behind.returncode == 1 and "current: 0003" in behind.stdout
+    assert kvledger("db", "upgrade", env=env).returncode == 0
+    # a newer release migrated the database: this coordinator refuses, naming both revisions
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute("UPDATE alembic_version SET version_num = '0099'")
+    finally:
+        await conn.close()
+    newer = subprocess.run(
+        [sys.executable, "-m", "coordinator", "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=60,
+        env=clean_env(KVL_DATABASE_URL=database_url, KVL_NATS_URL=nats_url, KVL_LOGGING__LEVEL="error",
+                      KVL_NATS__SUBJECT_PREFIX=subjects.prefix))
+    assert newer.returncode != 0 and "Traceback" not in newer.stderr
+    assert "schema is at revision 0099, which this coordinator (schema 0004) does not know" in newer.stderr + newer.stdout
+    assert "kvledger db downgrade 0004" in newer.stderr + newer.stdout
