@@ -23,7 +23,7 @@ announced watermark; *logged* = transition source ids in the log. Then
   allowed); ``recovered`` = logged without an acknowledgement seen (allowed); ``unobserved`` =
   logged but never seen published (the observer was reconnecting: allowed, reported).
 
-Beyond the queue, an independent fold of the replica life cycle as DESIGN.md states it checks
+Beyond the queue, an independent fold of the replica life cycle as docs/architecture.md draws it checks
 that every *applied* transition was legal when it was applied (state, holder epoch, generation,
 offload source: a READY or EVICTED replica with the same committed checksum), counts the *rejected* ones by reason, and checks **fencing**: no lease pins a
 replica that is not READY at the generation pinned, lies where the lease's worker cannot read,
@@ -41,7 +41,7 @@ from typing import Any
 LIVE = ("ALLOCATED", "READY")
 #: What an offload may copy: committed bytes, still READY or evicted since (never INVALID or LOST).
 OFFLOAD_SOURCES = ("READY", "EVICTED")
-#: (from_state, to_state) → kind, as DESIGN.md's replica state machine draws it.
+#: (from_state, to_state) → kind, as docs/architecture.md's replica life cycle draws it.
 KIND = {(None, "ALLOCATED"): "grant", ("ALLOCATED", "READY"): "commit", ("ALLOCATED", "EVICTED"): "abort",
         ("ALLOCATED", "INVALID"): "invalidate", ("READY", "EVICTED"): "evict", ("READY", "INVALID"): "invalidate",
         ("ALLOCATED", "LOST"): "lose", ("READY", "LOST"): "lose", (None, "READY"): "offload"}

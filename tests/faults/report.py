@@ -46,7 +46,7 @@ below is one real run, written by the run itself (`KVL_WRITE_RELIABILITY=1`).
   records every transition published and every commit watermark announced; at the end the
   whole log (`GET /v1/events`) is checked per (worker, epoch, seq): acknowledged ⊆ logged
   (nothing *lost*), no source id twice (*duplicated*), nothing logged unlike what was published
-  (*unexpected*). An independent fold of DESIGN.md's replica life cycle checks that every
+  (*unexpected*). An independent fold of the replica life cycle (architecture.md) checks that every
   applied transition was legal, every lease pinned READY replicas it could read at the pinned
   generation, and no GPU/host replica of a fenced epoch was pinned. Four illegal transitions
   are forged on JetStream at the end and must be in the log once each, rejected with a reason.

@@ -11,7 +11,7 @@ end the ledger listed a READY host replica that wb's inventory did not have. The
 4. the lease ends: the ledger now lists a READY host replica that exists nowhere, and offers
    it to the next request, whose presence check fails (it recomputes: correct, but a lost hit).
 
-DESIGN.md's invariant 3 says a READY replica under a read lease is never evicted; the GPU
+docs/architecture.md's invariant 4 says a READY replica under a read lease is never evicted; the GPU
 pools honour it (the engine never picks a pinned block as a local LRU victim), the host tier
 did not. No wrong answer comes of it (validation catches it), and the audit does not see it
 (it compared GPU replicas only then). Fixed: the host tier's LRU skips entries live leases pin

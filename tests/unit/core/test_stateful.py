@@ -1,6 +1,6 @@
 """The core against a simple model, driven by Hypothesis.
 
-The model keeps, per replica key, only what a reader of DESIGN.md would: its state, who
+The model keeps, per replica key, only what a reader of docs/architecture.md would: its state, who
 created it (worker, epoch, lease), its generation and checksum; per lease, the keys it pins
 and writes; per worker, its epoch, liveness, suspension and last heartbeat (heartbeats are
 soft state: the machine passes them to ``expire`` as the shell does). It judges transitions by
