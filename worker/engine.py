@@ -177,7 +177,7 @@ class Engine:
                                               resend_ms=cfg.worker.outbox_resend_ms, metrics=self.metrics)
                           if client is not None else None)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="kvl-model")
-        failures = model.check_invariance()
+        failures = model.check_invariance(self.block_size, self.cache_dtype)
         if failures:
             self.log.error("batch-invariance probe failed: one request per forward, replies not cached",
                            failures=failures[:5])

@@ -34,6 +34,30 @@ def test_the_probe_passes_at_this_models_shapes(tiny) -> None:
     assert tiny.batch_invariant
 
 
+def test_the_whole_forward_probe_passes_here_and_catches_a_batch_dependent_op(tiny, monkeypatch) -> None:
+    """The engine's start-up probe runs the whole forward fused and alone. It passes on this
+    machine, at every storage precision; an op whose bits depend on how many rows share the
+    forward (here: the last hidden state scaled by a factor of the batch's row count) fails it,
+    and the model then refuses fused forwards."""
+    for cache_dtype in ("auto", "bfloat16", "float8_e4m3fn"):
+        assert tiny.check_invariance(BLOCK, cache_dtype) == [] and tiny.batch_invariant
+    hidden = tiny._hidden
+
+    def by_rows(ids, batch, need):
+        h = hidden(ids, batch, need)
+        return h * (1 + 1e-3 * ids.numel())
+    monkeypatch.setattr(tiny, "_hidden", by_rows)
+    try:
+        failures = tiny.check_invariance(BLOCK)
+        assert failures and all(f.startswith("whole-forward probe: request") for f in failures)
+        assert not tiny.batch_invariant
+        with pytest.raises(RuntimeError, match="not batch-invariant"):
+            tiny.forward_batch([([1], tiny.new_state(BLOCK, BLOCK)), ([2], tiny.new_state(BLOCK, BLOCK))])
+    finally:
+        monkeypatch.undo()
+        assert tiny.check_invariance(BLOCK) == [] and tiny.batch_invariant
+
+
 def test_linear_rows_keep_their_bits_for_any_row_count() -> None:
     assert probe([(64, 4), (64, 8), (64, 128), (256, 24), (32, 256)], rows=range(1, 70)) == []
     g = torch.Generator().manual_seed(0)
@@ -136,7 +160,7 @@ def dense(request):
         model = build_yoco(YocoConfig(sliding_window=20), seed=4, dtype=dtype)
     else:
         model = build_model(seed=4).to(dtype) if over is None else build_dense(DenseConfig(**over), seed=4, dtype=dtype)
-    assert model.check_invariance() == []
+    assert model.check_invariance(BLOCK) == []     # the products, then the whole forward fused vs alone
     return model
 
 

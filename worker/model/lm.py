@@ -114,9 +114,10 @@ class CausalLM(nn.Module):
         return FormCatalogue(model_id=self.cfg.model_id, block_size=block_size,
                              forms=tuple(layout.spec for layout in self.form_layouts(block_size, cache_dtype).values()))
 
-    def check_invariance(self) -> list[str]:
-        """Find this machine's row floor at this model's shapes and dtype (``kernels.invariant.calibrate``);
-        sets :attr:`batch_invariant` and returns what failed (empty: invariant)."""
+    def check_invariance(self, block_size: int | None = None, cache_dtype: str | None = None) -> list[str]:
+        """Find this machine's row floor at this model's shapes and dtype (``kernels.invariant.calibrate``),
+        then — given the engine's ``block_size`` — run the whole forward both ways
+        (:meth:`probe_forward`, states stored at ``cache_dtype``); sets :attr:`batch_invariant` and returns what failed (empty: invariant)."""
         if self.device.type != "cpu":
             # NOTE: the rules are measured for the CPU path only; cuBLAS and the Triton kernels
             # (fixed tiles, but not yet checked row against batch) run one request per forward.
@@ -124,7 +125,50 @@ class CausalLM(nn.Module):
         else:
             failures = calibrate(self._product_shapes(), dtype=self.dtype, grouped=self._grouped_shapes())
         self.batch_invariant = not failures
+        if not failures and block_size is not None and invariant_here():
+            failures = self.probe_forward(block_size, cache_dtype=cache_dtype)
+            self.batch_invariant = not failures
         return failures
+
+    @torch.no_grad()
+    def probe_forward(self, block_size: int, *, cache_dtype: str | None = None, seed: int = 0) -> list[str]:
+        """Three requests run fused, as the stepper fuses them, against each run alone: what differs.
+
+        The product probe covers the matrix products only; a pointwise op, an attention reduction
+        or a kernel path of this machine's own (a float16 one, say) can still make a row's bits
+        depend on its batch. Here the whole forward answers, at the model's dtype and shapes:
+        step 1 fuses two prompts (one crossing a block boundary); step 2 fuses both requests'
+        first decode token with a third request's prompt. Every request's last-token logits must
+        be the same bits as when it runs alone. Costs six small forwards at start.
+        """
+        g = torch.Generator().manual_seed(seed)
+        vocab = self.cfg.vocab_size
+        prompts = [torch.randint(0, vocab, (n,), generator=g) for n in (block_size + 3, 5, block_size + 1)]
+        nxt = [torch.randint(0, vocab, (1,), generator=g) for _ in range(2)]
+        capacity = -(-(block_size + 4) // block_size) * block_size       # the longest request, in whole blocks
+
+        def bits(t: torch.Tensor) -> bytes:
+            return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+        alone: list[list[bytes]] = []
+        for i, p in enumerate(prompts):
+            st = self.new_state(block_size, capacity, cache_dtype=cache_dtype)
+            row = [bits(self.forward_batch([(p, st)])[0])]
+            if i < 2:
+                row.append(bits(self.forward_batch([(nxt[i], st)])[0]))
+            alone.append(row)
+        sts = [self.new_state(block_size, capacity, cache_dtype=cache_dtype) for _ in prompts]
+        step1 = self.forward_batch([(prompts[0], sts[0]), (prompts[1], sts[1])])
+        step2 = self.forward_batch([(nxt[0], sts[0]), (nxt[1], sts[1]), (prompts[2], sts[2])])
+        fused = [[bits(step1[0]), bits(step2[0])], [bits(step1[1]), bits(step2[1])], [bits(step2[2])]]
+        out = []
+        for i, (a, f) in enumerate(zip(alone, fused)):
+            for step, (x, y) in enumerate(zip(a, f)):
+                if x != y:
+                    what = "decode token" if step else f"{prompts[i].numel()}-token prompt"
+                    out.append(f"whole-forward probe: request {i}'s {what} gives other logits fused than alone "
+                               f"({self.dtype}, block size {block_size})")
+        return out
 
     def check_step(self, tokens: torch.Tensor | Sequence[int], state: CacheState) -> None:
         """Raise ``ValueError`` if ``tokens`` cannot run on ``state`` (ids outside the vocabulary,
