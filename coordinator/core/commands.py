@@ -481,12 +481,15 @@ def switch_cache(state: LedgerState, namespace: str, enabled: bool, reason: str 
 
 
 def collect_disk(state: LedgerState, msg: m.DiskGc, now_ms: int) -> tuple[m.DiskGcReply | m.ErrorReply, Events]:
-    """A worker's disk GC: evict every named live ``disk`` replica, or none if a lease pins one.
+    """A worker's disk GC: evict every named live ``disk`` replica *it wrote*, or none if a
+    lease pins any named one.
 
     All or nothing, so a segment is deleted only when nothing it holds is pinned; the worker
     deletes the bytes after this answer, and a pinned replica keeps both its bytes and its
-    READY state. Any live worker may ask: the disk tier is shared, and a replica it names that
-    is not live (already evicted, never offloaded) is simply not there to evict.
+    READY state. A worker collects only its own segments, so a replica another worker's offload
+    created (its record lies in that worker's segments, which stay) is not this worker's to
+    evict: it is left READY, as is a name that is not live (already evicted, never offloaded).
+    Pins count whoever wrote the replica: a reader may be reading this worker's copy of it.
     """
     w = _live_worker(state, msg.worker_id, msg.epoch)
     if isinstance(w, m.ErrorReply):
@@ -496,7 +499,10 @@ def collect_disk(state: LedgerState, msg: m.DiskGc, now_ms: int) -> tuple[m.Disk
         r = state.replicas.get((b.block_hash, b.form, "disk"))
         if r is None or r.state not in LIVE:
             continue
-        (pinned if r.pins else live).append((b, r))
+        if r.pins:
+            pinned.append((b, r))
+        elif r.owner == w.worker_id:
+            live.append((b, r))
     if pinned:
         return m.DiskGcReply(pinned=[b for b, _ in pinned]), []
     return m.DiskGcReply(evicted=len(live)), [
@@ -581,7 +587,11 @@ def _judge(state: LedgerState, t: m.TransitionEvent) -> tuple[str, str]:
     if loc.startswith("gpu:"):
         if loc != w.gpu:
             return "", f"worker {t.worker_id} cannot change replicas at {loc}"
-    elif not (loc.startswith("host:") and len(loc) > 5) and loc != "disk":
+    elif loc.startswith("host:"):
+        # a host tier is the memory of its worker's process: no one else holds (or may drop) its bytes
+        if loc != w.host:
+            return "", f"worker {t.worker_id} cannot change replicas at {loc} (its host tier is {w.host})"
+    elif loc != "disk":
         return "", f"location {loc!r}: expected gpu:<worker>, host:<node> or disk"
     kind = kind_of(t.from_state, t.to_state)
     if kind is None or kind not in WORKER_KINDS:

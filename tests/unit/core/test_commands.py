@@ -332,6 +332,37 @@ def test_disk_gc_evicts_all_or_none_of_a_segments_replicas() -> None:
     consistent(d)
 
 
+def test_a_worker_collects_and_changes_only_its_own_tiers() -> None:
+    """Trust boundaries of the shared disk tier and the host tiers: w2's disk GC naming w1's disk
+    replicas evicts none of them (their records are in w1's segments, which stay), while w1's
+    own GC does; no worker moves a replica in another worker's host tier."""
+    d, seq = fresh(workers=("w1", "w2")), Seq()
+    warm(d, [h(0)], seq)
+    for f in FORMS:
+        for loc in ("disk", "host:w1"):
+            out = d.run(ingest_transition, transition("w1", 1, seq(), h(0), f, None, S.READY, location=loc,
+                                                      generation=7, checksum="c0"), 10)
+            assert isinstance(out[0], TransitionApplied), out
+    named = [DiskBlock(block_hash=h(0), form=f) for f in FORMS]
+    reply = d.run(collect_disk, DiskGc(worker_id="w2", epoch=1, blocks=named), 11)
+    assert reply.evicted == 0 and reply.pinned == []
+    assert all(d.state.replica_state((h(0), f, "disk")) is S.READY for f in FORMS)
+    seq2 = Seq()
+    for frm, to in ((S.READY, S.EVICTED), (S.READY, S.INVALID)):
+        out = d.run(ingest_transition, transition("w2", 1, seq2(), h(0), FORMS[0], frm, to, location="host:w1",
+                                                  generation=7), 12)
+        assert isinstance(out[0], TransitionRejected), out
+        assert "cannot change replicas at host:w1 (its host tier is host:w2)" in out[0].reason
+    out = d.run(ingest_transition, transition("w2", 1, seq2(), h(0), FORMS[0], None, S.READY, location="host:",
+                                              generation=7, checksum="c0"), 12)
+    assert isinstance(out[0], TransitionRejected), out
+    assert d.state.replica_state((h(0), FORMS[0], "host:w1")) is S.READY
+    reply = d.run(collect_disk, DiskGc(worker_id="w1", epoch=1, blocks=named), 13)
+    assert reply.evicted == len(FORMS)
+    assert all(d.state.replica_state((h(0), f, "disk")) is S.EVICTED for f in FORMS)
+    consistent(d)
+
+
 def test_reuse_switched_off_pins_and_reserves_nothing_until_switched_back_on() -> None:
     d, seq = fresh(workers=("w1", "w2")), Seq()
     warm(d, [h(0), h(1)], seq)
