@@ -627,6 +627,9 @@ def _judge(state: LedgerState, t: m.TransitionEvent) -> tuple[str, str]:
             return "", f"stale generation {t.generation} for {key} (current {r.generation})"
         if kind == "evict" and r.pins:
             return "", f"replica {key} is pinned by {r.pins} live lease(s); it cannot be evicted"
+        if kind == "evict" and loc == "disk" and r.owner != t.worker_id:
+            # (an invalidate stays open to every reader: whoever finds the bytes bad says so)
+            return "", f"disk replica {key} was written by {r.owner}; only its writer may evict it"
     elif kind == "offload":
         if loc.startswith("gpu:"):
             return "", "an offload copies to host:<node> or disk; a GPU copy needs a write lease"

@@ -356,6 +356,9 @@ def test_a_worker_collects_and_changes_only_its_own_tiers() -> None:
     out = d.run(ingest_transition, transition("w2", 1, seq2(), h(0), FORMS[0], None, S.READY, location="host:",
                                               generation=7, checksum="c0"), 12)
     assert isinstance(out[0], TransitionRejected), out
+    out = d.run(ingest_transition, transition("w2", 1, seq2(), h(0), FORMS[0], S.READY, S.EVICTED, location="disk",
+                                              generation=7), 12)
+    assert isinstance(out[0], TransitionRejected) and "only its writer may evict it" in out[0].reason, out
     assert d.state.replica_state((h(0), FORMS[0], "host:w1")) is S.READY
     reply = d.run(collect_disk, DiskGc(worker_id="w1", epoch=1, blocks=named), 13)
     assert reply.evicted == len(FORMS)

@@ -532,6 +532,10 @@ class CoreMachine(RuleBasedStateMachine):
         t = transition(wid, w.epoch, self.next_seq(wid, w.epoch), key[0], key[1], S.READY, to, location=key[2],
                        generation=gen, tenant=r.tenant)
         ok = not stale and (to is S.INVALID or self.m.pins(key) == 0)
+        if key[2].startswith("host:") and key[2] != f"host:{wid}":
+            ok = False          # another worker's host tier: not this worker's to change
+        if key[2] == "disk" and to is S.EVICTED and r.owner != wid:
+            ok = False          # only a disk replica's writer evicts it (any reader may invalidate it)
         self.send(t, ok)
         if ok:
             self.m.unpin(key)
