@@ -3,6 +3,7 @@ damaged records reported as damage, an unusable directory reported as unavailabl
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 
@@ -53,6 +54,26 @@ def test_host_copy_failing_its_checksum_is_damage(tmp_path) -> None:
     t.host._entries[(m.block_hash, "compressed")][0][3] ^= 1
     obs, data = t.host_read(m.block_hash, "compressed")
     assert data is None and "checksum" in obs.damage
+
+
+def test_host_entries_are_private_and_replaced_never_rewritten(tmp_path) -> None:
+    """``host_read`` hands out the stored bytes themselves (verified, no copy), which is exact
+    only because an entry is a copy of its own, never written after ``put``: a caller's tensor
+    changed after the put, and a later put of the same key, leave bytes already read as they were."""
+    t = Tiers(host_bytes=4096, disk_root=None)
+    src = _data(0)
+    m = _meta(0, src)
+    assert t.put_host(m, src)
+    src.add_(1)                                           # the caller's tensor is not the entry
+    obs, first = t.host_read(m.block_hash, "compressed")
+    assert obs.damage == "" and torch.equal(first, _data(0)) and obs.checksum() == m.checksum
+    assert t.host_read(m.block_hash, "compressed")[1] is first           # the entry itself: no copy
+    other = _data(7)
+    m2 = dataclasses.replace(m, checksum=bytes_checksum(other))
+    assert t.put_host(m2, other)                          # the same key again: a new entry replaces it
+    assert torch.equal(first, _data(0))                   # what was read is untouched
+    obs, second = t.host_read(m.block_hash, "compressed")
+    assert second is not first and torch.equal(second, other) and obs.checksum() == m2.checksum
 
 
 def test_disk_round_trip_layout_and_modes(tmp_path) -> None:

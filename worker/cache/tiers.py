@@ -89,7 +89,7 @@ class Tiers:
             self._spills[key] = (meta, data, True)
 
     def host_read(self, block_hash: str, form: str) -> tuple[Observed, torch.Tensor | None]:
-        """A verified private copy of a host entry (or of one waiting in the spill queue)."""
+        """A host entry (or one waiting in the spill queue), verified: its bytes, read-only."""
         key = (block_hash, form)
         meta = self._host_meta.get(key)
         data = None
@@ -101,15 +101,19 @@ class Tiers:
             meta, data, _ = self._spills[key]
         if meta is None or data is None:
             return Observed(None), None
-        # NOTE: verify the private copy (what the model will read), once, always: host memory
-        # is outside the pools' generation fencing, so the checksum is the only proof left.
-        copy = data.clone()
-        digest = checksum(memoryview(copy.numpy()))
+        # NOTE: verify, once, always: host memory is outside the pools' generation fencing, so
+        # the checksum is the only proof left. It covers exactly what the caller reads without a
+        # private copy, because these tensors are immutable by construction: the host tier and
+        # the spill queue hold copies made for them alone (``HostTier.put``, ``CacheStore.drop``,
+        # ``coldest``), never write into them, and replace rather than rewrite an entry; callers
+        # only read them (restore copies out, an install copies into a slot). A copy here cost
+        # more than the check (fresh memory: page faults), and on CUDA it left pinned memory.
+        digest = checksum(memoryview(data.numpy()))
         if digest != meta.checksum:
             self.host_drop(block_hash, form)
             return Observed(meta, damage=f"host-tier copy of block {block_hash[:12]}… form {form} fails its "
                                          f"checksum"), None
-        return Observed(meta, nbytes=copy.numel(), checksum=lambda: digest), copy
+        return Observed(meta, nbytes=data.numel(), checksum=lambda: digest), data
 
     def host_drop(self, block_hash: str, form: str) -> bool:
         key = (block_hash, form)
