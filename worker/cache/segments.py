@@ -97,6 +97,9 @@ def _pad(n: int) -> int:
     return (-n) % ALIGN
 
 
+_ZEROS = bytes(ALIGN)
+
+
 def encode_header(h: RecordHeader) -> bytes:
     """The prefix and header of a record, padded so the payload that follows is aligned."""
     body = msgspec.json.encode(h)
@@ -165,16 +168,20 @@ class SegmentWriter:
             out: list[Record] = []
             bufs: list[bytes | memoryview] = []
             at = start
+            pad = b""                                  # the previous record's padding, sent with this header
+            path = self.current
             for key, data in items:
                 data = data.cast("B")
-                h = RecordHeader(version=SEGMENT_FORMAT_VERSION, namespace=key.namespace, tenant=key.tenant,
-                                 block_hash=key.block_hash, form=key.form, spec_digest=key.spec_digest,
-                                 length=len(data), checksum=checksum(data))
+                h = RecordHeader(SEGMENT_FORMAT_VERSION, key.namespace, key.tenant, key.block_hash, key.form,
+                                 key.spec_digest, len(data), checksum(data))
                 head = encode_header(h)
                 end = at + len(head) + len(data)
-                bufs += [head, data, b"\0" * _pad(end)]
-                out.append(Record(self.current, at, at + len(head), end, h))
-                at = end + _pad(end)
+                bufs += [pad + head, data]
+                out.append(Record(path, at, at + len(head), end, h))
+                pad = _ZEROS[:_pad(end)]
+                at = end + len(pad)
+            if pad:
+                bufs.append(pad)
             try:
                 _write_all(self._fd, bufs)
                 os.fsync(self._fd)
@@ -214,17 +221,19 @@ class SegmentWriter:
 def _write_all(fd: int, bufs: list[bytes | memoryview]) -> None:
     """``writev`` until every buffer is written: a short write (a full disk) is followed by
     another, which then fails with the real error (ENOSPC) rather than a made-up one."""
-    pending = [memoryview(b).cast("B") for b in bufs if len(b)]
-    while pending:
-        n = os.writev(fd, pending[:960])               # under IOV_MAX
+    pending = [b for b in bufs if len(b)]
+    i = 0                                              # first buffer not yet wholly written
+    while i < len(pending):
+        n = os.writev(fd, pending[i:i + 960])          # under IOV_MAX
         if n == 0:
             raise OSError(errno.EIO, "write made no progress")
-        while n and pending:
-            if n >= len(pending[0]):
-                n -= len(pending[0])
-                pending.pop(0)
+        while n and i < len(pending):
+            size = len(pending[i])
+            if n >= size:
+                n -= size
+                i += 1
             else:
-                pending[0] = pending[0][n:]
+                pending[i] = memoryview(pending[i])[n:]
                 n = 0
 
 
@@ -267,10 +276,15 @@ class SegmentIndex:
 
     def add(self, records: Sequence[Record]) -> None:
         """Records this process just wrote (known without a scan)."""
+        by_key, by_path, scanned = self._by_key, self._by_path, self._scanned
         for r in records:
-            self._by_key[r.key] = r
-            self._by_path.setdefault(r.path, []).append(r)
-            self._scanned[r.path] = max(self._scanned.get(r.path, 0), r.end + _pad(r.end))
+            h = r.header
+            by_key[(h.namespace, h.tenant, h.block_hash, h.form)] = r
+            path = r.path
+            (by_path.get(path) or by_path.setdefault(path, [])).append(r)
+            end = r.end + _pad(r.end)
+            if end > scanned.get(path, 0):
+                scanned[path] = end
 
     def drop(self, key: Key) -> None:
         """Stop offering one record (its bytes failed validation; the segment stays)."""
