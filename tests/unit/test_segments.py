@@ -121,6 +121,25 @@ def test_a_failed_write_leaves_nothing_half_written_and_the_next_batch_goes_on(t
     assert len(segment_files(tmp_path)) == 2
 
 
+def test_short_writes_that_make_progress_land_every_byte_in_order(tmp_path, monkeypatch) -> None:
+    """``writev`` may write less than asked without failing (a signal, a pipe-like file system):
+    the rest follows, from the middle of a buffer when the cut falls inside one."""
+    real = os.writev
+    calls = []
+
+    def trickle(fd, bufs):
+        calls.append(len(bufs))
+        return real(fd, [memoryview(b"".join(bytes(b) for b in bufs))[:777]])   # 777 bytes at a time
+    w = SegmentWriter(tmp_path, "w1", segment_bytes=1 << 20)
+    monkeypatch.setattr(sg.os, "writev", trickle)
+    write(w, range(5), n=1500)
+    monkeypatch.setattr(sg.os, "writev", real)
+    assert len(calls) > 10
+    found = read(tmp_path, range(5))
+    assert [bytes(f.data.numpy()) for f in found] == [payload(i, 1500) for i in range(5)]
+    assert segment_files(tmp_path)[0].stat().st_size % ALIGN == 0
+
+
 def test_a_deleted_segment_is_forgotten(tmp_path) -> None:
     w = SegmentWriter(tmp_path, "w1", segment_bytes=2048)
     write(w, range(2))
