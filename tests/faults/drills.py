@@ -643,13 +643,18 @@ async def offload_readonly(run: Run, drill: str) -> Fault:
     finally:
         make_writable(root)
     f.evidence["disk_write_failures"] = int(fails - fails0)
-    written0 = await _sum_metric(stack, "kvl_worker_offload_bytes_total", tier="disk")
     shutil.rmtree(root, ignore_errors=True)
+    # NOTE: counted from here, not from before the removal: a spill written while rmtree ran lands
+    # in a file that is gone, and would pass for a resumed write with no file to show for it
+    written0 = await _sum_metric(stack, "kvl_worker_offload_bytes_total", tier="disk")
     await load.wait_done(run.settings.before)
     # after its back-off the tier is tried again and the writer recreates the directory
+
+    async def files() -> int:
+        return len(segment_files(root))
     await asyncio.sleep(OFFLOAD_RETRY_S)
-    written = await run.churn_until(drill, f"{drill}-rm",
-                                    lambda: _sum_metric(stack, "kvl_worker_offload_bytes_total", tier="disk"), written0)
+    await run.churn_until(drill, f"{drill}-rm", files, 0)
+    written = await _sum_metric(stack, "kvl_worker_offload_bytes_total", tier="disk")
     f.recovery_s = max(await probe)
     await load.stop()
     f.evidence["files_after_removal"] = len(segment_files(root))
