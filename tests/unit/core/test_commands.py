@@ -286,7 +286,9 @@ def test_takeover_suspends_every_live_epoch_and_gives_leases_a_grace_period() ->
 
 # --- transitions: offload, fencing, pins -----------------------------------------------------
 
-def test_offloads_survive_fencing_on_disk_only_and_serve_other_workers() -> None:
+def offloaded_by_w1() -> Driver:
+    """w1 and w2 registered; w1 holds block h(0) on its GPU and has copied every form of it to
+    disk and to its host tier."""
     d, seq = fresh(workers=("w1", "w2")), Seq()
     warm(d, [h(0)], seq)
     for f in FORMS:
@@ -294,6 +296,10 @@ def test_offloads_survive_fencing_on_disk_only_and_serve_other_workers() -> None
             out = d.run(ingest_transition, transition("w1", 1, seq(), h(0), f, None, S.READY, location=loc,
                                                       generation=7, checksum="c0"), 10)
             assert isinstance(out[0], TransitionApplied), out
+    return d
+
+def test_offloads_survive_fencing_on_disk_only_and_serve_other_workers() -> None:
+    d = offloaded_by_w1()
     assert set(d.state.workers["w1"].offloaded) == {(h(0), f, loc) for f in FORMS for loc in ("disk", "host:w1")}
     # w2 reads w1's disk copies (not w1's GPU or host) and pins them.
     g = d.run(acquire_lease, acquire("w2", 1, [h(0), h(1)]), 11, "L2")
@@ -336,13 +342,7 @@ def test_a_worker_collects_and_changes_only_its_own_tiers() -> None:
     """Trust boundaries of the shared disk tier and the host tiers: w2's disk GC naming w1's disk
     replicas evicts none of them (their records are in w1's segments, which stay), while w1's
     own GC does; no worker moves a replica in another worker's host tier."""
-    d, seq = fresh(workers=("w1", "w2")), Seq()
-    warm(d, [h(0)], seq)
-    for f in FORMS:
-        for loc in ("disk", "host:w1"):
-            out = d.run(ingest_transition, transition("w1", 1, seq(), h(0), f, None, S.READY, location=loc,
-                                                      generation=7, checksum="c0"), 10)
-            assert isinstance(out[0], TransitionApplied), out
+    d = offloaded_by_w1()
     named = [DiskBlock(block_hash=h(0), form=f) for f in FORMS]
     reply = d.run(collect_disk, DiskGc(worker_id="w2", epoch=1, blocks=named), 11)
     assert reply.evicted == 0 and reply.pinned == []
