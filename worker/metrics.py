@@ -93,7 +93,8 @@ class WorkerMetrics:
         self.reply_blocks = Counter(p + "reply_blocks", "Decode-made reply blocks exported and committed",
                                     registry=r)
         self.batch_invariant = Gauge(p + "batch_invariant", "1 if fused forwards are exact here "
-                                     "(the product probe and the whole-forward probe passed, one intra-op thread)", registry=r)
+                                     "(the product probe and the whole-forward probe passed, one intra-op thread)",
+                                     registry=r)
 
     def observe_step(self, requests: int, tokens: int, seconds: float) -> None:
         self.step_requests.observe(requests)

@@ -276,15 +276,10 @@ class SegmentIndex:
 
     def add(self, records: Sequence[Record]) -> None:
         """Records this process just wrote (known without a scan)."""
-        by_key, by_path, scanned = self._by_key, self._by_path, self._scanned
         for r in records:
-            h = r.header
-            by_key[(h.namespace, h.tenant, h.block_hash, h.form)] = r
-            path = r.path
-            (by_path.get(path) or by_path.setdefault(path, [])).append(r)
-            end = r.end + _pad(r.end)
-            if end > scanned.get(path, 0):
-                scanned[path] = end
+            self._by_key[r.key] = r
+            self._by_path.setdefault(r.path, []).append(r)
+            self._scanned[r.path] = max(self._scanned.get(r.path, 0), r.end + _pad(r.end))
 
     def drop(self, key: Key) -> None:
         """Stop offering one record (its bytes failed validation; the segment stays)."""

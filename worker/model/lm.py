@@ -117,7 +117,8 @@ class CausalLM(nn.Module):
     def check_invariance(self, block_size: int | None = None, cache_dtype: str | None = None) -> list[str]:
         """Find this machine's row floor at this model's shapes and dtype (``kernels.invariant.calibrate``),
         then — given the engine's ``block_size`` — run the whole forward both ways
-        (:meth:`probe_forward`, states stored at ``cache_dtype``); sets :attr:`batch_invariant` and returns what failed (empty: invariant)."""
+        (:meth:`probe_forward`, states stored at ``cache_dtype``). Sets :attr:`batch_invariant`;
+        returns what failed (empty: invariant)."""
         if self.device.type != "cpu":
             # NOTE: the rules are measured for the CPU path only; cuBLAS and the Triton kernels
             # (fixed tiles, but not yet checked row against batch) run one request per forward.
@@ -167,7 +168,8 @@ class CausalLM(nn.Module):
                 if x != y:
                     what = "decode token" if step else f"{prompts[i].numel()}-token prompt"
                     out.append(f"whole-forward probe: request {i}'s {what} gives other logits fused than alone "
-                               f"({self.dtype}, block size {block_size})")
+                               f"({self.dtype}, block size {block_size}, "
+                               f"cache.dtype {cache_dtype or self.cache_dtype})")
         return out
 
     def check_step(self, tokens: torch.Tensor | Sequence[int], state: CacheState) -> None:
