@@ -170,3 +170,32 @@ def test_a_writer_whose_segment_was_deleted_starts_a_new_one(tmp_path) -> None:
     shutil.rmtree(tmp_path / "segments")
     write(w, range(2, 4))
     assert [f.data is not None for f in read(tmp_path, range(4))] == [False, False, True, True]
+
+
+def test_the_gc_names_a_block_only_with_the_segment_of_its_current_record(tmp_path) -> None:
+    """A block offloaded again lies in a newer segment; deleting the old one must not have the
+    ledger evict it (its bytes live on)."""
+    import torch
+
+    from worker.cache.planner import BlockMeta
+    from worker.cache.tiers import Tiers
+
+    def meta(i: int) -> BlockMeta:
+        k = key(i)
+        return BlockMeta(namespace=k.namespace, tenant=k.tenant, block_hash=k.block_hash, parent_hash="",
+                         token_start=0, token_end=0, form=k.form, spec_digest=k.spec_digest, checksum="")
+
+    def block(i: int) -> tuple[BlockMeta, torch.Tensor]:
+        return meta(i), torch.frombuffer(bytearray(payload(i)), dtype=torch.uint8)
+
+    tiers = Tiers(host_bytes=0, disk_root=tmp_path, writer="w1", segment_bytes=2000)
+    tiers.disk_write_many([block(0), block(1)])          # segment 1 (full: the next batch rolls)
+    tiers.disk_write_many([block(2), block(0)])          # segment 2: block 0 again
+    tiers.disk_write_many([block(3)])                    # segment 3, the one being appended to
+    named = {path.name: sorted(m.block_hash for m in metas) for path, _, metas in tiers.disk_collectable()}
+    assert named == {"00000001.kvs": [key(1).block_hash],
+                     "00000002.kvs": sorted([key(0).block_hash, key(2).block_hash])}
+    # another process (a restart) scans the same segments and knows the same
+    again = Tiers(host_bytes=0, disk_root=tmp_path, writer="w1", segment_bytes=2000)
+    again._writer.current = tiers._writer.current
+    assert {p.name: sorted(m.block_hash for m in ms) for p, _, ms in again.disk_collectable()} == named

@@ -303,7 +303,8 @@ class SegmentIndex:
             writers = [d for d in top.iterdir() if d.is_dir()] if top.exists() else []
             seen: set[Path] = set()
             for d in writers:
-                for p in d.glob(f"*{SUFFIX}"):
+                # oldest first: a block written again later is read from (and GC'd with) its newest record
+                for p in sorted(d.glob(f"*{SUFFIX}")):
                     seen.add(p)
                     try:
                         size = p.stat().st_size

@@ -264,10 +264,16 @@ class Tiers:
 
     def disk_collectable(self) -> list[tuple[Path, int, list[BlockMeta]]]:
         """This worker's segments the GC may delete, oldest first (not the one being appended
-        to), each with its size and the blocks its records hold (as the index knows them)."""
+        to), each with its size and the blocks whose current record it holds (as the index knows
+        them).
+
+        NOTE: a block written again later has a newer record elsewhere (the index reads that
+        one); its old record is dead bytes. Naming it would have the ledger evict a replica whose
+        bytes live on in the newer record."""
         if self._writer is None:
             return []
         self._index.refresh()
+        index = self._index
         out = []
         for path, size in self._writer.segments():
             if path == self._writer.current:
@@ -275,7 +281,7 @@ class Tiers:
             metas = [BlockMeta(namespace=r.header.namespace, tenant=r.header.tenant, block_hash=r.header.block_hash,
                                parent_hash="", token_start=0, token_end=0, form=r.header.form,
                                spec_digest=r.header.spec_digest, checksum=r.header.checksum)
-                     for r in self._index.records(path)]
+                     for r in index.records(path) if index.lookup(r.key) is r]
             out.append((path, size, metas))
         return out
 
