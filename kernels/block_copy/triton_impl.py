@@ -21,15 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import KernelUnavailable, triton_interpreting
+from kernels.triton_common import INDEX_DTYPES, require_runnable, tl, triton
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as e:  # pragma: no cover - triton is a hard dependency of the project
-    raise KernelUnavailable("triton is not installed; use the reference backend") from e
-
-_INDEX_DTYPES = (torch.int32, torch.int64)
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
@@ -55,16 +48,6 @@ def _copy_blocks_kernel(
 # ----------------------------------------------------------------------------- host side
 
 
-def _require_runnable(name: str, t: torch.Tensor) -> None:
-    if t.is_cuda:
-        return
-    if t.device.type == "cpu" and triton_interpreting():
-        return
-    raise KernelUnavailable(
-        f"{name} is on {t.device}: the Triton kernel needs a CUDA tensor, or a CPU tensor with "
-        "TRITON_INTERPRET=1 set before triton is imported; use the reference backend instead")
-
-
 def _as_words(t: torch.Tensor, name: str, word_bytes: int) -> torch.Tensor:
     """``t`` ``[n, ...]`` (n ≥ 1) as an ``[n, row_bytes // word_bytes]`` integer view of its storage."""
     if not t[0].is_contiguous():
@@ -88,7 +71,7 @@ def _word_bytes(*ts: torch.Tensor) -> int:
 def _check_slots(slots: object, pool: torch.Tensor) -> None:
     if not isinstance(slots, torch.Tensor):
         raise TypeError(f"slots must be a torch.Tensor, got {type(slots).__name__}")
-    if slots.dim() != 1 or slots.dtype not in _INDEX_DTYPES:
+    if slots.dim() != 1 or slots.dtype not in INDEX_DTYPES:
         raise TypeError(f"slots must be a 1-D int32/int64 tensor, got {slots.dtype} of shape {tuple(slots.shape)}")
     if slots.device != pool.device:
         raise ValueError(f"slots is on {slots.device} but pool is on {pool.device}")
@@ -116,7 +99,7 @@ def gather_blocks(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     as a new contiguous ``[n, *pool.shape[1:]]`` tensor, bit-exact for any dtype."""
     if not isinstance(pool, torch.Tensor):
         raise TypeError(f"pool must be a torch.Tensor, got {type(pool).__name__}")
-    _require_runnable("pool", pool)
+    require_runnable("pool", pool)
     _check_slots(slots, pool)
     out = torch.empty((slots.shape[0], *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
     if out.numel() == 0:
@@ -131,7 +114,7 @@ def scatter_blocks(pool: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -
     ``pool[slots[i]] = src[i]`` in place (the pool's storage is never replaced)."""
     if not isinstance(pool, torch.Tensor):
         raise TypeError(f"pool must be a torch.Tensor, got {type(pool).__name__}")
-    _require_runnable("pool", pool)
+    require_runnable("pool", pool)
     _check_slots(slots, pool)
     if not isinstance(src, torch.Tensor):
         raise TypeError(f"src must be a torch.Tensor, got {type(src).__name__}")

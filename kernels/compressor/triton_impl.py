@@ -22,38 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import KernelUnavailable, triton_interpreting
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError as e:  # pragma: no cover - triton is a hard dependency of the project
-    raise KernelUnavailable("triton is not installed; use the reference backend") from e
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-@triton.jit
-def _round_bf16(x):
-    """fp32 → the nearest-even bf16 value, still as fp32 (exactly representable in bf16).
-
-    NOTE: a following ``.to(tl.bfloat16)`` is then exact everywhere. The GPU would round to
-    nearest-even by itself, but triton 3.9's interpreter truncates fp32 → bf16, so the
-    rounding is done here in integer arithmetic to keep both paths bit-identical.
-    """
-    b = x.to(tl.int32, bitcast=True)
-    r = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-    return tl.where(x != x, x, r.to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _cast_to(x, dtype: tl.constexpr):
-    """``x.to(dtype)`` with round-to-nearest-even also under the interpreter."""
-    if dtype == tl.bfloat16:
-        return _round_bf16(x.to(tl.float32)).to(tl.bfloat16)
-    else:
-        return x.to(dtype)
+from kernels.triton_common import FLOAT_DTYPES, INDEX_DTYPES, cast_to, require_runnable, tl, triton
 
 
 @triton.jit
@@ -132,22 +101,12 @@ def _save_state_kernel(
     if last >= 0:
         kv = tl.load(KV_ROWS + last * stride_kt + offs_c * stride_kc, mask=mask_c)
         z = tl.load(SCORE_ROWS + last * stride_zt + offs_c * stride_zc, mask=mask_c)
-        tl.store(STATE_KV + r * stride_vr + offs_c * stride_vc, _cast_to(kv, STATE_KV.dtype.element_ty), mask=mask_c)
-        tl.store(STATE_SCORE + r * stride_sr + offs_c * stride_sc, _cast_to(z, STATE_SCORE.dtype.element_ty),
+        tl.store(STATE_KV + r * stride_vr + offs_c * stride_vc, cast_to(kv, STATE_KV.dtype.element_ty), mask=mask_c)
+        tl.store(STATE_SCORE + r * stride_sr + offs_c * stride_sc, cast_to(z, STATE_SCORE.dtype.element_ty),
                  mask=mask_c)
 
 
 # ----------------------------------------------------------------------------- host side
-
-
-def _require_runnable(name: str, t: torch.Tensor) -> None:
-    if t.is_cuda:
-        return
-    if t.device.type == "cpu" and triton_interpreting():
-        return
-    raise KernelUnavailable(
-        f"{name} is on {t.device}: the Triton kernel needs a CUDA tensor, or a CPU tensor with "
-        "TRITON_INTERPRET=1 set before triton is imported; use the reference backend instead")
 
 
 def _check(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...], device: torch.device | None,
@@ -169,18 +128,18 @@ def compress_entries(kv: torch.Tensor, score: torch.Tensor, norm_weight: torch.T
     kv, score ``[n, S, C]`` (score −inf = empty slot), norm_weight ``[C]``, cos/sin
     ``[n, rope_dims // 2]`` at each entry's first position → ``[n, C]`` fp32.
     """
-    _check("kv", kv, 3, _FLOAT_DTYPES, None, "kv")
-    _require_runnable("kv", kv)
+    _check("kv", kv, 3, FLOAT_DTYPES, None, "kv")
+    require_runnable("kv", kv)
     dev = kv.device
     n, S, C = kv.shape
-    _check("score", score, 3, _FLOAT_DTYPES, dev, "kv")
+    _check("score", score, 3, FLOAT_DTYPES, dev, "kv")
     if score.shape != kv.shape:
         raise ValueError(f"score has shape {tuple(score.shape)} but kv has {tuple(kv.shape)}")
-    _check("norm_weight", norm_weight, 1, _FLOAT_DTYPES, dev, "kv")
+    _check("norm_weight", norm_weight, 1, FLOAT_DTYPES, dev, "kv")
     if norm_weight.shape[0] != C:
         raise ValueError(f"norm_weight has {norm_weight.shape[0]} channels but kv has {C}")
-    _check("cos", cos, 2, _FLOAT_DTYPES, dev, "kv")
-    _check("sin", sin, 2, _FLOAT_DTYPES, dev, "kv")
+    _check("cos", cos, 2, FLOAT_DTYPES, dev, "kv")
+    _check("sin", sin, 2, FLOAT_DTYPES, dev, "kv")
     if cos.shape != sin.shape:
         raise ValueError(f"cos has shape {tuple(cos.shape)} but sin has {tuple(sin.shape)}")
     half = cos.shape[1]
@@ -211,20 +170,20 @@ def save_state(state_kv: torch.Tensor, state_score: torch.Tensor, kv_rows: torch
                score_rows: torch.Tensor, positions: torch.Tensor) -> None:
     """Triton twin of :func:`kernels.compressor.reference.save_state_ref`: in place,
     ``state[positions[t] % R] = rows[t]``, the later row winning on a collision."""
-    _check("state_kv", state_kv, 2, _FLOAT_DTYPES, None, "state_kv")
-    _require_runnable("state_kv", state_kv)
+    _check("state_kv", state_kv, 2, FLOAT_DTYPES, None, "state_kv")
+    require_runnable("state_kv", state_kv)
     dev = state_kv.device
     R, C = state_kv.shape
-    _check("state_score", state_score, 2, _FLOAT_DTYPES, dev, "state_kv")
+    _check("state_score", state_score, 2, FLOAT_DTYPES, dev, "state_kv")
     if state_score.shape != state_kv.shape:
         raise ValueError(f"state_score has shape {tuple(state_score.shape)} but state_kv has {(R, C)}")
-    _check("kv_rows", kv_rows, 2, _FLOAT_DTYPES, dev, "state_kv")
-    _check("score_rows", score_rows, 2, _FLOAT_DTYPES, dev, "state_kv")
+    _check("kv_rows", kv_rows, 2, FLOAT_DTYPES, dev, "state_kv")
+    _check("score_rows", score_rows, 2, FLOAT_DTYPES, dev, "state_kv")
     T = kv_rows.shape[0]
     if kv_rows.shape[1] != C or tuple(score_rows.shape) != (T, C):
         raise ValueError(f"kv_rows {tuple(kv_rows.shape)} and score_rows {tuple(score_rows.shape)} "
                          f"must both be [T, {C}]")
-    _check("positions", positions, 1, _INDEX_DTYPES, dev, "state_kv")
+    _check("positions", positions, 1, INDEX_DTYPES, dev, "state_kv")
     if positions.shape[0] != T:
         raise ValueError(f"positions has {positions.shape[0]} entries but there are {T} rows")
     if R == 0 and T:

@@ -36,16 +36,8 @@ import operator
 
 import torch
 
-from kernels.dispatch import KernelUnavailable, triton_interpreting
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError as e:  # pragma: no cover - triton is a hard dependency of the project
-    raise KernelUnavailable("triton is not installed; use the reference backend") from e
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_INDEX_DTYPES = (torch.int32, torch.int64)
+from kernels.dispatch import triton_interpreting
+from kernels.triton_common import FLOAT_DTYPES, INDEX_DTYPES, require_runnable, tl, triton
 
 
 @triton.jit
@@ -175,16 +167,6 @@ def _topk_select_kernel(
 # ----------------------------------------------------------------------------- host side
 
 
-def _require_runnable(name: str, t: torch.Tensor) -> None:
-    if t.is_cuda:
-        return
-    if t.device.type == "cpu" and triton_interpreting():
-        return
-    raise KernelUnavailable(
-        f"{name} is on {t.device}: the Triton kernel needs a CUDA tensor, or a CPU tensor with "
-        "TRITON_INTERPRET=1 set before triton is imported; use the reference backend instead")
-
-
 def _check(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...], device: torch.device) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -197,13 +179,13 @@ def _check(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...], dev
 
 
 def _check_qkw(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> None:
-    _check("q", q, 3, _FLOAT_DTYPES, q.device if isinstance(q, torch.Tensor) else None)
-    _require_runnable("q", q)
+    _check("q", q, 3, FLOAT_DTYPES, q.device if isinstance(q, torch.Tensor) else None)
+    require_runnable("q", q)
     T, NH, DI = q.shape
-    _check("k", k, 2, _FLOAT_DTYPES, q.device)
+    _check("k", k, 2, FLOAT_DTYPES, q.device)
     if k.shape[1] != DI:
         raise ValueError(f"k has {k.shape[1]} channels but q has {DI}")
-    _check("w", w, 2, _FLOAT_DTYPES, q.device)
+    _check("w", w, 2, FLOAT_DTYPES, q.device)
     if tuple(w.shape) != (T, NH):
         raise ValueError(f"w must be [T, nH] = {[T, NH]}, got {list(w.shape)}")
 
@@ -255,7 +237,7 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: t
     entry ids, higher score first, ties to the lower id, −1 past the visible count."""
     _check_qkw(q, k, w)
     T = q.shape[0]
-    _check("positions", positions, 1, _INDEX_DTYPES, q.device)
+    _check("positions", positions, 1, INDEX_DTYPES, q.device)
     if positions.shape[0] != T:
         raise ValueError(f"positions has {positions.shape[0]} entries but q has {T} queries")
     ratio, topk = _as_int("ratio", ratio, 1), _as_int("topk", topk, 0)

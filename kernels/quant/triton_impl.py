@@ -24,24 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import KernelUnavailable, triton_interpreting
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError as e:  # pragma: no cover - triton is a hard dependency of the project
-    raise KernelUnavailable("triton is not installed; use the reference backend") from e
+from kernels.triton_common import FLOAT_DTYPES, require_runnable, round_bf16, tl, triton
 
 FP8_MAX = 448.0
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@triton.jit
-def _round_bf16(x):
-    """fp32 → the nearest-even bf16 value, still as fp32 (see the sparse attention module)."""
-    b = x.to(tl.int32, bitcast=True)
-    r = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-    return tl.where(x != x, x, r.to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -142,21 +127,11 @@ def _dequantize_kernel(
         scale = tl.load(SCALE + n * stride_sn + offs_g * stride_sg, mask=offs_g < G, other=1.0)
     v = _decode_e4m3(code) * scale[:, None]
     if OUT.dtype.element_ty == tl.bfloat16:
-        v = _round_bf16(v)
+        v = round_bf16(v)
     tl.store(OUT + n * stride_on + ch * stride_od, v.to(OUT.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------- host side
-
-
-def _require_runnable(name: str, t: torch.Tensor) -> None:
-    if t.is_cuda:
-        return
-    if t.device.type == "cpu" and triton_interpreting():
-        return
-    raise KernelUnavailable(
-        f"{name} is on {t.device}: the Triton kernel needs a CUDA tensor, or a CPU tensor with "
-        "TRITON_INTERPRET=1 set before triton is imported; use the reference backend instead")
 
 
 def _check_group(group: object, D: int) -> None:
@@ -184,9 +159,9 @@ def quantize_fp8(x: torch.Tensor, group: int, scale_format: str = "fp32") -> tup
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
         raise ValueError(f"x must be [N, D], got shape {tuple(x.shape)}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"x has dtype {x.dtype}; allowed: {', '.join(map(str, _FLOAT_DTYPES))}")
-    _require_runnable("x", x)
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"x has dtype {x.dtype}; allowed: {', '.join(map(str, FLOAT_DTYPES))}")
+    require_runnable("x", x)
     e8m0 = _check_scale_format(scale_format)
     N, D = x.shape
     _check_group(group, D)
@@ -210,7 +185,7 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, group: int,
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dim() != 2 or q.dtype != torch.float8_e4m3fn:
         raise TypeError(f"q must be a 2-D float8_e4m3fn tensor, got {q.dtype} of shape {tuple(q.shape)}")
-    _require_runnable("q", q)
+    require_runnable("q", q)
     N, D = q.shape
     _check_group(group, D)
     G = D // group
@@ -220,8 +195,8 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, group: int,
         raise ValueError(f"scale must be [N, D // group] = {[N, G]}, got {list(scale.shape)}")
     if scale.device != q.device:
         raise ValueError(f"scale is on {scale.device} but q is on {q.device}")
-    if dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"dtype {dtype} is not supported; allowed: {', '.join(map(str, _FLOAT_DTYPES))}")
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype {dtype} is not supported; allowed: {', '.join(map(str, FLOAT_DTYPES))}")
     out = torch.empty((N, D), dtype=dtype, device=q.device)
     if N and G:
         BLOCK_G, GROUP_P2 = _tiles(G, group)

@@ -29,38 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import KernelUnavailable, triton_interpreting
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError as e:  # pragma: no cover - triton is a hard dependency of the project
-    raise KernelUnavailable("triton is not installed; use the reference backend") from e
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-@triton.jit
-def _round_bf16(x):
-    """fp32 → the nearest-even bf16 value, still as fp32 (exactly representable in bf16).
-
-    NOTE: a following ``.to(tl.bfloat16)`` is then exact everywhere. The GPU would round to
-    nearest-even by itself, but triton 3.9's interpreter truncates fp32 → bf16, so the
-    rounding is done here in integer arithmetic to keep both paths bit-identical.
-    """
-    b = x.to(tl.int32, bitcast=True)
-    r = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-    return tl.where(x != x, x, r.to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _cast_to(x, dtype: tl.constexpr):
-    """``x.to(dtype)`` with round-to-nearest-even also under the interpreter."""
-    if dtype == tl.bfloat16:
-        return _round_bf16(x.to(tl.float32)).to(tl.bfloat16)
-    else:
-        return x.to(dtype)
+from kernels.dispatch import triton_interpreting
+from kernels.triton_common import FLOAT_DTYPES, INDEX_DTYPES, cast_to, require_runnable, tl, triton
 
 
 @triton.jit
@@ -118,7 +88,7 @@ def _sparse_attn_fwd(
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if MMA16:
-            p = _cast_to(p, kv.dtype)  # the 16-bit operand of P V (emulated when DOT_IEEE)
+            p = cast_to(p, kv.dtype)  # the 16-bit operand of P V (emulated when DOT_IEEE)
         if DOT_IEEE:
             acc = tl.dot(p.to(tl.float32), kv.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
         else:
@@ -127,20 +97,10 @@ def _sparse_attn_fwd(
 
     o = acc / l_i[:, None]
     tl.store(OUT + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od,
-             _cast_to(o, OUT.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+             cast_to(o, OUT.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
 
 
 # ----------------------------------------------------------------------------- host side
-
-
-def _require_runnable(name: str, t: torch.Tensor) -> None:
-    if t.is_cuda:
-        return
-    if t.device.type == "cpu" and triton_interpreting():
-        return
-    raise KernelUnavailable(
-        f"{name} is on {t.device}: the Triton kernel needs a CUDA tensor, or a CPU tensor with "
-        "TRITON_INTERPRET=1 set before triton is imported; use the reference backend instead")
 
 
 def _check(name: str, t: object, ndim: int | None, dtypes: tuple[torch.dtype, ...],
@@ -190,17 +150,17 @@ def _launch(q, rows, table, idx, sink, scale, E, num_blocks, num_rows, row_strid
 
 
 def _check_common(q, rows_name, rows, idx, sink):
-    _check("q", q, 3, _FLOAT_DTYPES, q.device)
-    _require_runnable("q", q)
+    _check("q", q, 3, FLOAT_DTYPES, q.device)
+    require_runnable("q", q)
     dev = q.device
     T, H, D = q.shape
-    _check(rows_name, rows, None, _FLOAT_DTYPES, dev)
+    _check(rows_name, rows, None, FLOAT_DTYPES, dev)
     if rows.shape[-1] != D:
         raise ValueError(f"{rows_name} has {rows.shape[-1]} channels but q has {D}")
-    _check("idx", idx, 2, _INDEX_DTYPES, dev)
+    _check("idx", idx, 2, INDEX_DTYPES, dev)
     if idx.shape[0] != T:
         raise ValueError(f"idx has {idx.shape[0]} rows but q has {T} queries")
-    _check("sink", sink, 1, _FLOAT_DTYPES, dev)
+    _check("sink", sink, 1, FLOAT_DTYPES, dev)
     if sink.shape[0] != H:
         raise ValueError(f"sink has {sink.shape[0]} entries but q has {H} heads")
 
@@ -216,7 +176,7 @@ def paged_sparse_attn(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Te
     _check_common(q, "pool", pool, idx, sink)
     if pool.dim() != 3:
         raise ValueError(f"pool must be [num_slots, E, D], got shape {tuple(pool.shape)}")
-    _check("block_table", block_table, 1, _INDEX_DTYPES, q.device)
+    _check("block_table", block_table, 1, INDEX_DTYPES, q.device)
     num_slots, E, _ = pool.shape
     if E == 0:
         raise ValueError("pool has 0 entries per slot")
