@@ -75,6 +75,11 @@ def test_pool_storage_is_static_and_generations_fence() -> None:
     assert p.lookup("a" * 32) is None and p.lookup("c" * 32)[0] == s3
     with pytest.raises(ValueError, match="bytes"):
         p.write(s3, torch.zeros(3))
+    flat = torch.arange(64, dtype=torch.uint8)                  # a tier's copy: written as it is
+    p.write(s3, flat)
+    assert torch.equal(p.view(s3), flat)
+    with pytest.raises(ValueError, match="bytes"):
+        p.write(s3, torch.zeros(63, dtype=torch.uint8))
     assert ps.addresses() == addrs
 
 

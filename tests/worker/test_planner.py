@@ -197,3 +197,10 @@ def test_fast_path_never_passes_what_validate_fails() -> None:
         if all_pass(ref, index, obs, EXPECT):
             assert validate(ref, index, obs, EXPECT, ALL).ok, (ref, obs.meta, index)
     assert sum(all_pass(r, 2, o, EXPECT) for r, o in cases) == 0
+
+
+def test_a_record_at_a_generation_keeps_every_other_field() -> None:
+    import dataclasses
+    values = {f.name: (7 if f.type in ("int", int) else f"v-{f.name}") for f in dataclasses.fields(BlockMeta)}
+    meta = BlockMeta(**values)
+    assert meta.at_generation(42) == dataclasses.replace(meta, generation=42)

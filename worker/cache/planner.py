@@ -142,6 +142,12 @@ class BlockMeta:
     checksum: str
     generation: int = 0
 
+    def at_generation(self, generation: int) -> BlockMeta:
+        """This record at a slot's ``generation`` (every install makes one: ``dataclasses.replace``
+        spent 2 µs introspecting the class each time)."""
+        return BlockMeta(self.namespace, self.tenant, self.block_hash, self.parent_hash, self.token_start,
+                         self.token_end, self.form, self.spec_digest, self.checksum, generation)
+
 
 @dataclass(frozen=True, slots=True)
 class Observed:

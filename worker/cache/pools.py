@@ -77,7 +77,12 @@ class FormPool:
         return slot, gen
 
     def write(self, slot: int, payload: torch.Tensor) -> None:
-        flat = payload.detach().contiguous().view(torch.uint8).reshape(-1)
+        # NOTE: tier copies and exported payloads are flat uint8 already; the conversions below
+        # cost twice the copy of a tiny model's block, on every install
+        if payload.dtype is torch.uint8 and payload.dim() == 1 and payload.is_contiguous():
+            flat = payload.detach()
+        else:
+            flat = payload.detach().contiguous().view(torch.uint8).reshape(-1)
         if flat.numel() != self.spec.bytes_per_block:
             raise ValueError(f"pool {self.name}: payload is {flat.numel()} bytes, a slot holds "
                              f"{self.spec.bytes_per_block}")

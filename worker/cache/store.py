@@ -11,7 +11,6 @@ already validated.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
@@ -135,7 +134,7 @@ class CacheStore:
         info = pool.table[slot]
         info.ready = True
         info.checksum = meta.checksum
-        full = dataclasses.replace(meta, generation=gen)
+        full = meta.at_generation(gen)
         self._meta[(meta.form, slot)] = full
         self._touch(meta.form, slot)
         return full
