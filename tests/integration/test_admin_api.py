@@ -182,6 +182,7 @@ async def test_operator_commands_reach_the_ledger_and_the_worker(stack: dict[str
         controls.append(decode(msg.data, expect=Control))
         await msg.respond(encode(ControlAck(worker_id="w1", affected=1)))
     await nc.subscribe(subjects.control("w1"), cb=on_control)
+    await nc.flush()   # the server knows the subscription before the coordinator asks
 
     status, body = await post(stack, "/v1/invalidate", {"scope": "block", "value": hashes[0], "reason": "test"})
     assert status == 200 and body["affected"] == 1 and body["workers_notified"] == {"w1": "acked"}
@@ -216,6 +217,7 @@ async def test_audit_reports_drift_both_ways(stack: dict[str, Any]) -> None:
                                    state=ReplicaState.READY))
         await msg.respond(encode(InventoryReply(worker_id="w1", epoch=1, items=items)))
     await nc.subscribe(subjects.inventory("w1"), cb=inventory)
+    await nc.flush()   # the server knows the subscription before the coordinator asks
     before = (await get(stack, "/readyz"))[1]["position"]
     status, report = await post(stack, "/v1/audit", {})
     assert status == 200 and not report["ok"] and report["hash_match"]
