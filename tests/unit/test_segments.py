@@ -199,3 +199,7 @@ def test_the_gc_names_a_block_only_with_the_segment_of_its_current_record(tmp_pa
     again = Tiers(host_bytes=0, disk_root=tmp_path, writer="w1", segment_bytes=2000)
     again._writer.current = tiers._writer.current
     assert {p.name: sorted(m.block_hash for m in ms) for p, _, ms in again.disk_collectable()} == named
+    # another worker's newer copy of block 1 does not count: the ledger replica may be w1's (the
+    # first writer owns it), and w2's GC would leave it READY when deleting its own copy
+    Tiers(host_bytes=0, disk_root=tmp_path, writer="w2", segment_bytes=2000).disk_write_many([block(1)])
+    assert {p.name: sorted(m.block_hash for m in ms) for p, _, ms in tiers.disk_collectable()} == named

@@ -31,7 +31,7 @@ from shared.versions import SEGMENT_FORMAT_VERSION
 from worker.cache import offload_key as of
 from worker.cache.host_tier import HostTier
 from worker.cache.planner import BlockMeta, Observed
-from worker.cache.segments import ALIGN, Found, SegmentIndex, SegmentWriter, key_of
+from worker.cache.segments import ALIGN, Found, Record, SegmentIndex, SegmentWriter, key_of
 
 Key = tuple[str, str]  # (block_hash, form)
 
@@ -264,24 +264,30 @@ class Tiers:
 
     def disk_collectable(self) -> list[tuple[Path, int, list[BlockMeta]]]:
         """This worker's segments the GC may delete, oldest first (not the one being appended
-        to), each with its size and the blocks whose current record it holds (as the index knows
-        them).
+        to), each with its size and the blocks whose newest record *of this worker's* it holds.
 
-        NOTE: a block written again later has a newer record elsewhere (the index reads that
-        one); its old record is dead bytes. Naming it would have the ledger evict a replica whose
-        bytes live on in the newer record."""
+        NOTE: a block this worker wrote again later lies in a newer segment of its own: the old
+        record is dead bytes, and naming it would have the ledger evict a replica whose bytes live
+        on. Another worker's newer record does not count: the ledger replica may be this
+        worker's (the first writer owns it), and the other worker's GC will not evict what it
+        does not own, so skipping it here would leave a READY replica whose owner's bytes are
+        gone once the other deletes its copy."""
         if self._writer is None:
             return []
         self._index.refresh()
-        index = self._index
+        segments = self._writer.segments()
+        newest: dict[tuple[str, str, str, str], Record] = {}
+        for path, _ in segments:                          # oldest first: later records win
+            for r in self._index.records(path):
+                newest[r.key] = r
         out = []
-        for path, size in self._writer.segments():
+        for path, size in segments:
             if path == self._writer.current:
                 continue
             metas = [BlockMeta(namespace=r.header.namespace, tenant=r.header.tenant, block_hash=r.header.block_hash,
                                parent_hash="", token_start=0, token_end=0, form=r.header.form,
                                spec_digest=r.header.spec_digest, checksum=r.header.checksum)
-                     for r in index.records(path) if index.lookup(r.key) is r]
+                     for r in self._index.records(path) if newest[r.key] is r]
             out.append((path, size, metas))
         return out
 
