@@ -192,3 +192,16 @@ def test_idle_rates_scale_to_the_default_heartbeat_interval() -> None:
 def test_goals_include_takeover_and_idle_events() -> None:
     g = goals({"takeover_to_ready_s": 2.5, "idle_events_per_worker_per_hour": 0.0})
     assert g == {"takeover_to_ready_s <= 2.0": False, "idle_events_per_worker_per_hour <= 10.0": True}
+
+
+def test_lease_ab_takes_only_kvledger_checkouts(tmp_path) -> None:
+    import argparse
+    from pathlib import Path
+
+    from bench.lease_ab import checkout, main
+    repo = Path(__file__).resolve().parents[2]
+    assert checkout(str(repo)) == repo
+    with pytest.raises(argparse.ArgumentTypeError, match="not a kvledger checkout"):
+        checkout(str(tmp_path))
+    with pytest.raises(SystemExit):                      # argparse: a clear error, no stack trace
+        main(["--a", str(repo), "--b", str(tmp_path)])
