@@ -303,7 +303,7 @@ class SegmentIndex:
             writers = [d for d in top.iterdir() if d.is_dir()] if top.exists() else []
             seen: set[Path] = set()
             for d in writers:
-                # oldest first: a block written again later is read from (and GC'd with) its newest record
+                # oldest first: a reader takes the newest record of a block a writer wrote again
                 for p in sorted(d.glob(f"*{SUFFIX}")):
                     seen.add(p)
                     try:
