@@ -73,7 +73,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import shutil
@@ -1665,11 +1664,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args.idle_workers = args.idle_workers or (4 if args.quick else 8)
     args.takeover_rounds = args.takeover_rounds or (1 if args.quick else 3)
     args.idle_seconds = args.idle_seconds or (10.0 if args.quick else 30.0)
-    from shared.logging import configure_logging
-    configure_logging("json", "warning")
-    result = asyncio.run(run(args))
-    print(json.dumps(result))
-    return result
+    from bench.cli import run_and_print
+    return run_and_print(run(args))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import sys
@@ -128,11 +127,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.requests < 10:
         ap.error("--requests must be at least 10")
-    from shared.logging import configure_logging
-    configure_logging("json", "warning")
-    result = asyncio.run(run(args))
-    print(json.dumps(result))
-    return result
+    from bench.cli import run_and_print
+    return run_and_print(run(args))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -431,11 +430,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     args.prompt = args.prompt or (1024 if args.quick else 2048)
     args.cached = args.cached or (900 if args.quick else 1900)
-    from shared.logging import configure_logging
-    configure_logging("json", "warning")
-    result = asyncio.run(run(args))
-    print(json.dumps(result))
-    return result
+    from bench.cli import run_and_print
+    return run_and_print(run(args))
 
 
 if __name__ == "__main__":
