@@ -167,6 +167,9 @@ async def run_audit(ledger: Ledger, inventory: Any = None, *, from_snapshot: boo
         errors = list(result.stream_errors)
         if result.position != position:
             errors.append(f"log ends at position {result.position}, the live state is at {position}")
+        if result.from_archive_anchor:
+            # the log's oldest events are archived: "from empty" starts at the newest archive's anchor
+            report["replay_from"] = "archive_anchor"
         report.update(replay_hash=replay_hash, hash_match=replay_hash == live_hash, log_errors=errors,
                       replayed_events=result.events, snapshot_position=result.snapshot_position,
                       replay_seconds=round(result.seconds, 3))

@@ -27,6 +27,10 @@ class LogCorrupt(RuntimeError):
     """The log cannot be folded (gap, undecodable or impossible event); names the position."""
 
 
+class LogGap(LogCorrupt):
+    """A position is missing: a corrupt log, or one archived while this replay read it."""
+
+
 @dataclass(slots=True)
 class ReplayResult:
     state: LedgerState
@@ -39,6 +43,8 @@ class ReplayResult:
     snapshot_position: int | None = None
     #: Streams whose versions are not 1, 2, 3, … (only checked with ``check_streams``).
     stream_errors: list[str] = field(default_factory=list)
+    #: The replay started at the newest archive's anchor (the log's first events are archived).
+    from_archive_anchor: bool = False
 
 
 #: Events per page of a replay's read (a page of payloads is a few MB).
@@ -69,7 +75,7 @@ async def _fold_checked(log: EventLog, state: LedgerState, pos: int, upto: int |
             break
         for se in batch:
             if se.position != pos + 1:
-                raise LogCorrupt(f"log gap: position {pos + 1} is missing (next stored is {se.position})")
+                raise LogGap(f"log gap: position {pos + 1} is missing (next stored is {se.position})")
             try:
                 apply(state, decode_event(se.payload))
             except (EventDecodeError, ReplayError, IllegalTransition) as e:
@@ -84,6 +90,55 @@ async def _fold_checked(log: EventLog, state: LedgerState, pos: int, upto: int |
             pos = se.position
         n += len(batch)
         await asyncio.sleep(0)
+    return pos, n, errors
+
+
+async def _fold(log: EventLog, state: LedgerState, pos: int, upto: int | None, page: int, from_snapshot: bool,
+                check_streams: bool, progress_every: int, logger: Any, what: str,
+                t0: float) -> tuple[int, int, list[str]]:
+    """Fold the events after ``pos`` onto ``state``; ``(position, events folded, stream errors)``."""
+    n = 0
+    next_report = progress_every
+    if check_streams:
+        pos, n, errors = await _fold_checked(log, state, pos, upto, page, from_snapshot)
+    else:
+        errors = []
+        # The next page is read while this one is folded: PostgreSQL finds and sends rows
+        # while this process decodes and applies.
+        ahead, limit = _read_ahead(log, pos, upto, page)
+        try:
+            while ahead is not None:
+                batch = await ahead
+                ahead = None
+                if not batch:
+                    break
+                last = batch[-1][0]
+                if len(batch) == limit and last - pos == limit:  # a full page, no gap: there may be more
+                    ahead, limit = _read_ahead(log, last, upto, page)
+                for k, (position, payload) in enumerate(batch, 1):
+                    if position != pos + 1:
+                        raise LogGap(f"log gap: position {pos + 1} is missing (next stored is {position})")
+                    try:
+                        apply(state, decode_event(payload))
+                    except (EventDecodeError, ReplayError, IllegalTransition) as e:
+                        raise LogCorrupt(f"event at position {position} cannot be folded: {e}") from e
+                    pos = position
+                    if not k % YIELD_EVERY:
+                        # let the next page's rows be read off the socket meanwhile: PostgreSQL
+                        # keeps sending only while its socket buffer has room
+                        await asyncio.sleep(0)
+                n += len(batch)
+                if logger is not None and n >= next_report:
+                    elapsed = time.perf_counter() - t0
+                    logger.info(f"{what}_progress", events=n, position=pos,
+                                events_per_s=round(n / max(elapsed, 1e-9)))
+                    next_report = (n // progress_every + 1) * progress_every
+                await asyncio.sleep(0)
+        finally:
+            if ahead is not None:
+                ahead.cancel()
+                with contextlib.suppress(BaseException):
+                    await ahead
     return pos, n, errors
 
 
@@ -112,58 +167,45 @@ async def load_state(log: EventLog, params: CoreParams, *, upto: int | None = No
                     logger.warning("snapshot_unusable", position=snap.position, error=str(e),
                                    action="replaying from empty")
                 state = None
+    anchor = 0
     if state is None:
-        state = LedgerState.empty(params)
+        # "From the beginning": position 1, or the newest archive's anchor once the log's oldest
+        # events live in archive files (coordinator.log.archive).
+        anchor, snap = await log.archive_anchor()
+        if anchor and upto is not None and upto < anchor:
+            raise LogCorrupt(f"positions up to {anchor} are archived: the log cannot be replayed to {upto}")
+        if anchor:
+            if snap is None:
+                raise LogCorrupt(f"the log is archived up to position {anchor} and the snapshot there (the archive's "
+                                 f"anchor) is missing")
+            try:
+                state = from_snapshot(snap.state, params)
+            except SnapshotError as e:
+                raise LogCorrupt(f"the archive anchor at position {anchor} cannot be loaded: {e}") from e
+            if state_hash(state) != snap.state_hash:
+                raise LogCorrupt(f"the archive anchor at position {anchor} does not hash to its recorded "
+                                 f"{snap.state_hash}")
+            pos = snap_pos = anchor
+        else:
+            state = LedgerState.empty(params)
     if logger is not None:
-        logger.info(f"{what}_started", from_position=pos + 1, snapshot_position=snap_pos, upto=upto)
-    n = 0
-    next_report = progress_every
+        logger.info(f"{what}_started", from_position=pos + 1, snapshot_position=snap_pos, upto=upto,
+                    archive_anchor=anchor or None)
     # NOTE: the cyclic GC is paused as in ``core.replay``: a replay allocates millions of
     # long-lived objects and every full collection would rescan all of them (a third of a
     # replay's CPU). It stays paused across the page reads' awaits; nothing else runs long then.
-    with no_gc():
-        if check_streams:
-            pos, n, errors = await _fold_checked(log, state, pos, upto, page, snap_pos is not None)
-        else:
-            errors = []
-            # The next page is read while this one is folded: PostgreSQL finds and sends rows
-            # while this process decodes and applies.
-            ahead, limit = _read_ahead(log, pos, upto, page)
-            try:
-                while ahead is not None:
-                    batch = await ahead
-                    ahead = None
-                    if not batch:
-                        break
-                    last = batch[-1][0]
-                    if len(batch) == limit and last - pos == limit:  # a full page, no gap: there may be more
-                        ahead, limit = _read_ahead(log, last, upto, page)
-                    for k, (position, payload) in enumerate(batch, 1):
-                        if position != pos + 1:
-                            raise LogCorrupt(f"log gap: position {pos + 1} is missing (next stored is {position})")
-                        try:
-                            apply(state, decode_event(payload))
-                        except (EventDecodeError, ReplayError, IllegalTransition) as e:
-                            raise LogCorrupt(f"event at position {position} cannot be folded: {e}") from e
-                        pos = position
-                        if not k % YIELD_EVERY:
-                            # let the next page's rows be read off the socket meanwhile: PostgreSQL
-                            # keeps sending only while its socket buffer has room
-                            await asyncio.sleep(0)
-                    n += len(batch)
-                    if logger is not None and n >= next_report:
-                        elapsed = time.perf_counter() - t0
-                        logger.info(f"{what}_progress", events=n, position=pos,
-                                    events_per_s=round(n / max(elapsed, 1e-9)))
-                        next_report = (n // progress_every + 1) * progress_every
-                    await asyncio.sleep(0)
-            finally:
-                if ahead is not None:
-                    ahead.cancel()
-                    with contextlib.suppress(BaseException):
-                        await ahead
+    try:
+        with no_gc():
+            pos, n, errors = await _fold(log, state, pos, upto, page, snap_pos is not None, check_streams,
+                                         progress_every, logger, what, t0)
+    except LogGap as e:
+        archived, _ = await log.archive_anchor()
+        if archived > anchor and archived >= pos + 1:
+            raise LogGap(f"the log was archived up to position {archived} while this replay read it: "
+                         f"run it again") from e
+        raise
     seconds = time.perf_counter() - t0
     if logger is not None:
         logger.info(f"{what}_done", events=n, position=pos, seconds=round(seconds, 3),
                     events_per_s=round(n / max(seconds, 1e-9)))
-    return ReplayResult(state, pos, n, seconds, snap_pos, errors)
+    return ReplayResult(state, pos, n, seconds, snap_pos, errors, from_archive_anchor=bool(anchor))

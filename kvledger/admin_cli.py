@@ -483,7 +483,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
                                        progress_every=args.page, page=args.page, logger=Progress())
             violations = check_invariants(res.state)
             return {"ok": not res.stream_errors and not violations, "position": res.position, "head": head,
-                    "replay_from": args.replay_from, "snapshot_position": res.snapshot_position,
+                    "replay_from": "archive_anchor" if res.from_archive_anchor else args.replay_from,
+                    "snapshot_position": res.snapshot_position,
                     "events": res.events, "seconds": round(res.seconds, 3), "state_hash": state_hash(res.state),
                     "replicas": len(res.state.replicas), "workers": len(res.state.workers),
                     "stream_errors": res.stream_errors, "invariant_violations": violations}

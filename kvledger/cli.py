@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _extensions() -> list[Callable[[argparse._SubParsersAction], None]]:  # type: ignore[type-arg]
     """Subcommands contributed by other modules (coordinator, worker), if present."""
     found = []
-    for mod_name in ("coordinator.commands", "worker.commands", "kvledger.admin_cli", "kvledger.model_cli"):
+    for mod_name in ("coordinator.commands", "worker.commands", "kvledger.admin_cli", "kvledger.model_cli",
+                     "kvledger.log_cli"):
         try:
             mod = __import__(mod_name, fromlist=["register"])
         except ModuleNotFoundError as e:

@@ -177,6 +177,13 @@ class EventLog(Protocol):
     async def latest_snapshot(self) -> Snapshot | None:
         ...
 
+    async def archive_anchor(self) -> tuple[int, Snapshot | None]:
+        """``(position, snapshot)``: the log's events up to ``position`` are archived
+        (:mod:`coordinator.log.archive`) and the snapshot there is where a replay from the
+        beginning starts; ``(0, None)`` when nothing is archived. The snapshot is None if it
+        cannot be read (it is never deleted; a replay then fails, naming it)."""
+        ...
+
     async def save_snapshot(self, snapshot: Snapshot, leader_epoch: int) -> None:
         """Store a snapshot (fenced like ``append``); a second one at the same position is ignored."""
         ...

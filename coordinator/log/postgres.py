@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 #: The Alembic revision this build's statements need (a test keeps it equal to the head of
 #: ``migrations/``). NOTE: a constant, so that a coordinator's start checks the schema with one
 #: query and imports Alembic and SQLAlchemy only when it has to migrate (a third of its start).
-SCHEMA_REVISION = "0004"
+SCHEMA_REVISION = "0005"
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +184,8 @@ def translate(e: BaseException, what: str, *, committed_unknown: bool = False) -
 # --- SQL of the append path -------------------------------------------------------------
 
 LOCK_LEADER = "SELECT leader_epoch FROM leader WHERE id = 1 FOR UPDATE"
-HEAD = "SELECT coalesce(max(position), 0) FROM events"
+#: The head counts archived positions (migration 0005): a log archived up to its head has no rows.
+HEAD = "SELECT coalesce((SELECT max(position) FROM events), (SELECT max(last_position) FROM log_archives), 0)"
 #: A whole append, one statement (migration 0004): the fence, positions, stream versions,
 #: duplicate sources; returns each event's position (NULL for a duplicate source).
 APPEND = "SELECT kvl_append($1, $2, $3, $4, $5, $6)"
@@ -242,6 +243,10 @@ WHERE l.id = 1
 """
 LATEST_SNAPSHOT = ("SELECT position, state_hash, state, leader_epoch, created_at FROM snapshots "
                    "ORDER BY position DESC LIMIT 1")
+#: The snapshot a replay "from the beginning" starts at once the log has been archived.
+ARCHIVE_ANCHOR = ("SELECT s.position, s.state_hash, s.state, s.leader_epoch, s.created_at FROM log_archives a "
+                  "JOIN snapshots s ON s.position = a.last_position ORDER BY a.last_position DESC LIMIT 1")
+ARCHIVED_UPTO = "SELECT coalesce(max(last_position), 0) FROM log_archives"
 SAVE_SNAPSHOT = ("INSERT INTO snapshots (position, state_hash, state, leader_epoch) VALUES ($1, $2, $3, $4) "
                  "ON CONFLICT (position) DO NOTHING")
 
@@ -416,6 +421,15 @@ class PostgresEventLog:
     async def latest_snapshot(self) -> Snapshot | None:
         row = await self._call("latest_snapshot", "fetchrow", LATEST_SNAPSHOT)
         return Snapshot(row[0], row[1], bytes(row[2]), row[3], row[4]) if row is not None else None
+
+    async def archive_anchor(self) -> tuple[int, Snapshot | None]:
+        """``(archived up to, the anchor snapshot there)``; ``(0, None)`` if nothing is archived."""
+        upto = int(await self._call("archive_anchor", "fetchval", ARCHIVED_UPTO) or 0)
+        if not upto:
+            return 0, None
+        row = await self._call("archive_anchor", "fetchrow", ARCHIVE_ANCHOR)
+        snap = Snapshot(row[0], row[1], bytes(row[2]), row[3], row[4]) if row is not None else None
+        return upto, snap if snap is not None and snap.position == upto else None
 
     async def save_snapshot(self, snapshot: Snapshot, leader_epoch: int) -> None:
         try:

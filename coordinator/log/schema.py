@@ -63,6 +63,30 @@ snapshots = Table(
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
+#: One row per archive of the log's oldest events (migration 0005, ``coordinator.log.archive``):
+#: positions ``first_position..last_position`` live in the file ``file_name`` (its SHA-256),
+#: and the snapshot at ``last_position`` (the anchor, state hash ``anchor_hash``) summarises them.
+log_archives = Table(
+    "log_archives", metadata,
+    Column("last_position", BigInteger, primary_key=True, autoincrement=False),
+    Column("first_position", BigInteger, nullable=False),
+    Column("events", BigInteger, nullable=False),
+    Column("anchor_hash", Text, nullable=False),
+    Column("sha256", Text, nullable=False),
+    Column("file_name", Text, nullable=False),
+    Column("archived_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint("first_position > 0 AND last_position >= first_position", name="positions"),
+)
+
+#: A stream's version when all of its stored events were archived: ``kvl_append`` continues
+#: from it, so versions never start over (migration 0005).
+log_stream_floors = Table(
+    "log_stream_floors", metadata,
+    Column("stream_id", Text, primary_key=True),
+    Column("stream_version", BigInteger, nullable=False),
+    CheckConstraint("stream_version > 0", name="version_positive"),
+)
+
 #: One row: who may write (``leader_epoch`` is the fencing token every append checks).
 #: Every append locks this row ``FOR UPDATE``, so nothing that must not wait behind an
 #: append (the leader's renewal) writes it. ``renewed_at`` is set when an epoch is taken and
@@ -95,6 +119,7 @@ leader_renewal = Table(
 #: The function and triggers that make ``events`` and ``snapshots`` append-only (migrations 0001, 0003).
 APPEND_ONLY_FUNCTION = "kvl_refuse_log_change"
 APPEND_ONLY_TRIGGERS = ("events_refuse_update_delete", "events_refuse_truncate", "snapshots_refuse_update",
-                        "snapshots_refuse_delete", "snapshots_refuse_truncate")
+                        "snapshots_refuse_delete", "snapshots_refuse_truncate", "log_archives_refuse_update_delete",
+                        "log_archives_refuse_truncate")
 #: The NOLOGIN group role holding exactly the coordinator's privileges (migration 0003).
 WRITER_ROLE = "kvledger_writer"

@@ -20,7 +20,7 @@ from coordinator.log.groupcommit import GroupCommitter
 from coordinator.log.leader import LeaderElection, make_holder_id
 from coordinator.log.migrate import alembic_config, current, head_revision, upgrade
 from coordinator.log.postgres import LEADER_STALE, LOCK_LEADER, SCHEMA_REVISION, PgSettings, PostgresEventLog
-from coordinator.log.schema import metadata
+from coordinator.log.schema import APPEND_ONLY_TRIGGERS, metadata
 from shared.embedded import free_port
 
 
@@ -79,8 +79,10 @@ async def test_migration_matches_the_declared_schema(pg: PostgresEventLog) -> No
         assert await conn.run_sync(diff) == []
         triggers = (await conn.exec_driver_sql(
             "SELECT tgname FROM pg_trigger WHERE NOT tgisinternal ORDER BY tgname")).scalars().all()
-    assert triggers == ["events_refuse_truncate", "events_refuse_update_delete", "snapshots_refuse_delete",
-                        "snapshots_refuse_truncate", "snapshots_refuse_update"]
+    assert triggers == ["events_refuse_truncate", "events_refuse_update_delete", "log_archives_refuse_truncate",
+                        "log_archives_refuse_update_delete", "snapshots_refuse_delete", "snapshots_refuse_truncate",
+                        "snapshots_refuse_update"]
+    assert sorted(APPEND_ONLY_TRIGGERS) == triggers
 
 
 async def test_group_commit_batches_concurrent_appends_and_answers_after_commit(pg: PostgresEventLog,

@@ -160,7 +160,7 @@ async def test_the_writer_role_holds_exactly_its_privileges(app_role: tuple[str,
     expected = {
         "events": {"SELECT", "INSERT"}, "snapshots": {"SELECT", "INSERT"},
         "leader": {"SELECT", "UPDATE"}, "leader_renewal": {"SELECT", "INSERT", "UPDATE"},
-        "alembic_version": {"SELECT"},
+        "alembic_version": {"SELECT"}, "log_archives": {"SELECT"}, "log_stream_floors": {"SELECT"},
     }
     all_privileges = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
     conn = await asyncpg.connect(migrated)
@@ -171,6 +171,9 @@ async def test_the_writer_role_holds_exactly_its_privileges(app_role: tuple[str,
                         if await conn.fetchval("SELECT has_table_privilege($1, $2, $3)", role, table, p)}
                 assert have == want, (role, table, have)
             assert not await conn.fetchval("SELECT has_schema_privilege($1, current_schema(), 'CREATE')", role)
+            # retention is the owner's: the coordinator may not archive (delete) history
+            assert not await conn.fetchval(
+                "SELECT has_function_privilege($1, 'kvl_archive(bigint, bigint, text, text, text)', 'EXECUTE')", role)
             attrs = await conn.fetchrow("SELECT rolsuper, rolreplication, rolbypassrls, rolcreaterole, rolcreatedb "
                                         "FROM pg_roles WHERE rolname = $1", role)
             assert not any(attrs), (role, dict(attrs))
