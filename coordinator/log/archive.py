@@ -29,6 +29,7 @@ import gzip
 import hashlib
 import io
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -41,6 +42,7 @@ from coordinator.core import (
     CoreParams, EventDecodeError, IllegalTransition, LedgerState, ReplayError, SnapshotError, apply, decode_event,
     from_snapshot, state_hash,
 )
+from coordinator.core.events import replica_stream
 from coordinator.core.state import no_gc
 
 FORMAT = "kvledger-log-archive"
@@ -57,7 +59,7 @@ SNAPSHOT_AT = "SELECT position, state_hash, state FROM snapshots WHERE position 
 # the newest snapshot an archive may anchor on: past the last archive, at or before the limit
 ANCHOR = "SELECT position, state_hash FROM snapshots WHERE position > $1 AND position <= $2 ORDER BY position DESC LIMIT 1"
 HEAD = "SELECT coalesce((SELECT max(position) FROM events), (SELECT max(last_position) FROM log_archives), 0)"
-ARCHIVE = "SELECT kvl_archive($1, $2, $3, $4, $5)"
+ARCHIVE = "SELECT kvl_archive($1, $2, $3, $4, $5, $6)"
 LIST = ("SELECT first_position, last_position, events, anchor_hash, sha256, file_name, archived_at "
         "FROM log_archives ORDER BY last_position")
 
@@ -149,6 +151,12 @@ def _row(r: Any) -> tuple:
     return (r[0], r[1], r[2], r[3], r[4], r[5], recorded.isoformat() if recorded is not None else None, r[7])
 
 
+def open_streams(state: LedgerState) -> list[str]:
+    """The replica and lease streams the state holds: the ones that may still get events, whose
+    versions must continue after their stored events are archived."""
+    return [replica_stream(*key) for key in state.replicas] + [f"lease:{lease_id}" for lease_id in state.leases]
+
+
 def _fold_one(state: LedgerState, position: int, payload: str | bytes) -> None:
     try:
         apply(state, decode_event(payload))
@@ -192,6 +200,7 @@ async def archive(conn: Any, out_dir: Path, before: int, params: CoreParams, *, 
     else:
         state = LedgerState.empty(params)
     out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
     header = Header(first, last, p["events"], p["anchor_hash"], datetime.now(UTC).isoformat())
     writer = ArchiveWriter(out_dir, header)
     pos = first - 1
@@ -219,15 +228,17 @@ async def archive(conn: Any, out_dir: Path, before: int, params: CoreParams, *, 
     except BaseException:
         writer.abort()
         raise
+    t1 = time.perf_counter()
     try:
-        await conn.fetchval(ARCHIVE, last, p["events"], p["anchor_hash"], sha, writer.path.name)
+        await conn.fetchval(ARCHIVE, last, p["events"], p["anchor_hash"], sha, writer.path.name, open_streams(state))
     except Exception as e:
         code = getattr(e, "sqlstate", "")
         if code in ("KV010", "KV011", "KV012"):
             raise ArchiveError(f"the database refused the archive ({e}); the file {writer.path} was written but "
                                f"nothing was deleted") from e
         raise
-    return {**p, "file": str(writer.path), "sha256": sha, "bytes": writer.path.stat().st_size, "dry_run": False}
+    return {**p, "file": str(writer.path), "sha256": sha, "bytes": writer.path.stat().st_size, "dry_run": False,
+            "write_seconds": round(t1 - t0, 3), "delete_seconds": round(time.perf_counter() - t1, 3)}
 
 
 async def list_archives(conn: Any) -> list[dict[str, Any]]:

@@ -8,13 +8,14 @@ deleted from ``events``, all in one call of ``kvl_archive`` here. Replays and th
 
 * ``log_archives``: one row per archive (append-only like the log): the positions it holds,
   the anchor's state hash, the file's SHA-256 and name.
-* ``log_stream_floors``: the version a stream had reached when all of its stored events were
-  archived, so that stream versions never start again at 1 (``UNIQUE(stream, version)`` is
-  checked only against the rows still stored). Streams whose last archived event ends a lease
-  get no floor: lease ids are never reused.
+* ``log_stream_floors``: the version an open stream had reached when all of its stored events
+  were archived, so that its versions continue (``UNIQUE(stream, version)`` is checked only
+  against the rows still stored). A replica or lease stream is open if the anchor's state holds
+  it (the archive passes that list); one that had ended and comes back later starts at 1 again
+  — floors for every stream ever seen would grow with history (one per block ever cached).
 * ``kvl_append`` takes the head position from ``log_archives`` and a stream's version from
   its floor when ``events`` holds none (one more index probe, only then).
-* ``kvl_archive(upto, events, anchor_hash, sha256, file)``: checks that a snapshot with that
+* ``kvl_archive(upto, events, anchor_hash, sha256, file, open_streams)``: checks that a snapshot with that
   hash sits at ``upto``, that every position after the previous archive up to ``upto`` is
   stored and that there are ``events`` of them, records the archive and the floors, deletes
   the events and the snapshots it supersedes (an older archive's anchor stays). It runs
@@ -44,7 +45,7 @@ depends_on: str | Sequence[str] | None = None
 
 WRITER_ROLE = "kvledger_writer"
 APPEND_SIGNATURE = "kvl_append(bigint, text[], text[], text[], text[], bigint[])"
-ARCHIVE_SIGNATURE = "kvl_archive(bigint, bigint, text, text, text)"
+ARCHIVE_SIGNATURE = "kvl_archive(bigint, bigint, text, text, text, text[])"
 
 REFUSE_FUNCTION = """
 CREATE OR REPLACE FUNCTION kvl_refuse_log_change() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -156,7 +157,8 @@ $$
 # the last archive), KV011 no snapshot with that hash at upto, KV012 the stored events are not
 # exactly the ones the file holds (DETAIL: stored count and expected).
 ARCHIVE_FUNCTION = """
-CREATE FUNCTION kvl_archive(p_upto bigint, p_events bigint, p_anchor_hash text, p_sha256 text, p_file text)
+CREATE FUNCTION kvl_archive(p_upto bigint, p_events bigint, p_anchor_hash text, p_sha256 text, p_file text,
+                            p_open text[])
 RETURNS bigint LANGUAGE plpgsql SECURITY INVOKER AS $$
 DECLARE
     prev bigint;
@@ -180,13 +182,18 @@ BEGIN
     END IF;
     INSERT INTO log_archives (last_position, first_position, events, anchor_hash, sha256, file_name)
     VALUES (p_upto, prev + 1, p_events, p_anchor_hash, p_sha256, p_file);
-    -- the last archived version of every stream that may still get events and keeps none stored
+    -- The last archived version of every open stream that keeps no stored event. Replica and
+    -- lease streams are open only if the anchor's state holds them (p_open): that bounds the
+    -- floors by the live state, not by history. The rest (workers, invalidations, switches,
+    -- the coordinator) are few and always kept.
+    DELETE FROM log_stream_floors
+    WHERE (stream_id LIKE 'replica:%' OR stream_id LIKE 'lease:%') AND NOT (stream_id = ANY(p_open));
     INSERT INTO log_stream_floors (stream_id, stream_version)
     SELECT s.stream_id, s.stream_version FROM (
-        SELECT DISTINCT ON (stream_id) stream_id, stream_version, type FROM events
+        SELECT DISTINCT ON (stream_id) stream_id, stream_version FROM events
         WHERE position <= p_upto ORDER BY stream_id, stream_version DESC
     ) s
-    WHERE s.type NOT IN ('lease.released', 'lease.expired')
+    WHERE (s.stream_id = ANY(p_open) OR NOT (s.stream_id LIKE 'replica:%' OR s.stream_id LIKE 'lease:%'))
       AND NOT EXISTS (SELECT 1 FROM events e WHERE e.stream_id = s.stream_id AND e.position > p_upto)
     ON CONFLICT (stream_id) DO UPDATE SET stream_version = greatest(log_stream_floors.stream_version,
                                                                     excluded.stream_version);

@@ -173,7 +173,7 @@ async def test_the_writer_role_holds_exactly_its_privileges(app_role: tuple[str,
             assert not await conn.fetchval("SELECT has_schema_privilege($1, current_schema(), 'CREATE')", role)
             # retention is the owner's: the coordinator may not archive (delete) history
             assert not await conn.fetchval(
-                "SELECT has_function_privilege($1, 'kvl_archive(bigint, bigint, text, text, text)', 'EXECUTE')", role)
+                "SELECT has_function_privilege($1, 'kvl_archive(bigint, bigint, text, text, text, text[])', 'EXECUTE')", role)
             attrs = await conn.fetchrow("SELECT rolsuper, rolreplication, rolbypassrls, rolcreaterole, rolcreatedb "
                                         "FROM pg_roles WHERE rolname = $1", role)
             assert not any(attrs), (role, dict(attrs))

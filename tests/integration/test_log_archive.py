@@ -19,7 +19,7 @@ from coordinator.audit import run_audit
 from coordinator.core import CoreParams, state_hash
 from coordinator.ledger import Ledger
 from coordinator.log import NewEvent
-from coordinator.log.archive import ArchiveError, archive, list_archives, plan, verify_archives
+from coordinator.log.archive import ArchiveError, archive, list_archives, open_streams, plan, verify_archives
 from coordinator.log.migrate import upgrade
 from coordinator.log.postgres import PgSettings, PostgresEventLog
 from coordinator.metrics import CoordinatorMetrics
@@ -135,7 +135,10 @@ async def test_archive_then_replay_audit_append_and_verify_offline(pg: PostgresE
     versions_before = dict(await owner.fetch("SELECT stream_id, max(stream_version) FROM events GROUP BY stream_id"))
     floors = dict(await owner.fetch("SELECT stream_id, stream_version FROM log_stream_floors"))
     assert floors.get(f"lease:{live_lease}") is not None  # live at the anchor: it may get more events
-    assert "lease:l-w1-1" not in floors  # released before the anchor: lease ids are never reused, no floor
+    assert "lease:l-w1-1" not in floors  # released before the anchor: not open, no floor
+    anchor_state = (await load_state(pg, CoreParams(), upto=first.position)).state
+    bounded = set(open_streams(anchor_state))
+    assert {k for k in floors if k.startswith(("replica:", "lease:"))} <= bounded  # bounded by the live state
     rel = LeaseRelease(worker_id="w1", epoch=w.epoch, lease_id=live_lease)
     await ledger.execute(lambda s: core.release_lease(s, rel, 9000))
     row = await owner.fetchrow("SELECT position, stream_version FROM events WHERE stream_id = $1",
@@ -211,14 +214,14 @@ async def test_the_database_guards_the_archive(pg: PostgresEventLog, owner: asyn
         with pytest.raises(asyncpg.RestrictViolationError, match="append-only"):
             await owner.execute(f"DELETE FROM events WHERE position <= {n}")
     with pytest.raises(asyncpg.PostgresError, match="no snapshot with state hash") as e:
-        await owner.fetchval("SELECT kvl_archive($1, $2, 'x', 's', 'f')", n, n)
+        await owner.fetchval("SELECT kvl_archive($1, $2, 'x', 's', 'f', '{}')", n, n)
     assert e.value.sqlstate == "KV011"
     with pytest.raises(asyncpg.PostgresError, match="the archive holds") as e:
-        await owner.fetchval("SELECT kvl_archive($1, $2, $3, 's', 'f')", n, n - 1, snap.state_hash)
+        await owner.fetchval("SELECT kvl_archive($1, $2, $3, 's', 'f', '{}')", n, n - 1, snap.state_hash)
     assert e.value.sqlstate == "KV012"
-    assert await owner.fetchval("SELECT kvl_archive($1, $2, $3, 's', 'f')", n, n, snap.state_hash) == n
+    assert await owner.fetchval("SELECT kvl_archive($1, $2, $3, 's', 'f', '{}')", n, n, snap.state_hash) == n
     with pytest.raises(asyncpg.PostgresError, match="already archived") as e:
-        await owner.fetchval("SELECT kvl_archive($1, $2, $3, 's', 'f')", n, n, snap.state_hash)
+        await owner.fetchval("SELECT kvl_archive($1, $2, $3, 's', 'f', '{}')", n, n, snap.state_hash)
     assert e.value.sqlstate == "KV010"
     for statement in ("UPDATE log_archives SET sha256 = 'x'", "DELETE FROM log_archives", "TRUNCATE log_archives",
                       "DELETE FROM events"):
