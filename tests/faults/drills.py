@@ -67,7 +67,7 @@ from tests.faults.workload import (
 )
 
 #: Drills in the order the suite runs them (also the tenants that get API keys).
-DRILLS = ("coordinator-kill", "standby-takeover", "coordinator-stall", "cpu-starvation", "worker-kill",
+DRILLS = ("coordinator-kill", "log-archive", "standby-takeover", "coordinator-stall", "cpu-starvation", "worker-kill",
           "nats-kill", "postgres-outage", "coordinator-stall-past-grace", "offload-readonly", "offload-damage",
           "offload-full", "pool-exhausted", "spike")
 #: Failures a drill's fault explains; anything else fails the drill.
@@ -235,6 +235,9 @@ class Run:
         self.host_drift: dict[str, dict[str, int]] = {}
         #: forged resume → (the reply's code, whether the refusal was logged)
         self.forged_resumes: dict[str, tuple[str, str]] = {}
+        #: Where the log-archive drill writes the archive files; ``kvledger log verify``'s report of them.
+        self.archive_dir = root / "log-archive"
+        self.archives_verified: dict[str, Any] | None = None
 
     async def _warm(self) -> None:
         """Every reference the drills need, computed while the stack starts."""
@@ -829,6 +832,40 @@ async def spike(run: Run, drill: str) -> Fault:
     return run.close(f, QUEUE, load)
 
 
+async def log_archive(run: Run, drill: str) -> Fault:
+    """Archive the log's oldest events under load, as an operator would (``kvledger log archive``:
+    a fresh snapshot is the anchor; the events up to it go to a file, proven to fold to it, then
+    leave the database). The fleet keeps serving and keeps its cache; every later drill runs on
+    the archived log; the history check reads the archive files back, the audit starts at the
+    anchor, and ``kvledger log verify`` re-folds the files (:func:`final_check`)."""
+    import asyncpg
+
+    from coordinator.core import CoreParams
+    from coordinator.log.archive import archive
+
+    warm = await run.warm_retained(drill)
+    load = await run.begin(drill)
+    before = await run.epochs()
+    f = Fault(drill, "log archived up to a fresh snapshot under load", run.history.now())
+    t0 = time.monotonic()
+    snap = await run.stack.admin_post("/v1/snapshot")
+    probe = run.probe(drill, t0, "wa", "wb")
+    conn = await asyncpg.connect(run.stack.pg.url, server_settings={"statement_timeout": "0"})
+    try:
+        out = await archive(conn, run.archive_dir, snap["position"], CoreParams())
+    finally:
+        await conn.close()
+    f.ready_s = time.monotonic() - t0
+    f.recovery_s = max(await probe)
+    await load.wait_done(run.settings.after)
+    await load.stop()
+    f.retained_pct = await run.retained_pct(drill, warm)
+    f.evidence.update(archived_events=out["events"], archive_file_bytes=out["bytes"],
+                      archive_s=round(f.ready_s, 2))
+    kept_cache(f, before, await run.epochs())
+    return run.close(f, set(), load)
+
+
 async def _sum_metric(stack: Stack, name: str, **labels: str) -> float:
     vals = await asyncio.gather(*[stack.metric(w, name, **labels) for w in stack.specs])
     return float(sum(vals))
@@ -848,7 +885,7 @@ ALL = {"coordinator-kill": coordinator_kill, "standby-takeover": standby_takeove
        "nats-kill": nats_kill, "postgres-outage": postgres_outage,
        "coordinator-stall-past-grace": coordinator_stall_past_grace, "offload-readonly": offload_readonly,
        "offload-damage": offload_damage, "offload-full": offload_full, "pool-exhausted": pool_exhausted,
-       "spike": spike}
+       "spike": spike, "log-archive": log_archive}
 
 
 # --- the end of a run -----------------------------------------------------------------------------
@@ -934,6 +971,26 @@ async def forge_resumes(run: Run) -> dict[str, tuple[str, str]]:
             for why, (code, wid, epoch) in out.items()}
 
 
+def archived_events(run: Run) -> list[dict[str, Any]]:
+    """The events the log-archive drill moved into files, as ``GET /v1/events`` shows events, after
+    ``kvledger log verify``'s check of the files (kept in ``run.archives_verified``)."""
+    import json
+
+    from coordinator.core import CoreParams
+    from coordinator.log.archive import read_archive, verify_archives
+
+    files = sorted(run.archive_dir.glob("kvledger-log-*.jsonl.gz"))
+    if not files:
+        return []
+    run.archives_verified = verify_archives(files, CoreParams())
+    out = []
+    for path in files:
+        _, rows = read_archive(path)
+        out += [{"position": r[0], "stream_id": r[1], "stream_version": r[2], "source_id": r[3], "type": r[4],
+                 "leader_epoch": r[5], "recorded_at": r[6], "event": json.loads(r[7])} for r in rows]
+    return out
+
+
 def audit_findings(run: Run, audit: dict[str, Any]) -> dict[str, Any]:
     """What the audit found that the run does not explain (empty = clean but for the known).
 
@@ -971,9 +1028,10 @@ async def final_check(run: Run) -> tuple[checker.Report, dict[str, Any]]:
         assert await stack.flush(w, 30), f"{w}: outbox not drained by the commit watermark within 30s"
     forged = await forge_illegal(run)
     run.forged_resumes = await forge_resumes(run)
+    archived = archived_events(run)
     deadline = time.monotonic() + 30
     while True:
-        log = await stack.events()
+        log = archived + await stack.events()
         logged = {r["source_id"]: r for r in log if r["type"].startswith("transition.")}
         if all(sid in logged for sid in forged) or time.monotonic() > deadline:
             break

@@ -58,6 +58,10 @@ async def test_history_is_clean_and_the_audit_passes(run: Run) -> None:
     if {f.drill for f in run.faults} & {"offload-damage", "offload-readonly"} and disk.get("checked"):
         assert (disk.get("missing") or {}).get("count") or (disk.get("damaged") or {}).get("count"), disk
     assert n["mismatches"] == 0
+    if "log-archive" in {f.drill for f in run.faults}:
+        # the archived history verifies offline, and the audit replayed from its anchor
+        assert run.archives_verified and run.archives_verified["ok"], run.archives_verified
+        assert audit["replay_from"] == "archive_anchor", audit
     # every drill's load sent one conversation through the gateway (each drill checked its errors)
     assert n["gateway_requests"] > 0 and n["gateway_workers"] >= 1, n
     # the checker saw the run: transitions were published, acknowledged and logged
