@@ -60,6 +60,10 @@ SNAPSHOT_AT = "SELECT position, state_hash, state FROM snapshots WHERE position 
 ANCHOR = "SELECT position, state_hash FROM snapshots WHERE position > $1 AND position <= $2 ORDER BY position DESC LIMIT 1"
 HEAD = "SELECT coalesce((SELECT max(position) FROM events), (SELECT max(last_position) FROM log_archives), 0)"
 ARCHIVE = "SELECT kvl_archive($1, $2, $3, $4, $5, $6)"
+#: Session advisory lock held for an archive's whole length (any constant nobody else uses).
+ARCHIVE_LOCK = 0x6B766C6172636876  # "kvlarchv"
+TRY_LOCK = "SELECT pg_try_advisory_lock($1)"
+UNLOCK = "SELECT pg_advisory_unlock($1)"
 LIST = ("SELECT first_position, last_position, events, anchor_hash, sha256, file_name, archived_at "
         "FROM log_archives ORDER BY last_position")
 
@@ -185,6 +189,19 @@ async def archive(conn: Any, out_dir: Path, before: int, params: CoreParams, *, 
                   progress: Callable[[int], None] | None = None, dry_run: bool = False) -> dict[str, Any]:
     """Archive the events up to the newest snapshot at or before ``before`` (see the module doc).
     ``conn`` is an asyncpg connection of the schema owner, without a statement timeout."""
+    # NOTE: one archive at a time, for its whole length: a second one would write the same
+    # file name (and kvl_archive would refuse it only after it had replaced the first's file)
+    if not await conn.fetchval(TRY_LOCK, ARCHIVE_LOCK):
+        raise ArchiveError("another archive of this log is running (it holds the archive lock); try again when "
+                           "it has finished")
+    try:
+        return await _archive_locked(conn, out_dir, before, params, page=page, progress=progress, dry_run=dry_run)
+    finally:
+        await conn.execute(UNLOCK, ARCHIVE_LOCK)
+
+
+async def _archive_locked(conn: Any, out_dir: Path, before: int, params: CoreParams, *, page: int,
+                          progress: Callable[[int], None] | None, dry_run: bool) -> dict[str, Any]:
     p = await plan(conn, before)
     if dry_run:
         return {**p, "dry_run": True}

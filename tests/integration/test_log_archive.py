@@ -200,6 +200,27 @@ async def test_nothing_is_deleted_unless_the_events_fold_to_the_anchor(pg: Postg
     assert await owner.fetchval("SELECT count(*) FROM log_archives") == 0
 
 
+async def test_one_archive_at_a_time(pg: PostgresEventLog, owner: asyncpg.Connection, database_url: str,
+                                     tmp_path: Path) -> None:
+    from coordinator.log.archive import ARCHIVE_LOCK
+
+    ledger = await serving(pg)
+    w = Traffic(ledger)
+    await w.register()
+    await w.request()
+    snap = await ledger.snapshot()
+    await ledger.stand_down("test")
+    other = await asyncpg.connect(database_url)
+    try:
+        assert await other.fetchval("SELECT pg_try_advisory_lock($1)", ARCHIVE_LOCK)  # an archive in progress
+        with pytest.raises(ArchiveError, match="another archive"):
+            await archive(owner, tmp_path, snap.position, CoreParams())
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        await other.close()
+    assert (await archive(owner, tmp_path, snap.position, CoreParams()))["events"] == snap.position
+
+
 async def test_the_database_guards_the_archive(pg: PostgresEventLog, owner: asyncpg.Connection) -> None:
     ledger = await serving(pg)
     w = Traffic(ledger)
