@@ -21,6 +21,7 @@ from coordinator.ledger import Ledger
 from coordinator.log import NewEvent
 from coordinator.log.archive import ArchiveError, archive, list_archives, open_streams, plan, verify_archives
 from coordinator.log.migrate import upgrade
+from coordinator.log.port import Snapshot
 from coordinator.log.postgres import PgSettings, PostgresEventLog
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.replay import load_state
@@ -90,6 +91,19 @@ class Traffic:
             rel = LeaseRelease(worker_id=self.worker, epoch=self.epoch, lease_id=lease_id)
             await self.ledger.execute(lambda s: core.release_lease(s, rel, 3000 + self.n))
         return lease_id
+
+
+async def small_log(log: PostgresEventLog, *, after: int = 1) -> Snapshot:
+    """A worker, one request, a snapshot (returned), then ``after`` more requests; no leader left."""
+    ledger = await serving(log)
+    w = Traffic(ledger)
+    await w.register()
+    await w.request()
+    snap = await ledger.snapshot()
+    for _ in range(after):
+        await w.request()
+    await ledger.stand_down("test")
+    return snap
 
 
 async def events_stored(owner: asyncpg.Connection) -> int:
@@ -183,13 +197,7 @@ async def test_archive_then_replay_audit_append_and_verify_offline(pg: PostgresE
 
 async def test_nothing_is_deleted_unless_the_events_fold_to_the_anchor(pg: PostgresEventLog, owner: asyncpg.Connection,
                                                                        tmp_path: Path) -> None:
-    ledger = await serving(pg)
-    w = Traffic(ledger)
-    await w.register()
-    await w.request()
-    snap = await ledger.snapshot()
-    await w.request()
-    await ledger.stand_down("test")
+    snap = await small_log(pg)
     # a snapshot whose hash is not what the events fold to (a bug, or a tampered row)
     await owner.execute("INSERT INTO snapshots (position, state_hash, state, leader_epoch) "
                         "SELECT position + 2, 'f' || state_hash, state, leader_epoch FROM snapshots")
@@ -204,12 +212,7 @@ async def test_one_archive_at_a_time(pg: PostgresEventLog, owner: asyncpg.Connec
                                      tmp_path: Path) -> None:
     from coordinator.log.archive import ARCHIVE_LOCK
 
-    ledger = await serving(pg)
-    w = Traffic(ledger)
-    await w.register()
-    await w.request()
-    snap = await ledger.snapshot()
-    await ledger.stand_down("test")
+    snap = await small_log(pg, after=0)
     other = await asyncpg.connect(database_url)
     try:
         assert await other.fetchval("SELECT pg_try_advisory_lock($1)", ARCHIVE_LOCK)  # an archive in progress
@@ -222,12 +225,7 @@ async def test_one_archive_at_a_time(pg: PostgresEventLog, owner: asyncpg.Connec
 
 
 async def test_the_database_guards_the_archive(pg: PostgresEventLog, owner: asyncpg.Connection) -> None:
-    ledger = await serving(pg)
-    w = Traffic(ledger)
-    await w.register()
-    await w.request()
-    snap = await ledger.snapshot()
-    await ledger.stand_down("test")
+    snap = await small_log(pg, after=0)
     n = snap.position
     # the switch alone (no archive recorded in the same transaction) lets nothing through
     async with owner.transaction():
@@ -294,15 +292,10 @@ def test_the_command_line_archives_lists_and_verifies(database_url: str, tmp_pat
     async def make() -> Any:
         log = PostgresEventLog.connect(PgSettings(url=database_url, pool_size=4))
         await upgrade(log.engine)
-        ledger = await serving(log)
-        w = Traffic(ledger)
-        await w.register()
-        await w.request()
-        snap = await ledger.snapshot()
-        await w.request()
-        await ledger.stand_down("test")
-        await log.close()
-        return snap
+        try:
+            return await small_log(log)
+        finally:
+            await log.close()
 
     snap = asyncio.run(make())
     db = ["--database-url", database_url]
