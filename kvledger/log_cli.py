@@ -122,14 +122,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
         else:
             print(f"PROBLEM: {e}")
         return EXIT_FOUND_PROBLEMS
+    if args.database_url:
+        async def recorded(conn: Any, cfg: Any) -> list[dict[str, Any]]:
+            return await ar.list_archives(conn)
+
+        problems = ar.match_recorded(report["files"], _with_connection(args, recorded))
+        report.update(ok=not problems, database_problems=problems)
     if args.json:
         _print_json(report)
     else:
+        for line in report.get("database_problems", []):
+            print(f"PROBLEM: {line}")
         for f in report["files"]:
             print(f"{f['file']}: positions {f['first_position']:,}..{f['last_position']:,} fold to the anchor's "
                   f"state hash {f['anchor_hash']} (sha256 {f['sha256']})")
-        print(f"archives OK: the history up to position {report['position']:,} is whole")
-    return 0
+        if report["ok"]:
+            print(f"archives OK: the history up to position {report['position']:,} is whole"
+                  + (" and every file is the one the database recorded" if args.database_url else ""))
+    return 0 if report["ok"] else EXIT_FOUND_PROBLEMS
 
 
 def register(sub: Any) -> None:
@@ -157,6 +167,8 @@ def register(sub: Any) -> None:
     p.set_defaults(func=_wrap(cmd_archives))
     p = logsub.add_parser("verify", parents=[common], help="fold archive files from position 1 and check every "
                                                            "anchor (offline; exit 3 on a problem)")
+    p.add_argument("--database-url", help="also check each file's SHA-256 against the archive the database "
+                                          "recorded, and that no recorded archive is missing")
     p.add_argument("files", nargs="+", metavar="FILE", help="every archive file from position 1 on")
     p.set_defaults(func=_wrap(cmd_verify))
     log.set_defaults(func=lambda args: (log.print_help(), 2)[1])

@@ -339,3 +339,21 @@ def verify_archives(paths: list[Path], params: CoreParams, *,
             files.append({"file": str(path), "first_position": header["first_position"], "last_position": pos,
                           "anchor_hash": got, "sha256": sha256_of(path)})
     return {"ok": True, "position": pos, "state_hash": state_hash(state), "files": files}
+
+
+def match_recorded(files: list[dict[str, Any]], recorded: list[dict[str, Any]]) -> list[str]:
+    """What differs between verified files (``verify_archives``' ``files``) and the archives the
+    database recorded (``list_archives``): a file it does not know, another SHA-256, one missing."""
+    by_range = {(r["first_position"], r["last_position"]): r for r in recorded}
+    problems = []
+    for f in files:
+        r = by_range.pop((f["first_position"], f["last_position"]), None)
+        if r is None:
+            problems.append(f"{f['file']}: the database records no archive of positions {f['first_position']}.."
+                            f"{f['last_position']}")
+        elif r["sha256"] != f["sha256"]:
+            problems.append(f"{f['file']}: SHA-256 {f['sha256']}, the database recorded {r['sha256']} for "
+                            f"{r['file']} (not the file that was archived)")
+    problems += [f"no file given for the recorded archive {r['file']} (positions {r['first_position']}.."
+                 f"{r['last_position']})" for r in by_range.values()]
+    return problems

@@ -311,7 +311,27 @@ def test_the_command_line_archives_lists_and_verifies(database_url: str, tmp_pat
     files = [str(p) for p in tmp_path.iterdir()]
     assert main(["log", "verify", *files]) == 0
     assert "archives OK" in capsys.readouterr().out
+    assert main(["log", "verify", *files, *db]) == 0
+    assert "every file is the one the database recorded" in capsys.readouterr().out
+    with gzip.open(files[0], "rb") as f:
+        content = f.read()
+    with gzip.open(files[0], "wb", compresslevel=9) as f:  # the same events, other bytes
+        f.write(content)
+    assert main(["log", "verify", *files]) == 0  # still folds
+    assert main(["log", "verify", *files, *db]) == 3
+    assert "not the file that was archived" in capsys.readouterr().out
     assert main(["log", "verify", str(tmp_path / "nope.jsonl.gz")]) == 1
     assert "no such file" in capsys.readouterr().err
     assert main(["replay", "--database-url", database_url, "--json"]) == 0
     assert '"ok": true' in capsys.readouterr().out
+
+
+def test_files_are_matched_with_what_the_database_recorded() -> None:
+    from coordinator.log.archive import match_recorded
+
+    rec = [{"first_position": 1, "last_position": 9, "sha256": "a", "file": "x1"},
+           {"first_position": 10, "last_position": 20, "sha256": "b", "file": "x2"}]
+    good = {"file": "f1", "first_position": 1, "last_position": 9, "sha256": "a"}
+    assert match_recorded([good, {**good, "first_position": 10, "last_position": 20, "sha256": "b"}], rec) == []
+    assert match_recorded([good], rec) == ["no file given for the recorded archive x2 (positions 10..20)"]
+    assert "records no archive of positions 1..8" in match_recorded([{**good, "last_position": 8}], rec[:1])[0]
