@@ -9,7 +9,7 @@ from shared.forms import FormCatalogue, FormScope, FormSpec
 from shared.ids import ROOT_HASH
 from shared.messages import ReplicaRef
 from worker.cache.planner import (
-    BlockMeta, Expect, Layer, Observed, Switches, all_pass, best_boundary, grid_floor, map_reads, needs,
+    BlockMeta, Expect, Layer, LAYERS, Observed, Switches, all_pass, best_boundary, grid_floor, map_reads, needs,
     resume_cap, validate,
 )
 
@@ -193,10 +193,26 @@ def test_fast_path_never_passes_what_validate_fails() -> None:
     cases += [(good_ref, _obs(good_meta, nbytes=8)), (good_ref, _obs(good_meta, digest="f" * 32)),
               (good_ref, _obs(good_meta, ready=False)), (good_ref, _obs(good_meta, aligned=False)),
               (good_ref, _obs(good_meta, damage="x")), (good_ref, Observed(None))]
-    for (ref, obs), index in itertools.product(cases, (2, 7)):
-        if all_pass(ref, index, obs, EXPECT):
-            assert validate(ref, index, obs, EXPECT, ALL).ok, (ref, obs.meta, index)
+    for (ref, obs), index, reload in itertools.product(cases, (2, 7), (False, True)):
+        if all_pass(ref, index, obs, EXPECT, reload=reload):
+            assert validate(ref, index, obs, EXPECT, ALL, reload=reload).ok, (ref, obs.meta, index, reload)
     assert sum(all_pass(r, 2, o, EXPECT) for r, o in cases) == 0
+    # a reload has no slot generation to compare (validate skips it too): only those cases pass
+    passed = [(r, o) for r, o in cases if all_pass(r, 2, o, EXPECT, reload=True)]
+    assert len(passed) == 2 and all(validate(r, 2, o, EXPECT, ALL, reload=True).ok for r, o in passed)
+    assert all_pass(good_ref, 2, _obs(good_meta), EXPECT, reload=True)
+
+
+def test_every_layer_runs_decides_where_the_shortcut_may_be_taken() -> None:
+    assert ALL.all_run("compressed", False) and ALL.all_run("compressed", True)
+    no_abi = Switches(layers=frozenset(LAYERS) - {Layer.ABI})
+    assert not no_abi.all_run("compressed", False) and not no_abi.all_run("compressed", True)
+    # reloads check integrity whatever the switches say (cache.hit_validation.check_offload)
+    no_integrity = Switches(layers=frozenset(LAYERS) - {Layer.INTEGRITY})
+    assert not no_integrity.all_run("compressed", False) and no_integrity.all_run("compressed", True)
+    unchecked = Switches(forms=frozenset({"swa"}))
+    assert not unchecked.all_run("compressed", False) and unchecked.all_run("compressed", True)
+    assert not Switches(forms=frozenset({"swa"}), offload=False).all_run("compressed", True)
 
 
 def test_a_record_at_a_generation_keeps_every_other_field() -> None:

@@ -124,6 +124,10 @@ class Switches:
             return layer is Layer.INTEGRITY or layer in self.layers
         return layer in self.layers and form in self.forms
 
+    def all_run(self, form: str, reload: bool) -> bool:
+        """Every layer runs for ``form`` (the case :func:`all_pass` may shortcut)."""
+        return all(self.runs(layer, form, reload) for layer in LAYERS)
+
 
 # --- facts and verdicts ----------------------------------------------------------------------
 
@@ -274,13 +278,15 @@ def validate(ref: ReplicaRef, index: int, obs: Observed, expect: Expect, switche
     return Verdict(True, None, "", tuple(outcomes))
 
 
-def all_pass(ref: ReplicaRef, index: int, obs: Observed, expect: Expect) -> bool:
-    """True only if :func:`validate` would pass this GPU replica in every layer.
+def all_pass(ref: ReplicaRef, index: int, obs: Observed, expect: Expect, *, reload: bool = False) -> bool:
+    """True only if :func:`validate` (with the same ``reload``) would pass this replica in every
+    layer; call it only where :meth:`Switches.all_run` says every layer runs.
 
     The common case (a good replica, every layer on) in one expression instead of four
-    layers' bookkeeping; anything else — a failure, a switched-off layer, a reload — goes
-    through :func:`validate`, which names the layer. Conservative by construction: each
-    term is one of ``validate``'s checks (a property test holds it to that).
+    layers' bookkeeping; anything else — a failure, a switched-off layer — goes through
+    :func:`validate`, which names the layer. Conservative by construction: each term is one
+    of ``validate``'s checks (a property test holds it to that). A reload (host or disk) has
+    no slot generation to compare, as in ``validate``.
     """
     m = obs.meta
     hs = expect.block_hashes
@@ -291,7 +297,7 @@ def all_pass(ref: ReplicaRef, index: int, obs: Observed, expect: Expect) -> bool
     spec = expect.specs.get(ref.form)
     return (spec is not None and obs.nbytes == spec.bytes_per_block
             and ref.block_hash == h and m.block_hash == h and m.form == ref.form
-            and m.generation == ref.generation and m.spec_digest == expect.digest(ref.form)
+            and (reload or m.generation == ref.generation) and m.spec_digest == expect.digest(ref.form)
             and m.namespace == expect.namespace and m.tenant == expect.tenant
             and m.parent_hash == (hs[index - 1] if index else ROOT_HASH)
             and m.token_start == index * bs and m.token_end == (index + 1) * bs
