@@ -378,6 +378,7 @@ async def summary(request: web.Request) -> web.Response:
     ledger = await _serving_ledger(request)
     s = ledger.state
     return web.json_response({"now_ms": now_ms(), "leader_epoch": ledger.epoch, "position": ledger.position,
+                              "archived_upto": ledger.archived_upto,
                               "reuse": cache_status(s)["reuse"], "cache": cache_summary(s, ledger.cache_counters)})
 
 

@@ -41,6 +41,9 @@ class CoordinatorMetrics:
         self.leader_epoch = Gauge("kvl_coordinator_leader_epoch", "Leader epoch this process holds (0 = none)",
                                   registry=r)
         self.log_position = Gauge("kvl_coordinator_log_position", "Last committed log position", registry=r)
+        self.log_archived = Gauge("kvl_coordinator_log_archived_position",
+                                  "Last position moved to an archive file (kvledger log archive); 0 = none. "
+                                  "Read at each load and snapshot", registry=r)
         self.malformed = Counter("kvl_coordinator_malformed_messages", "Malformed NATS messages by subject kind",
                                  ["kind"], registry=r)
         self.forbidden = Counter("kvl_coordinator_forbidden_messages",

@@ -70,6 +70,9 @@ class InMemoryEventLog:
     async def latest_snapshot(self) -> Snapshot | None:
         return self._snapshots[max(self._snapshots)] if self._snapshots else None
 
+    async def archived_upto(self) -> int:
+        return 0
+
     async def archive_anchor(self) -> tuple[int, Snapshot | None]:
         return 0, None  # the twin is never archived (archiving is an operator action on PostgreSQL)
 

@@ -177,6 +177,10 @@ class EventLog(Protocol):
     async def latest_snapshot(self) -> Snapshot | None:
         ...
 
+    async def archived_upto(self) -> int:
+        """The last archived position (0: nothing archived); cheap, unlike :meth:`archive_anchor`."""
+        ...
+
     async def archive_anchor(self) -> tuple[int, Snapshot | None]:
         """``(position, snapshot)``: the log's events up to ``position`` are archived
         (:mod:`coordinator.log.archive`) and the snapshot there is where a replay from the

@@ -422,9 +422,12 @@ class PostgresEventLog:
         row = await self._call("latest_snapshot", "fetchrow", LATEST_SNAPSHOT)
         return Snapshot(row[0], row[1], bytes(row[2]), row[3], row[4]) if row is not None else None
 
+    async def archived_upto(self) -> int:
+        return int(await self._call("archived_upto", "fetchval", ARCHIVED_UPTO) or 0)
+
     async def archive_anchor(self) -> tuple[int, Snapshot | None]:
         """``(archived up to, the anchor snapshot there)``; ``(0, None)`` if nothing is archived."""
-        upto = int(await self._call("archive_anchor", "fetchval", ARCHIVED_UPTO) or 0)
+        upto = await self.archived_upto()
         if not upto:
             return 0, None
         row = await self._call("archive_anchor", "fetchrow", ARCHIVE_ANCHOR)

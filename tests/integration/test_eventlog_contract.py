@@ -30,7 +30,7 @@ class EventLogContract:
         assert await log.read() == []
         assert await log.read_stream("s") == []
         assert await log.latest_snapshot() is None
-        assert await log.archive_anchor() == (0, None)  # nothing archived: replays start at position 1
+        assert await log.archive_anchor() == (0, None) and await log.archived_upto() == 0  # replays start at 1
         assert (await log.leader()).leader_epoch == 0
 
     async def test_positions_are_dense_and_in_append_order(self, log: EventLog) -> None:

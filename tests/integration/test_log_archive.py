@@ -174,6 +174,8 @@ async def test_archive_then_replay_audit_append_and_verify_offline(pg: PostgresE
     # a restarted coordinator loads the latest snapshot; the audit still replays clean
     await ledger.stand_down("test")
     again = await serving(pg)
+    assert again.archived_upto == second.position  # the status and kvl_coordinator_log_archived_position
+    assert again.metrics.log_archived._value.get() == second.position
     report = await run_audit(again, check_workers=False)
     assert report["ok"] and report["snapshot_position"] == second.position, report
     await again.stand_down("test")
