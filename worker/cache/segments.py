@@ -49,7 +49,7 @@ import torch
 
 from shared.hashing import checksum
 from shared.versions import SEGMENT_FORMAT_VERSION
-from worker.cache.offload_key import BlockKey, OffloadUnavailable, check_token
+from worker.cache.offload_key import OffloadUnavailable, check_token
 
 MAGIC = b"KVLR"
 _PREFIX = struct.Struct("<4sII")          # magic, header length, header CRC-32
@@ -94,7 +94,7 @@ class Record(NamedTuple):
 
 
 class RecordKey(Protocol):
-    """What names a record: a :class:`BlockKey`, or a ``BlockMeta`` the engine has checked."""
+    """What names a record: an ``offload_key.BlockKey``, or the ``BlockMeta`` of a block."""
 
     namespace: str
     tenant: str
@@ -103,7 +103,7 @@ class RecordKey(Protocol):
     spec_digest: str
 
 
-def key_of(k: BlockKey) -> Key:
+def key_of(k: RecordKey) -> Key:
     return (k.namespace, k.tenant, k.block_hash, k.form)
 
 
@@ -364,7 +364,7 @@ class SegmentIndex:
         finally:
             os.close(fd)
 
-    def read_many(self, keys: Sequence[BlockKey]) -> list[Found]:
+    def read_many(self, keys: Sequence[RecordKey]) -> list[Found]:
         """Each key's record and payload, reading every contiguous run of records once."""
         wanted = [key_of(k) for k in keys]
         if any(k not in self._by_key for k in wanted):
