@@ -337,3 +337,28 @@ def test_files_are_matched_with_what_the_database_recorded() -> None:
     assert match_recorded([good, {**good, "first_position": 10, "last_position": 20, "sha256": "b"}], rec) == []
     assert match_recorded([good], rec) == ["no file given for the recorded archive x2 (positions 10..20)"]
     assert "records no archive of positions 1..8" in match_recorded([{**good, "last_position": 8}], rec[:1])[0]
+
+
+async def test_a_failure_after_the_file_is_written_deletes_nothing_and_a_rerun_completes(
+        pg: PostgresEventLog, owner: asyncpg.Connection, database_url: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window between the file and ``kvl_archive`` (a crash, a lost connection): the file is
+    there, the log untouched; the next run writes the file again and records it."""
+    from coordinator.log import archive as ar
+
+    snap = await small_log(pg)
+    stored = await events_stored(owner)
+    monkeypatch.setattr(ar, "ARCHIVE", "SELECT kvl_archive_gone($1, $2, $3, $4, $5, $6)")  # the step fails
+    with pytest.raises(asyncpg.PostgresError):
+        await archive(owner, tmp_path, snap.position, CoreParams())
+    left = list(tmp_path.glob("*.jsonl.gz"))
+    assert len(left) == 1 and await events_stored(owner) == stored and (await pg.archive_anchor())[0] == 0
+    other = await asyncpg.connect(database_url)
+    try:  # the archive lock was released (another session may take it)
+        assert await other.fetchval("SELECT pg_try_advisory_lock($1)", ar.ARCHIVE_LOCK)
+    finally:
+        await other.close()
+    monkeypatch.undo()
+    out = await archive(owner, tmp_path, snap.position, CoreParams())
+    assert out["file"] == str(left[0]) and out["sha256"] == ar.sha256_of(left[0])
+    assert (await pg.archive_anchor())[0] == snap.position
