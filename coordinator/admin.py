@@ -376,6 +376,7 @@ async def summary(request: web.Request) -> web.Response:
     """What the status page shows beside the other views: where the log is, and the workers'
     prefix-cache counters from their heartbeats (soft state; see ``coordinator.ui``)."""
     ledger = await _serving_ledger(request)
+    await ledger.read_archived()  # an operator archives without the coordinator: ask the log
     s = ledger.state
     return web.json_response({"now_ms": now_ms(), "leader_epoch": ledger.epoch, "position": ledger.position,
                               "archived_upto": ledger.archived_upto,

@@ -108,7 +108,7 @@ class Ledger:
         self._snapshotting: asyncio.Task[Any] | None = None
         self._since_snapshot = 0
         self.last_replay: dict[str, Any] = {}
-        #: The last archived log position, as last read (at a load or a snapshot); 0 = none.
+        #: The last archived log position, as last read (at a load, a snapshot, a summary); 0 = none.
         self.archived_upto = 0
         #: ``(worker, epoch)`` → highest contiguous transition seq known to be committed.
         self.durable: dict[tuple[str, int], int] = {}
@@ -194,9 +194,9 @@ class Ledger:
         self.metrics.log_position.set(self.position)
         self.last_replay = {"events": result.events, "seconds": round(result.seconds, 3),
                             "position": result.position, "snapshot_position": result.snapshot_position}
-        await self._read_archived()
+        await self.read_archived()
 
-    async def _read_archived(self) -> None:
+    async def read_archived(self) -> None:
         """How far an operator has archived the log (``kvledger log archive``): for the status and
         the metric only, so a failure to read it changes nothing."""
         try:
@@ -466,7 +466,7 @@ class Ledger:
         except LogError as e:
             raise Unavailable(f"snapshot not saved: {e}") from e
         self.metrics.snapshots.inc()
-        await self._read_archived()
+        await self.read_archived()
         self.logger.info("snapshot_saved", position=snap.position, state_hash=snap.state_hash,
                          bytes=len(snap.state))
         return snap

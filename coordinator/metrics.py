@@ -43,7 +43,7 @@ class CoordinatorMetrics:
         self.log_position = Gauge("kvl_coordinator_log_position", "Last committed log position", registry=r)
         self.log_archived = Gauge("kvl_coordinator_log_archived_position",
                                   "Last position moved to an archive file (kvledger log archive); 0 = none. "
-                                  "Read at each load and snapshot", registry=r)
+                                  "Read at each load, snapshot and /v1/summary", registry=r)
         self.malformed = Counter("kvl_coordinator_malformed_messages", "Malformed NATS messages by subject kind",
                                  ["kind"], registry=r)
         self.forbidden = Counter("kvl_coordinator_forbidden_messages",

@@ -856,6 +856,8 @@ async def log_archive(run: Run, drill: str) -> Fault:
     finally:
         await conn.close()
     f.ready_s = time.monotonic() - t0
+    summary = await run.stack.admin_get("/v1/summary")
+    assert summary["archived_upto"] == out["last_position"], summary
     f.recovery_s = max(await probe)
     await load.wait_done(run.settings.after)
     await load.stop()
