@@ -60,16 +60,22 @@ def cmd_archive(args: argparse.Namespace) -> int:
     from coordinator.core import CoreParams
     from coordinator.log import archive as ar
 
-    if args.before < 1:
+    if args.before is not None and args.before < 1:
         raise CliError("--before must be a position (≥ 1)")
+    if args.keep_events is not None and args.keep_events < 0:
+        raise CliError("--keep-events must be ≥ 0")
 
     async def work(conn: Any, cfg: Any) -> dict[str, Any]:
-        p = await ar.plan(conn, args.before)
+        before = args.before if args.before is not None else int(await conn.fetchval(ar.HEAD)) - args.keep_events
+        if before < 1:
+            raise ar.ArchiveError(f"the log holds no more than --keep-events {args.keep_events} events: nothing "
+                                  f"to archive")
+        p = await ar.plan(conn, before)
         if args.dry_run:
             return {**p, "dry_run": True}
         with progress(f"archiving positions {p['first_position']:,}..{p['last_position']:,}", p["events"],
                       not args.json) as update:
-            return await ar.archive(conn, Path(args.out), args.before, CoreParams.from_config(cfg.coordinator),
+            return await ar.archive(conn, Path(args.out), before, CoreParams.from_config(cfg.coordinator),
                                     page=args.page, progress=update)
 
     report = _with_connection(args, work)
@@ -153,12 +159,17 @@ def register(sub: Any) -> None:
                                      "archives")
     logsub = log.add_subparsers(dest="log_command", metavar="SUBCOMMAND")
     p = logsub.add_parser("archive", parents=[db], help="move the events up to a snapshot into an archive file",
-                          description="Write the events up to the newest snapshot at or before --before to a file "
+                          description="Write the events up to the newest snapshot at or before --before (or "
+                                      "head - --keep-events) to a file "
                                       "in --out, prove that they fold to that snapshot's state hash, then delete "
                                       "them from the database. Replays and the audit start at that snapshot "
                                       "afterwards; `kvledger log verify` re-checks the files offline.")
-    p.add_argument("--before", type=int, required=True, metavar="POSITION",
-                   help="archive up to the newest snapshot at or before this position")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--before", type=int, metavar="POSITION",
+                       help="archive up to the newest snapshot at or before this position")
+    which.add_argument("--keep-events", type=int, metavar="N",
+                       help="keep at least the last N events in the database: archive up to the newest snapshot "
+                            "at or before head - N")
     p.add_argument("--out", required=True, metavar="DIR", help="directory of the archive files (created if missing)")
     p.add_argument("--page", type=int, default=10_000, help="events read per query")
     p.add_argument("--dry-run", action="store_true", help="say what would be archived; write and delete nothing")
