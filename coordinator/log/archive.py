@@ -240,7 +240,8 @@ async def _archive_locked(conn: Any, out_dir: Path, before: int, params: CorePar
         got = state_hash(state)
         if got != p["anchor_hash"]:
             raise ArchiveError(f"the events {first}..{last} fold to state hash {got}, not to the anchor snapshot's "
-                               f"{p['anchor_hash']}: nothing archived (run `kvledger replay` to find out why)")
+                               f"{p['anchor_hash']}: nothing archived (run it with the coordinator's configuration: "
+                               f"the fold's limits are coordinator.* keys; `kvledger replay` checks the log)")
         sha = writer.commit()
     except BaseException:
         writer.abort()
