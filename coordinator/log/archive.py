@@ -115,7 +115,8 @@ class ArchiveWriter:
     def __init__(self, out_dir: Path, header: Header, *, level: int = 1) -> None:
         self.path = out_dir / file_name(header.first_position, header.last_position)
         self._tmp = self.path.with_name(self.path.name + ".partial")
-        self._raw = open(self._tmp, "wb")  # noqa: SIM115 - closed by commit/abort
+        # NOTE: 0600 like the offload files: the events name tenants and their blocks
+        self._raw = os.fdopen(os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
         self._hashing = _Sha256Writer(self._raw)
         # NOTE: mtime 0: the same events always give the same bytes (and SHA-256)
         self._gz = gzip.GzipFile(fileobj=self._hashing, mode="wb", compresslevel=level, mtime=0)
@@ -216,7 +217,7 @@ async def _archive_locked(conn: Any, out_dir: Path, before: int, params: CorePar
             raise ArchiveError(f"the previous archive's anchor at position {first - 1} cannot be loaded: {e}") from e
     else:
         state = LedgerState.empty(params)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     t0 = time.perf_counter()
     header = Header(first, last, p["events"], p["anchor_hash"], datetime.now(UTC).isoformat())
     writer = ArchiveWriter(out_dir, header)

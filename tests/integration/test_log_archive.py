@@ -132,6 +132,7 @@ async def test_archive_then_replay_audit_append_and_verify_offline(pg: PostgresE
 
     out = await archive(owner, tmp_path, second.position - 1, CoreParams())
     assert out["events"] == first.position and Path(out["file"]).is_file()
+    assert Path(out["file"]).stat().st_mode & 0o777 == 0o600  # tenant metadata: the owner's alone
     assert await events_stored(owner) == head - first.position
     assert await owner.fetchval("SELECT min(position) FROM events") == first.position + 1
     assert (await pg.archive_anchor())[0] == first.position
