@@ -64,6 +64,8 @@ def cmd_archive(args: argparse.Namespace) -> int:
         raise CliError("--before must be a position (≥ 1)")
     if args.keep_events is not None and args.keep_events < 0:
         raise CliError("--keep-events must be ≥ 0")
+    if args.page < 1:
+        raise CliError("--page must be ≥ 1")
 
     async def work(conn: Any, cfg: Any) -> dict[str, Any]:
         before = args.before if args.before is not None else int(await conn.fetchval(ar.HEAD)) - args.keep_events

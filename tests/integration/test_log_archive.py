@@ -310,6 +310,8 @@ def test_the_command_line_archives_lists_and_verifies(database_url: str, tmp_pat
     assert f"would archive positions 1..{snap.position}" in capsys.readouterr().out  # the newest snapshot
     assert main(["log", "archive", "--keep-events", "100000", "--out", str(tmp_path), *db]) == 3
     assert "nothing to archive" in capsys.readouterr().err
+    assert main(["log", "archive", "--before", "1", "--page", "0", "--out", str(tmp_path), *db]) == 1
+    assert "--page must be" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # one of --before / --keep-events, not both
         main(["log", "archive", "--before", "1", "--keep-events", "1", "--out", str(tmp_path), *db])
     capsys.readouterr()
