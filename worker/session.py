@@ -533,7 +533,7 @@ class Session:
         gpu: dict[str, list[tuple[Need, ReplicaRef]]] = {}
         # forms whose reloads may take the all-layers shortcut (the same rule as the GPU's below)
         fast_reload = {f: e.switches.all_run(f, True) for f in e.specs}
-        reloaded = 0
+        shortcut = 0    # replicas that passed every layer by all_pass (GPU and reloads)
         for need in want:
             ref = refs[need]
             if need in self.found or (need, ref.location, ref.generation) in self.bad:
@@ -545,7 +545,7 @@ class Session:
                 obs, data = e.tiers.host_read(ref.block_hash, ref.form)
                 if fast_reload.get(ref.form) and all_pass(ref, need[0], obs, expect, reload=True):
                     self.found[need] = _Found(data, ref)
-                    reloaded += 1
+                    shortcut += 1
                 else:
                     failed += not self._judge(need, ref, obs, data, expect, reload=True)
                 e.metrics.reload_seconds.labels(tier="host").observe(time.perf_counter() - t0)
@@ -557,17 +557,12 @@ class Session:
         for form, items in gpu.items():
             seen = e.store.observe_many(form, [ref.block_hash for _, ref in items])
             fast = full and form in e.switches.forms
-            passed = 0
             for (need, ref), (obs, data) in zip(items, seen):
                 if fast and all_pass(ref, need[0], obs, expect):
                     self.found[need] = _Found(data, ref)
-                    passed += 1
+                    shortcut += 1
                 else:
                     failed += not self._judge(need, ref, obs, data, expect, reload=False)
-            if passed:
-                for layer, outcome in ALL_PASS:
-                    key = (layer.value, outcome)
-                    self._outcomes[key] = self._outcomes.get(key, 0) + passed
         if disk:
             if not e.tiers.disk_available():
                 e.metrics.tier_unavailable.labels(tier="disk").inc()
@@ -585,13 +580,13 @@ class Session:
                         continue
                     if fast_reload.get(ref.form) and all_pass(ref, need[0], r.observed, expect, reload=True):
                         self.found[need] = _Found(r.data, ref)
-                        reloaded += 1
+                        shortcut += 1
                     else:
                         failed += not self._judge(need, ref, r.observed, r.data, expect, reload=True)
-        if reloaded:
+        if shortcut:
             for layer, outcome in ALL_PASS:
                 key = (layer.value, outcome)
-                self._outcomes[key] = self._outcomes.get(key, 0) + reloaded
+                self._outcomes[key] = self._outcomes.get(key, 0) + shortcut
         for (layer, outcome), n in self._outcomes.items():
             e.metrics.validations.labels(layer=layer, outcome=outcome).inc(n)
         self._spent("validate", t_start)
