@@ -44,6 +44,7 @@ from coordinator.core import (
 )
 from coordinator.core.events import replica_stream
 from coordinator.core.state import no_gc
+from coordinator.log.postgres import ARCHIVED_UPTO, HEAD
 
 FORMAT = "kvledger-log-archive"
 FORMAT_VERSION = 1
@@ -54,11 +55,9 @@ PAGE = 10_000
 
 READ_PAGE = ("SELECT position, stream_id, stream_version, source_id, type, leader_epoch, recorded_at, payload "
              "FROM events WHERE position > $1 AND position <= $2 ORDER BY position LIMIT $3")
-ARCHIVED_UPTO = "SELECT coalesce(max(last_position), 0) FROM log_archives"
 SNAPSHOT_AT = "SELECT position, state_hash, state FROM snapshots WHERE position = $1"
 # the newest snapshot an archive may anchor on: past the last archive, at or before the limit
 ANCHOR = "SELECT position, state_hash FROM snapshots WHERE position > $1 AND position <= $2 ORDER BY position DESC LIMIT 1"
-HEAD = "SELECT coalesce((SELECT max(position) FROM events), (SELECT max(last_position) FROM log_archives), 0)"
 ARCHIVE = "SELECT kvl_archive($1, $2, $3, $4, $5, $6)"
 #: Session advisory lock held for an archive's whole length (any constant nobody else uses).
 ARCHIVE_LOCK = 0x6B766C6172636876  # "kvlarchv"
