@@ -244,8 +244,8 @@ WHERE l.id = 1
 LATEST_SNAPSHOT = ("SELECT position, state_hash, state, leader_epoch, created_at FROM snapshots "
                    "ORDER BY position DESC LIMIT 1")
 #: The snapshot a replay "from the beginning" starts at once the log has been archived.
-ARCHIVE_ANCHOR = ("SELECT s.position, s.state_hash, s.state, s.leader_epoch, s.created_at FROM log_archives a "
-                  "JOIN snapshots s ON s.position = a.last_position ORDER BY a.last_position DESC LIMIT 1")
+ARCHIVE_ANCHOR = ("SELECT a.last_position, s.state_hash, s.state, s.leader_epoch, s.created_at FROM log_archives a "
+                  "LEFT JOIN snapshots s ON s.position = a.last_position ORDER BY a.last_position DESC LIMIT 1")
 ARCHIVED_UPTO = "SELECT coalesce(max(last_position), 0) FROM log_archives"
 SAVE_SNAPSHOT = ("INSERT INTO snapshots (position, state_hash, state, leader_epoch) VALUES ($1, $2, $3, $4) "
                  "ON CONFLICT (position) DO NOTHING")
@@ -427,12 +427,10 @@ class PostgresEventLog:
 
     async def archive_anchor(self) -> tuple[int, Snapshot | None]:
         """``(archived up to, the anchor snapshot there)``; ``(0, None)`` if nothing is archived."""
-        upto = await self.archived_upto()
-        if not upto:
-            return 0, None
         row = await self._call("archive_anchor", "fetchrow", ARCHIVE_ANCHOR)
-        snap = Snapshot(row[0], row[1], bytes(row[2]), row[3], row[4]) if row is not None else None
-        return upto, snap if snap is not None and snap.position == upto else None
+        if row is None:
+            return 0, None
+        return row[0], Snapshot(row[0], row[1], bytes(row[2]), row[3], row[4]) if row[2] is not None else None
 
     async def save_snapshot(self, snapshot: Snapshot, leader_epoch: int) -> None:
         try:
