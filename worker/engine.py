@@ -800,6 +800,11 @@ class Engine:
         host replica is gone either way (unless it went back into the host tier meanwhile)."""
         if not self.tiers.is_spilling(meta):
             return  # put back into the host tier meanwhile: it stays there
+        if from_host and self.tiers.keep_pinned(meta):
+            # a lease pinned it during the write: it stays a host replica (the disk copy is valid too)
+            if written and not self.tiers.is_spilling(meta):  # (still queued: the next pass writes it)
+                self._emit(meta, "disk", None, R.READY, 0, kind="offload")
+            return
         self.tiers.spilled(meta)
         if written:
             self._emit(meta, "disk", None, R.READY, 0, kind="offload")

@@ -47,6 +47,37 @@ def test_host_lru_spills_and_stays_readable_until_written(tmp_path) -> None:
     assert {m.block_hash for m in t.host_items()} == {metas[1].block_hash, metas[2].block_hash}
 
 
+def test_a_victim_pinned_while_it_waits_for_the_disk_stays_a_host_replica(tmp_path) -> None:
+    """The finding of a drill run: a host LRU victim was being written to disk when a lease
+    pinned it; dropping it then left the ledger (which refuses a pinned eviction) with a READY
+    host replica nobody held. Pinned at that moment, it goes back into the host tier."""
+    pins: set[tuple[str, str]] = set()
+    t = Tiers(host_bytes=512, disk_root=tmp_path, host_pins=lambda: pins)
+    metas = [_meta(i, _data(i)) for i in range(3)]
+    for i, m in enumerate(metas):
+        assert t.put_host(m, _data(i))
+    [(victim, _, from_host)] = t.take_spills()
+    assert victim == metas[0] and from_host
+    # while queued it is still held (the inventory says so, reads are served)
+    assert {m.block_hash for m in t.host_items()} == {m.block_hash for m in metas}
+    assert not t.keep_pinned(victim)             # not pinned: dropped as usual by the caller
+    pins.add((victim.block_hash, victim.form))   # a lease granted during the disk write
+    assert t.keep_pinned(victim)
+    assert not t.is_spilling(victim) and torch.equal(t.host_read(victim.block_hash, "compressed")[1], _data(0))
+    # it took an unpinned entry's room: that one is the victim now
+    assert [m for m, _, _ in t.take_spills()] == [metas[1]]
+    assert {m.block_hash for m in t.host_items()} == {m.block_hash for m in metas}
+    # all pinned and no room: it stays readable in the queue, still a host replica
+    pins.update((m.block_hash, m.form) for m in metas)
+    t2 = Tiers(host_bytes=256, disk_root=tmp_path / "b", host_pins=lambda: pins)
+    assert t2.put_host(metas[0], _data(0))
+    pins.discard((metas[0].block_hash, metas[0].form))
+    assert t2.put_host(metas[1], _data(1))       # metas[0] is the victim
+    pins.add((metas[0].block_hash, metas[0].form))
+    assert t2.keep_pinned(metas[0]) and t2.is_spilling(metas[0])
+    assert {m.block_hash for m in t2.host_items()} == {metas[0].block_hash, metas[1].block_hash}
+
+
 def test_host_copy_failing_its_checksum_is_damage(tmp_path) -> None:
     t = Tiers(host_bytes=4096, disk_root=None)
     m = _meta(0, _data(0))

@@ -117,7 +117,9 @@ class Tiers:
         return gone or self._spills.pop(key, None) is not None
 
     def host_items(self) -> list[BlockMeta]:
-        return list(self._host_meta.values())
+        """The host replicas this worker holds: the host tier's entries and the LRU victims still
+        waiting in the spill queue (:meth:`host_read` serves them until :meth:`spilled`)."""
+        return list(self._host_meta.values()) + [m for m, _, from_host in self._spills.values() if from_host]
 
     def host_clear(self) -> int:
         n = 0
@@ -144,6 +146,23 @@ class Tiers:
 
     def spilled(self, meta: BlockMeta) -> None:
         self._spills.pop((meta.block_hash, meta.form), None)
+
+    def keep_pinned(self, meta: BlockMeta) -> bool:
+        """An LRU victim of the host tier that a live lease pinned while it waited to be spilled
+        (the grant came during the disk write): it stays a host replica — back into the host
+        tier, or, if only pinned entries could make room there, still readable in the spill
+        queue for the next pass. False if it is not such a victim (drop it as usual).
+
+        NOTE: the host LRU skips pinned entries when it picks victims; this is the second place
+        a host replica's bytes go, and the ledger refuses the eviction of a pinned replica, so
+        dropping it here would leave a READY host replica that exists nowhere."""
+        key = (meta.block_hash, meta.form)
+        item = self._spills.get(key)
+        if item is None or not item[2] or self.host is None or self.host.pinned is None \
+                or key not in self.host.pinned():
+            return False
+        self.put_host(item[0], item[1])
+        return True
 
     def holds(self, meta: BlockMeta) -> bool:
         """Whether a lower tier already has these bytes (host entry, queued for disk, or a disk
