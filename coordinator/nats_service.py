@@ -40,14 +40,14 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
 
 from coordinator.core import (
-    CoreError, TransitionRejected, acquire_lease, collect_disk, ingest_transition, register_worker, release_lease, renew_lease,
+    CoreError, TransitionRejected, acquire_lease, collect_disk, evict_host, ingest_transition, register_worker, release_lease, renew_lease,
     resume_worker,
 )
 from coordinator.ledger import Ledger, Unavailable
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.request_trace import BatchSpans
 from shared.messages import (
-    CommitWatermark, Control, DiskGc, ErrorCode, ErrorReply, Heartbeat, InventoryReply, InventoryRequest, LeaseAcquire, LeaseRelease,
+    CommitWatermark, Control, DiskGc, ErrorCode, ErrorReply, Heartbeat, HostEvict, InventoryReply, InventoryRequest, LeaseAcquire, LeaseRelease,
     LeaseRenew, MessageError, ResumeReply, RouteQuery, RouteReply, TransitionEvent, WorkerRegister, WorkerResume, decode,
     encode, now_ms,
 )
@@ -94,6 +94,7 @@ _OPS = {
     "renew": _Op("renew", LeaseRenew, lambda req: lambda s: renew_lease(s, req, now_ms())),
     "release": _Op("release", LeaseRelease, lambda req: lambda s: release_lease(s, req, now_ms())),
     "disk_gc": _Op("disk_gc", DiskGc, lambda req: lambda s: collect_disk(s, req, now_ms())),
+    "host_evict": _Op("host_evict", HostEvict, lambda req: lambda s: evict_host(s, req, now_ms())),
 }
 #: Resumes are decided with the NATS max payload in hand (see ``NatsService._decision``).
 _OPS["resume"] = _Op("resume", WorkerResume, lambda req: lambda s: resume_worker(s, req, now_ms()))
@@ -143,7 +144,7 @@ class NatsService:
         if self._subs:
             return
         s = self.subjects
-        for op in ("register", "resume", "acquire", "renew", "release", "disk_gc"):
+        for op in ("register", "resume", "acquire", "renew", "release", "disk_gc", "host_evict"):
             self._subs.append(await self.nc.subscribe(s.requests_wildcard(op), queue=COORDINATOR_QUEUE,
                                                       cb=self._dispatcher(_OPS[op])))
         self._subs.append(await self.nc.subscribe(s.requests_wildcard("heartbeat"), queue=COORDINATOR_QUEUE,

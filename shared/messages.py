@@ -261,7 +261,8 @@ class LeaseReleased(_Msg, tag="lease.released", kw_only=True):
 
 
 class DiskBlock(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """One block's form on the shared disk tier (location ``disk``)."""
+    """One block's form on a tier below the GPU: the shared disk tier (location ``disk``) in a
+    :class:`DiskGc`, the worker's own host tier in a :class:`HostEvict`."""
 
     block_hash: Hex32
     form: Name
@@ -285,6 +286,28 @@ class DiskGcReply(_Msg, tag="disk.gc.ok", kw_only=True):
     #: How many live disk replicas were evicted (the others named were not live: nothing to do).
     evicted: NonNeg = 0
     #: Those a live lease pins (then ``evicted`` is 0).
+    pinned: list[DiskBlock] = []
+
+
+#: Most blocks one :class:`HostEvict` may name (the worker sends more in several).
+MAX_HOST_EVICT_BLOCKS = 4096
+
+
+class HostEvict(_Msg, tag="host.evict", kw_only=True):
+    """A worker's host tier asks to drop its LRU victims: each named READY replica at the
+    worker's host location is evicted unless a live lease pins it; the reply lists the pinned
+    ones, whose bytes the worker keeps. Decided in the ledger's order, as a grant's GPU victims
+    are: a lease granted before it keeps its replica, one granted after it cannot pin it."""
+
+    worker_id: Name
+    epoch: Pos
+    blocks: Annotated[list[DiskBlock], msgspec.Meta(min_length=1, max_length=MAX_HOST_EVICT_BLOCKS)]
+
+
+class HostEvictReply(_Msg, tag="host.evict.ok", kw_only=True):
+    #: How many live host replicas were evicted (the others named were not live: nothing to do).
+    evicted: NonNeg = 0
+    #: Those a live lease pins: still READY, the worker must keep their bytes.
     pinned: list[DiskBlock] = []
 
 
@@ -446,6 +469,7 @@ class RouteReply(_Msg, tag="route.ok", kw_only=True):
 Message = Union[
     WorkerRegister, RegisterReply, WorkerResume, ResumeReply, Heartbeat, HeartbeatReply,
     LeaseAcquire, LeaseGrant, LeaseRenew, LeaseRenewed, LeaseRelease, LeaseReleased, DiskGc, DiskGcReply,
+    HostEvict, HostEvictReply,
     ErrorReply, TransitionEvent, CommitWatermark,
     InventoryRequest, InventoryReply, Control, ControlAck, RouteQuery, RouteReply,
 ]

@@ -12,7 +12,7 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
 #: Queue group of the coordinator's request/reply service.
 COORDINATOR_QUEUE = "kvl-coordinator"
 #: Worker → coordinator requests; each has its own subject per worker (:meth:`Subjects.request`).
-REQUEST_OPS = ("register", "resume", "heartbeat", "acquire", "renew", "release", "disk_gc")
+REQUEST_OPS = ("register", "resume", "heartbeat", "acquire", "renew", "release", "disk_gc", "host_evict")
 
 
 @dataclass(frozen=True, slots=True)

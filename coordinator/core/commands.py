@@ -510,6 +510,36 @@ def collect_disk(state: LedgerState, msg: m.DiskGc, now_ms: int) -> tuple[m.Disk
                           reason="disk_gc", at_ms=now_ms) for b, r in live]
 
 
+def evict_host(state: LedgerState, msg: m.HostEvict, now_ms: int) -> tuple[m.HostEvictReply | m.ErrorReply, Events]:
+    """A worker's host-tier LRU victims: evict each named READY replica at the worker's host
+    location unless a live lease pins it (those stay READY and the reply lists them).
+
+    Decided here, in the ledger's order, rather than reported after the fact: the worker drops
+    the bytes only after this answer, so a lease granted before it keeps both the pin and the
+    bytes, and one granted after it finds the replica EVICTED. Reported after the fact, a grant
+    decided between the worker's drop and the ledger's ingest pinned bytes that were gone.
+    Per block, not all or nothing (each is its own entry in host memory); a name that is not a
+    READY replica (never offloaded, already evicted) needs nothing.
+    """
+    w = _live_worker(state, msg.worker_id, msg.epoch)
+    if isinstance(w, m.ErrorReply):
+        return w, []
+    loc = w.host
+    pinned: list[m.DiskBlock] = []
+    events: Events = []
+    for b in dict.fromkeys(msg.blocks):
+        r = state.replicas.get((b.block_hash, b.form, loc))
+        if r is None or r.state is not READY:
+            continue
+        if r.pins:
+            pinned.append(b)
+        else:
+            # reason "lru": the host tier's LRU chose it (a reason older coordinators can read)
+            events.append(ev.ReplicaEvicted(block_hash=b.block_hash, form=b.form, location=loc,
+                                            generation=r.generation, reason="lru", at_ms=now_ms))
+    return m.HostEvictReply(evicted=len(events), pinned=pinned), events
+
+
 def expire(state: LedgerState, now_ms: int, last_seen: Mapping[tuple[str, int], int] | None = None,
            floor_ms: int = 0) -> Events:
     """Liveness and lease decisions at ``now_ms``.

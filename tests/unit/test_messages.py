@@ -6,7 +6,7 @@ import pytest
 from shared.forms import FormCatalogue, FormScope, FormSpec
 from shared.messages import (
     MESSAGE_TYPES, CacheCounters, CommitWatermark, Control, ControlAck, ErrorCode, ErrorReply, Heartbeat, HeartbeatReply,
-    DiskBlock, DiskGc, DiskGcReply, InventoryItem, InventoryReply, InventoryRequest, LeaseAcquire, LeaseGrant, LeaseRelease, LeaseReleased,
+    DiskBlock, DiskGc, DiskGcReply, HostEvict, HostEvictReply, InventoryItem, InventoryReply, InventoryRequest, LeaseAcquire, LeaseGrant, LeaseRelease, LeaseReleased,
     LeaseRenew, LeaseRenewed, MessageError, RegisterReply, ReplicaRef, ReplicaState, TransitionEvent,
     WorkerRegister, WorkerResume, ResumeReply, RouteCandidate, RouteQuery, RouteReply, decode, encode,
 )
@@ -36,6 +36,8 @@ SAMPLES = [
     LeaseReleased(lease_id="l1"),
     DiskGc(worker_id="w1", epoch=2, blocks=[DiskBlock(block_hash="ab" * 16, form="swa")]),
     DiskGcReply(evicted=0, pinned=[DiskBlock(block_hash="ab" * 16, form="swa")]),
+    HostEvict(worker_id="w1", epoch=2, blocks=[DiskBlock(block_hash="ab" * 16, form="swa")]),
+    HostEvictReply(evicted=1, pinned=[DiskBlock(block_hash="cd" * 16, form="tail")]),
     ErrorReply(code=ErrorCode.UNAVAILABLE, message="db down", retry_after_ms=100),
     TransitionEvent(worker_id="w1", epoch=2, seq=1, namespace=H, tenant="t", block_hash=H, parent_hash="0" * 32,
                     token_start=0, token_end=16, form="swa", location="gpu:w1", from_state=ReplicaState.ALLOCATED,

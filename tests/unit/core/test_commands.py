@@ -7,12 +7,12 @@ import pytest
 from coordinator.core import (
     CoreParams, ReplicaPinned, SnapshotError, TransitionApplied, TransitionRejected, UnknownReplica,
     UnknownScope, UnknownWorker, WorkerLost, WorkerRegistered, acquire_lease, collect_disk, drain_worker,
-    evict_replica,
+    evict_host, evict_replica,
     expire, from_snapshot, heartbeat, ingest_transition, invalidate, register_worker, release_lease,
     renew_lease, replay, resume, state_hash, switch_cache, to_snapshot,
 )
 from coordinator.core.route import route
-from shared.messages import DiskBlock, DiskGc, ErrorCode, ErrorReply, LeaseGrant, ReplicaState as S, RouteQuery
+from shared.messages import DiskBlock, DiskGc, ErrorCode, ErrorReply, HostEvict, LeaseGrant, ReplicaState as S, RouteQuery
 
 from .support import FORMS, NS, Driver, acquire, consistent, h, hb, register, release, renew, transition
 
@@ -335,6 +335,39 @@ def test_disk_gc_evicts_all_or_none_of_a_segments_replicas() -> None:
     assert reply.evicted == len(both) and reply.pinned == []
     assert all(d.state.replica_state((b.block_hash, b.form, "disk")) is S.EVICTED for b in both)
     err(d.run(collect_disk, DiskGc(worker_id="w1", epoch=2, blocks=both), 16), ErrorCode.FENCED)
+    consistent(d)
+
+
+def test_host_evict_evicts_each_unpinned_host_replica_and_keeps_the_pinned() -> None:
+    """A worker's host-tier LRU victims, decided by the coordinator: each named READY replica at
+    the worker's host location is evicted unless a lease pins it (kept READY, named in the
+    reply); names that are not live are no-ops; a stale epoch is fenced; another worker's names
+    touch only its own host tier."""
+    d, seq = fresh(workers=("w1", "w2")), Seq()
+    warm(d, [h(0), h(1)], seq)
+    for i, b in enumerate((h(0), h(1))):
+        for f in FORMS:
+            for frm, to in ((None, S.READY), (S.READY, S.EVICTED)):    # copied to host:w1, then gone from the GPU
+                loc = "host:w1" if frm is None else "gpu:w1"
+                out = d.run(ingest_transition, transition("w1", 1, seq(), b, f, frm, to, location=loc,
+                                                          generation=7, checksum=f"c{i}"), 10)
+                assert isinstance(out[0], TransitionApplied), out
+    g = d.run(acquire_lease, acquire("w1", 1, [h(0)]), 11, "L1")              # pins h(0)'s host replicas
+    assert {r.location for r in g.read} == {"host:w1"}
+    named = [DiskBlock(block_hash=b, form=f) for b in (h(0), h(1)) for f in FORMS]
+    ghost = DiskBlock(block_hash=h(9), form=FORMS[0])
+    err(d.run(evict_host, HostEvict(worker_id="w1", epoch=2, blocks=named), 12), ErrorCode.FENCED)
+    reply = d.run(evict_host, HostEvict(worker_id="w2", epoch=1, blocks=named), 12)   # w2's own host tier: nothing
+    assert reply.evicted == 0 and reply.pinned == []
+    reply = d.run(evict_host, HostEvict(worker_id="w1", epoch=1, blocks=[*named, ghost, named[0]]), 13)
+    assert {(p.block_hash, p.form) for p in reply.pinned} == {(h(0), r.form) for r in g.read}
+    assert reply.evicted == len(FORMS)
+    assert all(d.state.replica_state((h(0), f, "host:w1")) is S.READY for f in FORMS)
+    assert all(d.state.replica_state((h(1), f, "host:w1")) is S.EVICTED for f in FORMS)
+    d.run(release_lease, release("w1", 1, "L1"), 14)
+    reply = d.run(evict_host, HostEvict(worker_id="w1", epoch=1, blocks=named), 15)
+    assert reply.evicted == len(FORMS) and reply.pinned == []
+    assert all(d.state.replica_state((b.block_hash, b.form, "host:w1")) is S.EVICTED for b in named)
     consistent(d)
 
 
