@@ -18,7 +18,7 @@ import time
 import uuid
 
 from coordinator.core import (
-    CoreParams, LedgerState, acquire_lease, apply, collect_disk, expire, heartbeat, ingest_transition,
+    CoreParams, LedgerState, acquire_lease, apply, collect_disk, evict_host, expire, heartbeat, ingest_transition,
     register_worker, release_lease, renew_lease, resume, resume_worker,
 )
 from shared import messages as m
@@ -100,6 +100,10 @@ class InProcessCoordinator:
     async def disk_gc(self, msg: m.DiskGc) -> m.DiskGcReply:
         self._check()
         return self._run(collect_disk(self.state, msg, _now()))  # type: ignore[return-value]
+
+    async def host_evict(self, msg: m.HostEvict) -> m.HostEvictReply:
+        self._check()
+        return self._run(evict_host(self.state, msg, _now()))  # type: ignore[return-value]
 
     async def publish(self, event: m.TransitionEvent) -> None:
         if self.down:

@@ -44,12 +44,14 @@ from shared.images import PromptImage, check_placement
 from shared.logging import get_logger
 from shared.messages import (
     MAX_DISK_GC_BLOCKS,
+    MAX_HOST_EVICT_BLOCKS,
     Control,
     ControlAck,
     DiskBlock,
     DiskGc,
     ErrorCode,
     Heartbeat,
+    HostEvict,
     InventoryItem,
     InventoryReply,
     InventoryRequest,
@@ -760,7 +762,11 @@ class Engine:
 
     async def _spill_batch(self, batch: list[tuple[BlockMeta, torch.Tensor, bool]]) -> None:
         good: list[tuple[BlockMeta, torch.Tensor, bool]] = []
+        victims: list[BlockMeta] = []   # host-tier victims: their eviction is the coordinator's to decide
         for meta, data, from_host in batch:
+            if not self.tiers.needs_disk(meta):
+                victims.append(meta)   # written by an earlier pass; still waiting for its eviction
+                continue
             try:
                 of.BlockKey(meta.namespace, meta.tenant, meta.block_hash, meta.form, meta.spec_digest)
                 good.append((meta, data, from_host))
@@ -768,6 +774,8 @@ class Engine:
                 self.metrics.offload_failures.labels(tier="disk", reason="error").inc()
                 self.log.error("spill_item_failed", block=meta.block_hash[:12], form=meta.form, error=type(e).__name__)
                 self._spill_done(meta, from_host, written=False)
+                if from_host:
+                    victims.append(meta)
         digests: list[str] = []
         if good and self.tiers.disk_available():
             t0 = time.perf_counter()
@@ -794,22 +802,77 @@ class Engine:
                 self.metrics.offload_failures.labels(tier="disk", reason="error").inc()
                 self.log.error("spill_item_failed", block=meta.block_hash[:12], form=meta.form,
                                error=type(e).__name__)
+            if from_host:
+                victims.append(meta)
+        if victims:
+            await self._evict_host(victims)
 
     def _spill_done(self, meta: BlockMeta, from_host: bool, *, written: bool) -> None:
-        """One queued block handled: its disk replica is READY if written; a host-tier victim's
-        host replica is gone either way (unless it went back into the host tier meanwhile)."""
+        """One queued block's disk copy handled: its disk replica is READY if written. A
+        host-tier victim stays queued (and readable) until :meth:`_evict_host` settles it."""
         if not self.tiers.is_spilling(meta):
             return  # put back into the host tier meanwhile: it stays there
-        if from_host and self.tiers.keep_pinned(meta):
-            # a lease pinned it during the write: it stays a host replica (the disk copy is valid too)
-            if written and not self.tiers.is_spilling(meta):  # (still queued: the next pass writes it)
-                self._emit(meta, "disk", None, R.READY, 0, kind="offload")
-            return
-        self.tiers.spilled(meta)
         if written:
             self._emit(meta, "disk", None, R.READY, 0, kind="offload")
         if from_host:
-            self._emit(meta, self.host_location, R.READY, R.EVICTED, 0, kind="evict", reason="host lru")
+            self.tiers.disk_done(meta)
+        else:
+            self.tiers.spilled(meta)
+
+    async def _evict_host(self, victims: list[BlockMeta]) -> None:
+        """Drop host-tier LRU victims' bytes once the coordinator has evicted their replicas
+        (``HostEvict``); a victim a live lease pins stays a host replica.
+
+        NOTE: the coordinator decides, in the ledger's order, as it does a grant's GPU victims.
+        Dropping first and reporting the eviction after the fact left a window (the transition's
+        way to the ledger) in which a grant could pin bytes that were already gone; the ledger
+        then refused the eviction and listed a READY replica that existed nowhere. Without an
+        answer (coordinator unreachable, epoch suspended) the victims stay queued and readable,
+        and are asked about again after ``retry_s``."""
+        todo = [m for m in victims if self.tiers.is_spilling(m) and not self.tiers.keep_pinned(m)]
+        if todo and self.client is None:
+            # no ledger to ask (an engine without a coordinator): report after the fact
+            for meta in todo:
+                self.tiers.spilled(meta)
+                self._emit(meta, self.host_location, R.READY, R.EVICTED, 0, kind="evict", reason="host lru")
+            todo = []
+        by_key = {(m.block_hash, m.form): m for m in todo}
+        blocks = [DiskBlock(block_hash=h, form=f) for h, f in by_key]
+        # NOTE: the victims' disk copies must be in the ledger first: an offload is accepted only
+        # while a copy it can come from is known (here, the host replica), and until the disk
+        # replica is READY the host one is what a reader has.
+        timeout_s = self.cfg.nats.request_timeout_ms / 1000
+        if blocks and self.publisher is not None and not await self.publisher.wait_empty(timeout_s):
+            self._defer_host_evictions(len(blocks), "the victims' offloads are not committed yet")
+            blocks = []
+        for i in range(0, len(blocks), MAX_HOST_EVICT_BLOCKS):
+            chunk = blocks[i:i + MAX_HOST_EVICT_BLOCKS]
+            try:
+                reply = await self.call("host_evict", self.client.host_evict(HostEvict(
+                    worker_id=self.worker_id, epoch=max(1, self.epoch), blocks=chunk)))
+            except (CoordinatorRefused, CoordinatorUnavailable) as e:
+                self._defer_host_evictions(len(blocks) - i, type(e).__name__)
+                break
+            pinned = {(b.block_hash, b.form) for b in reply.pinned}
+            for b in chunk:
+                meta = by_key[(b.block_hash, b.form)]
+                if (b.block_hash, b.form) in pinned:
+                    # still queued and readable, asked about again once the lease may have ended
+                    # (not put back into the host tier: that would push out another entry)
+                    self.metrics.host_evictions.labels(outcome="pinned").inc()
+                elif self.tiers.is_spilling(meta):   # (else: dropped meanwhile, an invalidation)
+                    self.tiers.spilled(meta)   # evicted in the log (or not a live replica): the bytes go
+                    self.metrics.host_evictions.labels(outcome="evicted").inc()
+            if pinned:
+                asyncio.get_running_loop().call_later(self.tiers.retry_s, self._wake_spill.set)
+        self.metrics.host_evictions_waiting.set(self.tiers.evictions_waiting)
+
+    def _defer_host_evictions(self, n: int, why: str) -> None:
+        """Host-tier victims stay (queued, readable) without a decision; ask again after ``retry_s``."""
+        self.metrics.host_evictions.labels(outcome="deferred").inc(n)
+        self.log.warning("host-tier evictions deferred: the coordinator did not decide", victims=n, error=why,
+                         retry_s=self.tiers.retry_s)
+        asyncio.get_running_loop().call_later(self.tiers.retry_s, self._wake_spill.set)
 
     async def _collect_disk(self) -> None:
         """Delete this worker's oldest segments while they exceed ``cache.offload_dir_bytes``,

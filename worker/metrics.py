@@ -65,6 +65,11 @@ class WorkerMetrics:
         self.disk_gc = Counter(p + "disk_gc_segments", "This worker's segments the disk GC considered, by outcome "
                                "(deleted; pinned: a live lease pins a replica it holds, kept; no_coordinator: "
                                "deferred)", ["outcome"], registry=r)
+        self.host_evictions = Counter(p + "host_evictions", "Host-tier LRU victims the coordinator was asked to "
+                                      "evict, by outcome (evicted: bytes dropped; pinned: a live lease pins it, "
+                                      "kept; deferred: no decision yet, kept and asked again)", ["outcome"], registry=r)
+        self.host_evictions_waiting = Gauge(p + "host_evictions_waiting", "Host-tier LRU victims kept in memory "
+                                            "until the coordinator decides their eviction", registry=r)
         self.disk_gc_bytes = Counter(p + "disk_gc_bytes", "Bytes of segment files the disk GC deleted", registry=r)
         self.disk_skipped = Gauge(p + "disk_records_skipped", "Segment records the index skipped for a damaged "
                                   "header (each lost alone)", registry=r)

@@ -53,6 +53,9 @@ class Tiers:
         self.host = HostTier(host_bytes, on_evict=self._spill, pinned=host_pins) if host_bytes > 0 else None
         self._host_meta: dict[Key, BlockMeta] = {}
         self._spills: OrderedDict[Key, tuple[BlockMeta, torch.Tensor, bool]] = OrderedDict()
+        #: Host-tier victims in the spill queue whose disk copy is handled, waiting only for the
+        #: coordinator's eviction decision (the next pass asks again without writing them again).
+        self._disk_done: set[Key] = set()
         self.disk_root = Path(disk_root) if disk_root else None
         #: This worker's segments (None without a disk tier or a writer id: read-only).
         self._writer = SegmentWriter(self.disk_root, writer, segment_bytes) if self.disk_root and writer else None
@@ -75,6 +78,7 @@ class Tiers:
             return False
         key = (meta.block_hash, meta.form)
         self._spills.pop(key, None)
+        self._disk_done.discard(key)
         self._host_meta[key] = meta
         return True
 
@@ -114,6 +118,7 @@ class Tiers:
         key = (block_hash, form)
         self._host_meta.pop(key, None)
         gone = self.host.drop(block_hash, form) if self.host is not None else False
+        self._disk_done.discard(key)
         return gone or self._spills.pop(key, None) is not None
 
     def host_items(self) -> list[BlockMeta]:
@@ -126,6 +131,7 @@ class Tiers:
         for block_hash, form in list(self._host_meta):
             n += self.host_drop(block_hash, form)
         self._spills.clear()
+        self._disk_done.clear()
         return n
 
     def take_spills(self) -> list[tuple[BlockMeta, torch.Tensor, bool]]:
@@ -145,17 +151,35 @@ class Tiers:
         return (meta.block_hash, meta.form) in self._spills
 
     def spilled(self, meta: BlockMeta) -> None:
-        self._spills.pop((meta.block_hash, meta.form), None)
+        key = (meta.block_hash, meta.form)
+        self._spills.pop(key, None)
+        self._disk_done.discard(key)
+
+    def disk_done(self, meta: BlockMeta) -> None:
+        """A host-tier victim's disk copy is handled; it waits in the queue only for its eviction."""
+        key = (meta.block_hash, meta.form)
+        if key in self._spills:
+            self._disk_done.add(key)
+
+    def needs_disk(self, meta: BlockMeta) -> bool:
+        """Whether a queued block still has to be written (False once :meth:`disk_done`)."""
+        return (meta.block_hash, meta.form) not in self._disk_done
+
+    @property
+    def evictions_waiting(self) -> int:
+        """Host-tier victims kept in the queue until the coordinator decides their eviction."""
+        return len(self._disk_done)
 
     def keep_pinned(self, meta: BlockMeta) -> bool:
-        """An LRU victim of the host tier that a live lease pinned while it waited to be spilled
-        (the grant came during the disk write): it stays a host replica — back into the host
-        tier, or, if only pinned entries could make room there, still readable in the spill
-        queue for the next pass. False if it is not such a victim (drop it as usual).
+        """An LRU victim of the host tier that a live lease of this worker pinned while it waited
+        to be spilled (the grant came during the disk write): it stays a host replica — back
+        into the host tier, or, if only pinned entries could make room there, still readable in
+        the spill queue for the next pass. False if it is not such a victim.
 
         NOTE: the host LRU skips pinned entries when it picks victims; this is the second place
-        a host replica's bytes go, and the ledger refuses the eviction of a pinned replica, so
-        dropping it here would leave a READY host replica that exists nowhere."""
+        a host replica's bytes go, and a pinned replica stays READY in the ledger, so dropping
+        it here would leave a READY host replica that exists nowhere. (Pins of grants this worker
+        has not heard of yet are the coordinator's to see: ``Engine._evict_host``.)"""
         key = (meta.block_hash, meta.form)
         item = self._spills.get(key)
         if item is None or not item[2] or self.host is None or self.host.pinned is None \

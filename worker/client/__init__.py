@@ -22,9 +22,9 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from shared.messages import (
-    CommitWatermark, Control, ControlAck, DiskGc, DiskGcReply, ErrorCode, Heartbeat, HeartbeatReply, InventoryReply, InventoryRequest,
-    LeaseAcquire, LeaseGrant, LeaseRelease, LeaseReleased, LeaseRenew, LeaseRenewed, RegisterReply, ResumeReply,
-    TransitionEvent, WorkerRegister, WorkerResume,
+    CommitWatermark, Control, ControlAck, DiskGc, DiskGcReply, ErrorCode, Heartbeat, HeartbeatReply, HostEvict,
+    HostEvictReply, InventoryReply, InventoryRequest, LeaseAcquire, LeaseGrant, LeaseRelease, LeaseReleased, LeaseRenew,
+    LeaseRenewed, RegisterReply, ResumeReply, TransitionEvent, WorkerRegister, WorkerResume,
 )
 
 
@@ -73,6 +73,8 @@ class CoordinatorClient(Protocol):
     async def release(self, msg: LeaseRelease) -> LeaseReleased: ...
 
     async def disk_gc(self, msg: DiskGc) -> DiskGcReply: ...
+
+    async def host_evict(self, msg: HostEvict) -> HostEvictReply: ...
 
     async def publish(self, event: TransitionEvent) -> None:
         """Hand one transition to the broker (raises PublishFailed). Not durability: see the outbox."""

@@ -160,6 +160,10 @@ class NatsCoordinatorClient:
     async def disk_gc(self, msg: m.DiskGc) -> m.DiskGcReply:
         return await self._request(self.subjects.request("disk_gc", msg.worker_id), msg, m.DiskGcReply, "disk.gc")
 
+    async def host_evict(self, msg: m.HostEvict) -> m.HostEvictReply:
+        return await self._request(self.subjects.request("host_evict", msg.worker_id), msg, m.HostEvictReply,
+                                   "host.evict")
+
     async def publish(self, event: m.TransitionEvent) -> None:
         if self._js is None or self._nc is None or not self._nc.is_connected:
             raise PublishFailed("not connected to NATS")
