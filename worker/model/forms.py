@@ -26,7 +26,6 @@ them changes ``spec_digest`` and stored state is rejected instead of misread.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
