@@ -40,45 +40,6 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-async def test_a_host_replica_pinned_by_a_lease_is_not_dropped_behind_the_ledgers_back(tmp_path) -> None:
-    # two window slots on the GPU, room for two window blocks in the host tier, no disk tier
-    cfg = parse_config({
-        "cache": {"chunk_blocks": 1, "host_tier_bytes": 2 * SWA_BLOCK + 1000, "offload_dir": "", "offload_threshold": 1.0,
-                  "compressed_pool_limit": 0.5, "tail_pool_limit": 0.2, "swa_pool_limit": 0.07},
-        "worker": {"worker_id": "w1", "pool_bytes": 2**20, "outbox_resend_ms": 200},
-        "coordinator": {"heartbeat_interval_ms": 100},
-        "state_dir": str(tmp_path / "state")})
-    twin = InProcessCoordinator()
-    engine = Engine(build_model(seed=0), cfg, twin)
-    assert engine.slots["swa"] == 2
-    await engine.start()
-    try:
-        a, b = prompt(48, seed=1), prompt(48, seed=2)
-        await engine.generate(a, max_tokens=1)      # A's window blocks 0, 1 on the GPU
-        await engine.generate(b, max_tokens=1)      # B's push them out: copied to the host tier
-        assert await engine.flush()
-        host = f"host:{engine.worker_id}"
-        assert {(r.block_hash, r.form) for r in engine.tiers.host_items()} == \
-            {k[:2] for k, r in twin.state.replicas.items() if k[2] == host and r.state is ReplicaState.READY}
-
-        # A again: its lease pins A's host replicas; its write grant evicts B's window blocks,
-        # whose copies push A's out of the host tier while the lease still pins them
-        s = await engine.open(a, max_new_tokens=1)
-        pinned = {(r.block_hash, r.form) for lease in s.leases for r in lease.grant.read if r.location == host}
-        assert pinned, "the lease pinned no host replica: the scenario did not happen"
-        assert await engine.flush()
-        await engine.close(s)
-        assert await engine.flush()
-
-        refused = [reason for t, reason in twin.rejected if t.location == host and "pinned" in reason]
-        worker_has = {(r.block_hash, r.form) for r in engine.tiers.host_items()}
-        ledger_has = {k[:2] for k, r in twin.state.replicas.items() if k[2] == host and r.state is ReplicaState.READY}
-        assert ledger_has == worker_has, (f"ledger lists {len(ledger_has - worker_has)} READY host replica(s) the "
-                                          f"worker dropped; evictions refused: {refused}")
-    finally:
-        await engine.stop()
-
-
 def small_tiers_engine(tmp_path) -> tuple[Engine, InProcessCoordinator]:
     """Two window slots on the GPU, room for two window blocks in the host tier, no disk tier."""
     cfg = parse_config({
@@ -101,6 +62,36 @@ async def settled(engine: Engine) -> None:
         if all(not engine.tiers.needs_disk(m) for m, _, _ in engine.tiers.take_spills()):
             return
         await asyncio.sleep(0.02)
+
+
+async def test_a_host_replica_pinned_by_a_lease_is_not_dropped_behind_the_ledgers_back(tmp_path) -> None:
+    engine, twin = small_tiers_engine(tmp_path)
+    assert engine.slots["swa"] == 2
+    await engine.start()
+    try:
+        a, b = prompt(48, seed=1), prompt(48, seed=2)
+        await engine.generate(a, max_tokens=1)      # A's window blocks 0, 1 on the GPU
+        await engine.generate(b, max_tokens=1)      # B's push them out: copied to the host tier
+        assert await engine.flush()
+        host = f"host:{engine.worker_id}"
+        assert {(r.block_hash, r.form) for r in engine.tiers.host_items()} == ledger_host_ready(twin, host)
+
+        # A again: its lease pins A's host replicas; its write grant evicts B's window blocks,
+        # whose copies push A's out of the host tier while the lease still pins them
+        s = await engine.open(a, max_new_tokens=1)
+        pinned = {(r.block_hash, r.form) for lease in s.leases for r in lease.grant.read if r.location == host}
+        assert pinned, "the lease pinned no host replica: the scenario did not happen"
+        assert await engine.flush()
+        await engine.close(s)
+        assert await engine.flush()
+
+        refused = [reason for t, reason in twin.rejected if t.location == host and "pinned" in reason]
+        worker_has = {(r.block_hash, r.form) for r in engine.tiers.host_items()}
+        ledger_has = ledger_host_ready(twin, host)
+        assert ledger_has == worker_has, (f"ledger lists {len(ledger_has - worker_has)} READY host replica(s) the "
+                                          f"worker dropped; evictions refused: {refused}")
+    finally:
+        await engine.stop()
 
 
 async def test_a_host_victim_pinned_by_a_grant_the_worker_has_not_heard_of_keeps_its_bytes(tmp_path) -> None:
