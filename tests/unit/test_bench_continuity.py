@@ -205,3 +205,11 @@ def test_lease_ab_takes_only_kvledger_checkouts(tmp_path) -> None:
         checkout(str(tmp_path))
     with pytest.raises(SystemExit):                      # argparse: a clear error, no stack trace
         main(["--a", str(repo), "--b", str(tmp_path)])
+
+
+def test_host_evict_bench_refuses_impossible_batches(capsys) -> None:
+    from bench.host_evict import main
+    for argv in (["--per-request", "0"], ["--per-request", "5000"], ["--blocks", "0"]):
+        with pytest.raises(SystemExit):                  # argparse: a clear error, no stack trace
+            main(argv)
+        assert "--per-request 1–4096" in capsys.readouterr().err
