@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 
 from shared.forms import FormCatalogue
-from shared.ids import BlockHash, Epoch, Generation, LeaseId, Namespace, Seq, TenantId, WorkerId
+from shared.ids import Generation, TenantId
 from shared.versions import SCHEMA_VERSION
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
