@@ -67,6 +67,9 @@ class CacheConfig(_Section):
     offload_segment_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 16 * 2**20
     #: Host-memory tier size in bytes (0 = no host tier).
     host_tier_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * 2**20
+    #: How long a tier waits before trying again: the disk tier after it failed (I/O error, full
+    #: file system), host-tier evictions the coordinator did not decide or refused (a lease pins them).
+    tier_retry_ms: Annotated[int, msgspec.Meta(ge=10, le=600_000)] = 5000
     hit_validation: HitValidation = msgspec.field(default_factory=HitValidation)
     on_invalid: Literal["refill", "error"] = "refill"
     #: Precision cached state is stored in — pools, host and disk tiers (``worker.model.storage``):

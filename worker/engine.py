@@ -169,7 +169,8 @@ class Engine:
         self.store = CacheStore(self.catalogue, self.slots, self.device) if self.cache_enabled else None
         self.tiers = Tiers(cfg.cache.host_tier_bytes if self.cache_enabled else 0,
                            cfg.cache.offload_dir if self.cache_enabled else None, host_pins=self._host_pins,
-                           writer=self.worker_id, segment_bytes=cfg.cache.offload_segment_bytes)
+                           writer=self.worker_id, segment_bytes=cfg.cache.offload_segment_bytes,
+                           retry_s=cfg.cache.tier_retry_ms / 1000)
         self.metrics.disk_skipped.set_function(lambda: self.tiers.disk_index_skipped)
         self.metrics.watch_gpu(str(self.device), self.store.pools.nbytes() if self.store is not None else 0)
         for form, n in self.slots.items():

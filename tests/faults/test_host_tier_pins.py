@@ -44,7 +44,7 @@ def small_tiers_engine(tmp_path) -> tuple[Engine, InProcessCoordinator]:
     """Two window slots on the GPU, room for two window blocks in the host tier, no disk tier."""
     cfg = parse_config({
         "cache": {"chunk_blocks": 1, "host_tier_bytes": 2 * SWA_BLOCK + 1000, "offload_dir": "", "offload_threshold": 1.0,
-                  "compressed_pool_limit": 0.5, "tail_pool_limit": 0.2, "swa_pool_limit": 0.07},
+                  "compressed_pool_limit": 0.5, "tail_pool_limit": 0.2, "swa_pool_limit": 0.07, "tier_retry_ms": 50},
         "worker": {"worker_id": "w1", "pool_bytes": 2**20, "outbox_resend_ms": 200},
         "coordinator": {"heartbeat_interval_ms": 100},
         "state_dir": str(tmp_path / "state")})
@@ -114,7 +114,6 @@ async def test_a_host_victim_pinned_by_a_grant_the_worker_has_not_heard_of_keeps
             r.pins += 1          # the ledger's side of a grant the worker has not heard of yet
             granted.append((*key, host))
     engine.tiers.host.on_evict = victim_chosen
-    engine.tiers.retry_s = 0.05
     try:
         for seed in (1, 2, 3):   # A's, then B's window blocks are pushed down to the host tier, and out of it
             await engine.generate(prompt(48, seed=seed), max_tokens=1)
@@ -147,7 +146,6 @@ async def test_host_victims_wait_for_the_coordinators_decision(tmp_path) -> None
     inventory, counted as deferred) and asks again later; once the coordinator decides, they go."""
     engine, twin = small_tiers_engine(tmp_path)
     await engine.start()
-    engine.tiers.retry_s = 0.05
     host = f"host:{engine.worker_id}"
     chosen: list[tuple[str, str]] = []
     on_evict, host_evict = engine.tiers.host.on_evict, twin.host_evict
