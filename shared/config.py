@@ -178,6 +178,12 @@ class CoordinatorConfig(_Section):
     #: The coordinator process's asyncio event loop: ``uvloop`` (libuv; faster sockets and
     #: scheduling) or ``asyncio`` (the standard library's).
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
+    #: Allocations between two collections of the garbage collector's youngest generation in the
+    #: coordinator process (CPython's default: 700). A lease allocates dozens of objects; at 700
+    #: the collector took ~a quarter of a lease's decision time on a large state, with full
+    #: collections of tens of ms in the lease p99 (BENCHMARKS.md, Coordinator: "Garbage
+    #: collection"). Higher: fewer collections, each of more young objects.
+    gc_young_threshold: Annotated[int, msgspec.Meta(ge=100, le=1_000_000)] = 10_000
 
 
 class WorkerConfig(_Section):
