@@ -1200,12 +1200,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             dbs.append(name)
             subjects = Subjects(f"kvlbench{uuid.uuid4().hex[:8]}")
             streams.append(subjects.stream_name)
-            coord = CoordinatorProc(tmp, "live", live_db, nats_url, subjects.prefix)
+            coord = CoordinatorProc(tmp, "live", live_db, nats_url, subjects.prefix,
+                                    {"gc_young_threshold": args.gc_young_threshold} if args.gc_young_threshold else None)
             procs.append(coord)
             _log(f"starting the coordinator (fresh database {name}, prefix {subjects.prefix}) ...")
             coord.start()
             empty_s, _ = await coord.wait_ready()
             result["start_empty_to_ready_s"] = round(empty_s, 3)
+            from shared.config import CoordinatorConfig
+            result["coordinator_gc_young_threshold"] = args.gc_young_threshold or CoordinatorConfig().gc_young_threshold
             _log(f"coordinator ready in {empty_s:.2f} s (empty log, schema created)")
             n_ingest = args.ingest if "ingest" in phases else 4 * CACHED_BLOCKS * 64
             worker = BenchWorker(nc, subjects, slots=2 * n_ingest + 20 * args.leases * PROMPT_BLOCKS + 1000)
@@ -1650,10 +1653,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                     help="standby takeovers, each of the previous standby (default 3, quick 1)")
     ap.add_argument("--only", default="", help=f"comma-separated subset of {','.join(PHASES)} "
                                                "(replay includes the restart and the takeover)")
+    ap.add_argument("--gc-young-threshold", type=int,
+                    help="the ingest and lease phases' coordinator.gc_young_threshold (default: the config's; "
+                         "700 = CPython's own, for an A/B)")
     ap.add_argument("--database-url", default=os.environ.get("KVL_DATABASE_URL", ""))
     ap.add_argument("--nats-url", default=os.environ.get("KVL_NATS_URL", ""))
     ap.add_argument("--echo-serve", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.gc_young_threshold is not None and not 100 <= args.gc_young_threshold <= 1_000_000:
+        ap.error("--gc-young-threshold must be within 100–1000000 (coordinator.gc_young_threshold)")
     if args.echo_serve:
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(echo_serve(args.nats_url, args.echo_serve))
