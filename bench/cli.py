@@ -4,8 +4,11 @@ line of stdout (the JSON object every bench ends with)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Coroutine
+import sys
+from collections.abc import AsyncIterator, Coroutine
+from pathlib import Path
 from typing import Any
 
 
@@ -16,3 +19,19 @@ def run_and_print(bench: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
     result = asyncio.run(bench)
     print(json.dumps(result))
     return result
+
+
+@contextlib.asynccontextmanager
+async def services(database_url: str, nats_url: str, state_dir: Path) -> AsyncIterator[tuple[str, str]]:
+    """``(database URL, NATS URL)``: the ones given, or embedded PostgreSQL and/or NATS started in
+    ``state_dir`` for what is missing (stopped on exit)."""
+    if database_url and nats_url:
+        yield database_url, nats_url
+        return
+    from shared.embedded import start_services
+    print("starting embedded PostgreSQL and/or NATS ...", file=sys.stderr, flush=True)
+    svc = await asyncio.to_thread(start_services, database_url, nats_url, str(state_dir))
+    try:
+        yield svc.database_url, svc.nats_url
+    finally:
+        await asyncio.to_thread(svc.stop)

@@ -22,7 +22,6 @@ Services as ``bench.coordinator``: ``--database-url`` / ``--nats-url`` or ``KVL_
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import os
 import sys
@@ -32,6 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bench.cli import services
 from bench.coordinator import BLOCK, NS, BenchWorker, CoordinatorProc, commit_blocks, create_db, drop_db, h, pct
 
 
@@ -59,19 +59,17 @@ async def offload_to_host(nc: Any, w: BenchWorker, hashes: list[str], first_comm
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="kvl-bench-host-evict-"))
+    async with services(args.database_url, args.nats_url, tmp / "services") as (db_url, nats_url):
+        return await measure(args, tmp, db_url, nats_url)
+
+
+async def measure(args: argparse.Namespace, tmp: Path, db_url: str, nats_url: str) -> dict[str, Any]:
     import nats
 
-    from shared.embedded import start_services
     from shared.messages import DiskBlock, HostEvict, HostEvictReply, decode, encode
     from shared.subjects import Subjects
 
-    tmp = Path(tempfile.mkdtemp(prefix="kvl-bench-host-evict-"))
-    db_url, nats_url = args.database_url, args.nats_url
-    services = None
-    if not (db_url and nats_url):
-        _log("starting embedded PostgreSQL and/or NATS ...")
-        services = await asyncio.to_thread(start_services, db_url, nats_url, str(tmp / "services"))
-        db_url, nats_url = services.database_url, services.nats_url
     nc = await nats.connect(nats_url, name="bench.host_evict")
     url, name = await create_db(db_url, "hostevict")
     subjects = Subjects(f"kvlhe{uuid.uuid4().hex[:8]}")
@@ -109,8 +107,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await nc.close()
         with contextlib.suppress(Exception):
             await drop_db(db_url, name)
-        if services is not None:
-            await asyncio.to_thread(services.stop)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -19,7 +19,6 @@ and ``b_vs_a_p50`` (< 1: B is faster). Services as ``bench.coordinator``: ``--da
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import os
 import random
@@ -30,6 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bench.cli import services
 from bench.coordinator import (
     CACHED_BLOCKS, PROMPT_BLOCKS, BenchWorker, CoordinatorProc, commit_blocks, create_db, drop_db, h, pct,
 )
@@ -48,19 +48,17 @@ def checkout(path: str) -> Path:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="kvl-lease-ab-"))
+    async with services(args.database_url, args.nats_url, tmp / "services") as (db_url, nats_url):
+        return await alternate(args, tmp, db_url, nats_url)
+
+
+async def alternate(args: argparse.Namespace, tmp: Path, db_url: str, nats_url: str) -> dict[str, Any]:
     import nats
 
-    from shared.embedded import start_services
     from shared.messages import LeaseGrant, LeaseReleased, decode, encode
     from shared.subjects import Subjects
 
-    tmp = Path(tempfile.mkdtemp(prefix="kvl-lease-ab-"))
-    db_url, nats_url = args.database_url, args.nats_url
-    services = None
-    if not (db_url and nats_url):
-        _log("starting embedded PostgreSQL and/or NATS ...")
-        services = await asyncio.to_thread(start_services, db_url, nats_url, str(tmp / "services"))
-        db_url, nats_url = services.database_url, services.nats_url
     nc = await nats.connect(nats_url, name="bench.lease_ab")
     sides: list[tuple[str, CoordinatorProc, BenchWorker, list[str]]] = []
     dbs: list[str] = []
@@ -113,8 +111,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for name in dbs:
             with contextlib.suppress(Exception):
                 await drop_db(db_url, name)
-        if services is not None:
-            await asyncio.to_thread(services.stop)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
