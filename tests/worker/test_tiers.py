@@ -181,3 +181,20 @@ def test_store_keeps_storage_and_bumps_generations() -> None:
     assert torch.equal(copy, _data(2))                                        # a private copy
     assert store.clear() == 2 and store.addresses() == addr
     assert isinstance(store.pools, PoolSet)
+
+
+def test_a_block_queued_again_is_written_again(tmp_path) -> None:
+    """A host victim waiting only for its eviction (its disk copy handled) that is queued anew —
+    straight from the GPU, or as a new host-tier victim — needs its disk write again."""
+    t = Tiers(host_bytes=512, disk_root=tmp_path)
+    metas = [_meta(i, _data(i)) for i in range(3)]
+    for i, m in enumerate(metas):
+        assert t.put_host(m, _data(i))
+    [(victim, _, _)] = t.take_spills()
+    t.disk_done(victim)
+    assert not t.needs_disk(victim) and t.evictions_waiting == 1
+    t.spill_direct(victim, _data(0))
+    assert t.needs_disk(victim) and t.evictions_waiting == 0
+    t.disk_done(victim)
+    assert t.put_host(victim, _data(0))             # back into the host tier: nothing waits
+    assert t.evictions_waiting == 0 and t.needs_disk(victim)

@@ -86,6 +86,7 @@ class Tiers:
         meta = self._host_meta.pop(key, None)
         if meta is not None:
             self._spills[key] = (meta, data, True)
+            self._disk_done.discard(key)   # a new entry: its disk copy is still to be made
 
     def host_read(self, block_hash: str, form: str) -> tuple[Observed, torch.Tensor | None]:
         """A host entry (or one waiting in the spill queue), verified: its bytes, read-only."""
@@ -145,7 +146,9 @@ class Tiers:
 
     def spill_direct(self, meta: BlockMeta, data: torch.Tensor) -> None:
         """Queue a block for the disk tier without passing through host memory."""
-        self._spills[(meta.block_hash, meta.form)] = (meta, data.cpu(), False)
+        key = (meta.block_hash, meta.form)
+        self._spills[key] = (meta, data.cpu(), False)
+        self._disk_done.discard(key)
 
     def is_spilling(self, meta: BlockMeta) -> bool:
         return (meta.block_hash, meta.form) in self._spills
