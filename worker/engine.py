@@ -172,6 +172,7 @@ class Engine:
                            writer=self.worker_id, segment_bytes=cfg.cache.offload_segment_bytes,
                            retry_s=cfg.cache.tier_retry_ms / 1000)
         self.metrics.disk_skipped.set_function(lambda: self.tiers.disk_index_skipped)
+        self.metrics.host_evictions_waiting.set_function(lambda: self.tiers.evictions_waiting)
         self.metrics.watch_gpu(str(self.device), self.store.pools.nbytes() if self.store is not None else 0)
         for form, n in self.slots.items():
             self.metrics.pool_slots.labels(form=form).set(n)
@@ -865,14 +866,16 @@ class Engine:
                     self.tiers.spilled(meta)   # evicted in the log (or not a live replica): the bytes go
                     self.metrics.host_evictions.labels(outcome="evicted").inc()
             if pinned:
-                asyncio.get_running_loop().call_later(self.tiers.retry_s, self._wake_spill.set)
-        self.metrics.host_evictions_waiting.set(self.tiers.evictions_waiting)
+                self._spill_again_later()
 
     def _defer_host_evictions(self, n: int, why: str) -> None:
         """Host-tier victims stay (queued, readable) without a decision; ask again after ``retry_s``."""
         self.metrics.host_evictions.labels(outcome="deferred").inc(n)
         self.log.warning("host-tier evictions deferred: the coordinator did not decide", victims=n, error=why,
                          retry_s=self.tiers.retry_s)
+        self._spill_again_later()
+
+    def _spill_again_later(self) -> None:
         asyncio.get_running_loop().call_later(self.tiers.retry_s, self._wake_spill.set)
 
     async def _collect_disk(self) -> None:

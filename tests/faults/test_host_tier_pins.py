@@ -176,12 +176,14 @@ async def test_host_victims_wait_for_the_coordinators_decision(tmp_path) -> None
         held = {(r.block_hash, r.form) for r in engine.tiers.host_items()}
         assert set(chosen) <= held and set(chosen) <= ledger_host_ready(twin, host)
         assert all(engine.tiers.host_read(*key)[1] is not None for key in chosen)
+        assert engine.metrics.value("kvl_worker_host_evictions_waiting") == engine.tiers.evictions_waiting >= 1
         silent = False
         for _ in range(200):
             if not engine.tiers.evictions_waiting:
                 break
             await asyncio.sleep(0.02)
         assert not engine.tiers.evictions_waiting
+        assert engine.metrics.value("kvl_worker_host_evictions_waiting") == 0
         assert not set(chosen) & {(r.block_hash, r.form) for r in engine.tiers.host_items()}
         assert not set(chosen) & ledger_host_ready(twin, host)
         assert ledger_host_ready(twin, host) == {(r.block_hash, r.form) for r in engine.tiers.host_items()}
