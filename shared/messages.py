@@ -261,8 +261,8 @@ class LeaseReleased(_Msg, tag="lease.released", kw_only=True):
 
 
 class DiskBlock(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """One block's form on a tier below the GPU: the shared disk tier (location ``disk``) in a
-    :class:`DiskGc`, the worker's own host tier in a :class:`HostEvict`."""
+    """One block's form on a tier: the shared disk tier (location ``disk``) in a :class:`DiskGc`,
+    the worker's own host tier or GPU pool in a :class:`HostEvict`."""
 
     block_hash: Hex32
     form: Name
@@ -294,14 +294,18 @@ MAX_HOST_EVICT_BLOCKS = 4096
 
 
 class HostEvict(_Msg, tag="host.evict", kw_only=True):
-    """A worker's host tier asks to drop its LRU victims: each named READY replica at the
-    worker's host location is evicted unless a live lease pins it; the reply lists the pinned
-    ones, whose bytes the worker keeps. Decided in the ledger's order, as a grant's GPU victims
-    are: a lease granted before it keeps its replica, one granted after it cannot pin it."""
+    """A worker asks to drop its LRU victims on one of its own tiers: each named READY replica
+    at the worker's ``tier`` location is evicted unless a live lease pins it; the reply lists the
+    pinned ones, whose bytes the worker keeps. Decided in the ledger's order, as a grant's GPU
+    victims are: a lease granted before it keeps its replica, one granted after it cannot pin it.
+
+    ``tier`` ``host`` (the host tier's LRU) or ``gpu`` (room in a GPU pool whose view diverged
+    from the ledger's: a granted write found the pool full)."""
 
     worker_id: Name
     epoch: Pos
     blocks: Annotated[list[DiskBlock], msgspec.Meta(min_length=1, max_length=MAX_HOST_EVICT_BLOCKS)]
+    tier: Literal["host", "gpu"] = "host"
 
 
 class HostEvictReply(_Msg, tag="host.evict.ok", kw_only=True):

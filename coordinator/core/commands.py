@@ -511,8 +511,9 @@ def collect_disk(state: LedgerState, msg: m.DiskGc, now_ms: int) -> tuple[m.Disk
 
 
 def evict_host(state: LedgerState, msg: m.HostEvict, now_ms: int) -> tuple[m.HostEvictReply | m.ErrorReply, Events]:
-    """A worker's host-tier LRU victims: evict each named READY replica at the worker's host
-    location unless a live lease pins it (those stay READY and the reply lists them).
+    """A worker's LRU victims on its host tier (or, ``tier`` ``gpu``, in a GPU pool the ledger
+    thought had room): evict each named READY replica at that location of the worker's unless a
+    live lease pins it (those stay READY and the reply lists them).
 
     Decided here, in the ledger's order, rather than reported after the fact: the worker drops
     the bytes only after this answer, so a lease granted before it keeps both the pin and the
@@ -524,7 +525,7 @@ def evict_host(state: LedgerState, msg: m.HostEvict, now_ms: int) -> tuple[m.Hos
     w = _live_worker(state, msg.worker_id, msg.epoch)
     if isinstance(w, m.ErrorReply):
         return w, []
-    loc = w.host
+    loc = w.gpu if msg.tier == "gpu" else w.host
     pinned: list[m.DiskBlock] = []
     events: Events = []
     for b in dict.fromkeys(msg.blocks):
@@ -534,7 +535,7 @@ def evict_host(state: LedgerState, msg: m.HostEvict, now_ms: int) -> tuple[m.Hos
         if r.pins:
             pinned.append(b)
         else:
-            # reason "lru": the host tier's LRU chose it (a reason older coordinators can read)
+            # reason "lru": the worker's LRU chose it (a reason older coordinators can read)
             events.append(ev.ReplicaEvicted(block_hash=b.block_hash, form=b.form, location=loc,
                                             generation=r.generation, reason="lru", at_ms=now_ms))
     return m.HostEvictReply(evicted=len(events), pinned=pinned), events

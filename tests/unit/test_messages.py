@@ -37,6 +37,7 @@ SAMPLES = [
     DiskGc(worker_id="w1", epoch=2, blocks=[DiskBlock(block_hash="ab" * 16, form="swa")]),
     DiskGcReply(evicted=0, pinned=[DiskBlock(block_hash="ab" * 16, form="swa")]),
     HostEvict(worker_id="w1", epoch=2, blocks=[DiskBlock(block_hash="ab" * 16, form="swa")]),
+    HostEvict(worker_id="w1", epoch=2, blocks=[DiskBlock(block_hash="ab" * 16, form="swa")], tier="gpu"),
     HostEvictReply(evicted=1, pinned=[DiskBlock(block_hash="cd" * 16, form="tail")]),
     ErrorReply(code=ErrorCode.UNAVAILABLE, message="db down", retry_after_ms=100),
     TransitionEvent(worker_id="w1", epoch=2, seq=1, namespace=H, tenant="t", block_hash=H, parent_hash="0" * 32,
@@ -89,6 +90,9 @@ def test_transition_source_id() -> None:
      "cache.fallbacks"),
     (b'{"type":"worker.heartbeat","v":1,"worker_id":"w","epoch":1,"cache":{"fallbacks":{'
      + b",".join(b'"r%d":1' % i for i in range(33)) + b'}}}', "cache.fallbacks"),
+    # a worker makes room only on its own tiers: host memory or its GPU pools, never the shared disk
+    (b'{"type":"host.evict","v":1,"worker_id":"w","epoch":1,"tier":"disk","blocks":[{"block_hash":"' + H.encode()
+     + b'","form":"swa"}]}', "tier"),
 ])
 def test_bad_messages_rejected_with_clear_error(data: bytes, needle: str) -> None:
     with pytest.raises(MessageError, match=needle.replace("(", r"\(").replace("[", r"\[")):

@@ -371,6 +371,29 @@ def test_host_evict_evicts_each_unpinned_host_replica_and_keeps_the_pinned() -> 
     consistent(d)
 
 
+def test_gpu_evict_frees_room_in_the_ledger_and_keeps_pinned_and_in_flight_replicas() -> None:
+    """``tier`` gpu (a granted write found the worker's pool full: its view diverged): each named
+    READY GPU replica is evicted unless a lease pins it; an in-flight write (ALLOCATED) and a
+    host replica of the same block are untouched; the slots evicted are the ledger's again."""
+    d, seq = fresh(slots=2), Seq()
+    warm(d, [h(0), h(1)], seq)                                   # the pool of 2 slots per form is full
+    g = d.run(acquire_lease, acquire("w1", 1, [h(0)]), 11, "L1")  # pins h(0) on the GPU
+    assert {r.location for r in g.read} == {"gpu:w1"}
+    named = [DiskBlock(block_hash=b, form=f) for b in (h(0), h(1)) for f in FORMS]
+    reply = d.run(evict_host, HostEvict(worker_id="w1", epoch=1, blocks=named, tier="gpu"), 12)
+    assert {(p.block_hash, p.form) for p in reply.pinned} == {(h(0), f) for f in FORMS}
+    assert reply.evicted == len(FORMS)
+    assert all(d.state.replica_state((h(0), f, "gpu:w1")) is S.READY for f in FORMS)
+    assert all(d.state.replica_state((h(1), f, "gpu:w1")) is S.EVICTED for f in FORMS)
+    w = d.run(acquire_lease, acquire("w1", 1, [h(2)]), 13, "L2")  # the freed slots: a write, no victim
+    assert w.write == {f: [0] for f in FORMS} and not w.evict
+    reply = d.run(evict_host, HostEvict(worker_id="w1", epoch=1, blocks=[DiskBlock(block_hash=h(2), form=f)
+                                                                           for f in FORMS], tier="gpu"), 14)
+    assert reply.evicted == 0 and reply.pinned == []
+    assert all(d.state.replica_state((h(2), f, "gpu:w1")) is S.ALLOCATED for f in FORMS)
+    consistent(d)
+
+
 def test_a_worker_collects_and_changes_only_its_own_tiers() -> None:
     """Trust boundaries of the shared disk tier and the host tiers: w2's disk GC naming w1's disk
     replicas evicts none of them (their records are in w1's segments, which stay), while w1's
