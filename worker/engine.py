@@ -215,6 +215,10 @@ class Engine:
         self._tasks: list[asyncio.Task] = []
         self._wake_supervisor = asyncio.Event()
         self._wake_spill = asyncio.Event()
+        #: Forms whose full pool refused granted writes, and how many, while _make_room runs.
+        self._making_room: dict[str, int] = {}
+        #: (form, block) the coordinator said a lease pins when asked to make room, until when to skip it.
+        self._room_pinned: dict[tuple[str, str], float] = {}
         self._registered_once = asyncio.Event()
 
     # --- life cycle -----------------------------------------------------------------------
@@ -641,22 +645,77 @@ class Engine:
         try:
             return self.store.install(meta, data)
         except PoolExhausted:
-            # The ledger thought a slot was free: our view diverged (a rejected transition).
-            # Make room from our own LRU, never from a block a live session pinned.
-            # (sessions releasing in the background still hold their leases' pins)
-            keep = {r.block_hash for s in self.sessions | self.releasing for lease in s.leases
-                    for r in lease.grant.read if r.location == self.gpu}
-            victim = self.store.lru_victim(meta.form, keep)
-            if victim is None:
-                raise
-            dropped = self.store.drop(victim.form, victim.block_hash, victim.generation)
-            if dropped is not None:
-                self._offload(*dropped)
-                self._emit(victim, self.gpu, R.READY, R.EVICTED, victim.generation, kind="evict",
-                           reason="local lru")
-            out = self.store.install(meta, data)
+            # The ledger thought a slot was free: our view diverged (e.g. a commit the ledger
+            # rejected left a slot it does not count). The write is aborted (commit's caller) and
+            # the coordinator decides which of our coldest replicas go (_make_room): evicting one
+            # here and reporting it after the fact could drop bytes a grant already in flight pins.
+            self.metrics.pool_divergences.labels(form=meta.form).inc()
+            if self.client is None:
+                self._evict_local_lru(meta.form)      # no ledger to ask (an engine without a coordinator)
+                return self.store.install(meta, data)
+            need = self._making_room.get(meta.form)
+            self._making_room[meta.form] = (need or 0) + 1
+            if need is None:                          # one request per form at a time, for every write refused
+                self.background(self._make_room(meta.form))
+            raise
+
+    def _local_gpu_pins(self) -> set[str]:
+        """Blocks whose GPU replicas live leases pin (sessions releasing in the background still hold theirs)."""
+        return {r.block_hash for s in self.sessions | self.releasing for lease in s.leases
+                for r in lease.grant.read if r.location == self.gpu}
+
+    def _evict_local_lru(self, form: str) -> None:
+        assert self.store is not None
+        victim = self.store.lru_victim(form, self._local_gpu_pins())
+        if victim is None:
+            return
+        dropped = self.store.drop(victim.form, victim.block_hash, victim.generation)
+        if dropped is not None:
+            self._offload(*dropped)
+            self._emit(victim, self.gpu, R.READY, R.EVICTED, victim.generation, kind="evict", reason="local lru")
+        self._update_pool_metrics()
+
+    async def _make_room(self, form: str) -> None:
+        """Ask the coordinator to evict this form's coldest GPU replicas, one per write the full
+        pool refused (``HostEvict``, tier ``gpu``), and drop the bytes of those it evicted or does
+        not list as READY — the latter is how a slot the ledger does not count is found and freed.
+        Pinned ones stay."""
+        try:
+            assert self.store is not None and self.client is not None
+            now = time.monotonic()
+            # the pinned answers of the last retry_s are skipped: the next refused write asks
+            # about the next coldest (a slot the ledger does not count may sit behind them)
+            self._room_pinned = {k: t for k, t in self._room_pinned.items() if t > now}
+            keep = self._local_gpu_pins() | {h for f, h in self._room_pinned if f == form}
+            n = min(self._making_room.get(form, 1), MAX_HOST_EVICT_BLOCKS)
+            victims = self.store.coldest_metas(form, n, lambda m: m.block_hash not in keep)
+            if not victims:
+                return
+            try:
+                reply = await self.call("host_evict", self.client.host_evict(HostEvict(
+                    worker_id=self.worker_id, epoch=max(1, self.epoch), tier="gpu",
+                    blocks=[DiskBlock(block_hash=v.block_hash, form=v.form) for v in victims])))
+            except (CoordinatorRefused, CoordinatorUnavailable) as e:
+                # the next granted write that finds the pool full asks again
+                self.metrics.pool_room.labels(outcome="deferred").inc(len(victims))
+                self.log.warning("no room made in a diverged GPU pool: the coordinator did not decide",
+                                 form=form, error=type(e).__name__)
+                return
+            pinned = {b.block_hash for b in reply.pinned}
+            for v in victims:
+                if v.block_hash in pinned:
+                    self.metrics.pool_room.labels(outcome="pinned").inc()
+                    self._room_pinned[(form, v.block_hash)] = now + self.tiers.retry_s
+                    continue
+                # (the ledger's decision holds for the replica it knew; a slot recycled since then
+                # holds another generation, which drop() leaves alone)
+                dropped = self.store.drop(v.form, v.block_hash, v.generation)
+                if dropped is not None:
+                    self._offload(*dropped)
+                    self.metrics.pool_room.labels(outcome="evicted").inc()
             self._update_pool_metrics()
-            return out
+        finally:
+            self._making_room.pop(form, None)
 
     def invalidate(self, meta: BlockMeta, ref: ReplicaRef, *, damaged: bool, reason: str) -> int:
         """A replica failed validation: drop our copy, mark it INVALID in the ledger."""

@@ -70,6 +70,14 @@ class WorkerMetrics:
                                       "kept; deferred: no decision yet, kept and asked again)", ["outcome"], registry=r)
         self.host_evictions_waiting = Gauge(p + "host_evictions_waiting", "Host-tier LRU victims kept in memory "
                                             "until the coordinator decides their eviction", registry=r)
+        self.pool_divergences = Counter(p + "pool_divergences", "Granted writes a full GPU pool refused (the "
+                                        "ledger's view of the pool diverged from the worker's; each write is "
+                                        "aborted and room is made by the coordinator's decision)", ["form"],
+                                        registry=r)
+        self.pool_room = Counter(p + "pool_room_evictions", "GPU replicas the coordinator was asked to evict to "
+                                 "make room in a diverged pool, by outcome (evicted: bytes dropped; pinned: kept; "
+                                 "deferred: no decision, asked again at the next refused write)", ["outcome"],
+                                 registry=r)
         self.disk_gc_bytes = Counter(p + "disk_gc_bytes", "Bytes of segment files the disk GC deleted", registry=r)
         self.disk_skipped = Gauge(p + "disk_records_skipped", "Segment records the index skipped for a damaged "
                                   "header (each lost alone)", registry=r)

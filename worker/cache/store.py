@@ -171,6 +171,19 @@ class CacheStore:
                     out.append((meta, self.pools[form].view(slot).clone()))
         return out
 
+    def coldest_metas(self, form: str, n: int, want: Callable[[BlockMeta], bool]) -> list[BlockMeta]:
+        """The ``n`` least recently used READY blocks of ``form`` that ``want`` accepts (untouched)."""
+        out: list[BlockMeta] = []
+        table = self.pools[form].table
+        for slot in self._lru[form]:
+            if len(out) >= n:
+                break
+            meta = self._meta.get((form, slot))
+            info = table.get(slot)
+            if meta is not None and info is not None and info.ready and want(meta):
+                out.append(meta)
+        return out
+
     def lru_victim(self, form: str, keep: set[str]) -> BlockMeta | None:
         """The least recently used READY slot of ``form`` whose block is not in ``keep``."""
         for slot in self._lru[form]:
