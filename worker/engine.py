@@ -653,11 +653,17 @@ class Engine:
             if self.client is None:
                 self._evict_local_lru(meta.form)      # no ledger to ask (an engine without a coordinator)
                 return self.store.install(meta, data)
-            need = self._making_room.get(meta.form)
-            self._making_room[meta.form] = (need or 0) + 1
-            if need is None:                          # one request per form at a time, for every write refused
-                self.background(self._make_room(meta.form))
+            self._want_room(meta.form, 1)
             raise
+
+    def _want_room(self, form: str, n: int) -> None:
+        """``n`` more slots of ``form`` wanted: one request at a time per form asks for all of them."""
+        if not self._tasks:                           # stopped (a retry scheduled before stop() fires after it)
+            return
+        need = self._making_room.get(form)
+        self._making_room[form] = (need or 0) + n
+        if need is None:
+            self.background(self._make_room(form))
 
     def _local_gpu_pins(self) -> set[str]:
         """Blocks whose GPU replicas live leases pin (sessions releasing in the background still hold theirs)."""
@@ -696,10 +702,12 @@ class Engine:
                     worker_id=self.worker_id, epoch=max(1, self.epoch), tier="gpu",
                     blocks=[DiskBlock(block_hash=v.block_hash, form=v.form) for v in victims])))
             except (CoordinatorRefused, CoordinatorUnavailable) as e:
-                # the next granted write that finds the pool full asks again
+                # asked again later (or by the next refused write): a lost answer may have evicted
+                # them in the ledger, and until the worker asks again it holds what the ledger does not list
                 self.metrics.pool_room.labels(outcome="deferred").inc(len(victims))
                 self.log.warning("no room made in a diverged GPU pool: the coordinator did not decide",
-                                 form=form, error=type(e).__name__)
+                                 form=form, error=type(e).__name__, retry_s=self.tiers.retry_s)
+                asyncio.get_running_loop().call_later(self.tiers.retry_s, self._want_room, form, n)
                 return
             pinned = {b.block_hash for b in reply.pinned}
             for v in victims:

@@ -17,6 +17,7 @@ from coordinator.core import apply
 from coordinator.core.commands import evict_replica
 from shared.messages import ReplicaState
 from tests.faults.test_host_tier_pins import prompt, small_tiers_engine
+from worker.client import CoordinatorUnavailable
 from worker.engine import Engine
 
 
@@ -102,5 +103,37 @@ async def test_a_gpu_block_pinned_by_a_grant_the_worker_has_not_heard_of_keeps_i
         held, listed = gpu_ready(engine, twin, "swa")
         assert held == listed, (held, listed)
         assert not [r for t, r in twin.rejected if t.location == engine.gpu], twin.rejected
+    finally:
+        await engine.stop()
+
+
+async def test_an_unanswered_request_for_room_is_asked_again(tmp_path) -> None:
+    """No answer (the coordinator did not decide, or its answer was lost after it evicted): the
+    victims keep their bytes, counted as deferred, and the worker asks again after
+    ``cache.tier_retry_ms`` without waiting for another refused write."""
+    engine, twin = small_tiers_engine(tmp_path)
+    host_evict, calls = twin.host_evict, []
+
+    async def first_unanswered(msg):
+        calls.append(msg.tier)
+        if len(calls) == 1:
+            raise CoordinatorUnavailable("host_evict: coordinator did not answer within 5.0 s")
+        return await host_evict(msg)
+    twin.host_evict = first_unanswered
+    await engine.start()
+    try:
+        await engine.generate(prompt(48, seed=1), max_tokens=1)
+        assert await engine.flush()
+        phantom = engine.store.coldest_metas("swa", 1, lambda m: True)[0].block_hash
+        forget(twin, engine, phantom, "swa")
+        await engine.generate(prompt(48, seed=2), max_tokens=1)
+        assert await until(lambda: engine.metrics.value("kvl_worker_pool_room_evictions_total",
+                                                        {"outcome": "deferred"}) >= 1)
+        assert phantom in gpu_ready(engine, twin, "swa")[0]            # kept without a decision
+        assert await until(lambda: phantom not in gpu_ready(engine, twin, "swa")[0])   # asked again: freed
+        assert calls == ["gpu", "gpu"]
+        assert await engine.flush()
+        held, listed = gpu_ready(engine, twin, "swa")
+        assert held == listed, (held, listed)
     finally:
         await engine.stop()
