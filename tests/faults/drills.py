@@ -233,6 +233,8 @@ class Run:
         self.forged: dict[str, tuple[str, str, str]] = {}
         #: worker → its host tier against the ledger at the end (see :func:`host_drift`)
         self.host_drift: dict[str, dict[str, int]] = {}
+        #: worker → granted writes its full GPU pool refused (a diverged view) and the room made for them
+        self.pool_room: dict[str, dict[str, int]] = {}
         #: forged resume → (the reply's code, whether the refusal was logged)
         self.forged_resumes: dict[str, tuple[str, str]] = {}
         #: Where the log-archive drill writes the archive files; ``kvledger log verify``'s report of them.
@@ -926,11 +928,22 @@ async def forge_illegal(run: Run) -> dict[str, str]:
     return out
 
 
+async def pool_room(run: Run, wid: str) -> dict[str, int]:
+    """Granted writes ``wid``'s full GPU pools refused (its view and the ledger's diverged) and the
+    coordinator's answers to its requests for room, from its metrics (0 for a worker that is down)."""
+    out = {"refused_writes": 0, "evicted": 0, "pinned": 0, "deferred": 0}
+    with contextlib.suppress(Exception):
+        out["refused_writes"] = int(await run.stack.metric(wid, "kvl_worker_pool_divergences_total"))
+        for outcome in ("evicted", "pinned", "deferred"):
+            out[outcome] = int(await run.stack.metric(wid, "kvl_worker_pool_room_evictions_total", outcome=outcome))
+    return out
+
+
 async def host_drift(run: Run, wid: str) -> dict[str, int]:
     """The worker's host tier against the ledger's READY ``host:<worker>`` replicas.
 
-    The audit compares GPU replicas only (a host tier may be shared by a node's workers), so
-    this compares what one worker's inventory reports in its own host tier.
+    The audit compares host tiers too (the inventory lists them); this is the drills' own count
+    of the same, reported beside it, from the inventory and the admin API rather than the audit.
     """
     stack = run.stack
     # as the coordinator asks it (only the coordinator may)
@@ -993,6 +1006,11 @@ def archived_events(run: Run) -> list[dict[str, Any]]:
     return out
 
 
+def drill_kind(name: str) -> str:
+    """The drill a fault's name comes from: the soak names each run ``<drill>-<cycle>``."""
+    return max((d for d in DRILLS if name == d or name.startswith(d + "-")), key=len, default=name)
+
+
 def audit_findings(run: Run, audit: dict[str, Any]) -> dict[str, Any]:
     """What the audit found that the run does not explain (empty = clean but for the known).
 
@@ -1015,7 +1033,7 @@ def audit_findings(run: Run, audit: dict[str, Any]) -> dict[str, Any]:
             out[f"drift {wid}"] = d
     disk = audit.get("disk") or {}
     damaged = (disk.get("missing") or {}).get("count", 0) + (disk.get("damaged") or {}).get("count", 0)
-    injected = {f.drill for f in run.faults} & {"offload-damage", "offload-readonly"}
+    injected = {drill_kind(f.drill) for f in run.faults} & {"offload-damage", "offload-readonly"}
     if damaged and not injected:
         out["disk"] = disk
     return out
@@ -1044,6 +1062,7 @@ async def final_check(run: Run) -> tuple[checker.Report, dict[str, Any]]:
                         logged.get(sid, {}).get("event", {}).get("reason", "")) for sid, why in forged.items()}
     run.host_drift = {w: await host_drift(run, w) for w in stack.specs
                       if stack.worker_config(w)["cache"].get("host_tier_bytes")}
+    run.pool_room = {w: await pool_room(run, w) for w in stack.specs}
     run.audit = await stack.admin_post("/v1/audit", {"replay_from": "empty", "check_workers": True,
                                                      "timeout_ms": 10_000})
     return run.report, run.audit
