@@ -235,10 +235,16 @@ def section(run: Run, title: str, command: str) -> str:
         out += ["", "Transitions the coordinator rejected (recorded with their reason; each changed nothing): "
                 + _kinds(rep["rejected_by_reason"]) + "."]
     if run.host_drift:
-        out += ["", "Host tiers against the ledger at the end (the audit compares GPU replicas only): "
+        out += ["", "Host tiers against the ledger at the end (counted by the drills; the audit compares them too): "
                 + "; ".join(f"{w}: ledger {d['ledger']} READY, worker {d['worker']}, only in the ledger "
                             f"{d['ledger_only']}, only on the worker {d['worker_only']}"
                             for w, d in run.host_drift.items()) + "."]
+    if any(sum(d.values()) for d in run.pool_room.values()):
+        out += ["", "Granted writes a full GPU pool refused (the worker's and the ledger's views diverged; each "
+                "write aborted, room asked of the coordinator) since each worker's last start: "
+                + "; ".join(f"{w}: {d['refused_writes']} refused, victims evicted {d['evicted']}, pinned "
+                            f"{d['pinned']}, deferred {d['deferred']}" for w, d in run.pool_room.items()
+                            if sum(d.values())) + "."]
     if run.forged_resumes:
         out += ["", "Resumes forged at the end: " + "; ".join(f"{why}: {code}, {seen}"
                                                          for why, (code, seen) in run.forged_resumes.items()) + "."]
