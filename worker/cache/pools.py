@@ -24,7 +24,7 @@ class PoolExhausted(Exception):
     """No free slot in a form's pool."""
 
 
-@dataclass
+@dataclass(slots=True)
 class SlotInfo:
     block_hash: str
     generation: int
@@ -42,6 +42,9 @@ class FormPool:
     table: dict[int, SlotInfo] = field(init=False, repr=False)
     by_hash: dict[str, int] = field(init=False, repr=False)
     _free: list[int] = field(init=False, repr=False)
+    #: Each slot's view of ``storage``, made on first use and kept (the storage never moves):
+    #: indexing ``storage[slot]`` builds a tensor each time, ~1.3 us, as much as copying a small block.
+    _views: list[torch.Tensor | None] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         pin = self.device.type == "cpu" and torch.cuda.is_available()
@@ -51,6 +54,7 @@ class FormPool:
         self.table = {}
         self.by_hash = {}
         self._free = list(range(self.slots - 1, -1, -1))
+        self._views = [None] * self.slots
 
     @property
     def name(self) -> str:
@@ -78,18 +82,22 @@ class FormPool:
 
     def write(self, slot: int, payload: torch.Tensor) -> None:
         # NOTE: tier copies and exported payloads are flat uint8 already; the conversions below
-        # cost twice the copy of a tiny model's block, on every install
-        if payload.dtype is torch.uint8 and payload.dim() == 1 and payload.is_contiguous():
-            flat = payload.detach()
+        # cost twice the copy of a tiny model's block, on every install (and copy_ records no
+        # autograd history into a tensor that does not require grad: no detach needed)
+        if payload.dtype is torch.uint8 and payload.dim() == 1 and not payload.requires_grad:
+            flat = payload
         else:
             flat = payload.detach().contiguous().view(torch.uint8).reshape(-1)
         if flat.numel() != self.spec.bytes_per_block:
             raise ValueError(f"pool {self.name}: payload is {flat.numel()} bytes, a slot holds "
                              f"{self.spec.bytes_per_block}")
-        self.storage[slot].copy_(flat)  # in place: storage address unchanged
+        self.view(slot).copy_(flat)  # in place: storage address unchanged
 
     def view(self, slot: int) -> torch.Tensor:
-        return self.storage[slot]
+        v = self._views[slot]
+        if v is None:
+            v = self._views[slot] = self.storage[slot]
+        return v
 
     def free(self, slot: int) -> None:
         info = self.table.pop(slot, None)
