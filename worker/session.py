@@ -47,13 +47,13 @@ whole from the cache and never encoded), and each prefill piece carries its imag
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from shared import tracing
@@ -770,7 +770,7 @@ class Session:
         if lease is not None and self.epoch == e.epoch:
             for meta, data in pending:
                 if not meta.checksum:
-                    meta = dataclasses.replace(meta, checksum=bytes_checksum(data))
+                    meta = msgspec.structs.replace(meta, checksum=bytes_checksum(data))
                 seq = e.commit(meta, data, lease_id=lease.lease_id)
                 if seq:
                     self.last_seq = max(self.last_seq, seq)

@@ -4,14 +4,13 @@ with output bit-identical to a cold run. ``on_invalid: error`` raises instead.""
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
 import torch
 
 from shared.messages import ReplicaState
-from tests.worker.conftest import BS, prompt
 from tests.twin import InProcessCoordinator
+from tests.worker.conftest import BS, prompt
 from worker.session import CacheValidationError
 
 
@@ -28,7 +27,7 @@ def _slot(e, form: str, block_hash: str) -> int:
 def _tamper_meta(e, form: str, block_hash: str, **changes) -> None:
     slot = _slot(e, form, block_hash)
     key = (form, slot)
-    e.store._meta[key] = dataclasses.replace(e.store._meta[key], **changes)
+    e.store._meta[key] = msgspec.structs.replace(e.store._meta[key], **changes)
 
 
 @pytest.mark.parametrize("layer", ["presence", "abi", "intersection", "integrity"])
@@ -42,7 +41,7 @@ async def test_bad_replica_is_caught_invalidated_and_recomputed(make_engine, ref
         h3 = e.store.lookup("compressed", _hashes(e, toks)[3])[1].block_hash
         if layer == "presence":       # the slot was recycled for the same block: another generation
             meta, data = e.store.drop("compressed", h3)
-            e.store.install(dataclasses.replace(meta, generation=0), data)
+            e.store.install(msgspec.structs.replace(meta, generation=0), data)
         elif layer == "abi":
             _tamper_meta(e, "compressed", h3, spec_digest="0" * 16)
         elif layer == "intersection":

