@@ -92,11 +92,11 @@ class Tiers:
         """A host entry (or one waiting in the spill queue), verified: its bytes, read-only."""
         key = (block_hash, form)
         meta = self._host_meta.get(key)
-        data = None
+        data = view = None
         if self.host is not None and meta is not None:
             item = self.host.peek(block_hash, form)
             if item is not None:
-                data = item[0]
+                data, _, view = item
         if data is None and key in self._spills:
             meta, data, _ = self._spills[key]
         if meta is None or data is None:
@@ -108,7 +108,7 @@ class Tiers:
         # ``coldest``), never write into them, and replace rather than rewrite an entry; callers
         # only read them (restore copies out, an install copies into a slot). A copy here cost
         # more than the check (fresh memory: page faults), and on CUDA it left pinned memory.
-        digest = checksum(memoryview(data.numpy()))
+        digest = checksum(view if view is not None else memoryview(data.numpy()))
         if digest != meta.checksum:
             self.host_drop(block_hash, form)
             return Observed(meta, damage=f"host-tier copy of block {block_hash[:12]}… form {form} fails its "
