@@ -665,10 +665,15 @@ class Engine:
         if need is None:
             self.background(self._make_room(form))
 
+    def _pins_at(self, location: str) -> list[ReplicaRef]:
+        """The replicas at ``location`` that this worker's live leases pin (sessions releasing in
+        the background still hold theirs)."""
+        return [r for s in self.sessions | self.releasing for lease in s.leases
+                for r in lease.grant.read if r.location == location]
+
     def _local_gpu_pins(self) -> set[str]:
-        """Blocks whose GPU replicas live leases pin (sessions releasing in the background still hold theirs)."""
-        return {r.block_hash for s in self.sessions | self.releasing for lease in s.leases
-                for r in lease.grant.read if r.location == self.gpu}
+        """Blocks whose GPU replicas live leases pin."""
+        return {r.block_hash for r in self._pins_at(self.gpu)}
 
     def _evict_local_lru(self, form: str) -> None:
         assert self.store is not None
@@ -752,9 +757,7 @@ class Engine:
     def _host_pins(self) -> set[tuple[str, str]]:
         """(block, form) of this worker's host-tier replicas that live leases pin (sessions
         releasing in the background still hold theirs): the host tier's LRU never drops them."""
-        host = self.host_location
-        return {(r.block_hash, r.form) for s in self.sessions | self.releasing for lease in s.leases
-                for r in lease.grant.read if r.location == host}
+        return {(r.block_hash, r.form) for r in self._pins_at(self.host_location)}
 
     def _offload(self, meta: BlockMeta, data: torch.Tensor) -> None:
         """Copy a block leaving the GPU to the host tier, or queue it for disk (no host tier, or

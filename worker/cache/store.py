@@ -186,11 +186,8 @@ class CacheStore:
 
     def lru_victim(self, form: str, keep: set[str]) -> BlockMeta | None:
         """The least recently used READY slot of ``form`` whose block is not in ``keep``."""
-        for slot in self._lru[form]:
-            meta = self._meta.get((form, slot))
-            if meta is not None and meta.block_hash not in keep:
-                return meta
-        return None
+        found = self.coldest_metas(form, 1, lambda m: m.block_hash not in keep)
+        return found[0] if found else None
 
     def clear(self) -> int:
         """Forget every slot (a new epoch fences them all); storage stays allocated."""
