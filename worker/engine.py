@@ -217,8 +217,6 @@ class Engine:
         self._wake_spill = asyncio.Event()
         #: Forms whose full pool refused granted writes, and how many, while _make_room runs.
         self._making_room: dict[str, int] = {}
-        #: (form, block) the coordinator said a lease pins when asked to make room, until when to skip it.
-        self._room_pinned: dict[tuple[str, str], float] = {}
         self._registered_once = asyncio.Event()
 
     # --- life cycle -----------------------------------------------------------------------
@@ -690,42 +688,41 @@ class Engine:
         """Ask the coordinator to evict this form's coldest GPU replicas, one per write the full
         pool refused (``HostEvict``, tier ``gpu``), and drop the bytes of those it evicted or does
         not list as READY — the latter is how a slot the ledger does not count is found and freed.
-        Pinned ones stay."""
+        Pinned ones stay, and the next coldest are asked about in their place (a slot the ledger
+        does not count may sit behind them)."""
         try:
             assert self.store is not None and self.client is not None
-            now = time.monotonic()
-            # the pinned answers of the last retry_s are skipped: the next refused write asks
-            # about the next coldest (a slot the ledger does not count may sit behind them)
-            self._room_pinned = {k: t for k, t in self._room_pinned.items() if t > now}
-            keep = self._local_gpu_pins() | {h for f, h in self._room_pinned if f == form}
-            n = min(self._making_room.get(form, 1), MAX_HOST_EVICT_BLOCKS)
-            victims = self.store.coldest_metas(form, n, lambda m: m.block_hash not in keep)
-            if not victims:
-                return
-            try:
-                reply = await self.call("host_evict", self.client.host_evict(HostEvict(
-                    worker_id=self.worker_id, epoch=max(1, self.epoch), tier="gpu",
-                    blocks=[DiskBlock(block_hash=v.block_hash, form=v.form) for v in victims])))
-            except (CoordinatorRefused, CoordinatorUnavailable) as e:
-                # asked again later (or by the next refused write): a lost answer may have evicted
-                # them in the ledger, and until the worker asks again it holds what the ledger does not list
-                self.metrics.pool_room.labels(outcome="deferred").inc(len(victims))
-                self.log.warning("no room made in a diverged GPU pool: the coordinator did not decide",
-                                 form=form, error=type(e).__name__, retry_s=self.tiers.retry_s)
-                asyncio.get_running_loop().call_later(self.tiers.retry_s, self._want_room, form, n)
-                return
-            pinned = {b.block_hash for b in reply.pinned}
-            for v in victims:
-                if v.block_hash in pinned:
-                    self.metrics.pool_room.labels(outcome="pinned").inc()
-                    self._room_pinned[(form, v.block_hash)] = now + self.tiers.retry_s
-                    continue
-                # (the ledger's decision holds for the replica it knew; a slot recycled since then
-                # holds another generation, which drop() leaves alone)
-                dropped = self.store.drop(v.form, v.block_hash, v.generation)
-                if dropped is not None:
-                    self._offload(*dropped)
-                    self.metrics.pool_room.labels(outcome="evicted").inc()
+            keep = self._local_gpu_pins()
+            need = min(self._making_room.get(form, 1), MAX_HOST_EVICT_BLOCKS)
+            while need > 0:
+                victims = self.store.coldest_metas(form, need, lambda m: m.block_hash not in keep)
+                if not victims:
+                    break
+                try:
+                    reply = await self.call("host_evict", self.client.host_evict(HostEvict(
+                        worker_id=self.worker_id, epoch=max(1, self.epoch), tier="gpu",
+                        blocks=[DiskBlock(block_hash=v.block_hash, form=v.form) for v in victims])))
+                except (CoordinatorRefused, CoordinatorUnavailable) as e:
+                    # asked again later (or by the next refused write): a lost answer may have evicted
+                    # them in the ledger, and until the worker asks again it holds what the ledger does not list
+                    self.metrics.pool_room.labels(outcome="deferred").inc(len(victims))
+                    self.log.warning("no room made in a diverged GPU pool: the coordinator did not decide",
+                                     form=form, error=type(e).__name__, retry_s=self.tiers.retry_s)
+                    asyncio.get_running_loop().call_later(self.tiers.retry_s, self._want_room, form, need)
+                    return
+                pinned = {b.block_hash for b in reply.pinned}
+                for v in victims:
+                    if v.block_hash in pinned:
+                        self.metrics.pool_room.labels(outcome="pinned").inc()
+                        keep.add(v.block_hash)
+                        continue
+                    need -= 1
+                    # (the ledger's decision holds for the replica it knew; a slot recycled since then
+                    # holds another generation, which drop() leaves alone)
+                    dropped = self.store.drop(v.form, v.block_hash, v.generation)
+                    if dropped is not None:
+                        self._offload(*dropped)
+                        self.metrics.pool_room.labels(outcome="evicted").inc()
             self._update_pool_metrics()
         finally:
             self._making_room.pop(form, None)
