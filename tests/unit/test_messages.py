@@ -7,7 +7,7 @@ from shared.forms import FormCatalogue, FormScope, FormSpec
 from shared.messages import (
     MESSAGE_TYPES, CacheCounters, CommitWatermark, Control, ControlAck, ErrorCode, ErrorReply, Heartbeat, HeartbeatReply,
     DiskBlock, DiskGc, DiskGcReply, HostEvict, HostEvictReply, InventoryItem, InventoryReply, InventoryRequest, LeaseAcquire, LeaseGrant, LeaseRelease, LeaseReleased,
-    LeaseRenew, LeaseRenewed, MessageError, RegisterReply, ReplicaRef, ReplicaState, TransitionEvent,
+    LeaseRenew, LeaseRenewed, MessageError, RegisterReply, ReplicaRef, ReplicaState, TransitionBatch, TransitionEvent,
     WorkerRegister, WorkerResume, ResumeReply, RouteCandidate, RouteQuery, RouteReply, decode, encode,
 )
 
@@ -43,6 +43,10 @@ SAMPLES = [
     TransitionEvent(worker_id="w1", epoch=2, seq=1, namespace=H, tenant="t", block_hash=H, parent_hash="0" * 32,
                     token_start=0, token_end=16, form="swa", location="gpu:w1", from_state=ReplicaState.ALLOCATED,
                     to_state=ReplicaState.READY, generation=3, checksum="c", lease_id="l1", reason="commit"),
+    TransitionBatch(worker_id="w1", epoch=2, events=[
+        TransitionEvent(worker_id="w1", epoch=2, seq=s, namespace=H, block_hash=H, parent_hash="0" * 32,
+                        form="swa", location="gpu:w1", from_state=ReplicaState.ALLOCATED, generation=1)
+        for s in (4, 5, 7)]),
     CommitWatermark(worker_id="w1", epoch=2, seq=9),
     InventoryRequest(request_id="a1"),
     InventoryReply(worker_id="w1", epoch=2, items=[InventoryItem(block_hash=H, form="swa", location="gpu:w1",
@@ -97,6 +101,33 @@ def test_transition_source_id() -> None:
 def test_bad_messages_rejected_with_clear_error(data: bytes, needle: str) -> None:
     with pytest.raises(MessageError, match=needle.replace("(", r"\(").replace("[", r"\[")):
         decode(data)
+
+
+def _batch_json(events: list[tuple[str, int, int]], worker: str = "w", epoch: int = 1) -> bytes:
+    evs = ",".join(f'{{"type":"transition","v":1,"worker_id":"{w}","epoch":{e},"seq":{s},"namespace":"{H}",'
+                   f'"block_hash":"{H}","parent_hash":"{H}"}}' for w, e, s in events)
+    return f'{{"type":"transitions","v":1,"worker_id":"{worker}","epoch":{epoch},"events":[{evs}]}}'.encode()
+
+
+@pytest.mark.parametrize(("events", "needle"), [
+    ([], "events"),                                               # an empty batch says nothing
+    ([("w", 1, 1), ("x", 1, 2)], "carries a transition of worker x"),   # speaks for another worker
+    ([("w", 1, 1), ("w", 2, 2)], "epoch 2"),                      # or another epoch
+    ([("w", 1, 2), ("w", 1, 2)], "seqs must increase"),           # the same seq twice
+    ([("w", 1, 3), ("w", 1, 2)], "seqs must increase"),           # out of order
+])
+def test_bad_transition_batches_rejected(events: list[tuple[str, int, int]], needle: str) -> None:
+    assert decode(_batch_json([("w", 1, 1), ("w", 1, 2)])).source_id == "w.1.1-2"
+    with pytest.raises(MessageError, match=needle):
+        decode(_batch_json(events))
+
+
+def test_transition_batch_size_is_bounded() -> None:
+    from shared.messages import MAX_TRANSITION_BATCH
+    ok = [("w", 1, s) for s in range(1, MAX_TRANSITION_BATCH + 1)]
+    assert len(decode(_batch_json(ok)).events) == MAX_TRANSITION_BATCH
+    with pytest.raises(MessageError, match="events"):
+        decode(_batch_json(ok + [("w", 1, MAX_TRANSITION_BATCH + 1)]))
 
 
 def test_expect_restricts_type() -> None:
