@@ -31,8 +31,11 @@ class CoordinatorMetrics:
                                         registry=r)
         self.append_failures = Counter("kvl_coordinator_append_failures", "Failed append transactions", registry=r)
         self.consumer_lag = Gauge("kvl_coordinator_consumer_lag_messages",
-                                  "Transitions in the JetStream stream not yet delivered to the coordinator",
-                                  registry=r)
+                                  "JetStream messages (one transition or a worker's batch) in the stream not yet "
+                                  "delivered to the coordinator", registry=r)
+        self.transition_messages = Histogram("kvl_coordinator_transitions_per_message",
+                                             "Transitions per JetStream message consumed (a worker's batch; 1 for "
+                                             "a lone transition)", buckets=BATCH_BUCKETS, registry=r)
         self.replay_seconds = Gauge("kvl_coordinator_replay_seconds", "Duration of the last replay", registry=r)
         self.replay_events = Gauge("kvl_coordinator_replay_events", "Events folded by the last replay", registry=r)
         self.audits = Counter("kvl_coordinator_audits", "Audits by outcome", ["outcome"], registry=r)

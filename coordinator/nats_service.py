@@ -48,7 +48,7 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.request_trace import BatchSpans
 from shared.messages import (
     CommitWatermark, Control, DiskGc, ErrorCode, ErrorReply, Heartbeat, HostEvict, InventoryReply, InventoryRequest, LeaseAcquire, LeaseRelease,
-    LeaseRenew, MessageError, ResumeReply, RouteQuery, RouteReply, TransitionEvent, WorkerRegister, WorkerResume, decode,
+    LeaseRenew, MessageError, ResumeReply, RouteQuery, RouteReply, TransitionBatch, TransitionEvent, WorkerRegister, WorkerResume, decode,
     encode, now_ms,
 )
 from shared import tracing
@@ -78,6 +78,14 @@ def error_kind(e: MessageError) -> str:
         if text.startswith(prefix):
             return kind
     return "bad_version" if "schema version" in text else "invalid_fields"
+
+
+async def _or_unavailable(decided: Any) -> Any:
+    """The results of ``ledger.execute_all``, or None when the ledger cannot commit (nak, redeliver)."""
+    try:
+        return await decided
+    except Unavailable:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -465,7 +473,8 @@ class NatsService:
             self._psub = None
 
     async def _consume(self) -> None:
-        batch = min(self.config.coordinator.commit_batch_max, 1000)
+        most = self.config.coordinator.commit_batch_max
+        batch = min(most, 1000)
         last_error = ""
         while True:
             await self._pull.wait()
@@ -492,23 +501,30 @@ class NatsService:
                 continue
             last_error = ""
             if msgs:
+                taken, malformed = self._decode_transitions(msgs)
+                # NOTE: a message may be a worker's batch of up to 1000 transitions: the next fetch
+                # asks for about ``commit_batch_max`` transitions' worth of messages at this fetch's
+                # mean size, so that one fetch never holds the event loop for seconds of decisions.
+                n = sum(len(ts) for _, ts in taken)
+                batch = max(1, min(1000, most * len(msgs) // max(n, 1)))
                 # One task per fetched batch. Tasks start in creation order and decide before
                 # their first real wait, so transitions are decided (and logged) in the order
                 # they were fetched; a batch's decisions commit together (group commit still
                 # joins batches while a commit is in flight).
-                task = asyncio.create_task(self._ingest(msgs))
+                task = asyncio.create_task(self._ingest(taken, malformed))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
                 with contextlib.suppress(Exception):
                     self.metrics.consumer_lag.set(msgs[-1].metadata.num_pending)
 
-    async def _ingest(self, msgs: list[Msg]) -> None:
-        """Decide a fetched batch of transitions in order; ack each after its event is committed."""
-        items: list[tuple[Msg, TransitionEvent]] = []
+    def _decode_transitions(self, msgs: list[Msg]) -> tuple[list[tuple[Msg, list[TransitionEvent]]], list[Msg]]:
+        """Each message's transitions (one, or a worker's batch), and the messages that are not
+        valid transitions from the worker whose subject they came on."""
+        taken: list[tuple[Msg, list[TransitionEvent]]] = []
         malformed: list[Msg] = []
         for msg in msgs:
             try:
-                t = decode(msg.data, expect=TransitionEvent)
+                t = decode(msg.data, expect=(TransitionEvent, TransitionBatch))
                 if msg.subject != self.subjects.events(t.worker_id):
                     self.metrics.forbidden.labels(op="transition").inc()
                     raise MessageError(f"transition of worker {t.worker_id} arrived on another worker's subject")
@@ -520,29 +536,55 @@ class NatsService:
                 self.log.warning("malformed_transition", size=len(msg.data), error_kind=kind)
                 malformed.append(msg)
                 continue
-            items.append((msg, t))
+            # a batch's transitions all speak for its worker and epoch (TransitionBatch checks it)
+            ts = t.events if isinstance(t, TransitionBatch) else [t]
+            self.metrics.transition_messages.observe(len(ts))
+            taken.append((msg, ts))
+        return taken, malformed
+
+    async def _ingest(self, taken: list[tuple[Msg, list[TransitionEvent]]], malformed: list[Msg]) -> None:
+        """Decide fetched transitions in order; ack each message once all its transitions are
+        committed. A message whose transitions could not all be committed is nak'ed whole: those
+        of them already in the ledger come back as duplicates, which the ledger drops."""
+        items = [t for _, ts in taken for t in ts]
         results: list[Any] = []
         if items:
             now = now_ms()
-            try:
-                results = await self.ledger.execute_all(
-                    [lambda s, t=t: ((evs := ingest_transition(s, t, now)), evs) for _, t in items])
-            except Unavailable:
-                results = [None] * len(items)
+            decisions = [lambda s, t=t: ((evs := ingest_transition(s, t, now)), evs) for t in items]
+            most = self.config.coordinator.commit_batch_max
+            # NOTE: more than commit_batch_max decisions (workers' batches) go in pieces, each its own
+            # task: tasks start in creation order and decide before their first wait, so the order
+            # holds, and requests are answered between pieces.
+            pieces = [decisions[i:i + most] for i in range(0, len(decisions), most)]
+            if len(pieces) == 1:
+                outs: list[Any] = [await _or_unavailable(self.ledger.execute_all(decisions))]
+            else:
+                outs = await asyncio.gather(*(asyncio.ensure_future(_or_unavailable(self.ledger.execute_all(p)))
+                                              for p in pieces))
+            for piece, out in zip(pieces, outs):
+                results.extend([None] * len(piece) if out is None else out)
         counts: dict[str, int] = {"malformed": len(malformed)} if malformed else {}
         for msg in malformed:
             with contextlib.suppress(Exception):
                 await msg.term()  # can never be processed: do not redeliver
-        for (msg, _), events in zip(items, results):
-            if events is None or isinstance(events, Exception):
-                if events is not None:
-                    self.log.error("transition_failed", error=f"{type(events).__name__}: {events}")
+        at = 0
+        for msg, ts in taken:
+            outcome = results[at:at + len(ts)]
+            at += len(ts)
+            failed = [r for r in outcome if r is None or isinstance(r, Exception)]
+            for r in failed:
+                if r is not None:
+                    self.log.error("transition_failed", error=f"{type(r).__name__}: {r}")
+            for events in outcome:
+                if events is None or isinstance(events, Exception):
+                    continue
+                result = ("duplicate" if not events else "rejected" if isinstance(events[0], TransitionRejected)
+                          else "accepted")
+                counts[result] = counts.get(result, 0) + 1
+            if failed:
                 with contextlib.suppress(Exception):
                     await msg.nak(delay=1.0)
                 continue
-            result = ("duplicate" if not events else "rejected" if isinstance(events[0], TransitionRejected)
-                      else "accepted")
-            counts[result] = counts.get(result, 0) + 1
             try:
                 await msg.ack()
             except Exception as e:  # noqa: BLE001 - the ack is lost: JetStream redelivers, the log deduplicates

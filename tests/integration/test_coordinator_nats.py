@@ -18,7 +18,7 @@ from coordinator.app import COORDINATOR
 from coordinator.nats_service import CONSUMER_NAME
 from shared.messages import (
     ErrorCode, ErrorReply, HeartbeatReply, LeaseGrant, LeaseReleased, LeaseRenewed, RegisterReply, ResumeReply,
-    decode,
+    TransitionBatch, decode, encode,
 )
 from shared.subjects import Subjects
 from shared.hashing import replica_digest
@@ -139,6 +139,66 @@ async def test_transitions_are_acked_after_commit_watermarked_and_redelivery_abs
                 async with http.post(f"{base}/v1/audit", json={"check_workers": False}) as r:
                     report = await r.json()
             assert r.status == 200 and report["ok"], report
+        finally:
+            await db.close()
+            await nc.drain()
+
+
+async def test_a_workers_batch_of_transitions_is_judged_in_order_acked_once_and_deduplicated(
+        database_url: str, nats_url: str, subjects: Subjects) -> None:
+    # commit_batch_max 8: a 25-transition batch is decided in pieces, which must keep the order
+    cfg = fast_config(database_url, nats_url, subjects, commit_batch_max=8)
+    async with running_coordinator(cfg) as (app, base):
+        nc = await nats.connect(nats_url)
+        db = await asyncpg.connect(database_url)
+        try:
+            js = nc.jetstream()
+            metrics = app[COORDINATOR].metrics
+            w = Worker(nc, subjects)
+            await w.register()
+            await w.watch_watermarks()
+            hashes = [block(i) for i in range(40)]
+            grant = await w.acquire(hashes)
+            commits = [w.commit(hashes, i, grant.lease_id) for i in range(40)]
+            bad = w.commit(hashes, 0, grant.lease_id)  # block 0 is READY by then: rejected, in its place
+            first = TransitionBatch(worker_id="w1", epoch=w.epoch, events=commits[:25])
+            second = TransitionBatch(worker_id="w1", epoch=w.epoch, events=commits[25:] + [bad])
+            for b in (first, second):
+                await js.publish(subjects.events("w1"), encode(b), headers={"Nats-Msg-Id": b.source_id})
+            await w.wait_watermark(41)
+            rows = await db.fetch("SELECT source_id, type FROM events WHERE source_id IS NOT NULL ORDER BY position")
+            assert [r["source_id"] for r in rows] == [t.source_id for t in commits + [bad]]
+            assert [r["type"] for r in rows] == ["transition.applied"] * 40 + ["transition.rejected"]
+            assert metrics.transition_messages._sum.get() == 41        # two messages, 41 transitions
+
+            # the same batch again (a resend whose broker ack was lost, past the dedup window):
+            # 25 duplicates, nothing changes, the message is acked (not redelivered forever)
+            ledger = app[COORDINATOR].ledger
+            duplicates = metrics.events_ingested.labels(result="duplicate")
+            before = state_hash(ledger.state), ledger.position
+            await js.publish(subjects.events("w1"), encode(first), headers={"Nats-Msg-Id": "again"})
+            await _until(lambda: duplicates._value.get() >= 25)
+            assert (state_hash(ledger.state), ledger.position) == before
+            for _ in range(100):
+                if (await js.consumer_info(subjects.stream_name, CONSUMER_NAME)).num_ack_pending == 0:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the repeated batch was never acked")
+
+            # a batch is one identity's: on another worker's subject it is refused whole, and a
+            # batch that carries another worker's transition does not decode
+            forbidden = metrics.forbidden.labels(op="transition")
+            malformed = metrics.malformed.labels(kind="transition")
+            more = [w.commit(hashes, i, grant.lease_id, seq=100 + i) for i in range(2)]
+            await js.publish(subjects.events("w2"), encode(TransitionBatch(worker_id="w1", epoch=w.epoch,
+                                                                             events=more)))
+            mixed = encode(TransitionBatch(worker_id="w1", epoch=w.epoch, events=more)).replace(
+                b'"worker_id":"w1","epoch":%d,"seq":101' % w.epoch, b'"worker_id":"w2","epoch":%d,"seq":101' % w.epoch)
+            assert mixed.count(b'"worker_id":"w2"') == 1
+            await js.publish(subjects.events("w1"), mixed)
+            await _until(lambda: forbidden._value.get() >= 1 and malformed._value.get() >= 1)
+            assert ledger.position == before[1]
         finally:
             await db.close()
             await nc.drain()
