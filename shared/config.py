@@ -211,6 +211,10 @@ class WorkerConfig(_Section):
     pool_bytes: PosInt = 64 * 2**20
     outbox_max: PosInt = 100_000
     outbox_resend_ms: PosInt = 2000
+    #: Transitions per JetStream message (a ``transitions`` batch, at most 1000); 1 sends one
+    #: message per transition, which is what a coordinator older than the batch message reads
+    #: (upgrade the coordinators first, or set 1 until they are).
+    publish_batch: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 256
     #: Serve the NATS debug subjects (generate with logits, health, metrics, flush) for tests and
     #: operators. Off by default: ``generate`` bypasses the HTTP API's admission control; its
     #: tenant comes only from an API key, as over HTTP.

@@ -38,6 +38,8 @@ class InProcessCoordinator:
         self.drop_publishes = 0
         self.hold_watermark = False
         self.published: list[m.TransitionEvent] = []
+        #: Batch messages published (their transitions are in ``published`` too).
+        self.batches = 0
         self.rejected: list[tuple[m.TransitionEvent, str]] = []
         self._ids = itertools.count(1)
         self._listeners: dict[str, tuple[OnWatermark, OnInventory, OnControl]] = {}
@@ -106,19 +108,28 @@ class InProcessCoordinator:
         return self._run(evict_host(self.state, msg, _now()))  # type: ignore[return-value]
 
     async def publish(self, event: m.TransitionEvent) -> None:
+        await self._store(event.worker_id, event.epoch, [event])
+
+    async def publish_batch(self, batch: m.TransitionBatch) -> None:
+        await self._store(batch.worker_id, batch.epoch, batch.events)
+        self.batches += 1
+
+    async def _store(self, worker_id: str, epoch: int, events: list[m.TransitionEvent]) -> None:
+        """One broker message: stored whole (each transition judged in order) or not at all."""
         if self.down:
             raise PublishFailed("twin broker is down")
         if self.drop_publishes:
             self.drop_publishes -= 1
             return  # "acknowledged" by the broker, then lost
-        self.published.append(event)
-        for e in ingest_transition(self.state, event, _now()):
-            reason = getattr(e, "reason", None)
-            if reason is not None and type(e).__name__ == "TransitionRejected":
-                self.rejected.append((event, reason))
-            apply(self.state, e)
+        for event in events:
+            self.published.append(event)
+            for e in ingest_transition(self.state, event, _now()):
+                reason = getattr(e, "reason", None)
+                if reason is not None and type(e).__name__ == "TransitionRejected":
+                    self.rejected.append((event, reason))
+                apply(self.state, e)
         if not self.hold_watermark:
-            self.send_watermark(event.worker_id, event.epoch)
+            self.send_watermark(worker_id, epoch)
 
     async def listen(self, worker_id: str, on_watermark: OnWatermark, on_inventory: OnInventory,
                      on_control: OnControl) -> None:

@@ -178,7 +178,8 @@ class Engine:
             self.metrics.pool_slots.labels(form=form).set(n)
             self.metrics.pool_used.labels(form=form).set(0)
         self.publisher = (TransitionPublisher(client, capacity=cfg.worker.outbox_max,
-                                              resend_ms=cfg.worker.outbox_resend_ms, metrics=self.metrics)
+                                              resend_ms=cfg.worker.outbox_resend_ms, metrics=self.metrics,
+                                              batch=cfg.worker.publish_batch)
                           if client is not None else None)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="kvl-model")
         failures = model.check_invariance(self.block_size, self.cache_dtype)

@@ -85,6 +85,8 @@ class WorkerMetrics:
                                   registry=r)
         self.transitions = Counter(p + "transitions", "Transitions emitted, by kind", ["kind"], registry=r)
         self.publish_failures = Counter(p + "publish_failures", "JetStream publishes that failed", registry=r)
+        self.published_messages = Counter(p + "published_messages", "JetStream messages the broker stored, each "
+                                          "one transition or a batch of up to worker.publish_batch", registry=r)
         self.degraded = Gauge(p + "degraded", "1 while serving by recomputation only", registry=r)
         self.degraded_entries = Counter(p + "degraded_entries", "Times the worker entered degraded mode",
                                         ["reason"], registry=r)

@@ -2,11 +2,13 @@
 
 Every transition the engine decides goes through :meth:`TransitionPublisher.emit`, which
 numbers it (``seq`` per worker epoch) and keeps it in a bounded
-:class:`worker.cache.outbox.Outbox`. The publisher task sends what is due, in seq order
-(it awaits each broker acknowledgement before the next, so the stream holds them in
-order), and drops an entry only when the coordinator's commit watermark for this epoch
-covers it — from the watermark subject or a heartbeat reply. An entry not covered within
-``resend_ms`` is sent again; a publish that fails leaves it in place for the next round.
+:class:`worker.cache.outbox.Outbox`. The publisher task sends what is due, in seq order, up
+to ``batch`` transitions per JetStream message (:class:`shared.messages.TransitionBatch`,
+stored whole or not at all); it awaits each broker acknowledgement before the next message,
+so the stream holds them in order, and drops an entry only when the coordinator's commit
+watermark for this epoch covers it — from the watermark subject or a heartbeat reply. An
+entry not covered within ``resend_ms`` is sent again; a publish that fails leaves it (and
+everything after it) in place for the next round.
 
 :meth:`emit` raises :class:`OutboxFull` when the outbox is full: the engine goes degraded
 (serves by recomputation, emits nothing new) instead of dropping anything.
@@ -19,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from shared.logging import get_logger
-from shared.messages import CommitWatermark, TransitionEvent
+from shared.messages import CommitWatermark, TransitionBatch, TransitionEvent
 from worker.cache.outbox import Outbox, OutboxFull
 from worker.client import CoordinatorClient, PublishFailed
 from worker.metrics import WorkerMetrics
@@ -33,10 +35,12 @@ def _now_ms() -> int:
 
 class TransitionPublisher:
     def __init__(self, client: CoordinatorClient, *, capacity: int, resend_ms: int,
-                 metrics: WorkerMetrics) -> None:
+                 metrics: WorkerMetrics, batch: int = 1) -> None:
         self.client = client
         self.capacity = capacity
         self.resend_ms = resend_ms
+        #: Most transitions per message (``worker.publish_batch``); 1 = one message each.
+        self.batch = batch
         self.metrics = metrics
         self.outbox: Outbox | None = None
         self.last_error = ""
@@ -153,19 +157,28 @@ class TransitionPublisher:
         if ob is None:
             return 0
         sent = 0
-        for ev in ob.due(_now_ms()):
+        due = ob.due(_now_ms())
+        for k in range(0, len(due), self.batch):
             if ob is not self.outbox:
                 break  # a new epoch began meanwhile
+            part = due[k:k + self.batch]
             try:
-                await self.client.publish(ev)
+                if len(part) == 1:
+                    await self.client.publish(part[0])
+                else:
+                    await self.client.publish_batch(TransitionBatch(worker_id=ob.worker_id, epoch=ob.epoch,
+                                                                    events=part))
             except PublishFailed as e:
                 self.metrics.publish_failures.inc()
                 if self.last_error != str(e):
                     log.warning("publish failed; kept in the outbox", error=str(e), depth=len(ob))
                 self.last_error = str(e)
                 break
-            ob.mark_sent(ev.seq, _now_ms())
-            sent += 1
+            now = _now_ms()
+            for ev in part:
+                ob.mark_sent(ev.seq, now)
+            self.metrics.published_messages.inc()
+            sent += len(part)
         else:
             self.last_error = ""
         return sent

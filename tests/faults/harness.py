@@ -622,8 +622,11 @@ class Observer:
 
     async def _transition(self, msg: Any) -> None:
         try:
-            self.seen.on_transition(json.loads(msg.data))
-        except (ValueError, KeyError):
+            data = json.loads(msg.data)
+            # a worker's batch (``transitions``) carries its transitions in order
+            for t in data["events"] if data.get("type") == "transitions" else [data]:
+                self.seen.on_transition(t)
+        except (ValueError, KeyError, TypeError, AttributeError):
             self.undecodable += 1
 
     async def _watermark(self, msg: Any) -> None:

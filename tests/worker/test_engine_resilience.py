@@ -150,6 +150,24 @@ async def test_publishes_lost_by_the_broker_are_sent_again(make_engine) -> None:
         assert r.cached_tokens == 32
 
 
+async def test_transitions_go_out_in_batches_of_at_most_publish_batch(make_engine) -> None:
+    toks = prompt(48, seed=44)
+    for size, most_messages in ((5, 3), (1, 12)):
+        twin = InProcessCoordinator()
+        async with make_engine(twin, **{"worker.publish_batch": size, "worker.outbox_resend_ms": 60_000}) as e:
+            twin.hold_watermark = True                    # nothing acked: every commit goes out at once
+            await e.generate(toks, max_tokens=1)
+            await until(lambda: len(twin.published) >= 12)
+            twin.hold_watermark = False
+            twin.send_watermark("w1", 1)
+            assert await e.flush(timeout=5)
+            sent = [ev.seq for ev in twin.published]
+            assert sent == sorted(sent) and len(sent) == len(set(sent))      # in order, each once
+            messages = e.metrics.value("kvl_worker_published_messages_total")
+            assert messages <= most_messages and twin.batches == (messages if size > 1 else 0), (size, messages)
+            assert (await e.generate(toks, max_tokens=1)).cached_tokens == 32
+
+
 async def test_full_outbox_degrades_without_dropping_and_recovers(make_engine, reference) -> None:
     twin = InProcessCoordinator()
     twin.hold_watermark = True

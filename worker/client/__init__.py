@@ -1,7 +1,7 @@
 """The worker's port to the coordinator, and its two adapters.
 
 :class:`CoordinatorClient` is everything the engine needs from the coordinator: the
-request/reply calls (register, heartbeat, leases), publishing one transition, and the
+request/reply calls (register, heartbeat, leases), publishing transitions (one or a batch), and the
 coordinator-to-worker subjects (commit watermark, inventory, control). Two adapters:
 
 * :class:`worker.client.nats_adapter.NatsCoordinatorClient` — the real one (NATS
@@ -24,7 +24,7 @@ from typing import Protocol
 from shared.messages import (
     CommitWatermark, Control, ControlAck, DiskGc, DiskGcReply, ErrorCode, Heartbeat, HeartbeatReply, HostEvict,
     HostEvictReply, InventoryReply, InventoryRequest, LeaseAcquire, LeaseGrant, LeaseRelease, LeaseReleased, LeaseRenew,
-    LeaseRenewed, RegisterReply, ResumeReply, TransitionEvent, WorkerRegister, WorkerResume,
+    LeaseRenewed, RegisterReply, ResumeReply, TransitionBatch, TransitionEvent, WorkerRegister, WorkerResume,
 )
 
 
@@ -78,6 +78,10 @@ class CoordinatorClient(Protocol):
 
     async def publish(self, event: TransitionEvent) -> None:
         """Hand one transition to the broker (raises PublishFailed). Not durability: see the outbox."""
+
+    async def publish_batch(self, batch: TransitionBatch) -> None:
+        """Hand several transitions of one epoch to the broker as one message, stored whole or not
+        at all (raises PublishFailed)."""
 
     async def listen(self, worker_id: str, on_watermark: OnWatermark, on_inventory: OnInventory,
                      on_control: OnControl) -> None:

@@ -174,6 +174,16 @@ class NatsCoordinatorClient:
         except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as e:
             raise PublishFailed(f"publish {event.source_id}: {type(e).__name__}: {e}") from e
 
+    async def publish_batch(self, batch: m.TransitionBatch) -> None:
+        if self._js is None or self._nc is None or not self._nc.is_connected:
+            raise PublishFailed("not connected to NATS")
+        try:
+            await self._js.publish(self.subjects.events(batch.worker_id), m.encode(batch),
+                                   headers={"Nats-Msg-Id": f"{batch.source_id}.{self._msg_nonce}"},
+                                   timeout=self.timeout_s)
+        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as e:
+            raise PublishFailed(f"publish {batch.source_id}: {type(e).__name__}: {e}") from e
+
     async def listen(self, worker_id: str, on_watermark: OnWatermark, on_inventory: OnInventory,
                      on_control: OnControl) -> None:
         if self._listening == worker_id or self._nc is None:
