@@ -718,8 +718,49 @@ async def publish_all(nc: Any, subject: str, msgs: list[tuple[bytes, str]]) -> f
     return time.perf_counter() - t0
 
 
-async def ingest_phase(nc: Any, coord: CoordinatorProc, w: BenchWorker, db_url: str, n: int) -> dict[str, Any]:
-    hashes = [h(i + 1) for i in range(n)]
+async def worker_publish(nats_url: str, w: BenchWorker, events: list[Any], batch: int) -> tuple[float, int]:
+    """``events`` (the worker's next seqs) through the worker's own path: its outbox and
+    :class:`worker.publisher.TransitionPublisher` (``batch`` transitions per JetStream message,
+    each message's broker ack awaited before the next) over its NATS client. Seconds from the
+    first emit until the commit watermark covers the last, and the messages sent."""
+    from worker.client.nats_adapter import NatsCoordinatorClient
+    from worker.metrics import WorkerMetrics
+    from worker.publisher import TransitionPublisher
+
+    client = NatsCoordinatorClient(nats_url, w.subjects, timeout_s=30, name="bench.coordinator worker path")
+    await client.connect()
+    metrics = WorkerMetrics()
+    pub = TransitionPublisher(client, capacity=len(events) + 1, resend_ms=600_000, metrics=metrics, batch=batch)
+    pub.new_epoch(w.worker_id, w.epoch)
+    seq0 = events[0].seq - 1
+    assert pub.outbox is not None
+    pub.outbox.next_seq, pub.outbox.watermark = seq0 + 1, seq0
+    try:
+        t0 = time.perf_counter()
+        for ev in events:
+            pub.emit(lambda seq, ev=ev: ev)
+        while await pub.publish_due():
+            pass
+        await w.wait_watermark(events[-1].seq, timeout_s=max(120, len(events) / 500))
+        t = time.perf_counter() - t0
+    finally:
+        await client.close()
+    w.emitted_seq = max(w.emitted_seq, events[-1].seq)
+    return t, int(metrics.published_messages._value.get())
+
+
+async def ingest_phase(nc: Any, nats_url: str, coord: CoordinatorProc, w: BenchWorker, db_url: str,
+                       n: int) -> dict[str, Any]:
+    """Durable ingest of ``n`` commit transitions three ways: the worker's own path with its
+    default batching (the ``ingest_*`` keys), one message per transition pipelined
+    (``ingest_single_*``: what the coordinator's consumer does per message), and the worker's
+    path one message each as before batching (``ingest_worker_unbatched_*``, on fewer)."""
+    from shared.config import WorkerConfig
+    from shared.messages import decode
+
+    batch = WorkerConfig().publish_batch
+    n_old = min(n, 10_000)
+    hashes = [h(i + 1) for i in range(2 * n + n_old)]
     leases, setup_s = await grant_writes(w, hashes, "ingest")
     subject = w.subjects.events(w.worker_id)
     msgs, rows = commits(w, leases, 0)
@@ -727,27 +768,37 @@ async def ingest_phase(nc: Any, coord: CoordinatorProc, w: BenchWorker, db_url: 
     row_bytes = statistics.fmean(len(r[5]) for r in rows)
 
     _log(f"ingest: baseline COPY of {n} rows ({row_bytes:.0f}-byte payloads) ...")
-    copy1 = await copy_baseline(db_url, rows, "before")
+    copy1 = await copy_baseline(db_url, rows[:n], "before")
     _log(f"ingest: COPY {n / copy1:,.0f} rows/s")
 
-    _log(f"ingest: publishing {n} commit transitions ({msg_bytes:.0f} bytes each) to JetStream ...")
+    _log(f"ingest: {n} commit transitions ({msg_bytes:.0f} bytes each) through the worker's publisher, "
+         f"{batch} per message ...")
     st0 = await coord.append_stats()
     with coord.spy("ingest"):
         cpu0 = cpu_seconds(coord.pid)
-        t0 = time.perf_counter()
-        w.emitted_seq = n
-        t_pub = await publish_all(nc, subject, msgs)
-        _log(f"ingest: all published and stored by JetStream after {t_pub:.2f} s ({n / t_pub:,.0f}/s); "
-             f"watermark at {w.watermark}")
-        await w.wait_watermark(n, timeout_s=max(120, n / 500))
-        t_ingest = time.perf_counter() - t0
+        t_ingest, sent = await worker_publish(nats_url, w, [decode(m) for m, _ in msgs[:n]], batch)
     cpu = cpu_delta(cpu0, cpu_seconds(coord.pid), n, "ingest")
-    _log(f"ingest: watermark {n} after {t_ingest:.2f} s: {n / t_ingest:,.0f} events/s durable")
-    w.note_committed([(bh, k + 1) for k, bh in enumerate(bh for _, chunk in leases for bh in chunk)])
+    _log(f"ingest: watermark {n} after {t_ingest:.2f} s ({sent} messages): {n / t_ingest:,.0f} events/s durable")
     appends = append_delta(st0, await coord.append_stats(), "ingest")
     _log(f"ingest: {appends}; {cpu}")
 
-    copy2 = await copy_baseline(db_url, rows, "after")
+    _log(f"ingest: {n} more, one message per transition, pipelined (publish_async) ...")
+    cpu0 = cpu_seconds(coord.pid)
+    t0 = time.perf_counter()
+    t_pub = await publish_all(nc, subject, msgs[n:2 * n])
+    w.emitted_seq = 2 * n
+    await w.wait_watermark(2 * n, timeout_s=max(120, n / 500))
+    t_single = time.perf_counter() - t0
+    cpu_single = cpu_delta(cpu0, cpu_seconds(coord.pid), n, "ingest_single")
+    _log(f"ingest: one per message: watermark after {t_single:.2f} s: {n / t_single:,.0f} events/s durable; "
+         f"{cpu_single}")
+
+    _log(f"ingest: {n_old} more through the worker's publisher one message each (as before batching) ...")
+    t_old, _ = await worker_publish(nats_url, w, [decode(m) for m, _ in msgs[2 * n:]], 1)
+    _log(f"ingest: worker path unbatched: {n_old / t_old:,.0f} events/s durable")
+    w.note_committed([(bh, k + 1) for k, bh in enumerate(bh for _, chunk in leases for bh in chunk)])
+
+    copy2 = await copy_baseline(db_url, rows[:n], "after")
     _log(f"ingest: COPY (again) {n / copy2:,.0f} rows/s")
 
     # Put the log back as a worker would leave it: every lease released (nothing to abort).
@@ -758,13 +809,17 @@ async def ingest_phase(nc: Any, coord: CoordinatorProc, w: BenchWorker, db_url: 
     rate = n / t_ingest
     return {
         "ingest_events": n, "ingest_events_per_s": round(rate), "ingest_seconds": round(t_ingest, 3),
-        "ingest_publish_per_s": round(n / t_pub), "ingest_message_bytes": round(msg_bytes),
+        "ingest_publish_batch": batch, "ingest_messages": sent, "ingest_message_bytes": round(msg_bytes),
         "ingest_payload_bytes": round(row_bytes),
         "copy_rows_per_s": round(copy_rate), "copy_rows_per_s_before": round(n / copy1),
         "copy_rows_per_s_after": round(n / copy2),
         "ingest_ratio_vs_copy": round(rate / copy_rate, 3),
-        "ingest_setup_grants_per_s": round(n / setup_s), **appends, **cpu,
-        "_hashes": hashes,
+        "ingest_single_events_per_s": round(n / t_single), "ingest_single_publish_per_s": round(n / t_pub),
+        "ingest_single_ratio_vs_copy": round(n / t_single / copy_rate, 3),
+        "ingest_worker_unbatched_events": n_old, "ingest_worker_unbatched_events_per_s": round(n_old / t_old),
+        "ingest_batch_speedup_vs_unbatched_worker": round(rate / (n_old / t_old), 2),
+        "ingest_setup_grants_per_s": round(len(hashes) / setup_s), **appends, **cpu, **cpu_single,
+        "_hashes": hashes[:n],
     }
 
 
@@ -774,19 +829,27 @@ BACKLOG_BLOCK0 = 1 << 36
 
 async def backlog_phase(nc: Any, coord: CoordinatorProc, w: BenchWorker, n: int, copy_rate: float) -> dict[str, Any]:
     """Durable ingest of a backlog: the coordinator is stopped, ``n`` commit transitions are
-    published (as workers keep doing while no coordinator runs), it is started again: from its
+    published in batches (as workers keep doing while no coordinator runs), it is started again: from its
     ``/readyz`` 200 until the watermark covers the last one. What a coordinator's own pipeline
     (JetStream delivery, decode, judge, apply, append, ack) drains per second, without the
     publisher competing for this machine's two cores as it does in :func:`ingest_phase`."""
+    from shared.config import WorkerConfig
+    from shared.messages import TransitionBatch, decode, encode
+
     hashes = [h(BACKLOG_BLOCK0 + i) for i in range(n)]
     leases, _ = await grant_writes(w, hashes, "backlog")
     seq0 = w.emitted_seq
     msgs, _ = commits(w, leases, seq0)
+    # as workers leave them: batches of worker.publish_batch transitions
+    size = WorkerConfig().publish_batch
+    batches = [TransitionBatch(worker_id=w.worker_id, epoch=w.epoch, events=[decode(m) for m, _ in msgs[k:k + size]])
+               for k in range(0, n, size)]
     _log("backlog: stopping the coordinator ...")
     coord.stop()
-    t_pub = await publish_all(nc, w.subjects.events(w.worker_id), msgs)
+    t_pub = await publish_all(nc, w.subjects.events(w.worker_id), [(encode(b), b.source_id) for b in batches])
     w.emitted_seq = seq0 + n
-    _log(f"backlog: {n} commit transitions stored by JetStream in {t_pub:.2f} s; starting the coordinator ...")
+    _log(f"backlog: {n} commit transitions in {len(batches)} messages stored by JetStream in {t_pub:.2f} s; "
+         "starting the coordinator ...")
     coord.start()
     ready_s, _ = await coord.wait_ready()
     t0 = time.perf_counter()
@@ -1211,11 +1274,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             result["coordinator_gc_young_threshold"] = args.gc_young_threshold or CoordinatorConfig().gc_young_threshold
             _log(f"coordinator ready in {empty_s:.2f} s (empty log, schema created)")
             n_ingest = args.ingest if "ingest" in phases else 4 * CACHED_BLOCKS * 64
-            worker = BenchWorker(nc, subjects, slots=2 * n_ingest + 20 * args.leases * PROMPT_BLOCKS + 1000)
+            worker = BenchWorker(nc, subjects, slots=4 * n_ingest + 10_000 + 20 * args.leases * PROMPT_BLOCKS + 1000)
             await worker.register()
             phase_s["start"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            ing = await ingest_phase(nc, coord, worker, live_db, n_ingest)
+            ing = await ingest_phase(nc, nats_url, coord, worker, live_db, n_ingest)
             cached = ing.pop("_hashes")
             if "ingest" in phases:
                 result.update(ing)
@@ -1230,7 +1293,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                      f"{fp['grant_full_pool_scan_us']} us to scan the pool for the same victims")
                 result.update(fp)
                 result.update(await lease_phase(nc, nats_url, coord, worker, cached, args.leases, args.inflight,
-                                                n_ingest + 1))
+                                                2 * n_ingest + min(n_ingest, 10_000) + 1))  # after ingest's blocks
                 phase_s["leases"] = time.perf_counter() - t0
             worker.stop()
             coord.stop()
