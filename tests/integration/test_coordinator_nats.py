@@ -204,6 +204,37 @@ async def test_a_workers_batch_of_transitions_is_judged_in_order_acked_once_and_
             await nc.drain()
 
 
+async def test_a_batch_larger_than_a_nats_message_goes_out_in_ordered_parts(
+        database_url: str, nats_url: str, subjects: Subjects) -> None:
+    cfg = fast_config(database_url, nats_url, subjects)
+    async with running_coordinator(cfg) as (app, base):
+        nc = await nats.connect(nats_url)
+        client = NatsCoordinatorClient(nats_url, subjects)
+        await client.connect()
+        try:
+            w = Worker(nc, subjects)
+            await w.register()
+            await w.watch_watermarks()
+            hashes = [block(i) for i in range(24)]
+            grant = await w.acquire(hashes)
+            # ~60 kB of reason each: ~1.4 MB in all, over the server's max_payload (1 MB by default)
+            long = "r" * (nc.max_payload // 16)
+            commits = [msgspec.structs.replace(w.commit(hashes, i, grant.lease_id), reason=long) for i in range(24)]
+            await client.publish_batch(TransitionBatch(worker_id="w1", epoch=w.epoch, events=commits))
+            await w.wait_watermark(24)
+            db = await asyncpg.connect(database_url)
+            try:
+                rows = await db.fetch("SELECT source_id FROM events WHERE source_id IS NOT NULL ORDER BY position")
+            finally:
+                await db.close()
+            assert [r["source_id"] for r in rows] == [t.source_id for t in commits]
+            assert app[COORDINATOR].metrics.transition_messages._sum.get() == 24
+            assert 2 <= sum(b.get() for b in app[COORDINATOR].metrics.transition_messages._buckets) <= 4
+        finally:
+            await client.close()
+            await nc.drain()
+
+
 async def test_malformed_requests_get_an_error_reply_and_a_warning_without_content(
         database_url: str, nats_url: str, subjects: Subjects) -> None:
     cfg = fast_config(database_url, nats_url, subjects)

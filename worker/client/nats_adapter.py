@@ -177,8 +177,20 @@ class NatsCoordinatorClient:
     async def publish_batch(self, batch: m.TransitionBatch) -> None:
         if self._js is None or self._nc is None or not self._nc.is_connected:
             raise PublishFailed("not connected to NATS")
+        data = m.encode(batch)
+        if len(data) > self._nc.max_payload - 4096 and len(batch.events) > 1:
+            # NOTE: too large for one message (long reasons or model names): two halves, in order
+            # (a failure of the second leaves both due again; the first's are then duplicates)
+            half = len(batch.events) // 2
+            for part in (batch.events[:half], batch.events[half:]):
+                if len(part) == 1:
+                    await self.publish(part[0])
+                else:
+                    await self.publish_batch(m.TransitionBatch(worker_id=batch.worker_id, epoch=batch.epoch,
+                                                               events=part))
+            return
         try:
-            await self._js.publish(self.subjects.events(batch.worker_id), m.encode(batch),
+            await self._js.publish(self.subjects.events(batch.worker_id), data,
                                    headers={"Nats-Msg-Id": f"{batch.source_id}.{self._msg_nonce}"},
                                    timeout=self.timeout_s)
         except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as e:
