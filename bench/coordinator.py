@@ -751,54 +751,37 @@ async def worker_publish(nats_url: str, w: BenchWorker, events: list[Any], batch
 
 async def ingest_phase(nc: Any, nats_url: str, coord: CoordinatorProc, w: BenchWorker, db_url: str,
                        n: int) -> dict[str, Any]:
-    """Durable ingest of ``n`` commit transitions three ways: the worker's own path with its
-    default batching (the ``ingest_*`` keys), one message per transition pipelined
-    (``ingest_single_*``: what the coordinator's consumer does per message), and the worker's
-    path one message each as before batching (``ingest_worker_unbatched_*``, on fewer)."""
+    """Durable ingest of ``n`` commit transitions through the worker's own path with its default
+    batching (:func:`worker_publish`); baseline COPY of the rows the coordinator stores."""
     from shared.config import WorkerConfig
     from shared.messages import decode
 
     batch = WorkerConfig().publish_batch
-    n_old = min(n, 10_000)
-    hashes = [h(i + 1) for i in range(2 * n + n_old)]
+    hashes = [h(i + 1) for i in range(n)]
     leases, setup_s = await grant_writes(w, hashes, "ingest")
-    subject = w.subjects.events(w.worker_id)
-    msgs, rows = commits(w, leases, 0)
+    msgs, rows = commits(w, leases, w.emitted_seq)
     msg_bytes = statistics.fmean(len(m) for m, _ in msgs)
     row_bytes = statistics.fmean(len(r[5]) for r in rows)
 
     _log(f"ingest: baseline COPY of {n} rows ({row_bytes:.0f}-byte payloads) ...")
-    copy1 = await copy_baseline(db_url, rows[:n], "before")
+    copy1 = await copy_baseline(db_url, rows, "before")
     _log(f"ingest: COPY {n / copy1:,.0f} rows/s")
 
     _log(f"ingest: {n} commit transitions ({msg_bytes:.0f} bytes each) through the worker's publisher, "
          f"{batch} per message ...")
+    seq0 = w.emitted_seq
     st0 = await coord.append_stats()
     with coord.spy("ingest"):
         cpu0 = cpu_seconds(coord.pid)
-        t_ingest, sent = await worker_publish(nats_url, w, [decode(m) for m, _ in msgs[:n]], batch)
+        t_ingest, sent = await worker_publish(nats_url, w, [decode(m) for m, _ in msgs], batch)
     cpu = cpu_delta(cpu0, cpu_seconds(coord.pid), n, "ingest")
-    _log(f"ingest: watermark {n} after {t_ingest:.2f} s ({sent} messages): {n / t_ingest:,.0f} events/s durable")
+    _log(f"ingest: watermark {w.emitted_seq} after {t_ingest:.2f} s ({sent} messages): {n / t_ingest:,.0f} "
+         "events/s durable")
+    w.note_committed([(bh, seq0 + k + 1) for k, bh in enumerate(bh for _, chunk in leases for bh in chunk)])
     appends = append_delta(st0, await coord.append_stats(), "ingest")
     _log(f"ingest: {appends}; {cpu}")
 
-    _log(f"ingest: {n} more, one message per transition, pipelined (publish_async) ...")
-    cpu0 = cpu_seconds(coord.pid)
-    t0 = time.perf_counter()
-    t_pub = await publish_all(nc, subject, msgs[n:2 * n])
-    w.emitted_seq = 2 * n
-    await w.wait_watermark(2 * n, timeout_s=max(120, n / 500))
-    t_single = time.perf_counter() - t0
-    cpu_single = cpu_delta(cpu0, cpu_seconds(coord.pid), n, "ingest_single")
-    _log(f"ingest: one per message: watermark after {t_single:.2f} s: {n / t_single:,.0f} events/s durable; "
-         f"{cpu_single}")
-
-    _log(f"ingest: {n_old} more through the worker's publisher one message each (as before batching) ...")
-    t_old, _ = await worker_publish(nats_url, w, [decode(m) for m, _ in msgs[2 * n:]], 1)
-    _log(f"ingest: worker path unbatched: {n_old / t_old:,.0f} events/s durable")
-    w.note_committed([(bh, k + 1) for k, bh in enumerate(bh for _, chunk in leases for bh in chunk)])
-
-    copy2 = await copy_baseline(db_url, rows[:n], "after")
+    copy2 = await copy_baseline(db_url, rows, "after")
     _log(f"ingest: COPY (again) {n / copy2:,.0f} rows/s")
 
     # Put the log back as a worker would leave it: every lease released (nothing to abort).
@@ -814,12 +797,49 @@ async def ingest_phase(nc: Any, nats_url: str, coord: CoordinatorProc, w: BenchW
         "copy_rows_per_s": round(copy_rate), "copy_rows_per_s_before": round(n / copy1),
         "copy_rows_per_s_after": round(n / copy2),
         "ingest_ratio_vs_copy": round(rate / copy_rate, 3),
-        "ingest_single_events_per_s": round(n / t_single), "ingest_single_publish_per_s": round(n / t_pub),
-        "ingest_single_ratio_vs_copy": round(n / t_single / copy_rate, 3),
+        "ingest_setup_grants_per_s": round(n / setup_s), **appends, **cpu,
+        "_hashes": hashes,
+    }
+
+
+#: Block numbers of the ingest comparison's blocks (apart from the others').
+INGEST_CMP_BLOCK0 = 1 << 37
+
+
+async def ingest_compare_phase(nc: Any, nats_url: str, coord: CoordinatorProc, w: BenchWorker, n_single: int,
+                               n_old: int, batched_rate: float, copy_rate: float) -> dict[str, Any]:
+    """The same ingest without the worker's batching, on fresh blocks, after the lease phase (so
+    that phase's state is what it was before the comparison existed): ``n_single`` transitions
+    one message each, pipelined (``publish_async``: the coordinator's per-message cost), then
+    ``n_old`` through the worker's publisher one message each (the worker's path before batching:
+    one broker round trip per transition)."""
+    from shared.messages import decode
+
+    hashes = [h(INGEST_CMP_BLOCK0 + i) for i in range(n_single + n_old)]
+    leases, _ = await grant_writes(w, hashes, "ingest (unbatched)")
+    seq0 = w.emitted_seq
+    msgs, _ = commits(w, leases, seq0)
+    _log(f"ingest (unbatched): {n_single} transitions, one message each, pipelined (publish_async) ...")
+    cpu0 = cpu_seconds(coord.pid)
+    t0 = time.perf_counter()
+    t_pub = await publish_all(nc, w.subjects.events(w.worker_id), msgs[:n_single])
+    w.emitted_seq = seq0 + n_single
+    await w.wait_watermark(w.emitted_seq, timeout_s=max(120, n_single / 500))
+    t_single = time.perf_counter() - t0
+    cpu = cpu_delta(cpu0, cpu_seconds(coord.pid), n_single, "ingest_single")
+    _log(f"ingest (unbatched): one per message: {n_single / t_single:,.0f} events/s durable; {cpu}")
+    _log(f"ingest (unbatched): {n_old} through the worker's publisher one message each (as before batching) ...")
+    t_old, _ = await worker_publish(nats_url, w, [decode(m) for m, _ in msgs[n_single:]], 1)
+    _log(f"ingest (unbatched): worker path one message each: {n_old / t_old:,.0f} events/s durable")
+    w.note_committed([(bh, seq0 + k + 1) for k, bh in enumerate(bh for _, chunk in leases for bh in chunk)])
+    for lease_id, _ in leases:
+        await w.request(w.subjects.request("release", w.worker_id), w.release(lease_id))
+    return {
+        "ingest_single_events": n_single, "ingest_single_events_per_s": round(n_single / t_single),
+        "ingest_single_publish_per_s": round(n_single / t_pub),
+        "ingest_single_ratio_vs_copy": round(n_single / t_single / copy_rate, 3),
         "ingest_worker_unbatched_events": n_old, "ingest_worker_unbatched_events_per_s": round(n_old / t_old),
-        "ingest_batch_speedup_vs_unbatched_worker": round(rate / (n_old / t_old), 2),
-        "ingest_setup_grants_per_s": round(len(hashes) / setup_s), **appends, **cpu, **cpu_single,
-        "_hashes": hashes[:n],
+        "ingest_batch_speedup_vs_unbatched_worker": round(batched_rate / (n_old / t_old), 2), **cpu,
     }
 
 
@@ -1274,7 +1294,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             result["coordinator_gc_young_threshold"] = args.gc_young_threshold or CoordinatorConfig().gc_young_threshold
             _log(f"coordinator ready in {empty_s:.2f} s (empty log, schema created)")
             n_ingest = args.ingest if "ingest" in phases else 4 * CACHED_BLOCKS * 64
-            worker = BenchWorker(nc, subjects, slots=4 * n_ingest + 10_000 + 20 * args.leases * PROMPT_BLOCKS + 1000)
+            worker = BenchWorker(nc, subjects, slots=3 * n_ingest + 10_000 + 20 * args.leases * PROMPT_BLOCKS + 1000)
             await worker.register()
             phase_s["start"] = time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -1293,8 +1313,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                      f"{fp['grant_full_pool_scan_us']} us to scan the pool for the same victims")
                 result.update(fp)
                 result.update(await lease_phase(nc, nats_url, coord, worker, cached, args.leases, args.inflight,
-                                                2 * n_ingest + min(n_ingest, 10_000) + 1))  # after ingest's blocks
+                                                n_ingest + 1))
                 phase_s["leases"] = time.perf_counter() - t0
+            if "ingest" in phases:
+                t0 = time.perf_counter()
+                result.update(await ingest_compare_phase(nc, nats_url, coord, worker, n_ingest // 5,
+                                                         min(n_ingest // 10, 10_000), ing["ingest_events_per_s"],
+                                                         ing["copy_rows_per_s"]))
+                phase_s["ingest_compare"] = time.perf_counter() - t0
             worker.stop()
             coord.stop()
             # A leader that lost its lock stepped down and replayed the log mid-measurement: say so.
