@@ -128,6 +128,10 @@ class NatsService:
         self.request_timeout_s = config.nats.request_timeout_ms / 1000
         self._subs: list[Any] = []
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: Transitions fetched and not yet acked or nak'ed, and the event set while they are
+        #: under the consumer's bound (see :meth:`_consume`).
+        self._ingesting = 0
+        self._ingest_room = asyncio.Event()
         self._slots = asyncio.Semaphore(max_in_flight)
         #: Requests taken, not yet decided: ``(op, msg, when taken)``; the task that will decide them.
         self._queued: list[tuple[_Op, Msg, float]] = []
@@ -474,13 +478,22 @@ class NatsService:
 
     async def _consume(self) -> None:
         most = self.config.coordinator.commit_batch_max
-        batch = min(most, 1000)
+        # NOTE: at most as many transitions in flight (fetched, not yet acked) as the consumer's
+        # max_ack_pending allows messages: a message may be a worker's batch of up to 1000
+        # transitions, and a backlog fetched as fast as the broker hands it over held hundreds of
+        # thousands of them at once (their garbage then stalled requests for tens of ms).
+        bound = max(4 * most, 1000)
+        per_message = 256.0           # transitions per message, as last seen (a worker's default batch)
         last_error = ""
         while True:
             await self._pull.wait()
             if not self.ledger.serving:
                 await asyncio.sleep(0.05)
                 continue
+            while self._ingesting >= bound:
+                self._ingest_room.clear()
+                await self._ingest_room.wait()
+            batch = max(1, min(1000, int((bound - self._ingesting) / per_message)))
             try:
                 # NOTE: fetch(n) with n > 1 waits for n messages or its timeout once the first has
                 # arrived, which would delay a lone transition by the whole timeout. So: wait for
@@ -502,11 +515,9 @@ class NatsService:
             last_error = ""
             if msgs:
                 taken, malformed = self._decode_transitions(msgs)
-                # NOTE: a message may be a worker's batch of up to 1000 transitions: the next fetch
-                # asks for about ``commit_batch_max`` transitions' worth of messages at this fetch's
-                # mean size, so that one fetch never holds the event loop for seconds of decisions.
                 n = sum(len(ts) for _, ts in taken)
-                batch = max(1, min(1000, most * len(msgs) // max(n, 1)))
+                per_message = max(n, 1) / len(msgs)
+                self._ingesting += n
                 # One task per fetched batch. Tasks start in creation order and decide before
                 # their first real wait, so transitions are decided (and logged) in the order
                 # they were fetched; a batch's decisions commit together (group commit still
@@ -514,8 +525,14 @@ class NatsService:
                 task = asyncio.create_task(self._ingest(taken, malformed))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+                task.add_done_callback(lambda _, n=n, bound=bound: self._ingested(n, bound))
                 with contextlib.suppress(Exception):
                     self.metrics.consumer_lag.set(msgs[-1].metadata.num_pending)
+
+    def _ingested(self, n: int, bound: int) -> None:
+        self._ingesting -= n
+        if self._ingesting < bound:
+            self._ingest_room.set()
 
     def _decode_transitions(self, msgs: list[Msg]) -> tuple[list[tuple[Msg, list[TransitionEvent]]], list[Msg]]:
         """Each message's transitions (one, or a worker's batch), and the messages that are not
