@@ -1284,7 +1284,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             subjects = Subjects(f"kvlbench{uuid.uuid4().hex[:8]}")
             streams.append(subjects.stream_name)
             coord = CoordinatorProc(tmp, "live", live_db, nats_url, subjects.prefix,
-                                    {"gc_young_threshold": args.gc_young_threshold} if args.gc_young_threshold else None)
+                                    {k: v for k, v in (("gc_young_threshold", args.gc_young_threshold),
+                                                       ("gc_full_threshold", args.gc_full_threshold)) if v} or None)
             procs.append(coord)
             _log(f"starting the coordinator (fresh database {name}, prefix {subjects.prefix}) ...")
             coord.start()
@@ -1292,6 +1293,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             result["start_empty_to_ready_s"] = round(empty_s, 3)
             from shared.config import CoordinatorConfig
             result["coordinator_gc_young_threshold"] = args.gc_young_threshold or CoordinatorConfig().gc_young_threshold
+            result["coordinator_gc_full_threshold"] = args.gc_full_threshold or CoordinatorConfig().gc_full_threshold
             _log(f"coordinator ready in {empty_s:.2f} s (empty log, schema created)")
             n_ingest = args.ingest if "ingest" in phases else 4 * CACHED_BLOCKS * 64
             worker = BenchWorker(nc, subjects, slots=3 * n_ingest + 10_000 + 20 * args.leases * PROMPT_BLOCKS + 1000)
@@ -1745,12 +1747,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     ap.add_argument("--gc-young-threshold", type=int,
                     help="the ingest and lease phases' coordinator.gc_young_threshold (default: the config's; "
                          "700 = CPython's own, for an A/B)")
+    ap.add_argument("--gc-full-threshold", type=int,
+                    help="the ingest and lease phases' coordinator.gc_full_threshold (default: the config's; "
+                         "10 = CPython's own, for an A/B)")
     ap.add_argument("--database-url", default=os.environ.get("KVL_DATABASE_URL", ""))
     ap.add_argument("--nats-url", default=os.environ.get("KVL_NATS_URL", ""))
     ap.add_argument("--echo-serve", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.gc_young_threshold is not None and not 100 <= args.gc_young_threshold <= 1_000_000:
         ap.error("--gc-young-threshold must be within 100–1000000 (coordinator.gc_young_threshold)")
+    if args.gc_full_threshold is not None and not 1 <= args.gc_full_threshold <= 10_000:
+        ap.error("--gc-full-threshold must be within 1–10000 (coordinator.gc_full_threshold)")
     if args.echo_serve:
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(echo_serve(args.nats_url, args.echo_serve))

@@ -46,12 +46,12 @@ class Coordinator:
                  metrics: CoordinatorMetrics | None = None, holder: str | None = None,
                  freeze_gc: bool = False) -> None:
         self.config = config
-        #: Tune this process's garbage collector: ``coordinator.gc_young_threshold``, and its view
-        #: frozen after each takeover (see ``_lead_once``).
+        #: Tune this process's garbage collector: ``coordinator.gc_young_threshold`` and
+        #: ``gc_full_threshold``, and its view frozen after each takeover (see ``_lead_once``).
         self.freeze_gc = freeze_gc
         if freeze_gc:
-            _, older, oldest = gc.get_threshold()
-            gc.set_threshold(config.coordinator.gc_young_threshold, older, oldest)
+            _, older, _ = gc.get_threshold()
+            gc.set_threshold(config.coordinator.gc_young_threshold, older, config.coordinator.gc_full_threshold)
         self.database_url = database_url
         self.nats_url = nats_url
         self.log = logger

@@ -184,6 +184,13 @@ class CoordinatorConfig(_Section):
     #: collections of tens of ms in the lease p99 (BENCHMARKS.md, Coordinator: "Garbage
     #: collection"). Higher: fewer collections, each of more young objects.
     gc_young_threshold: Annotated[int, msgspec.Meta(ge=100, le=1_000_000)] = 10_000
+    #: Collections of the middle generation between two full collections in the coordinator
+    #: process (CPython's default: 10). The state loaded at a takeover is frozen out of the
+    #: collector's view, which leaves its old generation small, so full collections came every
+    #: 10 middle ones — a 30–70 ms pause about every million allocations, which landed in a 20k
+    #: lease run's p99 (BENCHMARKS.md, Coordinator). Higher: rarer full collections; cyclic
+    #: garbage that survived two collections waits longer to be freed.
+    gc_full_threshold: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 100
 
 
 class WorkerConfig(_Section):

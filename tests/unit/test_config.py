@@ -177,23 +177,26 @@ def test_tls_errors_name_the_key(tmp_path: Path, tls: dict, message: str) -> Non
 
 
 async def test_a_coordinator_owning_its_process_sets_the_young_gc_threshold() -> None:
-    """``coordinator.gc_young_threshold`` applies to the process a coordinator owns (``serve``),
-    never to one it merely runs in (a test, a bench): there the collector is left alone."""
+    """``coordinator.gc_young_threshold`` and ``gc_full_threshold`` apply to the process a
+    coordinator owns (``serve``), never to one it merely runs in (a test, a bench): there the
+    collector is left alone."""
     import gc
 
     from coordinator.runtime import Coordinator
     from shared.config import parse_config
     from shared.logging import get_logger
     before = gc.get_threshold()
-    cfg = parse_config({"coordinator": {"gc_young_threshold": 4321}})
+    cfg = parse_config({"coordinator": {"gc_young_threshold": 4321, "gc_full_threshold": 77}})
     try:
         Coordinator(cfg, database_url="postgresql://x@127.0.0.1:1/x", nats_url="nats://127.0.0.1:1",
                     logger=get_logger("t"))
         assert gc.get_threshold() == before
         Coordinator(cfg, database_url="postgresql://x@127.0.0.1:1/x", nats_url="nats://127.0.0.1:1",
                     logger=get_logger("t"), freeze_gc=True)
-        assert gc.get_threshold() == (4321, *before[1:])
+        assert gc.get_threshold() == (4321, before[1], 77)
     finally:
         gc.set_threshold(*before)
     with pytest.raises(ConfigError, match="gc_young_threshold"):
         parse_config({"coordinator": {"gc_young_threshold": 5}})
+    with pytest.raises(ConfigError, match="gc_full_threshold"):
+        parse_config({"coordinator": {"gc_full_threshold": 0}})
