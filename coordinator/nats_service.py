@@ -480,10 +480,11 @@ class NatsService:
         most = self.config.coordinator.commit_batch_max
         # NOTE: at most as many transitions in flight (fetched, not yet acked) as the consumer's
         # max_ack_pending allows messages: a message may be a worker's batch of up to 1000
-        # transitions, and a backlog fetched as fast as the broker hands it over held hundreds of
-        # thousands of them at once (their garbage then stalled requests for tens of ms).
+        # transitions, and a backlog was otherwise fetched as fast as the broker handed it over,
+        # hundreds of thousands of transitions held at once.
         bound = max(4 * most, 1000)
-        per_message = 256.0           # transitions per message, as last seen (a worker's default batch)
+        # transitions per message as last seen; at first, what a worker of this config sends
+        per_message = float(self.config.worker.publish_batch)
         last_error = ""
         while True:
             await self._pull.wait()
