@@ -164,19 +164,25 @@ class NatsCoordinatorClient:
         return await self._request(self.subjects.request("host_evict", msg.worker_id), msg, m.HostEvictReply,
                                    "host.evict")
 
-    async def publish(self, event: m.TransitionEvent) -> None:
+    def _check_connected(self) -> None:
         if self._js is None or self._nc is None or not self._nc.is_connected:
             raise PublishFailed("not connected to NATS")
+
+    async def _js_publish(self, msg: m.TransitionEvent | m.TransitionBatch, data: bytes) -> None:
+        """One message on the worker's events subject, deduplicated by the broker under its id."""
         try:
-            await self._js.publish(self.subjects.events(event.worker_id), m.encode(event),
-                                   headers={"Nats-Msg-Id": f"{event.source_id}.{self._msg_nonce}"},
+            await self._js.publish(self.subjects.events(msg.worker_id), data,
+                                   headers={"Nats-Msg-Id": f"{msg.source_id}.{self._msg_nonce}"},
                                    timeout=self.timeout_s)
         except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as e:
-            raise PublishFailed(f"publish {event.source_id}: {type(e).__name__}: {e}") from e
+            raise PublishFailed(f"publish {msg.source_id}: {type(e).__name__}: {e}") from e
+
+    async def publish(self, event: m.TransitionEvent) -> None:
+        self._check_connected()
+        await self._js_publish(event, m.encode(event))
 
     async def publish_batch(self, batch: m.TransitionBatch) -> None:
-        if self._js is None or self._nc is None or not self._nc.is_connected:
-            raise PublishFailed("not connected to NATS")
+        self._check_connected()
         data = m.encode(batch)
         if len(data) > self._nc.max_payload - 4096 and len(batch.events) > 1:
             # NOTE: too large for one message (long reasons or model names): two halves, in order
@@ -189,12 +195,7 @@ class NatsCoordinatorClient:
                     await self.publish_batch(m.TransitionBatch(worker_id=batch.worker_id, epoch=batch.epoch,
                                                                events=part))
             return
-        try:
-            await self._js.publish(self.subjects.events(batch.worker_id), data,
-                                   headers={"Nats-Msg-Id": f"{batch.source_id}.{self._msg_nonce}"},
-                                   timeout=self.timeout_s)
-        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as e:
-            raise PublishFailed(f"publish {batch.source_id}: {type(e).__name__}: {e}") from e
+        await self._js_publish(batch, data)
 
     async def listen(self, worker_id: str, on_watermark: OnWatermark, on_inventory: OnInventory,
                      on_control: OnControl) -> None:
