@@ -29,6 +29,7 @@ import contextlib
 import gc
 import hashlib
 import heapq
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -223,7 +224,10 @@ class LedgerState:
     #: Time of the last coordinator takeover (liveness clocks restart there).
     resumed_at_ms: int = 0
     #: Terminal replicas kept, per owner worker, oldest first (see "Retention" above).
-    tombstones: dict[str, dict[ReplicaKey, None]] = field(default_factory=dict)
+    #: NOTE: an OrderedDict, not a dict: a ring drops its oldest key on every eviction once full,
+    #: and ``next(iter(dict))`` walks the holes those deletions leave at the front of a dict's
+    #: entries (~24 µs per eviction at 100k slots; ``popitem(last=False)`` is O(1)).
+    tombstones: dict[str, OrderedDict[ReplicaKey, None]] = field(default_factory=dict)
     #: Namespaces whose reuse an operator turned off ("" = every namespace) → the reason.
     reuse_off: dict[str, str] = field(default_factory=dict)
     #: Events folded so far (not part of the state hash).
@@ -342,18 +346,17 @@ def _bury(s: LedgerState, owner: str, key: ReplicaKey) -> None:
     """``key`` just ended: keep it as ``owner``'s newest tombstone, dropping the oldest past capacity."""
     ring = s.tombstones.get(owner)
     if ring is None:
-        ring = s.tombstones[owner] = {}
+        ring = s.tombstones[owner] = OrderedDict()
     ring[key] = None
     _trim(s, owner, ring)
 
 
-def _trim(s: LedgerState, owner: str, ring: dict[ReplicaKey, None]) -> None:
+def _trim(s: LedgerState, owner: str, ring: OrderedDict[ReplicaKey, None]) -> None:
     cap = tombstone_capacity(s, owner)
     replicas = s.replicas
+    pop = ring.popitem
     while len(ring) > cap:
-        oldest = next(iter(ring))
-        del ring[oldest]
-        del replicas[oldest]
+        del replicas[pop(last=False)[0]]
     if not ring:
         del s.tombstones[owner]
 
@@ -600,7 +603,7 @@ def _evict_victims(s: LedgerState, w: WorkerRecord, e: ev.LeaseGranted) -> None:
         if owner == w.worker_id:
             ring = s.tombstones.get(owner)
             if ring is None:
-                ring = s.tombstones[owner] = {}
+                ring = s.tombstones[owner] = OrderedDict()
             ring[key] = None
             if len(ring) > cap:
                 _trim(s, owner, ring)
@@ -1001,7 +1004,7 @@ def _from_snapshot(data: bytes, params: CoreParams | None) -> LedgerState:
         s.watermarks[(wid, epoch)] = Watermark(contiguous, set(pending))
     s.reuse_off = dict(snap.reuse_off)
     for owner, keys in snap.tombstones:
-        s.tombstones[owner] = {tuple(k): None for k in keys}  # type: ignore[misc]
+        s.tombstones[owner] = OrderedDict.fromkeys(tuple(k) for k in keys)  # type: ignore[misc]
     for pool in s.pools:
         s.lru[pool] = lru_rebuild(s, pool)
     s.lease_due = due_rebuild(s)
