@@ -1147,8 +1147,9 @@ class LogBuilder:
         return out + self._apply(evs)
 
 
-async def build_log(db_url: str, n: int, tail: int) -> dict[str, Any]:
-    """Write a ~``n``-event log (and a snapshot ``tail`` events before its end) into ``db_url``."""
+async def build_log(db_url: str, n: int, tail: int, pool_slots: int = 512) -> dict[str, Any]:
+    """Write a ~``n``-event log (and a snapshot ``tail`` events before its end) into ``db_url``;
+    the simulated worker has ``pool_slots`` slots."""
     import asyncpg
 
     from coordinator.core import CoreParams, state_hash, to_snapshot
@@ -1162,7 +1163,7 @@ async def build_log(db_url: str, n: int, tail: int) -> dict[str, Any]:
         await upgrade(engine)
     finally:
         await engine.dispose()
-    b = LogBuilder(CoreParams())
+    b = LogBuilder(CoreParams(), pool_slots=pool_slots)
     heads: dict[str, int] = {}
     counts: dict[str, int] = {}
     payloads: list[bytes] = []
@@ -1342,7 +1343,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if "replay" in phases:
             t0 = time.perf_counter()
             result.update(await replay_and_restart(nc, db_url, nats_url, tmp, args.replay_events, dbs, procs,
-                                                   streams, args.takeover_rounds))
+                                                   streams, args.takeover_rounds, args.replay_pool_slots))
             phase_s["replay"] = time.perf_counter() - t0
         ok = True
     except BaseException:
@@ -1427,7 +1428,8 @@ async def pg_facts(db_url: str) -> dict[str, Any]:
 
 
 async def replay_and_restart(nc: Any, base_url: str, nats_url: str, tmp: Path, n: int, dbs: list[str],
-                             procs: list[CoordinatorProc], streams: list[str], takeover_rounds: int) -> dict[str, Any]:
+                             procs: list[CoordinatorProc], streams: list[str], takeover_rounds: int,
+                             pool_slots: int = 512) -> dict[str, Any]:
     from coordinator.core import CoreParams, decode_event, replay, state_hash
     from coordinator.log.postgres import PgSettings, PostgresEventLog
     from coordinator.replay import load_state
@@ -1437,7 +1439,7 @@ async def replay_and_restart(nc: Any, base_url: str, nats_url: str, tmp: Path, n
     dbs.append(name)
     tail = max(n // 50, 1000)
     _log(f"replay: building a {n:,}-event log with the core commands (snapshot {tail:,} events before the end) ...")
-    built = await build_log(db_url, n, tail)
+    built = await build_log(db_url, n, tail, pool_slots)
     n = built["events"]
     payloads: list[bytes] = built.pop("payloads")
 
@@ -1485,7 +1487,7 @@ async def replay_and_restart(nc: Any, base_url: str, nats_url: str, tmp: Path, n
     last, takeover = await takeover_phase(nc, coord, db_url, nats_url, tmp, subjects, procs, takeover_rounds)
     last.stop()
     return {
-        "replay_events": n, "replay_seconds": round(t_replay, 3), "replay_events_per_s": round(n / t_replay),
+        "replay_events": n, "replay_pool_slots": pool_slots, "replay_seconds": round(t_replay, 3), "replay_events_per_s": round(n / t_replay),
         "replay_read_rows_per_s": round(n / t_read), "replay_ratio_vs_read": round(t_read / t_replay, 3),
         "replay_fold_events_per_s": round(n / t_fold),
         "replay_seconds_per_1m": round(t_replay * 1e6 / n, 3),
@@ -1736,6 +1738,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     ap.add_argument("--leases", type=int, help="lease acquires (default 20000, quick 2000)")
     ap.add_argument("--inflight", type=int, default=64, help="concurrent lease requests (default 64)")
     ap.add_argument("--replay-events", type=int, help="events in the replay log (default 1000000, quick 50000)")
+    ap.add_argument("--replay-pool-slots", type=int, default=512,
+                    help="the replay log's worker: GPU pool slots (default 512; e.g. 100000 for a large GPU's pool, "
+                         "whose state keeps as many tombstones)")
     ap.add_argument("--idle-workers", type=int, help="idle phase: heartbeating workers (default 8, quick 4)")
     ap.add_argument("--idle-seconds", type=float, help="idle phase: counting window (default 30, quick 10)")
     ap.add_argument("--idle-heartbeat-ms", type=int, default=100,
@@ -1756,6 +1761,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = ap.parse_args(argv)
     if args.gc_young_threshold is not None and not 100 <= args.gc_young_threshold <= 1_000_000:
         ap.error("--gc-young-threshold must be within 100–1000000 (coordinator.gc_young_threshold)")
+    if not 64 <= args.replay_pool_slots <= 10_000_000:
+        ap.error("--replay-pool-slots must be within 64–10000000 (a request writes up to 32 blocks)")
     if args.gc_full_threshold is not None and not 1 <= args.gc_full_threshold <= 10_000:
         ap.error("--gc-full-threshold must be within 1–10000 (coordinator.gc_full_threshold)")
     if args.echo_serve:
