@@ -13,13 +13,14 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 from coordinator.core import (
     CoreParams, EventDecodeError, IllegalTransition, LedgerState, ReplayError, SnapshotError, apply, decode_event,
     from_snapshot, state_hash,
 )
-from coordinator.core.state import no_gc
+from coordinator.core.state import FoldFailed, fold_rows, no_gc
 from coordinator.log.port import EventLog
 
 
@@ -59,6 +60,14 @@ def _read_ahead(log: EventLog, pos: int, upto: int | None, page: int) -> tuple[a
     if limit <= 0:
         return None, 0
     return asyncio.ensure_future(log.read_payloads(pos + 1, limit)), limit
+
+
+def _raise_gap(batch: Sequence[tuple[int, Any]], pos: int) -> None:
+    for position, _ in batch:
+        if position != pos + 1:
+            raise LogGap(f"log gap: position {pos + 1} is missing (next stored is {position})")
+        pos = position
+    raise AssertionError("no gap in the page")
 
 
 async def _fold_checked(log: EventLog, state: LedgerState, pos: int, upto: int | None, page: int,
@@ -115,18 +124,18 @@ async def _fold(log: EventLog, state: LedgerState, pos: int, upto: int | None, p
                 last = batch[-1][0]
                 if len(batch) == limit and last - pos == limit:  # a full page, no gap: there may be more
                     ahead, limit = _read_ahead(log, last, upto, page)
-                for k, (position, payload) in enumerate(batch, 1):
-                    if position != pos + 1:
-                        raise LogGap(f"log gap: position {pos + 1} is missing (next stored is {position})")
-                    try:
-                        apply(state, decode_event(payload))
-                    except (EventDecodeError, ReplayError, IllegalTransition) as e:
-                        raise LogCorrupt(f"event at position {position} cannot be folded: {e}") from e
-                    pos = position
-                    if not k % YIELD_EVERY:
+                if batch[0][0] != pos + 1 or last - pos != len(batch):
+                    _raise_gap(batch, pos)   # positions are read in order: a gap shows at the ends
+                for i in range(0, len(batch), YIELD_EVERY):
+                    if i:
                         # let the next page's rows be read off the socket meanwhile: PostgreSQL
                         # keeps sending only while its socket buffer has room
                         await asyncio.sleep(0)
+                    try:
+                        fold_rows(state, batch[i:i + YIELD_EVERY])
+                    except FoldFailed as e:
+                        raise LogCorrupt(f"event at position {e.position} cannot be folded: {e.__cause__}") from e
+                pos = last
                 n += len(batch)
                 if logger is not None and n >= next_report:
                     elapsed = time.perf_counter() - t0

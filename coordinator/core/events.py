@@ -338,7 +338,9 @@ class _Envelope(msgspec.Struct):
 
 
 _envelope = msgspec.json.Decoder(_Envelope)
-_decoder = msgspec.json.Decoder(LedgerEvent)
+#: Decodes any ledger event; :func:`decode_event` adds the schema-version check and explains
+#: a failure (a replay's inner loop uses it directly: see ``state.fold_rows``).
+DECODER: Final = msgspec.json.Decoder(LedgerEvent)
 _encoder = msgspec.json.Encoder()
 
 
@@ -354,7 +356,7 @@ def decode_event(data: bytes | memoryview | str) -> Any:
     Replay decodes a million of these, so the happy path must not parse twice.
     """
     try:
-        e = _decoder.decode(data)
+        e = DECODER.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as err:
         raise _explain(data, err) from None
     if e.v != EVENT_SCHEMA_VERSION:

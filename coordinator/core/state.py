@@ -50,6 +50,8 @@ ReplicaKey = tuple[str, str, str]
 PoolKey = tuple[str, str]
 
 SNAPSHOT_VERSION: Final = 3
+#: An LRU heap's bound (see :func:`lru_push`) is checked every this many pushes.
+LRU_CHECK_EVERY: Final = 64
 
 
 class ReplayError(RuntimeError):
@@ -425,16 +427,19 @@ def lru_push(s: LedgerState, r: Replica, key: ReplicaKey) -> None:
     NOTE: an index, not a scan: a write grant on a full pool needs its least recently used
     victims, and scanning the pool cost O(pool) per grant (50 ms at 100k slots). Stale entries
     are dropped when popped, and the heap is rebuilt from the pool once it holds more than
-    twice the pool's slots.
+    twice the pool's slots (plus 64, checked every ``LRU_CHECK_EVERY`` pushes).
     """
     pool = r.pool
     heap = s.lru.get(pool)  # type: ignore[arg-type]
     if heap is None:
         heap = s.lru[pool] = []  # type: ignore[index]
     heapq.heappush(heap, (r.last_used_ms, r.block_hash, key))
-    w = s.workers.get(pool[0])  # type: ignore[index]
-    if len(heap) > 2 * (w.pool_slots.get(pool[1], 0) if w is not None else 0) + 64:  # type: ignore[index]
-        s.lru[pool] = lru_rebuild(s, pool)  # type: ignore[arg-type]
+    # NOTE: the bound is checked every LRU_CHECK_EVERY pushes, not on each: looking up the
+    # pool's size was a third of a push (one per commit the ledger folds).
+    if not len(heap) % LRU_CHECK_EVERY:
+        w = s.workers.get(pool[0])  # type: ignore[index]
+        if len(heap) > 2 * (w.pool_slots.get(pool[1], 0) if w is not None else 0) + 64:  # type: ignore[index]
+            s.lru[pool] = lru_rebuild(s, pool)  # type: ignore[arg-type]
 
 
 def lru_rebuild(s: LedgerState, pool: PoolKey) -> list[tuple[int, str, ReplicaKey]]:
@@ -584,7 +589,8 @@ def _apply_lease_granted(s: LedgerState, e: ev.LeaseGranted) -> None:
 def _evict_victims(s: LedgerState, w: WorkerRecord, e: ev.LeaseGranted) -> None:
     """The grant's LRU victims: READY, unpinned replicas at the holder's GPU → EVICTED (tombstones)."""
     replicas, pools, tenant_used = s.replicas, s.pools, s.tenant_used
-    gpu, cap = w.gpu, w.slots_total
+    gpu, cap, wid = w.gpu, w.slots_total, w.worker_id
+    ring = s.tombstones.get(wid)
     for block_hash, form, _generation in e.evicted:
         key = (block_hash, form, gpu)
         r = replicas.get(key)
@@ -600,13 +606,16 @@ def _evict_victims(s: LedgerState, w: WorkerRecord, e: ev.LeaseGranted) -> None:
             del tenant_used[r.tenant]
         r.state = EVICTED
         owner = r.owner
-        if owner == w.worker_id:
-            ring = s.tombstones.get(owner)
+        if owner == wid:
             if ring is None:
-                ring = s.tombstones[owner] = OrderedDict()
+                ring = s.tombstones[wid] = OrderedDict()
             ring[key] = None
             if len(ring) > cap:
-                _trim(s, owner, ring)
+                if cap:   # the ring held at most cap (registration trims it): drop the oldest
+                    del replicas[ring.popitem(last=False)[0]]
+                else:
+                    _trim(s, owner, ring)
+                    ring = None
         else:
             _bury(s, owner, key)
 
@@ -695,14 +704,17 @@ def _apply_transition_applied(s: LedgerState, e: ev.TransitionApplied) -> None:
     kind = e.kind
     if kind == "commit":
         r = s.replicas.get(key)
-        if r is None:
-            raise IllegalTransition(None, kind, key)
-        r.state = TRANSITIONS[r.state].get(kind) or step(r.state, kind, key)
+        if r is None or r.state is not ALLOCATED:
+            raise IllegalTransition(r.state if r is not None else None, kind, key)
+        r.state = READY
         r.generation = t.generation
         r.checksum = t.checksum
         r.last_used_ms = e.at_ms
         if r.pool is not None:  # a commit makes a GPU replica READY (and unpinned: it was ALLOCATED)
             lru_push(s, r, key)
+        if wm is not None and t.seq == wm.contiguous + 1 and not wm.pending:   # _record_seq's common case
+            wm.contiguous = t.seq
+            return
     elif kind == "offload":
         r = _create(s, key, kind, t.worker_id, t.epoch)
         r.generation = t.generation
@@ -788,6 +800,43 @@ def replay(events: Iterable[Any], params: CoreParams | None = None, *,
         finally:
             s.applied += n
     return s
+
+
+class FoldFailed(Exception):
+    """The event at ``position`` could not be decoded or folded (the cause is chained)."""
+
+    def __init__(self, position: int) -> None:
+        super().__init__(f"event at position {position} cannot be folded")
+        self.position = position
+
+
+def fold_rows(state: LedgerState, rows: Iterable[tuple[int, bytes | str]]) -> None:
+    """Decode and fold stored ``(position, payload)`` rows onto ``state``, in order.
+
+    :class:`FoldFailed` names the row whose payload is not a ledger event this build reads
+    (:class:`.events.EventDecodeError`) or asks for an illegal move (:class:`ReplayError`,
+    :class:`IllegalTransition`); rows before it are folded, and the state must be dropped.
+
+    NOTE: a replay's inner loop: :func:`.events.decode_event` and :func:`apply` inlined (a call
+    and a counter per event were a tenth of a replay); a failure is re-decoded to explain it.
+    """
+    decode, fold, version = ev.DECODER.decode, _APPLY, ev.EVENT_SCHEMA_VERSION
+    n = 0
+    position = 0
+    try:
+        for position, payload in rows:
+            try:
+                e = decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                e = ev.decode_event(payload)   # raises EventDecodeError, explained
+            if e.v != version:
+                ev.decode_event(payload)       # raises EventDecodeError, explained
+            fold[type(e)](state, e)
+            n += 1
+    except (ev.EventDecodeError, ReplayError, IllegalTransition) as err:
+        raise FoldFailed(position) from err
+    finally:
+        state.applied += n
 
 
 @contextlib.contextmanager
@@ -1012,7 +1061,7 @@ def _from_snapshot(data: bytes, params: CoreParams | None) -> LedgerState:
 
 
 __all__ = [
-    "CoreParams", "LedgerState", "Lease", "PoolKey", "Replica", "ReplicaKey", "ReplayError", "SnapshotError",
-    "Watermark", "WorkerRecord", "apply", "from_snapshot", "no_gc", "pool_of", "replay", "state_hash", "to_snapshot",
+    "CoreParams", "FoldFailed", "LedgerState", "Lease", "PoolKey", "Replica", "ReplicaKey", "ReplayError", "SnapshotError",
+    "Watermark", "WorkerRecord", "apply", "fold_rows", "from_snapshot", "no_gc", "pool_of", "replay", "state_hash", "to_snapshot",
     "due_push", "due_rebuild", "lru_push", "lru_rebuild", "tombstone_capacity", "TRANSITIONS",
 ]
