@@ -19,7 +19,7 @@ from coordinator.log import LogUnavailable, NewEvent, NotLeader
 from coordinator.log.groupcommit import GroupCommitter
 from coordinator.log.leader import LeaderElection, make_holder_id
 from coordinator.log.migrate import alembic_config, current, head_revision, upgrade
-from coordinator.log.postgres import LEADER_STALE, LOCK_LEADER, SCHEMA_REVISION, PgSettings, PostgresEventLog
+from coordinator.log.postgres import LEADER_STALE, SCHEMA_REVISION, PgSettings, PostgresEventLog
 from coordinator.log.schema import APPEND_ONLY_TRIGGERS, metadata
 from shared.embedded import free_port
 
@@ -206,6 +206,10 @@ async def test_leader_notices_losing_its_lock_session(pg: PostgresEventLog, data
         assert not a.is_leader
     finally:
         await a.release()
+
+
+#: What ``kvl_append`` does first (migration 0004): take the leader row.
+LOCK_LEADER = "SELECT leader_epoch FROM leader WHERE id = 1 FOR UPDATE"
 
 
 @contextlib.asynccontextmanager
