@@ -11,6 +11,8 @@ from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+#: A snapshot takes ms (a fork, a small state) to tens of seconds (a large state serialised).
+SNAPSHOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class CoordinatorMetrics:
@@ -40,6 +42,17 @@ class CoordinatorMetrics:
         self.replay_events = Gauge("kvl_coordinator_replay_events", "Events folded by the last replay", registry=r)
         self.audits = Counter("kvl_coordinator_audits", "Audits by outcome", ["outcome"], registry=r)
         self.snapshots = Counter("kvl_coordinator_snapshots", "Snapshots saved", registry=r)
+        self.snapshot_freeze = Histogram(
+            "kvl_coordinator_snapshot_freeze_seconds",
+            "How long a snapshot held every decision: a fork when a child serialises the state "
+            "(how=fork), the whole hash and encoding otherwise (how=in_process)", ["how"],
+            buckets=SNAPSHOT_BUCKETS, registry=r)
+        self.snapshot_seconds = Histogram("kvl_coordinator_snapshot_seconds",
+                                          "A snapshot from its freeze until it is saved", buckets=SNAPSHOT_BUCKETS,
+                                          registry=r)
+        self.snapshot_failures = Counter("kvl_coordinator_snapshot_failures",
+                                         "Snapshots whose child ended without handing over the state "
+                                         "(killed, crashed, past coordinator.snapshot_timeout_s)", registry=r)
         self.leader = Gauge("kvl_coordinator_leader", "1 while this process is the serving leader", registry=r)
         self.leader_epoch = Gauge("kvl_coordinator_leader_epoch", "Leader epoch this process holds (0 = none)",
                                   registry=r)

@@ -66,7 +66,8 @@ class Coordinator:
             takeover_after_s=c.missed_heartbeats * c.heartbeat_interval_ms / 1000, logger=logger)
         self.ledger = Ledger(self.event_log, CoreParams.from_config(c), batch_ms=c.commit_batch_ms,
                              batch_max=c.commit_batch_max, snapshot_every=c.snapshot_every_events,
-                             metrics=self.metrics, logger=logger, on_not_leader=self._not_leader)
+                             metrics=self.metrics, logger=logger, on_not_leader=self._not_leader,
+                             snapshot_fork=c.snapshot_fork, snapshot_timeout_s=c.snapshot_timeout_s)
         self.ledger.leadership_confirmed = self.election.confirmed
         self.metrics.watch_pools(self.pool_usage)
         self.metrics.watch_workers(self.worker_states)

@@ -6,17 +6,22 @@ PostgreSQL (test_eventlog_contract.py); the wrapper below only injects failures.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
 
-from coordinator.core import CoreParams, decode_event, heartbeat, register_worker, replay, state_hash
+from coordinator import snapshot_child
+from coordinator.core import (
+    CoreParams, decode_event, from_snapshot, heartbeat, register_worker, replay, state_hash, to_snapshot,
+)
 from coordinator.ledger import Ledger, Unavailable
 from coordinator.log import InMemoryEventLog, LogUnavailable, NewEvent
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.replay import load_state
+from coordinator.snapshot_child import can_fork
 from shared.logging import get_logger
 from shared.messages import ErrorCode, Heartbeat, RegisterReply, WorkerRegister
 from tests.integration.coordinator_kit import CATALOGUE, NS
@@ -150,4 +155,77 @@ async def test_snapshot_then_replay_reports_progress_and_matches() -> None:
     progress = [e for e in logs if e["event"] == "replay_progress"]
     assert [e["events"] for e in progress] == [8, 12, 15]  # per page of 4, at most once per 5 events
     assert all(e["events_per_s"] > 0 for e in progress)
+    await ledger.stand_down("test")
+
+
+def _freezes(ledger: Ledger, how: str) -> float:
+    return ledger.metrics.registry.get_sample_value("kvl_coordinator_snapshot_freeze_seconds_count",
+                                                     {"how": how}) or 0.0
+
+
+@pytest.mark.skipif(not can_fork(), reason="no fork() on this OS: snapshots are always taken in process")
+async def test_a_snapshot_serialised_by_a_child_is_the_one_taken_in_process() -> None:
+    log = ControlledLog()
+    ledger = await serving_ledger(log)
+    for i in range(12):
+        await ledger.execute(register(f"w{i}"))
+    expected = (state_hash(ledger.state), to_snapshot(ledger.state))
+    forked = await ledger.snapshot()
+    ledger.snapshot_fork = False
+    here = await ledger.snapshot()
+    assert (forked.state_hash, bytes(forked.state)) == expected == (here.state_hash, bytes(here.state))
+    assert forked.position == here.position == await log.head()
+    assert _freezes(ledger, "fork") == 1 and _freezes(ledger, "in_process") == 1
+    await ledger.stand_down("test")
+
+
+@pytest.mark.skipif(not can_fork(), reason="no fork() on this OS")
+async def test_decisions_go_on_while_the_child_serialises_and_the_snapshot_is_of_the_fork(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    log = ControlledLog()
+    ledger = await serving_ledger(log)
+    await ledger.execute(register("w1"))
+    at_fork = (await log.head(), state_hash(ledger.state))
+
+    def slow(state: Any) -> bytes:   # runs in the child only
+        time.sleep(1.0)
+        return to_snapshot(state)
+    monkeypatch.setattr(snapshot_child, "to_snapshot", slow)
+    taking = asyncio.create_task(ledger.snapshot())
+    await asyncio.sleep(0.1)
+    t0 = time.perf_counter()
+    assert isinstance(await ledger.execute(register("w2")), RegisterReply)   # not held by the snapshot
+    assert time.perf_counter() - t0 < 0.5 and not taking.done()
+    snap = await taking
+    assert (snap.position, snap.state_hash) == at_fork        # the state as it was at the fork
+    assert state_hash(from_snapshot(snap.state)) == at_fork[1]
+    assert (await log.latest_snapshot()).position == at_fork[0]  # type: ignore[union-attr]
+    await ledger.stand_down("test")
+
+
+@pytest.mark.skipif(not can_fork(), reason="no fork() on this OS")
+async def test_a_failed_or_stuck_child_skips_that_snapshot_and_the_next_one_is_taken(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    log = ControlledLog()
+    ledger = await serving_ledger(log)
+    await ledger.execute(register("w1"))
+
+    def broken(state: Any) -> bytes:
+        raise MemoryError("in the child")
+    monkeypatch.setattr(snapshot_child, "to_snapshot", broken)
+    with pytest.raises(Unavailable, match=r"snapshot not taken: .*status 70 \(it raised\)"):
+        await ledger.snapshot()
+
+    def stuck(state: Any) -> bytes:
+        time.sleep(30)
+        return b""
+    monkeypatch.setattr(snapshot_child, "to_snapshot", stuck)
+    ledger.snapshot_timeout_s = 0.5
+    with pytest.raises(Unavailable, match="ran past 0.5 s; killed"):
+        await ledger.snapshot()
+    assert ledger.metrics.registry.get_sample_value("kvl_coordinator_snapshot_failures_total") == 2
+    assert await log.latest_snapshot() is None and ledger.serving
+    monkeypatch.undo()
+    snap = await ledger.snapshot()
+    assert snap.state_hash == state_hash(ledger.state) and (await log.latest_snapshot()) is not None
     await ledger.stand_down("test")

@@ -1,0 +1,137 @@
+"""A snapshot serialised by a forked child, so the ledger stops deciding only for the fork.
+
+Hashing and encoding the state takes time in proportion to it (~0.5 s for a worker with a
+100k-slot pool, measured in BENCHMARKS.md), and the ledger must not change while it runs:
+done in the coordinator's process, every lease waits that long. ``fork()`` hands a child a
+copy-on-write image of the state as it is at that instant (a few ms with a state of hundreds
+of MB); the child computes the hash and the bytes and writes them to a pipe, and the ledger
+decides again as soon as ``fork()`` returns. The same idea as Redis's ``BGSAVE``.
+
+The child touches nothing but the state, ``state_hash``, ``to_snapshot`` and the pipe: no
+event loop, no sockets, no logging, no imports (a lock another thread held at the fork would
+stay held in the child). It leaves with ``os._exit``, so nothing the parent buffered is
+flushed twice. Wire format on the pipe: the state hash (ASCII) and a newline, then the bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+from coordinator.core import LedgerState, state_hash, to_snapshot
+
+#: The child's exit status when computing or writing the snapshot raised.
+EXIT_FAILED = 70
+#: Bytes per read from the child's pipe.
+_CHUNK = 1 << 20
+
+
+class SnapshotChildFailed(RuntimeError):
+    """The child ended without handing over a whole snapshot (or ran past its time)."""
+
+
+def can_fork() -> bool:
+    return hasattr(os, "fork")
+
+
+def _child(state: LedgerState, w: int) -> None:
+    """In the child: hash, encode, write, exit. Never returns."""
+    status = EXIT_FAILED
+    try:
+        # NOTE: a signal meant for the coordinator must not run its handlers here, nor reach
+        # the parent's event loop through the wake-up descriptor both processes now hold.
+        with contextlib.suppress(ValueError, OSError):
+            signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(sig, signal.SIG_DFL)
+        gc.disable()   # a collection would touch every tracked object: copies of pages for nothing
+        data = state_hash(state).encode("ascii") + b"\n" + to_snapshot(state)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(w, view):]
+        status = 0
+    except BaseException as e:  # noqa: BLE001 - the parent hears the exit status; say which error, no data
+        with contextlib.suppress(OSError):
+            os.write(2, f"kvledger snapshot child: {type(e).__name__}\n".encode())
+    finally:
+        os._exit(status)
+
+
+@dataclass
+class ForkedSnapshot:
+    """A child computing a snapshot; :meth:`result` collects it."""
+
+    pid: int
+    fd: int
+    started: float
+
+    async def result(self, timeout_s: float) -> tuple[str, bytes]:
+        """``(state hash, snapshot bytes)``; raises :class:`SnapshotChildFailed`."""
+        try:
+            data = await asyncio.wait_for(asyncio.to_thread(_read_all, self.fd), timeout_s)
+        except TimeoutError:
+            self._kill()
+            raise SnapshotChildFailed(f"the snapshot child ran past {timeout_s:g} s; killed") from None
+        except OSError as e:
+            self._kill()
+            raise SnapshotChildFailed(f"reading the snapshot child's pipe failed: {e}") from e
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+        status = await asyncio.to_thread(_wait, self.pid)
+        head, sep, body = data.partition(b"\n")
+        if status != 0 or not sep:
+            raise SnapshotChildFailed(f"the snapshot child exited with {_describe(status)} "
+                                      f"after {len(data)} bytes")
+        return head.decode("ascii"), body
+
+    def _kill(self) -> None:
+        with contextlib.suppress(OSError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.waitpid(self.pid, 0)
+
+
+def fork_snapshot(state: LedgerState) -> ForkedSnapshot:
+    """Fork a child that serialises ``state`` as it is now. Raises OSError when it cannot fork."""
+    r, w = os.pipe()
+    try:
+        pid = os.fork()
+    except BaseException:
+        os.close(r)
+        os.close(w)
+        raise
+    if pid == 0:
+        os.close(r)
+        _child(state, w)
+    os.close(w)
+    return ForkedSnapshot(pid, r, time.perf_counter())
+
+
+def _read_all(fd: int) -> bytes:
+    chunks: list[bytes] = []
+    while chunk := os.read(fd, _CHUNK):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _wait(pid: int) -> int:
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+        return f"signal {-code}"
+    return f"status {code}" + (" (it raised)" if code == EXIT_FAILED else "")
+
+
+__all__ = ["ForkedSnapshot", "SnapshotChildFailed", "can_fork", "fork_snapshot"]
