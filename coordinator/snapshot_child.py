@@ -7,8 +7,9 @@ copy-on-write image of the state as it is at that instant (a few ms with a state
 of MB); the child computes the hash and the bytes and writes them to a pipe, and the ledger
 decides again as soon as ``fork()`` returns. The same idea as Redis's ``BGSAVE``.
 
-The child touches nothing but the state, ``state_hash``, ``to_snapshot`` and the pipe: no
-event loop, no sockets, no logging, no imports (a lock another thread held at the fork would
+The child touches nothing but the state, ``state_hash``, ``to_snapshot`` and the pipe: it
+closes every other descriptor it inherited (the parent's sessions must end with the parent),
+and runs no event loop, no logging, no imports (a lock another thread held at the fork would
 stay held in the child). It leaves with ``os._exit``, so nothing the parent buffered is
 flushed twice. Wire format on the pipe: the state hash (ASCII) and a newline, then the bytes.
 """
@@ -43,6 +44,10 @@ def _child(state: LedgerState, w: int) -> None:
     """In the child: hash, encode, write, exit. Never returns."""
     status = EXIT_FAILED
     try:
+        # NOTE: the sockets (PostgreSQL sessions, the leader's among them; NATS) are the parent's:
+        # if it dies first, a copy held here would keep them open until the child ends.
+        os.closerange(3, w)
+        os.closerange(w + 1, _max_fd())
         # NOTE: a signal meant for the coordinator must not run its handlers here, nor reach
         # the parent's event loop through the wake-up descriptor both processes now hold.
         with contextlib.suppress(ValueError, OSError):
@@ -112,6 +117,13 @@ def fork_snapshot(state: LedgerState) -> ForkedSnapshot:
         _child(state, w)
     os.close(w)
     return ForkedSnapshot(pid, r, time.perf_counter())
+
+
+def _max_fd() -> int:
+    try:
+        return os.sysconf("SC_OPEN_MAX")
+    except (ValueError, OSError):
+        return 65536
 
 
 def _read_all(fd: int) -> bytes:

@@ -6,6 +6,8 @@ PostgreSQL (test_eventlog_contract.py); the wrapper below only injects failures.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -228,4 +230,34 @@ async def test_a_failed_or_stuck_child_skips_that_snapshot_and_the_next_one_is_t
     monkeypatch.undo()
     snap = await ledger.snapshot()
     assert snap.state_hash == state_hash(ledger.state) and (await log.latest_snapshot()) is not None
+    await ledger.stand_down("test")
+
+
+@pytest.mark.skipif(not can_fork() or not os.path.isdir("/proc/self/fd"), reason="needs fork() and /proc")
+async def test_the_snapshot_child_keeps_none_of_the_parents_sockets(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Any) -> None:
+    log = ControlledLog()
+    ledger = await serving_ledger(log)
+    await ledger.execute(register("w1"))
+    held = tmp_path / "fds"
+
+    def listing(state: Any) -> bytes:   # in the child: which descriptors are open, and what they are
+        fds = {int(f) for f in os.listdir("/proc/self/fd")}
+        kinds = {}
+        for f in fds:
+            with contextlib.suppress(OSError):
+                kinds[f] = os.readlink(f"/proc/self/fd/{f}")
+        held.write_text(repr(kinds))
+        return to_snapshot(state)
+    monkeypatch.setattr(snapshot_child, "to_snapshot", listing)
+    import socket
+    a, b = socket.socketpair()   # a socket the parent holds (as it holds PostgreSQL and NATS sessions)
+    try:
+        await ledger.snapshot()
+    finally:
+        a.close()
+        b.close()
+    kinds = eval(held.read_text())  # noqa: S307 - our own repr of a dict of ints and strings
+    others = {f: k for f, k in kinds.items() if f > 2}
+    assert len(others) == 1 and next(iter(others.values())).startswith("pipe:"), kinds   # only the pipe back
     await ledger.stand_down("test")
