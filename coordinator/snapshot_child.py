@@ -56,6 +56,11 @@ def _child(state: LedgerState, w: int) -> None:
             with contextlib.suppress(ValueError, OSError):
                 signal.signal(sig, signal.SIG_DFL)
         gc.disable()   # a collection would touch every tracked object: copies of pages for nothing
+        # NOTE: pages the parent writes meanwhile are copied, up to the state's size again; if
+        # that runs a container out of memory, the kernel should kill this child, not the ledger
+        with contextlib.suppress(OSError):
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")
         data = state_hash(state).encode("ascii") + b"\n" + to_snapshot(state)
         view = memoryview(data)
         while view:

@@ -261,3 +261,22 @@ async def test_the_snapshot_child_keeps_none_of_the_parents_sockets(monkeypatch:
     others = {f: k for f, k in kinds.items() if f > 2}
     assert len(others) == 1 and next(iter(others.values())).startswith("pipe:"), kinds   # only the pipe back
     await ledger.stand_down("test")
+
+
+@pytest.mark.skipif(not can_fork() or not os.path.exists("/proc/self/oom_score_adj"), reason="needs fork() and /proc")
+async def test_the_snapshot_child_is_the_first_the_kernel_kills_when_memory_runs_out(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    log = ControlledLog()
+    ledger = await serving_ledger(log)
+    seen = tmp_path / "oom"
+
+    def reading(state: Any) -> bytes:   # in the child
+        with open("/proc/self/oom_score_adj") as f:
+            seen.write_text(f.read().strip())
+        return to_snapshot(state)
+    monkeypatch.setattr(snapshot_child, "to_snapshot", reading)
+    await ledger.snapshot()
+    assert seen.read_text() == "1000"
+    with open("/proc/self/oom_score_adj") as f:
+        assert f.read().strip() != "1000"   # the coordinator's own is untouched
+    await ledger.stand_down("test")
