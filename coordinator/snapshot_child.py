@@ -11,7 +11,10 @@ The child touches nothing but the state, ``state_hash``, ``to_snapshot`` and the
 closes every other descriptor it inherited (the parent's sessions must end with the parent),
 and runs no event loop, no logging, no imports (a lock another thread held at the fork would
 stay held in the child). It leaves with ``os._exit``, so nothing the parent buffered is
-flushed twice. Wire format on the pipe: the state hash (ASCII) and a newline, then the bytes.
+flushed twice. Wire format on the pipe: the state hash's length and the snapshot's (two
+unsigned 64-bit little-endian integers), the hash (ASCII), the snapshot's bytes. The parent
+reads the bytes into one buffer of that size, off the event loop's thread: no joining of
+chunks, no slicing, two copies of tens of MB fewer while the loop decides.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import contextlib
 import gc
 import os
 import signal
+import struct
 import time
 from dataclasses import dataclass
 
@@ -30,6 +34,8 @@ from coordinator.core import LedgerState, state_hash, to_snapshot
 EXIT_FAILED = 70
 #: Bytes per read from the child's pipe.
 _CHUNK = 1 << 20
+#: The lengths of the hash and of the snapshot, ahead of them.
+_HEAD = struct.Struct("<QQ")
 
 
 class SnapshotChildFailed(RuntimeError):
@@ -61,10 +67,12 @@ def _child(state: LedgerState, w: int) -> None:
         with contextlib.suppress(OSError):
             with open("/proc/self/oom_score_adj", "w") as f:
                 f.write("1000")
-        data = state_hash(state).encode("ascii") + b"\n" + to_snapshot(state)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(w, view):]
+        hashed = state_hash(state).encode("ascii")
+        data = to_snapshot(state)
+        for part in (_HEAD.pack(len(hashed), len(data)), hashed, data):
+            view = memoryview(part)
+            while view:
+                view = view[os.write(w, view):]
         status = 0
     except BaseException as e:  # noqa: BLE001 - the parent hears the exit status; say which error, no data
         with contextlib.suppress(OSError):
@@ -81,10 +89,10 @@ class ForkedSnapshot:
     fd: int
     started: float
 
-    async def result(self, timeout_s: float) -> tuple[str, bytes]:
+    async def result(self, timeout_s: float) -> tuple[str, bytearray]:
         """``(state hash, snapshot bytes)``; raises :class:`SnapshotChildFailed`."""
         try:
-            data = await asyncio.wait_for(asyncio.to_thread(_read_all, self.fd), timeout_s)
+            got = await asyncio.wait_for(asyncio.to_thread(_read_all, self.fd), timeout_s)
         except TimeoutError:
             self._kill()
             raise SnapshotChildFailed(f"the snapshot child ran past {timeout_s:g} s; killed") from None
@@ -95,11 +103,11 @@ class ForkedSnapshot:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
         status = await asyncio.to_thread(_wait, self.pid)
-        head, sep, body = data.partition(b"\n")
-        if status != 0 or not sep:
+        if status != 0 or got is None:
             raise SnapshotChildFailed(f"the snapshot child exited with {_describe(status)} "
-                                      f"after {len(data)} bytes")
-        return head.decode("ascii"), body
+                                      f"{'before handing over the whole snapshot' if got is None else ''}".rstrip())
+        hashed, data = got
+        return hashed, data
 
     def _kill(self) -> None:
         with contextlib.suppress(OSError):
@@ -131,11 +139,29 @@ def _max_fd() -> int:
         return 65536
 
 
-def _read_all(fd: int) -> bytes:
-    chunks: list[bytes] = []
-    while chunk := os.read(fd, _CHUNK):
-        chunks.append(chunk)
-    return b"".join(chunks)
+def _read_exactly(fd: int, buf: bytearray) -> bool:
+    """Fill ``buf`` from ``fd``; False if the pipe ends first."""
+    view = memoryview(buf)
+    while view:
+        n = os.readv(fd, [view[:_CHUNK]])
+        if n == 0:
+            return False
+        view = view[n:]
+    return True
+
+
+def _read_all(fd: int) -> tuple[str, bytearray] | None:
+    """The child's ``(hash, snapshot)``, or None when the pipe ends before all of it."""
+    head = bytearray(_HEAD.size)
+    if not _read_exactly(fd, head):
+        return None
+    hash_len, data_len = _HEAD.unpack(head)
+    if hash_len > 1024:
+        return None
+    hashed, data = bytearray(hash_len), bytearray(data_len)
+    if not (_read_exactly(fd, hashed) and _read_exactly(fd, data)) or os.read(fd, 1):
+        return None
+    return hashed.decode("ascii"), data
 
 
 def _wait(pid: int) -> int:
