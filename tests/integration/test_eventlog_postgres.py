@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from collections.abc import AsyncIterator
 
@@ -15,11 +16,13 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-from coordinator.log import LogUnavailable, NewEvent, NotLeader
+from coordinator.log import LogError, LogUnavailable, NewEvent, NotLeader, Snapshot
 from coordinator.log.groupcommit import GroupCommitter
 from coordinator.log.leader import LeaderElection, make_holder_id
 from coordinator.log.migrate import alembic_config, current, head_revision, upgrade
-from coordinator.log.postgres import LEADER_STALE, SCHEMA_REVISION, PgSettings, PostgresEventLog
+from coordinator.log.postgres import (
+    LEADER_STALE, SCHEMA_REVISION, STREAM_SNAPSHOT_BYTES, PgSettings, PostgresEventLog,
+)
 from coordinator.log.schema import APPEND_ONLY_TRIGGERS, metadata
 from shared.embedded import free_port
 
@@ -362,3 +365,21 @@ async def test_migration_0002_round_trip_keeps_the_leader(database_url: str) -> 
         assert await log.append([ev("a")], 8) == [1]
     finally:
         await log.close()
+
+
+async def test_a_large_snapshot_is_streamed_and_read_back_byte_for_byte(pg: PostgresEventLog) -> None:
+    """A snapshot of at least STREAM_SNAPSHOT_BYTES goes in by COPY, in pieces; it must come back
+    whole (every byte value, pieces cut anywhere), fenced and first-one-stays like a small one."""
+    epoch = await pg.take_leadership("t")
+    await pg.append([ev("s", i) for i in range(3)], epoch)
+    rng = random.Random(3)
+    big = bytes(rng.getrandbits(8) for _ in range(STREAM_SNAPSHOT_BYTES + 12_345))
+    await pg.save_snapshot(Snapshot(2, "hash-two", bytearray(big)), epoch)
+    await pg.save_snapshot(Snapshot(2, "other", b"\x00" * STREAM_SNAPSHOT_BYTES), epoch)   # the first one stays
+    got = await pg.latest_snapshot()
+    assert got is not None and (got.position, got.state_hash, got.leader_epoch) == (2, "hash-two", epoch)
+    assert bytes(got.state) == big
+    with pytest.raises(NotLeader):
+        await pg.save_snapshot(Snapshot(3, "h3", big), epoch - 1)
+    with pytest.raises(LogError, match="past the head"):
+        await pg.save_snapshot(Snapshot(9, "h9", big), epoch)
