@@ -403,6 +403,11 @@ class Ledger:
         if marks and self.on_watermarks is not None:
             self.on_watermarks(marks)
         self._since_snapshot += stored
+        self._maybe_snapshot()
+
+    def _maybe_snapshot(self) -> None:
+        """Start a periodic snapshot once ``snapshot_every`` events were stored since the last
+        one started (and none is in flight)."""
         if self._since_snapshot >= self.snapshot_every and self.serving and (
                 self._snapshotting is None or self._snapshotting.done()):
             self._since_snapshot = 0
@@ -506,3 +511,7 @@ class Ledger:
             await self.snapshot()
         except Unavailable as e:
             self.logger.warning("snapshot_skipped", reason=str(e))
+        # NOTE: events stored while this one was taken count towards the next: if they are
+        # enough already, it starts now rather than at the next commit, which may be long off
+        self._snapshotting = None
+        self._maybe_snapshot()
