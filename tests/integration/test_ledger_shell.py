@@ -183,22 +183,29 @@ async def test_a_snapshot_serialised_by_a_child_is_the_one_taken_in_process() ->
 
 @pytest.mark.skipif(not can_fork(), reason="no fork() on this OS")
 async def test_decisions_go_on_while_the_child_serialises_and_the_snapshot_is_of_the_fork(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     log = ControlledLog()
     ledger = await serving_ledger(log)
     await ledger.execute(register("w1"))
     at_fork = (await log.head(), state_hash(ledger.state))
+    gate, seen = tmp_path / "go", tmp_path / "seen"
 
-    def slow(state: Any) -> bytes:   # runs in the child only
-        time.sleep(1.0)
+    def held_back(state: Any) -> bytes:   # runs in the child only: it finishes once the test says so
+        deadline = time.monotonic() + 20  # (a bound for a broken build, not part of the check)
+        while not gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen.write_text("gate" if gate.exists() else "no gate")
         return to_snapshot(state)
-    monkeypatch.setattr(snapshot_child, "to_snapshot", slow)
+    monkeypatch.setattr(snapshot_child, "to_snapshot", held_back)
     taking = asyncio.create_task(ledger.snapshot())
-    await asyncio.sleep(0.1)
-    t0 = time.perf_counter()
-    assert isinstance(await ledger.execute(register("w2")), RegisterReply)   # not held by the snapshot
-    assert time.perf_counter() - t0 < 0.5 and not taking.done()
+    await asyncio.sleep(0.05)
+    # NOTE: an order, not a duration: the gate opens only once this decision is answered, so
+    # with the ledger frozen for the whole snapshot the child would finish without it
+    reply = await ledger.execute(register("w2"))
+    gate.touch()
+    assert isinstance(reply, RegisterReply) and "w2" in ledger.state.workers
     snap = await taking
+    assert seen.read_text() == "gate"
     assert (snap.position, snap.state_hash) == at_fork        # the state as it was at the fork
     assert state_hash(from_snapshot(snap.state)) == at_fork[1]
     assert (await log.latest_snapshot()).position == at_fork[0]  # type: ignore[union-attr]
