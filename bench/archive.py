@@ -32,70 +32,66 @@ from typing import Any
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.coordinator import scratch_database
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvl-bench-archive-"))
+    try:
+        async with scratch_database(args.database_url, "archive", tmp) as db:
+            return await _archive(db, args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def _archive(db: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Build the log in ``db``, archive it up to its snapshot, replay and verify."""
     import asyncpg
 
-    from bench.coordinator import _log, build_log, create_db, drop_db, read_baseline
+    from bench.coordinator import _log, build_log, read_baseline
     from coordinator.core import CoreParams
     from coordinator.log.archive import archive, verify_archives
     from coordinator.log.postgres import PgSettings, PostgresEventLog
     from coordinator.replay import load_state
-    from shared.embedded import start_services
 
-    tmp = Path(tempfile.mkdtemp(prefix="kvl-bench-archive-"))
-    services = None
-    url = args.database_url
-    name = ""
     result: dict[str, Any] = {"quick": args.quick}
+    _log(f"archive: building a {args.events:,}-event log ...")
+    built = await build_log(db, args.events, args.tail)
+    anchor = built["snapshot_position"]
+    read_s = await read_baseline(db, built["events"])
+    conn = await asyncpg.connect(db, server_settings={"statement_timeout": "0"})
     try:
-        if not url:
-            services = await asyncio.to_thread(start_services, "", "nats://unused", str(tmp / "services"))
-            url = services.database_url
-        db, name = await create_db(url, "archive")
-        _log(f"archive: building a {args.events:,}-event log ...")
-        built = await build_log(db, args.events, args.tail)
-        anchor = built["snapshot_position"]
-        read_s = await read_baseline(db, built["events"])
-        conn = await asyncpg.connect(db, server_settings={"statement_timeout": "0"})
-        try:
-            rows = "SELECT count(*) FROM events"
-            before = int(await conn.fetchval(rows))
-            _log(f"archive: archiving positions 1..{anchor:,} ...")
-            t0 = time.perf_counter()
-            out = await archive(conn, tmp / "archive", anchor, CoreParams())
-            archive_s = time.perf_counter() - t0
-            after = int(await conn.fetchval(rows))
-            floors = int(await conn.fetchval("SELECT count(*) FROM log_stream_floors"))
-        finally:
-            await conn.close()
-        log = PostgresEventLog.connect(PgSettings(url=db))
-        try:
-            res = await load_state(log, CoreParams(), use_snapshot=False)
-        finally:
-            await log.close()
-        assert res.from_archive_anchor and res.position == built["events"], (res.position, built["events"])
+        rows = "SELECT count(*) FROM events"
+        before = int(await conn.fetchval(rows))
+        _log(f"archive: archiving positions 1..{anchor:,} ...")
         t0 = time.perf_counter()
-        verified = await asyncio.to_thread(verify_archives, [Path(out["file"])], CoreParams())
-        verify_s = time.perf_counter() - t0
-        assert verified["state_hash"] == out["anchor_hash"]
-        result.update({
-            "log_events": built["events"], "archive_events": out["events"],
-            "archive_seconds": round(archive_s, 3), "archive_write_seconds": out["write_seconds"],
-            "archive_delete_seconds": out["delete_seconds"], "read_seconds": round(read_s * out["events"]
-                                                                                    / built["events"], 3),
-            "archive_ratio_vs_read": round(read_s * out["events"] / built["events"] / archive_s, 3),
-            "archive_events_per_s": round(out["events"] / archive_s),
-            "archive_file_bytes_per_event": round(out["bytes"] / out["events"], 1),
-            "events_rows_before": before, "events_rows_after": after, "stream_floors": floors,
-            "replay_after_archive_seconds": round(res.seconds, 3), "replay_after_archive_events": res.events,
-            "verify_seconds": round(verify_s, 3), "verify_events_per_s": round(out["events"] / verify_s),
-        })
-        return result
+        out = await archive(conn, tmp / "archive", anchor, CoreParams())
+        archive_s = time.perf_counter() - t0
+        after = int(await conn.fetchval(rows))
+        floors = int(await conn.fetchval("SELECT count(*) FROM log_stream_floors"))
     finally:
-        if name:
-            await drop_db(url, name)
-        if services is not None:
-            await asyncio.to_thread(services.stop)
-        shutil.rmtree(tmp, ignore_errors=True)
+        await conn.close()
+    log = PostgresEventLog.connect(PgSettings(url=db))
+    try:
+        res = await load_state(log, CoreParams(), use_snapshot=False)
+    finally:
+        await log.close()
+    assert res.from_archive_anchor and res.position == built["events"], (res.position, built["events"])
+    t0 = time.perf_counter()
+    verified = await asyncio.to_thread(verify_archives, [Path(out["file"])], CoreParams())
+    verify_s = time.perf_counter() - t0
+    assert verified["state_hash"] == out["anchor_hash"]
+    result.update({
+        "log_events": built["events"], "archive_events": out["events"],
+        "archive_seconds": round(archive_s, 3), "archive_write_seconds": out["write_seconds"],
+        "archive_delete_seconds": out["delete_seconds"], "read_seconds": round(read_s * out["events"]
+                                                                                / built["events"], 3),
+        "archive_ratio_vs_read": round(read_s * out["events"] / built["events"] / archive_s, 3),
+        "archive_events_per_s": round(out["events"] / archive_s),
+        "archive_file_bytes_per_event": round(out["bytes"] / out["events"], 1),
+        "events_rows_before": before, "events_rows_after": after, "stream_floors": floors,
+        "replay_after_archive_seconds": round(res.seconds, 3), "replay_after_archive_events": res.events,
+        "verify_seconds": round(verify_s, 3), "verify_events_per_s": round(out["events"] / verify_s),
+    })
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

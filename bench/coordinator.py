@@ -84,7 +84,7 @@ import tempfile
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +146,27 @@ async def drop_db(url: str, name: str) -> None:
         await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     finally:
         await conn.close()
+
+
+@contextlib.asynccontextmanager
+async def scratch_database(url: str, tag: str, tmp: Path) -> AsyncIterator[str]:
+    """A fresh database on ``url``'s server, or on an embedded PostgreSQL (under ``tmp``) when
+    ``url`` is empty; dropped (and the embedded server stopped) afterwards."""
+    from shared.embedded import start_services
+
+    services = None
+    name = ""
+    try:
+        if not url:
+            services = await asyncio.to_thread(start_services, "", "nats://unused", str(tmp / "services"))
+            url = services.database_url
+        db, name = await create_db(url, tag)
+        yield db
+    finally:
+        if name:
+            await drop_db(url, name)
+        if services is not None:
+            await asyncio.to_thread(services.stop)
 
 
 class CoordinatorProc:

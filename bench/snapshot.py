@@ -119,29 +119,18 @@ async def rounds(db: str, state: Any, n: int) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.coordinator import _log, create_db, drop_db
-    from shared.embedded import start_services
+    from bench.coordinator import _log, scratch_database
 
     tmp = Path(tempfile.mkdtemp(prefix="kvl-bench-snapshot-"))
-    services = None
-    url = args.database_url
-    name = ""
     result: dict[str, Any] = {"quick": args.quick, "pool_slots": args.pool_slots}
     try:
-        if not url:
-            services = await asyncio.to_thread(start_services, "", "nats://unused", str(tmp / "services"))
-            url = services.database_url
-        db, name = await create_db(url, "snapshot")
-        _log(f"snapshot: building a {args.pool_slots:,}-slot worker's state ({args.events:,} events) ...")
-        state = await asyncio.to_thread(build_state, args.pool_slots, args.events)
-        result["snapshot_state_replicas"] = len(state.replicas)
-        result.update(await rounds(db, state, args.rounds))
+        async with scratch_database(args.database_url, "snapshot", tmp) as db:
+            _log(f"snapshot: building a {args.pool_slots:,}-slot worker's state ({args.events:,} events) ...")
+            state = await asyncio.to_thread(build_state, args.pool_slots, args.events)
+            result["snapshot_state_replicas"] = len(state.replicas)
+            result.update(await rounds(db, state, args.rounds))
         return result
     finally:
-        if name:
-            await drop_db(url, name)
-        if services is not None:
-            await asyncio.to_thread(services.stop)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
