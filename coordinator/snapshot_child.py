@@ -90,18 +90,24 @@ class ForkedSnapshot:
     started: float
 
     async def result(self, timeout_s: float) -> tuple[str, bytearray]:
-        """``(state hash, snapshot bytes)``; raises :class:`SnapshotChildFailed`."""
+        """``(state hash, snapshot bytes)``; raises :class:`SnapshotChildFailed`.
+
+        NOTE: the reading thread owns the pipe and closes it when it ends. On a timeout or a
+        cancellation the child is killed: its end of the pipe closes, the thread reads the end
+        and returns. Closing the descriptor here instead, under a thread still blocked reading
+        it, could hand that thread a reused descriptor number.
+        """
         try:
             got = await asyncio.wait_for(asyncio.to_thread(_read_all, self.fd), timeout_s)
         except TimeoutError:
             self._kill()
             raise SnapshotChildFailed(f"the snapshot child ran past {timeout_s:g} s; killed") from None
+        except asyncio.CancelledError:
+            self._kill()   # the coordinator is stopping (or stepping down): nobody will want it
+            raise
         except OSError as e:
             self._kill()
             raise SnapshotChildFailed(f"reading the snapshot child's pipe failed: {e}") from e
-        finally:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
         status = await asyncio.to_thread(_wait, self.pid)
         if status != 0 or got is None:
             raise SnapshotChildFailed(f"the snapshot child exited with {_describe(status)} "
@@ -151,17 +157,20 @@ def _read_exactly(fd: int, buf: bytearray) -> bool:
 
 
 def _read_all(fd: int) -> tuple[str, bytearray] | None:
-    """The child's ``(hash, snapshot)``, or None when the pipe ends before all of it."""
-    head = bytearray(_HEAD.size)
-    if not _read_exactly(fd, head):
-        return None
-    hash_len, data_len = _HEAD.unpack(head)
-    if hash_len > 1024:
-        return None
-    hashed, data = bytearray(hash_len), bytearray(data_len)
-    if not (_read_exactly(fd, hashed) and _read_exactly(fd, data)) or os.read(fd, 1):
-        return None
-    return hashed.decode("ascii"), data
+    """The child's ``(hash, snapshot)``, or None when the pipe ends before all of it; closes ``fd``."""
+    try:
+        head = bytearray(_HEAD.size)
+        if not _read_exactly(fd, head):
+            return None
+        hash_len, data_len = _HEAD.unpack(head)
+        if hash_len > 1024:
+            return None
+        hashed, data = bytearray(hash_len), bytearray(data_len)
+        if not (_read_exactly(fd, hashed) and _read_exactly(fd, data)) or os.read(fd, 1):
+            return None
+        return hashed.decode("ascii"), data
+    finally:
+        os.close(fd)
 
 
 def _wait(pid: int) -> int:

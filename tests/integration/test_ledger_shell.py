@@ -287,3 +287,32 @@ async def test_the_snapshot_child_is_the_first_the_kernel_kills_when_memory_runs
     with open("/proc/self/oom_score_adj") as f:
         assert f.read().strip() != "1000"   # the coordinator's own is untouched
     await ledger.stand_down("test")
+
+
+@pytest.mark.skipif(not can_fork(), reason="no fork() on this OS")
+async def test_a_cancelled_snapshot_kills_and_reaps_its_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    log = ControlledLog()
+    ledger = await serving_ledger(log)
+    await ledger.execute(register("w1"))
+    children: list[snapshot_child.ForkedSnapshot] = []
+    forking = snapshot_child.fork_snapshot
+
+    def spy(state: Any) -> snapshot_child.ForkedSnapshot:
+        children.append(forking(state))
+        return children[-1]
+
+    def stuck(state: Any) -> bytes:   # in the child
+        time.sleep(30)
+        return b""
+    monkeypatch.setattr(snapshot_child, "to_snapshot", stuck)
+    monkeypatch.setattr("coordinator.ledger.fork_snapshot", spy)
+    taking = asyncio.create_task(ledger.snapshot())
+    while not children:
+        await asyncio.sleep(0.01)
+    taking.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await taking
+    with pytest.raises(ChildProcessError):   # killed and reaped: no such child any more
+        os.waitpid(children[0].pid, os.WNOHANG)
+    assert ledger.serving and isinstance(await ledger.execute(register("w2")), RegisterReply)
+    await ledger.stand_down("test")
