@@ -25,7 +25,6 @@ import gc
 import os
 import signal
 import struct
-import time
 from dataclasses import dataclass
 
 from coordinator.core import LedgerState, state_hash, to_snapshot
@@ -87,7 +86,6 @@ class ForkedSnapshot:
 
     pid: int
     fd: int
-    started: float
 
     async def result(self, timeout_s: float) -> tuple[str, bytearray]:
         """``(state hash, snapshot bytes)``; raises :class:`SnapshotChildFailed`.
@@ -112,8 +110,7 @@ class ForkedSnapshot:
         if status != 0 or got is None:
             raise SnapshotChildFailed(f"the snapshot child exited with {_describe(status)} "
                                       f"{'before handing over the whole snapshot' if got is None else ''}".rstrip())
-        hashed, data = got
-        return hashed, data
+        return got
 
     def _kill(self) -> None:
         with contextlib.suppress(OSError):
@@ -135,7 +132,7 @@ def fork_snapshot(state: LedgerState) -> ForkedSnapshot:
         os.close(r)
         _child(state, w)
     os.close(w)
-    return ForkedSnapshot(pid, r, time.perf_counter())
+    return ForkedSnapshot(pid, r)
 
 
 def _max_fd() -> int:
