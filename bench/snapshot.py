@@ -114,7 +114,10 @@ async def rounds(db: str, state: Any, n: int) -> dict[str, Any]:
     res: dict[str, Any] = {"snapshot_bytes": size}
     for key, vs in sorted(out.items()):
         res[key] = round(statistics.median(vs), 3 if "seconds" in key else 1)
-    res["snapshot_stall_ratio"] = round(res["snapshot_stall_ms_in_process"] / max(res["snapshot_stall_ms_fork"], 1e-3), 1)
+    # NOTE: from the medians before rounding: on a tiny state both stalls are a few ms or less,
+    # and a ratio of rounded figures said 0.0
+    stall = {way: statistics.median(out[f"snapshot_stall_ms_{way}"]) for way in ("fork", "in_process")}
+    res["snapshot_stall_ratio"] = round(stall["in_process"] / max(stall["fork"], 1e-6), 3)
     return res
 
 
