@@ -125,8 +125,15 @@ def bmm_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y[:, :m] if m < MIN_ROWS else y
 
 
-#: Row counts :func:`probe` compares: both sides of every floor in :data:`ROW_FLOORS`, and beyond.
-PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 11, 12, 13, 15, 16, 17, 23, 24, 25, 31, 32, 33, 63, 64, 65, 129, 256)
+#: Row counts :func:`probe` compares: every count up to 33 (both sides of each small floor in
+#: :data:`ROW_FLOORS`, and every length of a partial tile of 4, 8 or 16 rows), then both sides of
+#: larger tile multiples.
+PROBE_ROWS = (*range(1, 34), 47, 48, 49, 63, 64, 65, 95, 96, 97, 129, 256)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns as integers (``-0.0`` is not ``0.0`` here)."""
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
 def probe(shapes: Iterable[tuple[int, int]], rows: Iterable[int] = PROBE_ROWS,
@@ -135,40 +142,43 @@ def probe(shapes: Iterable[tuple[int, int]], rows: Iterable[int] = PROBE_ROWS,
     """Check that :func:`linear` and :func:`bmm_rows` keep a row's bits for every row count in
     ``rows``, with the current :data:`MIN_ROWS`.
 
-    ``shapes`` are ``(in_features, out_features)`` pairs of :func:`linear`; ``grouped`` are
-    ``(groups, in, out)`` of :func:`bmm_rows` products against a ``[groups, out, in]`` weight
-    seen transposed (``GroupedLinear``'s layout). Returns one line per failure (empty:
-    invariant here). Cheap (tiny random products), so a worker runs it at start, in the dtype its
-    model computes in (bfloat16 and float16 products take other kernels than float32).
+    Every row is checked, not one: the product of the first ``m`` rows of one input must equal,
+    bit for bit, the first ``m`` rows of the product of all of them. A kernel that computes a
+    partial tile at the end of the rows (the last ``m mod 16``, say) another way fails here even
+    when the rows in whole tiles agree. ``shapes`` are ``(in_features, out_features)`` pairs of
+    :func:`linear`; ``grouped`` are ``(groups, in, out)`` of :func:`bmm_rows` products against a
+    ``[groups, out, in]`` weight seen transposed (``GroupedLinear``'s layout). Returns one line
+    per failure (empty: invariant here). Cheap (tiny random products), so a worker runs it at
+    start, in the dtype its model computes in (bfloat16 and float16 products take other kernels
+    than float32).
     """
     g = torch.Generator().manual_seed(seed)
     rows = sorted(set(rows))
     kind = str(dtype).removeprefix("torch.")
     failures = []
 
-    def diverges(lead: tuple[int, ...], k: int, product) -> int | None:
-        """The first row count in ``rows`` whose middle row differs from the first count's."""
-        probe_row = torch.randn(k, generator=g).to(dtype)
-        ref = None
-        for m in rows:
-            x = torch.randn(*lead, m, k, generator=g).to(dtype)
-            x[..., m // 2, :] = probe_row
-            got = product(x)[..., m // 2, :]
-            if ref is None:
-                ref = got
-            elif not torch.equal(got, ref):
-                return m
+    def diverges(lead: tuple[int, ...], k: int, product) -> tuple[int, int] | None:
+        """The first row count in ``rows`` (and its first row) whose product differs from the
+        same rows of the largest count's product."""
+        x = torch.randn(*lead, rows[-1], k, generator=g).to(dtype)
+        whole = product(x)
+        for m in rows[:-1]:
+            same = _bits(product(x[..., :m, :].contiguous())) == _bits(whole[..., :m, :])
+            if not bool(same.all()):
+                row = int((~same).reshape(-1, m, same.shape[-1]).any(0).any(-1).nonzero()[0])
+                return m, row
         return None
 
     for k, n in sorted(set(shapes)):
         w = torch.randn(n, k, generator=g).to(dtype)
-        if (m := diverges((), k, lambda x, w=w: linear(x, w))) is not None:
-            failures.append(f"linear {k}->{n} {kind}: row differs at {m} rows vs {rows[0]} (row floor {MIN_ROWS})")
+        if (d := diverges((), k, lambda x, w=w: linear(x, w))) is not None:
+            failures.append(f"linear {k}->{n} {kind}: row {d[1]} of {d[0]} differs from the same row of "
+                            f"{rows[-1]} (row floor {MIN_ROWS})")
     for groups, k, n in sorted(set(grouped)):
         w = torch.randn(groups, n, k, generator=g).to(dtype).transpose(1, 2)
-        if (m := diverges((groups,), k, lambda x, w=w: bmm_rows(x, w))) is not None:
-            failures.append(f"bmm {groups}x {k}->{n} {kind}: row differs at {m} rows vs {rows[0]} "
-                            f"(row floor {MIN_ROWS})")
+        if (d := diverges((groups,), k, lambda x, w=w: bmm_rows(x, w))) is not None:
+            failures.append(f"bmm {groups}x {k}->{n} {kind}: row {d[1]} of {d[0]} differs from the same row "
+                            f"of {rows[-1]} (row floor {MIN_ROWS})")
     return failures
 
 

@@ -68,6 +68,32 @@ def test_linear_rows_keep_their_bits_for_any_row_count() -> None:
     assert probe([], grouped=[(2, 128, 16), (4, 64, 32)], rows=range(1, 70)) == []
 
 
+def test_the_probe_checks_every_row_so_a_partial_tile_kernel_fails_it(monkeypatch) -> None:
+    """A BLAS that computes the rows of a partial tile at the end of a product (the last
+    ``m mod 8`` here) with another rounding is not invariant, even though every row in a whole
+    tile agrees. The probe compares every row of every count, so it fails such a kernel (a
+    probe of one middle row would pass it) — at every floor, and calibration then refuses."""
+    import types
+
+    def tail_rounds_up(x, w, bias=None):
+        y = torch.nn.functional.linear(x, w, bias)
+        tail = x.shape[0] % 8
+        if tail:
+            y[-tail:] = torch.nextafter(y[-tail:], torch.full_like(y[-tail:], float("inf")))
+        return y
+
+    floor = inv.MIN_ROWS
+    monkeypatch.setattr(inv, "F", types.SimpleNamespace(linear=tail_rounds_up))
+    failures = probe([(64, 32)], rows=(*range(1, 34), 256))
+    assert len(failures) == 1 and failures[0].startswith("linear 64->32 float32: row ")
+    try:
+        assert inv.calibrate([(64, 32)]) != [] and inv.MIN_ROWS == ROW_FLOORS[-1]
+    finally:
+        inv.MIN_ROWS = floor
+    monkeypatch.undo()
+    assert probe([(64, 32)]) == []
+
+
 def test_the_row_floor_is_calibrated_on_this_machine_and_only_grows() -> None:
     """The floor is this CPU's (4 rows on an AVX2 Xeon, 16 on an AVX-512/AMX one): the smallest
     candidate for which the probe passes, found at import; a later calibration never lowers it."""
