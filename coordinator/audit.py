@@ -40,7 +40,7 @@ from coordinator.core.lifecycle import LIVE
 from coordinator.core.state import LedgerState
 from coordinator.ledger import Ledger
 from coordinator.replay import LogCorrupt, load_state
-from shared.hashing import replica_digest, split_digests
+from shared.hashing import replica_digests, split_digests
 from shared.messages import DiskRef, InventoryReply, ReplicaState
 
 #: Drift entries listed per worker and direction (counts are always complete).
@@ -89,12 +89,11 @@ def compare_tiers(live: LedgerState, worker_id: str, reply: InventoryReply) -> d
             if it.state in LIVE:
                 tiers.setdefault(it.location, Tier(it.location)).held.add(
                     (it.block_hash, it.form, it.location, it.generation))
-    for key, r in live.replicas.items():
-        t = tiers.get(key[2])
-        if t is None or r.state not in LIVE:
-            continue
-        ident = replica_digest(r.block_hash, r.form, r.location, r.generation, r.checksum) if digests \
-            else (*key, r.generation)
+    mine = [(key, r) for key, r in live.replicas.items() if key[2] in tiers and r.state in LIVE]
+    idents = (replica_digests((r.block_hash, r.form, r.location, r.generation, r.checksum) for _, r in mine)
+              if digests else [(*key, r.generation) for key, r in mine])
+    for (key, r), ident in zip(mine, idents):
+        t = tiers[key[2]]
         t.ledger_live.add(ident)
         if r.state is ReplicaState.READY:
             t.ledger_ready[ident] = key

@@ -30,8 +30,11 @@ _DOMAIN_NS = b"kvl.namespace.v1"
 _MAX_TOKEN = 2**32 - 1
 
 
+_U32 = struct.Struct("<I")
+
+
 def _field(b: bytes) -> bytes:
-    return struct.pack("<I", len(b)) + b
+    return _U32.pack(len(b)) + b
 
 
 def namespace_hash(model_id: str, weights_digest: str, *,
@@ -106,10 +109,33 @@ def replica_digest(block_hash: str, form: str, location: str, generation: int, c
     NOTE: 64 bits are plenty against accidental collisions, and a collision could only keep a
     replica whose bytes differ — which hit validation (the checksum on read) still catches.
     """
-    h = hashlib.blake2b(_DOMAIN_REPLICA, digest_size=REPLICA_DIGEST_BYTES)
-    for part in (block_hash, form, location, str(generation), checksum):
-        h.update(_field(part.encode()))
-    return h.digest()
+    return replica_digests(((block_hash, form, location, generation, checksum),))[0]
+
+
+def replica_digests(replicas: Iterable[tuple[str, str, str, int, str]]) -> list[bytes]:
+    """:func:`replica_digest` of each ``(block_hash, form, location, generation, checksum)``.
+
+    The same bytes, computed for many at once: BLAKE2b of the domain and the five
+    length-prefixed fields in one call, the (form, location) part framed once per pool and
+    each generation once.
+    NOTE: a resume or an audit digests every replica a worker holds (100k at a time) on the
+    coordinator's one thread; hashing field by field cost ~4 µs a replica, mostly calls.
+    """
+    pack, blake, domain, size = _U32.pack, hashlib.blake2b, _DOMAIN_REPLICA, REPLICA_DIGEST_BYTES
+    middles: dict[tuple[str, str], bytes] = {}
+    generations: dict[int, bytes] = {}
+    out: list[bytes] = []
+    append = out.append
+    for block_hash, form, location, generation, checksum in replicas:
+        middle = middles.get((form, location))
+        if middle is None:
+            middle = middles[(form, location)] = _field(form.encode()) + _field(location.encode())
+        g = generations.get(generation)
+        if g is None:
+            g = generations[generation] = _field(str(generation).encode())
+        b, c = block_hash.encode(), checksum.encode()
+        append(blake(b"".join((domain, pack(len(b)), b, middle, g, pack(len(c)), c)), digest_size=size).digest())
+    return out
 
 
 def split_digests(data: bytes) -> list[bytes]:

@@ -39,7 +39,7 @@ from typing import TypeVar
 import torch
 
 from shared.config import Config
-from shared.hashing import namespace_hash, replica_digest, split_digests
+from shared.hashing import namespace_hash, replica_digests, split_digests
 from shared.images import PromptImage, check_placement
 from shared.logging import get_logger
 from shared.messages import (
@@ -529,16 +529,12 @@ class Engine:
     def inventory_digests(self) -> dict[bytes, tuple[str, str, str, int]]:
         """What this worker holds on its GPU and host tier, by :func:`replica_digest`:
         ``digest → (location, form, block_hash, generation)``."""
-        out: dict[bytes, tuple[str, str, str, int]] = {}
+        rows: list[tuple[str, str, str, int, str]] = []
         if self.store is not None:
-            for f, _, m in self.store.items():
-                out[replica_digest(m.block_hash, f, self.gpu, m.generation, m.checksum)] = (
-                    self.gpu, f, m.block_hash, m.generation)
-        for m in self.tiers.host_items():
-            # host copies are offloaded as generation 0 (see _offload)
-            out[replica_digest(m.block_hash, m.form, self.host_location, 0, m.checksum)] = (
-                self.host_location, m.form, m.block_hash, 0)
-        return out
+            rows.extend((m.block_hash, f, self.gpu, m.generation, m.checksum) for f, _, m in self.store.items())
+        # host copies are offloaded as generation 0 (see _offload)
+        rows.extend((m.block_hash, m.form, self.host_location, 0, m.checksum) for m in self.tiers.host_items())
+        return {d: (loc, f, h, gen) for d, (h, f, loc, gen, _) in zip(replica_digests(rows), rows)}
 
     async def _resume(self) -> bool:
         """Keep our epoch and cache: settle the outbox, send our inventory, drop what the ledger disowns."""

@@ -32,7 +32,7 @@ from coordinator.core.lifecycle import (
 from coordinator.core.prefix import longest_usable_prefix
 from coordinator.core.state import Lease, LedgerState, Replica, ReplicaKey, WorkerRecord
 from shared import messages as m
-from shared.hashing import replica_digest, split_digests
+from shared.hashing import replica_digests, split_digests
 
 Events = list[Any]
 
@@ -192,13 +192,15 @@ def resume_worker(state: LedgerState, msg: m.WorkerResume, now_ms: int,
                       RETRY_AFTER_MS), []
     own = (w.gpu, w.host)
     replicas = state.replicas
-    invalidated: list[ReplicaKey] = []
-    matched: set[bytes] = set()
+    keys, rows = [], []
     for key in state.live_keys(w):
         r = replicas[key]
-        if key[2] not in own or r.state is ALLOCATED:
-            continue
-        d = replica_digest(key[0], key[1], key[2], r.generation, r.checksum)
+        if key[2] in own and r.state is not ALLOCATED:
+            keys.append(key)
+            rows.append((key[0], key[1], key[2], r.generation, r.checksum))
+    invalidated: list[ReplicaKey] = []
+    matched: set[bytes] = set()
+    for key, d in zip(keys, replica_digests(rows)):
         if d in held:
             matched.add(d)
         else:

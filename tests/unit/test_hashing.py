@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.hashing import block_hash, chain_hashes, checksum, namespace_hash
+from shared.hashing import block_hash, chain_hashes, checksum, namespace_hash, replica_digest, replica_digests
 from shared.ids import ROOT_HASH
 
 VECTORS = json.loads((Path(__file__).parents[2] / "shared/testdata/hash_vectors.json").read_text())
@@ -104,3 +104,18 @@ def test_the_compute_fingerprint_separates_namespaces() -> None:
     assert namespace_hash("m", "w" * 8, compute="") == namespace_hash("m", "w" * 8)
     assert namespace_hash("m", "w" * 8, compute=here) != namespace_hash("m", "w" * 8)
     assert namespace_hash("m", "w" * 8, compute=here) != namespace_hash("m", "w" * 8, compute=here + "x")
+
+
+def test_replica_digest_vector_and_the_batch_form_agree() -> None:
+    """The resume's inventory digest is wire format (a worker and a coordinator of different
+    builds must agree): one pinned vector, and the batch form gives the same bytes as the single
+    one for mixed pools, generations, empty and non-ASCII fields."""
+    assert replica_digest("0" * 32, "compressed", "gpu:w-a", 3, "f" * 32).hex() == "dd6fd749d5575a55"
+    import random
+    r = random.Random(0)
+    rows = [(f"{r.getrandbits(128):032x}", r.choice(["compressed", "window", "ü", ""]),
+             r.choice(["gpu:w1", "host:n1", "gpu:ünï"]), r.randrange(0, 10**6) if r.random() < 0.5 else r.randrange(3),
+             r.choice([f"{r.getrandbits(128):032x}", "", "abc"])) for _ in range(2000)]
+    assert replica_digests(rows) == [replica_digest(*row) for row in rows]
+    assert len(set(replica_digests(rows))) == len(set(rows))
+    assert replica_digests([]) == []
