@@ -21,7 +21,9 @@ SUSPENDED, it resumes with the digests of the replicas it committed (never re-re
 * **full pool** — the core alone, in this process: the decision cost of a 16-block write grant
   on a worker whose pool (100k slots; quick 10k) is full of READY replicas, so that every
   written block evicts one (``grant_full_pool_us``). Baseline: scanning the pool for the same
-  victims (``grant_full_pool_scan_us``), what the core did before its LRU index.
+  victims (``grant_full_pool_scan_us``), what the core did before its LRU index. Then the
+  decision of that worker's resume holding the whole pool (``resume_full_pool_ms``,
+  ``resume_full_pool_us_per_replica``; no baseline: what every worker costs after a takeover).
 * **leases** — ``--inflight`` (64) concurrent LeaseAcquire requests, total N, each for a
   16-block prompt whose first 12 blocks are cached (READY: pinned for reading) and whose
   last 4 are not (write grants), ``reuse=True``; then every lease is released the same way
@@ -970,10 +972,28 @@ def full_pool_phase(slots: int, grants: int) -> dict[str, Any]:
             t_index += t2 - t1
     if core.check_invariants(s):
         raise RuntimeError(f"full-pool phase: invariants broken: {core.check_invariants(s)[:3]}")
+    # A resume of that worker, holding all of it (what every worker sends after a takeover): the
+    # decision alone, on the coordinator's thread, with the inventory the worker would send.
+    from shared.hashing import replica_digests
+    held = [(key, r) for key in pool if (r := s.replicas[key]).state is READY]
+    inventory = b"".join(replica_digests((k[0], k[1], k[2], r.generation, r.checksum) for k, r in held))
+    resume = m.WorkerResume(worker_id="w", epoch=reply.epoch, namespace=NS, catalogue=catalogue(),
+                            pool_slots={"compressed": slots}, held=inventory)
+    t_resume = []
+    with core.state.no_gc():
+        for _ in range(3):
+            t0 = time.perf_counter()
+            answer, _ = core.resume_worker(s, resume, now + slots + grants)
+            t_resume.append(time.perf_counter() - t0)
+    if not isinstance(answer, m.ResumeReply) or answer.kept != len(held):
+        raise RuntimeError(f"full-pool phase: the resume kept {getattr(answer, 'kept', answer)} of {len(held)}")
+    resume_s = statistics.median(t_resume)
     return {"full_pool_slots": slots, "full_pool_grants": grants,
             "grant_full_pool_us": round(1e6 * t_index / grants, 1),
             "grant_full_pool_scan_us": round(1e6 * t_scan / grants, 1),
-            "grant_full_pool_speedup_vs_scan": round(t_scan / t_index, 1)}
+            "grant_full_pool_speedup_vs_scan": round(t_scan / t_index, 1),
+            "resume_full_pool_replicas": len(held), "resume_full_pool_ms": round(1e3 * resume_s, 1),
+            "resume_full_pool_us_per_replica": round(1e6 * resume_s / len(held), 2)}
 
 
 # --- phase (b): leases ------------------------------------------------------------------------
@@ -1344,7 +1364,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 _log(f"leases: a 16-block write grant on a full pool of {slots:,} slots (the core alone) ...")
                 fp = await asyncio.to_thread(full_pool_phase, slots, grants)
                 _log(f"leases: full pool: {fp['grant_full_pool_us']} us per grant with the LRU index, "
-                     f"{fp['grant_full_pool_scan_us']} us to scan the pool for the same victims")
+                     f"{fp['grant_full_pool_scan_us']} us to scan the pool for the same victims; a resume "
+                     f"holding all {fp['resume_full_pool_replicas']:,} replicas: {fp['resume_full_pool_ms']} ms")
                 result.update(fp)
                 result.update(await lease_phase(nc, nats_url, coord, worker, cached, args.leases, args.inflight,
                                                 n_ingest + 1))
