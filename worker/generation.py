@@ -79,7 +79,11 @@ class Sampler:
         self.gen: torch.Generator | None = None
         if p.temperature > 0:
             self.gen = torch.Generator().manual_seed(p.seed if p.seed is not None else secrets.randbits(63))
-        self._seen = sorted(set(prompt)) if p.repetition_penalty != 1.0 else []
+        #: Tokens the repetition penalty applies to (the prompt's and the output's so far), and
+        #: their ids as a tensor, rebuilt only when a token joins: a long prompt's ids were set,
+        #: sorted and copied into a tensor again for every generated token.
+        self._seen: set[int] = set(prompt) if p.repetition_penalty != 1.0 else set()
+        self._seen_ids: torch.Tensor | None = None
         self._counts: dict[int, int] = {}
         self._stops = sorted(stop_token_ids)
         self.generated = 0
@@ -97,12 +101,12 @@ class Sampler:
         for tok, bias in p.logit_bias:
             if tok < n:
                 x[tok] += bias
-        if p.repetition_penalty != 1.0:
-            seen = sorted(set(self._seen) | self._counts.keys())
-            if seen:
-                idx = torch.tensor(seen, dtype=torch.long)
-                v = x[idx]
-                x[idx] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if p.repetition_penalty != 1.0 and self._seen:
+            if self._seen_ids is None:
+                self._seen_ids = torch.tensor(sorted(self._seen), dtype=torch.long)
+            idx = self._seen_ids
+            v = x[idx]
+            x[idx] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and self._counts:
             idx = torch.tensor(list(self._counts), dtype=torch.long)
             cnt = torch.tensor(list(self._counts.values()), dtype=torch.float32)
@@ -130,6 +134,9 @@ class Sampler:
             self.last = TokenLogprobs(tok, float(lp[tok]), tuple(zip(top.indices.tolist(), top.values.tolist()))
                                       if top is not None else ())
         self._counts[tok] = self._counts.get(tok, 0) + 1
+        if self.p.repetition_penalty != 1.0 and tok not in self._seen:
+            self._seen.add(tok)
+            self._seen_ids = None
         self.generated += 1
         if self.constraint is not None:
             self.constraint.advance(tok)

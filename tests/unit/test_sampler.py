@@ -50,3 +50,24 @@ def test_min_p_keeps_only_tokens_near_the_top() -> None:
     assert picks == {0, 1}
     picks = {Sampler(SamplingParams(temperature=1.0, min_p=1.0, seed=k)).pick(x) for k in range(10)}
     assert picks == {0}
+
+
+def test_the_repetition_penalty_covers_the_prompt_and_every_output_token_so_far() -> None:
+    """The penalised ids are kept between steps (rebuilt only when a new token joins); every
+    step's processed logits must still equal a from-scratch application over prompt ∪ output."""
+    g = torch.Generator().manual_seed(3)
+    vocab, rp = 97, 1.7
+    prompt = torch.randint(0, vocab, (60,), generator=g).tolist()
+    s = Sampler(SamplingParams(temperature=1.0, seed=5, repetition_penalty=rp, frequency_penalty=0.1), prompt=prompt)
+    out: list[int] = []
+    for _ in range(40):
+        x = torch.randn(vocab, generator=g)
+        want = x.clone()
+        idx = torch.tensor(sorted(set(prompt) | set(out)))
+        v = want[idx]
+        want[idx] = torch.where(v > 0, v / rp, v * rp)
+        for tok in set(out):
+            want[tok] -= 0.1 * out.count(tok)
+        assert torch.equal(s.process(x), want)
+        out.append(s.pick(x))
+    assert len(set(out) - set(prompt)) > 0        # tokens outside the prompt joined on the way
