@@ -133,20 +133,33 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def probe_forward(self, block_size: int, *, cache_dtype: str | None = None, seed: int = 0) -> list[str]:
-        """Three requests run fused, as the stepper fuses them, against each run alone: what differs.
+        """Requests run fused, as the stepper fuses them, against each run alone: what differs.
 
         The product probe covers the matrix products only; a pointwise op, an attention reduction
         or a kernel path of this machine's own (a float16 one, say) can still make a row's bits
-        depend on its batch. Here the whole forward answers, at the model's dtype and shapes:
-        step 1 fuses two prompts (one crossing a block boundary); step 2 fuses both requests'
-        first decode token with a third request's prompt. Every request's last-token logits must
-        be the same bits as when it runs alone. Costs six small forwards at start.
+        depend on its batch. Here the whole forward answers, at the model's dtype and shapes, in
+        two rounds. Round 1: step 1 fuses two prompts (one crossing a block boundary); step 2 fuses
+        both requests' first decode token with a third request's prompt. Round 2 (short requests,
+        the shape of a float16 mix that once differed under load): three one-token prompts and a
+        seven-token one in one step, then their four decode tokens in the next. Every request's
+        last-token logits must be the same bits as when it runs alone. Costs 17 small forwards at
+        start.
         """
         g = torch.Generator().manual_seed(seed)
         vocab = self.cfg.vocab_size
-        prompts = [torch.randint(0, vocab, (n,), generator=g) for n in (block_size + 3, 5, block_size + 1)]
-        nxt = [torch.randint(0, vocab, (1,), generator=g) for _ in range(2)]
-        capacity = -(-(block_size + 4) // block_size) * block_size       # the longest request, in whole blocks
+        out: list[str] = []
+        for lengths, late in (((block_size + 3, 5), (block_size + 1,)), ((1, 1, 1, 7), ())):
+            out.extend(self._probe_round(block_size, cache_dtype, g, vocab, lengths, late))
+        return out
+
+    def _probe_round(self, block_size: int, cache_dtype: str | None, g: torch.Generator, vocab: int,
+                     lengths: tuple[int, ...], late: tuple[int, ...]) -> list[str]:
+        """Step 1 fuses the prompts of ``lengths``; step 2 fuses their first decode tokens with
+        the prompts of ``late``. Each request's logits against the same request alone."""
+        prompts = [torch.randint(0, vocab, (n,), generator=g) for n in (*lengths, *late)]
+        nxt = [torch.randint(0, vocab, (1,), generator=g) for _ in lengths]
+        longest = max(n + (1 if i < len(lengths) else 0) for i, n in enumerate((*lengths, *late)))
+        capacity = -(-longest // block_size) * block_size       # the longest request, in whole blocks
 
         def bits(t: torch.Tensor) -> bytes:
             return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
@@ -155,20 +168,21 @@ class CausalLM(nn.Module):
         for i, p in enumerate(prompts):
             st = self.new_state(block_size, capacity, cache_dtype=cache_dtype)
             row = [bits(self.forward_batch([(p, st)])[0])]
-            if i < 2:
+            if i < len(lengths):
                 row.append(bits(self.forward_batch([(nxt[i], st)])[0]))
             alone.append(row)
         sts = [self.new_state(block_size, capacity, cache_dtype=cache_dtype) for _ in prompts]
-        step1 = self.forward_batch([(prompts[0], sts[0]), (prompts[1], sts[1])])
-        step2 = self.forward_batch([(nxt[0], sts[0]), (nxt[1], sts[1]), (prompts[2], sts[2])])
-        fused = [[bits(step1[0]), bits(step2[0])], [bits(step1[1]), bits(step2[1])], [bits(step2[2])]]
+        step1 = self.forward_batch(list(zip(prompts[:len(lengths)], sts)))
+        step2 = self.forward_batch([*zip(nxt, sts), *zip(prompts[len(lengths):], sts[len(lengths):])])
+        fused = [[bits(step1[i]), bits(step2[i])] for i in range(len(lengths))]
+        fused += [[bits(step2[len(lengths) + j])] for j in range(len(late))]
         out = []
         for i, (a, f) in enumerate(zip(alone, fused)):
             for step, (x, y) in enumerate(zip(a, f)):
                 if x != y:
                     what = "decode token" if step else f"{prompts[i].numel()}-token prompt"
                     out.append(f"whole-forward probe: request {i}'s {what} gives other logits fused than alone "
-                               f"({self.dtype}, block size {block_size}, "
+                               f"({len(prompts)} requests, {self.dtype}, block size {block_size}, "
                                f"cache.dtype {cache_dtype or self.cache_dtype})")
         return out
 
