@@ -93,6 +93,10 @@ class ServiceConfig(_Section):
     #: Token budget of one model forward: every decoding request's next token, then prompt
     #: pieces (whole blocks) in priority/arrival order until it is spent (``worker.stepper``).
     max_batch_tokens: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 256
+    #: Every this many fused forwards, one of its requests also runs alone on a copy of its
+    #: state and must give the same logits bits; a difference turns fusing off and drops the
+    #: cache (``worker.stepper``). 0 turns the check off. Costs one request's forward in N.
+    fused_check_every: Annotated[int, msgspec.Meta(ge=0)] = 64
     request_timeout_ms: PosInt = 60000
     queue_size: Annotated[int, msgspec.Meta(ge=0)] = 256
     #: Most samples one request may ask for (``n``, ``best_of``): each runs as its own request

@@ -187,7 +187,8 @@ class Engine:
             self.log.error("batch-invariance probe failed: one request per forward, replies not cached",
                            failures=failures[:5])
         self.stepper = Stepper(model, self._compute, max_batch_tokens=cfg.service.max_batch_tokens,
-                               block_size=self.block_size, metrics=self.metrics)
+                               block_size=self.block_size, metrics=self.metrics,
+                               check_every=cfg.service.fused_check_every, on_mismatch=self._fused_mismatch)
         self.metrics.batch_invariant.set(1 if self.stepper.fused else 0)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvl-io")
         self._salts: dict[str, bytes] = {}
@@ -357,6 +358,17 @@ class Engine:
         self.metrics.degraded.set(1)
         if wake:
             self._wake_supervisor.set()
+
+    def _fused_mismatch(self, reason: str) -> None:
+        """A fused forward differed from a request alone (``worker.stepper``): the ops are not
+        batch-invariant here after all. Fusing is already off; what this worker cached may hold
+        fused bits, so the cache goes with the epoch (a new one is registered, its GPU and host
+        copies dropped, the ledger ends the old epoch's replicas)."""
+        self.log.error("batch invariance failed at run time: one request per forward, cache dropped",
+                       reason=reason[:300])
+        self.metrics.batch_invariant.set(0)
+        if self.registered:
+            self._registration_lost(f"batch invariance failed at run time: {reason}"[:300])
 
     def _lose_contact(self, reason: str) -> None:
         """No answer from the coordinator: recompute everything, keep the cache and the epoch."""

@@ -107,6 +107,9 @@ class WorkerMetrics:
                                       buckets=_FAST, registry=r)
         self.reply_blocks = Counter(p + "reply_blocks", "Decode-made reply blocks exported and committed",
                                     registry=r)
+        self.fused_checks = Counter(p + "fused_checks", "Fused forwards re-run for one request alone "
+                                    "(service.fused_check_every), by outcome: same or differs", ["outcome"],
+                                    registry=r)
         self.batch_invariant = Gauge(p + "batch_invariant", "1 if fused forwards are exact here "
                                      "(the product probe and the whole-forward probe passed, one intra-op thread)",
                                      registry=r)

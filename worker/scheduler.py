@@ -47,6 +47,7 @@ from shared.config import ServiceConfig
 from shared.images import PromptImage
 from shared.logging import get_logger
 from worker.generation import Sampler, SamplingParams, TokenLogprobs, generate
+from worker.stepper import FusedMismatch
 from shared.tenants import Tenant
 
 if TYPE_CHECKING:
@@ -444,6 +445,10 @@ class Scheduler:
             reason = "stop" if job.stopped else "cancelled"
             job._events.put_nowait(ShuttingDown() if self._closed else SchedulerError("the request was cancelled"))
             raise
+        except FusedMismatch as e:
+            # not this request's fault nor a bug here: the worker stopped fusing; a retry is exact
+            reason = "error"
+            job._events.put_nowait(SchedulerError(str(e)))
         except Exception as e:  # noqa: BLE001 - reported to the caller, logged with its traceback
             log.error("request_failed", job=job.id, error=type(e).__name__, exc_info=True)
             job._events.put_nowait(InternalError(f"the worker failed to serve this request ({type(e).__name__}; "

@@ -23,6 +23,15 @@ per-request schedule.
 
 Blocks a step completes that the request may write are exported on the model thread right
 after the forward (the request commits them later, off the model thread).
+
+The start-up probe is a sample of shapes; a kernel path it never took (a row count, a dtype
+path of this CPU) could still make a fused row differ. So every ``check_every``-th fused
+forward one of its requests (in turn) also runs alone, on a copy of its state taken before
+the step, and the two logits are compared bit for bit. A difference fails every request of
+that step (:class:`FusedMismatch`: the client hears "unavailable, retry"; nothing of the step
+is exported), turns fusing off for good (``batch_invariant`` False: one request per forward
+from then on) and calls ``on_mismatch``, which the engine answers by dropping its cache (a new
+epoch: what it made fused is not reused).
 """
 
 from __future__ import annotations
@@ -43,6 +52,10 @@ log = get_logger("kvl.worker.stepper")
 #: Event-loop turns the stepper yields before forming a batch, so requests woken by the last
 #: forward can hand in their next step first (each needs one or two turns to sample and submit).
 GATHER_TURNS = 1
+
+
+class FusedMismatch(RuntimeError):
+    """A fused forward gave one of its requests other logits than the request alone."""
 
 
 @dataclass(slots=True)
@@ -71,12 +84,19 @@ class Stepper:
     """Forms and runs batches on the model executor (see the module docstring)."""
 
     def __init__(self, model, executor: Executor, *, max_batch_tokens: int, block_size: int,
-                 metrics=None) -> None:
+                 metrics=None, check_every: int = 0, on_mismatch: Callable[[str], None] | None = None) -> None:
         self.model = model
         self.executor = executor
         self.max_batch_tokens = max_batch_tokens
         self.block_size = block_size
         self.metrics = metrics
+        #: Every this many fused forwards, one request also runs alone and must match (0: never).
+        self.check_every = check_every
+        self.on_mismatch = on_mismatch
+        self._fused_forwards = 0
+        #: Fused forwards checked against a request alone, and those that differed.
+        self.checks = 0
+        self.check_failures = 0
         self._waiting: list[_Step] = []
         self._task: asyncio.Task | None = None
         #: Counters for tests and benchmarks: forwards run, rows and requests in them.
@@ -87,7 +107,7 @@ class Stepper:
     @property
     def fused(self) -> bool:
         """Whether a forward may hold several requests (batch-invariant ops, here, now)."""
-        return bool(getattr(self.model, "batch_invariant", False)) and invariant_here()
+        return not self.check_failures and bool(getattr(self.model, "batch_invariant", False)) and invariant_here()
 
     # --- what requests call -------------------------------------------------------------------
 
@@ -129,6 +149,8 @@ class Stepper:
                         s.fut.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
                 if not isinstance(e, Exception):
                     raise
+                if isinstance(e, FusedMismatch) and self.on_mismatch is not None:
+                    self.on_mismatch(str(e))
                 continue
             if self.metrics is not None:
                 self.metrics.observe_step(len(batch), sum(r.tokens for r in results if isinstance(r, StepResult)),
@@ -189,16 +211,43 @@ class Stepper:
 
     def _forward(self, batch: list[_Step]) -> list[StepResult]:
         # NOTE: a state's position is its step's first position until this forward commits it
-        outs = self.model.forward_batch([(s.ids, s.state, s.embeds.piece(s.state.pos, len(s.ids))
-                                          if s.embeds is not None else None) for s in batch], logits="last")
+        work = [(s.ids, s.state, s.embeds.piece(s.state.pos, len(s.ids)) if s.embeds is not None else None)
+                for s in batch]
+        shadow = None
+        if len(batch) > 1:
+            self._fused_forwards += 1
+            if self.check_every and self._fused_forwards % self.check_every == 0:
+                k = self._fused_forwards // self.check_every % len(batch)
+                shadow = (k, batch[k].state.fork())
+        outs = self.model.forward_batch(work, logits="last")
         self.forwards += 1
         self.segments += len(batch)
         self.rows += sum(len(s.ids) for s in batch)
+        if shadow is not None:
+            self._check(batch, work, outs, *shadow)
         results = []
         for s, logits in zip(batch, outs):
             payloads = [(i, s.state.export_block(i)) for i in s.export]
             results.append(StepResult(logits, len(s.ids), payloads))
         return results
 
+    def _check(self, batch: list[_Step], work: list, outs: list[torch.Tensor], k: int, copy) -> None:
+        """Request ``k`` of the fused forward just run, again alone on ``copy`` (its state before
+        the step): the same logits bits, or :class:`FusedMismatch` (see the module docstring)."""
+        ids, _, embeds = work[k]
+        alone = self.model.forward_batch([(ids, copy, embeds)], logits="last")[0]
+        self.checks += 1
+        same = torch.equal(alone.contiguous().view(torch.uint8), outs[k].contiguous().view(torch.uint8))
+        if self.metrics is not None:
+            self.metrics.fused_checks.labels(outcome="same" if same else "differs").inc()
+        if same:
+            return
+        self.check_failures += 1
+        self.model.batch_invariant = False
+        rows = [len(s.ids) for s in batch]
+        log.error("fused_forward_differs", request=k, rows=rows, dtype=str(getattr(self.model, "dtype", "")))
+        raise FusedMismatch(f"a fused forward ({len(batch)} requests, rows {rows}) gave request {k} other logits "
+                            "than the same request alone; fusing is off on this worker from now on, retry")
 
-__all__ = ["StepResult", "Stepper"]
+
+__all__ = ["FusedMismatch", "StepResult", "Stepper"]

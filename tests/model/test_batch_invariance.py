@@ -212,7 +212,9 @@ def check_mix(tiny, reqs, budget, seed) -> None:
 
     async def run_all() -> list[list[torch.Tensor]]:
         pool = ThreadPoolExecutor(1)
-        stepper = Stepper(tiny, pool, max_batch_tokens=budget, block_size=BLOCK)
+        # every second fused forward also runs one request alone and compares: no false alarm here
+        stepper = Stepper(tiny, pool, max_batch_tokens=budget, block_size=BLOCK, check_every=2)
+        steppers.append(stepper)
 
         async def one(k: int, prompt, resume, max_tokens, priority, arrival):
             for _ in range(arrival * 4):               # arrive later: a few loop turns, a forward or so
@@ -244,7 +246,9 @@ def check_mix(tiny, reqs, budget, seed) -> None:
         finally:
             pool.shutdown()
 
+    steppers: list[Stepper] = []
     batched = asyncio.run(run_all())
+    assert steppers[0].check_failures == 0
     for (prompt, resume, max_tokens, _, _), got in zip(plans, batched):
         want = _alone(tiny, prompt, resume, max_tokens, cold_blocks)
         assert len(got) == len(want)
@@ -262,3 +266,36 @@ def test_two_intra_op_threads_turn_fusing_off(tiny) -> None:
             tiny.forward_batch([([1, 2], tiny.new_state(BLOCK)), ([3], tiny.new_state(BLOCK))])
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_fused_forward_that_differs_fails_its_step_and_fusing_stops(tiny, monkeypatch) -> None:
+    """The stepper's run-time check catches what the start-up probe missed (here an op scaled by
+    the forward's row count, patched in after the probe passed): the fused step's requests fail
+    with ``FusedMismatch``, ``on_mismatch`` hears of it once, and from then on each request runs
+    alone — and gets its exact logits."""
+    from worker.stepper import FusedMismatch
+    hidden = tiny._hidden
+    monkeypatch.setattr(tiny, "_hidden", lambda ids, batch, need: hidden(ids, batch, need) * (1 + 1e-3 * ids.numel()))
+    monkeypatch.setattr(tiny, "batch_invariant", True)
+    heard: list[str] = []
+
+    async def scenario():
+        pool = ThreadPoolExecutor(1)
+        st_ = Stepper(tiny, pool, max_batch_tokens=64, block_size=BLOCK, check_every=1, on_mismatch=heard.append)
+        states = [tiny.new_state(BLOCK, CAP) for _ in range(2)]
+        try:
+            assert st_.fused
+            first = await asyncio.gather(*(st_.decode(s, 7 + k, (0, k)) for k, s in enumerate(states)),
+                                         return_exceptions=True)
+            assert all(isinstance(r, FusedMismatch) for r in first), first
+            assert not st_.fused and st_.checks == 1 and st_.check_failures == 1 and len(heard) == 1
+            fresh = [tiny.new_state(BLOCK, CAP) for _ in range(2)]
+            return await asyncio.gather(*(st_.decode(s, 7 + k, (0, k)) for k, s in enumerate(fresh))), st_
+        finally:
+            pool.shutdown()
+
+    second, st_ = asyncio.run(scenario())
+    assert st_.forwards == 3 and st_.segments == 4          # the fused one, then one request per forward
+    for k, r in enumerate(second):
+        alone = tiny.forward_batch([([7 + k], tiny.new_state(BLOCK, CAP))])[0]
+        assert torch.equal(bits(r.logits), bits(alone))

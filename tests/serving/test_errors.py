@@ -200,3 +200,23 @@ async def test_an_engine_failure_is_a_500_without_details_and_the_worker_serves_
         monkeypatch.setattr(s.engine, "open", real_open)
         status, doc, _ = await s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
         assert status == 200 and s.scheduler.running == 0
+
+
+async def test_a_fused_forward_that_differed_is_a_503_to_retry(serve, monkeypatch) -> None:
+    """A step the run-time batch-invariance check failed (``worker.stepper.FusedMismatch``) is
+    not the client's fault and not a bug to hide: 503 ``unavailable`` with the reason, so a
+    gateway or client retries — on this worker, now one request per forward, or another."""
+    from worker.stepper import FusedMismatch
+    async with serve() as s:
+        real_open = s.engine.open
+
+        async def differed(*a, **kw):
+            raise FusedMismatch("a fused forward gave request 0 other logits than the same request alone; retry")
+
+        monkeypatch.setattr(s.engine, "open", differed)
+        status, doc, _ = await s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
+        e = err(doc)
+        assert status == 503 and e["code"] == "unavailable" and "retry" in e["message"]
+        monkeypatch.setattr(s.engine, "open", real_open)
+        status, doc, _ = await s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
+        assert status == 200 and s.scheduler.running == 0

@@ -293,3 +293,35 @@ async def test_release_waits_for_commits_instead_of_aborting_them(make_engine) -
         ready = [k for k, rep in twin.state.replicas.items() if rep.state is ReplicaState.READY]
         assert len(ready) == 12                                       # every commit landed
         assert (await e.generate(toks, max_tokens=1)).cached_tokens == 32
+
+
+async def test_a_fused_forward_that_differs_at_run_time_stops_fusing_and_drops_the_cache(
+        make_engine, reference, monkeypatch) -> None:
+    """The run-time check (``service.fused_check_every``): an op whose bits depend on the batch
+    after the start-up probe passed (here: the last hidden state scaled by the forward's row
+    count) is caught on the first fused forward it checks; that step's requests fail (retry),
+    fusing stops for good, and the worker drops its cache with a new epoch. Later requests are
+    served one per forward, exact again."""
+    from worker.stepper import FusedMismatch
+    toks = prompt(40, seed=51)
+    twin = InProcessCoordinator()
+    async with make_engine(twin, **{"service.fused_check_every": 1}) as e:
+        await e.generate(toks, max_tokens=1)
+        await e.flush()
+        assert e.stepper.fused and e.health().pool_used["compressed"] > 0
+        hidden = e.model._hidden
+        monkeypatch.setattr(e.model, "_hidden", lambda ids, batch, need: hidden(ids, batch, need) * (1 + 1e-3 * ids.numel()))
+        monkeypatch.setattr(e.model, "batch_invariant", True)      # restored afterwards
+        got = await asyncio.gather(*(e.generate(prompt(20, seed=60 + k), max_tokens=4) for k in range(3)),
+                                   return_exceptions=True)
+        assert any(isinstance(r, FusedMismatch) for r in got), got
+        assert not e.stepper.fused and e.stepper.check_failures == 1
+        assert e.metrics.value("kvl_worker_fused_checks_total", {"outcome": "differs"}) == 1
+        assert e.metrics.value("kvl_worker_batch_invariant") == 0
+        await until(lambda: e.registered and e.epoch == 2 and not e.degraded)
+        assert e.health().pool_used["compressed"] == 0            # what it made fused is gone
+        monkeypatch.setattr(e.model, "_hidden", hidden)
+        cold = await reference(**{"service.fused_check_every": 1}).generate(toks, max_tokens=2)
+        again = await asyncio.gather(*(e.generate(toks, max_tokens=2) for _ in range(2)))
+        assert all(same(cold, r) and r.epoch == 2 for r in again)
+        assert not e.stepper.fused and e.stepper.check_failures == 1    # off for good, whatever re-probes the model
