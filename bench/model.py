@@ -261,6 +261,28 @@ def main(argv: list[str] | None = None) -> dict:
         batch_identical &= torch.equal(alone, outs[-1])
         batch_ms[B] = statistics.median(times)
 
+    # The run-time check (service.fused_check_every, worker.stepper): one check is a copy of one
+    # request's state and that request's forward alone, against the fused forward it checks.
+    check = {}
+    if batch_ms:
+        from shared.config import ServiceConfig
+        every = ServiceConfig().fused_check_every
+        states = [model.new_state(bs, capacity) for _ in range(8)]
+        for st in states:
+            model.prefill(prompt[:256], st, logits="last")
+        fused_ms, check_ms = [], []
+        for k in range(5 if args.quick else 15):
+            fork_t, _, copy = _timed(lambda k=k: states[k % 8].fork())
+            alone_t, _, _ = _timed(lambda copy=copy, k=k: model.forward_batch([([k], copy)]))
+            check_ms.append(fork_t + alone_t)
+            fused_ms.append(_timed(lambda k=k: model.forward_batch([([k], st) for st in states]))[0])
+        check = {"fused_check_ms": round(statistics.median(check_ms), 2),
+                 "fused_forward_ms_batch8": round(statistics.median(fused_ms), 2),
+                 "fused_check_every": every,
+                 # the share of decode time the check adds at that rate, 8 requests per forward
+                 "fused_check_overhead": round(statistics.median(check_ms) / (every * statistics.median(fused_ms)), 4)
+                 if every else 0.0}
+
     # What invariance costs one request alone: the same cold prefill + decode with plain ops.
     from kernels.invariant import plain_ops
 
@@ -318,6 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
             "decode_tokens_per_s_batch32_vs_batch1": round(32 * batch_ms[1] / batch_ms[32], 2),
             "batched_bit_identical": bool(batch_identical)} if batch_ms else
            {"batching": "off: " + "; ".join(invariance_failures)}),
+        **check,
         "device": args.device,
         "batch_invariant_slowdown": round(statistics.median(inv_ms) / statistics.median(plain_ms), 3),
         # cache.dtype: bytes per block against float32 storage (goal for fp8: <= 0.27, scales
