@@ -186,37 +186,32 @@ async def test_no_5xx_for_a_barrage_of_bad_input(serve) -> None:
                     err(doc)
 
 
-async def test_an_engine_failure_is_a_500_without_details_and_the_worker_serves_on(serve, monkeypatch) -> None:
+def _fused_mismatch() -> Exception:
+    from worker.stepper import FusedMismatch
+    return FusedMismatch("a fused forward gave request 0 other logits than the same request alone; retry")
+
+
+@pytest.mark.parametrize("failure, status, code, shown", [
+    # a bug: 500, its details logged, never sent
+    (lambda: RuntimeError("a bug, with details the client must not see"), 500, "internal_error", None),
+    # a step the run-time batch-invariance check failed: not the client's fault and not a bug to
+    # hide — 503 with the reason, so a gateway or client retries (this worker now runs one request
+    # per forward, exact again)
+    (_fused_mismatch, 503, "unavailable", "retry"),
+], ids=["bug", "fused-mismatch"])
+async def test_an_engine_failure_is_answered_by_kind_and_the_worker_serves_on(serve, monkeypatch, failure, status,
+                                                                              code, shown) -> None:
     async with serve() as s:
         real_open = s.engine.open
 
         async def broken(*a, **kw):
-            raise RuntimeError("a bug, with details the client must not see")
+            raise failure()
 
         monkeypatch.setattr(s.engine, "open", broken)
-        status, doc, _ = await s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
+        got, doc, _ = await s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
         e = err(doc)
-        assert status == 500 and e["code"] == "internal_error" and "details" not in e["message"]
+        assert got == status and e["code"] == code and "details" not in e["message"]
+        assert shown is None or shown in e["message"]
         monkeypatch.setattr(s.engine, "open", real_open)
-        status, doc, _ = await s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
-        assert status == 200 and s.scheduler.running == 0
-
-
-async def test_a_fused_forward_that_differed_is_a_503_to_retry(serve, monkeypatch) -> None:
-    """A step the run-time batch-invariance check failed (``worker.stepper.FusedMismatch``) is
-    not the client's fault and not a bug to hide: 503 ``unavailable`` with the reason, so a
-    gateway or client retries — on this worker, now one request per forward, or another."""
-    from worker.stepper import FusedMismatch
-    async with serve() as s:
-        real_open = s.engine.open
-
-        async def differed(*a, **kw):
-            raise FusedMismatch("a fused forward gave request 0 other logits than the same request alone; retry")
-
-        monkeypatch.setattr(s.engine, "open", differed)
-        status, doc, _ = await s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
-        e = err(doc)
-        assert status == 503 and e["code"] == "unavailable" and "retry" in e["message"]
-        monkeypatch.setattr(s.engine, "open", real_open)
-        status, doc, _ = await s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
-        assert status == 200 and s.scheduler.running == 0
+        got, doc, _ = await s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
+        assert got == 200 and s.scheduler.running == 0
