@@ -447,7 +447,6 @@ class Scheduler:
             raise
         except FusedMismatch as e:
             # not this request's fault nor a bug here: the worker stopped fusing; a retry is exact
-            reason = "error"
             job._events.put_nowait(SchedulerError(str(e)))
         except Exception as e:  # noqa: BLE001 - reported to the caller, logged with its traceback
             log.error("request_failed", job=job.id, error=type(e).__name__, exc_info=True)
