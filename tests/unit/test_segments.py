@@ -203,3 +203,64 @@ def test_the_gc_names_a_block_only_with_the_segment_of_its_current_record(tmp_pa
     # first writer owns it), and w2's GC would leave it READY when deleting its own copy
     Tiers(host_bytes=0, disk_root=tmp_path, writer="w2", segment_bytes=2000).disk_write_many([block(1)])
     assert {p.name: sorted(m.block_hash for m in ms) for p, _, ms in tiers.disk_collectable()} == named
+
+
+def _slots(n: int, size: int = 1000) -> list:
+    """``n`` ALIGN-aligned flat uint8 destinations (as pool slots are), filled with a marker."""
+    import torch
+    whole = torch.full((n * 1024 + ALIGN,), 0xEE, dtype=torch.uint8)
+    skew = (-whole.data_ptr()) % ALIGN
+    return [whole[skew + k * 1024:skew + k * 1024 + size] for k in range(n)]
+
+
+def test_a_run_with_destinations_is_one_scatter_read_straight_into_them(tmp_path, monkeypatch) -> None:
+    w = SegmentWriter(tmp_path, "w1", segment_bytes=1 << 20)
+    write(w, range(5))
+    calls = []
+    real = os.preadv
+    monkeypatch.setattr(sg.os, "preadv", lambda fd, bufs, at: calls.append(len(bufs)) or real(fd, bufs, at))
+    dests = _slots(5)
+    order = [3, 0, 1, 2, 4]
+    found = SegmentIndex(tmp_path).read_many([key(i) for i in order], dests)
+    assert [f.data.data_ptr() for f in found] == [d.data_ptr() for d in dests]      # landed in place
+    assert [bytes(d.numpy()) for d in dests] == [payload(i) for i in order]
+    assert len(calls) == 1 and calls[0] == 5 * 2 + 4       # header + payload each, padding between
+
+
+def test_a_run_lacking_a_fitting_destination_reads_into_a_buffer_of_its_own(tmp_path) -> None:
+    w = SegmentWriter(tmp_path, "w1", segment_bytes=1 << 20)
+    write(w, range(3))
+    for dests in (_slots(3)[:2] + [None], _slots(3, size=999) + [],
+                  [d[1:] for d in _slots(3, size=1001)]):        # one missing, wrong length, misaligned
+        dests = (dests + [None] * 3)[:3]
+        found = SegmentIndex(tmp_path).read_many([key(i) for i in range(3)], dests)
+        assert [bytes(f.data.numpy()) for f in found] == [payload(i) for i in range(3)]
+        assert all(d is None or f.data.data_ptr() != d.data_ptr() for f, d in zip(found, dests))
+
+
+def test_damage_after_the_scan_is_found_by_a_scatter_read_too(tmp_path) -> None:
+    w = SegmentWriter(tmp_path, "w1", segment_bytes=1 << 20)
+    recs = write(w, range(4))
+    idx = SegmentIndex(tmp_path)
+    idx.refresh()                                   # indexed whole, damaged afterwards
+    flip_header(recs[1])
+    flip_payload(recs[2])
+    cut_inside(recs[3])
+    found = idx.read_many([key(i) for i in range(4)], _slots(4))
+    assert found[0].data is not None and bytes(found[0].data.numpy()) == payload(0)
+    assert "fails its CRC" in found[1].damage
+    assert not found[2].damage and checksum(memoryview(found[2].data.numpy())) != recs[2].header.checksum
+    assert "ends inside the record" in found[3].damage
+
+
+def test_a_long_run_is_split_under_the_iovec_limit(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(sg, "_IOV_RECORDS", 4)
+    w = SegmentWriter(tmp_path, "w1", segment_bytes=1 << 20)
+    write(w, range(10), n=64)
+    calls = []
+    real = os.preadv
+    monkeypatch.setattr(sg.os, "preadv", lambda fd, bufs, at: calls.append(len(bufs)) or real(fd, bufs, at))
+    dests = _slots(10, size=64)
+    found = SegmentIndex(tmp_path).read_many([key(i) for i in range(10)], dests)
+    assert [bytes(f.data.numpy()) for f in found] == [payload(i, 64) for i in range(10)]
+    assert len(calls) == 3 and all(f.data.data_ptr() == d.data_ptr() for f, d in zip(found, dests))

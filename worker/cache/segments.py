@@ -25,7 +25,10 @@ and looks again on the next refresh.
 
 Reads: :meth:`SegmentIndex.read_many` groups the records a resume wants by segment and reads
 each contiguous run with one ``pread`` into an aligned buffer (blocks offloaded together lie
-together); payloads are views of that buffer.
+together); payloads are views of that buffer. A caller that already holds the memory a payload
+is going to (a pool slot the write grant reserved) passes it as ``into``: the run is then one
+scatter ``preadv`` — headers into a scratch buffer, each payload straight into its destination —
+so the bytes cross memory once and land in memory that is already faulted in.
 
 Segments are deleted whole (:meth:`SegmentWriter.delete`), by their writer, once the ledger has
 evicted every replica they hold (the engine's garbage collector).
@@ -364,8 +367,14 @@ class SegmentIndex:
         finally:
             os.close(fd)
 
-    def read_many(self, keys: Sequence[RecordKey]) -> list[Found]:
-        """Each key's record and payload, reading every contiguous run of records once."""
+    def read_many(self, keys: Sequence[RecordKey],
+                  into: Sequence[torch.Tensor | None] | None = None) -> list[Found]:
+        """Each key's record and payload, reading every contiguous run of records once.
+
+        ``into[i]`` (optional, a flat uint8 CPU tensor) is where key ``i``'s payload should land.
+        It is used when the record's length matches and the tensor is ALIGN-aligned and every
+        record of its run has such a destination; the caller sees which by ``Found.data`` being
+        that tensor (same ``data_ptr``) or a view of a buffer of the read's own."""
         wanted = [key_of(k) for k in keys]
         if any(k not in self._by_key for k in wanted):
             self.refresh()
@@ -399,7 +408,11 @@ class SegmentIndex:
                         run.append(i)
                         continue
                     if run:
-                        _read_run(fd, [recs[j] for j in run], run, out)  # type: ignore[misc]
+                        dests = [into[j] for j in run] if into is not None else None
+                        if dests is not None and _fits(dests, [recs[j] for j in run]):  # type: ignore[misc]
+                            _scatter_run(fd, [recs[j] for j in run], run, out, dests)   # type: ignore[misc,arg-type]
+                        else:
+                            _read_run(fd, [recs[j] for j in run], run, out)  # type: ignore[misc]
                     run = [i] if r is not None else []
             finally:
                 os.close(fd)
@@ -486,18 +499,84 @@ def _read_run(fd: int, run: list[Record], idx: list[int], out: list[Found | None
     raw = memoryview(buf.numpy())
     for i, r in zip(idx, run):
         if r.end - lo > n:
-            out[i] = Found(r, damage=f"segment {r.path.name} ends inside the record at {r.start} "
-                                     f"(truncated after it was indexed)")
-            continue
-        # NOTE: the header is re-checked on every read (it came with the run anyway): bytes that
-        # changed on disk since the scan are damage, not a record to trust from memory
-        magic, hlen, crc = _PREFIX.unpack_from(raw, r.start - lo)
-        body = raw[r.start - lo + _PREFIX.size:r.payload - lo]
-        if magic != MAGIC or hlen != len(body) or zlib.crc32(body) != crc:
-            out[i] = Found(r, damage=f"the header of the record at {r.start} of segment {r.path.name} fails its "
-                                     f"CRC (damaged since it was indexed)")
+            out[i] = _truncated(r)
+        elif (bad := _header_damage(raw[r.start - lo:r.payload - lo], r)) is not None:
+            out[i] = bad
         else:
             out[i] = Found(r, buf[r.payload - lo:r.end - lo])
+
+
+def _truncated(r: Record) -> Found:
+    return Found(r, damage=f"segment {r.path.name} ends inside the record at {r.start} "
+                           f"(truncated after it was indexed)")
+
+
+def _header_damage(head: memoryview, r: Record) -> Found | None:
+    """``head`` (the record's bytes before its payload) re-checked: None when whole.
+
+    NOTE: the header is re-checked on every read (it came with the run anyway): bytes that
+    changed on disk since the scan are damage, not a record to trust from memory."""
+    magic, hlen, crc = _PREFIX.unpack_from(head, 0)
+    body = head[_PREFIX.size:]
+    if magic != MAGIC or hlen != len(body) or zlib.crc32(body) != crc:
+        return Found(r, damage=f"the header of the record at {r.start} of segment {r.path.name} fails its "
+                               f"CRC (damaged since it was indexed)")
+    return None
+
+
+#: iovecs per ``preadv`` (Linux's IOV_MAX is 1024); a record takes up to three.
+_IOV_RECORDS = 300
+
+
+def _fits(dests: Sequence[torch.Tensor | None], run: Sequence[Record]) -> bool:
+    """Whether every record of ``run`` can be read straight into its destination."""
+    prev_end = None
+    for d, r in zip(dests, run):
+        if (d is None or d.dtype is not torch.uint8 or d.device.type != "cpu" or not d.is_contiguous()
+                or d.numel() != r.end - r.payload or d.data_ptr() % ALIGN):
+            return False
+        if prev_end is not None and r.start < prev_end:
+            return False                                    # overlapping records: not a plain run
+        prev_end = r.end
+    return True
+
+
+def _scatter_run(fd: int, run: list[Record], idx: list[int], out: list[Found | None],
+                 dests: list[torch.Tensor]) -> None:
+    """Records that lie back to back, read with scatter ``preadv``s: each payload into its
+    destination, headers and padding into one scratch buffer, then each header re-checked."""
+    for k in range(0, len(run), _IOV_RECORDS):
+        part, part_idx, part_dests = run[k:k + _IOV_RECORDS], idx[k:k + _IOV_RECORDS], dests[k:k + _IOV_RECORDS]
+        lo = part[0].start
+        scratch = bytearray(sum(r.payload - r.start for r in part)
+                            + sum(b.start - a.end for a, b in zip(part, part[1:])))
+        sv = memoryview(scratch)
+        iov: list[memoryview] = []
+        heads: list[memoryview] = []
+        at, prev_end = 0, None
+        for r, d in zip(part, part_dests):
+            if prev_end is not None and r.start > prev_end:       # padding between records
+                iov.append(sv[at:at + r.start - prev_end])
+                at += r.start - prev_end
+            head = sv[at:at + r.payload - r.start]
+            at += r.payload - r.start
+            heads.append(head)
+            iov.append(head)
+            iov.append(memoryview(d.numpy()))
+            prev_end = r.end
+        try:
+            n = os.preadv(fd, iov, lo)
+        except OSError as e:
+            for i, r in zip(part_idx, part):
+                out[i] = Found(r, unavailable=f"offload read failed ({_errno_name(e)}): {e.strerror}")
+            continue
+        for i, r, d, head in zip(part_idx, part, part_dests, heads):
+            if r.end - lo > n:
+                out[i] = _truncated(r)
+            elif (bad := _header_damage(head, r)) is not None:
+                out[i] = bad
+            else:
+                out[i] = Found(r, d)
 
 
 __all__ = ["ALIGN", "Found", "Record", "RecordHeader", "SegmentIndex", "SegmentWriter", "encode_header", "key_of"]

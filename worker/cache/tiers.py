@@ -234,9 +234,13 @@ class Tiers:
         self.disk_down_reason = ""
         return [r.header.checksum for r in records]
 
-    def disk_read_many(self, wants: Sequence[BlockMeta]) -> list[DiskRead]:
+    def disk_read_many(self, wants: Sequence[BlockMeta],
+                       into: Sequence[torch.Tensor | None] | None = None) -> list[DiskRead]:
         """Read blocks (blocking), one read per contiguous run of records, and report what each
         record says about itself.
+
+        ``into`` optionally names where each payload should land (a reserved pool slot, see
+        :meth:`SegmentIndex.read_many`); ``DiskRead.data`` is that tensor when it did.
 
         ``want`` names the record (tenant, namespace, block, form; the spec digest the running
         model expects) and supplies the chain facts a record does not store (parent, span):
@@ -247,7 +251,7 @@ class Tiers:
             # NOTE: a BlockMeta names its record as it is: the index is a dict by these fields (none
             # of them is a path any more), so a BlockKey per want, each field regex-checked, only
             # cost time (~5 us a record, a quarter of a tiny block's reload)
-            found = self._index.read_many(wants)
+            found = self._index.read_many(wants, into)
         except of.OffloadUnavailable as e:
             return [DiskRead(Observed(None), None, unavailable=str(e)) for _ in wants]
         return [self._observe(w, f) for w, f in zip(wants, found)]
