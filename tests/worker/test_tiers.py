@@ -183,6 +183,39 @@ def test_store_keeps_storage_and_bumps_generations() -> None:
     assert isinstance(store.pools, PoolSet)
 
 
+def test_a_disk_reload_lands_in_a_reserved_slot_that_is_invisible_until_installed(tmp_path) -> None:
+    from shared.forms import FormCatalogue
+    cat = FormCatalogue(model_id="m", block_size=16, forms=(
+        FormSpec(name="compressed", scope=FormScope.FULL_HISTORY, bytes_per_block=256, dtype="uint8"),))
+    store = CacheStore(cat, {"compressed": 3}, torch.device("cpu"))
+    t = Tiers(0, tmp_path / "off", writer="w1")
+    metas = [_meta(i, _data(i)) for i in range(2)]
+    t.disk_write_many([(m, _data(i)) for i, m in enumerate(metas)])
+    slots = [store.reserve("compressed", m.block_hash) for m in metas]
+    assert all(r is not None for r in slots)
+    assert store.reserve("compressed", metas[0].block_hash) is None     # the block has a slot already
+    reads = t.disk_read_many(metas, [r.view for r in slots])
+    assert [r.data.data_ptr() for r in reads] == [s.view.data_ptr() for s in slots]
+    assert all(r.observed.checksum() == m.checksum for r, m in zip(reads, metas))
+    # reserved: no hit, no meta, nothing to offload; the pool counts the slot as used
+    assert store.lookup("compressed", metas[0].block_hash) is None
+    assert store.observe("compressed", metas[0].block_hash)[0].meta is None
+    assert list(store.items()) == [] and store.usage()["compressed"] == (2, 3)
+    full = store.install_reserved(metas[0], slots[0])
+    assert full is not None and full.generation == slots[0].generation
+    assert store.observe("compressed", metas[0].block_hash)[0].checksum() == metas[0].checksum
+    assert store.install_reserved(metas[0], slots[0]) is None           # once
+    store.release(slots[1])
+    assert store.usage()["compressed"] == (1, 3) and store.install_reserved(metas[1], slots[1]) is None
+    # a new epoch frees every slot; a reservation taken before it is lost, even if the slot comes back
+    again = store.reserve("compressed", metas[1].block_hash)
+    store.clear()
+    other = store.install(_meta(5, _data(5)), _data(5))
+    assert not store.holds(again) and store.install_reserved(metas[1], again) is None
+    store.release(again)                                                # a lost one is left alone
+    assert store.lookup("compressed", other.block_hash) is not None
+
+
 def test_a_block_queued_again_is_written_again(tmp_path) -> None:
     """A host victim waiting only for its eviction (its disk copy handled) that is queued anew —
     straight from the GPU, or as a new host-tier victim — needs its disk write again."""

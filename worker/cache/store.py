@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -33,6 +34,20 @@ def bytes_checksum(t: torch.Tensor) -> str:
     if b.device.type != "cpu":
         b = b.cpu()
     return checksum(memoryview(b.numpy()))
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A slot taken for one block before its bytes are known good (a disk reload reads straight
+    into it): not READY, so no lookup finds it, and no meta, so nothing offloads it. ``view`` is
+    the slot's memory. Whoever holds one either installs it (:meth:`CacheStore.install_reserved`)
+    or releases it; either way the generation says whether the slot is still this one."""
+
+    form: str
+    block_hash: str
+    slot: int
+    generation: int
+    view: torch.Tensor
 
 
 class CacheStore:
@@ -139,6 +154,44 @@ class CacheStore:
         self._touch(meta.form, slot)
         return full
 
+    def reserve(self, form: str, block_hash: str) -> Reservation | None:
+        """A free slot for ``block_hash`` of ``form`` to read its bytes into (see
+        :class:`Reservation`); None when the block already has a slot here or none is free (the
+        caller reads into memory of its own, as before)."""
+        pool = self.pools[form]
+        if pool.storage.device.type != "cpu" or pool.lookup(block_hash) is not None:
+            return None
+        try:
+            slot, gen = pool.allocate(block_hash)
+        except PoolExhausted:
+            return None
+        return Reservation(form, block_hash, slot, gen, pool.view(slot))
+
+    def holds(self, r: Reservation) -> bool:
+        """Whether ``r``'s slot is still the one reserved: not freed and taken again since (an
+        epoch's :meth:`clear`, or another install of the same block, frees it). While this holds,
+        nothing but the reservation's holder has written the slot."""
+        info = self.pools[r.form].table.get(r.slot)
+        return info is not None and info.generation == r.generation and not info.ready
+
+    def install_reserved(self, meta: BlockMeta, r: Reservation) -> BlockMeta | None:
+        """Make the reserved slot READY as ``meta``'s replica, its bytes already in place; None
+        (nothing changed) when the reservation was lost."""
+        if not self.holds(r) or meta.form != r.form or meta.block_hash != r.block_hash:
+            return None
+        info = self.pools[r.form].table[r.slot]
+        info.ready = True
+        info.checksum = meta.checksum
+        full = meta.at_generation(r.generation)
+        self._meta[(r.form, r.slot)] = full
+        self._touch(r.form, r.slot)
+        return full
+
+    def release(self, r: Reservation) -> None:
+        """Give a reserved slot back (idempotent; a lost reservation is left alone)."""
+        if self.holds(r):
+            self._free(r.form, r.slot)
+
     def drop(self, form: str, block_hash: str, generation: int | None = None) -> tuple[BlockMeta, torch.Tensor] | None:
         """Free the slot of ``form``/``block_hash`` (only at ``generation`` if given).
 
@@ -209,4 +262,4 @@ class CacheStore:
         self._lru[form].pop(slot, None)
 
 
-__all__ = ["CacheStore", "PoolExhausted", "as_bytes", "bytes_checksum"]
+__all__ = ["CacheStore", "PoolExhausted", "Reservation", "as_bytes", "bytes_checksum"]
