@@ -69,7 +69,7 @@ from shared.tenants import salt_secret, tenant_salt
 from worker.cache import offload_key as of
 from worker.cache.planner import BlockMeta, Switches
 from worker.cache.pools import PoolExhausted
-from worker.cache.store import CacheStore
+from worker.cache.store import CacheStore, Reservation
 from worker.cache.tiers import Tiers
 from worker.client import CoordinatorClient, CoordinatorRefused, CoordinatorUnavailable
 from worker.generation import SamplingParams, generate
@@ -632,13 +632,24 @@ class Engine:
         self.metrics.transitions.labels(kind=kind).inc()
         return ev.seq
 
-    def commit(self, meta: BlockMeta, data: torch.Tensor, *, lease_id: str) -> int:
-        """Fill a granted GPU slot with ``data`` and commit it (ALLOCATED→READY)."""
+    def commit(self, meta: BlockMeta, data: torch.Tensor | Reservation, *, lease_id: str) -> int:
+        """Fill a granted GPU slot with ``data`` and commit it (ALLOCATED→READY); ``data`` may be
+        a slot reserved earlier that already holds the bytes (a disk reload read into it)."""
         assert self.store is not None
         if self.publisher is not None and self.publisher.full:
             # NOTE: no slot without its commit event: the ledger must hear of every READY slot.
             self._outbox_overflow()
+            if isinstance(data, Reservation):
+                self.store.release(data)
             return 0
+        if isinstance(data, Reservation):
+            full = self.store.install_reserved(meta, data)
+            if full is None:
+                # the slot was freed since (a new epoch, or the same block installed by another
+                # request): what it holds now is not ours to commit
+                return self._emit(meta, self.gpu, R.ALLOCATED, R.EVICTED, 0, kind="abort", lease_id=lease_id,
+                                  reason="reserved slot lost")
+            return self._emit(full, self.gpu, R.ALLOCATED, R.READY, full.generation, kind="commit", lease_id=lease_id)
         try:
             full = self._install(meta, data)
         except PoolExhausted as e:

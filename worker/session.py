@@ -85,7 +85,7 @@ from worker.cache.planner import (
     resume_cap,
     validate,
 )
-from worker.cache.store import as_bytes, bytes_checksum
+from worker.cache.store import Reservation, as_bytes, bytes_checksum
 from worker.client import CoordinatorRefused, CoordinatorUnavailable
 from worker.model.state import BlockPayload
 from worker.model.vision import PromptEmbeds, encode_images
@@ -218,8 +218,12 @@ class Session:
         self.timings: dict[str, float] = {}
         self._fresh: asyncio.Future | None = None
         self._speculated = False
-        #: ``(meta, bytes)`` to install and commit once the model is busy again (or at close).
-        self._pending: list[tuple[BlockMeta, torch.Tensor]] = []
+        #: ``(meta, bytes)`` to install and commit once the model is busy again (or at close);
+        #: the bytes of a disk reload read straight into a slot are that slot's reservation.
+        self._pending: list[tuple[BlockMeta, torch.Tensor | Reservation]] = []
+        #: Slots reserved for granted disk reloads (the read lands in them), until committed or
+        #: released; ``found[need].data`` is the slot's memory.
+        self._reserved: dict[Need, Reservation] = {}
         self._outcomes: dict[tuple[str, str], int] = {}
         #: A fork (a copy of another session's state after its prompt, ``n`` > 1 samples) holds
         #: no lease of its own and caches only its reply's blocks, under a lease taken at close:
@@ -569,10 +573,17 @@ class Session:
                 self.fallback("disk_unavailable")
             else:
                 wants = [self._meta(need, ref) for need, ref in disk]
+                slots = self._reserve(disk)
+                into = [res.view if res is not None else None for res in slots]
                 t0 = time.perf_counter()
-                reads = await e.io(lambda: e.tiers.disk_read_many(wants))
+                reads = await e.io(lambda: e.tiers.disk_read_many(wants, into))
                 e.metrics.reload_seconds.labels(tier="disk").observe(time.perf_counter() - t0)
-                for (need, ref), r in zip(disk, reads):
+                for (need, ref), r, res in zip(disk, reads, slots):
+                    if res is not None:
+                        if r.data is not None and r.data.data_ptr() == res.view.data_ptr():
+                            self._reserved[need] = res
+                        else:
+                            e.store.release(res)        # read elsewhere (or not at all)
                     if r.unavailable:
                         e.tiers.mark_disk_down(r.unavailable)
                         e.metrics.tier_unavailable.labels(tier="disk").inc()
@@ -581,8 +592,12 @@ class Session:
                     if fast_reload.get(ref.form) and all_pass(ref, need[0], r.observed, expect, reload=True):
                         self.found[need] = _Found(r.data, ref)
                         shortcut += 1
-                    else:
-                        failed += not self._judge(need, ref, r.observed, r.data, expect, reload=True)
+                    elif not self._judge(need, ref, r.observed, r.data, expect, reload=True):
+                        failed += 1
+                        self._unreserve(need)
+                for need, _ in disk:
+                    if need not in self.found:
+                        self._unreserve(need)
         if shortcut:
             for layer, outcome in ALL_PASS:
                 key = (layer.value, outcome)
@@ -591,6 +606,26 @@ class Session:
             e.metrics.validations.labels(layer=layer, outcome=outcome).inc(n)
         self._spent("validate", t_start)
         return failed
+
+    def _reserve(self, disk: list[tuple[Need, ReplicaRef]]) -> list[Reservation | None]:
+        """A pool slot for each disk reload this lease also granted as a GPU write, to read the
+        bytes straight into (validated there, then installed without a copy); None where there
+        is no grant or no free slot (the read lands in memory of its own, as before)."""
+        e = self.engine
+        granted = self.main.write if self.main is not None else {}
+        if not granted:
+            return [None] * len(disk)
+        return [e.store.reserve(need[1], ref.block_hash) if need[0] in granted.get(need[1], ()) else None
+                for need, ref in disk]
+
+    def _unreserve(self, need: Need) -> None:
+        res = self._reserved.pop(need, None)
+        if res is not None:
+            self.engine.store.release(res)
+
+    def _release_reservations(self) -> None:
+        for need in list(self._reserved):
+            self._unreserve(need)
 
     def _judge(self, need: Need, ref: ReplicaRef, obs, data, expect: Expect, *, reload: bool) -> bool:
         e = self.engine
@@ -638,15 +673,26 @@ class Session:
             return fresh
 
         try:
-            self.state = await e.compute(work)
+            restored = await e.compute(work)
         except (ValueError, RuntimeError) as err:
             # Validated bytes the model still refuses (a model-side check we do not mirror):
             # never guess — start from a fresh state and recompute everything.
             e.log.error("restore failed; recomputing the whole prompt", error=str(err)[:300])
             self.fallback("restore_failed")
+            self._release_reservations()
             self._build_state(None)
             self._spent("restore", t0)
             return
+        if not all(e.store.holds(res) for need, res in self._reserved.items() if need in want):
+            # A slot read into was freed and taken again while the model read it (a new epoch):
+            # what the restore read may not be what was validated. Recompute instead.
+            e.log.warning("a reserved reload slot was recycled during the restore; recomputing the prompt")
+            self.fallback("reload_slot_lost")
+            self._release_reservations()
+            self._build_state(None)
+            self._spent("restore", t0)
+            return
+        self.state = restored
         self._spent("restore", t0)
         self.resume_blocks = p
         # Reloaded replicas become GPU replicas where the lease granted the slot (committed
@@ -660,7 +706,8 @@ class Session:
             self.reloaded[tier] = self.reloaded.get(tier, 0) + 1
             e.metrics.reloaded_bytes.labels(tier=tier).inc(f.data.numel())
             if need[0] in granted.get(need[1], ()):
-                self._pending.append((self._meta(need, f.ref), f.data))
+                self._pending.append((self._meta(need, f.ref), self._reserved.pop(need, None) or f.data))
+        self._release_reservations()        # read but past the resume point: not needed
 
     def fork(self, state) -> Session:
         """Another sample of this prompt: a session at the end of the prompt holding ``state``
@@ -770,13 +817,18 @@ class Session:
         if lease is not None and self.epoch == e.epoch:
             for meta, data in pending:
                 if not meta.checksum:
+                    assert not isinstance(data, Reservation), "a reload carries its record's checksum"
                     meta = msgspec.structs.replace(meta, checksum=bytes_checksum(data))
                 seq = e.commit(meta, data, lease_id=lease.lease_id)
                 if seq:
                     self.last_seq = max(self.last_seq, seq)
                     self.commits += 1
             e.committed()
-        # else: the epoch that holds the lease is gone: its writes were fenced
+        else:
+            # the epoch that holds the lease is gone: its writes were fenced
+            for _, data in pending:
+                if isinstance(data, Reservation):
+                    e.store.release(data)
         self._spent("commit", t0)
 
     async def decode(self, token: int) -> torch.Tensor:
@@ -867,6 +919,7 @@ class Session:
         settled = True
         with tracing.span("worker.commit") as sp:
             self._commit_pending()
+            self._release_reservations()    # a request that ended before its restore
             try:
                 await self._commit_reply()
             except (CoordinatorRefused, CoordinatorUnavailable, ValueError) as err:

@@ -69,14 +69,23 @@ async def test_host_then_disk_then_reload_in_another_worker(make_engine, referen
             for r in recs:
                 (flip_header if how == "header" else flip_payload)(r)
             damaged[how] = p
+        in_place = []                   # reloads read straight into the slot their grant reserved
+        install_reserved = b.store.install_reserved
+        b.store.install_reserved = lambda m, res: in_place.append(m.form) or install_reserved(m, res)
+
+        def reserved_left() -> int:     # slots taken but neither installed nor given back
+            return sum(not i.ready for pool in b.store.pools.pools.values() for i in pool.table.values())
+
         r = await b.generate(p1, max_tokens=2)
         assert r.reloaded.get("disk", 0) > 0 and r.cached_tokens > 0 and r.invalid == []
         assert same(r, await reference().generate(p1, max_tokens=2))
+        assert in_place and reserved_left() == 0
         for how, p in damaged.items():
             r = await b.generate(p, max_tokens=2)
             assert same(r, await reference().generate(p, max_tokens=2)), how
             layer = "integrity:" if how == "payload" else "presence:"
             assert r.invalid and all(x.startswith(layer) for x in r.invalid), (how, r.invalid)
+            assert reserved_left() == 0, how   # a slot read into and found damaged is given back
         assert b.tiers.disk_index_skipped >= 1
         v = b.metrics.value
         assert v("kvl_worker_reload_failures_total", {"tier": "disk", "reason": "integrity"}) >= 2
@@ -86,6 +95,28 @@ async def test_host_then_disk_then_reload_in_another_worker(make_engine, referen
         # reloaded replicas became wb's GPU replicas; the damaged files' replicas are INVALID
         assert any(k[2] == "gpu:wb" and rep.state is ReplicaState.READY for k, rep in states.items())
         assert any(k[2] == "disk" and rep.state is ReplicaState.INVALID for k, rep in states.items())
+
+
+async def test_a_reload_slot_recycled_during_the_restore_means_recompute(make_engine, reference, tmp_path) -> None:
+    """A disk reload lands in a slot its grant reserved and the model restores from that slot. If
+    the slot is freed while the model reads it (a new epoch clears the pools), what the restore
+    read may not be what was validated: the request recomputes its prompt instead."""
+    p1 = prompt(100, seed=50)
+    twin = InProcessCoordinator()
+    await _fill_disk(make_engine, twin, [p1])
+    async with make_engine(twin, worker_id="wb", **SMALL) as b:
+        compute = b.compute
+
+        async def clear_first(fn):
+            b.compute = compute
+            b.store.clear()             # what a new epoch does to every slot, reserved ones too
+            return await compute(fn)
+
+        b.compute = clear_first
+        r = await b.generate(p1, max_tokens=2)
+        assert "reload_slot_lost" in r.fallbacks and r.cached_tokens == 0
+        assert same(r, await reference().generate(p1, max_tokens=2))
+        assert all(i.ready for pool in b.store.pools.pools.values() for i in pool.table.values())
 
 
 def test_core_accepts_offload_of_lru_victims() -> None:
