@@ -3,6 +3,7 @@ validates, over many seeds; ``json_object`` gives an object; reuse changes no by
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import jsonschema
@@ -19,17 +20,20 @@ ASK = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
 async def test_json_schema_outputs_parse_and_validate_for_every_seed(serve) -> None:
+    """16 seeds at once (the scheduler fuses their decode steps; each keeps its own bits)."""
     async with serve() as s:
         c = s.client()
-        for seed in range(16):
-            r = await c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=120, temperature=1.0,
-                                                seed=seed, response_format=FORMAT)
+
+        def ask(seed: int):
+            return c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=120, temperature=1.0,
+                                             seed=seed, response_format=FORMAT)
+        rs = await asyncio.gather(*(ask(seed) for seed in range(16)))
+        for r in rs:
             assert r.choices[0].finish_reason == "stop", r.choices[0]
             jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
-        # a seed reproduces its document
-        again = await c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=120, temperature=1.0,
-                                                seed=15, response_format=FORMAT)
-        assert again.choices[0].message.content == r.choices[0].message.content
+        # a seed reproduces its document, alone as in company
+        again = await ask(15)
+        assert again.choices[0].message.content == rs[15].choices[0].message.content
 
 
 async def test_json_object_streamed_and_on_completions_and_reuse_is_invisible(serve) -> None:
@@ -69,7 +73,8 @@ async def test_structured_outputs_regex_choice_grammar_and_json(serve) -> None:
     grammar = 'start: num (OP num)*\nnum: /[1-9][0-9]?/\nOP: "+" | "*"'
     async with serve() as s:
         c = s.client()
-        for seed in range(8):
+
+        async def one_seed(seed: int) -> None:
             def ask(spec: dict, max_tokens: int = 24):
                 return c.completions.create(model=MODEL, prompt="Answer: ", max_tokens=max_tokens, temperature=1.0,
                                             seed=seed, extra_body={"structured_outputs": spec})
@@ -85,6 +90,7 @@ async def test_structured_outputs_regex_choice_grammar_and_json(serve) -> None:
                 r.choices[0]
             r = await ask({"json": PERSON}, 120)
             jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+        await asyncio.gather(*(one_seed(seed) for seed in range(8)))       # seeds side by side, fused
         chat = await c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, seed=1, temperature=1.0,
                                                extra_body={"structured_outputs": {"choice": ["red", "blue"]}})
         assert chat.choices[0].message.content in ("red", "blue")
