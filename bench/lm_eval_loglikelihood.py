@@ -21,6 +21,7 @@ import glob
 import json
 import random
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -44,10 +45,14 @@ metric_list:
 ENCODE = """
 import json, sys
 from lm_eval.models.openai_completions import LocalCompletionsAPI
-lm = LocalCompletionsAPI(model="model", base_url="http://127.0.0.1:9/v1/completions", tokenizer_backend="huggingface",
-                         tokenizer=sys.argv[1])
-pairs = json.load(open(sys.argv[2]))
-print(json.dumps([lm._encode_pair(c, x) for c, x in pairs]))
+
+def encode(tokenizer, pairs):
+    lm = LocalCompletionsAPI(model="model", base_url="http://127.0.0.1:9/v1/completions",
+                             tokenizer_backend="huggingface", tokenizer=tokenizer)
+    return [lm._encode_pair(c, x) for c, x in pairs]
+
+if __name__ == "__main__":
+    print(json.dumps(encode(sys.argv[1], json.load(open(sys.argv[2])))))
 """
 
 
@@ -86,12 +91,7 @@ def main(lm_eval: str | None = None) -> dict:
                 pairs.append((a["arg_0"], a["arg_1"]))
                 served.append(float(s["resps"][k][0][0]))
         (d / "pairs.json").write_text(json.dumps(pairs))
-        python = str(Path(lm_eval).parent / "python")
-        enc = subprocess.run([python, "-c", ENCODE, str(model_dir), str(d / "pairs.json")], capture_output=True,
-                             text=True, timeout=300, env=env)
-        if enc.returncode != 0:
-            raise SystemExit(f"bench.lm_eval_loglikelihood: tokenizing as lm-eval failed: {enc.stderr[-2000:]}")
-        encoded = json.loads(enc.stdout.strip().splitlines()[-1])
+        encoded = encode_pairs(Path(lm_eval), model_dir, d / "pairs.json", env)
         cached = metric(stack["worker_urls"][0], "kvl_worker_prefix_cache_validated_hits_total")
         direct = direct_loglikelihoods(model_dir, encoded)
     diffs = [abs(a - b) for a, b in zip(served, direct)]
@@ -110,6 +110,22 @@ def main(lm_eval: str | None = None) -> dict:
               "worker_cached_prompt_tokens": cached}
     print(json.dumps(result))
     return result
+
+
+def encode_pairs(lm_eval: Path, model_dir: Path, pairs: Path, env: dict) -> list:
+    """The (context, continuation) pairs tokenized as lm-eval's model tokenizes them: in this
+    process when the harness is installed in this interpreter's environment (``make test``: a
+    second interpreter importing transformers cost ~8 s), else by the harness's own Python."""
+    python = lm_eval.parent / "python"
+    if python.resolve() == Path(sys.executable).resolve():
+        scope: dict = {"__name__": "kvl_lm_eval_encode"}
+        exec(ENCODE, scope)
+        return scope["encode"](str(model_dir), json.loads(pairs.read_text()))
+    enc = subprocess.run([str(python), "-c", ENCODE, str(model_dir), str(pairs)], capture_output=True,
+                         text=True, timeout=300, env=env)
+    if enc.returncode != 0:
+        raise SystemExit(f"bench.lm_eval_loglikelihood: tokenizing as lm-eval failed: {enc.stderr[-2000:]}")
+    return json.loads(enc.stdout.strip().splitlines()[-1])
 
 
 def direct_loglikelihoods(model_dir: Path, encoded: list) -> list[float]:
