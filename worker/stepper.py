@@ -109,6 +109,19 @@ class Stepper:
         """Whether a forward may hold several requests (batch-invariant ops, here, now)."""
         return not self.check_failures and bool(getattr(self.model, "batch_invariant", False)) and invariant_here()
 
+    def describe(self) -> dict:
+        """Whether forwards fuse now, why not, and the run-time checks so far (``/readyz``)."""
+        if self.check_failures:
+            why = "a run-time check found a fused forward that differed from a request alone"
+        elif not getattr(self.model, "batch_invariant", False):
+            why = "the start-up batch-invariance probe failed (self_check.batch_invariant)"
+        elif not invariant_here():
+            why = f"torch runs {torch.get_num_threads()} intra-op threads; batch invariance needs 1"
+        else:
+            why = ""
+        return {"fused": not why, "why_not": why, "checks": self.checks, "check_failures": self.check_failures,
+                "check_every": self.check_every}
+
     # --- what requests call -------------------------------------------------------------------
 
     def decode(self, state, token: int, order: tuple) -> asyncio.Future[StepResult]:

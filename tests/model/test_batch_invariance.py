@@ -284,11 +284,13 @@ def test_a_fused_forward_that_differs_fails_its_step_and_fusing_stops(tiny, monk
         st_ = Stepper(tiny, pool, max_batch_tokens=64, block_size=BLOCK, check_every=1, on_mismatch=heard.append)
         states = [tiny.new_state(BLOCK, CAP) for _ in range(2)]
         try:
-            assert st_.fused
+            assert st_.fused and st_.describe()["fused"] and st_.describe()["why_not"] == ""
             first = await asyncio.gather(*(st_.decode(s, 7 + k, (0, k)) for k, s in enumerate(states)),
                                          return_exceptions=True)
             assert all(isinstance(r, FusedMismatch) for r in first), first
             assert not st_.fused and st_.checks == 1 and st_.check_failures == 1 and len(heard) == 1
+            said = st_.describe()       # what /readyz shows an operator
+            assert not said["fused"] and "run-time check" in said["why_not"] and said["check_failures"] == 1
             fresh = [tiny.new_state(BLOCK, CAP) for _ in range(2)]
             return await asyncio.gather(*(st_.decode(s, 7 + k, (0, k)) for k, s in enumerate(fresh))), st_
         finally:

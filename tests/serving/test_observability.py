@@ -67,6 +67,7 @@ async def test_health_and_readiness_through_degraded_mode(serve) -> None:
         status, body = await s.get("/readyz")
         assert status == 200 and body["status"] == "ready" and body["coordinator"] == "reachable"
         assert body["model_loaded"] and body["pools_allocated"]
+        assert body["batching"]["fused"] and body["batching"]["why_not"] == "" and body["batching"]["check_every"] > 0
         s.twin.down = True
         for _ in range(100):
             status, body = await s.get("/readyz")

@@ -585,7 +585,9 @@ async def readyz(request: web.Request) -> web.Response:
             "reason": h.reason, "epoch": h.epoch, "draining": h.draining, "queue_depth": sched.queue_depth,
             "running": sched.running, "pool_used": h.pool_used, "pool_slots": h.pool_slots,
             "disk_tier": h.disk_tier, "disk_tier_reason": engine.tiers.disk_down_reason if h.disk_tier == "down" else "",
-            "self_check": engine.checked.as_dict() if engine.checked is not None else None}
+            "self_check": engine.checked.as_dict() if engine.checked is not None else None,
+            # now, not at start: a run-time check can turn fusing off for good (worker.stepper)
+            "batching": engine.stepper.describe()}
     return json_response(body, 200 if ready else 503)
 
 
