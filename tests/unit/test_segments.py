@@ -225,6 +225,7 @@ def test_a_run_with_destinations_is_one_scatter_read_straight_into_them(tmp_path
     assert [f.data.data_ptr() for f in found] == [d.data_ptr() for d in dests]      # landed in place
     assert [bytes(d.numpy()) for d in dests] == [payload(i) for i in order]
     assert len(calls) == 1 and calls[0] == 5 * 2 + 4       # header + payload each, padding between
+    assert [f.digest for f in found] == [checksum(payload(i)) for i in order]   # summed as read
 
 
 def test_a_run_lacking_a_fitting_destination_reads_into_a_buffer_of_its_own(tmp_path) -> None:
@@ -253,8 +254,11 @@ def test_damage_after_the_scan_is_found_by_a_scatter_read_too(tmp_path) -> None:
     assert "ends inside the record" in found[3].damage
 
 
-def test_a_long_run_is_split_under_the_iovec_limit(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(sg, "_IOV_RECORDS", 4)
+@pytest.mark.parametrize("limit, value, reads", [("_IOV_RECORDS", 4, 3), ("_HOT_BYTES", 64 * 3, 4),
+                                                  ("_HOT_BYTES", 10, 10)])
+def test_a_long_run_is_split_under_the_iovec_limit_and_the_cache_budget(tmp_path, monkeypatch, limit, value,
+                                                                        reads) -> None:
+    monkeypatch.setattr(sg, limit, value)
     w = SegmentWriter(tmp_path, "w1", segment_bytes=1 << 20)
     write(w, range(10), n=64)
     calls = []
@@ -263,4 +267,5 @@ def test_a_long_run_is_split_under_the_iovec_limit(tmp_path, monkeypatch) -> Non
     dests = _slots(10, size=64)
     found = SegmentIndex(tmp_path).read_many([key(i) for i in range(10)], dests)
     assert [bytes(f.data.numpy()) for f in found] == [payload(i, 64) for i in range(10)]
-    assert len(calls) == 3 and all(f.data.data_ptr() == d.data_ptr() for f, d in zip(found, dests))
+    assert len(calls) == reads and all(f.data.data_ptr() == d.data_ptr() for f, d in zip(found, dests))
+    assert [f.digest for f in found] == [checksum(payload(i, 64)) for i in range(10)]

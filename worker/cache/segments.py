@@ -270,6 +270,9 @@ class Found:
     data: torch.Tensor | None = None
     damage: str = ""
     unavailable: str = ""
+    #: The payload's xxh3 checksum, computed right after the read while the bytes were still in
+    #: the CPU's caches ("" = not computed: the reader checksums ``data`` when it needs to).
+    digest: str = ""
 
 
 class SegmentIndex:
@@ -526,6 +529,10 @@ def _header_damage(head: memoryview, r: Record) -> Found | None:
 
 #: iovecs per ``preadv`` (Linux's IOV_MAX is 1024); a record takes up to three.
 _IOV_RECORDS = 300
+#: Payload bytes per scatter ``preadv``: few enough that they are still in the CPU's caches when
+#: they are checksummed right after. Measured here (64 records of 1 MiB, page cache warm): read
+#: and checksum 14.8 ms in 1 MiB steps, 18.7 ms as one read then the checksums (the raw read 11).
+_HOT_BYTES = 1 << 20
 
 
 def _fits(dests: Sequence[torch.Tensor | None], run: Sequence[Record]) -> bool:
@@ -544,9 +551,16 @@ def _fits(dests: Sequence[torch.Tensor | None], run: Sequence[Record]) -> bool:
 def _scatter_run(fd: int, run: list[Record], idx: list[int], out: list[Found | None],
                  dests: list[torch.Tensor]) -> None:
     """Records that lie back to back, read with scatter ``preadv``s: each payload into its
-    destination, headers and padding into one scratch buffer, then each header re-checked."""
-    for k in range(0, len(run), _IOV_RECORDS):
-        part, part_idx, part_dests = run[k:k + _IOV_RECORDS], idx[k:k + _IOV_RECORDS], dests[k:k + _IOV_RECORDS]
+    destination, headers and padding into one scratch buffer; then each header re-checked and
+    each payload checksummed while it is still in the caches (``_HOT_BYTES`` per read)."""
+    k = 0
+    while k < len(run):
+        end, payload = k + 1, run[k].end - run[k].payload
+        while end < len(run) and end - k < _IOV_RECORDS and payload + run[end].end - run[end].payload <= _HOT_BYTES:
+            payload += run[end].end - run[end].payload
+            end += 1
+        part, part_idx, part_dests = run[k:end], idx[k:end], dests[k:end]
+        k = end
         lo = part[0].start
         scratch = bytearray(sum(r.payload - r.start for r in part)
                             + sum(b.start - a.end for a, b in zip(part, part[1:])))
@@ -576,7 +590,7 @@ def _scatter_run(fd: int, run: list[Record], idx: list[int], out: list[Found | N
             elif (bad := _header_damage(head, r)) is not None:
                 out[i] = bad
             else:
-                out[i] = Found(r, d)
+                out[i] = Found(r, d, digest=checksum(memoryview(d.numpy())))
 
 
 __all__ = ["ALIGN", "Found", "Record", "RecordHeader", "SegmentIndex", "SegmentWriter", "encode_header", "key_of"]

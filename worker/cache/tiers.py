@@ -272,9 +272,12 @@ class Tiers:
         if f.damage or f.data is None:
             return DiskRead(Observed(meta, damage=f.damage or "unreadable record"), None)
         data = f.data
+        # NOTE: a digest the read computed covers the bytes as read into a reserved slot; were the
+        # slot taken since, the session sees it by the reservation after its restore and recomputes
+        digest = f.digest
         view = memoryview(data.numpy())
-        return DiskRead(Observed(meta, nbytes=data.numel(), checksum=lambda: checksum(view),
-                                 aligned=data.data_ptr() % ALIGN == 0), data)
+        sums = (lambda: digest) if digest else (lambda: checksum(view))
+        return DiskRead(Observed(meta, nbytes=data.numel(), checksum=sums, aligned=data.data_ptr() % ALIGN == 0), data)
 
     def disk_check(self, wants: Sequence[tuple[BlockMeta, str]]) -> list[str]:
         """For the audit: each ``(block, checksum recorded at commit)``'s record verified without
