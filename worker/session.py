@@ -85,7 +85,7 @@ from worker.cache.planner import (
     resume_cap,
     validate,
 )
-from worker.cache.store import Reservation, as_bytes, bytes_checksum
+from worker.cache.store import Reservation, SlotRead, as_bytes, bytes_checksum
 from worker.client import CoordinatorRefused, CoordinatorUnavailable
 from worker.model.state import BlockPayload
 from worker.model.vision import PromptEmbeds, encode_images
@@ -154,10 +154,13 @@ class _Speculation:
 
 @dataclass(slots=True)
 class _Found:
-    """A validated private copy of one (block, form), and where it came from."""
+    """The validated bytes of one (block, form), and where they came from: a private copy, or
+    the pool slot itself (``slot``: read in place, or reserved and read into), which must be
+    unchanged after the restore that reads it (``CacheStore.unchanged``)."""
 
     data: torch.Tensor
     ref: ReplicaRef
+    slot: SlotRead | Reservation | None = None
 
 
 class Session:
@@ -337,8 +340,10 @@ class Session:
             want = needs(e.catalogue, target)
             if spec is not None and spec.p == target and all(refs.get(n) == spec.found[n].ref for n in want):
                 with tracing.span("worker.restore", {"kvl.resume_blocks": spec.p, "kvl.speculative": True}):
-                    await self._accept(spec)
-                return
+                    accepted = await self._accept(spec)
+                if accepted:
+                    return
+                spec = None     # a slot it read was recycled meanwhile: validate the grant's refs afresh
             if all(n in refs for n in want):
                 with tracing.span("worker.validation", {"kvl.blocks": target, "kvl.replicas": len(want)}) as sp:
                     failed = await self._gather(refs, want)
@@ -383,19 +388,25 @@ class Session:
         self._speculated = spec is not None
         self._fresh = asyncio.get_running_loop().run_in_executor(e._compute, work)
 
-    async def _accept(self, spec: _Speculation) -> None:
-        """The grant pins exactly the replicas the speculation validated: use its restored state."""
+    async def _accept(self, spec: _Speculation) -> bool:
+        """The grant pins exactly the replicas the speculation validated: use its restored state,
+        unless a slot it read in place was recycled while the model read it (False: the caller
+        validates the grant's refs again and restores from those)."""
         e = self.engine
-        for key, n in spec.outcomes.items():
-            e.metrics.validations.labels(layer=key[0], outcome=key[1]).inc(n)
         t0 = time.perf_counter()
         state = await self._take_state()
         self._spent("restore", t0)
+        if self._speculated and not self._slots_unchanged(spec.needs, spec.found):
+            e.log.warning("a slot was recycled during the speculative restore; validating again")
+            return False
+        for key, n in spec.outcomes.items():
+            e.metrics.validations.labels(layer=key[0], outcome=key[1]).inc(n)
         if self._speculated:
             self.found.update(spec.found)
             self.state = state
             self.resume_blocks = spec.p
         # else: the model refused the restore; _take_state fell back to recomputing everything
+        return True
 
     async def _take_state(self):
         """The state :meth:`_build_state` made; a speculative restore the model refuses falls back
@@ -457,8 +468,8 @@ class Session:
             by_form.setdefault(need[1], []).append(need)
         full = e.switches.layers == frozenset(LAYERS)
         for form, items in by_form.items():
-            seen = e.store.observe_many(form, [self.hashes[i] for i, _ in items])
-            for need, (obs, data) in zip(items, seen):
+            seen = e.store.observe_in_place(form, [self.hashes[i] for i, _ in items])
+            for need, (obs, data, slot) in zip(items, seen):
                 meta = local[need]
                 ref = ReplicaRef(block_hash=meta.block_hash, form=form, location=e.gpu, generation=meta.generation,
                                  checksum=meta.checksum)
@@ -473,7 +484,7 @@ class Session:
                 for layer, outcome in verdict:
                     key = (layer.value, outcome)
                     outcomes[key] = outcomes.get(key, 0) + 1
-                found[need] = _Found(data, ref)
+                found[need] = _Found(data, ref, slot)
         self._spent("speculate", t0)
         return _Speculation(p, want, found, outcomes)
 
@@ -559,14 +570,14 @@ class Session:
                 failed += not self._judge(need, ref, Observed(None), None, expect, reload=False)
         full = e.switches.layers == frozenset(LAYERS)
         for form, items in gpu.items():
-            seen = e.store.observe_many(form, [ref.block_hash for _, ref in items])
+            seen = e.store.observe_in_place(form, [ref.block_hash for _, ref in items])
             fast = full and form in e.switches.forms
-            for (need, ref), (obs, data) in zip(items, seen):
+            for (need, ref), (obs, data, slot) in zip(items, seen):
                 if fast and all_pass(ref, need[0], obs, expect):
-                    self.found[need] = _Found(data, ref)
+                    self.found[need] = _Found(data, ref, slot)
                     shortcut += 1
                 else:
-                    failed += not self._judge(need, ref, obs, data, expect, reload=False)
+                    failed += not self._judge(need, ref, obs, data, expect, reload=False, slot=slot)
         if disk:
             if not e.tiers.disk_available():
                 e.metrics.tier_unavailable.labels(tier="disk").inc()
@@ -589,10 +600,11 @@ class Session:
                         e.metrics.tier_unavailable.labels(tier="disk").inc()
                         self.fallback("disk_unavailable")
                         continue
+                    slot = self._reserved.get(need)
                     if fast_reload.get(ref.form) and all_pass(ref, need[0], r.observed, expect, reload=True):
-                        self.found[need] = _Found(r.data, ref)
+                        self.found[need] = _Found(r.data, ref, slot)
                         shortcut += 1
-                    elif not self._judge(need, ref, r.observed, r.data, expect, reload=True):
+                    elif not self._judge(need, ref, r.observed, r.data, expect, reload=True, slot=slot):
                         failed += 1
                         self._unreserve(need)
                 for need, _ in disk:
@@ -606,6 +618,12 @@ class Session:
             e.metrics.validations.labels(layer=layer, outcome=outcome).inc(n)
         self._spent("validate", t_start)
         return failed
+
+    def _slots_unchanged(self, want: list[Need], found: dict[Need, _Found] | None = None) -> bool:
+        """Whether every slot the restore of ``want`` read in place still holds what it read."""
+        found = self.found if found is None else found
+        store = self.engine.store
+        return all(f.slot is None or store.unchanged(f.slot) for f in (found[n] for n in want))
 
     def _reserve(self, disk: list[tuple[Need, ReplicaRef]]) -> list[Reservation | None]:
         """A pool slot for each disk reload this lease also granted as a GPU write, to read the
@@ -627,7 +645,8 @@ class Session:
         for need in list(self._reserved):
             self._unreserve(need)
 
-    def _judge(self, need: Need, ref: ReplicaRef, obs, data, expect: Expect, *, reload: bool) -> bool:
+    def _judge(self, need: Need, ref: ReplicaRef, obs, data, expect: Expect, *, reload: bool,
+               slot: SlotRead | Reservation | None = None) -> bool:
         e = self.engine
         v = validate(ref, need[0], obs, expect, e.switches, reload=reload)
         counts = self._outcomes
@@ -635,7 +654,7 @@ class Session:
             key = (layer.value, outcome)
             counts[key] = counts.get(key, 0) + 1
         if v.ok:
-            self.found[need] = _Found(data, ref)
+            self.found[need] = _Found(data, ref, slot)
             return True
         self.bad.add((need, ref.location, ref.generation))
         assert v.layer is not None
@@ -683,11 +702,11 @@ class Session:
             self._build_state(None)
             self._spent("restore", t0)
             return
-        if not all(e.store.holds(res) for need, res in self._reserved.items() if need in want):
-            # A slot read into was freed and taken again while the model read it (a new epoch):
-            # what the restore read may not be what was validated. Recompute instead.
-            e.log.warning("a reserved reload slot was recycled during the restore; recomputing the prompt")
-            self.fallback("reload_slot_lost")
+        if not self._slots_unchanged(want):
+            # A slot read in place was freed and taken again while the model read it (an eviction,
+            # a new epoch): what the restore read may not be what was validated. Recompute instead.
+            e.log.warning("a slot was recycled during the restore; recomputing the prompt")
+            self.fallback("slot_recycled")
             self._release_reservations()
             self._build_state(None)
             self._spent("restore", t0)

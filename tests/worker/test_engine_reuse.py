@@ -6,6 +6,9 @@ Every warm result is compared with a cache-disabled engine's cold run with ``tor
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import torch
 
 from tests.worker.conftest import BS, prompt
@@ -170,6 +173,39 @@ async def test_speculative_restore_is_confirmed_by_the_grant(make_engine, refere
         assert same(cold, fast) and same(cold, slow)
         assert e.metrics.value("kvl_worker_hit_validation_total", {"layer": "presence", "outcome": "pass"}) == \
             fast.validated + slow.validated
+
+
+async def test_a_slot_recycled_while_the_speculative_restore_reads_it_is_not_trusted(make_engine, reference) -> None:
+    """The speculation validates the worker's own slots in place and the model restores from
+    them. Freed meanwhile (here: the pools cleared, as a new epoch does, while the model reads),
+    the slots' bytes are no longer known to be the ones validated: the speculation is dropped,
+    the grant's refs are validated again (gone now: presence fails) and the prompt recomputed."""
+    toks = prompt(90, seed=16)
+    cold = await reference().generate(toks, max_tokens=2)
+    async with make_engine(InProcessCoordinator()) as e:
+        await e.generate(toks, max_tokens=1)
+        loop = asyncio.get_running_loop()
+        new_state = e.model.new_state
+
+        def new_state_recycling_its_slots(*a, **k):
+            st = new_state(*a, **k)
+            restore = st.restore
+
+            def restore_while_recycled(blocks, n_blocks, **kw):
+                if n_blocks:
+                    e.model.new_state = new_state                   # once
+                    cleared = threading.Event()
+                    loop.call_soon_threadsafe(lambda: (e.store.clear(), cleared.set()))
+                    assert cleared.wait(5)
+                return restore(blocks, n_blocks, **kw)
+            st.restore = restore_while_recycled
+            return st
+
+        e.model.new_state = new_state_recycling_its_slots
+        r = await e.generate(toks, max_tokens=2)
+        assert e.model.new_state is new_state                       # the speculative restore ran
+        assert "speculate" in r.timings and r.cached_tokens == 0 and "validation" in r.fallbacks
+        assert same(cold, r)
 
 
 async def test_next_turn_reuses_the_previous_prompt_and_its_reply(make_engine, reference) -> None:

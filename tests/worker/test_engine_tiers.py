@@ -114,7 +114,7 @@ async def test_a_reload_slot_recycled_during_the_restore_means_recompute(make_en
 
         b.compute = clear_first
         r = await b.generate(p1, max_tokens=2)
-        assert "reload_slot_lost" in r.fallbacks and r.cached_tokens == 0
+        assert "slot_recycled" in r.fallbacks and r.cached_tokens == 0
         assert same(r, await reference().generate(p1, max_tokens=2))
         assert all(i.ready for pool in b.store.pools.pools.values() for i in pool.table.values())
 

@@ -216,6 +216,23 @@ def test_a_disk_reload_lands_in_a_reserved_slot_that_is_invisible_until_installe
     assert store.lookup("compressed", other.block_hash) is not None
 
 
+def test_a_slot_read_in_place_is_the_slot_and_its_generation_says_if_it_was_recycled() -> None:
+    from shared.forms import FormCatalogue
+    cat = FormCatalogue(model_id="m", block_size=16, forms=(
+        FormSpec(name="compressed", scope=FormScope.FULL_HISTORY, bytes_per_block=256, dtype="uint8"),))
+    store = CacheStore(cat, {"compressed": 2}, torch.device("cpu"))
+    a = store.install(_meta(0, _data(0)), _data(0))
+    (obs, data, read), (none, _, no_read) = store.observe_in_place("compressed", [a.block_hash, "f" * 32])
+    assert none.meta is None and no_read is None
+    assert obs.meta == a and obs.checksum() == a.checksum and torch.equal(data, _data(0))
+    assert data.data_ptr() == store.pools["compressed"].view(read.slot).data_ptr()     # no copy
+    assert store.unchanged(read)
+    store.drop("compressed", a.block_hash)                      # freed: not the bytes validated any more
+    assert not store.unchanged(read)
+    b = store.install(_meta(0, _data(0)), _data(0))             # the same block again, a new generation
+    assert b.generation != read.generation and not store.unchanged(read)
+
+
 def test_a_block_queued_again_is_written_again(tmp_path) -> None:
     """A host victim waiting only for its eviction (its disk copy handled) that is queued anew —
     straight from the GPU, or as a new host-tier victim — needs its disk write again."""

@@ -46,6 +46,9 @@ class FormPool:
     #: indexing ``storage[slot]`` builds a tensor each time, ~1.3 us, as much as copying a small
     #: block. The price is host memory, ~600 bytes per slot ever used (60 MB per 100k slots).
     _views: list[torch.Tensor | None] = field(init=False, repr=False)
+    #: Each slot's memoryview (host pools only), kept for the same reason: ``Tensor.numpy()``
+    #: costs ~1.5 us, more than checksumming a small block in place.
+    _raws: list[memoryview | None] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         pin = self.device.type == "cpu" and torch.cuda.is_available()
@@ -56,6 +59,7 @@ class FormPool:
         self.by_hash = {}
         self._free = list(range(self.slots - 1, -1, -1))
         self._views = [None] * self.slots
+        self._raws = [None] * self.slots
 
     @property
     def name(self) -> str:
@@ -99,6 +103,13 @@ class FormPool:
         if v is None:
             v = self._views[slot] = self.storage[slot]
         return v
+
+    def raw(self, slot: int) -> memoryview:
+        """The slot's bytes as a memoryview (host memory only; for a checksum in place)."""
+        m = self._raws[slot]
+        if m is None:
+            m = self._raws[slot] = memoryview(self.view(slot).numpy())
+        return m
 
     def free(self, slot: int) -> None:
         info = self.table.pop(slot, None)

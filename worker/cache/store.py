@@ -4,9 +4,12 @@
 per slot) with the record written beside every slot at commit (:class:`BlockMeta`:
 namespace, tenant, chain, token span, spec digest, checksum) and a local LRU order, and
 answers the questions hit validation asks (:meth:`observe`). Every method runs on the
-engine's event-loop thread; kernels only ever see *copies* taken by :meth:`read` in the
-same tick as the presence check, so a slot recycled later cannot change what a request
-already validated.
+engine's event-loop thread. A request validates and restores either from a private copy
+(:meth:`observe_many`: taken in the same tick as the presence check) or from the slot itself
+(:meth:`observe_in_place`, :meth:`reserve`), and then checks that the slot was not recycled
+while it read (:meth:`unchanged`: the generation of a slot changes with every allocation, and a
+slot is only written right after one) — either way a slot recycled later cannot change what a
+request already validated.
 """
 
 from __future__ import annotations
@@ -48,6 +51,18 @@ class Reservation:
     slot: int
     generation: int
     view: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRead:
+    """Which slot, at which generation, a caller read in place (:meth:`CacheStore.observe_in_place`).
+    A READY slot's bytes never change while its generation stands (a slot is written only right
+    after an allocation, which bumps it), so :meth:`CacheStore.unchanged` after the read says
+    whether what was read is what was validated."""
+
+    form: str
+    slot: int
+    generation: int
 
 
 class CacheStore:
@@ -111,6 +126,38 @@ class CacheStore:
             out[k] = (Observed(meta, nbytes=nbytes, ready=ready, checksum=lambda v=rows[j]: checksum(v.data)),
                       batch[j])
         return out
+
+    def observe_in_place(self, form: str, block_hashes: list[str]
+                         ) -> list[tuple[Observed, torch.Tensor | None, SlotRead | None]]:
+        """:meth:`observe_many` without the copy: each block's bytes are its slot's memory, and a
+        :class:`SlotRead` names the slot. The caller validates and restores from the slot, then
+        asks :meth:`unchanged` before it trusts the result (see the module docstring). Pools in
+        device memory are copied as before (their checksum needs host bytes; ``SlotRead`` None)."""
+        pool = self.pools[form]
+        if pool.storage.device.type != "cpu":
+            return [(obs, data, None) for obs, data in self.observe_many(form, block_hashes)]
+        out: list[tuple[Observed, torch.Tensor | None, SlotRead | None]] = []
+        for h in block_hashes:
+            hit = pool.lookup(h)
+            meta = self._meta.get((form, hit[0])) if hit is not None else None
+            if hit is None or meta is None:
+                out.append((Observed(None), None, None))
+                continue
+            slot, info = hit
+            self._touch(form, slot)
+            raw = pool.raw(slot)
+            out.append((Observed(meta, nbytes=pool.spec.bytes_per_block, ready=info.ready,
+                                 checksum=lambda v=raw: checksum(v)),          # a slot is contiguous, aligned
+                        pool.view(slot), SlotRead(form, slot, info.generation)))
+        return out
+
+    def unchanged(self, read: SlotRead | Reservation) -> bool:
+        """Whether a slot read in place (or reserved and read into) still holds what was read: not
+        freed and taken again since."""
+        if isinstance(read, Reservation):
+            return self.holds(read)
+        info = self.pools[read.form].table.get(read.slot)
+        return info is not None and info.generation == read.generation
 
     def ready_counts(self) -> dict[str, int]:
         return {f: sum(1 for i in p.table.values() if i.ready) for f, p in self.pools.pools.items()}
@@ -262,4 +309,4 @@ class CacheStore:
         self._lru[form].pop(slot, None)
 
 
-__all__ = ["CacheStore", "PoolExhausted", "Reservation", "as_bytes", "bytes_checksum"]
+__all__ = ["CacheStore", "PoolExhausted", "Reservation", "SlotRead", "as_bytes", "bytes_checksum"]
