@@ -119,6 +119,27 @@ async def test_a_reload_slot_recycled_during_the_restore_means_recompute(make_en
         assert all(i.ready for pool in b.store.pools.pools.values() for i in pool.table.values())
 
 
+async def test_a_reservation_lost_before_its_commit_is_an_abort_not_a_replica(make_engine) -> None:
+    """A granted reload read into a reserved slot commits it in place; if the slot was freed since
+    (a new epoch clears the pools), the engine must not mark whatever the slot holds now READY:
+    the write is aborted. With the outbox full the reservation is given back."""
+    async with make_engine(InProcessCoordinator()) as e:
+        await e.generate(prompt(40, seed=60), max_tokens=1)
+        meta = next(m for f, _, m in e.store.items() if f == "compressed")
+        e.store.drop("compressed", meta.block_hash)
+        res = e.store.reserve("compressed", meta.block_hash)
+        e.store.clear()
+        aborts = e.metrics.value("kvl_worker_transitions_total", {"kind": "abort"}) or 0
+        commits = e.metrics.value("kvl_worker_transitions_total", {"kind": "commit"}) or 0
+        e.commit(meta, res, lease_id="l1")
+        assert e.metrics.value("kvl_worker_transitions_total", {"kind": "abort"}) == aborts + 1
+        assert (e.metrics.value("kvl_worker_transitions_total", {"kind": "commit"}) or 0) == commits
+        assert e.store.lookup("compressed", meta.block_hash) is None
+        held = e.store.reserve("compressed", meta.block_hash)
+        e.publisher.outbox.capacity = 0                     # full: nothing may be committed now
+        assert e.commit(meta, held, lease_id="l1") == 0 and not e.store.holds(held)
+
+
 def test_core_accepts_offload_of_lru_victims() -> None:
     """The worker copies an LRU victim down a tier *after* the grant that evicted it; the
     coordinator must accept that offload (its source is EVICTED by then)."""
