@@ -21,8 +21,11 @@ capped below the last prompt token and floored to the prefill grid (``chunk_bloc
 the pinned replicas do not serve that point (a different boundary, or a replica failing
 validation), a read-only lease for the shorter prefix asks the coordinator again — after
 the INVALID transitions are committed, so it does not offer the same replicas — at most
-:data:`MAX_EXTRA_LEASES` times. Every replica is validated on a private copy
-(:func:`worker.cache.planner.validate`); the model state is restored from those copies.
+:data:`MAX_EXTRA_LEASES` times. Every replica is validated
+(:func:`worker.cache.planner.validate`) on the bytes the model state is then restored from: a
+host-tier entry or a disk record in a buffer of its own, or a pool slot itself (a hit on this
+worker's host-memory pools, or a granted disk reload read into a reserved slot), which must be
+unchanged — not freed and taken again — once the restore is done (``CacheStore.unchanged``).
 
 *Prefill and decode.* Steps go to the engine's stepper (``worker.stepper``), which fuses the
 steps of every ready request into one forward and decides how much of a prompt runs (whole
