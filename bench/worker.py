@@ -24,6 +24,8 @@ Reloads: the cached prefix's blocks (every form) are put in a host tier and in o
 files, then reloaded through the engine's own path (tier read, full validation including
 the checksum, install into a pool slot) and compared with a raw read of the same bytes
 (host: a copy into a slot; disk: reading the files). Throughput ratios, page cache warm.
+``hit_check_*``: a warm hit's check of the same replicas in their GPU-tier slots, in place
+(the session's path) against a gathered private copy (the path before stop 36).
 
     python -m bench.worker            # 2048-token prompts, 1888 cached; ~3 min here
     python -m bench.worker --quick    # 1024-token prompts, 896 cached; within 60 s
@@ -110,6 +112,7 @@ def _reload_ratios(catalogue: Any, specs: dict, namespace: str, hashes: list[str
     dst = CacheStore(catalogue, counts, device)
     out: dict[str, Any] = {}
     out.update(_write_ratio(items, root, reps))
+    out.update(_hit_check(catalogue, items, device, reps))
     tiers = Tiers(host_bytes=nbytes + 1, disk_root=root / "tier", writer="bench")
     for _, meta, data in items:
         tiers.put_host(meta, data)
@@ -187,6 +190,40 @@ def _reload_ratios(catalogue: Any, specs: dict, namespace: str, hashes: list[str
     # the share of disk reloads that landed straight in their slot (the rest took a copy)
     out["disk_reload_in_place"] = round(in_place / ((reps + 1) * len(items)), 3)
     return out
+
+
+def _hit_check(catalogue: Any, items: list, device: Any, reps: int) -> dict[str, Any]:
+    """A warm hit's check of its GPU-tier replicas: in their slots (the session's path since stop
+    36, ``CacheStore.observe_in_place``) against a gathered private copy (``observe_many``, the
+    path before it), each followed by every replica's checksum, as validation computes it."""
+    from worker.cache.store import CacheStore
+
+    counts = {f: sum(1 for _, m, _ in items if m.form == f) + 1 for f in catalogue.names}
+    store = CacheStore(catalogue, counts, device)
+    by_form: dict[str, list[str]] = {}
+    for _, meta, data in items:
+        store.install(meta, data)
+        by_form.setdefault(meta.form, []).append(meta.block_hash)
+
+    def copy() -> None:
+        for form, hashes in by_form.items():
+            for obs, _ in store.observe_many(form, hashes):
+                obs.checksum()
+
+    def in_place() -> None:
+        for form, hashes in by_form.items():
+            for obs, _, _ in store.observe_in_place(form, hashes):
+                obs.checksum()
+
+    t_copy, t_place = [], []
+    for _ in range(reps + 1):
+        for fn, out in ((copy, t_copy), (in_place, t_place)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    c, p = statistics.median(t_copy[1:]), statistics.median(t_place[1:])
+    return {"hit_check_copy_ms": round(c * 1e3, 3), "hit_check_in_place_ms": round(p * 1e3, 3),
+            "hit_check_speedup_in_place": round(c / p, 3) if p > 0 else None}
 
 
 def _write_ratio(items: list, root: Path, reps: int) -> dict[str, Any]:
