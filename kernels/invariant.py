@@ -77,6 +77,12 @@ def plain_ops() -> Iterator[None]:
         _plain = before
 
 
+def rules() -> tuple[int, bool]:
+    """What the products' bits depend on in this process besides their inputs: the row floor and
+    whether the plain ops are on (a probe's answer is valid only under the same rules)."""
+    return MIN_ROWS, _plain
+
+
 def invariant_here() -> bool:
     """Whether this process runs torch with the one intra-op thread the rules above need."""
     return torch.get_num_threads() == 1

@@ -182,7 +182,7 @@ class Engine:
                                               batch=cfg.worker.publish_batch)
                           if client is not None else None)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="kvl-model")
-        failures = model.check_invariance(self.block_size, self.cache_dtype)
+        failures = model.check_invariance(self.block_size, self.cache_dtype, reuse=True)
         if failures:
             self.log.error("batch-invariance probe failed: one request per forward, replies not cached",
                            failures=failures[:5])

@@ -58,6 +58,29 @@ def test_the_whole_forward_probe_passes_here_and_catches_a_batch_dependent_op(ti
         assert tiny.check_invariance(BLOCK) == [] and tiny.batch_invariant
 
 
+def test_a_passed_probe_is_reused_only_while_nothing_it_depends_on_changed(tiny, monkeypatch) -> None:
+    """An engine built on a model another engine probed skips the forwards (``reuse=True``) — but
+    only for the same block size, cache dtype and rules, untouched weights, and never after a
+    run-time check distrusted the model."""
+    runs = []
+    probe = tiny.probe_forward
+    monkeypatch.setattr(tiny, "probe_forward", lambda *a, **k: runs.append(a) or probe(*a, **k))
+    tiny.distrust_invariance()                                  # forget what earlier tests' probes passed
+    assert tiny.check_invariance(BLOCK, "auto", reuse=True) == [] and len(runs) == 1
+    assert tiny.check_invariance(BLOCK, "auto", reuse=True) == [] and len(runs) == 1       # reused
+    tiny.check_invariance(BLOCK, "bfloat16", reuse=True)
+    tiny.check_invariance(BLOCK, "auto")                                    # reuse not asked for
+    assert len(runs) == 3
+    w = next(tiny.parameters())
+    with torch.no_grad():
+        w.add_(0.0)                                                         # written: version bumped
+    tiny.check_invariance(BLOCK, "auto", reuse=True)
+    assert len(runs) == 4
+    tiny.distrust_invariance()
+    assert not tiny.batch_invariant
+    assert tiny.check_invariance(BLOCK, "auto", reuse=True) == [] and len(runs) == 5 and tiny.batch_invariant
+
+
 def test_linear_rows_keep_their_bits_for_any_row_count() -> None:
     assert probe([(64, 4), (64, 8), (64, 128), (256, 24), (32, 256)], rows=range(1, 70)) == []
     g = torch.Generator().manual_seed(0)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kernels.invariant import calibrate, invariant_here
+from kernels.invariant import calibrate, invariant_here, rules
 from shared.forms import FormCatalogue
 from worker.model.state import Batch, CacheState, Embeds, Segment
 from worker.model.storage import CACHE_DTYPES, StorageError
@@ -46,6 +46,9 @@ class CausalLM(nn.Module):
         #: with different settings may share one model. The precision changes what a request
         #: computes (rows are read back as stored): it is part of the forms' specs and the namespace.
         self.cache_dtype = "auto"
+        #: The probes this model passed (:meth:`check_invariance` with ``reuse``), by everything
+        #: the answer depends on in this process: see :meth:`_probe_key`.
+        self._passed_probes: set[tuple] = set()
 
     # ---- what a family provides ---------------------------------------------------------------
 
@@ -114,11 +117,22 @@ class CausalLM(nn.Module):
         return FormCatalogue(model_id=self.cfg.model_id, block_size=block_size,
                              forms=tuple(layout.spec for layout in self.form_layouts(block_size, cache_dtype).values()))
 
-    def check_invariance(self, block_size: int | None = None, cache_dtype: str | None = None) -> list[str]:
+    def check_invariance(self, block_size: int | None = None, cache_dtype: str | None = None, *,
+                         reuse: bool = False) -> list[str]:
         """Find this machine's row floor at this model's shapes and dtype (``kernels.invariant.calibrate``),
         then — given the engine's ``block_size`` — run the whole forward both ways
         (:meth:`probe_forward`, states stored at ``cache_dtype``). Sets :attr:`batch_invariant`;
-        returns what failed (empty: invariant)."""
+        returns what failed (empty: invariant).
+
+        ``reuse``: a probe this model already passed in this process, with the same weights (same
+        storage, no in-place change since), block size, cache dtype, intra-op threads and
+        ``kernels.invariant`` settings, is not run again (an engine built on a model another
+        engine probed: 0.5-0.8 s of forwards each time for the tiny model, the bulk of building
+        one). A failed probe is always run again; :meth:`distrust_invariance` forgets them all."""
+        key = self._probe_key(block_size, cache_dtype) if reuse else None
+        if key is not None and key in self._passed_probes:
+            self.batch_invariant = True
+            return []
         if self.device.type != "cpu":
             # NOTE: the rules are measured for the CPU path only; cuBLAS and the Triton kernels
             # (fixed tiles, but not yet checked row against batch) run one request per forward.
@@ -129,7 +143,22 @@ class CausalLM(nn.Module):
         if not failures and block_size is not None and invariant_here():
             failures = self.probe_forward(block_size, cache_dtype=cache_dtype)
             self.batch_invariant = not failures
+            if not failures:
+                self._passed_probes.add(self._probe_key(block_size, cache_dtype))
         return failures
+
+    def distrust_invariance(self) -> None:
+        """A fused forward was caught differing at run time (``worker.stepper``): no fusing on this
+        model, and no passed probe of it reused (a new engine probes again)."""
+        self.batch_invariant = False
+        self._passed_probes.clear()
+
+    def _probe_key(self, block_size: int | None, cache_dtype: str | None) -> tuple:
+        """What a probe's answer depends on in one process: the settings, the threads, the row
+        floor and mode of ``kernels.invariant``, and the weights (each parameter's storage and its
+        in-place version counter, which any write to it bumps)."""
+        weights = tuple((p.data_ptr(), p._version) for p in self.parameters())
+        return (block_size, cache_dtype, torch.get_num_threads(), rules(), str(self.dtype), weights)
 
     @torch.no_grad()
     def probe_forward(self, block_size: int, *, cache_dtype: str | None = None, seed: int = 0) -> list[str]:
