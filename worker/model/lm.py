@@ -156,7 +156,8 @@ class CausalLM(nn.Module):
     def _probe_key(self, block_size: int | None, cache_dtype: str | None) -> tuple:
         """What a probe's answer depends on in one process: the settings, the threads, the row
         floor and mode of ``kernels.invariant``, and the weights (each parameter's storage and its
-        in-place version counter, which any write to it bumps)."""
+        in-place version counter: loading and in-place writes bump it; a write through ``.data``
+        would not, and nothing here writes weights that way)."""
         weights = tuple((p.data_ptr(), p._version) for p in self.parameters())
         return (block_size, cache_dtype, torch.get_num_threads(), rules(), str(self.dtype), weights)
 
