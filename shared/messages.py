@@ -105,11 +105,17 @@ class WorkerRegister(_Msg, tag="worker.register", kw_only=True):
     pool_slots: dict[str, NonNeg] = {}
     #: Where the worker serves (for operators), e.g. ``http://127.0.0.1:8400``.
     endpoint: str = ""
+    #: What this worker computed may not match a cold run (a fused forward gave other bits than
+    #: the same request alone): every replica it owns that is still live — its offload copies on
+    #: the shared disk too, which outlive an epoch — is invalidated with the old epoch.
+    disown_replicas: bool = False
 
 
 class RegisterReply(_Msg, tag="worker.registered", kw_only=True):
     worker_id: Name
     epoch: Pos
+    #: Replicas invalidated because the request said ``disown_replicas``.
+    disowned: NonNeg = 0
     heartbeat_interval_ms: Pos = 1000
     lease_ttl_ms: Pos = 30000
     #: How long the coordinator holds a silent epoch suspended before fencing it; a worker out

@@ -205,6 +205,8 @@ class Engine:
         self._away_since = 0.0
         #: The ledger suspended our epoch: degraded until a resume reconciles our inventory.
         self._suspended = False
+        #: A fused forward differed at run time: the next registration disowns what we computed.
+        self._disown = False
         #: Set while the coordinator answers for our epoch (requests told "suspended" wait on it).
         self._contact = asyncio.Event()
         self.heartbeat_interval_ms = cfg.coordinator.heartbeat_interval_ms
@@ -363,10 +365,13 @@ class Engine:
         """A fused forward differed from a request alone (``worker.stepper``): the ops are not
         batch-invariant here after all. Fusing is already off; what this worker cached may hold
         fused bits, so the cache goes with the epoch (a new one is registered, its GPU and host
-        copies dropped, the ledger ends the old epoch's replicas)."""
+        copies dropped, the ledger ends the old epoch's replicas). Its offload copies on the shared
+        disk outlive the epoch and other workers may reload them, so the registration also
+        disowns every replica this worker created (``WorkerRegister.disown_replicas``)."""
         self.log.error("batch invariance failed at run time: one request per forward, cache dropped",
                        reason=reason[:300])
         self.metrics.batch_invariant.set(0)
+        self._disown = True
         if self.registered:
             self._registration_lost(f"batch invariance failed at run time: {reason}"[:300])
 
@@ -488,7 +493,7 @@ class Engine:
             await self._settle_outbox()   # what the old epoch still owes the ledger, before fencing it
             reply = await self.call("register", self.client.register(WorkerRegister(
                 worker_id=self.worker_id, namespace=self.namespace, catalogue=self.catalogue,
-                pool_slots=dict(self.slots), endpoint=self.endpoint)))
+                pool_slots=dict(self.slots), endpoint=self.endpoint, disown_replicas=self._disown)))
             await self.client.listen(self.worker_id, self.publisher.on_watermark, self.on_inventory,
                                      self.on_control)
         except CoordinatorUnavailable as e:
@@ -510,7 +515,10 @@ class Engine:
         self.metrics.epoch.set(self.epoch)
         self._update_pool_metrics()
         self.log.info("registered", worker_id=self.worker_id, epoch=self.epoch, dropped_gpu=dropped_gpu,
-                      dropped_host=dropped_host, dropped_events=dropped_events)
+                      dropped_host=dropped_host, dropped_events=dropped_events, disowned=reply.disowned)
+        if self._disown:
+            self._disown = False
+            self.metrics.disowned_replicas.inc(reply.disowned)
         self._registered_once.set()
         return True
 

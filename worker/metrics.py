@@ -113,6 +113,9 @@ class WorkerMetrics:
         self.batch_invariant = Gauge(p + "batch_invariant", "1 if fused forwards are exact here "
                                      "(the product probe and the whole-forward probe passed, one intra-op thread)",
                                      registry=r)
+        self.disowned_replicas = Counter(p + "disowned_replicas", "Replicas this worker created that the ledger "
+                                         "invalidated at its request after a fused forward differed (disk copies "
+                                         "included)", registry=r)
 
     def observe_step(self, requests: int, tokens: int, seconds: float) -> None:
         self.step_requests.observe(requests)

@@ -116,16 +116,40 @@ def register_worker(state: LedgerState, msg: m.WorkerRegister,
     events: Events = []
     old = state.workers.get(msg.worker_id)
     epoch = 1
+    lost: set[ReplicaKey] = set()
     if old is not None:
         epoch = old.epoch + 1
         if old.alive:
-            events.append(_lose(state, old, f"superseded by epoch {epoch}", now_ms))
+            loss = _lose(state, old, f"superseded by epoch {epoch}", now_ms)
+            lost.update(tuple(k) for k in loss.lost)  # type: ignore[misc]
+            events.append(loss)
+    disowned = _disown(state, msg.worker_id, lost, now_ms) if msg.disown_replicas else None
+    if disowned is not None:
+        events.append(disowned)
     events.append(ev.WorkerRegistered(
         worker_id=msg.worker_id, epoch=epoch, namespace=msg.namespace, catalogue=msg.catalogue,
         pool_slots=dict(msg.pool_slots), endpoint=msg.endpoint, at_ms=now_ms))
     p = state.params
     return m.RegisterReply(worker_id=msg.worker_id, epoch=epoch, heartbeat_interval_ms=p.heartbeat_interval_ms,
-                           lease_ttl_ms=p.lease_ttl_ms, resume_grace_ms=p.resume_grace_ms), events
+                           lease_ttl_ms=p.lease_ttl_ms, resume_grace_ms=p.resume_grace_ms,
+                           disowned=len(disowned.affected) if disowned is not None else 0), events
+
+
+def _disown(state: LedgerState, worker_id: str, lost: set[ReplicaKey], now_ms: int) -> ev.Invalidated | None:
+    """Every live replica ``worker_id`` created (any epoch; its GPU and host ones are in ``lost``
+    already) becomes INVALID: the worker says its bits may differ from a cold run's.
+
+    NOTE: a disk copy outlives its epoch (another worker may reload it), so the epoch's loss
+    alone would leave those bytes READY; a reader holding a pin on one loses it here, and its
+    hit was validated against a checksum that says nothing about how the bytes were computed.
+    O(replicas the state holds): a rare event (a failed run-time batch-invariance check)."""
+    affected = sorted(k for k, r in state.replicas.items()
+                      if r.owner == worker_id and r.state in LIVE and k not in lost)
+    if not affected:
+        return None
+    return ev.Invalidated(scope="worker", value=worker_id, affected=affected, at_ms=now_ms,  # type: ignore[arg-type]
+                          reason="the worker disowned what it computed (a fused forward differed from "
+                                 "the same request alone)")
 
 
 def heartbeat(state: LedgerState, msg: m.Heartbeat,

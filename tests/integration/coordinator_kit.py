@@ -103,9 +103,10 @@ class Worker:
         reply = await self.nc.request(subject, encode(msg), timeout=timeout)
         return decode(reply.data)
 
-    async def register(self) -> Any:
+    async def register(self, disown_replicas: bool = False) -> Any:
         reply = await self.request(self.subjects.request("register", self.worker_id), WorkerRegister(
-            worker_id=self.worker_id, namespace=NS, catalogue=CATALOGUE, pool_slots={"compressed": self.slots}))
+            worker_id=self.worker_id, namespace=NS, catalogue=CATALOGUE, pool_slots={"compressed": self.slots},
+            disown_replicas=disown_replicas))
         assert not isinstance(reply, ErrorReply), reply
         self.epoch = reply.epoch
         self.seq = 0

@@ -204,6 +204,47 @@ async def test_a_workers_batch_of_transitions_is_judged_in_order_acked_once_and_
             await nc.drain()
 
 
+async def test_a_worker_that_disowns_its_replicas_takes_its_disk_copies_out_of_reuse(
+        database_url: str, nats_url: str, subjects: Subjects) -> None:
+    """Over real NATS and PostgreSQL: w1 copies its blocks to the shared disk and w2's lease reads
+    them there; w1 registers again disowning what it computed (its fused forwards differed):
+    the copies are INVALID in the log, w2's next lease reads nothing of them, the audit is clean."""
+    cfg = fast_config(database_url, nats_url, subjects)
+    async with running_coordinator(cfg) as (app, base):
+        nc = await nats.connect(nats_url)
+        db = await asyncpg.connect(database_url)
+        try:
+            w1, w2 = Worker(nc, subjects, "w1"), Worker(nc, subjects, "w2")
+            for w in (w1, w2):
+                await w.register()
+                await w.watch_watermarks()
+            hashes = [block(i) for i in range(3)]
+            grant = await w1.fill(hashes)
+            await w1.release(grant.lease_id)
+            for i, bh in enumerate(hashes):
+                t = w1.commit(hashes, i, grant.lease_id)
+                await w1.publish(msgspec.structs.replace(t, from_state=None, location="disk", lease_id=""))
+            await w1.wait_watermark(w1.seq)
+            read = await w2.acquire(hashes, write=False)
+            assert isinstance(read, LeaseGrant) and {r.location for r in read.read} == {"disk"}
+            await w2.release(read.lease_id)
+
+            reply = await w1.register(disown_replicas=True)
+            assert isinstance(reply, RegisterReply) and reply.epoch == 2 and reply.disowned == 3
+            row = await db.fetchrow("SELECT payload::jsonb AS p FROM events WHERE type = 'invalidated'")
+            assert sorted(tuple(k) for k in msgspec.json.decode(row["p"])["affected"]) == sorted(
+                (bh, "compressed", "disk") for bh in hashes)
+            again = await w2.acquire(hashes, write=False)
+            assert isinstance(again, ErrorReply) or not again.read, again
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{base}/v1/audit", json={"check_workers": False}) as r:
+                    report = await r.json()
+            assert r.status == 200 and report["ok"], report
+        finally:
+            await db.close()
+            await nc.drain()
+
+
 async def test_a_batch_larger_than_a_nats_message_goes_out_in_ordered_parts(
         database_url: str, nats_url: str, subjects: Subjects) -> None:
     cfg = fast_config(database_url, nats_url, subjects)

@@ -3,8 +3,9 @@ coordinator twin, two engines sharing one ledger and one directory."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import Counter
-
 
 import torch
 
@@ -138,6 +139,44 @@ async def test_a_reservation_lost_before_its_commit_is_an_abort_not_a_replica(ma
         held = e.store.reserve("compressed", meta.block_hash)
         e.publisher.outbox.capacity = 0                     # full: nothing may be committed now
         assert e.commit(meta, held, lease_id="l1") == 0 and not e.store.holds(held)
+
+
+async def test_a_worker_whose_fused_forward_differed_disowns_its_disk_copies(
+        make_engine, reference, monkeypatch) -> None:
+    """A failed run-time batch-invariance check drops the worker's cache with its epoch; its
+    copies on the shared disk outlive the epoch, so it disowns them when it registers again: the
+    ledger marks them INVALID and another worker sharing the directory recomputes instead of
+    reloading bytes that may differ from a cold run."""
+    from worker.stepper import FusedMismatch
+    p1 = prompt(100, seed=50)
+    twin = InProcessCoordinator()
+    async with make_engine(twin, worker_id="wa", **SMALL, **{"cache.host_tier_bytes": ONE_PROMPT,
+                                                              "service.fused_check_every": 1}) as a:
+        await a.generate(p1, max_tokens=1)
+        for seed in (52, 53, 54):                        # pushes p1 out: GPU → host → disk
+            await a.generate(prompt(100, seed=seed), max_tokens=1)
+        assert await a.flush(timeout=10)
+        on_disk = {k for k, r in twin.state.replicas.items() if k[2] == "disk" and r.state is ReplicaState.READY}
+        assert on_disk
+        hidden = a.model._hidden
+        monkeypatch.setattr(a.model, "_hidden",
+                            lambda ids, batch, need: hidden(ids, batch, need) * (1 + 1e-3 * ids.numel()))
+        monkeypatch.setattr(a.model, "batch_invariant", True)      # restored afterwards
+        got = await asyncio.gather(*(a.generate(prompt(20, seed=60 + k), max_tokens=4) for k in range(3)),
+                                   return_exceptions=True)
+        assert any(isinstance(r, FusedMismatch) for r in got), got
+        deadline = time.monotonic() + 10
+        while not (a.registered and a.epoch == 2) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert a.registered and a.epoch == 2
+        monkeypatch.setattr(a.model, "_hidden", hidden)
+        # INVALID (or already past the owner's tombstone ring): none is READY any more
+        assert {twin.state.replicas[k].state for k in on_disk if k in twin.state.replicas} <= {ReplicaState.INVALID}
+        assert a.metrics.value("kvl_worker_disowned_replicas_total") >= len(on_disk)
+    async with make_engine(twin, worker_id="wb", **SMALL) as b:
+        r = await b.generate(p1, max_tokens=2)
+        assert not r.reloaded.get("disk") and r.cached_tokens == 0
+        assert same(r, await reference().generate(p1, max_tokens=2))
 
 
 def test_core_accepts_offload_of_lru_victims() -> None:

@@ -312,6 +312,38 @@ def test_offloads_survive_fencing_on_disk_only_and_serve_other_workers() -> None
     consistent(d)
 
 
+def test_a_worker_that_disowns_what_it_computed_invalidates_its_disk_copies_too() -> None:
+    """After a failed run-time batch-invariance check a worker registers with
+    ``disown_replicas``: its GPU and host replicas go with the old epoch as always, and every
+    disk copy it made (whatever the epoch; readers' pins included) becomes INVALID, so no other
+    worker reloads bytes that may differ from a cold run. Other workers' copies stay READY."""
+    d = offloaded_by_w1()
+    seq = Seq()
+    warm(d, [h(5)], seq, wid="w2", now=12)
+    for f in FORMS:
+        out = d.run(ingest_transition, transition("w2", 1, seq(), h(5), f, None, S.READY, location="disk",
+                                                  generation=7, checksum="c0"), 13)
+        assert isinstance(out[0], TransitionApplied), out
+    g = d.run(acquire_lease, acquire("w2", 1, [h(0), h(1)]), 14, "L2")
+    assert {r.location for r in g.read} == {"disk"}
+    reply, events = register_worker(d.state, register("w1", disown_replicas=True), 20)
+    assert [type(e).__name__ for e in events] == ["WorkerLost", "Invalidated", "WorkerRegistered"]
+    assert reply.epoch == 2 and reply.disowned == len(FORMS)
+    assert sorted(events[1].affected) == sorted((h(0), f, "disk") for f in FORMS)
+    d.commit(events)
+    states = {k: r.state for k, r in d.state.replicas.items()}
+    assert {k[2]: v for k, v in states.items() if k[0] == h(0) and k[1] == "swa" and k[2] != "gpu:w2"} == {
+        "gpu:w1": S.LOST, "host:w1": S.LOST, "disk": S.INVALID}
+    assert d.state.replicas[(h(0), "swa", "disk")].pins == 0
+    assert all(states[(h(5), f, "disk")] is S.READY for f in FORMS)        # w2's own copies
+    g2 = d.run(acquire_lease, acquire("w2", 1, [h(0), h(1)]), 21, "L3")
+    assert not [r for r in g2.read if r.location == "disk"]
+    # nothing live is left to disown: the reply says 0 and no Invalidated is logged
+    reply, events = register_worker(d.state, register("w1", disown_replicas=True), 30)
+    assert reply.disowned == 0 and [type(e).__name__ for e in events] == ["WorkerLost", "WorkerRegistered"]
+    consistent(d)
+
+
 def test_disk_gc_evicts_all_or_none_of_a_segments_replicas() -> None:
     """A worker's disk GC: every named live disk replica is evicted, unless a lease pins one of
     them (then none is, and the reply names the pinned ones); names that are not live are no-ops."""
