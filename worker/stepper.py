@@ -256,10 +256,7 @@ class Stepper:
         if same:
             return
         self.check_failures += 1
-        if hasattr(self.model, "distrust_invariance"):
-            self.model.distrust_invariance()
-        else:
-            self.model.batch_invariant = False
+        self.model.distrust_invariance()
         rows = [len(s.ids) for s in batch]
         log.error("fused_forward_differs", request=k, rows=rows, dtype=str(getattr(self.model, "dtype", "")))
         raise FusedMismatch(f"a fused forward ({len(batch)} requests, rows {rows}) gave request {k} other logits "
