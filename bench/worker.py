@@ -153,7 +153,7 @@ def _reload_ratios(catalogue: Any, specs: dict, namespace: str, hashes: list[str
         reads = tiers.disk_read_many([m for _, m, _ in items], [r.view if r is not None else None for r in slots])
         for (i, m, _), ref, r, res in zip(items, refs, reads, slots):
             assert valid(ref, i, r.observed)
-            if res is not None and r.data is not None and r.data.data_ptr() == res.view.data_ptr():
+            if res is not None and res.filled_by(r.data):
                 assert dst.install_reserved(m, res) is not None
                 in_place += 1
             else:

@@ -594,7 +594,7 @@ class Session:
                 e.metrics.reload_seconds.labels(tier="disk").observe(time.perf_counter() - t0)
                 for (need, ref), r, res in zip(disk, reads, slots):
                     if res is not None:
-                        if r.data is not None and r.data.data_ptr() == res.view.data_ptr():
+                        if res.filled_by(r.data):
                             self._reserved[need] = res
                         else:
                             e.store.release(res)        # read elsewhere (or not at all)

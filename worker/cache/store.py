@@ -52,6 +52,11 @@ class Reservation:
     generation: int
     view: torch.Tensor
 
+    def filled_by(self, data: torch.Tensor | None) -> bool:
+        """Whether ``data`` (what a disk read returned) is this slot's memory: the read landed in
+        place. A read that could not use the slot returns a buffer of its own (or nothing)."""
+        return data is not None and data.data_ptr() == self.view.data_ptr()
+
 
 @dataclass(frozen=True, slots=True)
 class SlotRead:
