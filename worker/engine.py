@@ -78,6 +78,7 @@ from worker.model import CausalLM, weights_digest
 from worker.model.storage import stored_precisions
 from worker.model.vision import PromptEmbeds, encode_images
 from kernels.invariant import compute_fingerprint
+from worker import failpoints
 from worker.selfcheck import SelfCheck, self_check
 from worker.publisher import OutboxFull, TransitionPublisher
 from worker.session import CacheValidationError, Result, Session
@@ -234,7 +235,8 @@ class Engine:
         c = self.checked
         (self.log.info if c.offload in ("ok", "off") else self.log.error)(
             "self_check", offload=c.offload, pools_allocated=c.pools_allocated, pool_slots=c.pool_slots,
-            namespace=c.namespace[:16], batch_invariant=c.batch_invariant, row_floor=c.row_floor, compute=c.compute)
+            namespace=c.namespace[:16], batch_invariant=c.batch_invariant, row_floor=c.row_floor, compute=c.compute,
+            **({"failpoints": sorted(failpoints.active())} if failpoints.active() else {}))
         self.publisher.start()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._supervise(), name="kvl-supervisor"),

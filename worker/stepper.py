@@ -46,6 +46,7 @@ import torch
 
 from kernels.invariant import invariant_here
 from shared.logging import get_logger
+from worker import failpoints
 
 log = get_logger("kvl.worker.stepper")
 
@@ -93,6 +94,8 @@ class Stepper:
         #: Every this many fused forwards, one request also runs alone and must match (0: never).
         self.check_every = check_every
         self.on_mismatch = on_mismatch
+        #: ``KVL_FAILPOINTS=fused_skew`` (a test's fault, :mod:`worker.failpoints`): fused logits off by 2**-12.
+        self._skew = failpoints.on("fused_skew")
         self._fused_forwards = 0
         #: Fused forwards checked against a request alone, and those that differed.
         self.checks = 0
@@ -119,8 +122,11 @@ class Stepper:
             why = f"torch runs {torch.get_num_threads()} intra-op threads; batch invariance needs 1"
         else:
             why = ""
-        return {"fused": not why, "why_not": why, "checks": self.checks, "check_failures": self.check_failures,
-                "check_every": self.check_every}
+        out = {"fused": not why, "why_not": why, "checks": self.checks, "check_failures": self.check_failures,
+               "check_every": self.check_every}
+        if self._skew:
+            out["failpoint"] = "fused_skew"
+        return out
 
     # --- what requests call -------------------------------------------------------------------
 
@@ -233,6 +239,8 @@ class Stepper:
                 k = self._fused_forwards // self.check_every % len(batch)
                 shadow = (k, batch[k].state.fork())
         outs = self.model.forward_batch(work, logits="last")
+        if self._skew and len(batch) > 1:
+            outs = [o * (1 + 2**-12) for o in outs]
         self.forwards += 1
         self.segments += len(batch)
         self.rows += sum(len(s.ids) for s in batch)

@@ -191,6 +191,47 @@ async def test_offload_to_host_and_disk_then_reload_in_another_worker(cluster, r
     assert await cluster.replicas(location="disk", state="INVALID")
 
 
+async def test_a_worker_whose_fused_forwards_differ_disowns_its_disk_copies(cluster, reference) -> None:
+    """The run-time batch-invariance check in a worker process whose fused forwards depend on the
+    batch (failpoint ``fused_skew``: the fault a kernel the start-up probe missed would cause).
+    The checked step fails and its requests are retried exact; the worker stops fusing and
+    registers a new epoch that disowns what it computed: its disk copies are INVALID in the
+    ledger, and another worker recomputes that prompt instead of reloading them."""
+    import asyncio
+
+    cluster.start_coordinator()
+    cluster.start_worker("wa", cache={**SMALL, "host_tier_bytes": 0}, worker={"pool_bytes": 400_000},
+                         service={"fused_check_every": 1}, failpoints="fused_skew")
+    cluster.start_worker("wb", cache={**SMALL, "host_tier_bytes": 0}, worker={"pool_bytes": 400_000})
+    await cluster.wait_coordinator()
+    await cluster.wait_worker("wa")
+    await cluster.wait_worker("wb")
+    p1 = prompt(100, seed=40)
+    await check(cluster, reference, "wa", p1, 1)          # alone: one request per forward, exact
+    for seed in (41, 42, 43):                           # pushes p1 out of wa's pools to the disk
+        await cluster.generate("wa", prompt(100, seed=seed), 1)
+    assert await cluster.flush("wa")
+    on_disk = {(r["block_hash"], r["form"]) for r in await cluster.replicas(location="disk", state="READY")}
+    assert on_disk
+    tries = [prompt(20, seed=50 + k) for k in range(3)]
+    got = await asyncio.gather(*(cluster.generate("wa", t, 4) for t in tries), return_exceptions=True)
+    assert any(isinstance(g, AssertionError) and "other logits" in str(g) for g in got), got
+    for t, g in zip(tries, got):                         # what was answered, and every retry, is exact
+        cold = await reference(t, 4)
+        if isinstance(g, AssertionError):
+            g = await cluster.generate("wa", t, 4)
+        assert g["tokens"] == cold.tokens and torch.equal(g["logits"], cold.logits)
+    health = await cluster.wait_worker("wa", epoch_above=1)
+    assert health["epoch"] == 2 and not health["degraded"], health
+    left = {(r["block_hash"], r["form"]) for r in await cluster.replicas(location="disk", state="READY")}
+    assert not on_disk & left, sorted(on_disk & left)[:3]
+    metrics = await cluster.debug("wa", "metrics")
+    assert float(next(x for x in metrics.splitlines()
+                      if x.startswith("kvl_worker_disowned_replicas_total")).split()[-1]) >= len(on_disk)
+    r1 = await check(cluster, reference, "wb", p1)
+    assert not r1["reloaded"].get("disk") and r1["cached_tokens"] == 0, r1["cached_tokens"]
+
+
 async def test_the_debug_subjects_are_off_unless_enabled(cluster) -> None:
     import asyncio
 

@@ -118,16 +118,23 @@ class Cluster:
         self.coordinator.kill(sig)
 
     def start_worker(self, worker_id: str, cache: dict[str, Any] | None = None,
-                     worker: dict[str, Any] | None = None) -> Proc:
+                     worker: dict[str, Any] | None = None, service: dict[str, Any] | None = None,
+                     failpoints: str = "") -> Proc:
+        """``failpoints``: ``KVL_FAILPOINTS`` of the process (:mod:`worker.failpoints`)."""
         doc = self.base()
         doc["cache"] = {"chunk_blocks": 1, "offload_dir": str(self.offload_dir), "host_tier_bytes": 4 * 2**20,
                         **(cache or {})}
         doc["worker"] = {"worker_id": worker_id, "pool_bytes": 4 * 2**20, "outbox_resend_ms": 500,
                          "port": free_port(), "debug_subjects": True, **(worker or {})}
+        if service:
+            doc["service"] = {**doc.get("service", {}), **service}
         doc["state_dir"] = str(self.tmp / f"{worker_id}-state")
         cfg = self._write(worker_id, doc)
+        env = self._env()
+        if failpoints:
+            env["KVL_FAILPOINTS"] = failpoints
         p = Proc(worker_id, [sys.executable, "-m", "worker", "--config", str(cfg)],
-                 self.tmp / f"{worker_id}.log", self._env())
+                 self.tmp / f"{worker_id}.log", env)
         self.procs.append(p)
         self.workers[worker_id] = p
         return p
