@@ -3,8 +3,9 @@
 ``KVL_FAILPOINTS`` names them, comma-separated; it is read once, when the first site asks
 (an engine's start). A production worker has none set, and each site asks once, at its
 construction. A name this build does not know stops the worker at start with a configuration
-error (:class:`FailpointError`): a typo must not make a drill silently test nothing. An active failpoint is logged at start (``failpoints`` in the
-``self_check`` line) and shown in ``/readyz``, so nobody mistakes such a process for a healthy one.
+error (:class:`FailpointError`): a typo must not make a drill silently test nothing. An active
+failpoint is logged at start (``failpoints`` in the ``self_check`` line) and shown in
+``/readyz`` (``batching.failpoint``), so nobody mistakes such a process for a healthy one.
 
 Why they exist: some faults cannot be caused from outside a process. A kernel whose bits
 depend on the batch is one; the run-time batch-invariance check (``service.fused_check_every``)
