@@ -27,6 +27,14 @@ from tests.integration.coordinator_kit import CATALOGUE, NS, Worker, block, fast
 from worker.client.nats_adapter import NatsCoordinatorClient
 
 
+async def _audit_clean(base: str) -> None:
+    """The coordinator's audit of the log (workers not asked) finds nothing."""
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{base}/v1/audit", json={"check_workers": False}) as r:
+            report = await r.json()
+    assert r.status == 200 and report["ok"], report
+
+
 async def _folded(db: asyncpg.Connection) -> LedgerState:
     """The log as it stands, folded by the core."""
     return replay(decode_event(r["payload"]) for r in await db.fetch("SELECT payload FROM events ORDER BY position"))
@@ -135,10 +143,7 @@ async def test_transitions_are_acked_after_commit_watermarked_and_redelivery_abs
             row = await db.fetchrow("SELECT type, stream_id FROM events WHERE source_id = $1", bad.source_id)
             assert (row["type"], row["stream_id"]) == ("transition.rejected", "worker:w1")
 
-            async with aiohttp.ClientSession() as http:
-                async with http.post(f"{base}/v1/audit", json={"check_workers": False}) as r:
-                    report = await r.json()
-            assert r.status == 200 and report["ok"], report
+            await _audit_clean(base)
         finally:
             await db.close()
             await nc.drain()
@@ -236,10 +241,7 @@ async def test_a_worker_that_disowns_its_replicas_takes_its_disk_copies_out_of_r
                 (bh, "compressed", "disk") for bh in hashes)
             again = await w2.acquire(hashes, write=False)
             assert isinstance(again, ErrorReply) or not again.read, again
-            async with aiohttp.ClientSession() as http:
-                async with http.post(f"{base}/v1/audit", json={"check_workers": False}) as r:
-                    report = await r.json()
-            assert r.status == 200 and report["ok"], report
+            await _audit_clean(base)
         finally:
             await db.close()
             await nc.drain()
