@@ -30,10 +30,12 @@ the ledger is one screen long.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -207,7 +209,10 @@ class Engine:
         #: The ledger suspended our epoch: degraded until a resume reconciles our inventory.
         self._suspended = False
         #: A fused forward differed at run time: the next registration disowns what we computed.
-        self._disown = False
+        #: Kept on disk until then (``<state_dir>/disown-<worker id>``), so that a process that
+        #: stops first (a crash, an operator's restart while the coordinator was away) still does.
+        self._disown_marker = Path(cfg.state_dir) / f"disown-{self.worker_id}"
+        self._disown = self._disown_marker.exists()
         #: Set while the coordinator answers for our epoch (requests told "suspended" wait on it).
         self._contact = asyncio.Event()
         self.heartbeat_interval_ms = cfg.coordinator.heartbeat_interval_ms
@@ -374,6 +379,12 @@ class Engine:
                        reason=reason[:300])
         self.metrics.batch_invariant.set(0)
         self._disown = True
+        try:
+            self._disown_marker.parent.mkdir(parents=True, exist_ok=True)
+            self._disown_marker.write_text(f"{reason[:300]}\n")
+        except OSError as e:
+            self.log.warning("cannot keep the disown marker: a restart before registering would not disown",
+                             path=str(self._disown_marker), error=str(e))
         if self.registered:
             self._registration_lost(f"batch invariance failed at run time: {reason}"[:300])
 
@@ -521,6 +532,8 @@ class Engine:
         if self._disown:
             self._disown = False
             self.metrics.disowned_replicas.inc(reply.disowned)
+            with contextlib.suppress(FileNotFoundError):
+                self._disown_marker.unlink()
         self._registered_once.set()
         return True
 

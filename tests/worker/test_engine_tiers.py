@@ -142,7 +142,7 @@ async def test_a_reservation_lost_before_its_commit_is_an_abort_not_a_replica(ma
 
 
 async def test_a_worker_whose_fused_forward_differed_disowns_its_disk_copies(
-        make_engine, reference, monkeypatch) -> None:
+        make_engine, reference, monkeypatch, tmp_path) -> None:
     """A failed run-time batch-invariance check drops the worker's cache with its epoch; its
     copies on the shared disk outlive the epoch, so it disowns them when it registers again: the
     ledger marks them INVALID and another worker sharing the directory recomputes instead of
@@ -173,10 +173,28 @@ async def test_a_worker_whose_fused_forward_differed_disowns_its_disk_copies(
         # INVALID (or already past the owner's tombstone ring): none is READY any more
         assert {twin.state.replicas[k].state for k in on_disk if k in twin.state.replicas} <= {ReplicaState.INVALID}
         assert a.metrics.value("kvl_worker_disowned_replicas_total") >= len(on_disk)
+        assert not (tmp_path / "state" / "disown-wa").exists()     # carried out: nothing left to do
     async with make_engine(twin, worker_id="wb", **SMALL) as b:
         r = await b.generate(p1, max_tokens=2)
         assert not r.reloaded.get("disk") and r.cached_tokens == 0
         assert same(r, await reference().generate(p1, max_tokens=2))
+
+
+async def test_a_disown_not_yet_registered_survives_a_restart(make_engine, tmp_path) -> None:
+    """The disown is kept on disk (``<state_dir>/disown-<worker>``) until a registration carried
+    it: a worker process that stopped between a failed run-time check and its next registration
+    disowns its disk copies when it starts again."""
+    twin = InProcessCoordinator()
+    await _fill_disk(make_engine, twin, [prompt(100, seed=50)])
+    on_disk = {k for k, r in twin.state.replicas.items() if k[2] == "disk" and r.state is ReplicaState.READY}
+    assert on_disk
+    marker = tmp_path / "state" / "disown-wa"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text("a fused forward differed\n")
+    async with make_engine(twin, worker_id="wa", **SMALL) as a:
+        assert a.registered and not marker.exists()
+        assert a.metrics.value("kvl_worker_disowned_replicas_total") >= len(on_disk)
+    assert not {k for k in on_disk if k in twin.state.replicas and twin.state.replicas[k].state is ReplicaState.READY}
 
 
 def test_core_accepts_offload_of_lru_victims() -> None:
