@@ -69,7 +69,7 @@ from tests.faults.workload import (
 #: Drills in the order the suite runs them (also the tenants that get API keys).
 DRILLS = ("coordinator-kill", "log-archive", "standby-takeover", "coordinator-stall", "cpu-starvation", "worker-kill",
           "nats-kill", "postgres-outage", "coordinator-stall-past-grace", "offload-readonly", "offload-damage",
-          "offload-full", "pool-exhausted", "spike")
+          "offload-full", "pool-exhausted", "spike", "fused-mismatch")
 #: Failures a drill's fault explains; anything else fails the drill.
 KILLED_WORKER = {"connection refused", "connection reset", "killed mid-request", "nats no responders"}
 NATS_DOWN = {"killed mid-request", "nats no responders", "nats disconnected", "nats timeout"}
@@ -870,6 +870,61 @@ async def log_archive(run: Run, drill: str) -> Fault:
     return run.close(f, set(), load)
 
 
+async def fused_mismatch(run: Run, drill: str) -> Fault:
+    """wa restarted with fused forwards that depend on the batch (failpoint ``fused_skew``: what a
+    kernel the start-up probe missed would do) and a run-time check on every fused forward, under
+    load: the checked step fails (503, retried; the gateway tries another worker), wa stops fusing
+    and registers a new epoch that disowns what it computed, its copies on the shared disk too
+    (made by the ordinary process before: disowned all the same). Then restarted without the
+    failpoint. Every answer equals the cold run; no disk copy wa made is READY after the disown."""
+    stack, victim = run.stack, "wa"
+
+    async def owned_on_disk() -> set[tuple[str, str]]:
+        return {(r["block_hash"], r["form"]) for r in await stack.replicas(location="disk", state="READY")
+                if r["owner"] == victim}
+
+    async def on_disk() -> int:
+        await stack.debug(victim, "flush", {"timeout_s": 10}, timeout_s=20)
+        return len(await owned_on_disk())
+    await run.churn_until(drill, f"{drill}-full", on_disk, 0)   # fresh blocks push older ones to disk
+    before = await owned_on_disk()
+    assert before, f"{drill}: {victim} holds no disk copies to disown (the churn pushed nothing out)"
+    old = (await run.epochs())[victim]
+    f = Fault(drill, f"worker {victim} restarted with batch-dependent fused forwards (failpoint fused_skew), "
+              "checked on every fused forward", run.history.now())
+    stack.kill_worker(victim)
+    stack.start_worker(victim, failpoints="fused_skew", service={"fused_check_every": 1})
+    try:
+        skewed = (await stack.wait_worker(victim, epoch_above=old))["epoch"]
+        await stack.wait_gateway()
+        t0 = time.monotonic()
+        load = await run.begin(drill)
+        # two churns at once on wa besides the load: fused forwards for certain
+        await asyncio.gather(*(run.churn(drill, f"{drill}-push{k}", victim) for k in range(2)))
+        differs = await _until(lambda: stack.metric(victim, "kvl_worker_fused_checks_total", outcome="differs"),
+                               above=0, timeout_s=60)
+        after = (await stack.wait_worker(victim, epoch_above=skewed))["epoch"]
+        f.ready_s = time.monotonic() - t0
+        disowned = await stack.metric(victim, "kvl_worker_disowned_replicas_total")
+        await load.wait_done(run.settings.after)
+        await load.stop()
+        left = before & await owned_on_disk()
+    finally:
+        if stack.workers[victim].alive:
+            stack.kill_worker(victim)
+        stack.start_worker(victim)
+        await stack.wait_worker(victim)
+        await stack.wait_gateway()
+    f.recovery_s = time.monotonic() - t0
+    f.evidence = {f"{victim}_epoch": f"{old}→{skewed}→{after}→{(await run.epochs())[victim]}",
+                  "fused_checks_differ": int(differs), "disk_copies_before": len(before),
+                  "disowned": int(disowned), "disk_copies_still_ready": len(left)}
+    assert differs >= 1, f"{drill}: no fused forward was checked and found to differ: {f.evidence}"
+    assert after > skewed and disowned >= len(before), f"{drill}: no disown: {f.evidence}"
+    assert not left, f"{drill}: disk copies {victim} made are READY after its disown: {sorted(left)[:3]}"
+    return run.close(f, {"http 503 unavailable", "worker error"}, load, only_on={victim})
+
+
 async def _sum_metric(stack: Stack, name: str, **labels: str) -> float:
     vals = await asyncio.gather(*[stack.metric(w, name, **labels) for w in stack.specs])
     return float(sum(vals))
@@ -889,7 +944,7 @@ ALL = {"coordinator-kill": coordinator_kill, "standby-takeover": standby_takeove
        "nats-kill": nats_kill, "postgres-outage": postgres_outage,
        "coordinator-stall-past-grace": coordinator_stall_past_grace, "offload-readonly": offload_readonly,
        "offload-damage": offload_damage, "offload-full": offload_full, "pool-exhausted": pool_exhausted,
-       "spike": spike, "log-archive": log_archive}
+       "spike": spike, "log-archive": log_archive, "fused-mismatch": fused_mismatch}
 
 
 # --- the end of a run -----------------------------------------------------------------------------

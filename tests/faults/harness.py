@@ -305,13 +305,20 @@ class Stack:
         if old is not None:
             old.kill(signal.SIGKILL)
 
-    def start_worker(self, wid: str) -> Proc:
+    def start_worker(self, wid: str, *, failpoints: str = "", service: dict[str, Any] | None = None) -> Proc:
+        """``failpoints``: the process's ``KVL_FAILPOINTS`` (:mod:`worker.failpoints`); ``service``:
+        keys over the spec's. Both for this process only: a restart without them is ordinary."""
         old = self.workers.get(wid)
         assert old is None or not old.alive, f"{wid} is running"
-        cfg = self._write(wid, self.worker_config(wid))
+        doc = self.worker_config(wid)
+        doc["service"].update(service or {})
+        cfg = self._write(wid, doc)
+        env = self._env()
+        if failpoints:
+            env["KVL_FAILPOINTS"] = failpoints
         self._gone.pop(wid, None)
         self.workers[wid] = Proc(wid, [sys.executable, "-m", "worker", "--config", str(cfg)],
-                                 self.logs / f"{wid}.log", self._env())
+                                 self.logs / f"{wid}.log", env)
         return self.workers[wid]
 
     def kill_worker(self, wid: str) -> None:
