@@ -407,11 +407,17 @@ async def drive(nc: Any, subject: str, payloads: list[bytes], inflight: int, tim
     return perf() - t0, lat, replies
 
 
-def append_delta(a: tuple[float, float, float], b: tuple[float, float, float], prefix: str) -> dict[str, float]:
-    """Group-commit appends between two :meth:`CoordinatorProc.append_stats` readings."""
+def append_delta(a: tuple[float, float, float], b: tuple[float, float, float], prefix: str,
+                 wall_s: float | None = None) -> dict[str, float]:
+    """Group-commit appends between two :meth:`CoordinatorProc.append_stats` readings; with
+    ``wall_s``, also ``<prefix>_append_busy_share``: the part of that wall time an append was in
+    flight (one at a time), near 1 when the appends, not the coordinator's CPU, set the rate."""
     txs = max(b[0] - a[0], 1e-9)
-    return {f"{prefix}_append_txs": round(b[0] - a[0]), f"{prefix}_append_events_per_tx": round((b[1] - a[1]) / txs, 1),
-            f"{prefix}_append_ms_mean": round(1000 * (b[2] - a[2]) / txs, 2)}
+    out = {f"{prefix}_append_txs": round(b[0] - a[0]), f"{prefix}_append_events_per_tx": round((b[1] - a[1]) / txs, 1),
+           f"{prefix}_append_ms_mean": round(1000 * (b[2] - a[2]) / txs, 2)}
+    if wall_s:
+        out[f"{prefix}_append_busy_share"] = round((b[2] - a[2]) / wall_s, 3)
+    return out
 
 
 def cpu_seconds(coordinator_pid: int | None) -> dict[str, dict[int, float]]:
@@ -801,7 +807,7 @@ async def ingest_phase(nc: Any, nats_url: str, coord: CoordinatorProc, w: BenchW
     _log(f"ingest: watermark {w.emitted_seq} after {t_ingest:.2f} s ({sent} messages): {n / t_ingest:,.0f} "
          "events/s durable")
     w.note_committed([(bh, seq0 + k + 1) for k, bh in enumerate(bh for _, chunk in leases for bh in chunk)])
-    appends = append_delta(st0, await coord.append_stats(), "ingest")
+    appends = append_delta(st0, await coord.append_stats(), "ingest", t_ingest)
     _log(f"ingest: {appends}; {cpu}")
 
     copy2 = await copy_baseline(db_url, rows, "after")
@@ -901,7 +907,7 @@ async def backlog_phase(nc: Any, coord: CoordinatorProc, w: BenchWorker, n: int,
     await w.wait_watermark(seq0 + n, timeout_s=max(120, n / 500))
     t = time.perf_counter() - t0
     cpu = cpu_delta(cpu0, cpu_seconds(coord.pid), n, "ingest_backlog")
-    appends = append_delta(st0, await coord.append_stats(), "ingest_backlog")
+    appends = append_delta(st0, await coord.append_stats(), "ingest_backlog", t)
     rate = n / t
     _log(f"backlog: ready {ready_s:.2f} s after its start; watermark {seq0 + n} {t:.2f} s later: {rate:,.0f} "
          f"events/s durable; {appends}; {cpu}")
