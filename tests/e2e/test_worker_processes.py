@@ -213,14 +213,19 @@ async def test_a_worker_whose_fused_forwards_differ_disowns_its_disk_copies(clus
     assert await cluster.flush("wa")
     on_disk = {(r["block_hash"], r["form"]) for r in await cluster.replicas(location="disk", state="READY")}
     assert on_disk
-    tries = [prompt(20, seed=50 + k) for k in range(3)]
-    got = await asyncio.gather(*(cluster.generate("wa", t, 4) for t in tries), return_exceptions=True)
-    assert any(isinstance(g, AssertionError) and "other logits" in str(g) for g in got), got
-    for t, g in zip(tries, got):                         # what was answered, and every retry, is exact
-        cold = await reference(t, 4)
-        if isinstance(g, AssertionError):
-            g = await cluster.generate("wa", t, 4)
-        assert g["tokens"] == cold.tokens and torch.equal(g["logits"], cold.logits)
+    caught = False
+    for round_ in range(5):                              # until a fused forward was checked (the first, as a rule)
+        tries = [prompt(20, seed=50 + 3 * round_ + k) for k in range(3)]
+        got = await asyncio.gather(*(cluster.generate("wa", t, 4) for t in tries), return_exceptions=True)
+        caught = any(isinstance(g, AssertionError) and "other logits" in str(g) for g in got)
+        for t, g in zip(tries, got):                     # what was answered, and every retry, is exact
+            cold = await reference(t, 4)
+            if isinstance(g, AssertionError):
+                g = await cluster.generate("wa", t, 4)
+            assert g["tokens"] == cold.tokens and torch.equal(g["logits"], cold.logits)
+        if caught:
+            break
+    assert caught, "no fused forward differed in five rounds of three concurrent requests"
     health = await cluster.wait_worker("wa", epoch_above=1)
     assert health["epoch"] == 2 and not health["degraded"], health
     left = {(r["block_hash"], r["form"]) for r in await cluster.replicas(location="disk", state="READY")}
