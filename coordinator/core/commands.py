@@ -137,49 +137,19 @@ def register_worker(state: LedgerState, msg: m.WorkerRegister,
 
 def _disown(state: LedgerState, worker_id: str, lost: set[ReplicaKey], now_ms: int) -> ev.Invalidated | None:
     """Every live replica ``worker_id`` created (any epoch; its GPU and host ones are in ``lost``
-    already), and every READY copy elsewhere of the same bytes, becomes INVALID: the worker says
-    its bits may differ from a cold run's.
+    already) becomes INVALID: the worker says its bits may differ from a cold run's.
 
     NOTE: a disk copy outlives its epoch (another worker may reload it), so the epoch's loss
     alone would leave those bytes READY; a reader holding a pin on one loses it here, and its
     hit was validated against a checksum that says nothing about how the bytes were computed.
-    A reload of such a copy is another worker's replica with the same (block, form, checksum):
-    selected by content, with every other live replica of that block at that worker's GPU and
-    host tier, which is what the ``invalidate_block`` control it is sent drops there
-    (:func:`disowned_copies`). O(replicas the state holds): a rare event (a failed run-time
-    batch-invariance check)."""
-    replicas = state.replicas
-    own = {k for k, r in replicas.items() if r.owner == worker_id and r.state in LIVE}
-    content = {(k[0], k[1], r.checksum) for k in own if (r := replicas[k]).state is READY and r.checksum}
-    copies = {k for k, r in replicas.items()
-              if r.state is READY and k not in own and (k[0], k[1], r.checksum) in content}
-    held = {(k[0], loc) for k in copies if k[2] != "disk" for loc in _tiers_of(state, k[2])}
-    if held:
-        copies |= {k for k, r in replicas.items() if r.state in LIVE and (k[0], k[2]) in held}
-    affected = sorted((own | copies) - lost)
+    O(replicas the state holds): a rare event (a failed run-time batch-invariance check)."""
+    affected = sorted(k for k, r in state.replicas.items()
+                      if r.owner == worker_id and r.state in LIVE and k not in lost)
     if not affected:
         return None
     return ev.Invalidated(scope="worker", value=worker_id, affected=affected, at_ms=now_ms,  # type: ignore[arg-type]
                           reason="the worker disowned what it computed (a fused forward differed from "
                                  "the same request alone)")
-
-
-def _tiers_of(state: LedgerState, location: str) -> tuple[str, ...]:
-    """The GPU and host locations of the worker(s) holding ``location`` (a GPU or host tier)."""
-    holders = [w for w in state.workers.values() if w.alive and location in (w.gpu, w.host)]
-    return tuple({loc for w in holders for loc in (w.gpu, w.host)}) or (location,)
-
-
-def disowned_copies(state: LedgerState, event: ev.Invalidated, worker_id: str) -> dict[str, list[str]]:
-    """``{worker: [block hash, …]}``: the other live workers that held a disowned block on their
-    GPU or host tier, each to be sent an ``invalidate_block`` control per block (the ledger
-    already records the invalidation; the control makes the worker drop its copy)."""
-    out: dict[str, set[str]] = {}
-    for k in event.affected:
-        for w in state.workers.values():
-            if w.worker_id != worker_id and w.alive and k[2] in (w.gpu, w.host):
-                out.setdefault(w.worker_id, set()).add(k[0])
-    return {w: sorted(b) for w, b in sorted(out.items())}
 
 
 def heartbeat(state: LedgerState, msg: m.Heartbeat,
