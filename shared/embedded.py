@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -32,7 +33,30 @@ class EmbeddedServiceError(RuntimeError):
     """An embedded server could not be started; the message says which and why."""
 
 
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out for outgoing connections (Linux; 32768 elsewhere)."""
+    with contextlib.suppress(OSError, ValueError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free now and that the kernel will not give to an outgoing connection.
+
+    A server started later binds it; a port from the kernel's ephemeral range (``bind(0)``) can
+    be taken in between by any client socket (CI saw a worker fail with EADDRINUSE that way).
+    A random pick below the range also keeps two concurrent callers apart.
+    """
+    floor = _ephemeral_floor()
+    low = max(1024, floor - 16384)
+    for _ in range(64) if floor - low >= 256 else ():
+        port = random.randrange(low, floor)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

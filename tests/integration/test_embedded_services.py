@@ -5,12 +5,13 @@ without PostgreSQL and NATS takes is exercised on every run.
 """
 
 import asyncio
+import socket
 from pathlib import Path
 
 import asyncpg
 import nats
 
-from shared.embedded import resolve_services
+from shared.embedded import _ephemeral_floor, free_port, resolve_services
 
 
 def test_embedded_servers_answer_and_stop(tmp_path: Path) -> None:
@@ -58,3 +59,14 @@ def test_relative_state_dir_works(tmp_path: Path, monkeypatch) -> None:  # type:
             assert await conn.fetchval("select 1") == 1
             await conn.close()
         asyncio.run(check())
+
+
+def test_free_port_stays_out_of_the_ephemeral_range() -> None:
+    """A server binds the port later; an outgoing connection must not be able to take it first."""
+    floor = _ephemeral_floor()
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= p < floor for p in ports), (floor, sorted(ports))
+    assert len(ports) > 1                      # random picks, so concurrent callers part ways
+    for p in ports:                            # and each is bindable
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", p))
