@@ -26,7 +26,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from coordinator.audit import run_audit
-from coordinator.core import CoreError, UnknownReplica, UnknownWorker, drain_worker, invalidate, switch_cache
+from coordinator.core import (
+    CoreError, UnknownReplica, UnknownWorker, drain_worker, drop_controls, invalidate, switch_cache,
+)
 from coordinator.core.events import replica_stream
 from coordinator.ledger import Ledger, Unavailable
 from coordinator.log.port import LogError, StoredEvent
@@ -423,11 +425,13 @@ async def post_invalidate(request: web.Request) -> web.Response:
     affected = events[0].affected if events else []
     notified: dict[str, str] = {}
     ctx = _ctx(request)
-    if ctx.control is not None and affected and scope != "worker":
+    if ctx.control is not None and events and scope != "worker":
+        # every worker whose GPU or host tier held a replica of the scope, live or retired: it
+        # drops its bytes, and with them a copy of them it is about to make
         control = (Control(action="invalidate_namespace", namespace=body.value, reason=body.reason)
                    if scope == "namespace" else
                    Control(action="invalidate_block", block_hash=body.value, reason=body.reason))
-        workers = sorted({k[2][4:] for k in affected if k[2].startswith("gpu:")})
+        workers = sorted(drop_controls(ledger.state, events[0]))
         results = await asyncio.gather(*[ctx.control(w, control) for w in workers])
         notified = dict(zip(workers, results))
     return web.json_response({"scope": scope, "value": body.value, "affected": len(affected),

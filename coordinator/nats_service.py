@@ -40,8 +40,8 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
 
 from coordinator.core import (
-    CoreError, TransitionRejected, acquire_lease, collect_disk, evict_host, ingest_transition, register_worker, release_lease, renew_lease,
-    resume_worker,
+    CoreError, Invalidated, TransitionRejected, acquire_lease, collect_disk, drop_controls, evict_host,
+    ingest_transition, register_worker, release_lease, renew_lease, resume_worker,
 )
 from coordinator.ledger import Ledger, Unavailable
 from coordinator.metrics import CoordinatorMetrics
@@ -49,7 +49,7 @@ from coordinator.request_trace import BatchSpans
 from shared.messages import (
     CommitWatermark, Control, DiskGc, ErrorCode, ErrorReply, Heartbeat, HostEvict, InventoryReply, InventoryRequest, LeaseAcquire, LeaseRelease,
     LeaseRenew, MessageError, ResumeReply, RouteQuery, RouteReply, TransitionBatch, TransitionEvent, WorkerRegister, WorkerResume, decode,
-    encode, now_ms,
+    RegisterReply, encode, now_ms,
 )
 from shared import tracing
 from shared.hashing import REPLICA_DIGEST_BYTES
@@ -128,6 +128,9 @@ class NatsService:
         self.request_timeout_s = config.nats.request_timeout_ms / 1000
         self._subs: list[Any] = []
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: A disowning registration's decision → the other workers holding copies of what it
+        #: disowned (``{worker: [block, …]}``), told once the decision is durable.
+        self._disowned: dict[int, dict[str, list[str]]] = {}
         #: Transitions fetched and not yet acked or nak'ed, and the event set while they are
         #: under the consumer's bound (see :meth:`_consume`).
         self._ingesting = 0
@@ -274,6 +277,14 @@ class NatsService:
             # NOTE: the reply lists the digests to drop; it must fit one message too (base64 in JSON).
             max_drop = max(1, (self.nc.max_payload - 4096) * 3 // 4 // REPLICA_DIGEST_BYTES)
             return lambda s: resume_worker(s, req, now_ms(), max_drop)
+        if isinstance(req, WorkerRegister) and req.disown_replicas:
+            def disown(s: Any) -> tuple[Any, list[Any]]:
+                reply, events = register_worker(s, req, now_ms())
+                for e in events:
+                    if isinstance(e, Invalidated):
+                        self._disowned[id(req)] = drop_controls(s, e, but=req.worker_id)
+                return reply, events
+            return disown
         return op.decide(req)
 
     async def _serve_queued(self) -> None:
@@ -321,6 +332,11 @@ class NatsService:
                 if isinstance(req, WorkerResume):
                     self._resume_answered(req, reply)
                 await self._answer(op, msg, t0, reply)
+                held = self._disowned.pop(id(req), None) if isinstance(req, WorkerRegister) else None
+                if held and isinstance(reply, RegisterReply) and reply.disowned:   # durable: tell the holders
+                    task = asyncio.create_task(self._notify_disowned(req.worker_id, held))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
                 if traced is not None:
                     traced.answered(i, req, reply)
         finally:
@@ -668,6 +684,20 @@ class NatsService:
             if len(pages) == reply.pages:
                 return msgspec.structs.replace(first, digests=b"".join(pages), page=0, pages=1)
             req = msgspec.structs.replace(req, page=len(pages))
+
+    async def _notify_disowned(self, worker_id: str, held: dict[str, list[str]]) -> None:
+        """Other workers held copies of what ``worker_id`` disowned (reloads of its disk copies):
+        the ledger has invalidated them; an ``invalidate_block`` control per block makes each
+        holder drop its copy (a holder that misses it finds the replica INVALID at its next
+        lease, and the audit shows it)."""
+        reason = f"copy of what worker {worker_id} disowned (its fused forwards differed)"
+        results: dict[str, list[str]] = {}
+        for wid, blocks in held.items():
+            for b in blocks:
+                got = await self.control(wid, Control(action="invalidate_block", block_hash=b, reason=reason))
+                results.setdefault(got, []).append(wid)
+        self.log.info("disown_notified", worker_id=worker_id, holders=sorted(held),
+                      blocks=sum(map(len, held.values())), results={k: len(v) for k, v in results.items()})
 
     async def control(self, worker_id: str, control: Control, timeout_s: float | None = None) -> str:
         """Send a control message; ``acked``, or why not (the ledger change stands either way)."""

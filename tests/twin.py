@@ -18,8 +18,8 @@ import time
 import uuid
 
 from coordinator.core import (
-    CoreParams, LedgerState, acquire_lease, apply, collect_disk, evict_host, expire, heartbeat, ingest_transition,
-    register_worker, release_lease, renew_lease, resume, resume_worker,
+    CoreParams, Invalidated, LedgerState, acquire_lease, apply, collect_disk, drop_controls, evict_host, expire,
+    heartbeat, ingest_transition, register_worker, release_lease, renew_lease, resume, resume_worker,
 )
 from shared import messages as m
 from worker.client import (
@@ -73,7 +73,16 @@ class InProcessCoordinator:
 
     async def register(self, msg: m.WorkerRegister) -> m.RegisterReply:
         self._check()
-        return self._run(register_worker(self.state, msg, _now()))  # type: ignore[return-value]
+        reply, events = register_worker(self.state, msg, _now())
+        # as the coordinator's shell does: holders of copies of what a worker disowned are told
+        held = {w: b for e in events if isinstance(e, Invalidated)
+                for w, b in drop_controls(self.state, e, but=msg.worker_id).items()}
+        out = self._run((reply, events))
+        for wid, blocks in held.items():
+            if wid in self._listeners:
+                for b in blocks:
+                    await self.control(wid, m.Control(action="invalidate_block", block_hash=b, reason="disowned copy"))
+        return out  # type: ignore[return-value]
 
     async def resume(self, msg: m.WorkerResume) -> m.ResumeReply:
         self._check()

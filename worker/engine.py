@@ -1103,7 +1103,11 @@ class Engine:
         return InventoryReply(worker_id=self.worker_id, epoch=epoch, items=items, emitted_seq=emitted)
 
     async def on_control(self, msg: Control) -> ControlAck:
-        """Apply a coordinator decision locally (the ledger already records it: no transitions)."""
+        """Apply a coordinator decision locally (the ledger already records it: no transitions).
+
+        An invalidation drops the block's bytes wherever this worker holds them, blocks queued for
+        the disk writer included; a copy of them whose transition is already on its way is refused
+        by the ledger (the invalidation retired its EVICTED source), so neither side keeps it."""
         affected = 0
         if msg.action == "drain":
             self.draining = True
@@ -1118,7 +1122,9 @@ class Engine:
                     if hit(m):
                         affected += self.store.drop(form, m.block_hash) is not None
                 self._update_pool_metrics()
-            for m in self.tiers.host_items():
+            queued = [m for m, _, from_host in self.tiers.take_spills()
+                      if not from_host and msg.action != "evict"]
+            for m in (*self.tiers.host_items(), *queued):
                 if hit(m):
                     affected += self.tiers.host_drop(m.block_hash, m.form)
         self.log.info("control", action=msg.action, affected=affected, reason=msg.reason)

@@ -16,7 +16,7 @@ Map:
 
 from coordinator.core.commands import (
     CoreError, ReplicaPinned, UnknownReplica, UnknownScope, UnknownWorker, acquire_lease, collect_disk,
-    drain_worker, evict_host, evict_replica, switch_cache, expire, heartbeat, ingest_transition, invalidate, lease_deadline, readable_locations,
+    drop_controls, drain_worker, evict_host, evict_replica, switch_cache, expire, heartbeat, ingest_transition, invalidate, lease_deadline, readable_locations,
     register_worker, release_lease, renew_lease, resume, resume_worker,
 )
 from coordinator.core.events import (
@@ -48,7 +48,7 @@ __all__ = [
     "PrefixResult", "longest_usable_prefix",
     # commands
     "CoreError", "ReplicaPinned", "UnknownReplica", "UnknownScope", "UnknownWorker", "acquire_lease",
-    "collect_disk", "drain_worker", "switch_cache", "evict_host", "evict_replica", "expire", "heartbeat", "ingest_transition", "invalidate", "lease_deadline",
+    "collect_disk", "drop_controls", "drain_worker", "switch_cache", "evict_host", "evict_replica", "expire", "heartbeat", "ingest_transition", "invalidate", "lease_deadline",
     "readable_locations", "register_worker", "release_lease", "renew_lease", "resume", "resume_worker",
     # invariants
     "check_invariants",

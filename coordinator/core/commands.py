@@ -27,7 +27,7 @@ import msgspec
 
 from coordinator.core import events as ev
 from coordinator.core.lifecycle import (
-    ALLOCATED, LIVE, READY, WORKER_KINDS, IllegalTransition, kind_of, step,
+    ALLOCATED, EVICTED, LIVE, READY, WORKER_KINDS, IllegalTransition, kind_of, step,
 )
 from coordinator.core.prefix import longest_usable_prefix
 from coordinator.core.state import Lease, LedgerState, Replica, ReplicaKey, WorkerRecord
@@ -62,7 +62,7 @@ class UnknownScope(CoreError):
 
 
 #: States a replica may be in to serve as the source of an offload copy.
-OFFLOAD_SOURCES = (READY, m.ReplicaState.EVICTED)
+OFFLOAD_SOURCES = (READY, EVICTED)
 
 def _error(code: m.ErrorCode, message: str, retry_after_ms: int = 0) -> m.ErrorReply:
     return m.ErrorReply(code=code, message=message, retry_after_ms=retry_after_ms)
@@ -137,19 +137,68 @@ def register_worker(state: LedgerState, msg: m.WorkerRegister,
 
 def _disown(state: LedgerState, worker_id: str, lost: set[ReplicaKey], now_ms: int) -> ev.Invalidated | None:
     """Every live replica ``worker_id`` created (any epoch; its GPU and host ones are in ``lost``
-    already) becomes INVALID: the worker says its bits may differ from a cold run's.
+    already), and every READY copy elsewhere of the same bytes, becomes INVALID: the worker says
+    its bits may differ from a cold run's.
 
     NOTE: a disk copy outlives its epoch (another worker may reload it), so the epoch's loss
     alone would leave those bytes READY; a reader holding a pin on one loses it here, and its
     hit was validated against a checksum that says nothing about how the bytes were computed.
+    A reload of such a copy is another worker's replica with the same (block, form, checksum):
+    selected by content (of every replica the worker made that the state still remembers),
+    with every other live replica of that block at that worker's GPU and host tier, which is
+    what the ``invalidate_block`` control it is sent drops there (:func:`drop_controls`).
+    EVICTED incarnations of that content, and of those blocks at those tiers, are retired: an
+    offload copy from one may be in flight (see :class:`~coordinator.core.events.Invalidated`).
     O(replicas the state holds): a rare event (a failed run-time batch-invariance check)."""
-    affected = sorted(k for k, r in state.replicas.items()
-                      if r.owner == worker_id and r.state in LIVE and k not in lost)
-    if not affected:
+    replicas = state.replicas
+    content = {(k[0], k[1], r.checksum) for k, r in replicas.items() if r.owner == worker_id and r.checksum}
+    own = {k for k, r in replicas.items() if r.owner == worker_id and r.state in LIVE}
+    copies: set[ReplicaKey] = set()
+    retired: set[ReplicaKey] = set()
+    for k, r in replicas.items():
+        if r.checksum and (k[0], k[1], r.checksum) in content:
+            if r.state is READY and k not in own:
+                copies.add(k)
+            elif r.state is EVICTED:
+                retired.add(k)
+    held = {(k[0], loc) for k in copies | retired if k[2] != "disk" for loc in _tiers_of(state, k[2])}
+    if held:
+        for k, r in replicas.items():
+            if (k[0], k[2]) in held:
+                if r.state in LIVE:
+                    copies.add(k)
+                elif r.state is EVICTED:
+                    retired.add(k)
+    affected = sorted((own | copies) - lost)
+    if not affected and not retired:
         return None
-    return ev.Invalidated(scope="worker", value=worker_id, affected=affected, at_ms=now_ms,  # type: ignore[arg-type]
+    return ev.Invalidated(scope="worker", value=worker_id, affected=affected,  # type: ignore[arg-type]
+                          retired=sorted(retired), at_ms=now_ms,  # type: ignore[arg-type]
                           reason="the worker disowned what it computed (a fused forward differed from "
                                  "the same request alone)")
+
+
+def _tiers_of(state: LedgerState, location: str) -> tuple[str, ...]:
+    """The GPU and host locations of the worker(s) holding ``location`` (a GPU or host tier)."""
+    holders = [w for w in state.workers.values() if w.alive and location in (w.gpu, w.host)]
+    return tuple({loc for w in holders for loc in (w.gpu, w.host)}) or (location,)
+
+
+def drop_controls(state: LedgerState, event: ev.Invalidated, *, but: str = "") -> dict[str, list[str]]:
+    """``{worker: [block hash, …]}``: the live workers (other than ``but``) whose GPU or host
+    tier held a replica ``event`` invalidates or retires, each to be sent an ``invalidate_block``
+    control per block (the ledger already records the invalidation; the control makes the
+    worker drop its bytes, and with them any copy of them it is about to make)."""
+    by_loc: dict[str, str] = {}
+    for w in state.workers.values():
+        if w.alive and w.worker_id != but:
+            by_loc[w.gpu] = by_loc[w.host] = w.worker_id
+    out: dict[str, set[str]] = {}
+    for k in (*event.affected, *event.retired):
+        wid = by_loc.get(k[2])
+        if wid is not None:
+            out.setdefault(wid, set()).add(k[0])
+    return {w: sorted(b) for w, b in sorted(out.items())}
 
 
 def heartbeat(state: LedgerState, msg: m.Heartbeat,
@@ -729,19 +778,24 @@ def ingest_transition(state: LedgerState, t: m.TransitionEvent, now_ms: int | No
 # --- operator commands -------------------------------------------------------------------
 
 def invalidate(state: LedgerState, scope: str, value: str, reason: str, now_ms: int = 0) -> Events:
-    """Every live replica in ``scope`` (``namespace`` | ``worker`` | ``block``) becomes INVALID."""
+    """Every live replica in ``scope`` (``namespace`` | ``worker`` | ``block``) becomes INVALID,
+    and every EVICTED one of a namespace or block is retired (an offload copy from it may be in
+    flight: see :class:`~coordinator.core.events.Invalidated`)."""
     if scope == "namespace":
-        affected = sorted(k for k, r in state.replicas.items() if r.namespace == value and r.state in LIVE)
+        mine = [(k, r.state) for k, r in state.replicas.items() if r.namespace == value]
     elif scope == "worker":
         w = state.workers.get(value)
         if w is None:
             raise UnknownWorker(f"worker {value} is not registered; known: {sorted(state.workers)}")
-        affected = sorted(state.live_keys(w))
+        mine = [(k, READY) for k in state.live_keys(w)]
     elif scope == "block":
-        affected = sorted(k for k, r in state.replicas.items() if k[0] == value and r.state in LIVE)
+        mine = [(k, r.state) for k, r in state.replicas.items() if k[0] == value]
     else:
         raise UnknownScope(f"invalidation scope {scope!r}; allowed: namespace, worker, block")
-    return [ev.Invalidated(scope=scope, value=value, reason=reason, affected=affected, at_ms=now_ms)]  # type: ignore[arg-type]
+    affected = sorted(k for k, st in mine if st in LIVE)
+    retired = sorted(k for k, st in mine if st is EVICTED)
+    return [ev.Invalidated(scope=scope, value=value, reason=reason, affected=affected,  # type: ignore[arg-type]
+                           retired=retired, at_ms=now_ms)]  # type: ignore[arg-type]
 
 
 def evict_replica(state: LedgerState, key: Sequence[str], now_ms: int = 0) -> Events:

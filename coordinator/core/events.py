@@ -289,12 +289,17 @@ class TransitionRejected(_Event, tag="transition.rejected", kw_only=True):
 
 
 class Invalidated(_Event, tag="invalidated", kw_only=True):
-    """An operator (or control) invalidated every live replica in a scope."""
+    """An operator (or control) invalidated every live replica in a scope.
+
+    ``retired``: EVICTED incarnations of the same content, moved to INVALID so that an offload
+    copy still in flight from one (published before its worker dropped the block, ingested
+    after this) is refused rather than bringing the bytes back READY."""
 
     scope: Literal["namespace", "worker", "block"]
     value: str
     reason: str = ""
     affected: list[RKey] = []
+    retired: list[RKey] = []
 
 
 class CacheSwitched(_Event, tag="cache.switched", kw_only=True):

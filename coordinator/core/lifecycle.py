@@ -11,14 +11,16 @@ block is cached again in the same place) and starts a fresh incarnation.
 ::
 
     (absent) ──grant──▶ ALLOCATED ──commit──▶ READY ──evict──▶ EVICTED
-        │                 │  │  │                │ └─invalidate─▶ INVALID
+        │                 │  │  │                │ └─invalidate─▶ INVALID ◀─invalidate─ EVICTED
         │                 │  │  └─invalidate──▶ INVALID          (never served)
         │                 │  └─abort──▶ EVICTED   └─lose──▶ LOST
         │                 └─lose──▶ LOST
-        └──offload (copy of a READY replica to host/disk)──▶ READY
+        └──offload (copy of a READY or EVICTED replica to host/disk)──▶ READY
 
     EVICTED / INVALID / LOST are terminal for an incarnation: ``grant`` or ``offload``
-    starts a new one.
+    starts a new one. An EVICTED incarnation is still a source an offload may name (its
+    bytes may be in flight to a lower tier); an operator's or a disown's invalidation of its
+    content moves it to INVALID (``Invalidated.retired``), so a copy in flight is refused.
 
 Everything that decides whether a move is legal *by state alone* lives in
 :data:`TRANSITIONS`. Checks that need more than the state (the holder's epoch, generation
@@ -68,7 +70,7 @@ TRANSITIONS: Final[dict[ReplicaState | None, dict[str, ReplicaState]]] = {
     None: dict(_RECREATE),
     ALLOCATED: {"commit": READY, "abort": EVICTED, "invalidate": INVALID, "lose": LOST},
     READY: {"evict": EVICTED, "invalidate": INVALID, "lose": LOST},
-    EVICTED: dict(_RECREATE),
+    EVICTED: {**_RECREATE, "invalidate": INVALID},   # (the coordinator's: ``Invalidated.retired``)
     INVALID: dict(_RECREATE),
     LOST: dict(_RECREATE),
 }

@@ -740,6 +740,13 @@ def _apply_transition_rejected(s: LedgerState, e: ev.TransitionRejected) -> None
 def _apply_invalidated(s: LedgerState, e: ev.Invalidated) -> None:
     for key in e.affected:
         _move(s, tuple(key), "invalidate")  # type: ignore[arg-type]
+    replicas = s.replicas
+    for key in e.retired:
+        # NOTE: one still remembered: a loss in the same decision may have pushed it out of its
+        # owner's tombstone ring, and then no offload can name it as a source anyway.
+        r = replicas.get(tuple(key))  # type: ignore[arg-type]
+        if r is not None and r.state is EVICTED:
+            _move(s, tuple(key), "invalidate")  # type: ignore[arg-type]
 
 
 def _apply_cache_switched(s: LedgerState, e: ev.CacheSwitched) -> None:

@@ -4,6 +4,7 @@ watermarks, redelivery, malformed input, restart by snapshot + replay."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 import asyncpg
@@ -17,8 +18,8 @@ from coordinator.core import LedgerState, apply, decode_event, replay, resume, s
 from coordinator.app import COORDINATOR
 from coordinator.nats_service import CONSUMER_NAME
 from shared.messages import (
-    ErrorCode, ErrorReply, HeartbeatReply, LeaseGrant, LeaseReleased, LeaseRenewed, RegisterReply, ResumeReply,
-    TransitionBatch, decode, encode,
+    Control, ControlAck, ErrorCode, ErrorReply, HeartbeatReply, LeaseGrant, LeaseReleased, LeaseRenewed, RegisterReply,
+    ResumeReply, TransitionBatch, decode, encode,
 )
 from shared.subjects import Subjects
 from shared.hashing import replica_digest
@@ -211,9 +212,10 @@ async def test_a_workers_batch_of_transitions_is_judged_in_order_acked_once_and_
 
 async def test_a_worker_that_disowns_its_replicas_takes_its_disk_copies_out_of_reuse(
         database_url: str, nats_url: str, subjects: Subjects) -> None:
-    """Over real NATS and PostgreSQL: w1 copies its blocks to the shared disk and w2's lease reads
-    them there; w1 registers again disowning what it computed (its fused forwards differed):
-    the copies are INVALID in the log, w2's next lease reads nothing of them, the audit is clean."""
+    """Over real NATS and PostgreSQL: w1 copies its blocks to the shared disk and w2 reloads two
+    of them into its GPU pool; w1 registers again disowning what it computed (its fused forwards
+    differed): its copies and w2's reloads (the same bytes) are INVALID in the log, w2 is told to
+    drop each reloaded block, its next lease reads nothing of them, the audit is clean."""
     cfg = fast_config(database_url, nats_url, subjects)
     async with running_coordinator(cfg) as (app, base):
         nc = await nats.connect(nats_url)
@@ -223,6 +225,12 @@ async def test_a_worker_that_disowns_its_replicas_takes_its_disk_copies_out_of_r
             for w in (w1, w2):
                 await w.register()
                 await w.watch_watermarks()
+            told: list[str] = []
+
+            async def on_control(msg: Any) -> None:
+                told.append(decode(msg.data, expect=Control).block_hash)
+                await msg.respond(encode(ControlAck(worker_id="w2", affected=1)))
+            await nc.subscribe(subjects.control("w2"), cb=on_control)
             hashes = [block(i) for i in range(3)]
             grant = await w1.fill(hashes)
             await w1.release(grant.lease_id)
@@ -230,15 +238,21 @@ async def test_a_worker_that_disowns_its_replicas_takes_its_disk_copies_out_of_r
                 t = w1.commit(hashes, i, grant.lease_id)
                 await w1.publish(msgspec.structs.replace(t, from_state=None, location="disk", lease_id=""))
             await w1.wait_watermark(w1.seq)
-            read = await w2.acquire(hashes, write=False)
-            assert isinstance(read, LeaseGrant) and {r.location for r in read.read} == {"disk"}
-            await w2.release(read.lease_id)
+            reload = await w2.acquire(hashes[:2])
+            assert isinstance(reload, LeaseGrant) and {r.location for r in reload.read} == {"disk"}
+            assert reload.write == {"compressed": [0, 1]}
+            for i in range(2):                  # the same bytes (checksum) now in w2's GPU pool
+                await w2.publish(w2.commit(hashes, i, reload.lease_id))
+            await w2.wait_watermark(w2.seq)
+            await w2.release(reload.lease_id)
 
             reply = await w1.register(disown_replicas=True)
-            assert isinstance(reply, RegisterReply) and reply.epoch == 2 and reply.disowned == 3
+            assert isinstance(reply, RegisterReply) and reply.epoch == 2 and reply.disowned == 5
             row = await db.fetchrow("SELECT payload::jsonb AS p FROM events WHERE type = 'invalidated'")
             assert sorted(tuple(k) for k in msgspec.json.decode(row["p"])["affected"]) == sorted(
-                (bh, "compressed", "disk") for bh in hashes)
+                [(bh, "compressed", "disk") for bh in hashes] + [(bh, "compressed", "gpu:w2") for bh in hashes[:2]])
+            await _until(lambda: len(told) >= 2)
+            assert sorted(told) == sorted(hashes[:2])
             again = await w2.acquire(hashes, write=False)
             assert isinstance(again, ErrorReply) or not again.read, again
             await _audit_clean(base)

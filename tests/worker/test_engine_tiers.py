@@ -145,39 +145,51 @@ async def test_a_worker_whose_fused_forward_differed_disowns_its_disk_copies(
         make_engine, reference, monkeypatch, tmp_path) -> None:
     """A failed run-time batch-invariance check drops the worker's cache with its epoch; its
     copies on the shared disk outlive the epoch, so it disowns them when it registers again: the
-    ledger marks them INVALID and another worker sharing the directory recomputes instead of
-    reloading bytes that may differ from a cold run."""
+    ledger marks them INVALID, and with them another worker's reload of one of them (the same
+    bytes: found by content), which that worker is told to drop. It recomputes both prompts
+    instead of reusing bytes that may differ from a cold run."""
     from worker.stepper import FusedMismatch
-    p1 = prompt(100, seed=50)
+    p1, p2 = prompt(100, seed=50), prompt(100, seed=51)
     twin = InProcessCoordinator()
     async with make_engine(twin, worker_id="wa", **SMALL, **{"cache.host_tier_bytes": ONE_PROMPT,
                                                               "service.fused_check_every": 1}) as a:
-        await a.generate(p1, max_tokens=1)
-        for seed in (52, 53, 54):                        # pushes p1 out: GPU → host → disk
+        for p in (p1, p2):
+            await a.generate(p, max_tokens=1)
+        for seed in (52, 53, 54):                        # pushes p1 and p2 out: GPU → host → disk
             await a.generate(prompt(100, seed=seed), max_tokens=1)
         assert await a.flush(timeout=10)
         on_disk = {k for k, r in twin.state.replicas.items() if k[2] == "disk" and r.state is ReplicaState.READY}
-        assert on_disk
-        hidden = a.model._hidden
-        monkeypatch.setattr(a.model, "_hidden",
-                            lambda ids, batch, need: hidden(ids, batch, need) * (1 + 1e-3 * ids.numel()))
-        monkeypatch.setattr(a.model, "batch_invariant", True)      # restored afterwards
-        got = await asyncio.gather(*(a.generate(prompt(20, seed=60 + k), max_tokens=4) for k in range(3)),
-                                   return_exceptions=True)
-        assert any(isinstance(r, FusedMismatch) for r in got), got
-        deadline = time.monotonic() + 10
-        while not (a.registered and a.epoch == 2) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        assert a.registered and a.epoch == 2
-        monkeypatch.setattr(a.model, "_hidden", hidden)
-        # INVALID (or already past the owner's tombstone ring): none is READY any more
-        assert {twin.state.replicas[k].state for k in on_disk if k in twin.state.replicas} <= {ReplicaState.INVALID}
-        assert a.metrics.value("kvl_worker_disowned_replicas_total") >= len(on_disk)
-        assert not (tmp_path / "state" / "disown-wa").exists()     # carried out: nothing left to do
-    async with make_engine(twin, worker_id="wb", **SMALL) as b:
-        r = await b.generate(p1, max_tokens=2)
-        assert not r.reloaded.get("disk") and r.cached_tokens == 0
-        assert same(r, await reference().generate(p1, max_tokens=2))
+        async with make_engine(twin, worker_id="wb", **SMALL) as b:
+            p2_blocks = chain_hashes(p2, 16, b.namespace, b.salt("default"))
+            assert {k[0] for k in on_disk} >= set(p2_blocks[:5])
+            r = await b.generate(p2, max_tokens=1)       # wb reloads wa's copies of p2
+            assert r.reloaded.get("disk", 0) > 0
+            assert await b.flush(timeout=10)
+            reloaded = {k for k, rep in twin.state.replicas.items()
+                        if k[2] == "gpu:wb" and k[0] in p2_blocks and rep.state is ReplicaState.READY}
+            assert reloaded
+            hidden = a.model._hidden
+            monkeypatch.setattr(a.model, "_hidden",
+                                lambda ids, batch, need: hidden(ids, batch, need) * (1 + 1e-3 * ids.numel()))
+            monkeypatch.setattr(a.model, "batch_invariant", True)      # restored afterwards
+            got = await asyncio.gather(*(a.generate(prompt(20, seed=60 + k), max_tokens=4) for k in range(3)),
+                                       return_exceptions=True)
+            assert any(isinstance(r, FusedMismatch) for r in got), got
+            deadline = time.monotonic() + 10
+            while not (a.registered and a.epoch == 2) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert a.registered and a.epoch == 2
+            monkeypatch.setattr(a.model, "_hidden", hidden)
+            # INVALID (or already past the owner's tombstone ring): none is READY any more
+            states = twin.state.replicas
+            assert {states[k].state for k in on_disk | reloaded if k in states} <= {ReplicaState.INVALID}
+            assert a.metrics.value("kvl_worker_disowned_replicas_total") >= len(on_disk) + len(reloaded)
+            assert not (tmp_path / "state" / "disown-wa").exists()     # carried out: nothing left to do
+            assert all(b.store.lookup(k[1], k[0]) is None for k in reloaded)   # wb was told to drop them
+            for p in (p1, p2):
+                r = await b.generate(p, max_tokens=2)
+                assert not r.reloaded.get("disk") and r.cached_tokens == 0
+                assert same(r, await reference().generate(p, max_tokens=2))
 
 
 async def test_a_disown_not_yet_registered_survives_a_restart(make_engine, tmp_path) -> None:
@@ -289,3 +301,23 @@ async def test_above_the_threshold_cold_replicas_are_copied_down_before_they_are
         r = await e.generate(first, max_tokens=2)
         assert r.reloaded.get("host", 0) > 0 and same(r, await reference().generate(first, max_tokens=2))
         assert not [x for x in twin.rejected if x[0].location.startswith("host:")], twin.rejected[:3]
+
+
+async def test_an_invalidation_drops_a_block_queued_for_the_disk_writer(make_engine) -> None:
+    """A GPU victim waiting for the disk writer (no host tier) is bytes the worker still holds:
+    an ``invalidate_block`` control drops it there too, so no disk copy of the invalidated
+    block is written and offered to the ledger afterwards; other queued blocks stay."""
+    from shared.messages import Control
+    twin = InProcessCoordinator()
+    async with make_engine(twin, worker_id="wa", **SMALL) as a:
+        await a.generate(prompt(40, seed=70), max_tokens=1)
+        assert await a.flush(timeout=10)
+        metas = [m for _, _, m in a.store.items()]
+        first = metas[0]
+        other = next(m for m in metas if m.block_hash != first.block_hash)
+        for m in (first, other):
+            a.tiers.spill_direct(m, torch.zeros(4))      # queued, the writer not woken
+        ack = await a.on_control(Control(action="invalidate_block", block_hash=first.block_hash, reason="test"))
+        assert ack.affected >= 2                          # its GPU forms and the queued copy
+        assert {m.block_hash for m, _, _ in a.tiers.take_spills()} == {other.block_hash}
+        a.tiers.spilled(other)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from coordinator.core import (
-    CoreParams, ReplicaPinned, SnapshotError, TransitionApplied, TransitionRejected, UnknownReplica,
-    UnknownScope, UnknownWorker, WorkerLost, WorkerRegistered, acquire_lease, collect_disk, drain_worker,
+    CoreParams, Invalidated, ReplicaPinned, SnapshotError, TransitionApplied, TransitionRejected, UnknownReplica,
+    UnknownScope, UnknownWorker, WorkerLost, WorkerRegistered, acquire_lease, collect_disk, drop_controls,
+    drain_worker,
     evict_host, evict_replica,
     expire, from_snapshot, heartbeat, ingest_transition, invalidate, register_worker, release_lease,
     renew_lease, replay, resume, state_hash, switch_cache, to_snapshot,
@@ -326,14 +327,21 @@ def test_a_worker_that_disowns_what_it_computed_invalidates_its_disk_copies_too(
         assert isinstance(out[0], TransitionApplied), out
     g = d.run(acquire_lease, acquire("w2", 1, [h(0), h(1)]), 14, "L2")
     assert {r.location for r in g.read} == {"disk"}
+    for f in FORMS:                                   # w2 reloads w1's disk copy of h(0): the same bytes
+        assert 0 in g.write[f]
+        out = d.run(ingest_transition, transition("w2", 1, seq(), h(0), f, S.ALLOCATED, S.READY, generation=7,
+                                                  checksum="c0", lease_id="L2"), 15)
+        assert isinstance(out[0], TransitionApplied), out
     reply, events = register_worker(d.state, register("w1", disown_replicas=True), 20)
     assert [type(e).__name__ for e in events] == ["WorkerLost", "Invalidated", "WorkerRegistered"]
-    assert reply.epoch == 2 and reply.disowned == len(FORMS)
-    assert sorted(events[1].affected) == sorted((h(0), f, "disk") for f in FORMS)
+    # w1's disk copies, and w2's reload of them (selected by content: same block, form and checksum)
+    assert reply.epoch == 2 and reply.disowned == 2 * len(FORMS)
+    assert sorted(events[1].affected) == sorted((h(0), f, loc) for f in FORMS for loc in ("disk", "gpu:w2"))
+    assert drop_controls(d.state, events[1], but="w1") == {"w2": [h(0)]}   # told to drop it
     d.commit(events)
     states = {k: r.state for k, r in d.state.replicas.items()}
-    assert {k[2]: v for k, v in states.items() if k[0] == h(0) and k[1] == "swa" and k[2] != "gpu:w2"} == {
-        "gpu:w1": S.LOST, "host:w1": S.LOST, "disk": S.INVALID}
+    assert {k[2]: v for k, v in states.items() if k[0] == h(0) and k[1] == "swa"} == {
+        "gpu:w1": S.LOST, "host:w1": S.LOST, "disk": S.INVALID, "gpu:w2": S.INVALID}
     assert d.state.replicas[(h(0), "swa", "disk")].pins == 0
     assert all(states[(h(5), f, "disk")] is S.READY for f in FORMS)        # w2's own copies
     g2 = d.run(acquire_lease, acquire("w2", 1, [h(0), h(1)]), 21, "L3")
@@ -537,6 +545,63 @@ def test_invalidate_scopes() -> None:
     (e,) = d.run(invalidate, "namespace", NS, "upgrade", 13)
     assert e.affected == [(h(0), f, "gpu:w1") for f in FORMS]
     assert {r.state for r in d.state.replicas.values()} == {S.INVALID}
+    consistent(d)
+
+
+def test_an_offload_in_flight_from_an_invalidated_block_is_refused() -> None:
+    """w1 evicts h(0) from its GPU and copies it to its host tier; the copy's transition is still
+    on its way when an operator invalidates the block (the control that follows makes w1 drop
+    the copy). The EVICTED replica is retired with the live ones, so the copy is refused: the
+    ledger does not list, READY, bytes that were invalidated and that w1 no longer holds."""
+    d, seq = fresh(workers=("w1", "w2")), Seq()
+    warm(d, [h(0), h(1)], seq)
+    for f in FORMS:
+        out = d.run(ingest_transition, transition("w1", 1, seq(), h(0), f, S.READY, S.EVICTED, generation=7), 6)
+        assert isinstance(out[0], TransitionApplied), out
+    in_flight = [transition("w1", 1, seq(), h(0), f, None, S.READY, location="host:w1", generation=7,
+                            checksum="c0") for f in FORMS]
+    (e,) = d.run(invalidate, "block", h(0), "corrupt", 7)
+    assert e.affected == [] and e.retired == [(h(0), f, "gpu:w1") for f in FORMS]
+    assert drop_controls(d.state, e) == {"w1": [h(0)]}
+    for t in in_flight:
+        out = d.run(ingest_transition, t, 8)
+        assert isinstance(out[0], TransitionRejected) and "no READY or EVICTED replica" in out[0].reason, out
+    assert {r.state for k, r in d.state.replicas.items() if k[0] == h(0)} == {S.INVALID}
+    # h(1), not named, is untouched; a new write of h(0) starts a fresh incarnation as always
+    assert all(d.state.replica_state((h(1), f, "gpu:w1")) is S.READY for f in FORMS)
+    warm(d, [h(0)], seq, now=9)
+    assert all(d.state.replica_state((h(0), f, "gpu:w1")) is S.READY for f in FORMS)
+    consistent(d)
+
+
+def test_a_disown_retires_evicted_copies_whose_offload_may_be_in_flight() -> None:
+    """w2 reloaded w1's disk copy of h(0) into its GPU pool, then evicted it and is copying it
+    to its host tier when w1 disowns what it computed: w2's EVICTED reload has w1's content, so
+    it is retired, w2 is told to drop the block, and the copy, ingested after, is refused."""
+    d = offloaded_by_w1()
+    seq = Seq()
+    g = d.run(acquire_lease, acquire("w2", 1, [h(0)]), 14, "L2")
+    assert {r.location for r in g.read} == {"disk"}
+    for f in FORMS:
+        out = d.run(ingest_transition, transition("w2", 1, seq(), h(0), f, S.ALLOCATED, S.READY, generation=7,
+                                                  checksum="c0", lease_id="L2"), 15)
+        assert isinstance(out[0], TransitionApplied), out
+    d.run(release_lease, release("w2", 1, "L2"), 16)
+    for f in FORMS:
+        out = d.run(ingest_transition, transition("w2", 1, seq(), h(0), f, S.READY, S.EVICTED, generation=7), 17)
+        assert isinstance(out[0], TransitionApplied), out
+    in_flight = [transition("w2", 1, seq(), h(0), f, None, S.READY, location="host:w2", generation=7,
+                            checksum="c0") for f in FORMS]
+    reply, events = register_worker(d.state, register("w1", disown_replicas=True), 20)
+    inv = events[1]
+    assert isinstance(inv, Invalidated) and sorted(inv.retired) == sorted((h(0), f, "gpu:w2") for f in FORMS)
+    assert drop_controls(d.state, inv, but="w1") == {"w2": [h(0)]}
+    d.commit(events)
+    for t in in_flight:
+        out = d.run(ingest_transition, t, 21)
+        assert isinstance(out[0], TransitionRejected), out
+    assert all(d.state.replica_state((h(0), f, loc)) is not S.READY for f in FORMS
+               for loc in ("disk", "gpu:w2", "host:w2"))
     consistent(d)
 
 

@@ -27,6 +27,7 @@ EXPECTED = {
     (S.READY, "evict"): S.EVICTED, (S.READY, "invalidate"): S.INVALID, (S.READY, "lose"): S.LOST,
     **{(t, k): nxt for t in (S.EVICTED, S.INVALID, S.LOST) for k, nxt in (("grant", S.ALLOCATED),
                                                                           ("offload", S.READY))},
+    (S.EVICTED, "invalidate"): S.INVALID,    # retired: no longer a source an offload may copy from
 }
 
 

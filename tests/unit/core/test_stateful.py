@@ -605,6 +605,11 @@ class CoreMachine(RuleBasedStateMachine):
         for k in expected:
             self.m.unpin(k)
             self.m.end(k, S.INVALID)
+        # EVICTED ones are retired: no offload in flight may copy from them any more
+        retired = sorted(k for k, r in self.m.replicas.items() if k[0] == block and r.state is S.EVICTED)
+        assert e.retired == retired
+        for k in retired:
+            self.m.end(k, S.INVALID)
 
     # --- after every step ----------------------------------------------------------------
 
