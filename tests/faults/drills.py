@@ -889,6 +889,11 @@ async def fused_mismatch(run: Run, drill: str) -> Fault:
     await run.churn_until(drill, f"{drill}-full", on_disk, 0)   # fresh blocks push older ones to disk
     before = await owned_on_disk()
     assert before, f"{drill}: {victim} holds no disk copies to disown (the churn pushed nothing out)"
+    # other workers' reloads of those copies (the same bytes): the disown takes them too
+    content = {(r["block_hash"], r["form"], r["checksum"]) for r in await stack.replicas(location="disk", state="READY")
+               if r["owner"] == victim}
+    elsewhere = sum((r["block_hash"], r["form"], r["checksum"]) in content and not r["location"].endswith(f":{victim}")
+                    for r in await stack.replicas(state="READY") if r["location"] != "disk")
     old = (await run.epochs())[victim]
     f = Fault(drill, f"worker {victim} restarted with batch-dependent fused forwards (failpoint fused_skew), "
               "checked on every fused forward", run.history.now())
@@ -918,7 +923,8 @@ async def fused_mismatch(run: Run, drill: str) -> Fault:
     f.recovery_s = time.monotonic() - t0
     f.evidence = {f"{victim}_epoch": f"{old}→{skewed}→{after}→{(await run.epochs())[victim]}",
                   "fused_checks_differ": int(differs), "disk_copies_before": len(before),
-                  "disowned": int(disowned), "disk_copies_still_ready": len(left)}
+                  "copies_elsewhere_before": elsewhere, "disowned": int(disowned),
+                  "disk_copies_still_ready": len(left)}
     assert differs >= 1, f"{drill}: no fused forward was checked and found to differ: {f.evidence}"
     assert after > skewed and disowned >= len(before), f"{drill}: no disown: {f.evidence}"
     assert not left, f"{drill}: disk copies {victim} made are READY after its disown: {sorted(left)[:3]}"
