@@ -428,11 +428,12 @@ async def post_invalidate(request: web.Request) -> web.Response:
     if ctx.control is not None and events and scope != "worker":
         # every worker whose GPU or host tier held a replica of the scope, live or retired: it
         # drops its bytes, and with them a copy of them it is about to make
-        control = (Control(action="invalidate_namespace", namespace=body.value, reason=body.reason)
-                   if scope == "namespace" else
-                   Control(action="invalidate_block", block_hash=body.value, reason=body.reason))
-        workers = sorted(drop_controls(ledger.state, events[0]))
-        results = await asyncio.gather(*[ctx.control(w, control) for w in workers])
+        # (a block's control names the generations of the GPU replicas it covered at that worker)
+        held = drop_controls(ledger.state, events[0])
+        workers = sorted(held)
+        results = await asyncio.gather(*[ctx.control(w, Control(
+            action="invalidate_namespace", namespace=body.value, reason=body.reason) if scope == "namespace"
+            else held[w][0]) for w in workers])
         notified = dict(zip(workers, results))
     return web.json_response({"scope": scope, "value": body.value, "affected": len(affected),
                               "workers_notified": notified})

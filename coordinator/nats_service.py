@@ -129,8 +129,8 @@ class NatsService:
         self._subs: list[Any] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         #: A disowning registration's decision → the other workers holding copies of what it
-        #: disowned (``{worker: [block, …]}``), told once the decision is durable.
-        self._disowned: dict[int, dict[str, list[str]]] = {}
+        #: disowned and the controls that make them drop those, sent once the decision is durable.
+        self._disowned: dict[int, dict[str, list[Control]]] = {}
         #: Transitions fetched and not yet acked or nak'ed, and the event set while they are
         #: under the consumer's bound (see :meth:`_consume`).
         self._ingesting = 0
@@ -685,19 +685,20 @@ class NatsService:
                 return msgspec.structs.replace(first, digests=b"".join(pages), page=0, pages=1)
             req = msgspec.structs.replace(req, page=len(pages))
 
-    async def _notify_disowned(self, worker_id: str, held: dict[str, list[str]]) -> None:
+    async def _notify_disowned(self, worker_id: str, held: dict[str, list[Control]]) -> None:
         """Other workers held copies of what ``worker_id`` disowned (reloads of its disk copies):
         the ledger has invalidated them; an ``invalidate_block`` control per block makes each
         holder drop its copy (a holder that misses it finds the replica INVALID at its next
-        lease, and the audit shows it)."""
+        lease, and the audit shows it). Sent all at once: the sooner a holder drops its copy,
+        the less it serves from it."""
         reason = f"copy of what worker {worker_id} disowned (its fused forwards differed)"
-        results: dict[str, list[str]] = {}
-        for wid, blocks in held.items():
-            for b in blocks:
-                got = await self.control(wid, Control(action="invalidate_block", block_hash=b, reason=reason))
-                results.setdefault(got, []).append(wid)
-        self.log.info("disown_notified", worker_id=worker_id, holders=sorted(held),
-                      blocks=sum(map(len, held.values())), results={k: len(v) for k, v in results.items()})
+        sent = [(wid, msgspec.structs.replace(c, reason=reason)) for wid, cs in held.items() for c in cs]
+        got = await asyncio.gather(*(self.control(wid, c) for wid, c in sent))
+        results: dict[str, int] = {}
+        for r in got:
+            results[r] = results.get(r, 0) + 1
+        self.log.info("disown_notified", worker_id=worker_id, holders=sorted(held), blocks=len(sent),
+                      results=results)
 
     async def control(self, worker_id: str, control: Control, timeout_s: float | None = None) -> str:
         """Send a control message; ``acked``, or why not (the ledger change stands either way)."""

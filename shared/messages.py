@@ -471,6 +471,10 @@ class Control(_Msg, tag="control", kw_only=True):
     namespace: str = ""
     block_hash: str = ""
     reason: str = ""
+    #: ``invalidate_block``: the GPU replicas of the block the decision named at this worker,
+    #: form → generation; only those are dropped (a slot refilled since, a new incarnation the
+    #: ledger lists READY, stays). None: every form's. The host tier's copies go either way.
+    generations: dict[Name, NonNeg] | None = None
 
 
 class ControlAck(_Msg, tag="control.ack", kw_only=True):

@@ -78,10 +78,10 @@ class InProcessCoordinator:
         held = {w: b for e in events if isinstance(e, Invalidated)
                 for w, b in drop_controls(self.state, e, but=msg.worker_id).items()}
         out = self._run((reply, events))
-        for wid, blocks in held.items():
+        for wid, controls in held.items():
             if wid in self._listeners:
-                for b in blocks:
-                    await self.control(wid, m.Control(action="invalidate_block", block_hash=b, reason="disowned copy"))
+                for c in controls:
+                    await self.control(wid, c)
         return out  # type: ignore[return-value]
 
     async def resume(self, msg: m.WorkerResume) -> m.ResumeReply:

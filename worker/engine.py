@@ -1117,10 +1117,12 @@ class Engine:
                 if msg.action == "invalidate_namespace":
                     return m.namespace == msg.namespace
                 return not msg.block_hash or m.block_hash == msg.block_hash
+            gens = msg.generations
             if self.store is not None:
                 for form, _, m in list(self.store.items()):
-                    if hit(m):
-                        affected += self.store.drop(form, m.block_hash) is not None
+                    # only the incarnations the decision named (one written since is listed READY)
+                    if hit(m) and (gens is None or gens.get(form) == m.generation):
+                        affected += self.store.drop(form, m.block_hash, m.generation) is not None
                 self._update_pool_metrics()
             queued = [m for m, _, from_host in self.tiers.take_spills()
                       if not from_host and msg.action != "evict"]

@@ -184,21 +184,29 @@ def _tiers_of(state: LedgerState, location: str) -> tuple[str, ...]:
     return tuple({loc for w in holders for loc in (w.gpu, w.host)}) or (location,)
 
 
-def drop_controls(state: LedgerState, event: ev.Invalidated, *, but: str = "") -> dict[str, list[str]]:
-    """``{worker: [block hash, …]}``: the live workers (other than ``but``) whose GPU or host
-    tier held a replica ``event`` invalidates or retires, each to be sent an ``invalidate_block``
-    control per block (the ledger already records the invalidation; the control makes the
-    worker drop its bytes, and with them any copy of them it is about to make)."""
-    by_loc: dict[str, str] = {}
+def drop_controls(state: LedgerState, event: ev.Invalidated, *, but: str = "") -> dict[str, list[m.Control]]:
+    """``{worker: [control, …]}``: for each live worker (other than ``but``) whose GPU or host
+    tier held a replica ``event`` invalidates or retires, an ``invalidate_block`` control per
+    block (the ledger already records the invalidation; the control makes the worker drop its
+    bytes, and with them any copy of them it is about to make). Each names the generations of
+    the worker's GPU replicas the event covers, so a new incarnation the worker writes before
+    the control arrives (listed READY by then) is kept."""
+    by_loc: dict[str, tuple[str, bool]] = {}
     for w in state.workers.values():
         if w.alive and w.worker_id != but:
-            by_loc[w.gpu] = by_loc[w.host] = w.worker_id
-    out: dict[str, set[str]] = {}
+            by_loc[w.gpu], by_loc[w.host] = (w.worker_id, True), (w.worker_id, False)
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    replicas = state.replicas
     for k in (*event.affected, *event.retired):
-        wid = by_loc.get(k[2])
-        if wid is not None:
-            out.setdefault(wid, set()).add(k[0])
-    return {w: sorted(b) for w, b in sorted(out.items())}
+        held = by_loc.get(k[2])
+        if held is None:
+            continue
+        gens = out.setdefault(held[0], {}).setdefault(k[0], {})
+        r = replicas.get(tuple(k))  # type: ignore[arg-type]
+        if held[1] and r is not None:
+            gens[k[1]] = r.generation
+    return {w: [m.Control(action="invalidate_block", block_hash=b, reason=event.reason, generations=g)
+                for b, g in sorted(blocks.items())] for w, blocks in sorted(out.items())}
 
 
 def heartbeat(state: LedgerState, msg: m.Heartbeat,

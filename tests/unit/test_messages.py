@@ -52,6 +52,7 @@ SAMPLES = [
     InventoryReply(worker_id="w1", epoch=2, items=[InventoryItem(block_hash=H, form="swa", location="gpu:w1",
                                                                  generation=3, state=ReplicaState.READY)]),
     Control(action="invalidate_namespace", namespace=H, reason="upgrade"),
+    Control(action="invalidate_block", block_hash=H, reason="corrupt", generations={"swa": 3}),
     ControlAck(worker_id="w1", affected=3),
     RouteQuery(gateway_id="g1", namespace=H, block_hashes=[H, H]),
     RouteReply(workers=[RouteCandidate(worker_id="w1", endpoint="http://x", namespace=H, block_size=16,
@@ -94,6 +95,9 @@ def test_transition_source_id() -> None:
      "cache.fallbacks"),
     (b'{"type":"worker.heartbeat","v":1,"worker_id":"w","epoch":1,"cache":{"fallbacks":{'
      + b",".join(b'"r%d":1' % i for i in range(33)) + b'}}}', "cache.fallbacks"),
+    # a control names generations of forms: a count, under a form's name
+    (b'{"type":"control","v":1,"action":"invalidate_block","generations":{"swa":-1}}', "generations"),
+    (b'{"type":"control","v":1,"action":"invalidate_block","generations":{"<f>":1}}', "generations"),
     # a worker makes room only on its own tiers: host memory or its GPU pools, never the shared disk
     (b'{"type":"host.evict","v":1,"worker_id":"w","epoch":1,"tier":"disk","blocks":[{"block_hash":"' + H.encode()
      + b'","form":"swa"}]}', "tier"),

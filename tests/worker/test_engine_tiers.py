@@ -321,3 +321,25 @@ async def test_an_invalidation_drops_a_block_queued_for_the_disk_writer(make_eng
         assert ack.affected >= 2                          # its GPU forms and the queued copy
         assert {m.block_hash for m, _, _ in a.tiers.take_spills()} == {other.block_hash}
         a.tiers.spilled(other)
+
+
+async def test_an_invalidation_control_drops_only_the_incarnations_it_names(make_engine) -> None:
+    """A block's control names the generation of each GPU replica the decision covered: a slot
+    holding another generation (a new incarnation written before the control arrived, which
+    the ledger lists READY) is kept; the named one is dropped; forms not named are kept."""
+    from shared.messages import Control
+    twin = InProcessCoordinator()
+    async with make_engine(twin, worker_id="wa", **SMALL) as a:
+        await a.generate(prompt(40, seed=71), max_tokens=1)
+        assert await a.flush(timeout=10)
+        block = next(m.block_hash for _, _, m in a.store.items())
+        held = {f: m.generation for f, _, m in a.store.items() if m.block_hash == block}
+        assert len(held) >= 2
+        named, *kept = sorted(held)
+        stale = await a.on_control(Control(action="invalidate_block", block_hash=block, reason="test",
+                                           generations={named: held[named] + 1}))
+        assert stale.affected == 0
+        ack = await a.on_control(Control(action="invalidate_block", block_hash=block, reason="test",
+                                         generations={named: held[named]}))
+        assert ack.affected == 1
+        assert {f for f, _, m in a.store.items() if m.block_hash == block} == set(kept)

@@ -337,7 +337,9 @@ def test_a_worker_that_disowns_what_it_computed_invalidates_its_disk_copies_too(
     # w1's disk copies, and w2's reload of them (selected by content: same block, form and checksum)
     assert reply.epoch == 2 and reply.disowned == 2 * len(FORMS)
     assert sorted(events[1].affected) == sorted((h(0), f, loc) for f in FORMS for loc in ("disk", "gpu:w2"))
-    assert drop_controls(d.state, events[1], but="w1") == {"w2": [h(0)]}   # told to drop it
+    # told to drop it: the GPU replicas at the generations the decision covered
+    (c,) = drop_controls(d.state, events[1], but="w1")["w2"]
+    assert (c.action, c.block_hash, c.generations) == ("invalidate_block", h(0), {f: 7 for f in FORMS})
     d.commit(events)
     states = {k: r.state for k, r in d.state.replicas.items()}
     assert {k[2]: v for k, v in states.items() if k[0] == h(0) and k[1] == "swa"} == {
@@ -562,7 +564,8 @@ def test_an_offload_in_flight_from_an_invalidated_block_is_refused() -> None:
                             checksum="c0") for f in FORMS]
     (e,) = d.run(invalidate, "block", h(0), "corrupt", 7)
     assert e.affected == [] and e.retired == [(h(0), f, "gpu:w1") for f in FORMS]
-    assert drop_controls(d.state, e) == {"w1": [h(0)]}
+    (c,) = drop_controls(d.state, e)["w1"]     # w1 holds the bytes until it handles the grant's eviction
+    assert (c.block_hash, c.generations, c.reason) == (h(0), {f: 7 for f in FORMS}, "corrupt")
     for t in in_flight:
         out = d.run(ingest_transition, t, 8)
         assert isinstance(out[0], TransitionRejected) and "no READY or EVICTED replica" in out[0].reason, out
@@ -595,7 +598,7 @@ def test_a_disown_retires_evicted_copies_whose_offload_may_be_in_flight() -> Non
     reply, events = register_worker(d.state, register("w1", disown_replicas=True), 20)
     inv = events[1]
     assert isinstance(inv, Invalidated) and sorted(inv.retired) == sorted((h(0), f, "gpu:w2") for f in FORMS)
-    assert drop_controls(d.state, inv, but="w1") == {"w2": [h(0)]}
+    assert [c.block_hash for c in drop_controls(d.state, inv, but="w1")["w2"]] == [h(0)]
     d.commit(events)
     for t in in_flight:
         out = d.run(ingest_transition, t, 21)
