@@ -26,6 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from coordinator.audit import run_audit
+from coordinator.controls import send_controls
 from coordinator.core import (
     CoreError, UnknownReplica, UnknownWorker, drain_worker, drop_controls, invalidate, switch_cache,
 )
@@ -425,16 +426,15 @@ async def post_invalidate(request: web.Request) -> web.Response:
     affected = events[0].affected if events else []
     notified: dict[str, str] = {}
     ctx = _ctx(request)
-    if ctx.control is not None and events and scope != "worker":
+    if ctx.control is not None and events:
         # every worker whose GPU or host tier held a replica of the scope, live or retired: it
-        # drops its bytes, and with them a copy of them it is about to make
-        # (a block's control names the generations of the GPU replicas it covered at that worker)
+        # drops its bytes, and with them a copy of them it is about to make (a block's control
+        # names the generations of the GPU replicas the decision covered at that worker)
         held = drop_controls(ledger.state, events[0])
-        workers = sorted(held)
-        results = await asyncio.gather(*[ctx.control(w, Control(
-            action="invalidate_namespace", namespace=body.value, reason=body.reason) if scope == "namespace"
-            else held[w][0]) for w in workers])
-        notified = dict(zip(workers, results))
+        if scope == "namespace":
+            held = {w: [Control(action="invalidate_namespace", namespace=body.value, reason=body.reason)]
+                    for w in held}
+        notified = await send_controls(ctx.control, held)
     return web.json_response({"scope": scope, "value": body.value, "affected": len(affected),
                               "workers_notified": notified})
 

@@ -43,6 +43,7 @@ from coordinator.core import (
     CoreError, Invalidated, TransitionRejected, acquire_lease, collect_disk, drop_controls, evict_host,
     ingest_transition, register_worker, release_lease, renew_lease, resume_worker,
 )
+from coordinator.controls import send_controls
 from coordinator.ledger import Ledger, Unavailable
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.request_trace import BatchSpans
@@ -689,15 +690,12 @@ class NatsService:
         """Other workers held copies of what ``worker_id`` disowned (reloads of its disk copies):
         the ledger has invalidated them; an ``invalidate_block`` control per block makes each
         holder drop its copy (a holder that misses it finds the replica INVALID at its next
-        lease, and the audit shows it). Sent all at once: the sooner a holder drops its copy,
-        the less it serves from it."""
+        lease, and the audit shows it). Sent together: the sooner a holder drops its copy,
+        the less it serves from it (:func:`~coordinator.controls.send_controls` bounds how many)."""
         reason = f"copy of what worker {worker_id} disowned (its fused forwards differed)"
-        sent = [(wid, msgspec.structs.replace(c, reason=reason)) for wid, cs in held.items() for c in cs]
-        got = await asyncio.gather(*(self.control(wid, c) for wid, c in sent))
-        results: dict[str, int] = {}
-        for r in got:
-            results[r] = results.get(r, 0) + 1
-        self.log.info("disown_notified", worker_id=worker_id, holders=sorted(held), blocks=len(sent),
+        held = {wid: [msgspec.structs.replace(c, reason=reason) for c in cs] for wid, cs in held.items()}
+        results = await send_controls(self.control, held)
+        self.log.info("disown_notified", worker_id=worker_id, blocks=sum(map(len, held.values())),
                       results=results)
 
     async def control(self, worker_id: str, control: Control, timeout_s: float | None = None) -> str:

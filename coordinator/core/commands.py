@@ -787,8 +787,8 @@ def ingest_transition(state: LedgerState, t: m.TransitionEvent, now_ms: int | No
 
 def invalidate(state: LedgerState, scope: str, value: str, reason: str, now_ms: int = 0) -> Events:
     """Every live replica in ``scope`` (``namespace`` | ``worker`` | ``block``) becomes INVALID,
-    and every EVICTED one of a namespace or block is retired (an offload copy from it may be in
-    flight: see :class:`~coordinator.core.events.Invalidated`)."""
+    and every EVICTED one of the namespace, block, or worker's GPU and host tier is retired (an
+    offload copy from it may be in flight: see :class:`~coordinator.core.events.Invalidated`)."""
     if scope == "namespace":
         mine = [(k, r.state) for k, r in state.replicas.items() if r.namespace == value]
     elif scope == "worker":
@@ -796,6 +796,7 @@ def invalidate(state: LedgerState, scope: str, value: str, reason: str, now_ms: 
         if w is None:
             raise UnknownWorker(f"worker {value} is not registered; known: {sorted(state.workers)}")
         mine = [(k, READY) for k in state.live_keys(w)]
+        mine += [(k, EVICTED) for k, r in state.replicas.items() if r.state is EVICTED and k[2] in (w.gpu, w.host)]
     elif scope == "block":
         mine = [(k, r.state) for k, r in state.replicas.items() if k[0] == value]
     else:

@@ -192,6 +192,14 @@ async def test_operator_commands_reach_the_ledger_and_the_worker(stack: dict[str
     status, body = await post(stack, "/v1/workers/w1/drain", {"reason": "maintenance"})
     assert status == 200 and body == {"worker_id": "w1", "draining": True, "changed": True, "control": "acked"}
     assert [(c.action, c.reason) for c in controls] == [("invalidate_block", "test"), ("drain", "maintenance")]
+    assert controls[0].generations == {"compressed": 1}     # the GPU replica the decision named
+
+    # a worker's scope: one control per block it held, each naming its GPU replica's generation
+    status, body = await post(stack, "/v1/invalidate", {"scope": "worker", "value": "w1", "reason": "bad gpu"})
+    assert status == 200 and body["affected"] == 3 and body["workers_notified"] == {"w1": "acked"}
+    told = [c for c in controls if c.reason == "bad gpu"]
+    assert sorted(c.block_hash for c in told) == sorted(hashes[1:])
+    assert all(c.action == "invalidate_block" and c.generations == {"compressed": 1} for c in told)
     _, again = await post(stack, "/v1/workers/w1/drain")
     assert again["changed"] is False
     _, workers = await get(stack, "/v1/workers")

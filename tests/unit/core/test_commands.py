@@ -577,6 +577,25 @@ def test_an_offload_in_flight_from_an_invalidated_block_is_refused() -> None:
     consistent(d)
 
 
+def test_a_workers_invalidation_retires_what_it_evicted_and_tells_it_per_block() -> None:
+    """An operator invalidates a worker: its live replicas become INVALID, the EVICTED ones on
+    its GPU and host tier are retired (a copy from one may be in flight), and the worker gets one
+    control per block, naming the GPU generations; other workers are not told."""
+    d, seq = fresh(workers=("w1", "w2")), Seq()
+    warm(d, [h(0), h(1)], seq)
+    warm(d, [h(0)], Seq(), wid="w2")
+    for f in FORMS:
+        d.run(ingest_transition, transition("w1", 1, seq(), h(1), f, S.READY, S.EVICTED, generation=7), 6)
+    (e,) = d.run(invalidate, "worker", "w1", "bad gpu", 7)
+    assert e.affected == [(h(0), f, "gpu:w1") for f in FORMS]
+    assert e.retired == [(h(1), f, "gpu:w1") for f in FORMS]
+    controls = drop_controls(d.state, e)
+    assert list(controls) == ["w1"] and [c.block_hash for c in controls["w1"]] == sorted([h(0), h(1)])
+    assert all(c.generations == {f: 7 for f in FORMS} for c in controls["w1"])
+    assert all(d.state.replica_state((h(0), f, "gpu:w2")) is S.READY for f in FORMS)
+    consistent(d)
+
+
 def test_a_disown_retires_evicted_copies_whose_offload_may_be_in_flight() -> None:
     """w2 reloaded w1's disk copy of h(0) into its GPU pool, then evicted it and is copying it
     to its host tier when w1 disowns what it computed: w2's EVICTED reload has w1's content, so
