@@ -56,8 +56,10 @@ from shared.messages import (
 
 R = TypeVar("R")
 Decision = Callable[[LedgerState], tuple[R, list[Any]]]
-#: ``{(worker_id, epoch): committed contiguous seq}`` after a commit.
-WatermarkHook = Callable[[dict[tuple[str, int], int]], None]
+#: After a commit: ``{(worker_id, epoch): committed contiguous seq}``, and
+#: ``{(worker_id, epoch): [seq, …]}`` of the copies to a host tier among them that the ledger
+#: refused (the worker holds bytes the ledger does not list: it drops them).
+WatermarkHook = Callable[[dict[tuple[str, int], int], dict[tuple[str, int], list[int]]], None]
 
 
 class Unavailable(Exception):
@@ -365,19 +367,27 @@ class Ledger:
     def barrier(self) -> asyncio.Future[Any] | None:
         return self.committer.barrier() if self.committer is not None else None
 
-    def _watermarks_after(self, events: Sequence[Any]) -> dict[tuple[str, int], int] | None:
+    def _watermarks_after(self, events: Sequence[Any]) -> tuple[dict[tuple[str, int], int],
+                                                                 dict[tuple[str, int], list[int]]] | None:
+        """The commit context: each worker epoch's watermark after ``events``, and its refused
+        copies to a host tier (see :data:`WatermarkHook`)."""
         marks: dict[tuple[str, int], int] | None = None
+        refused: dict[tuple[str, int], list[int]] = {}
         for e in events:
             if isinstance(e, (TransitionApplied, TransitionRejected)):
                 t = e.transition
+                k = (t.worker_id, t.epoch)
                 marks = marks or {}
-                marks[(t.worker_id, t.epoch)] = self.state.committed_seq(t.worker_id, t.epoch)
-        return marks
+                marks[k] = self.state.committed_seq(t.worker_id, t.epoch)
+                if isinstance(e, TransitionRejected) and t.from_state is None and t.location.startswith("host:"):
+                    refused.setdefault(k, []).append(t.seq)
+        return None if marks is None else (marks, refused)
 
     # --- commit hooks (called by the group committer) --------------------------------------
 
     def _on_commit(self, batch: Sequence[Submission]) -> None:
         marks: dict[tuple[str, int], int] = {}
+        refused: dict[tuple[str, int], list[int]] = {}
         stored = 0
         duplicate = False
         for sub in batch:
@@ -388,8 +398,10 @@ class Ledger:
                     stored += 1
                     self.position = max(self.position, p)
             if sub.context:
-                for k, v in sub.context.items():
+                for k, v in sub.context[0].items():
                     marks[k] = max(marks.get(k, 0), v)
+                for k, seqs in sub.context[1].items():
+                    refused.setdefault(k, []).extend(seqs)
         durable = self.durable
         for k, v in marks.items():
             if v > durable.get(k, 0):
@@ -401,7 +413,7 @@ class Ledger:
             self.logger.error("log_refused_duplicate_source", action="rebuilding live state from the log")
             self._degrade("the log held a source id the live state did not know")
         if marks and self.on_watermarks is not None:
-            self.on_watermarks(marks)
+            self.on_watermarks(marks, refused)
         self._since_snapshot += stored
         self._maybe_snapshot()
 

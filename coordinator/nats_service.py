@@ -109,6 +109,8 @@ _OPS = {
 _OPS["resume"] = _Op("resume", WorkerResume, lambda req: lambda s: resume_worker(s, req, now_ms()))
 #: Parts of one resume, and resumes assembling at once, at most.
 MAX_RESUME_PARTS = 1024
+#: Refused host-tier copies one watermark names at most (the newest; see CommitWatermark.refused).
+MAX_REFUSED = 4096
 MAX_PENDING_RESUMES = 1024
 #: Answered inline by :meth:`Ledger.heartbeat` (nothing to decide or commit).
 _HEARTBEAT = _Op("heartbeat", Heartbeat, lambda req: lambda s: (None, []))
@@ -145,6 +147,7 @@ class NatsService:
         self._consumer: asyncio.Task[None] | None = None
         self._pull = asyncio.Event()
         self._marks: dict[tuple[str, int], int] = {}
+        self._refused: dict[tuple[str, int], list[int]] = {}
         self._marks_ready = asyncio.Event()
         self._publisher: asyncio.Task[None] | None = None
         #: ``(worker, epoch)`` → the parts of a multi-part resume received so far.
@@ -629,11 +632,14 @@ class NatsService:
 
     # --- watermarks, inventory, control ---------------------------------------------------
 
-    def publish_watermarks(self, marks: dict[tuple[str, int], int]) -> None:
+    def publish_watermarks(self, marks: dict[tuple[str, int], int],
+                           refused: dict[tuple[str, int], list[int]] | None = None) -> None:
         """Called after each commit (synchronously); a task sends them."""
         for k, v in marks.items():
             if v > self._marks.get(k, -1):
                 self._marks[k] = v
+        for k, seqs in (refused or {}).items():
+            self._refused.setdefault(k, []).extend(seqs)
         self._marks_ready.set()
 
     async def _publish_watermarks(self) -> None:
@@ -641,10 +647,14 @@ class NatsService:
             await self._marks_ready.wait()
             self._marks_ready.clear()
             marks, self._marks = self._marks, {}
+            refused, self._refused = self._refused, {}
             for (worker, epoch), seq in marks.items():
+                # NOTE: a watermark is not redelivered; a refusal it loses leaves the worker holding
+                # a copy the ledger does not list, which the audit reports (bounded per message)
+                gone = refused.get((worker, epoch), [])[-MAX_REFUSED:]
                 try:
-                    await self.nc.publish(self.subjects.watermark(worker),
-                                          encode(CommitWatermark(worker_id=worker, epoch=epoch, seq=seq)))
+                    await self.nc.publish(self.subjects.watermark(worker), encode(
+                        CommitWatermark(worker_id=worker, epoch=epoch, seq=seq, refused=gone)))
                 except ValueError:
                     self.log.warning("watermark_not_published", reason="worker id is not a subject token")
                 except Exception as e:  # noqa: BLE001 - the heartbeat reply carries it too

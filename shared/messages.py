@@ -409,11 +409,16 @@ class TransitionBatch(_Msg, tag="transitions", kw_only=True):
 
 
 class CommitWatermark(_Msg, tag="watermark", kw_only=True):
-    """Published by the coordinator after each commit: seqs ≤ ``seq`` of this epoch are durable."""
+    """Published by the coordinator after each commit: seqs ≤ ``seq`` of this epoch are durable.
+
+    ``refused``: seqs among them that copied a block to the worker's host tier and that the
+    ledger refused (the source it named is no longer known, or was invalidated): the worker
+    holds bytes the ledger does not list, and drops them."""
 
     worker_id: Name
     epoch: Pos
     seq: NonNeg
+    refused: Annotated[list[NonNeg], msgspec.Meta(max_length=4096)] = []
 
 
 # --- audit and control ---------------------------------------------------------------

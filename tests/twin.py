@@ -44,6 +44,7 @@ class InProcessCoordinator:
         self._ids = itertools.count(1)
         self._listeners: dict[str, tuple[OnWatermark, OnInventory, OnControl]] = {}
         self._announced: dict[tuple[str, int], int] = {}
+        self._refused: dict[tuple[str, int], list[int]] = {}   # host-tier copies refused, not yet told
         #: Soft liveness, as the real coordinator keeps it (heartbeats are not events).
         self.seen: dict[tuple[str, int], int] = {}
 
@@ -136,6 +137,8 @@ class InProcessCoordinator:
                 reason = getattr(e, "reason", None)
                 if reason is not None and type(e).__name__ == "TransitionRejected":
                     self.rejected.append((event, reason))
+                    if event.from_state is None and event.location.startswith("host:"):
+                        self._refused.setdefault((worker_id, epoch), []).append(event.seq)
                 apply(self.state, e)
         if not self.hold_watermark:
             self.send_watermark(worker_id, epoch)
@@ -162,8 +165,9 @@ class InProcessCoordinator:
         seq = self.state.committed_seq(worker_id, epoch)
         self._announced[(worker_id, epoch)] = seq
         cbs = self._listeners.get(worker_id)
+        refused = self._refused.pop((worker_id, epoch), [])   # as the coordinator's publisher does
         if cbs is not None:
-            cbs[0](m.CommitWatermark(worker_id=worker_id, epoch=epoch, seq=seq))
+            cbs[0](m.CommitWatermark(worker_id=worker_id, epoch=epoch, seq=seq, refused=refused))
 
     async def control(self, worker_id: str, msg: m.Control) -> m.ControlAck:
         return await self._listeners[worker_id][2](msg)

@@ -47,6 +47,7 @@ from shared.logging import get_logger
 from shared.messages import (
     MAX_DISK_GC_BLOCKS,
     MAX_HOST_EVICT_BLOCKS,
+    CommitWatermark,
     Control,
     ControlAck,
     DiskBlock,
@@ -163,6 +164,11 @@ class Engine:
         self.settle_timeout_s = 2.0
         #: GPU replicas (block, form, generation) the threshold copied down a tier already.
         self._backed: dict[tuple[str, str, int], None] = {}
+        #: Copies to the host tier not yet settled by a watermark: seq → (block, form), the
+        #: newest seq of each (block, form), and the epoch they belong to (see _on_watermark).
+        self._offers: dict[int, tuple[str, str]] = {}
+        self._offer_of: dict[tuple[str, str], int] = {}
+        self._offers_epoch = 0
         #: What the start-up self-check found (``worker.selfcheck``; None before start).
         self.checked: SelfCheck | None = None
         #: Validate and restore from the worker's own pools while the lease is in flight.
@@ -507,7 +513,7 @@ class Engine:
             reply = await self.call("register", self.client.register(WorkerRegister(
                 worker_id=self.worker_id, namespace=self.namespace, catalogue=self.catalogue,
                 pool_slots=dict(self.slots), endpoint=self.endpoint, disown_replicas=self._disown)))
-            await self.client.listen(self.worker_id, self.publisher.on_watermark, self.on_inventory,
+            await self.client.listen(self.worker_id, self._on_watermark, self.on_inventory,
                                      self.on_control)
         except CoordinatorUnavailable as e:
             self._reason = self._reason or f"coordinator unreachable: {e}"
@@ -583,7 +589,7 @@ class Engine:
             reply = await self.call("resume", self.client.resume(WorkerResume(
                 worker_id=self.worker_id, epoch=self.epoch, namespace=self.namespace, catalogue=self.catalogue,
                 pool_slots=dict(self.slots), endpoint=self.endpoint, emitted_seq=emitted, held=b"".join(held))))
-            await self.client.listen(self.worker_id, self.publisher.on_watermark, self.on_inventory,
+            await self.client.listen(self.worker_id, self._on_watermark, self.on_inventory,
                                      self.on_control)
         except (CoordinatorUnavailable, CoordinatorRefused) as e:
             self.log.info("resume not accepted yet", epoch=self.epoch, reason=str(e)[:200])
@@ -814,7 +820,9 @@ class Engine:
             if self.tiers.put_host(meta, data):
                 self.metrics.offload_seconds.labels(tier="host").observe(time.perf_counter() - t0)
                 self.metrics.offloaded_bytes.labels(tier="host").inc(data.numel())
-                self._emit(meta, self.host_location, None, R.READY, 0, kind="offload")
+                seq = self._emit(meta, self.host_location, None, R.READY, 0, kind="offload")
+                if seq:
+                    self._host_offer(seq, (meta.block_hash, meta.form))
                 to_disk = False
             else:
                 reason = "too_large" if data.numel() > self.tiers.host.capacity_bytes else "pinned"
@@ -823,6 +831,38 @@ class Engine:
             self.tiers.spill_direct(meta, data)
         if self.tiers.spill_depth:
             self._wake_spill.set()
+
+    def _host_offer(self, seq: int, key: tuple[str, str]) -> None:
+        """A copy to the host tier went out as transition ``seq``; kept until a watermark settles it."""
+        if self._offers_epoch != self.epoch:
+            self._offers.clear()
+            self._offer_of.clear()
+            self._offers_epoch = self.epoch
+        self._offers[seq] = key
+        self._offer_of[key] = seq
+
+    def _on_watermark(self, wm: CommitWatermark) -> None:
+        """The ledger's commit watermark: the outbox drops what it covers, and a copy to the host
+        tier that the ledger refused goes too (its source was no longer known, or invalidated:
+        the ledger does not list these bytes), unless the tier holds a later copy by now."""
+        assert self.publisher is not None
+        self.publisher.on_watermark(wm)
+        if wm.epoch != self._offers_epoch:
+            return
+        offers, offer_of = self._offers, self._offer_of
+        for seq in wm.refused:
+            key = offers.pop(seq, None)
+            if key is not None and offer_of.get(key) == seq:
+                del offer_of[key]
+                if self.tiers.host_drop(*key):
+                    self.metrics.refused_copies.inc()
+        while offers:                                  # settled (seqs increase): forget them
+            seq = next(iter(offers))
+            if seq > wm.seq:
+                break
+            key = offers.pop(seq)
+            if offer_of.get(key) == seq:
+                del offer_of[key]
 
     async def _spill_loop(self) -> None:
         while True:

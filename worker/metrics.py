@@ -116,6 +116,9 @@ class WorkerMetrics:
         self.disowned_replicas = Counter(p + "disowned_replicas", "Replicas this worker created that the ledger "
                                          "invalidated at its request after a fused forward differed (disk copies "
                                          "included)", registry=r)
+        self.refused_copies = Counter(p + "refused_copies", "Copies to the host tier that the ledger refused "
+                                      "(the source they named was no longer known, or invalidated), dropped "
+                                      "when the commit watermark said so", registry=r)
 
     def observe_step(self, requests: int, tokens: int, seconds: float) -> None:
         self.step_requests.observe(requests)

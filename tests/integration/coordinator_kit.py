@@ -95,6 +95,7 @@ class Worker:
         self.epoch = 0
         self.seq = 0
         self.watermark = 0
+        self.refused: list[int] = []   # seqs the watermarks said the ledger refused (copies to the host tier)
         self._wm_sub: Any = None
         #: Replica digests of what this worker committed (what it "holds"), for a resume.
         self.held: dict[str, bytes] = {}
@@ -160,6 +161,7 @@ class Worker:
             wm = decode(msg.data, expect=CommitWatermark)
             if wm.epoch == self.epoch:
                 self.watermark = max(self.watermark, wm.seq)
+                self.refused.extend(wm.refused)
         self._wm_sub = await self.nc.subscribe(self.subjects.watermark(self.worker_id), cb=on)
 
     async def fill(self, hashes: list[str]) -> Any:

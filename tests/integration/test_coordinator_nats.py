@@ -210,6 +210,33 @@ async def test_a_workers_batch_of_transitions_is_judged_in_order_acked_once_and_
             await nc.drain()
 
 
+async def test_the_watermark_names_a_refused_copy_to_the_host_tier(
+        database_url: str, nats_url: str, subjects: Subjects) -> None:
+    """Over real NATS and PostgreSQL: w1 copies two committed blocks to its host tier, one of them
+    naming a checksum the ledger does not know; the watermark that covers both names the refused
+    one (the worker drops those bytes), and only that one."""
+    cfg = fast_config(database_url, nats_url, subjects)
+    async with running_coordinator(cfg) as (app, base):
+        nc = await nats.connect(nats_url)
+        try:
+            w1 = Worker(nc, subjects, "w1")
+            await w1.register()
+            await w1.watch_watermarks()
+            hashes = [block(i) for i in range(2)]
+            grant = await w1.fill(hashes)
+            await w1.release(grant.lease_id)
+            seqs = []
+            for i, checksum in enumerate(("c0", "not-the-committed-one")):
+                t = w1.commit(hashes, i, grant.lease_id)
+                await w1.publish(msgspec.structs.replace(t, from_state=None, location="host:w1", lease_id="",
+                                                         checksum=checksum, generation=0))
+                seqs.append(t.seq)
+            await w1.wait_watermark(w1.seq)
+            assert w1.refused == [seqs[1]]
+        finally:
+            await nc.drain()
+
+
 async def test_a_worker_that_disowns_its_replicas_takes_its_disk_copies_out_of_reuse(
         database_url: str, nats_url: str, subjects: Subjects) -> None:
     """Over real NATS and PostgreSQL: w1 copies its blocks to the shared disk and w2 reloads two

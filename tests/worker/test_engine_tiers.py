@@ -343,3 +343,27 @@ async def test_an_invalidation_control_drops_only_the_incarnations_it_names(make
                                          generations={named: held[named]}))
         assert ack.affected == 1
         assert {f for f, _, m in a.store.items() if m.block_hash == block} == set(kept)
+
+
+async def test_a_host_copy_the_ledger_refuses_is_dropped(make_engine) -> None:
+    """A copy to the host tier names its source by checksum; when the ledger refuses it (the
+    source left its owner's tombstones meanwhile, or was invalidated) the worker would hold bytes
+    the ledger does not list. The watermark names the refused seq and the copy goes; a copy the
+    ledger accepted stays."""
+    import msgspec
+    twin = InProcessCoordinator()
+    async with make_engine(twin, worker_id="wa", **SMALL, **{"cache.host_tier_bytes": ONE_PROMPT,
+                                                              "cache.offload_dir": ""}) as a:
+        await a.generate(prompt(40, seed=72), max_tokens=1)
+        assert await a.flush(timeout=10)
+        (_, _, good), (_, _, other) = list(a.store.items())[:2]
+        unknown = msgspec.structs.replace(other, checksum="0" * len(other.checksum))   # no such source
+        for meta in (good, unknown):
+            a._offload_copy(meta, torch.zeros(8))
+            assert a.tiers.holds(meta)
+        assert await a.flush(timeout=10)
+        assert [(e.block_hash, e.form) for e, _ in twin.rejected if e.location.startswith("host:")] == [
+            (unknown.block_hash, unknown.form)]
+        assert not a.tiers.holds(unknown) and a.tiers.holds(good)
+        assert a.metrics.value("kvl_worker_refused_copies_total") == 1
+        assert not a._offers                             # both settled
