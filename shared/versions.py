@@ -2,8 +2,13 @@
 
 Bump ``CACHE_FORMAT_VERSION`` whenever the bytes a form stores change meaning (layout,
 dtype, what a tail snapshot holds); bump ``KERNEL_ABI_VERSION`` whenever a kernel reads
-those bytes differently. Both enter the namespace hash, so blocks written under an old
-version can never match a request served by a new one.
+those bytes differently, and whenever the model's arithmetic changes (an op that rounds
+another way, a reduction reordered or fused): a cache computed by the old arithmetic is not
+what the new build computes cold, and the compute fingerprint (torch build, ISA, threads)
+does not see the project's own code. Both enter the namespace hash, so blocks written under
+an old version can never match a request served by a new one. No test can hold the
+arithmetic still for you: the bits differ between CPU kinds, so a frozen logits digest would
+fail on the next machine; the rule is the reviewer's.
 """
 
 from importlib import metadata
