@@ -1152,16 +1152,23 @@ class Engine:
         if msg.action == "drain":
             self.draining = True
             affected = len(self.sessions)
+        elif msg.action == "invalidate_block" and msg.block_hash:
+            # by key, not by a scan: an invalidated worker gets one of these per block it held
+            gens = msg.generations
+            for form in self.slots:
+                # only the incarnations the decision named (one written since is listed READY)
+                if self.store is not None and (gens is None or form in gens):
+                    affected += self.store.drop(form, msg.block_hash, None if gens is None else gens[form]) is not None
+                affected += self.tiers.host_drop(msg.block_hash, form)   # queued for the disk writer too
+            self._update_pool_metrics()
         elif msg.action in ("evict", "invalidate_block", "invalidate_namespace"):
             def hit(m: BlockMeta) -> bool:
                 if msg.action == "invalidate_namespace":
                     return m.namespace == msg.namespace
                 return not msg.block_hash or m.block_hash == msg.block_hash
-            gens = msg.generations
             if self.store is not None:
                 for form, _, m in list(self.store.items()):
-                    # only the incarnations the decision named (one written since is listed READY)
-                    if hit(m) and (gens is None or gens.get(form) == m.generation):
+                    if hit(m):
                         affected += self.store.drop(form, m.block_hash, m.generation) is not None
                 self._update_pool_metrics()
             queued = [m for m, _, from_host in self.tiers.take_spills()
