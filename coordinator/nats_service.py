@@ -337,7 +337,9 @@ class NatsService:
                     self._resume_answered(req, reply)
                 await self._answer(op, msg, t0, reply)
                 held = self._disowned.pop(id(req), None) if isinstance(req, WorkerRegister) else None
-                if held and isinstance(reply, RegisterReply) and reply.disowned:   # durable: tell the holders
+                # durable: tell the holders (also when the disown only retired EVICTED copies, which a
+                # holder may still be copying down a tier: ``reply.disowned`` counts the live ones)
+                if held and isinstance(reply, RegisterReply):
                     task = asyncio.create_task(self._notify_disowned(req.worker_id, held))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)

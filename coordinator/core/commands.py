@@ -795,7 +795,7 @@ def invalidate(state: LedgerState, scope: str, value: str, reason: str, now_ms: 
         w = state.workers.get(value)
         if w is None:
             raise UnknownWorker(f"worker {value} is not registered; known: {sorted(state.workers)}")
-        mine = [(k, READY) for k in state.live_keys(w)]
+        mine = [(k, state.replicas[k].state) for k in state.live_keys(w)]
         mine += [(k, EVICTED) for k, r in state.replicas.items() if r.state is EVICTED and k[2] in (w.gpu, w.host)]
     elif scope == "block":
         mine = [(k, r.state) for k, r in state.replicas.items() if k[0] == value]
