@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -81,6 +81,25 @@ class CoordinatorMetrics:
     def watch_workers(self, states: Callable[[], dict[str, int]]) -> None:
         """Worker epochs by state (live, suspended, lost), read from the live state at scrape time."""
         self.registry.register(_WorkerCollector(states))
+
+
+    def watch_append_paths(self, paths: Callable[[], dict[str, int]]) -> None:
+        """Appends by how they were written (the event log's own counters), read at scrape time."""
+        self.registry.register(_AppendPathCollector(paths))
+
+
+class _AppendPathCollector(Collector):
+    def __init__(self, paths: Callable[[], dict[str, int]]) -> None:
+        self.paths = paths
+
+    def collect(self) -> Iterator[Any]:
+        c = CounterMetricFamily("kvl_coordinator_append_path", "Append transactions by how they were written: "
+                                "function (one kvl_append call), copy (database.copy_append_min_events or more "
+                                "events), copy_refused (a COPY refused for a source id already stored, then "
+                                "written by kvl_append)", labels=["path"])
+        for path, n in self.paths().items():
+            c.add_metric([path], n)
+        yield c
 
 
 class _WorkerCollector(Collector):

@@ -71,6 +71,7 @@ class Coordinator:
         self.ledger.leadership_confirmed = self.election.confirmed
         self.metrics.watch_pools(self.pool_usage)
         self.metrics.watch_workers(self.worker_states)
+        self.metrics.watch_append_paths(lambda: dict(self.event_log.append_paths))
         self.nc: NatsClient | None = None
         self.service: NatsService | None = None
         self._tasks: list[asyncio.Task[Any]] = []

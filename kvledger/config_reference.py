@@ -200,6 +200,7 @@ def metric_rows() -> list[dict[str, str]]:
     cm = CoordinatorMetrics()
     cm.watch_pools(lambda: [("w", "f", 0, 0)])
     cm.watch_workers(lambda: {"live": 0})
+    cm.watch_append_paths(lambda: {"copy": 0})
     wm = WorkerMetrics()
     ServingMetrics.of(wm.registry)
     # a worker on CUDA has these too (none on CPU, where this runs): listed from a stand-in device

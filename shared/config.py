@@ -141,6 +141,10 @@ class DatabaseConfig(_Section):
     #: leave it to the URL and ``PGSSLMODE`` (``kvledger up`` sets it false for its embedded PostgreSQL,
     #: whose build has no TLS and which listens on loopback only).
     tls: bool = True
+    #: Group commits of at least this many events are written by COPY (the fence, head and stream
+    #: versions read first in the same transaction); smaller ones by one ``kvl_append`` call,
+    #: a single round trip. 0 = always ``kvl_append``.
+    copy_append_min_events: Annotated[int, msgspec.Meta(ge=0)] = 256
 
 
 class NatsConfig(_Section):

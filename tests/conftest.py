@@ -9,6 +9,7 @@ own JetStream stream), so tests never see each other's state and can run in para
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import tempfile
 import uuid
@@ -42,9 +43,8 @@ def _with_db(url: str, db: str) -> str:
     return f"{base}/{db}"
 
 
-@pytest.fixture
-def database_url(services: Services) -> Iterator[str]:
-    """A fresh, empty database for this test (dropped afterwards)."""
+@contextlib.contextmanager
+def _fresh_database(services: Services) -> Iterator[str]:
     name = f"kvl_t_{uuid.uuid4().hex[:12]}"
 
     async def create() -> None:
@@ -66,6 +66,20 @@ def database_url(services: Services) -> Iterator[str]:
         yield _with_db(_admin_dsn(services.database_url), name)
     finally:
         asyncio.run(drop())
+
+
+@pytest.fixture
+def database_url(services: Services) -> Iterator[str]:
+    """A fresh, empty database for this test (dropped afterwards)."""
+    with _fresh_database(services) as url:
+        yield url
+
+
+@pytest.fixture
+def other_database_url(services: Services) -> Iterator[str]:
+    """A second fresh, empty database, for a test that compares two logs."""
+    with _fresh_database(services) as url:
+        yield url
 
 
 @pytest.fixture

@@ -157,3 +157,16 @@ class TestPostgresEventLog(EventLogContract):
             yield pg
         finally:
             await pg.close()
+
+
+class TestPostgresEventLogByCopy(EventLogContract):
+    """The same contract with every append (but those naming expected versions) written by COPY."""
+
+    @pytest.fixture
+    async def log(self, database_url: str) -> AsyncIterator[EventLog]:
+        pg = PostgresEventLog.connect(PgSettings(url=database_url, pool_size=25, copy_min_events=1))
+        await upgrade(pg.engine)
+        try:
+            yield pg
+        finally:
+            await pg.close()

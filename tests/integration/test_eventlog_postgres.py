@@ -383,3 +383,40 @@ async def test_a_large_snapshot_is_streamed_and_read_back_byte_for_byte(pg: Post
         await pg.save_snapshot(Snapshot(3, "h3", big), epoch - 1)
     with pytest.raises(LogError, match="past the head"):
         await pg.save_snapshot(Snapshot(9, "h9", big), epoch)
+
+
+async def test_a_large_append_goes_by_copy_and_stores_what_kvl_append_would(database_url: str,
+                                                                            other_database_url: str) -> None:
+    """Two logs on two databases, one with COPY for batches of 4 and up, the other never: the same
+    appends store the same rows (positions, stream versions, sources), and a duplicate source
+    turns a COPY back into ``kvl_append``, which skips it."""
+    by_copy = PostgresEventLog.connect(PgSettings(url=database_url, copy_min_events=4))
+    by_function = PostgresEventLog.connect(PgSettings(url=other_database_url, copy_min_events=0))
+
+    def ev(stream: str, source: str | None) -> NewEvent:
+        return NewEvent(stream, "test.event", b'{"type":"test.event"}', source)
+
+    batches = [
+        [ev("a", None), ev("b", "s1")],                                                # small: kvl_append
+        [ev("a", "s2"), ev("a", "s3"), ev("c", None), ev("b", "s4"), ev("a", None)],   # COPY, versions go on
+        [ev("c", "s5"), ev("c", "s1"), ev("d", "s6"), ev("d", "s6"), ev("a", "s7")],   # duplicates: kvl_append
+        [ev("e", f"t{i}") for i in range(300)],                                        # COPY
+    ]
+    try:
+        results = []
+        for log in (by_copy, by_function):
+            await upgrade(log.engine)
+            epoch = await log.take_leadership("me")
+            results.append([await log.append(b, epoch) for b in batches])
+        assert results[0] == results[1]
+        assert results[0][2] == [8, None, 9, None, 10]
+        assert by_copy.append_paths == {"function": 2, "copy": 2, "copy_refused": 1}
+        assert by_function.append_paths == {"function": 4, "copy": 0, "copy_refused": 0}
+        rows = []
+        for log in (by_copy, by_function):
+            rows.append([(s.position, s.stream_id, s.stream_version, s.source_id, s.leader_epoch)
+                         for s in await log.read(1, 1000)])
+        assert rows[0] == rows[1] and len(rows[0]) == 310
+    finally:
+        await by_copy.close()
+        await by_function.close()

@@ -203,15 +203,17 @@ async def test_login_roles_that_would_defeat_the_guard_are_refused(migrated: str
         await conn.close()
 
 
+@pytest.mark.parametrize("copy_min_events", [0, 1], ids=["kvl_append", "copy"])
 async def test_the_app_role_runs_the_log_and_a_takeover_of_a_stale_leader(
-        app_role: tuple[str, str], migrated: str) -> None:
+        app_role: tuple[str, str], migrated: str, copy_min_events: int) -> None:
     """Two coordinators of the same role: the standby terminates the paused leader's sessions
-    (pg_terminate_backend works between sessions of one role) and fences it."""
+    (pg_terminate_backend works between sessions of one role) and fences it; with every append
+    by ``kvl_append`` or every one by COPY."""
     url = app_role[1]
     a = LeaderElection(PgSettings(url=url), make_holder_id(), renew_interval_s=0.1, takeover_after_s=0.6)
     b = LeaderElection(PgSettings(url=url), make_holder_id(), renew_interval_s=0.1, takeover_after_s=0.6)
-    a_log = PostgresEventLog.connect(PgSettings(url=url, application_name=a.app_name))
-    b_log = PostgresEventLog.connect(PgSettings(url=url, application_name=b.app_name))
+    a_log = PostgresEventLog.connect(PgSettings(url=url, application_name=a.app_name, copy_min_events=copy_min_events))
+    b_log = PostgresEventLog.connect(PgSettings(url=url, application_name=b.app_name, copy_min_events=copy_min_events))
     try:
         epoch_a = await a.acquire()
         await a_log.append([ev("a")], epoch_a)
@@ -236,6 +238,7 @@ async def test_the_app_role_runs_the_log_and_a_takeover_of_a_stale_leader(
         latest = await b_log.latest_snapshot()
         assert latest is not None and latest.position == 2
         assert (await b_log.leader()).leader_epoch == epoch_b
+        assert a_log.append_paths["copy"] + b_log.append_paths["copy"] == (2 if copy_min_events else 0)
     finally:
         await a_log.close()
         await b_log.close()

@@ -5,6 +5,8 @@ every other edit; the files verify offline and a damaged or missing one is named
 
 from __future__ import annotations
 
+import dataclasses
+
 import gzip
 import itertools
 from collections.abc import AsyncIterator
@@ -110,8 +112,11 @@ async def events_stored(owner: asyncpg.Connection) -> int:
     return int(await owner.fetchval("SELECT count(*) FROM events"))
 
 
+@pytest.mark.parametrize("copy_min_events", [0, 1], ids=["kvl_append", "copy"])
 async def test_archive_then_replay_audit_append_and_verify_offline(pg: PostgresEventLog, owner: asyncpg.Connection,
-                                                                   tmp_path: Path) -> None:
+                                                                   tmp_path: Path, copy_min_events: int) -> None:
+    # every append by kvl_append, or every one by COPY: both continue positions and versions past an archive
+    pg.settings = dataclasses.replace(pg.settings, copy_min_events=copy_min_events)
     ledger = await serving(pg)
     w = Traffic(ledger)
     await w.register()
@@ -160,6 +165,7 @@ async def test_archive_then_replay_audit_append_and_verify_offline(pg: PostgresE
                                f"lease:{live_lease}")
     assert row["position"] == head + 1 and row["stream_version"] == floors[f"lease:{live_lease}"] + 1
     assert not versions_before.get(f"lease:{live_lease}")
+    assert (pg.append_paths["copy"] > 0) == (copy_min_events > 0)
 
     # a second archive continues the chain; superseded snapshots go, anchors stay
     head2 = await pg.head()
