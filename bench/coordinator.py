@@ -175,7 +175,8 @@ class CoordinatorProc:
     """``python -m coordinator --config <file>`` with its log in a file; always stopped by the bench."""
 
     def __init__(self, tmp: Path, name: str, database_url: str, nats_url: str, prefix: str,
-                 coordinator: dict[str, Any] | None = None, repo: Path = REPO) -> None:
+                 coordinator: dict[str, Any] | None = None, repo: Path = REPO,
+                 database: dict[str, Any] | None = None) -> None:
         import yaml
 
         from shared.embedded import free_port
@@ -191,7 +192,7 @@ class CoordinatorProc:
         # grace is as long as the lease TTL (the config requires at least that). ``coordinator``
         # overrides keys of that section (e.g. the idle phase's heartbeat interval).
         self.config.write_text(yaml.safe_dump({
-            "database": {"url": database_url},
+            "database": {"url": database_url, **(database or {})},
             "nats": {"url": nats_url, "subject_prefix": prefix, "request_timeout_ms": 5000},
             "coordinator": {"host": "127.0.0.1", "port": self.port, "missed_heartbeats": 20,
                             "lease_ttl_ms": LEASE_TTL_MS, "resume_grace_ms": LEASE_TTL_MS, **(coordinator or {})},
@@ -294,8 +295,9 @@ class CoordinatorProc:
         self.popen.wait(10)
         return t
 
-    async def append_stats(self) -> tuple[float, float, float]:
-        """Cumulative (transactions, events, seconds) of the coordinator's group-commit appends."""
+    async def append_stats(self) -> tuple[float, float, float, float]:
+        """Cumulative (transactions, events, seconds, transactions written by COPY) of the
+        coordinator's group-commit appends."""
         import aiohttp
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
             async with http.get(f"http://127.0.0.1:{self.port}/metrics") as r:
@@ -303,12 +305,13 @@ class CoordinatorProc:
         vals = {}
         for line in text.splitlines():
             for k in ("kvl_coordinator_append_batch_events_count", "kvl_coordinator_append_batch_events_sum",
-                      "kvl_coordinator_append_latency_seconds_sum"):
+                      "kvl_coordinator_append_latency_seconds_sum", 'kvl_coordinator_append_path_total{path="copy"}'):
                 if line.startswith(k + " "):
                     vals[k] = float(line.split()[1])
         return (vals.get("kvl_coordinator_append_batch_events_count", 0.0),
                 vals.get("kvl_coordinator_append_batch_events_sum", 0.0),
-                vals.get("kvl_coordinator_append_latency_seconds_sum", 0.0))
+                vals.get("kvl_coordinator_append_latency_seconds_sum", 0.0),
+                vals.get('kvl_coordinator_append_path_total{path="copy"}', 0.0))
 
     async def snapshots(self) -> float:
         """Snapshots the coordinator has saved since it started."""
@@ -407,14 +410,16 @@ async def drive(nc: Any, subject: str, payloads: list[bytes], inflight: int, tim
     return perf() - t0, lat, replies
 
 
-def append_delta(a: tuple[float, float, float], b: tuple[float, float, float], prefix: str,
+def append_delta(a: tuple[float, ...], b: tuple[float, ...], prefix: str,
                  wall_s: float | None = None) -> dict[str, float]:
-    """Group-commit appends between two :meth:`CoordinatorProc.append_stats` readings; with
-    ``wall_s``, also ``<prefix>_append_busy_share``: the part of that wall time an append was in
-    flight (one at a time), near 1 when the appends, not the coordinator's CPU, set the rate."""
+    """Group-commit appends between two :meth:`CoordinatorProc.append_stats` readings
+    (``<prefix>_append_copy_txs``: how many were written by COPY); with ``wall_s``, also
+    ``<prefix>_append_busy_share``: the part of that wall time an append was in flight (one at a
+    time), near 1 when the appends, not the coordinator's CPU, set the rate."""
     txs = max(b[0] - a[0], 1e-9)
     out = {f"{prefix}_append_txs": round(b[0] - a[0]), f"{prefix}_append_events_per_tx": round((b[1] - a[1]) / txs, 1),
-           f"{prefix}_append_ms_mean": round(1000 * (b[2] - a[2]) / txs, 2)}
+           f"{prefix}_append_ms_mean": round(1000 * (b[2] - a[2]) / txs, 2),
+           f"{prefix}_append_copy_txs": round(b[3] - a[3])}
     if wall_s:
         out[f"{prefix}_append_busy_share"] = round((b[2] - a[2]) / wall_s, 3)
     return out
@@ -1343,7 +1348,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             streams.append(subjects.stream_name)
             coord = CoordinatorProc(tmp, "live", live_db, nats_url, subjects.prefix,
                                     {k: v for k, v in (("gc_young_threshold", args.gc_young_threshold),
-                                                       ("gc_full_threshold", args.gc_full_threshold)) if v} or None)
+                                                       ("gc_full_threshold", args.gc_full_threshold)) if v} or None,
+                                    database=None if args.copy_append_min_events is None
+                                    else {"copy_append_min_events": args.copy_append_min_events})
             procs.append(coord)
             _log(f"starting the coordinator (fresh database {name}, prefix {subjects.prefix}) ...")
             coord.start()
@@ -1352,6 +1359,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             from shared.config import CoordinatorConfig
             result["coordinator_gc_young_threshold"] = args.gc_young_threshold or CoordinatorConfig().gc_young_threshold
             result["coordinator_gc_full_threshold"] = args.gc_full_threshold or CoordinatorConfig().gc_full_threshold
+            from shared.config import DatabaseConfig
+            result["coordinator_copy_append_min_events"] = (DatabaseConfig().copy_append_min_events
+                                                            if args.copy_append_min_events is None
+                                                            else args.copy_append_min_events)
             _log(f"coordinator ready in {empty_s:.2f} s (empty log, schema created)")
             n_ingest = args.ingest if "ingest" in phases else 4 * CACHED_BLOCKS * 64
             worker = BenchWorker(nc, subjects, slots=3 * n_ingest + 10_000 + 20 * args.leases * PROMPT_BLOCKS + 1000)
@@ -1816,6 +1827,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     ap.add_argument("--gc-full-threshold", type=int,
                     help="the ingest and lease phases' coordinator.gc_full_threshold (default: the config's; "
                          "10 = CPython's own, for an A/B)")
+    ap.add_argument("--copy-append-min-events", type=int,
+                    help="the ingest and lease phases' database.copy_append_min_events (default: the config's; "
+                         "0 = every append by kvl_append, for an A/B)")
     ap.add_argument("--database-url", default=os.environ.get("KVL_DATABASE_URL", ""))
     ap.add_argument("--nats-url", default=os.environ.get("KVL_NATS_URL", ""))
     ap.add_argument("--echo-serve", help=argparse.SUPPRESS)
@@ -1826,6 +1840,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         ap.error("--replay-pool-slots must be within 64–10000000 (a request writes up to 32 blocks)")
     if args.gc_full_threshold is not None and not 1 <= args.gc_full_threshold <= 10_000:
         ap.error("--gc-full-threshold must be within 1–10000 (coordinator.gc_full_threshold)")
+    if args.copy_append_min_events is not None and args.copy_append_min_events < 0:
+        ap.error("--copy-append-min-events must be 0 or more (database.copy_append_min_events)")
     if args.echo_serve:
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(echo_serve(args.nats_url, args.echo_serve))
