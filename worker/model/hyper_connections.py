@@ -21,6 +21,28 @@ from kernels.invariant import linear, pointwise
 from worker.model.norms import as_dtype, as_float32, rms_normalize
 
 
+def sinkhorn_(comb: torch.Tensor, iters: int, eps: float) -> None:
+    """Sinkhorn normalisation of ``comb`` ``[T, n, n]`` in place: columns, then ``iters − 1``
+    rounds of rows and columns, each divided by its sum + ``eps``.
+
+    NOTE: the same sums, additions and divisions as ``comb = comb / (comb.sum(...) + eps)``, so
+    the same bits, but into two small buffers and ``comb`` itself: ~115 ops on ``[T, 4, 4]``
+    tensors a call, twelve calls a forward, where allocating each result cost about a third of
+    the loop (a whole mixing call at 1–32 rows: 552 → 501 µs; at 256 rows no change).
+    ``comb`` must be a fresh tensor (no autograd, nobody else holding it).
+    """
+    T, n = comb.shape[0], comb.shape[-1]
+    cols = comb.new_empty((T, 1, n))
+    rows = comb.new_empty((T, n, 1))
+    torch.sum(comb, dim=-2, keepdim=True, out=cols)
+    comb.div_(cols.add_(eps))
+    for _ in range(iters - 1):
+        torch.sum(comb, dim=-1, keepdim=True, out=rows)
+        comb.div_(rows.add_(eps))
+        torch.sum(comb, dim=-2, keepdim=True, out=cols)
+        comb.div_(cols.add_(eps))
+
+
 class HyperConnection(nn.Module):
     def __init__(self, hidden: int, n: int, iters: int, eps: float, norm_eps: float) -> None:
         super().__init__()
@@ -39,10 +61,7 @@ class HyperConnection(nn.Module):
         pre = pointwise(torch.sigmoid, pre_w * s_pre + pre_b) + self.eps
         post = 2 * pointwise(torch.sigmoid, post_w * s_post + post_b)
         comb = torch.softmax(comb_w.view(-1, n, n) * s_comb + comb_b.view(n, n), dim=-1) + self.eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        sinkhorn_(comb, self.iters, self.eps)
         collapsed = as_dtype((pre.unsqueeze(-1) * streams).sum(dim=1), streams.dtype)
         return post, comb, collapsed
 
