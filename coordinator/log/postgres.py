@@ -160,11 +160,15 @@ def is_retryable(e: BaseException) -> bool:
 
 
 def is_unavailable(e: BaseException) -> bool:
+    # NOTE: InternalClientError is what asyncpg raises when a statement is sent on a session the
+    # server has terminated but whose end it has not processed yet ("cannot switch to state 12;
+    # another operation (2) is in progress", tests/integration/test_eventlog_postgres.py): the
+    # connection is broken, not the statement refused.
     root = _root(e)
     state = getattr(root, "sqlstate", None) or ""
     return (
         isinstance(root, (OSError, TimeoutError, asyncio.TimeoutError, asyncpg.PostgresConnectionError,
-                          asyncpg.InterfaceError))
+                          asyncpg.InterfaceError, asyncpg.InternalClientError))
         or _sqlalchemy_error(root, "TimeoutError")
         or state.startswith("08") or state in UNAVAILABLE_SQLSTATES
         or (_sqlalchemy_error(e, "DBAPIError") and e.connection_invalidated)  # type: ignore[attr-defined]
@@ -395,10 +399,7 @@ class PostgresEventLog:
                            args: tuple[Any, ...]) -> list[int | None]:
         sent = False
         try:
-            conn = self._writer
-            if conn is None or conn.is_closed():
-                self._writer = None
-                conn = self._writer = await self._connect()
+            conn = await self._writer_connection()
             sent = True
             positions = await conn.fetchval(APPEND, leader_epoch, *args)
         except asyncio.CancelledError:
@@ -413,17 +414,28 @@ class PostgresEventLog:
                 raise StreamConflict(batch[int(ordinal) - 1].stream_id, int(expected), int(actual)) from None
             if state == SQLSTATE_NO_LEADER_ROW:
                 raise LogError("the leader row is missing: run `kvledger db upgrade`") from None
-            if state in RETRYABLE_SQLSTATES:
-                raise _Retry(e) from e
-            if is_unavailable(e):
-                self._drop_writer()
-                raise translate(e, "append", committed_unknown=sent) from e
-            # refused by the server: the statement (its implicit transaction) was rolled back
-            raise translate(e, "append") from e
+            raise self._failed(e, sent) from e
         except Exception as e:  # noqa: BLE001 - connection trouble: whether it committed is unknown once sent
             self._drop_writer()
             raise translate(e, "append", committed_unknown=sent) from e
         return list(positions)
+
+    async def _writer_connection(self) -> asyncpg.Connection:
+        conn = self._writer
+        if conn is None or conn.is_closed():
+            self._writer = None
+            conn = self._writer = await self._connect()
+        return conn
+
+    def _failed(self, e: asyncpg.PostgresError, sent: bool) -> Exception:
+        """What to raise for an append PostgreSQL failed, once its path's own errors are handled."""
+        if e.sqlstate in RETRYABLE_SQLSTATES:
+            return _Retry(e)
+        if is_unavailable(e):
+            self._drop_writer()
+            return translate(e, "append", committed_unknown=sent)
+        # refused by the server: the statement (its transaction) was rolled back
+        return translate(e, "append")
 
     async def _append_copy(self, batch: Sequence[NewEvent], leader_epoch: int,
                            args: tuple[Any, ...]) -> list[int] | None:
@@ -442,10 +454,7 @@ class PostgresEventLog:
         distinct = list(dict.fromkeys(streams))
         sent = False
         try:
-            conn = self._writer
-            if conn is None or conn.is_closed():
-                self._writer = None
-                conn = self._writer = await self._connect()
+            conn = await self._writer_connection()
             sent = True
             tx = conn.transaction()
             await tx.start()
@@ -473,15 +482,9 @@ class PostgresEventLog:
         except LogError:
             raise
         except asyncpg.PostgresError as e:
-            state = e.sqlstate
-            if state == SQLSTATE_UNIQUE_VIOLATION and getattr(e, "constraint_name", "") == "uq_events_source_id":
+            if e.sqlstate == SQLSTATE_UNIQUE_VIOLATION and getattr(e, "constraint_name", "") == "uq_events_source_id":
                 return None
-            if state in RETRYABLE_SQLSTATES:
-                raise _Retry(e) from e
-            if is_unavailable(e):
-                self._drop_writer()
-                raise translate(e, "append", committed_unknown=sent) from e
-            raise translate(e, "append") from e
+            raise self._failed(e, sent) from e
         except Exception as e:  # noqa: BLE001 - connection trouble: whether it committed is unknown once sent
             self._drop_writer()
             raise translate(e, "append", committed_unknown=sent) from e
@@ -599,8 +602,8 @@ def _stored(rows: Sequence[Any]) -> list[StoredEvent]:
 
 def _connection_lost(e: BaseException) -> bool:
     """An error of a connection that had been working (not a refusal to connect)."""
-    return isinstance(e, (asyncpg.ConnectionDoesNotExistError, asyncpg.InterfaceError, ConnectionResetError,
-                          BrokenPipeError)) or getattr(e, "sqlstate", None) in ("57P01", "57P02")
+    return isinstance(e, (asyncpg.ConnectionDoesNotExistError, asyncpg.InterfaceError, asyncpg.InternalClientError,
+                          ConnectionResetError, BrokenPipeError)) or getattr(e, "sqlstate", None) in ("57P01", "57P02")
 
 
 class _Retry(Exception):

@@ -420,3 +420,41 @@ async def test_a_large_append_goes_by_copy_and_stores_what_kvl_append_would(data
     finally:
         await by_copy.close()
         await by_function.close()
+
+
+@pytest.mark.parametrize("copy_min_events", [0, 1], ids=["kvl_append", "copy"])
+async def test_an_append_on_a_lost_connection_is_unknown_and_the_next_one_reconnects(
+        database_url: str, copy_min_events: int) -> None:
+    """The writer's session is terminated between two appends: the next append either finds it
+    closed and reconnects, or cannot say whether it committed (it had been sent); the one after
+    that runs on a new session, and the log holds each event once."""
+    log = PostgresEventLog.connect(PgSettings(url=database_url, application_name="kvl-lost-writer",
+                                              copy_min_events=copy_min_events))
+    await upgrade(log.engine)
+    try:
+        epoch = await log.take_leadership("me")
+        assert await log.append([NewEvent("a", "test.event", b"{}"), NewEvent("b", "test.event", b"{}")],
+                                epoch) == [1, 2]
+        admin = await asyncpg.connect(database_url)
+        try:
+            killed = await admin.fetchval("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                                          "WHERE application_name = 'kvl-lost-writer'")
+        finally:
+            await admin.close()
+        assert killed >= 1   # the writer, and the pooled reader sessions
+        # whether the client has seen the session end before it sends is a race: either it
+        # reconnects first, or the append fails as one that may have committed (never "refused")
+        try:
+            stored = await log.append([NewEvent("a", "test.event", b"{}")], epoch)
+        except LogUnavailable as e:
+            assert e.committed_unknown
+            stored = []
+        assert stored in ([], [3])
+        nxt = 3 + len(stored)
+        assert await log.append([NewEvent("c", "test.event", b"{}"), NewEvent("a", "test.event", b"{}")],
+                                epoch) == [nxt, nxt + 1]
+        want = [("a", 1), ("b", 1)] + [("a", 2)] * len(stored) + [("c", 1), ("a", 2 + len(stored))]
+        assert [(s.stream_id, s.stream_version) for s in await log.read()] == want
+        assert log.append_paths["copy"] == ((2 + len(stored)) if copy_min_events else 0)
+    finally:
+        await log.close()
