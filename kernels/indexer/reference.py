@@ -9,6 +9,8 @@ count are −1.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kernels.invariant import linear
@@ -43,4 +45,44 @@ def indexer_topk_ref(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, position
     kk = order.shape[1]
     picked_visible = torch.gather(visible, 1, order)
     out[:, :kk] = torch.where(picked_visible, order, torch.full_like(order, -1))
+    return out
+
+
+def indexer_topk_many_ref(parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+                          ratio: int, topk: int) -> torch.Tensor:
+    """Several requests' selections in one: ``parts`` holds each request's ``(q, k, w, positions)``
+    as :func:`indexer_topk_ref` takes them; the result is their rows in order, ``[ΣT, topk]``,
+    each row exactly what :func:`indexer_topk_ref` selects for it.
+
+    Each part's scores are its own product (:func:`indexer_scores_ref` on the same operands, so
+    the same bits); only the selection runs once, over the scores laid side by side and padded
+    to the longest key list with −inf. Padding cannot change a row's picks: a stable descending
+    sort puts a row's real entries in the order its own sort would, and every padded column
+    after them (−inf like a masked entry, but with a larger index); padded columns are never
+    visible, so any that reaches the first ``topk`` becomes −1, as the shorter row's missing
+    columns are. One fused decode forward of 32 requests had spent ~75 µs per request and CSA
+    layer on the selection's small ops.
+    """
+    if len(parts) == 1:
+        return indexer_topk_ref(*parts[0], ratio, topk)
+    rows = [q.shape[0] for q, _, _, _ in parts]
+    keys = [k.shape[0] for _, k, _, _ in parts]
+    total, width = sum(rows), max(keys, default=0)
+    device = parts[0][0].device if parts else torch.device("cpu")
+    out = torch.full((total, topk), -1, dtype=torch.int64, device=device)
+    if total == 0 or width == 0:
+        return out
+    s = torch.full((total, width), float("-inf"), dtype=torch.float32, device=device)
+    limit = torch.empty(total, dtype=torch.int64, device=device)
+    r = 0
+    for (q, k, w, positions), T, N in zip(parts, rows, keys):
+        if N:
+            s[r:r + T, :N] = indexer_scores_ref(q, k, w)
+        limit[r:r + T] = torch.clamp((positions.view(T) + 1) // ratio, max=N)
+        r += T
+    visible = torch.arange(width, device=device).view(1, width) < limit.view(total, 1)
+    s.masked_fill_(~visible, float("-inf"))
+    order = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :topk]
+    kk = order.shape[1]
+    out[:, :kk] = torch.where(torch.gather(visible, 1, order), order, torch.full_like(order, -1))
     return out

@@ -148,3 +148,30 @@ def test_validation_names_the_argument(device):
             indexer_topk(q, k, w, pos, 0, 2)
         with pytest.raises(ValueError, match="topk must be a non-negative int"):
             indexer_topk(q, k, w, pos, 4, -1)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_many_parts_select_what_each_part_selects_alone(seed: int) -> None:
+    """indexer_topk_many_ref: the parts' rows equal indexer_topk_ref per part, bit for bit, with
+    parts of different key counts (none at all, fewer than topk, more), positions that see
+    none, some or all of them, and tied scores (repeated keys)."""
+    from kernels.indexer import indexer_topk_many
+    from kernels.indexer.reference import indexer_topk_many_ref
+
+    g = torch.Generator().manual_seed(seed)
+    NH, DI, ratio, topk = 2, 8, 4, 5
+    parts = []
+    for _ in range(int(torch.randint(1, 7, (1,), generator=g))):
+        T = int(torch.randint(1, 5, (1,), generator=g))
+        N = int(torch.randint(0, 12, (1,), generator=g))
+        q, k, w = _random(T, NH, DI, N, torch.float32, int(torch.randint(0, 10_000, (1,), generator=g)))
+        if N > 3:
+            k[N // 2] = k[1]                       # a tie: the lower entry index must win
+        positions = torch.randint(0, 4 * N + 8, (T,), generator=g)
+        parts.append((q, k, w, positions))
+    want = torch.cat([indexer_topk_ref(q, k, w, pos, ratio, topk) for q, k, w, pos in parts])
+    assert torch.equal(indexer_topk_many_ref(parts, ratio, topk), want)
+    assert torch.equal(indexer_topk_many(parts, ratio, topk), want)
+    for topk_other in (1, 12):
+        want = torch.cat([indexer_topk_ref(q, k, w, pos, ratio, topk_other) for q, k, w, pos in parts])
+        assert torch.equal(indexer_topk_many_ref(parts, ratio, topk_other), want)

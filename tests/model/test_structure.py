@@ -70,18 +70,18 @@ def test_indexer_picks_are_visible_and_distinct(tiny, tokens) -> None:
     picks = []
     layer = tiny.cfg.csa_layers[0]
     indexer = tiny.model.layers[layer].self_attn.compressor.indexer
-    orig = indexer.pick
+    orig = indexer.select
 
-    def spy(kv, score, q, w, span, *rest):
-        out = orig(kv, score, q, w, span, *rest)
-        picks.append((span.positions.clone(), out.clone()))
+    def spy(parts):
+        out = orig(parts)
+        picks.append((torch.cat([p[3] for p in parts]).clone(), out.clone()))
         return out
 
-    indexer.pick = spy
+    indexer.select = spy
     try:
         tiny.prefill(tokens, tiny.new_state(BLOCK))
     finally:
-        del indexer.pick
+        del indexer.select
     assert picks, "the indexer was never asked to pick"
     m, k = tiny.cfg.csa_ratio, tiny.cfg.index_topk
     for positions, sel in picks:

@@ -25,7 +25,7 @@ from kernels.rope import apply_rope
 from kernels.sparse_attention import sparse_attn
 from worker.model.compressor import Compressor
 from worker.model.config import ModelConfig
-from worker.model.indexer import Indexer
+from worker.model.indexer import Indexer, IndexerPart
 from worker.model.linear import Linear
 from worker.model.norms import RMSNorm, rms_normalize
 from worker.model.rope import RopeTables, table_for
@@ -109,7 +109,7 @@ class Attention(nn.Module):
         win_off: list[int] = []          # per segment: key row of its window's first position, minus lo
         ent_off: list[int] = []          # per segment: key row of its entry 0
         n_ent: list[int] = []
-        picks: list[torch.Tensor] = []
+        parts: list[IndexerPart] = []   # per segment, for the indexer's one selection
         rows = 0
         for seg in batch.segments:
             span, state, r = seg.span, seg.state, seg.rows
@@ -123,7 +123,7 @@ class Attention(nn.Module):
                 slot = state.compressor(self.layer, MAIN)
                 n = comp.absorb(ckv[r], cscore[r], span, slot, rope, state.block_size)
                 if comp.overlap:
-                    picks.append(comp.indexer.pick(ikv[r], iscore[r], iq[r], iw[r], span,
+                    parts.append(comp.indexer.part(ikv[r], iscore[r], iq[r], iw[r], span,
                                                    state.compressor(self.layer, IDX), rope, state.block_size))
                 keys.append(slot.entries(n))
                 ent_off.append(rows)
@@ -144,7 +144,7 @@ class Attention(nn.Module):
             base = per_row(ent_off).unsqueeze(1)
             if comp.overlap:
                 # Only the picked entries join the query's columns (k per query, not the history).
-                picked = torch.cat(picks, 0) if len(picks) > 1 else picks[0]            # [N, k]
+                picked = comp.indexer.select(parts)                                     # [N, k]
                 ent = torch.where(picked >= 0, picked + base, picked)
             else:
                 j = torch.arange(max(n_ent), device=dev).unsqueeze(0)                  # entry ids

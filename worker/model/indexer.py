@@ -6,22 +6,30 @@ indexer keys, and scores each query against every visible key:
     score(t, w) = Σ_h w_t[h] · ReLU(q_t[h] · K_w),   q_t = RoPE(W_q qr_t),  w_t = W_w x_t / √(d_I n_I)
 
 then keeps the top ``index_topk`` visible entries (``w < (t + 1) // m``), −1 where fewer are
-visible. Scoring and selection are :func:`kernels.indexer.indexer_topk`, whose tie-break
-(lower entry index first) makes every chunk schedule select the same set.
+visible. Scoring and selection are :func:`kernels.indexer.indexer_topk_many` (every request
+of a forward at once, each row as :func:`kernels.indexer.indexer_topk` selects it), whose
+tie-break (lower entry index first) makes every chunk schedule select the same set.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
-from kernels.indexer import indexer_topk
+from kernels.indexer import indexer_topk_many
 from kernels.rope import apply_rope
 from worker.model.compressor import Compressor
 from worker.model.config import ModelConfig
 from worker.model.linear import Linear
 from worker.model.rope import RopeTables
 from worker.model.state import CompressorSlot, Span
+
+
+#: One request's queries ``[T, n_heads, width]``, its indexer keys ``[N, width]``, weights
+#: ``[T, n_heads]`` and positions ``[T]``.
+IndexerPart = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class IndexerScorer(nn.Module):
@@ -50,8 +58,12 @@ class Indexer(Compressor):
         q = apply_rope(self.q_b_proj(qr).view(-1, self.n_heads, self.width), cos, sin)
         return q, self.scorer.weights_proj(x) * self.weight_scale
 
-    def pick(self, kv: torch.Tensor, score: torch.Tensor, q: torch.Tensor, w: torch.Tensor, span: Span,
-             slot: CompressorSlot, rope: RopeTables, block_size: int) -> torch.Tensor:
-        """One request's rows: emit its indexer keys, then pick entries per query ``[T, index_topk]``."""
+    def part(self, kv: torch.Tensor, score: torch.Tensor, q: torch.Tensor, w: torch.Tensor, span: Span,
+             slot: CompressorSlot, rope: RopeTables, block_size: int) -> IndexerPart:
+        """One request's rows: emit its indexer keys; what :meth:`select` needs of it."""
         n = self.absorb(kv, score, span, slot, rope, block_size)
-        return indexer_topk(q, slot.entries(n), w, span.positions, self.ratio, self.topk)
+        return q, slot.entries(n), w, span.positions
+
+    def select(self, parts: Sequence[IndexerPart]) -> torch.Tensor:
+        """The entries each query of the forward picks, ``[ΣT, index_topk]``, the parts' rows in order."""
+        return indexer_topk_many(parts, self.ratio, self.topk)
