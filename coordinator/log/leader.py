@@ -108,7 +108,10 @@ class LeaderElection:
                 if not await self._maybe_take_over() and on_wait is not None:
                     await on_wait("held")
                 last_error = ""
-            except (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+            # NOTE: InternalClientError is asyncpg's answer to a statement sent on a session the server
+            # ended before the client noticed (a PostgreSQL restart, a terminated backend): wait on.
+            except (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError,
+                    asyncpg.InternalClientError) as e:
                 msg = describe(e)
                 if msg != last_error and self.log is not None:
                     self.log.warning("leader_election_waiting", reason=msg)

@@ -168,6 +168,32 @@ async def test_one_leader_and_the_stale_one_is_fenced(pg: PostgresEventLog, data
         await b.release()
 
 
+async def test_a_standby_whose_session_is_ended_keeps_waiting_and_then_leads(pg: PostgresEventLog,
+                                                                            database_url: str) -> None:
+    """The standby's polling session is terminated (as a PostgreSQL restart would end it): it
+    keeps waiting, on a new session, and takes the lock when the leader releases it."""
+    a = LeaderElection(PgSettings(url=database_url), make_holder_id(), renew_interval_s=0.1, takeover_after_s=30)
+    b = LeaderElection(PgSettings(url=database_url), make_holder_id(), renew_interval_s=0.1, takeover_after_s=30)
+    try:
+        epoch_a = await asyncio.wait_for(a.acquire(), 5)
+        waiting = asyncio.create_task(b.acquire(poll_s=0.05))
+        for _ in range(3):
+            await asyncio.sleep(0.2)
+            conn = await asyncpg.connect(database_url)
+            try:
+                await conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+                                   b.app_name)
+            finally:
+                await conn.close()
+        await asyncio.sleep(0.3)
+        assert not waiting.done(), waiting.exception() if waiting.done() else None
+        await a.release()
+        assert await asyncio.wait_for(waiting, 5) == epoch_a + 1
+    finally:
+        await a.release()
+        await b.release()
+
+
 async def test_standby_takes_over_from_a_leader_that_stopped_renewing(pg: PostgresEventLog, database_url: str) -> None:
     """A paused leader keeps its session (and lock); the standby terminates it and fences it."""
     a = LeaderElection(PgSettings(url=database_url), make_holder_id(), renew_interval_s=0.1, takeover_after_s=0.6)
