@@ -209,6 +209,25 @@ async def test_operator_commands_reach_the_ledger_and_the_worker(stack: dict[str
     assert status == 200 and snap["position"] > 0 and len(snap["state_hash"]) == 32
 
 
+async def test_a_namespace_invalidation_tells_each_holder_block_by_block(stack: dict[str, Any]) -> None:
+    """Per block, each naming the generation the decision covered: a block the worker writes
+    after the decision is not in it (a namespace-wide control dropped such a block too)."""
+    nc, subjects, hashes = stack["nc"], stack["subjects"], stack["hashes"]
+    controls: list[Control] = []
+
+    async def on_control(msg: Any) -> None:
+        controls.append(decode(msg.data, expect=Control))
+        await msg.respond(encode(ControlAck(worker_id="w1", affected=1)))
+    await nc.subscribe(subjects.control("w1"), cb=on_control)
+    await nc.flush()
+
+    status, body = await post(stack, "/v1/invalidate", {"scope": "namespace", "value": NS, "reason": "upgrade"})
+    assert status == 200 and body["affected"] == 4 and body["workers_notified"] == {"w1": "acked"}
+    assert sorted(c.block_hash for c in controls) == sorted(hashes)
+    assert all(c.action == "invalidate_block" and c.reason == "upgrade" and c.generations == {"compressed": 1}
+               for c in controls)
+
+
 async def test_audit_reports_drift_both_ways(stack: dict[str, Any]) -> None:
     nc, subjects, hashes = stack["nc"], stack["subjects"], stack["hashes"]
 
