@@ -174,15 +174,21 @@ async def test_views_of_the_live_state(stack: dict[str, Any]) -> None:
         assert name in text, name
 
 
-async def test_operator_commands_reach_the_ledger_and_the_worker(stack: dict[str, Any]) -> None:
-    nc, subjects, hashes = stack["nc"], stack["subjects"], stack["hashes"]
+async def answer_controls(stack: dict[str, Any]) -> list[Control]:
+    """Answer worker w1's control subject as the worker would; the list fills as controls arrive."""
     controls: list[Control] = []
 
     async def on_control(msg: Any) -> None:
         controls.append(decode(msg.data, expect=Control))
         await msg.respond(encode(ControlAck(worker_id="w1", affected=1)))
-    await nc.subscribe(subjects.control("w1"), cb=on_control)
-    await nc.flush()   # the server knows the subscription before the coordinator asks
+    await stack["nc"].subscribe(stack["subjects"].control("w1"), cb=on_control)
+    await stack["nc"].flush()   # the server knows the subscription before the coordinator asks
+    return controls
+
+
+async def test_operator_commands_reach_the_ledger_and_the_worker(stack: dict[str, Any]) -> None:
+    hashes = stack["hashes"]
+    controls = await answer_controls(stack)
 
     status, body = await post(stack, "/v1/invalidate", {"scope": "block", "value": hashes[0], "reason": "test"})
     assert status == 200 and body["affected"] == 1 and body["workers_notified"] == {"w1": "acked"}
@@ -212,14 +218,8 @@ async def test_operator_commands_reach_the_ledger_and_the_worker(stack: dict[str
 async def test_a_namespace_invalidation_tells_each_holder_block_by_block(stack: dict[str, Any]) -> None:
     """Per block, each naming the generation the decision covered: a block the worker writes
     after the decision is not in it (a namespace-wide control dropped such a block too)."""
-    nc, subjects, hashes = stack["nc"], stack["subjects"], stack["hashes"]
-    controls: list[Control] = []
-
-    async def on_control(msg: Any) -> None:
-        controls.append(decode(msg.data, expect=Control))
-        await msg.respond(encode(ControlAck(worker_id="w1", affected=1)))
-    await nc.subscribe(subjects.control("w1"), cb=on_control)
-    await nc.flush()
+    hashes = stack["hashes"]
+    controls = await answer_controls(stack)
 
     status, body = await post(stack, "/v1/invalidate", {"scope": "namespace", "value": NS, "reason": "upgrade"})
     assert status == 200 and body["affected"] == 4 and body["workers_notified"] == {"w1": "acked"}

@@ -31,6 +31,16 @@ def ev(stream: str, n: int = 0, source: str | None = None) -> NewEvent:
     return NewEvent(stream_id=stream, type="t", payload=b'{"n":%d}' % n, source_id=source)
 
 
+async def terminate_sessions(database_url: str, application_name: str) -> int:
+    """End every session of ``application_name`` from the server side (as a restart would)."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        return int(await conn.fetchval("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                                       "WHERE application_name = $1", application_name))
+    finally:
+        await conn.close()
+
+
 @pytest.fixture
 async def pg(database_url: str) -> AsyncIterator[PostgresEventLog]:
     log = PostgresEventLog.connect(PgSettings(url=database_url, pool_size=10))
@@ -179,12 +189,7 @@ async def test_a_standby_whose_session_is_ended_keeps_waiting_and_then_leads(pg:
         waiting = asyncio.create_task(b.acquire(poll_s=0.05))
         for _ in range(3):
             await asyncio.sleep(0.2)
-            conn = await asyncpg.connect(database_url)
-            try:
-                await conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
-                                   b.app_name)
-            finally:
-                await conn.close()
+            await terminate_sessions(database_url, b.app_name)
         await asyncio.sleep(0.3)
         assert not waiting.done(), waiting.exception() if waiting.done() else None
         await a.release()
@@ -224,12 +229,7 @@ async def test_leader_notices_losing_its_lock_session(pg: PostgresEventLog, data
     a = LeaderElection(PgSettings(url=database_url), make_holder_id(), renew_interval_s=0.05, takeover_after_s=5)
     try:
         await a.acquire()
-        conn = await asyncpg.connect(database_url)
-        try:
-            await conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
-                               a.app_name)
-        finally:
-            await conn.close()
+        await terminate_sessions(database_url, a.app_name)
         reason = await asyncio.wait_for(a.lost(), 5)
         assert "lock connection lost" in reason
         assert not a.is_leader
@@ -461,13 +461,7 @@ async def test_an_append_on_a_lost_connection_is_unknown_and_the_next_one_reconn
         epoch = await log.take_leadership("me")
         assert await log.append([NewEvent("a", "test.event", b"{}"), NewEvent("b", "test.event", b"{}")],
                                 epoch) == [1, 2]
-        admin = await asyncpg.connect(database_url)
-        try:
-            killed = await admin.fetchval("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                                          "WHERE application_name = 'kvl-lost-writer'")
-        finally:
-            await admin.close()
-        assert killed >= 1   # the writer, and the pooled reader sessions
+        assert await terminate_sessions(database_url, "kvl-lost-writer") >= 1   # the writer, and pooled readers
         # whether the client has seen the session end before it sends is a race: either it
         # reconnects first, or the append fails as one that may have committed (never "refused")
         try:
