@@ -14,6 +14,7 @@ state by replay and from a snapshot.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -601,15 +602,19 @@ class CoreMachine(RuleBasedStateMachine):
     def invalidate_block(self, block: str) -> None:
         (e,) = self.d.run(invalidate, "block", block, "test", self.now)
         expected = sorted(k for k, r in self.m.replicas.items() if k[0] == block and r.state in LIVE)
+        # EVICTED ones are retired: no offload in flight may copy from them any more. The decision
+        # names those it saw; ending the live ones first may push some out of their owner's
+        # tombstone ring, and only those still remembered are retired (as the core folds it).
+        retired = sorted(k for k, r in self.m.replicas.items() if k[0] == block and r.state is S.EVICTED)
         assert e.affected == expected
+        assert e.retired == retired
         for k in expected:
             self.m.unpin(k)
             self.m.end(k, S.INVALID)
-        # EVICTED ones are retired: no offload in flight may copy from them any more
-        retired = sorted(k for k, r in self.m.replicas.items() if k[0] == block and r.state is S.EVICTED)
-        assert e.retired == retired
         for k in retired:
-            self.m.end(k, S.INVALID)
+            r = self.m.replicas.get(k)
+            if r is not None and r.state is S.EVICTED:
+                self.m.end(k, S.INVALID)
 
     # --- after every step ----------------------------------------------------------------
 
@@ -657,3 +662,41 @@ CoreMachine.TestCase.settings = settings(
     phases=[p for p in Phase if p is not Phase.shrink or not os.environ.get("KVL_CORE_NO_SHRINK")],
 )
 TestCore = CoreMachine.TestCase
+
+
+class _Draws:
+    """A ``data`` argument that hands out given values, for replaying a found sequence."""
+
+    def __init__(self, *values: object) -> None:
+        self.values = list(values)
+
+    def draw(self, strategy: object, label: object = None) -> object:
+        return self.values.pop(0)
+
+
+def test_a_block_invalidation_whose_ends_push_evicted_replicas_out_of_the_ring(monkeypatch) -> None:
+    """Found by the machine above in CI: the block's live replicas ending INVALID pushed some of
+    its EVICTED ones out of their owner's tombstone ring. The decision names every EVICTED one it
+    saw (``retired``); the fold retires those still remembered. The model had computed
+    ``retired`` after ending the live ones, and expected fewer."""
+    monkeypatch.setattr(sys.modules[__name__], "event", lambda *a, **k: None)   # outside Hypothesis
+    m = CoreMachine()
+
+    def step(rule: str, **kw: object) -> None:
+        getattr(m, rule)(**kw)
+        m.agrees_with_the_model()
+        m.invariants_hold()
+        m.replay_and_snapshot_rebuild_the_live_state()
+
+    a0, a1, b0 = "aa" + "0" * 30, "aa" + "0" * 29 + "1", "bb" + "0" * 30
+    step("setup", slots=3, quota=0)
+    step("illegal", block=a0, data=_Draws("w1"), form="compressed", pair=(S.READY, S.ALLOCATED))
+    step("drain", wid="w1")
+    step("serve", fam="a", n=1, tenant="t1", wid="w1")
+    step("serve", fam="a", n=3, tenant="t1", wid="w2")
+    step("offload", corrupt=False, data=_Draws((a1, "compressed", "gpu:w2")), tier="disk")
+    step("serve", fam="b", n=3, tenant="t1", wid="w2")
+    step("drop", data=_Draws((b0, "compressed", "gpu:w2")), stale=False, to=S.EVICTED)
+    step("drain", wid="w1")
+    step("invalidate_block", block=a1)
+    m.teardown()
