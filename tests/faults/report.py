@@ -53,7 +53,7 @@ below is one real run, written by the run itself (`KVL_WRITE_RELIABILITY=1`).
   Then `POST /v1/audit` (replay from empty; every worker's GPU and host tiers against its
   inventory; a sample of disk files verified) must find nothing the run does not explain: on
   disk, the files the offload drills removed or damaged on purpose (and it must find those);
-  on a host tier, the known pin finding below.
+  nothing on a GPU or host tier.
 * **Recovery**: seconds from the injection until a worker answers a request *with reuse*
   again (probes poll every 0.2 s from the moment of injection); "ready" is until the restarted
   part answered its readiness probe (workers: registered, not degraded).
@@ -69,11 +69,14 @@ minutes on 2 shared cores); `pytest tests/faults --soak` (or `KVL_SOAK=1` with a
 command) adds the soak (`KVL_SOAK_CYCLES` cycles of every drill in a shuffled order, six
 conversations of five turns, longer outages); `KVL_WRITE_RELIABILITY=1` rewrites this file.
 
-Finding (no wrong answer, no lost event): a worker's host tier drops replicas that a live
-lease pins; the ledger rejects the eviction ("evict of a pinned replica" below) and keeps
-listing the replica READY after the lease ends, so a later lease pins bytes that are gone and
-that request's hit validation fails at its presence layer (it recomputes). Reduced to a
-strict-xfail test: `tests/faults/test_host_tier_pins.py`.
+Finding, fixed (no wrong answer, no lost event): the first soak found a worker's host tier
+dropping replicas that a live lease pinned; the ledger refused the eviction and kept listing
+the replica READY, so a later lease pinned bytes that were gone and that request's hit
+validation failed at its presence layer (it recomputed). Since 2026-12-01 the host tier's LRU
+skips pinned entries, and since 2026-12-02 a host victim's bytes go only after the coordinator
+evicted it (architecture.md, "The tiers below the GPU: host memory and segment files").
+`tests/faults/test_host_tier_pins.py` keeps the reduced case as a regression test, and the
+audit's host-tier comparison excuses nothing.
 
 Finding (no wrong answer, cache kept): after a coordinator stall, reuse of the prompts whose
 lease requests were in flight at the stop comes back only after `lease_ttl_ms` (8 s here): the
@@ -211,8 +214,7 @@ def section(run: Run, title: str, command: str) -> str:
                f"against their inventories: {_kinds(+tiers)}; disk: {disk.get('checked', 0)} of "
                f"{disk.get('ledger_ready', 0)} READY files verified by {disk.get('worker', '—')}, missing "
                f"{(disk.get('missing') or {}).get('count', 0)}, damaged {(disk.get('damaged') or {}).get('count', 0)} "
-               "(the offload drills remove and damage files on purpose; a host tier's ledger-only replicas are "
-               "the pin finding above) |")
+               "(the offload drills remove and damage files on purpose) |")
     out.append(f"| mismatches | **{n['mismatches']}** of {n['answered']} answers "
                f"(compared: {_kinds(n['compared'])}); replicas that failed hit validation on the way, by layer: "
                f"{_kinds(n['invalid_by_layer'])} (each recomputed) |")
