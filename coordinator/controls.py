@@ -11,7 +11,8 @@ from collections.abc import Awaitable, Callable
 
 from shared.messages import Control
 
-#: Controls of one decision in flight at once (an invalidated worker gets one per block it held).
+#: Controls of one decision in flight at once (an invalidated worker gets one per
+#: ``MAX_CONTROL_BLOCKS`` blocks it held).
 IN_FLIGHT = 32
 
 

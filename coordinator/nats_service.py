@@ -700,15 +700,15 @@ class NatsService:
 
     async def _notify_disowned(self, worker_id: str, held: dict[str, list[Control]]) -> None:
         """Other workers held copies of what ``worker_id`` disowned (reloads of its disk copies):
-        the ledger has invalidated them; an ``invalidate_block`` control per block makes each
-        holder drop its copy (a holder that misses it finds the replica INVALID at its next
+        the ledger has invalidated them; ``invalidate_blocks`` controls make each holder drop
+        its copies (a holder that misses it finds the replica INVALID at its next
         lease, and the audit shows it). Sent together: the sooner a holder drops its copy,
         the less it serves from it (:func:`~coordinator.controls.send_controls` bounds how many)."""
         reason = f"copy of what worker {worker_id} disowned (its fused forwards differed)"
         held = {wid: [msgspec.structs.replace(c, reason=reason) for c in cs] for wid, cs in held.items()}
         results = await send_controls(self.control, held)
-        self.log.info("disown_notified", worker_id=worker_id, blocks=sum(map(len, held.values())),
-                      results=results)
+        self.log.info("disown_notified", worker_id=worker_id,
+                      blocks=sum(len(c.blocks) for cs in held.values() for c in cs), results=results)
 
     async def control(self, worker_id: str, control: Control, timeout_s: float | None = None) -> str:
         """Send a control message; ``acked``, or why not (the ledger change stands either way)."""

@@ -471,8 +471,20 @@ class InventoryReply(_Msg, tag="inventory.reply", kw_only=True):
     disk_damaged: list[DiskRef] = []
 
 
+#: Most blocks one ``invalidate_blocks`` control names (an entry is ~60 bytes plus ~20 a form:
+#: far below NATS's default 1 MB payload); an invalidation of more goes in several.
+MAX_CONTROL_BLOCKS = 1024
+
+
+class BlockDrop(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One block an ``invalidate_blocks`` control names, with what ``invalidate_block`` says of one."""
+
+    block_hash: Hex32
+    generations: dict[Name, NonNeg] | None = None
+
+
 class Control(_Msg, tag="control", kw_only=True):
-    action: Literal["evict", "drain", "invalidate_namespace", "invalidate_block"] = "drain"
+    action: Literal["evict", "drain", "invalidate_namespace", "invalidate_block", "invalidate_blocks"] = "drain"
     namespace: str = ""
     block_hash: str = ""
     reason: str = ""
@@ -480,6 +492,9 @@ class Control(_Msg, tag="control", kw_only=True):
     #: form → generation; only those are dropped (a slot refilled since, a new incarnation the
     #: ledger lists READY, stays). None: every form's. The host tier's copies go either way.
     generations: dict[Name, NonNeg] | None = None
+    #: ``invalidate_blocks``: several blocks at once, each as ``invalidate_block`` would name it
+    #: (what the coordinator sends: a worker invalidation of 10k blocks is 10 messages, not 10k).
+    blocks: Annotated[list[BlockDrop], msgspec.Meta(max_length=MAX_CONTROL_BLOCKS)] = []
 
 
 class ControlAck(_Msg, tag="control.ack", kw_only=True):

@@ -1142,6 +1142,17 @@ class Engine:
                                 state=R.READY, checksum=m.checksum) for m in self.tiers.host_items()]
         return InventoryReply(worker_id=self.worker_id, epoch=epoch, items=items, emitted_seq=emitted)
 
+    def _drop_block(self, block_hash: str, gens: dict[str, int] | None) -> int:
+        """Drop an invalidated block's bytes here: of its GPU replicas only the incarnations the
+        decision named (``gens``: form → generation; None = every form's; one written since is
+        listed READY), and its host-tier copies, queued for the disk writer too."""
+        affected = 0
+        for form in self.slots:
+            if self.store is not None and (gens is None or form in gens):
+                affected += self.store.drop(form, block_hash, None if gens is None else gens[form]) is not None
+            affected += self.tiers.host_drop(block_hash, form)
+        return affected
+
     async def on_control(self, msg: Control) -> ControlAck:
         """Apply a coordinator decision locally (the ledger already records it: no transitions).
 
@@ -1152,14 +1163,13 @@ class Engine:
         if msg.action == "drain":
             self.draining = True
             affected = len(self.sessions)
+        elif msg.action == "invalidate_blocks":
+            # by key, not by a scan: an invalidated worker is named every block it held
+            for b in msg.blocks:
+                affected += self._drop_block(b.block_hash, b.generations)
+            self._update_pool_metrics()
         elif msg.action == "invalidate_block" and msg.block_hash:
-            # by key, not by a scan: an invalidated worker gets one of these per block it held
-            gens = msg.generations
-            for form in self.slots:
-                # only the incarnations the decision named (one written since is listed READY)
-                if self.store is not None and (gens is None or form in gens):
-                    affected += self.store.drop(form, msg.block_hash, None if gens is None else gens[form]) is not None
-                affected += self.tiers.host_drop(msg.block_hash, form)   # queued for the disk writer too
+            affected += self._drop_block(msg.block_hash, msg.generations)
             self._update_pool_metrics()
         elif msg.action in ("evict", "invalidate_block", "invalidate_namespace"):
             def hit(m: BlockMeta) -> bool:
@@ -1176,7 +1186,7 @@ class Engine:
             for m in (*self.tiers.host_items(), *queued):
                 if hit(m):
                     affected += self.tiers.host_drop(m.block_hash, m.form)
-        self.log.info("control", action=msg.action, affected=affected, reason=msg.reason)
+        self.log.info("control", action=msg.action, blocks=len(msg.blocks), affected=affected, reason=msg.reason)
         return ControlAck(worker_id=self.worker_id, affected=affected)
 
     # --- requests -------------------------------------------------------------------------

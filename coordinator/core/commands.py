@@ -146,7 +146,7 @@ def _disown(state: LedgerState, worker_id: str, lost: set[ReplicaKey], now_ms: i
     A reload of such a copy is another worker's replica with the same (block, form, checksum):
     selected by content (of every replica the worker made that the state still remembers),
     with every other live replica of that block at that worker's GPU and host tier, which is
-    what the ``invalidate_block`` control it is sent drops there (:func:`drop_controls`).
+    what the ``invalidate_blocks`` control it is sent drops there (:func:`drop_controls`).
     EVICTED incarnations of that content, and of those blocks at those tiers, are retired: an
     offload copy from one may be in flight (see :class:`~coordinator.core.events.Invalidated`).
     O(replicas the state holds): a rare event (a failed run-time batch-invariance check)."""
@@ -186,11 +186,12 @@ def _tiers_of(state: LedgerState, location: str) -> tuple[str, ...]:
 
 def drop_controls(state: LedgerState, event: ev.Invalidated, *, but: str = "") -> dict[str, list[m.Control]]:
     """``{worker: [control, …]}``: for each live worker (other than ``but``) whose GPU or host
-    tier held a replica ``event`` invalidates or retires, an ``invalidate_block`` control per
-    block (the ledger already records the invalidation; the control makes the worker drop its
-    bytes, and with them any copy of them it is about to make). Each names the generations of
-    the worker's GPU replicas the event covers, so a new incarnation the worker writes before
-    the control arrives (listed READY by then) is kept."""
+    tier held a replica ``event`` invalidates or retires, ``invalidate_blocks`` controls naming
+    each such block, up to ``MAX_CONTROL_BLOCKS`` a control (the ledger already records the
+    invalidation; a control makes the worker drop the bytes, and with them any copy of them it
+    is about to make). Each block comes with the generations of the worker's GPU replicas the
+    event covers, so a new incarnation the worker writes before the control arrives (listed
+    READY by then) is kept."""
     by_loc: dict[str, tuple[str, bool]] = {}
     for w in state.workers.values():
         if w.alive and w.worker_id != but:
@@ -205,8 +206,15 @@ def drop_controls(state: LedgerState, event: ev.Invalidated, *, but: str = "") -
         r = replicas.get(tuple(k))  # type: ignore[arg-type]
         if held[1] and r is not None:
             gens[k[1]] = r.generation
-    return {w: [m.Control(action="invalidate_block", block_hash=b, reason=event.reason, generations=g)
-                for b, g in sorted(blocks.items())] for w, blocks in sorted(out.items())}
+    return {w: block_controls(sorted(blocks.items()), event.reason) for w, blocks in sorted(out.items())}
+
+
+def block_controls(blocks: list[tuple[str, dict[str, int]]], reason: str) -> list[m.Control]:
+    """``invalidate_blocks`` controls naming ``(block, generations)`` in order, up to
+    ``MAX_CONTROL_BLOCKS`` a control."""
+    drops = [m.BlockDrop(block_hash=b, generations=g) for b, g in blocks]
+    return [m.Control(action="invalidate_blocks", blocks=drops[i:i + m.MAX_CONTROL_BLOCKS], reason=reason)
+            for i in range(0, len(drops), m.MAX_CONTROL_BLOCKS)]
 
 
 def heartbeat(state: LedgerState, msg: m.Heartbeat,

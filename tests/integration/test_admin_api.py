@@ -13,7 +13,7 @@ import pytest
 
 from coordinator.app import COORDINATOR
 from shared.messages import (
-    Control, ControlAck, InventoryItem, InventoryReply, ReplicaState, decode, encode,
+    BlockDrop, Control, ControlAck, InventoryItem, InventoryReply, ReplicaState, decode, encode,
 )
 from shared.subjects import Subjects
 from tests.integration.coordinator_kit import NS, Worker, block, fast_config, running_coordinator
@@ -197,15 +197,16 @@ async def test_operator_commands_reach_the_ledger_and_the_worker(stack: dict[str
 
     status, body = await post(stack, "/v1/workers/w1/drain", {"reason": "maintenance"})
     assert status == 200 and body == {"worker_id": "w1", "draining": True, "changed": True, "control": "acked"}
-    assert [(c.action, c.reason) for c in controls] == [("invalidate_block", "test"), ("drain", "maintenance")]
-    assert controls[0].generations == {"compressed": 1}     # the GPU replica the decision named
+    assert [(c.action, c.reason) for c in controls] == [("invalidate_blocks", "test"), ("drain", "maintenance")]
+    # the GPU replica the decision named
+    assert controls[0].blocks == [BlockDrop(block_hash=hashes[0], generations={"compressed": 1})]
 
-    # a worker's scope: one control per block it held, each naming its GPU replica's generation
+    # a worker's scope: one control names every block it held, each with its GPU replica's generation
     status, body = await post(stack, "/v1/invalidate", {"scope": "worker", "value": "w1", "reason": "bad gpu"})
     assert status == 200 and body["affected"] == 3 and body["workers_notified"] == {"w1": "acked"}
-    told = [c for c in controls if c.reason == "bad gpu"]
-    assert sorted(c.block_hash for c in told) == sorted(hashes[1:])
-    assert all(c.action == "invalidate_block" and c.generations == {"compressed": 1} for c in told)
+    (told,) = [c for c in controls if c.reason == "bad gpu"]
+    assert told.action == "invalidate_blocks"
+    assert told.blocks == [BlockDrop(block_hash=b, generations={"compressed": 1}) for b in sorted(hashes[1:])]
     _, again = await post(stack, "/v1/workers/w1/drain")
     assert again["changed"] is False
     _, workers = await get(stack, "/v1/workers")
@@ -216,16 +217,16 @@ async def test_operator_commands_reach_the_ledger_and_the_worker(stack: dict[str
 
 
 async def test_a_namespace_invalidation_tells_each_holder_block_by_block(stack: dict[str, Any]) -> None:
-    """Per block, each naming the generation the decision covered: a block the worker writes
+    """Block by block, each with the generation the decision covered: a block the worker writes
     after the decision is not in it (a namespace-wide control dropped such a block too)."""
     hashes = stack["hashes"]
     controls = await answer_controls(stack)
 
     status, body = await post(stack, "/v1/invalidate", {"scope": "namespace", "value": NS, "reason": "upgrade"})
     assert status == 200 and body["affected"] == 4 and body["workers_notified"] == {"w1": "acked"}
-    assert sorted(c.block_hash for c in controls) == sorted(hashes)
-    assert all(c.action == "invalidate_block" and c.reason == "upgrade" and c.generations == {"compressed": 1}
-               for c in controls)
+    (told,) = controls
+    assert (told.action, told.reason) == ("invalidate_blocks", "upgrade")
+    assert told.blocks == [BlockDrop(block_hash=b, generations={"compressed": 1}) for b in sorted(hashes)]
 
 
 async def test_audit_reports_drift_both_ways(stack: dict[str, Any]) -> None:

@@ -255,7 +255,7 @@ async def test_a_worker_that_disowns_its_replicas_takes_its_disk_copies_out_of_r
             told: list[str] = []
 
             async def on_control(msg: Any) -> None:
-                told.append(decode(msg.data, expect=Control).block_hash)
+                told.extend(b.block_hash for b in decode(msg.data, expect=Control).blocks)
                 await msg.respond(encode(ControlAck(worker_id="w2", affected=1)))
             await nc.subscribe(subjects.control("w2"), cb=on_control)
             hashes = [block(i) for i in range(3)]

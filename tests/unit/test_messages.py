@@ -5,6 +5,7 @@ import pytest
 
 from shared.forms import FormCatalogue, FormScope, FormSpec
 from shared.messages import (
+    BlockDrop,
     MESSAGE_TYPES, CacheCounters, CommitWatermark, Control, ControlAck, ErrorCode, ErrorReply, Heartbeat, HeartbeatReply,
     DiskBlock, DiskGc, DiskGcReply, HostEvict, HostEvictReply, InventoryItem, InventoryReply, InventoryRequest, LeaseAcquire, LeaseGrant, LeaseRelease, LeaseReleased,
     LeaseRenew, LeaseRenewed, MessageError, RegisterReply, ReplicaRef, ReplicaState, TransitionBatch, TransitionEvent,
@@ -53,6 +54,8 @@ SAMPLES = [
                                                                  generation=3, state=ReplicaState.READY)]),
     Control(action="invalidate_namespace", namespace=H, reason="upgrade"),
     Control(action="invalidate_block", block_hash=H, reason="corrupt", generations={"swa": 3}),
+    Control(action="invalidate_blocks", reason="bad gpu", blocks=[BlockDrop(block_hash=H, generations={"swa": 3}),
+                                                                BlockDrop(block_hash="cd" * 16)]),
     ControlAck(worker_id="w1", affected=3),
     RouteQuery(gateway_id="g1", namespace=H, block_hashes=[H, H]),
     RouteReply(workers=[RouteCandidate(worker_id="w1", endpoint="http://x", namespace=H, block_size=16,
@@ -98,6 +101,12 @@ def test_transition_source_id() -> None:
     # a control names generations of forms: a count, under a form's name
     (b'{"type":"control","v":1,"action":"invalidate_block","generations":{"swa":-1}}', "generations"),
     (b'{"type":"control","v":1,"action":"invalidate_block","generations":{"<f>":1}}', "generations"),
+    # each block a control names is a block hash, with generations as above, and nothing else
+    (b'{"type":"control","v":1,"action":"invalidate_blocks","blocks":[{"block_hash":"AB"}]}', "blocks[0].block_hash"),
+    (b'{"type":"control","v":1,"action":"invalidate_blocks","blocks":[{"block_hash":"' + H.encode()
+     + b'","generations":{"swa":-1}}]}', "blocks[0].generations"),
+    (b'{"type":"control","v":1,"action":"invalidate_blocks","blocks":[{"block_hash":"' + H.encode()
+     + b'","form":"swa"}]}', "form"),
     # a worker makes room only on its own tiers: host memory or its GPU pools, never the shared disk
     (b'{"type":"host.evict","v":1,"worker_id":"w","epoch":1,"tier":"disk","blocks":[{"block_hash":"' + H.encode()
      + b'","form":"swa"}]}', "tier"),
@@ -124,6 +133,15 @@ def test_bad_transition_batches_rejected(events: list[tuple[str, int, int]], nee
     assert decode(_batch_json([("w", 1, 1), ("w", 1, 2)])).source_id == "w.1.1-2"
     with pytest.raises(MessageError, match=needle):
         decode(_batch_json(events))
+
+
+def test_control_block_count_is_bounded() -> None:
+    from shared.messages import MAX_CONTROL_BLOCKS
+    one = b'{"block_hash":"' + H.encode() + b'"}'
+    at = b'{"type":"control","v":1,"action":"invalidate_blocks","blocks":[%s]}'
+    assert len(decode(at % b",".join([one] * MAX_CONTROL_BLOCKS)).blocks) == MAX_CONTROL_BLOCKS
+    with pytest.raises(MessageError, match="blocks"):
+        decode(at % b",".join([one] * (MAX_CONTROL_BLOCKS + 1)))
 
 
 def test_transition_batch_size_is_bounded() -> None:

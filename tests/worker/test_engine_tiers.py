@@ -345,6 +345,28 @@ async def test_an_invalidation_control_drops_only_the_incarnations_it_names(make
         assert {f for f, _, m in a.store.items() if m.block_hash == block} == set(kept)
 
 
+async def test_one_control_drops_every_block_it_names_at_its_generations(make_engine) -> None:
+    """What the coordinator sends: ``invalidate_blocks`` names several blocks, each with its
+    GPU generations; each goes as its own ``invalidate_block`` would have it (a block named at
+    a generation it no longer has stays), and the blocks not named stay."""
+    from shared.messages import BlockDrop, Control
+    twin = InProcessCoordinator()
+    async with make_engine(twin, worker_id="wa", **SMALL) as a:
+        await a.generate(prompt(64, seed=73), max_tokens=1)
+        assert await a.flush(timeout=10)
+        held: dict[str, dict[str, int]] = {}
+        for f, _, m in a.store.items():
+            held.setdefault(m.block_hash, {})[f] = m.generation
+        assert len(held) >= 3
+        dropped, stale, untouched = list(held)[:3]
+        ack = await a.on_control(Control(action="invalidate_blocks", reason="test", blocks=[
+            BlockDrop(block_hash=dropped, generations=held[dropped]),
+            BlockDrop(block_hash=stale, generations={f: g + 1 for f, g in held[stale].items()})]))
+        assert ack.affected == len(held[dropped])
+        left = {m.block_hash for _, _, m in a.store.items()}
+        assert dropped not in left and {stale, untouched} <= left
+
+
 async def test_a_host_copy_the_ledger_refuses_is_dropped(make_engine) -> None:
     """A copy to the host tier names its source by checksum; when the ledger refuses it (the
     source left its owner's tombstones meanwhile, or was invalidated) the worker would hold bytes

@@ -13,7 +13,10 @@ from coordinator.core import (
     renew_lease, replay, resume, state_hash, switch_cache, to_snapshot,
 )
 from coordinator.core.route import route
-from shared.messages import DiskBlock, DiskGc, ErrorCode, ErrorReply, HostEvict, LeaseGrant, ReplicaState as S, RouteQuery
+from shared import messages
+from shared.messages import (
+    Control, DiskBlock, DiskGc, ErrorCode, ErrorReply, HostEvict, LeaseGrant, ReplicaState as S, RouteQuery,
+)
 
 from .support import FORMS, NS, Driver, acquire, consistent, h, hb, register, release, renew, transition
 
@@ -49,6 +52,12 @@ def warm(d: Driver, blocks: list[str], seq: Seq, wid: str = "w1", now: int = 5) 
     g = d.run(acquire_lease, acquire(wid, 1, blocks), now, f"warm-{wid}-{now}")
     fill(d, g, blocks, seq, wid, now=now)
     d.run(release_lease, release(wid, 1, g.lease_id), now)
+
+
+def named(controls: list[Control]) -> list[tuple[str, dict[str, int] | None]]:
+    """The blocks ``invalidate_blocks`` controls name, each with its generations, in order."""
+    assert all(c.action == "invalidate_blocks" for c in controls), controls
+    return [(b.block_hash, b.generations) for c in controls for b in c.blocks]
 
 
 def err(reply: object, code: ErrorCode, *fragments: str) -> None:
@@ -338,8 +347,7 @@ def test_a_worker_that_disowns_what_it_computed_invalidates_its_disk_copies_too(
     assert reply.epoch == 2 and reply.disowned == 2 * len(FORMS)
     assert sorted(events[1].affected) == sorted((h(0), f, loc) for f in FORMS for loc in ("disk", "gpu:w2"))
     # told to drop it: the GPU replicas at the generations the decision covered
-    (c,) = drop_controls(d.state, events[1], but="w1")["w2"]
-    assert (c.action, c.block_hash, c.generations) == ("invalidate_block", h(0), {f: 7 for f in FORMS})
+    assert named(drop_controls(d.state, events[1], but="w1")["w2"]) == [(h(0), {f: 7 for f in FORMS})]
     d.commit(events)
     states = {k: r.state for k, r in d.state.replicas.items()}
     assert {k[2]: v for k, v in states.items() if k[0] == h(0) and k[1] == "swa"} == {
@@ -565,7 +573,7 @@ def test_an_offload_in_flight_from_an_invalidated_block_is_refused() -> None:
     (e,) = d.run(invalidate, "block", h(0), "corrupt", 7)
     assert e.affected == [] and e.retired == [(h(0), f, "gpu:w1") for f in FORMS]
     (c,) = drop_controls(d.state, e)["w1"]     # w1 holds the bytes until it handles the grant's eviction
-    assert (c.block_hash, c.generations, c.reason) == (h(0), {f: 7 for f in FORMS}, "corrupt")
+    assert named([c]) == [(h(0), {f: 7 for f in FORMS})] and c.reason == "corrupt"
     for t in in_flight:
         out = d.run(ingest_transition, t, 8)
         assert isinstance(out[0], TransitionRejected) and "no READY or EVICTED replica" in out[0].reason, out
@@ -579,8 +587,8 @@ def test_an_offload_in_flight_from_an_invalidated_block_is_refused() -> None:
 
 def test_a_workers_invalidation_retires_what_it_evicted_and_tells_it_per_block() -> None:
     """An operator invalidates a worker: its live replicas become INVALID, the EVICTED ones on
-    its GPU and host tier are retired (a copy from one may be in flight), and the worker gets one
-    control per block, naming the GPU generations; other workers are not told."""
+    its GPU and host tier are retired (a copy from one may be in flight), and the worker is told
+    every block, each with its GPU generations; other workers are not told."""
     d, seq = fresh(workers=("w1", "w2")), Seq()
     warm(d, [h(0), h(1)], seq)
     warm(d, [h(0)], Seq(), wid="w2")
@@ -590,10 +598,24 @@ def test_a_workers_invalidation_retires_what_it_evicted_and_tells_it_per_block()
     assert e.affected == [(h(0), f, "gpu:w1") for f in FORMS]
     assert e.retired == [(h(1), f, "gpu:w1") for f in FORMS]
     controls = drop_controls(d.state, e)
-    assert list(controls) == ["w1"] and [c.block_hash for c in controls["w1"]] == sorted([h(0), h(1)])
-    assert all(c.generations == {f: 7 for f in FORMS} for c in controls["w1"])
+    assert list(controls) == ["w1"] and len(controls["w1"]) == 1      # one control names both blocks
+    assert named(controls["w1"]) == [(b, {f: 7 for f in FORMS}) for b in sorted([h(0), h(1)])]
     assert all(d.state.replica_state((h(0), f, "gpu:w2")) is S.READY for f in FORMS)
     consistent(d)
+
+
+def test_a_large_invalidation_is_told_in_controls_of_at_most_max_control_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block once, in order, split across controls of at most ``MAX_CONTROL_BLOCKS``
+    (a worker that held 100k blocks gets 98 messages, not 100k), each with the reason."""
+    monkeypatch.setattr(messages, "MAX_CONTROL_BLOCKS", 2)
+    d, seq = fresh(), Seq()
+    blocks = [h(i) for i in range(5)]
+    warm(d, blocks, seq)
+    (e,) = d.run(invalidate, "worker", "w1", "bad gpu", 7)
+    controls = drop_controls(d.state, e)["w1"]
+    assert [len(c.blocks) for c in controls] == [2, 2, 1] and {c.reason for c in controls} == {"bad gpu"}
+    assert named(controls) == [(b, {f: 7 for f in FORMS}) for b in sorted(blocks)]
 
 
 def test_a_disown_retires_evicted_copies_whose_offload_may_be_in_flight() -> None:
@@ -617,7 +639,7 @@ def test_a_disown_retires_evicted_copies_whose_offload_may_be_in_flight() -> Non
     reply, events = register_worker(d.state, register("w1", disown_replicas=True), 20)
     inv = events[1]
     assert isinstance(inv, Invalidated) and sorted(inv.retired) == sorted((h(0), f, "gpu:w2") for f in FORMS)
-    assert [c.block_hash for c in drop_controls(d.state, inv, but="w1")["w2"]] == [h(0)]
+    assert [b for b, _ in named(drop_controls(d.state, inv, but="w1")["w2"])] == [h(0)]
     d.commit(events)
     for t in in_flight:
         out = d.run(ingest_transition, t, 21)
