@@ -213,3 +213,16 @@ def test_host_evict_bench_refuses_impossible_batches(capsys) -> None:
         with pytest.raises(SystemExit):                  # argparse: a clear error, no stack trace
             main(argv)
         assert "--per-request 1–4096" in capsys.readouterr().err
+
+
+def test_controls_bench_sends_an_invalidation_both_ways(nats_url: str, capsys) -> None:
+    """bench.controls end to end on a real NATS: both ways acked, the batched one in
+    ceil(blocks / MAX_CONTROL_BLOCKS) messages; nonsense arguments are a clear error."""
+    from bench.controls import main
+    from shared.messages import MAX_CONTROL_BLOCKS
+    out = main(["--blocks", str(MAX_CONTROL_BLOCKS + 1), "--reps", "1", "--nats-url", nats_url])
+    assert (out["per_block_messages"], out["batched_messages"]) == (MAX_CONTROL_BLOCKS + 1, 2)
+    assert out["per_block_s"] > 0 and out["batched_s"] > 0
+    with pytest.raises(SystemExit):
+        main(["--blocks", "0"])
+    assert "--blocks and --reps must be ≥ 1" in capsys.readouterr().err
