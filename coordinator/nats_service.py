@@ -43,7 +43,7 @@ from coordinator.core import (
     CoreError, Invalidated, TransitionRejected, acquire_lease, collect_disk, drop_controls, evict_host,
     ingest_transition, register_worker, release_lease, renew_lease, resume_worker,
 )
-from coordinator.controls import send_controls
+from coordinator.controls import outcome as control_outcome, send_controls
 from coordinator.ledger import Ledger, Unavailable
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.request_trace import BatchSpans
@@ -713,9 +713,9 @@ class NatsService:
     async def control(self, worker_id: str, control: Control, timeout_s: float | None = None) -> str:
         """Send a control message; ``acked``, or why not (the ledger change stands either way)."""
         try:
-            await self.nc.request(self.subjects.control(worker_id), encode(control),
-                                  timeout=timeout_s or self.request_timeout_s)
-            return "acked"
+            reply = await self.nc.request(self.subjects.control(worker_id), encode(control),
+                                          timeout=timeout_s or self.request_timeout_s)
+            return control_outcome(worker_id, reply.data)
         except nats.errors.NoRespondersError:
             return "no responders"
         except (nats.errors.TimeoutError, asyncio.TimeoutError):

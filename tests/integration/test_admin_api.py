@@ -13,7 +13,7 @@ import pytest
 
 from coordinator.app import COORDINATOR
 from shared.messages import (
-    BlockDrop, Control, ControlAck, InventoryItem, InventoryReply, ReplicaState, decode, encode,
+    BlockDrop, Control, ControlAck, ErrorCode, ErrorReply, InventoryItem, InventoryReply, ReplicaState, decode, encode,
 )
 from shared.subjects import Subjects
 from tests.integration.coordinator_kit import NS, Worker, block, fast_config, running_coordinator
@@ -227,6 +227,34 @@ async def test_a_namespace_invalidation_tells_each_holder_block_by_block(stack: 
     (told,) = controls
     assert (told.action, told.reason) == ("invalidate_blocks", "upgrade")
     assert told.blocks == [BlockDrop(block_hash=b, generations={"compressed": 1}) for b in sorted(hashes)]
+
+
+async def test_a_worker_of_an_older_release_is_told_one_block_at_a_time(stack: dict[str, Any]) -> None:
+    """A worker that does not know ``invalidate_blocks`` refuses it as invalid (its decoder's
+    answer); the coordinator sends it the same blocks one ``invalidate_block`` each, and the
+    reply counts those acks. A reply that is not this worker's ack is not an ack."""
+    hashes = stack["hashes"]
+    seen: list[Control] = []
+
+    async def older(msg: Any) -> None:
+        c = decode(msg.data, expect=Control)
+        seen.append(c)
+        reply: Any = ControlAck(worker_id="w1", affected=1)
+        if c.action == "invalidate_blocks":
+            reply = ErrorReply(code=ErrorCode.INVALID, message="invalid message 'control': Invalid enum value "
+                                                               "'invalidate_blocks' - at `$.action`")
+        elif c.action == "drain":
+            reply = ControlAck(worker_id="w2")
+        await msg.respond(encode(reply))
+    await stack["nc"].subscribe(stack["subjects"].control("w1"), cb=older)
+    await stack["nc"].flush()
+
+    status, body = await post(stack, "/v1/invalidate", {"scope": "namespace", "value": NS, "reason": "upgrade"})
+    assert status == 200 and body["workers_notified"] == {"w1": "acked"}
+    assert [c.action for c in seen] == ["invalidate_blocks"] + ["invalidate_block"] * len(hashes)
+    assert sorted((c.block_hash, c.generations) for c in seen[1:]) == [(b, {"compressed": 1}) for b in sorted(hashes)]
+    status, body = await post(stack, "/v1/workers/w1/drain", {"reason": "maintenance"})
+    assert status == 200 and body["control"] == "bad reply: an ack from w2"
 
 
 async def test_audit_reports_drift_both_ways(stack: dict[str, Any]) -> None:
