@@ -37,14 +37,18 @@ def indexer_topk_ref(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, position
     out = torch.full((T, topk), -1, dtype=torch.int64, device=q.device)
     if N == 0:
         return out
-    s = indexer_scores_ref(q, k, w)
     visible = torch.arange(N, device=q.device).view(1, N) < ((positions.view(T, 1) + 1) // ratio)
-    s = s.masked_fill(~visible, float("-inf"))
+    return _select(indexer_scores_ref(q, k, w), visible, out)
+
+
+def _select(s: torch.Tensor, visible: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Each row's top visible entries of scores ``s`` (overwritten) into ``out`` ``[rows, topk]``,
+    −1 where fewer are visible."""
+    s.masked_fill_(~visible, float("-inf"))
     # NOTE: stable descending sort = ties keep ascending index order, which is the tie-break rule.
-    order = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :topk]
+    order = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :out.shape[1]]
     kk = order.shape[1]
-    picked_visible = torch.gather(visible, 1, order)
-    out[:, :kk] = torch.where(picked_visible, order, torch.full_like(order, -1))
+    out[:, :kk] = torch.where(torch.gather(visible, 1, order), order, torch.full_like(order, -1))
     return out
 
 
@@ -81,8 +85,4 @@ def indexer_topk_many_ref(parts: Sequence[tuple[torch.Tensor, torch.Tensor, torc
         limit[r:r + T] = torch.clamp((positions.view(T) + 1) // ratio, max=N)
         r += T
     visible = torch.arange(width, device=device).view(1, width) < limit.view(total, 1)
-    s.masked_fill_(~visible, float("-inf"))
-    order = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :topk]
-    kk = order.shape[1]
-    out[:, :kk] = torch.where(torch.gather(visible, 1, order), order, torch.full_like(order, -1))
-    return out
+    return _select(s, visible, out)
