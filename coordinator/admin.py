@@ -428,11 +428,11 @@ async def post_invalidate(request: web.Request) -> web.Response:
     ctx = _ctx(request)
     if ctx.control is not None and events:
         # every worker whose GPU or host tier held a replica of the scope, live or retired: it
-        # drops its bytes, and with them a copy of them it is about to make. NOTE: one control
-        # per block, for a namespace too: each names the generations of the GPU replicas the
-        # decision covered at that worker, so a block the worker wrote after the decision (READY
-        # in the ledger) stays; a namespace-wide control dropped it too, and the ledger kept it
-        # READY until a lease found it missing.
+        # drops its bytes, and with them a copy of them it is about to make. NOTE: block by
+        # block, for a namespace too: each block is named with the generations of the GPU
+        # replicas the decision covered at that worker, so a block the worker wrote after the
+        # decision (READY in the ledger) stays; a namespace-wide control dropped it too, and the
+        # ledger kept it READY until a lease found it missing.
         notified = await send_controls(ctx.control, drop_controls(ledger.state, events[0]))
     return web.json_response({"scope": scope, "value": body.value, "affected": len(affected),
                               "workers_notified": notified})
