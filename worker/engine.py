@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -140,14 +141,14 @@ class Engine:
         # A checkpoint directory's namespace is its files' digest (shared.manifest) and the
         # dtype it computes in; seeded weights hash their tensors (which covers the dtype). The
         # machine's compute fingerprint goes in too: other CPUs (or thread counts) compute other
-        # bits, so their blocks must never be reused here.
+        # bits, so their blocks must never be reused here. So does a digest of what this build's
+        # model code computes here (below, after the invariance probe).
         self.fingerprint = compute_fingerprint(model.device)
         weights = f"{model.checkpoint_digest}:{model.dtype}" if model.checkpoint_digest else weights_digest(model)
         # A storage precision other than the family's own changes what requests compute (they
         # read their rows back as stored): its blocks must never meet another setting's.
         if self.cache_dtype != "auto":
             weights += f":cache={self.cache_dtype}"
-        self.namespace = namespace_hash(model.cfg.model_id, weights, compute=self.fingerprint)
         self.worker_id = worker_id_ or worker_id(cfg)
         self.gpu = f"gpu:{self.worker_id}"
         self.host_location = f"host:{self.worker_id}"
@@ -195,6 +196,13 @@ class Engine:
         if failures:
             self.log.error("batch-invariance probe failed: one request per forward, replies not cached",
                            failures=failures[:5])
+        # After the probe: its row floor is part of the arithmetic (products pad to it).
+        self.arithmetic = model.arithmetic_digest(self.block_size, self.cache_dtype, chunk_blocks=self.chunk_blocks)
+        if not self.arithmetic:
+            self.log.error("two identical forwards computed different bits: this process's cache namespace "
+                           "is its own (no other worker, nor this one after a restart, reuses its blocks)")
+        arithmetic = self.arithmetic or f"unrepeatable:{secrets.token_hex(16)}"
+        self.namespace = namespace_hash(model.cfg.model_id, weights, compute=f"{self.fingerprint}|{arithmetic}")
         self.stepper = Stepper(model, self._compute, max_batch_tokens=cfg.service.max_batch_tokens,
                                block_size=self.block_size, metrics=self.metrics,
                                check_every=cfg.service.fused_check_every, on_mismatch=self._fused_mismatch)

@@ -6,8 +6,9 @@
   tier's retry applies), instead of reporting "up" until the first spill fails.
 * **pools** — allocated, and their slots per form (a cache-enabled worker without them is not
   ready).
-* **weights** — the namespace (model id, weights or checkpoint digest, dtype, and the machine's
-  compute fingerprint): what every replica this worker writes is keyed by.
+* **weights** — the namespace (model id, weights or checkpoint digest, dtype, the machine's
+  compute fingerprint and the digest of what the model computes here,
+  ``CausalLM.arithmetic_digest``): what every replica this worker writes is keyed by.
 * **batch invariance** — whether requests share forwards here (``kernels.invariant``), and
   the row floor calibrated on this machine.
 
@@ -42,6 +43,9 @@ class SelfCheck:
     row_floor: int = 0
     #: What decides the bits besides the model (``kernels.invariant.compute_fingerprint``).
     compute: str = ""
+    #: ``CausalLM.arithmetic_digest`` of this model here; "" when two identical runs differed
+    #: (the namespace is then this process's own).
+    arithmetic: str = ""
 
     @property
     def ok(self) -> bool:
@@ -100,7 +104,8 @@ def self_check(engine: Engine) -> SelfCheck:
             engine.tiers.mark_disk_down(failure)
     return SelfCheck(offload=offload, pools_allocated=engine.store is not None or not engine.cache_enabled,
                      pool_slots=dict(engine.slots), namespace=engine.namespace,
-                     batch_invariant=engine.stepper.fused, row_floor=inv.MIN_ROWS, compute=engine.fingerprint)
+                     batch_invariant=engine.stepper.fused, row_floor=inv.MIN_ROWS, compute=engine.fingerprint,
+                     arithmetic=engine.arithmetic)
 
 
 __all__ = ["PROBE_BYTES", "SelfCheck", "check_offload_dir", "self_check"]

@@ -13,6 +13,7 @@ batch, every state commits its span after the forward, and logits are cut per re
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,9 @@ from worker.model.storage import CACHE_DTYPES, StorageError
 
 if TYPE_CHECKING:
     from worker.model.vision import PromptEmbeds
+
+#: The seed of :meth:`CausalLM.arithmetic_digest`'s tokens. Changing it changes every namespace.
+ARITHMETIC_SEED = 20261204
 
 
 class CausalLM(nn.Module):
@@ -49,6 +53,8 @@ class CausalLM(nn.Module):
         #: The probes this model passed (:meth:`check_invariance` with ``reuse``), by everything
         #: the answer depends on in this process: see :meth:`_probe_key`.
         self._passed_probes: set[tuple] = set()
+        #: :meth:`arithmetic_digest`'s answers, by the same key.
+        self._digests: dict[tuple, str] = {}
 
     # ---- what a family provides ---------------------------------------------------------------
 
@@ -146,6 +152,52 @@ class CausalLM(nn.Module):
             if not failures:
                 self._passed_probes.add(self._probe_key(block_size, cache_dtype))
         return failures
+
+    @torch.no_grad()
+    def arithmetic_digest(self, block_size: int, cache_dtype: str | None = None, *, chunk_blocks: int = 1) -> str:
+        """A digest of the bits this model computes here, for the cache namespace: a seeded
+        prompt of two blocks and three tokens run alone (one unit with batch-invariant ops, else
+        :meth:`prefill`'s units of ``chunk_blocks``, the engine's schedule then), then one
+        decode token; the logits of both and every form's payload of both blocks, hashed. ``""``
+        when two identical runs differ (nothing computed here can be promised to another run).
+
+        The namespace's other parts (weights, versions, the compute fingerprint) do not see the
+        project's own code: a build whose arithmetic changed without a ``KERNEL_ABI_VERSION`` bump
+        would reuse blocks the old arithmetic wrote. Two builds (or machines, or row floors) that
+        compute other bits here get other namespaces. A run that differs only on inputs this one
+        does not reach stays the version rule's job. Memoised per process like a passed probe."""
+        key = (*self._probe_key(block_size, cache_dtype), chunk_blocks, self.batch_invariant)
+        if key in self._digests:
+            return self._digests[key]
+        # With batch-invariant ops a unit's bits do not depend on how the prompt is cut (tested):
+        # one unit then, two forwards fewer.
+        units = None if self.batch_invariant else chunk_blocks
+        runs = {self._arithmetic_run(block_size, cache_dtype, units) for _ in range(2)}
+        digest = runs.pop() if len(runs) == 1 else ""
+        self._digests[key] = digest
+        return digest
+
+    def _arithmetic_run(self, block_size: int, cache_dtype: str | None, chunk_blocks: int | None) -> str:
+        """One run of :meth:`arithmetic_digest`; ``chunk_blocks`` None: the prompt as one unit."""
+        g = torch.Generator().manual_seed(ARITHMETIC_SEED)
+        n = 2 * block_size + 3
+        prompt = torch.randint(0, self.cfg.vocab_size, (n,), generator=g)
+        nxt = torch.randint(0, self.cfg.vocab_size, (1,), generator=g)
+        state = self.new_state(block_size, -(-(n + 1) // block_size) * block_size, cache_dtype=cache_dtype)
+        h = hashlib.blake2b(digest_size=16, person=b"kvl-arithmetic")
+
+        def add(name: str, t: torch.Tensor) -> None:
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+        add("prompt", self.prefill(prompt, state, chunk_blocks=chunk_blocks, logits="last") if chunk_blocks
+            else self.forward_batch([(prompt, state)])[0])
+        add("decode", self.forward_batch([(nxt, state)])[0])
+        for i in range(2):
+            payload = state.export_block(i)
+            for form in sorted(payload):
+                add(f"block{i}:{form}", payload[form])
+        return h.hexdigest()
 
     def distrust_invariance(self) -> None:
         """A fused forward was caught differing at run time (``worker.stepper``): no fusing on this
