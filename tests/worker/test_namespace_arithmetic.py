@@ -72,3 +72,18 @@ def test_a_model_that_differs_run_to_run_keeps_its_blocks_to_itself(tmp_path, mo
     one, two = (Engine(model, config(tmp_path / n), None) for n in ("a", "b"))
     assert one.arithmetic == "" and self_check(one).arithmetic == ""
     assert one.namespace != two.namespace   # not even another engine of this process shares them
+
+
+def test_the_vision_encoder_is_part_of_the_digest(monkeypatch) -> None:
+    from worker.model.dense import DenseConfig, build_dense
+    from worker.model.vision import VisionConfig, VisionEncoder
+
+    def vlm():
+        return build_dense(DenseConfig(vision=VisionConfig(image_size=32, patch_size=8), image_token_id=255), seed=7)
+
+    digest = vlm().arithmetic_digest(BS)
+    assert digest and vlm().arithmetic_digest(BS) == digest
+    forward = VisionEncoder.forward
+    # the encoder's output rounded another way; the text path (no image) is untouched
+    monkeypatch.setattr(VisionEncoder, "forward", lambda self, px: forward(self, px) * (1 + 2 ** -20))
+    assert vlm().arithmetic_digest(BS) not in ("", digest)

@@ -158,7 +158,8 @@ class CausalLM(nn.Module):
         """A digest of the bits this model computes here, for the cache namespace: a seeded
         prompt of two blocks and three tokens run alone (one unit with batch-invariant ops, else
         :meth:`prefill`'s units of ``chunk_blocks``, the engine's schedule then), then one
-        decode token; the logits of both and every form's payload of both blocks, hashed. ``""``
+        decode token; the logits of both and every form's payload of both blocks (and, for a model
+        with a vision encoder, its vectors of a seeded image), hashed. ``""``
         when two identical runs differ (nothing computed here can be promised to another run).
 
         The namespace's other parts (weights, versions, the compute fingerprint) do not see the
@@ -197,6 +198,13 @@ class CausalLM(nn.Module):
             payload = state.export_block(i)
             for form in sorted(payload):
                 add(f"block{i}:{form}", payload[form])
+        if getattr(self, "vision", None) is not None:
+            # An image's block keys hash its preprocessed pixels, not what the encoder makes of
+            # them: the encoder's arithmetic has to be in here too.
+            from worker.model.vision import encode_images
+            side = self.vision.cfg.image_size
+            pixels = torch.randint(0, 256, (side * side * 3,), dtype=torch.uint8, generator=g)
+            add("image", encode_images(self, [pixels.numpy().tobytes()])[0])
         return h.hexdigest()
 
     def distrust_invariance(self) -> None:
