@@ -133,10 +133,12 @@ def _reload_ratios(catalogue: Any, specs: dict, namespace: str, hashes: list[str
         return all_pass(ref, i, obs, expect, reload=True) or validate(ref, i, obs, expect, switches, reload=True).ok
 
     def host_reload() -> None:
+        # the session's path (Session._gather, _commit_pending): the verified entry installed
+        # from its memoryview
         for (i, m, _), ref in zip(items, refs):
-            obs, data = tiers.host_read(m.block_hash, m.form)
+            obs, _, raw = tiers.host_read(m.block_hash, m.form)
             assert valid(ref, i, obs)
-            dst.install(m, data)
+            dst.install(m, raw)
 
     def host_raw() -> None:
         k: dict[str, int] = {}

@@ -669,9 +669,10 @@ class Engine:
         self.metrics.transitions.labels(kind=kind).inc()
         return ev.seq
 
-    def commit(self, meta: BlockMeta, data: torch.Tensor | Reservation, *, lease_id: str) -> int:
+    def commit(self, meta: BlockMeta, data: torch.Tensor | memoryview | Reservation, *, lease_id: str) -> int:
         """Fill a granted GPU slot with ``data`` and commit it (ALLOCATED→READY); ``data`` may be
-        a slot reserved earlier that already holds the bytes (a disk reload read into it)."""
+        a slot reserved earlier that already holds the bytes (a disk reload read into it), or a
+        host-tier entry's memoryview."""
         assert self.store is not None
         if self.publisher is not None and self.publisher.full:
             # NOTE: no slot without its commit event: the ledger must hear of every READY slot.
@@ -695,7 +696,7 @@ class Engine:
                               reason="pool exhausted")
         return self._emit(full, self.gpu, R.ALLOCATED, R.READY, full.generation, kind="commit", lease_id=lease_id)
 
-    def _install(self, meta: BlockMeta, data: torch.Tensor) -> BlockMeta:
+    def _install(self, meta: BlockMeta, data: torch.Tensor | memoryview) -> BlockMeta:
         assert self.store is not None
         try:
             return self.store.install(meta, data)

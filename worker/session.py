@@ -164,6 +164,8 @@ class _Found:
     data: torch.Tensor
     ref: ReplicaRef
     slot: SlotRead | Reservation | None = None
+    #: The same bytes as a memoryview when the host tier has one (an install copies it fastest).
+    raw: memoryview | None = None
 
 
 class Session:
@@ -226,7 +228,7 @@ class Session:
         self._speculated = False
         #: ``(meta, bytes)`` to install and commit once the model is busy again (or at close);
         #: the bytes of a disk reload read straight into a slot are that slot's reservation.
-        self._pending: list[tuple[BlockMeta, torch.Tensor | Reservation]] = []
+        self._pending: list[tuple[BlockMeta, torch.Tensor | memoryview | Reservation]] = []
         #: Slots reserved for granted disk reloads (the read lands in them), until committed or
         #: released; ``found[need].data`` is the slot's memory.
         self._reserved: dict[Need, Reservation] = {}
@@ -560,9 +562,9 @@ class Session:
                 gpu.setdefault(ref.form, []).append((need, ref))
             elif ref.location == e.host_location:
                 t0 = time.perf_counter()
-                obs, data = e.tiers.host_read(ref.block_hash, ref.form)
+                obs, data, raw = e.tiers.host_read(ref.block_hash, ref.form)
                 if fast_reload.get(ref.form) and all_pass(ref, need[0], obs, expect, reload=True):
-                    self.found[need] = _Found(data, ref)
+                    self.found[need] = _Found(data, ref, raw=raw)
                     shortcut += 1
                 else:
                     failed += not self._judge(need, ref, obs, data, expect, reload=True)
@@ -728,7 +730,8 @@ class Session:
             self.reloaded[tier] = self.reloaded.get(tier, 0) + 1
             e.metrics.reloaded_bytes.labels(tier=tier).inc(f.data.numel())
             if need[0] in granted.get(need[1], ()):
-                self._pending.append((self._meta(need, f.ref), self._reserved.pop(need, None) or f.data))
+                into = self._reserved.pop(need, None)
+                self._pending.append((self._meta(need, f.ref), into or (f.data if f.raw is None else f.raw)))
         self._release_reservations()        # read but past the resume point: not needed
 
     def fork(self, state) -> Session:
@@ -839,7 +842,7 @@ class Session:
         if lease is not None and self.epoch == e.epoch:
             for meta, data in pending:
                 if not meta.checksum:
-                    assert not isinstance(data, Reservation), "a reload carries its record's checksum"
+                    assert not isinstance(data, (Reservation, memoryview)), "a reload carries its record's checksum"
                     meta = msgspec.structs.replace(meta, checksum=bytes_checksum(data))
                 seq = e.commit(meta, data, lease_id=lease.lease_id)
                 if seq:

@@ -80,6 +80,14 @@ def test_pool_storage_is_static_and_generations_fence() -> None:
     assert torch.equal(p.view(s3), flat)
     with pytest.raises(ValueError, match="bytes"):
         p.write(s3, torch.zeros(63, dtype=torch.uint8))
+    entry = torch.arange(64, 128, dtype=torch.uint8)            # a host-tier entry, as its memoryview
+    p.write(s3, memoryview(entry.numpy()))
+    assert torch.equal(p.view(s3), entry) and p.view(s3).data_ptr() != entry.data_ptr()
+    with pytest.raises(ValueError, match="bytes"):
+        p.write(s3, memoryview(bytes(63)))
+    with pytest.raises((ValueError, TypeError)):               # 64 bytes, but not a flat run of bytes
+        p.write(s3, memoryview(torch.zeros(16, dtype=torch.float32).numpy()))
+    assert torch.equal(p.view(s3), entry)
     assert ps.addresses() == addrs
 
 

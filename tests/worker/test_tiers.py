@@ -40,8 +40,9 @@ def test_host_lru_spills_and_stays_readable_until_written(tmp_path) -> None:
         assert t.put_host(m, _data(i))
     spills = t.take_spills()
     assert [(m.block_hash, from_host) for m, _, from_host in spills] == [(metas[0].block_hash, True)]
-    obs, data = t.host_read(metas[0].block_hash, "compressed")   # served from the spill queue
+    obs, data, raw = t.host_read(metas[0].block_hash, "compressed")   # served from the spill queue
     assert obs.meta == metas[0] and torch.equal(data, _data(0)) and obs.checksum() == metas[0].checksum
+    assert bytes(raw) == bytes(data.numpy())
     t.spilled(metas[0])
     assert t.host_read(metas[0].block_hash, "compressed")[0].meta is None
     assert {m.block_hash for m in t.host_items()} == {metas[1].block_hash, metas[2].block_hash}
@@ -83,8 +84,8 @@ def test_host_copy_failing_its_checksum_is_damage(tmp_path) -> None:
     m = _meta(0, _data(0))
     t.put_host(m, _data(0))
     t.host._entries[(m.block_hash, "compressed")][0][3] ^= 1
-    obs, data = t.host_read(m.block_hash, "compressed")
-    assert data is None and "checksum" in obs.damage
+    obs, data, raw = t.host_read(m.block_hash, "compressed")
+    assert data is None and raw is None and "checksum" in obs.damage
 
 
 def test_host_entries_are_private_and_replaced_never_rewritten(tmp_path) -> None:
@@ -96,14 +97,15 @@ def test_host_entries_are_private_and_replaced_never_rewritten(tmp_path) -> None
     m = _meta(0, src)
     assert t.put_host(m, src)
     src.add_(1)                                           # the caller's tensor is not the entry
-    obs, first = t.host_read(m.block_hash, "compressed")
+    obs, first, raw = t.host_read(m.block_hash, "compressed")
     assert obs.damage == "" and torch.equal(first, _data(0)) and obs.checksum() == m.checksum
+    assert bytes(raw) == bytes(first.numpy())            # the same bytes, as a memoryview
     assert t.host_read(m.block_hash, "compressed")[1] is first           # the entry itself: no copy
     other = _data(7)
     m2 = msgspec.structs.replace(m, checksum=bytes_checksum(other))
     assert t.put_host(m2, other)                          # the same key again: a new entry replaces it
     assert torch.equal(first, _data(0))                   # what was read is untouched
-    obs, second = t.host_read(m.block_hash, "compressed")
+    obs, second, _ = t.host_read(m.block_hash, "compressed")
     assert second is not first and torch.equal(second, other) and obs.checksum() == m2.checksum
 
 

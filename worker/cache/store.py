@@ -182,8 +182,9 @@ class CacheStore:
 
     # --- changes -------------------------------------------------------------------------
 
-    def install(self, meta: BlockMeta, payload: torch.Tensor) -> BlockMeta:
-        """Put ``payload`` (bytes of one block of ``meta.form``) in a fresh slot, READY.
+    def install(self, meta: BlockMeta, payload: torch.Tensor | memoryview) -> BlockMeta:
+        """Put ``payload`` (bytes of one block of ``meta.form``: a tensor, or a flat byte
+        memoryview, ``FormPool.write``) in a fresh slot, READY.
 
         Returns the meta completed with the slot's new generation. A stale slot holding the
         same block is recycled first. Raises :class:`PoolExhausted` when no slot is free.

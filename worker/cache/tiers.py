@@ -88,8 +88,9 @@ class Tiers:
             self._spills[key] = (meta, data, True)
             self._disk_done.discard(key)   # a new entry: its disk copy is still to be made
 
-    def host_read(self, block_hash: str, form: str) -> tuple[Observed, torch.Tensor | None]:
-        """A host entry (or one waiting in the spill queue), verified: its bytes, read-only."""
+    def host_read(self, block_hash: str, form: str) -> tuple[Observed, torch.Tensor | None, memoryview | None]:
+        """A host entry (or one waiting in the spill queue), verified: its bytes, read-only, as a
+        tensor (what a restore reads) and as a memoryview (what an install copies fastest)."""
         key = (block_hash, form)
         meta = self._host_meta.get(key)
         data = view = None
@@ -100,7 +101,7 @@ class Tiers:
         if data is None and key in self._spills:
             meta, data, _ = self._spills[key]
         if meta is None or data is None:
-            return Observed(None), None
+            return Observed(None), None, None
         # NOTE: verify, once, always: host memory is outside the pools' generation fencing, so
         # the checksum is the only proof left. It covers exactly what the caller reads without a
         # private copy, because these tensors are immutable by construction: the host tier and
@@ -108,12 +109,14 @@ class Tiers:
         # ``coldest``), never write into them, and replace rather than rewrite an entry; callers
         # only read them (restore copies out, an install copies into a slot). A copy here cost
         # more than the check (fresh memory: page faults), and on CUDA it left pinned memory.
-        digest = checksum(view if view is not None else memoryview(data.numpy()))
+        if view is None:
+            view = memoryview(data.numpy())
+        digest = checksum(view)
         if digest != meta.checksum:
             self.host_drop(block_hash, form)
             return Observed(meta, damage=f"host-tier copy of block {block_hash[:12]}… form {form} fails its "
-                                         f"checksum"), None
-        return Observed(meta, nbytes=data.numel(), checksum=lambda: digest), data
+                                         f"checksum"), None, None
+        return Observed(meta, nbytes=data.numel(), checksum=lambda: digest), data, view
 
     def host_drop(self, block_hash: str, form: str) -> bool:
         key = (block_hash, form)
