@@ -31,6 +31,8 @@ _MAX_TOKEN = 2**32 - 1
 
 
 _U32 = struct.Struct("<I")
+#: A parent hash's length prefix (16 bytes, always).
+_PARENT_LEN = _U32.pack(16)
 
 
 def _field(b: bytes) -> bytes:
@@ -82,12 +84,29 @@ def chain_hashes(tokens: Sequence[int], block_size: int, namespace: Namespace,
     if block_size <= 0:
         raise ValueError("block_size must be > 0")
     extras = list(extra_keys) if extra_keys is not None else []
+    n = len(tokens) // block_size
+    if n == 0:
+        return []
+    # NOTE: the bytes block_hash() feeds BLAKE2b, built with one pack of every token and one
+    # call per block (field by field it cost ~11 us a block: 2.8 ms for a 4,096-token prompt on
+    # every request's path); the golden vectors hold both to the same hashes.
+    try:
+        packed = struct.pack(f"<{n * block_size}I", *tokens[:n * block_size])
+    except struct.error:
+        bad = next((t for t in tokens[:n * block_size] if not (isinstance(t, int) and 0 <= t <= _MAX_TOKEN)), None)
+        raise ValueError(f"token id {bad!r} is not an integer in 0..{_MAX_TOKEN}") from None
+    step = 4 * block_size
+    middle = _field(bytes.fromhex(namespace)) + _field(tenant_salt) + _U32.pack(step)
+    no_keys = _U32.pack(0)
+    blake, pack, domain = hashlib.blake2b, _U32.pack, _DOMAIN_BLOCK
     out: list[BlockHash] = []
-    parent = ROOT_HASH
-    for i in range(len(tokens) // block_size):
+    parent = bytes.fromhex(ROOT_HASH)
+    for i in range(n):
         ek = extras[i] if i < len(extras) else ()
-        parent = block_hash(parent, tokens[i * block_size:(i + 1) * block_size], namespace, tenant_salt, ek)
-        out.append(parent)
+        tail = no_keys if not ek else pack(len(ek)) + b"".join(_field(k.encode()) for k in ek)
+        parent = blake(b"".join((domain, _PARENT_LEN, parent, middle, packed[i * step:(i + 1) * step], tail)),
+                       digest_size=16, person=b"kvl-block").digest()
+        out.append(BlockHash(parent.hex()))
     return out
 
 

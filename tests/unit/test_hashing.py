@@ -88,6 +88,31 @@ def test_encoding_is_unambiguous() -> None:
 def test_token_range_checked(bad: int) -> None:
     with pytest.raises(ValueError, match="token id"):
         block_hash(ROOT_HASH, [bad], NS, b"")
+    with pytest.raises(ValueError, match="token id"):
+        chain_hashes([1] * 20 + [bad] + [1] * 11, 16, NS, b"")
+    assert len(chain_hashes([1] * 16 + [bad], 16, NS, b"")) == 1     # a partial block is not hashed
+
+
+def test_chain_hashes_are_the_block_by_block_fold() -> None:
+    """chain_hashes builds block_hash's bytes at once (one pack, one call per block): the same
+    hashes for any block size, salt and per-block extra keys (some blocks with none)."""
+    import random
+
+    rng = random.Random(7)
+    for block_size in (1, 3, 16, 64):
+        tokens = [rng.choice((0, 2**32 - 1, rng.randrange(2**32))) for _ in range(block_size * 9 + block_size // 2)]
+        salt = bytes(rng.randrange(256) for _ in range(rng.choice((0, 1, 32))))
+        extras = [tuple(f"image:{rng.random()}:é{j}" for j in range(rng.choice((0, 0, 1, 2)))) for _ in range(6)]
+        fold, parent = [], ROOT_HASH
+        for i in range(len(tokens) // block_size):
+            parent = block_hash(parent, tokens[i * block_size:(i + 1) * block_size], NS, salt,
+                                extras[i] if i < len(extras) else ())
+            fold.append(parent)
+        assert chain_hashes(tokens, block_size, NS, salt, extras) == fold
+        assert chain_hashes(tokens, block_size, NS, salt) == chain_hashes(tokens, block_size, NS, salt, [])
+    assert chain_hashes([1, 2, 3], 16, NS, b"") == []
+    with pytest.raises(ValueError, match="token id 1.5"):
+        chain_hashes([1.5] * 16, 16, NS, b"")  # type: ignore[list-item]
 
 
 def test_bad_parent_rejected() -> None:
