@@ -41,6 +41,7 @@ from shared.forms import FormCatalogue, FormScope, FormSpec
 from shared.messages import ReplicaState
 from tests.faults import checker
 from tests.faults.harness import (
+    OFFLOAD_FS_BYTES,
     RESUME_GRACE_MS,
     Observer,
     Stack,
@@ -733,7 +734,7 @@ async def offload_full(run: Run, drill: str) -> Fault:
     failures = "kvl_worker_offload_failures_total"
     fails0 = await _sum_metric(stack, failures, tier="disk", reason="unavailable")
     t0 = time.monotonic()
-    filler, size = await asyncio.to_thread(fill_fs, stack.offload_dir)
+    filler, size = await asyncio.to_thread(fill_fs, stack.offload_dir, OFFLOAD_FS_BYTES)
     f.evidence["filler_mib"] = round(size / 2**20, 1)
     probe = run.probe(drill, t0, "wa", "wb")
     try:

@@ -676,9 +676,14 @@ def mount_small_fs(path: Path, nbytes: int) -> tuple[str, str]:
     return f"tmpfs of {nbytes // 2**20} MiB", ""
 
 
-def fill_fs(path: Path) -> tuple[Path, int]:
+def fill_fs(path: Path, at_most: int) -> tuple[Path, int]:
     """Write a filler file under ``path`` until its file system is full (ENOSPC); returns it and
-    its size."""
+    its size. Refuses (RuntimeError) a file system larger than ``at_most`` bytes: filling the
+    machine's own disk would take down every service on it (PostgreSQL first)."""
+    st = os.statvfs(path)
+    if st.f_blocks * st.f_frsize > at_most:
+        raise RuntimeError(f"refusing to fill {path}: its file system holds {st.f_blocks * st.f_frsize:,} bytes, "
+                           f"more than the {at_most:,} of a drill's own (was its small file system unmounted?)")
     filler = path / "filler"
     chunk = b"\0" * 2**20
     n = 0
@@ -692,12 +697,17 @@ def fill_fs(path: Path) -> tuple[Path, int]:
     return filler, n
 
 
+#: Directories :func:`make_read_only` bind-mounted read-only over themselves: the only mounts
+#: :func:`make_writable` takes away (the offload directory is a mount point of its own, a tmpfs).
+_READ_ONLY_BINDS: set[Path] = set()
+
+
 def make_read_only(path: Path) -> str:
     """Make a directory tree unwritable, also for root; returns how (for the report).
 
     As a normal user, permissions do it. Root ignores permissions, so the tree is made
-    immutable (``chattr +i``), or, where the file system has no such flag, the directory is
-    bind-mounted read-only over itself.
+    immutable (``chattr +i``, which tmpfs supports on recent kernels), or, where the file system
+    has no such flag, the directory is bind-mounted read-only over itself.
     """
     if os.geteuid() != 0:
         for d in [path, *[p for p in path.rglob("*") if p.is_dir()]]:
@@ -718,6 +728,8 @@ def make_read_only(path: Path) -> str:
                 subprocess.run(["umount", str(path)], capture_output=True)
             tried.append(f"{' '.join(argv[:3])}: {r.stderr.strip()}")
             raise RuntimeError(f"cannot make {path} read-only as root: {'; '.join(tried)}")
+        if argv[1] == "--bind":
+            _READ_ONLY_BINDS.add(path)
     return "read-only bind mount (root)"
 
 
@@ -728,8 +740,12 @@ def make_writable(path: Path) -> None:
         for d in [path, *[p for p in path.rglob("*") if p.is_dir()]]:
             d.chmod(0o700)
         return
-    if os.path.ismount(path):
+    # NOTE: only the bind mount make_read_only made: "is a mount point" was also true of the
+    # tmpfs under it, and unmounting that put the offload directory on the machine's disk (the
+    # next offload-full drill then filled the disk PostgreSQL lives on: a soak found it).
+    if path in _READ_ONLY_BINDS:
         subprocess.run(["umount", str(path)], capture_output=True)
+        _READ_ONLY_BINDS.discard(path)
     chattr = shutil.which("chattr")
     if chattr is not None:
         subprocess.run([chattr, "-R", "-i", str(path)], capture_output=True)
