@@ -31,8 +31,6 @@ _MAX_TOKEN = 2**32 - 1
 
 
 _U32 = struct.Struct("<I")
-#: A parent hash's length prefix (16 bytes, always).
-_PARENT_LEN = _U32.pack(16)
 
 
 def _field(b: bytes) -> bytes:
@@ -60,19 +58,8 @@ def block_hash(parent: BlockHash, tokens: Sequence[int], namespace: Namespace,
     """Hash of one block given its parent's hash (``ROOT_HASH`` for the first block)."""
     if len(parent) != 32:
         raise ValueError(f"parent hash must be 32 hex characters, got {len(parent)}")
-    for t in tokens:
-        if not 0 <= t <= _MAX_TOKEN:
-            raise ValueError(f"token id {t} outside 0..{_MAX_TOKEN}")
-    h = hashlib.blake2b(digest_size=16, person=b"kvl-block")
-    h.update(_DOMAIN_BLOCK)
-    h.update(_field(bytes.fromhex(parent)))
-    h.update(_field(bytes.fromhex(namespace)))
-    h.update(_field(tenant_salt))
-    h.update(_field(struct.pack(f"<{len(tokens)}I", *tokens)))
-    h.update(struct.pack("<I", len(extra_keys)))
-    for k in extra_keys:
-        h.update(_field(k.encode()))
-    return BlockHash(h.hexdigest())
+    return BlockHash(_block_digest(bytes.fromhex(parent), _scope(namespace, tenant_salt), _pack_tokens(tokens),
+                                   _keys(extra_keys)).hex())
 
 
 def chain_hashes(tokens: Sequence[int], block_size: int, namespace: Namespace,
@@ -85,29 +72,42 @@ def chain_hashes(tokens: Sequence[int], block_size: int, namespace: Namespace,
         raise ValueError("block_size must be > 0")
     extras = list(extra_keys) if extra_keys is not None else []
     n = len(tokens) // block_size
-    if n == 0:
-        return []
-    # NOTE: the bytes block_hash() feeds BLAKE2b, built with one pack of every token and one
-    # call per block (field by field it cost ~11 us a block: 2.8 ms for a 4,096-token prompt on
-    # every request's path); the golden vectors hold both to the same hashes.
-    try:
-        packed = struct.pack(f"<{n * block_size}I", *tokens[:n * block_size])
-    except struct.error:
-        bad = next((t for t in tokens[:n * block_size] if not (isinstance(t, int) and 0 <= t <= _MAX_TOKEN)), None)
-        raise ValueError(f"token id {bad!r} is not an integer in 0..{_MAX_TOKEN}") from None
-    step = 4 * block_size
-    middle = _field(bytes.fromhex(namespace)) + _field(tenant_salt) + _U32.pack(step)
-    no_keys = _U32.pack(0)
-    blake, pack, domain = hashlib.blake2b, _U32.pack, _DOMAIN_BLOCK
+    # NOTE: :func:`block_hash`'s fold, with the tokens packed once and the namespace and salt
+    # framed once (block by block it cost ~11 us a block: 2.8 ms for a 4,096-token prompt on
+    # every request's path).
+    packed = _pack_tokens(tokens[:n * block_size])
+    scope, no_keys, step = _scope(namespace, tenant_salt), _keys(()), 4 * block_size
     out: list[BlockHash] = []
     parent = bytes.fromhex(ROOT_HASH)
     for i in range(n):
         ek = extras[i] if i < len(extras) else ()
-        tail = no_keys if not ek else pack(len(ek)) + b"".join(_field(k.encode()) for k in ek)
-        parent = blake(b"".join((domain, _PARENT_LEN, parent, middle, packed[i * step:(i + 1) * step], tail)),
-                       digest_size=16, person=b"kvl-block").digest()
+        parent = _block_digest(parent, scope, packed[i * step:(i + 1) * step], _keys(ek) if ek else no_keys)
         out.append(BlockHash(parent.hex()))
     return out
+
+
+# The fields of a block hash's input, in order: domain, parent, namespace, tenant salt, tokens
+# (little-endian uint32), extra keys; each length-prefixed (see the module docstring).
+
+def _pack_tokens(tokens: Sequence[int]) -> bytes:
+    try:
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    except struct.error:
+        bad = next((t for t in tokens if not (isinstance(t, int) and 0 <= t <= _MAX_TOKEN)), None)
+        raise ValueError(f"token id {bad!r} is not an integer in 0..{_MAX_TOKEN}") from None
+
+
+def _scope(namespace: Namespace, tenant_salt: bytes) -> bytes:
+    return _field(bytes.fromhex(namespace)) + _field(tenant_salt)
+
+
+def _keys(extra_keys: Sequence[str]) -> bytes:
+    return _U32.pack(len(extra_keys)) + b"".join(_field(k.encode()) for k in extra_keys)
+
+
+def _block_digest(parent: bytes, scope: bytes, packed_tokens: bytes, keys: bytes) -> bytes:
+    return hashlib.blake2b(b"".join((_DOMAIN_BLOCK, _field(parent), scope, _field(packed_tokens), keys)),
+                           digest_size=16, person=b"kvl-block").digest()
 
 
 def checksum(data: bytes | memoryview) -> str:
