@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 ARITHMETIC_SEED = 20261204
 
 
+def _bits(t: torch.Tensor) -> bytes:
+    """A tensor's bytes, on the host (what the probes compare and the arithmetic digest hashes)."""
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
 class CausalLM(nn.Module):
     #: The family's name as ``kvledger`` reports it ("deepseek_v4", "llama", "qwen2", "qwen3").
     family = ""
@@ -189,7 +194,7 @@ class CausalLM(nn.Module):
 
         def add(name: str, t: torch.Tensor) -> None:
             h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-            h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(_bits(t))
 
         add("prompt", self.prefill(prompt, state, chunk_blocks=chunk_blocks, logits="last") if chunk_blocks
             else self.forward_batch([(prompt, state)])[0])
@@ -251,21 +256,18 @@ class CausalLM(nn.Module):
         longest = max(n + (1 if i < len(lengths) else 0) for i, n in enumerate((*lengths, *late)))
         capacity = -(-longest // block_size) * block_size       # the longest request, in whole blocks
 
-        def bits(t: torch.Tensor) -> bytes:
-            return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-
         alone: list[list[bytes]] = []
         for i, p in enumerate(prompts):
             st = self.new_state(block_size, capacity, cache_dtype=cache_dtype)
-            row = [bits(self.forward_batch([(p, st)])[0])]
+            row = [_bits(self.forward_batch([(p, st)])[0])]
             if i < len(lengths):
-                row.append(bits(self.forward_batch([(nxt[i], st)])[0]))
+                row.append(_bits(self.forward_batch([(nxt[i], st)])[0]))
             alone.append(row)
         sts = [self.new_state(block_size, capacity, cache_dtype=cache_dtype) for _ in prompts]
         step1 = self.forward_batch(list(zip(prompts[:len(lengths)], sts)))
         step2 = self.forward_batch([*zip(nxt, sts), *zip(prompts[len(lengths):], sts[len(lengths):])])
-        fused = [[bits(step1[i]), bits(step2[i])] for i in range(len(lengths))]
-        fused += [[bits(step2[len(lengths) + j])] for j in range(len(late))]
+        fused = [[_bits(step1[i]), _bits(step2[i])] for i in range(len(lengths))]
+        fused += [[_bits(step2[len(lengths) + j])] for j in range(len(late))]
         out = []
         for i, (a, f) in enumerate(zip(alone, fused)):
             for step, (x, y) in enumerate(zip(a, f)):
