@@ -9,9 +9,9 @@ does not see the project's own code. Both enter the namespace hash, so blocks wr
 an old version can never match a request served by a new one. No test can hold the
 arithmetic still for you: the bits differ between CPU kinds, so a frozen logits digest would
 fail on the next machine; the rule is the reviewer's. The engine backs it at run time: a digest
-of what the model computes on a short seeded request here (``CausalLM.arithmetic_digest``)
-enters the namespace too, so a change the reviewer missed still gets its own namespace when
-that request reaches it.
+of what the model computes on a seeded request here, past its window and its indexer's
+selection (``CausalLM.arithmetic_digest``), enters the namespace too, so a change the
+reviewer missed still gets its own namespace when that request reaches it.
 """
 
 from importlib import metadata

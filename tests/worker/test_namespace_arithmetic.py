@@ -87,3 +87,36 @@ def test_the_vision_encoder_is_part_of_the_digest(monkeypatch) -> None:
     # the encoder's output rounded another way; the text path (no image) is untouched
     monkeypatch.setattr(VisionEncoder, "forward", lambda self, px: forward(self, px) * (1 + 2 ** -20))
     assert vlm().arithmetic_digest(BS) not in ("", digest)
+
+
+def test_the_digest_reaches_the_window_and_the_indexers_selection(monkeypatch) -> None:
+    """A prompt shorter than the indexer's selection reads every compressed entry, so an op that
+    only decides *which* entries a query reads never ran in the digest: here, an off-by-one at
+    the top-k cutoff (the (k+1)-th best replaces the k-th), which a two-block prompt does not see
+    with ``index_topk`` 12 and the digest's own prompt does."""
+    import worker.model.indexer as indexer
+    from worker.model.config import ModelConfig
+
+    cfg = ModelConfig(index_topk=12)
+    reach = max(cfg.sliding_window, cfg.index_topk * cfg.csa_ratio)
+    assert build_model(cfg, seed=0).arithmetic_prompt_tokens(BS) > reach > 2 * BS + 3
+    assert build_model(seed=0).arithmetic_prompt_tokens(BS) > ModelConfig().sliding_window
+
+    def digests() -> tuple[str, str]:
+        full, short = build_model(cfg, seed=0), build_model(cfg, seed=0)
+        short.arithmetic_prompt_tokens = lambda bs: 2 * bs + 3       # stop 40's prompt
+        return full.arithmetic_digest(BS), short.arithmetic_digest(BS)
+
+    full, short = digests()
+    select = indexer.indexer_topk_many
+
+    def off_by_one(parts, ratio: int, topk: int) -> torch.Tensor:
+        picks, more = select(parts, ratio, topk), select(parts, ratio, topk + 1)
+        over = more[:, topk] >= 0                   # rows with more visible entries than topk
+        picks[over, topk - 1] = more[over, topk]
+        return picks
+
+    monkeypatch.setattr(indexer, "indexer_topk_many", off_by_one)
+    changed_full, changed_short = digests()
+    assert changed_short == short                   # the gap the longer prompt closes
+    assert changed_full not in ("", full)

@@ -161,10 +161,11 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def arithmetic_digest(self, block_size: int, cache_dtype: str | None = None, *, chunk_blocks: int = 1) -> str:
         """A digest of the bits this model computes here, for the cache namespace: a seeded
-        prompt of two blocks and three tokens run alone (one unit with batch-invariant ops, else
-        :meth:`prefill`'s units of ``chunk_blocks``, the engine's schedule then), then one
-        decode token; the logits of both and every form's payload of both blocks (and, for a model
-        with a vision encoder, its vectors of a seeded image), hashed. ``""``
+        prompt (:meth:`arithmetic_prompt_tokens`: past the window and the indexer's selection) run
+        alone (one unit with batch-invariant ops, else :meth:`prefill`'s units of ``chunk_blocks``,
+        the engine's schedule then), then one decode token; the logits of both and every form's
+        payload of the first two and the last whole block (and, for a model with a vision encoder,
+        its vectors of a seeded image), hashed. ``""``
         when two identical runs differ (nothing computed here can be promised to another run).
 
         The namespace's other parts (weights, versions, the compute fingerprint) do not see the
@@ -183,10 +184,27 @@ class CausalLM(nn.Module):
         self._digests[key] = digest
         return digest
 
+    def arithmetic_prompt_tokens(self, block_size: int) -> int:
+        """The digest's prompt length: whole blocks past everything a query can reach but not
+        read in full — the sliding window, and the sparse indexer's selection (``index_topk``
+        compressed entries of ``csa_ratio`` tokens) — so that the window slides and the top-k
+        chooses, then three tokens; two blocks at least. Capped by the model's positions.
+
+        NOTE: a prompt shorter than the selection reads every compressed entry, so a change in how
+        the indexer scores or ranks them would not move the digest (stop 40's two blocks did not
+        reach a real checkpoint's window or top-k)."""
+        cfg = self.cfg
+        reach = getattr(cfg, "sliding_window", 0) or 0
+        if getattr(cfg, "csa_layers", ()):
+            reach = max(reach, cfg.index_topk * cfg.csa_ratio)
+        n = block_size * max(2, -(-(reach + 1) // block_size)) + 3
+        limit = getattr(cfg, "max_position_embeddings", 0) or n + 1
+        return min(n, (limit - 1) // block_size * block_size)
+
     def _arithmetic_run(self, block_size: int, cache_dtype: str | None, chunk_blocks: int | None) -> str:
         """One run of :meth:`arithmetic_digest`; ``chunk_blocks`` None: the prompt as one unit."""
         g = torch.Generator().manual_seed(ARITHMETIC_SEED)
-        n = 2 * block_size + 3
+        n = self.arithmetic_prompt_tokens(block_size)
         prompt = torch.randint(0, self.cfg.vocab_size, (n,), generator=g)
         nxt = torch.randint(0, self.cfg.vocab_size, (1,), generator=g)
         state = self.new_state(block_size, -(-(n + 1) // block_size) * block_size, cache_dtype=cache_dtype)
@@ -199,7 +217,8 @@ class CausalLM(nn.Module):
         add("prompt", self.prefill(prompt, state, chunk_blocks=chunk_blocks, logits="last") if chunk_blocks
             else self.forward_batch([(prompt, state)])[0])
         add("decode", self.forward_batch([(nxt, state)])[0])
-        for i in range(2):
+        # the first two blocks and the last whole one (past the window and the selection)
+        for i in sorted({0, 1, n // block_size - 1}):
             payload = state.export_block(i)
             for form in sorted(payload):
                 add(f"block{i}:{form}", payload[form])
