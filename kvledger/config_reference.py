@@ -42,8 +42,9 @@ EXTRA = {
     "cache.hit_validation.check_swa": "Validate reused `swa` replicas.",
     "cache.hit_validation.check_indexer": "Validate reused `indexer` replicas.",
     "service.max_concurrency": "Requests a worker runs at once (more wait in the queue).",
-    "service.batch_window_ms": ("How long requests wait for others when they would take every free slot, so that the "
-                                "highest priority among the arrivals runs first; while slots stay free, none waits."),
+    "service.batch_window_ms": ("How long a request arriving at a busy worker waits for others, so that the highest "
+                                "priority among them is admitted first and their prompts share forwards; at an idle "
+                                "worker a request starts at once."),
     "service.request_timeout_ms": "A request running longer is cancelled (its leases released).",
     "service.queue_size": "Requests that may wait for admission; beyond it a request is refused (429).",
     "service.queue_timeout_ms": "A request waiting longer for admission is refused.",

@@ -153,15 +153,15 @@ async def test_admission_by_priority_then_arrival(serve) -> None:
         assert order == [first, high, mid, low]
 
 
-async def test_the_window_holds_only_the_last_free_slots(serve) -> None:
-    """An idle worker starts a request at once (no window to wait out); a request that would take
-    the last free slot waits the window, and a higher priority arriving within it goes first."""
+async def test_the_window_holds_arrivals_only_at_a_busy_worker(serve) -> None:
+    """An idle worker starts a request at once (no window to wait out); at a busy one a request
+    waits the window, and a higher priority arriving within it goes first."""
     async with serve(**{"service.max_concurrency": 2, "service.batch_window_ms": 300}) as s:
         t = Tenant("default")
         first = s.scheduler.submit(GenRequest(tokens=[1] * 20, max_tokens=8, tenant=t))
         assert first.admitted.done()               # two slots free, one request: no wait
         low = s.scheduler.submit(GenRequest(tokens=[2] * 20, max_tokens=1, tenant=t, priority=5))
-        assert not low.admitted.done()             # the last free slot: the window decides
+        assert not low.admitted.done()             # a busy worker: the window decides
         high = s.scheduler.submit(GenRequest(tokens=[4] * 20, max_tokens=1, tenant=t, priority=-5))
         await asyncio.gather(*(j.wait() for j in (first, low, high)))
         assert high.admitted_at < low.admitted_at
