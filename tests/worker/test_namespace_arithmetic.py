@@ -101,6 +101,10 @@ def test_the_digest_reaches_the_window_and_the_indexers_selection(monkeypatch) -
     reach = max(cfg.sliding_window, cfg.index_topk * cfg.csa_ratio)
     assert build_model(cfg, seed=0).arithmetic_prompt_tokens(BS) > reach > 2 * BS + 3
     assert build_model(seed=0).arithmetic_prompt_tokens(BS) > ModelConfig().sliding_window
+    # capped by the positions (whole blocks, with room for the next token), and still computable
+    capped = build_model(ModelConfig(index_topk=12, max_position_embeddings=reach), seed=0)
+    assert capped.arithmetic_prompt_tokens(BS) == (reach - 1) // BS * BS
+    assert len(capped.arithmetic_digest(BS)) == 32
 
     def digests() -> tuple[str, str]:
         full, short = build_model(cfg, seed=0), build_model(cfg, seed=0)

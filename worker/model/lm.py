@@ -198,8 +198,8 @@ class CausalLM(nn.Module):
         if getattr(cfg, "csa_layers", ()):
             reach = max(reach, cfg.index_topk * cfg.csa_ratio)
         n = block_size * max(2, -(-(reach + 1) // block_size)) + 3
-        limit = getattr(cfg, "max_position_embeddings", 0) or n + 1
-        return min(n, (limit - 1) // block_size * block_size)
+        # (every family's config has max_position_embeddings; the prompt and its next token fit)
+        return min(n, (cfg.max_position_embeddings - 1) // block_size * block_size)
 
     def _arithmetic_run(self, block_size: int, cache_dtype: str | None, chunk_blocks: int | None) -> str:
         """One run of :meth:`arithmetic_digest`; ``chunk_blocks`` None: the prompt as one unit."""
