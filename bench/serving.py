@@ -468,11 +468,12 @@ class Cluster:
     """A coordinator and one worker process, with their own database and subject prefix."""
 
     def __init__(self, tmp: Path, db_url: str, nats_url: str, pool_mb: int, model_dir: str = "",
-                 cache_dtype: str = "auto") -> None:
+                 cache_dtype: str = "auto", max_batch_tokens: int = 0) -> None:
         from shared.embedded import free_port
 
         self.model_dir = model_dir
         self.cache_dtype = cache_dtype
+        self.max_batch_tokens = max_batch_tokens
         self.tmp = tmp
         self.db_url = db_url
         self.nats_url = nats_url
@@ -507,7 +508,8 @@ class Cluster:
             "cache": {"host_tier_bytes": 0, "offload_dir": "", "dtype": self.cache_dtype},
             "worker": {"worker_id": "bench-serving", "port": 0, "pool_bytes": self.pool_mb * 2**20,
                        "model_dir": self.model_dir},
-            "service": {"request_timeout_ms": 600_000, "queue_timeout_ms": 600_000},
+            "service": {"request_timeout_ms": 600_000, "queue_timeout_ms": 600_000,
+                        **({"max_batch_tokens": self.max_batch_tokens} if self.max_batch_tokens else {})},
             "auth": {"keys": [{"key_sha256": hashlib.sha256(k.encode()).hexdigest(), "tenant": f"bench-{mode}"}
                               for mode, k in KEYS.items()]}})
 
@@ -575,14 +577,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if services is not None:
                 await asyncio.to_thread(services.stop)
     bench_db, db_name = await _create_db(db_url)
-    cluster = Cluster(tmp, db_url, nats_url, args.pool_mb, cache_dtype=args.cache_dtype)
+    cluster = Cluster(tmp, db_url, nats_url, args.pool_mb, cache_dtype=args.cache_dtype,
+                      max_batch_tokens=args.max_batch_tokens)
     try:
         cluster.start(bench_db)
         url = await cluster.wait_ready()
         _log(f"worker ready at {url} after {time.perf_counter() - t_start:.1f} s")
         await run_level(url, Workload(32, 16, 16, 1, 2, 1), 1, True, seed=0)     # warm-up (first-call costs)
         result: dict[str, Any] = {"bench": "serving", "mode": "quick" if args.quick else "full",
-                                  "workload": {**w.__dict__, "levels": list(args.levels)}}
+                                  "workload": {**w.__dict__, "levels": list(args.levels)},
+                                  "max_batch_tokens": args.max_batch_tokens or _default_max_batch_tokens()}
         result.update(await structured_phase(url, 8 if args.quick else 24))
         _log(f"structured output: {result['json_schema_overhead_pct']} % slower per output token with a schema")
         if args.api_only:
@@ -648,6 +652,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.to_thread(services.stop)
 
 
+def _default_max_batch_tokens() -> int:
+    from shared.config import ServiceConfig
+
+    return ServiceConfig().max_batch_tokens
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 turns, short prompts; within 60 s")
@@ -664,10 +674,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="with --long-agent: hybrid (the built-in DeepSeek-V4-style model) and/or yoco (a seeded "
                          "YOCO checkpoint written by kvledger model init)")
     ap.add_argument("--cache-dtype", default="auto", help="the workers' cache.dtype (default auto)")
+    ap.add_argument("--max-batch-tokens", type=int, default=0,
+                    help="the worker's service.max_batch_tokens (default: the config's own default)")
     ap.add_argument("--database-url", default=os.environ.get("KVL_DATABASE_URL", ""))
     ap.add_argument("--nats-url", default=os.environ.get("KVL_NATS_URL", ""))
     args = ap.parse_args(argv)
     args.levels = tuple(int(x) for x in args.levels.split(","))
+    if not 0 <= args.max_batch_tokens <= 65536:
+        ap.error("--max-batch-tokens: 1 to 65536 (0: the config's default)")
     args.families = tuple(f for f in args.families.split(",") if f)
     if bad := [f for f in args.families if f not in ("hybrid", "yoco")]:
         ap.error(f"--families: {bad} not known; use hybrid and/or yoco")
