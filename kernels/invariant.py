@@ -137,6 +137,17 @@ def bmm_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 PROBE_ROWS = (*range(1, 34), 47, 48, 49, 63, 64, 65, 95, 96, 97, 129, 256)
 
 
+def probe_rows(max_rows: int = PROBE_ROWS[-1]) -> tuple[int, ...]:
+    """:data:`PROBE_ROWS`, extended to ``max_rows`` (the most rows one forward can run: the
+    stepper's token budget) so that every count is compared against a product that large.
+
+    NOTE: a BLAS may switch blocking above some row count; a budget above 256 rows is only
+    fused when the rows of a ``max_rows`` product equal those of every smaller one here."""
+    if max_rows <= PROBE_ROWS[-1]:
+        return PROBE_ROWS
+    return (*PROBE_ROWS, *(m for m in (257, 511, 512, 513) if m < max_rows), max_rows - 1, max_rows)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bit patterns as integers (``-0.0`` is not ``0.0`` here)."""
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
@@ -189,10 +200,11 @@ def probe(shapes: Iterable[tuple[int, int]], rows: Iterable[int] = PROBE_ROWS,
 
 
 def calibrate(shapes: Iterable[tuple[int, int]], *, dtype: torch.dtype = torch.float32,
-              grouped: Iterable[tuple[int, int, int]] = ()) -> list[str]:
+              grouped: Iterable[tuple[int, int, int]] = (), max_rows: int = PROBE_ROWS[-1]) -> list[str]:
     """Set :data:`MIN_ROWS` to the smallest floor in :data:`ROW_FLOORS` for which :func:`probe`
-    passes at ``shapes`` on this machine; returns the failures of the largest floor when none
-    does (and leaves it there: the caller then does not fuse).
+    passes at ``shapes`` (row counts up to ``max_rows``, :func:`probe_rows`) on this machine;
+    returns the failures of the largest floor when none does (and leaves it there: the caller
+    then does not fuse).
 
     NOTE: process-wide, like the BLAS it measures; the floor only grows (a second model in the
     process never lowers what the first one needs)."""
@@ -203,7 +215,7 @@ def calibrate(shapes: Iterable[tuple[int, int]], *, dtype: torch.dtype = torch.f
         if floor < MIN_ROWS:
             continue
         MIN_ROWS = floor
-        failures = probe(shapes, dtype=dtype, grouped=grouped)
+        failures = probe(shapes, probe_rows(max_rows), dtype=dtype, grouped=grouped)
         if not failures:
             return []
     return failures

@@ -192,7 +192,9 @@ class Engine:
                                               batch=cfg.worker.publish_batch)
                           if client is not None else None)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="kvl-model")
-        failures = model.check_invariance(self.block_size, self.cache_dtype, reuse=True)
+        # (the stepper's largest forward: its token budget, or one block when the budget is smaller)
+        failures = model.check_invariance(self.block_size, self.cache_dtype, reuse=True,
+                                          max_rows=max(cfg.service.max_batch_tokens, self.block_size))
         if failures:
             self.log.error("batch-invariance probe failed: one request per forward, replies not cached",
                            failures=failures[:5])

@@ -117,6 +117,37 @@ def test_the_probe_checks_every_row_so_a_partial_tile_kernel_fails_it(monkeypatc
     assert probe([(64, 32)]) == []
 
 
+def test_the_probe_reaches_the_largest_forward_the_budget_allows(tiny, monkeypatch) -> None:
+    """A budget above 256 rows is fused only if products that large keep every row's bits: a
+    BLAS that switches blocking above 512 rows (rounded up here) passes a probe of 256 rows and
+    fails one that reaches the budget; the engine probes up to ``service.max_batch_tokens``."""
+    import types
+
+    assert inv.probe_rows() == inv.PROBE_ROWS and inv.probe_rows(100) == inv.PROBE_ROWS
+    assert set(inv.PROBE_ROWS) < set(inv.probe_rows(1024)) and max(inv.probe_rows(1024)) == 1024
+
+    def large_rounds_up(x, w, bias=None):
+        y = torch.nn.functional.linear(x, w, bias)
+        return torch.nextafter(y, torch.full_like(y, float("inf"))) if x.shape[0] > 512 else y
+
+    floor = inv.MIN_ROWS
+    monkeypatch.setattr(inv, "F", types.SimpleNamespace(linear=large_rounds_up))
+    try:
+        assert inv.calibrate([(64, 32)], max_rows=256) == []
+        assert inv.calibrate([(64, 32)], max_rows=1024) != []
+    finally:
+        inv.MIN_ROWS = floor
+    monkeypatch.undo()
+    seen: list[int] = []
+    monkeypatch.setattr(type(tiny), "check_invariance",
+                        lambda self, *a, max_rows=256, **k: seen.append(max_rows) or ["probe not run here"])
+    from tests.worker.conftest import BS, config
+    from worker.engine import Engine
+    for budget, want in ((1024, 1024), (4, BS)):
+        Engine(tiny, config(**{"service.max_batch_tokens": budget}))
+        assert seen[-1] == want
+
+
 def test_the_row_floor_is_calibrated_on_this_machine_and_only_grows() -> None:
     """The floor is this CPU's (4 rows on an AVX2 Xeon, 16 on an AVX-512/AMX one): the smallest
     candidate for which the probe passes, found at import; a later calibration never lowers it."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kernels.invariant import calibrate, invariant_here, rules
+from kernels.invariant import PROBE_ROWS, calibrate, invariant_here, rules
 from shared.forms import FormCatalogue
 from worker.model.state import Batch, CacheState, Embeds, Segment
 from worker.model.storage import CACHE_DTYPES, StorageError
@@ -129,9 +129,10 @@ class CausalLM(nn.Module):
                              forms=tuple(layout.spec for layout in self.form_layouts(block_size, cache_dtype).values()))
 
     def check_invariance(self, block_size: int | None = None, cache_dtype: str | None = None, *,
-                         reuse: bool = False) -> list[str]:
-        """Find this machine's row floor at this model's shapes and dtype (``kernels.invariant.calibrate``),
-        then — given the engine's ``block_size`` — run the whole forward both ways
+                         reuse: bool = False, max_rows: int = PROBE_ROWS[-1]) -> list[str]:
+        """Find this machine's row floor at this model's shapes and dtype (``kernels.invariant.calibrate``,
+        products of up to ``max_rows`` rows: the most one forward runs), then — given the
+        engine's ``block_size`` — run the whole forward both ways
         (:meth:`probe_forward`, states stored at ``cache_dtype``). Sets :attr:`batch_invariant`;
         returns what failed (empty: invariant).
 
@@ -140,7 +141,7 @@ class CausalLM(nn.Module):
         ``kernels.invariant`` settings, is not run again (an engine built on a model another
         engine probed: 0.5-0.8 s of forwards each time for the tiny model, the bulk of building
         one). A failed probe is always run again; :meth:`distrust_invariance` forgets them all."""
-        key = self._probe_key(block_size, cache_dtype) if reuse else None
+        key = (*self._probe_key(block_size, cache_dtype), max_rows) if reuse else None
         if key is not None and key in self._passed_probes:
             self.batch_invariant = True
             return []
@@ -149,13 +150,14 @@ class CausalLM(nn.Module):
             # (fixed tiles, but not yet checked row against batch) run one request per forward.
             failures = [f"batch invariance is established for the CPU path only, not for {self.device.type}"]
         else:
-            failures = calibrate(self._product_shapes(), dtype=self.dtype, grouped=self._grouped_shapes())
+            failures = calibrate(self._product_shapes(), dtype=self.dtype, grouped=self._grouped_shapes(),
+                                 max_rows=max_rows)
         self.batch_invariant = not failures
         if not failures and block_size is not None and invariant_here():
             failures = self.probe_forward(block_size, cache_dtype=cache_dtype)
             self.batch_invariant = not failures
             if not failures:
-                self._passed_probes.add(self._probe_key(block_size, cache_dtype))
+                self._passed_probes.add((*self._probe_key(block_size, cache_dtype), max_rows))
         return failures
 
     @torch.no_grad()
