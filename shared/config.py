@@ -92,7 +92,10 @@ class ServiceConfig(_Section):
     batch_window_ms: Annotated[int, msgspec.Meta(ge=0)] = 20
     #: Token budget of one model forward: every decoding request's next token, then prompt
     #: pieces (whole blocks) in priority/arrival order until it is spent (``worker.stepper``).
-    max_batch_tokens: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 256
+    #: Larger: more prompts share a forward (throughput and time to first token under load);
+    #: smaller: a decode token waits less behind others' prompt rows (inter-token latency).
+    #: The start-up probe checks products this large (docs/BENCHMARKS.md, stop 42).
+    max_batch_tokens: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 1024
     #: Every this many fused forwards, one of its requests also runs alone on a copy of its
     #: state and must give the same logits bits; a difference turns fusing off and drops the
     #: cache (``worker.stepper``). 0 turns the check off. Costs one request's forward in N.
