@@ -214,7 +214,7 @@ requests = st.lists(st.tuples(st.integers(1, 70),       # prompt length
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(reqs=requests, budget=st.sampled_from([1, 17, 48, 256]), seed=st.integers(0, 2**16))
+@given(reqs=requests, budget=st.sampled_from([1, 17, 48, 256, 1024]), seed=st.integers(0, 2**16))
 def test_random_mixes_run_batched_equal_each_request_run_alone(tiny, reqs, budget, seed) -> None:
     check_mix(tiny, reqs, budget, seed)
 
@@ -245,7 +245,7 @@ def dense(request):
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(reqs=requests, budget=st.sampled_from([1, 17, 48, 256]), seed=st.integers(0, 2**16))
+@given(reqs=requests, budget=st.sampled_from([1, 17, 48, 256, 1024]), seed=st.integers(0, 2**16))
 def test_dense_random_mixes_run_batched_equal_each_request_run_alone(dense, reqs, budget, seed) -> None:
     """The dense family (decode tokens of several requests share one attention call, each over
     its own padded keys; prefill units of one size likewise), the hybrid model in bfloat16 and
