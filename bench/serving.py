@@ -131,6 +131,8 @@ class Turn:
     completion_tokens: int
     cached_tokens: int
     text: str
+    #: Seconds between consecutive token chunks of the stream (inter-token latency).
+    gaps_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -151,6 +153,7 @@ class Run:
         prompt = sum(t.prompt_tokens for t in self.turns)
         out = sum(t.completion_tokens for t in self.turns)
         ttft = [t.ttft_s * 1000 for t in self.turns]
+        gaps = [g * 1000 for t in self.turns for g in t.gaps_s]
         return {"requests": len(self.turns), "errors": len(self.errors), "wall_s": round(self.wall_s, 3),
                 "prompt_tokens": prompt, "completion_tokens": out,
                 "throughput_tok_s": round((prompt + out) / self.wall_s, 1),
@@ -158,6 +161,9 @@ class Run:
                 "tok_per_worker_cpu_s": round((prompt + out) / self.worker_cpu_s, 1) if self.worker_cpu_s else None,
                 "output_tok_s": round(out / self.wall_s, 2),
                 "ttft_p50_ms": round(percentile(ttft, 50), 1), "ttft_p99_ms": round(percentile(ttft, 99), 1),
+                # None when no turn streamed a second token (--max-tokens 1)
+                "itl_p50_ms": round(percentile(gaps, 50), 1) if gaps else None,
+                "itl_p99_ms": round(percentile(gaps, 99), 1) if gaps else None,
                 "cached_fraction": round(sum(t.cached_tokens for t in self.turns) / max(1, prompt), 3),
                 **{k: round(v) for k, v in sorted(self.counters.items()) if v}}
 
@@ -172,6 +178,8 @@ async def chat(http: Any, url: str, messages: list[dict[str, str]], max_tokens: 
             "stream": True, "cache_reuse": reuse}
     t0 = time.perf_counter()
     ttft = None
+    last = 0.0
+    gaps: list[float] = []
     parts: list[str] = []
     usage: dict[str, Any] = {}
     headers = {"Authorization": f"Bearer {KEYS['on' if reuse else 'off']}"}
@@ -190,12 +198,19 @@ async def chat(http: Any, url: str, messages: list[dict[str, str]], max_tokens: 
             chunk = json.loads(data)
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']['message']}")
+            if any(ch.get("delta") for ch in chunk.get("choices", [])):
+                # a chunk per token (a finish-only chunk has an empty delta): the gap to the
+                # previous one is the inter-token latency
+                now = time.perf_counter()
+                if last:
+                    gaps.append(now - last)
+                last = now
             for ch in chunk.get("choices", []):
                 parts.append(ch["delta"].get("content") or "")
             usage = chunk.get("usage") or usage
     assert ttft is not None and usage, "a stream without chunks or usage"
     return Turn(ttft, usage["prompt_tokens"], usage["completion_tokens"],
-                usage["prompt_tokens_details"]["cached_tokens"], "".join(parts))
+                usage["prompt_tokens_details"]["cached_tokens"], "".join(parts), gaps)
 
 
 #: The structured-output phase's schema: bounded fields, so every document ends well within max_tokens.
@@ -623,7 +638,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 level["cpu_throughput_ratio"] = round(off["worker_cpu_s"] / on["worker_cpu_s"], 3)
             result[f"c{c}"] = level
             for mode in ("on", "off"):
-                for k in ("ttft_p50_ms", "ttft_p99_ms", "throughput_tok_s"):
+                for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "throughput_tok_s"):
                     result[f"c{c}_{k}_{mode}"] = level[mode][k]
             result[f"c{c}_throughput_ratio"] = level["throughput_ratio"]
         result["throughput_ratio_reuse_on_vs_off"] = round(wall["off"] / wall["on"], 3)
