@@ -97,6 +97,13 @@ class ServiceConfig(_Section):
     #: a lone long prompt ran ~10 % faster at 256 in the serving bench.
     #: The start-up probe checks products this large (docs/BENCHMARKS.md, stop 42).
     max_batch_tokens: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 1024
+    #: Most prompt tokens a forward may carry while it also runs decode tokens (rounded to whole
+    #: blocks, at least one, so prompts still advance); 0: only ``max_batch_tokens`` bounds them.
+    #: Smaller: a decoding request waits less between tokens while others' prompts run, and a
+    #: waiting prompt's first token comes later; forwards of prompts alone (a burst of arrivals)
+    #: keep the whole budget (``worker.stepper``). At 128 in the serving bench (c = 32): p99 gap
+    #: between tokens halved, time to first token doubled, ~10 % fewer tokens/s (BENCHMARKS.md).
+    max_prompt_tokens_with_decodes: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 0
     #: Every this many fused forwards, one of its requests also runs alone on a copy of its
     #: state and must give the same logits bits; a difference turns fusing off and drops the
     #: cache (``worker.stepper``). 0 turns the check off. Costs one request's forward in N.

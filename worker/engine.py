@@ -206,7 +206,9 @@ class Engine:
         arithmetic = self.arithmetic or f"unrepeatable:{secrets.token_hex(16)}"
         self.namespace = namespace_hash(model.cfg.model_id, weights, compute=f"{self.fingerprint}|{arithmetic}")
         self.stepper = Stepper(model, self._compute, max_batch_tokens=cfg.service.max_batch_tokens,
-                               block_size=self.block_size, metrics=self.metrics,
+                               block_size=self.block_size,
+                               max_prompt_tokens_with_decodes=cfg.service.max_prompt_tokens_with_decodes,
+                               metrics=self.metrics,
                                check_every=cfg.service.fused_check_every, on_mismatch=self._fused_mismatch)
         self.metrics.batch_invariant.set(1 if self.stepper.fused else 0)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvl-io")

@@ -8,11 +8,17 @@ a budget of ``service.max_batch_tokens`` tokens:
 1. every waiting decode step (one token each), in (priority, arrival) order;
 2. then prompts, in (priority, arrival) order, each given as many whole blocks as the budget
    has left (the last, partial block of a prompt only as its final piece), at least one block
-   for the first prompt of a step, so a prompt always advances.
+   for the first prompt of a step, so a prompt always advances;
+3. in a forward that carries decode tokens, the prompts together get at most
+   ``service.max_prompt_tokens_with_decodes`` tokens (0: no cap but the budget), at least one
+   block, so a prompt still advances at every step.
 
 So running requests keep their inter-token latency while the oldest waiting prompt takes
 most of the remaining budget (first come, first served: the order that minimises mean time to
-first token), and a long prompt no longer blocks decodes for its whole length.
+first token), and a long prompt no longer blocks decodes for its whole length. The cap of 3
+bounds what a decoding request waits between tokens (a forward's time grows with its rows)
+without shrinking the forwards that hold prompts only — a burst of arrivals still shares large
+forwards.
 
 Exactness: the batch is ONE :meth:`HybridAttentionLM.forward_batch`, whose ops are
 batch-invariant (``kernels.invariant``): each request's rows are the bits it would get alone,
@@ -85,10 +91,13 @@ class Stepper:
     """Forms and runs batches on the model executor (see the module docstring)."""
 
     def __init__(self, model, executor: Executor, *, max_batch_tokens: int, block_size: int,
-                 metrics=None, check_every: int = 0, on_mismatch: Callable[[str], None] | None = None) -> None:
+                 max_prompt_tokens_with_decodes: int = 0, metrics=None, check_every: int = 0,
+                 on_mismatch: Callable[[str], None] | None = None) -> None:
         self.model = model
         self.executor = executor
         self.max_batch_tokens = max_batch_tokens
+        #: Prompt tokens a forward that also runs decode tokens may carry (0: only the budget).
+        self.max_prompt_tokens_with_decodes = max_prompt_tokens_with_decodes
         self.block_size = block_size
         self.metrics = metrics
         #: Every this many fused forwards, one request also runs alone and must match (0: never).
@@ -194,17 +203,24 @@ class Stepper:
                 pick.ids, pick.export = pick.plan(None)
             return [pick]
         budget = self.max_batch_tokens
+        cap = self.max_prompt_tokens_with_decodes
         batch: list[_Step] = []
+        decodes = prompt_rows = 0
         for s in waiting:
             if s.decode:
                 if budget < 1 and batch:
                     continue
                 s.ids = [s.token]
+                decodes += 1
             else:
                 allowed = budget if batch else max(budget, self.block_size)
+                if decodes and cap:
+                    # NOTE: decodes sort first, so the cap is known before any prompt is cut
+                    allowed = min(allowed, cap - prompt_rows if prompt_rows else max(cap, self.block_size))
                 if allowed < self.block_size and batch:
                     continue
                 s.ids, s.export = s.plan(allowed)
+                prompt_rows += len(s.ids)
             budget -= len(s.ids)
             batch.append(s)
         for s in batch:

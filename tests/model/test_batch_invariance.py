@@ -214,9 +214,11 @@ requests = st.lists(st.tuples(st.integers(1, 70),       # prompt length
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(reqs=requests, budget=st.sampled_from([1, 17, 48, 256, 1024]), seed=st.integers(0, 2**16))
-def test_random_mixes_run_batched_equal_each_request_run_alone(tiny, reqs, budget, seed) -> None:
-    check_mix(tiny, reqs, budget, seed)
+@given(reqs=requests, budget=st.sampled_from([1, 17, 48, 256, 1024]), seed=st.integers(0, 2**16),
+       cap=st.sampled_from([0, 0, 16, 40]))
+def test_random_mixes_run_batched_equal_each_request_run_alone(tiny, reqs, budget, seed, cap) -> None:
+    """``cap``: service.max_prompt_tokens_with_decodes (prompts cut smaller beside decode tokens)."""
+    check_mix(tiny, reqs, budget, seed, cap)
 
 
 DENSE = {
@@ -253,7 +255,7 @@ def test_dense_random_mixes_run_batched_equal_each_request_run_alone(dense, reqs
     check_mix(dense, reqs, budget, seed)
 
 
-def check_mix(tiny, reqs, budget, seed) -> None:
+def check_mix(tiny, reqs, budget, seed, cap: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     corpus = torch.randint(0, tiny.cfg.vocab_size, (CAP,), generator=g).tolist()
     cold = tiny.new_state(BLOCK, CAP)
@@ -267,7 +269,8 @@ def check_mix(tiny, reqs, budget, seed) -> None:
     async def run_all() -> list[list[torch.Tensor]]:
         pool = ThreadPoolExecutor(1)
         # every second fused forward also runs one request alone and compares: no false alarm here
-        stepper = Stepper(tiny, pool, max_batch_tokens=budget, block_size=BLOCK, check_every=2)
+        stepper = Stepper(tiny, pool, max_batch_tokens=budget, block_size=BLOCK, check_every=2,
+                          max_prompt_tokens_with_decodes=cap)
         steppers.append(stepper)
 
         async def one(k: int, prompt, resume, max_tokens, priority, arrival):

@@ -141,6 +141,45 @@ async def test_a_step_runs_decodes_first_then_prompts_in_priority_order_within_t
         pool.shutdown()
 
 
+async def test_prompts_beside_decode_tokens_take_at_most_the_cap_and_alone_the_whole_budget() -> None:
+    """service.max_prompt_tokens_with_decodes: a forward that carries a decode token gives the
+    prompts at most that many tokens (at least one block, so they advance), while a forward of
+    prompts alone still takes the whole max_batch_tokens."""
+    model = build_model(ModelConfig())
+    pool = ThreadPoolExecutor(1)
+    g = torch.Generator().manual_seed(4)
+    prompts = {name: torch.randint(0, 256, (64,), generator=g).tolist() for name in "abc"}
+    done = {name: 0 for name in prompts}
+
+    def plan(name: str):
+        def f(max_tokens):
+            start = done[name]
+            end = min(64, start + max(16, max_tokens // 16 * 16))
+            done[name] = end
+            return prompts[name][start:end], []
+        return f
+
+    try:
+        for cap, first_rows in ((32, 32), (4, 16)):
+            stepper = Stepper(model, pool, max_batch_tokens=1024, block_size=16, max_prompt_tokens_with_decodes=cap)
+            decoding = model.new_state(16, 128)
+            model.extend(torch.randint(0, 256, (5,), generator=g), decoding)
+            done.update(a=0, b=0)
+            futs = [stepper.prefill(model.new_state(16, 128), plan(n), (0, k)) for k, n in enumerate("ab")]
+            await stepper.decode(decoding, 7, (0, 9))
+            # one block for a (cap 4 rounds up to it) or 32 rows shared in arrival order; b waits
+            assert stepper.forwards == 1 and stepper.rows == 1 + first_rows
+            assert done == {"a": first_rows, "b": 0, "c": 0}
+            await asyncio.gather(*futs)
+
+        stepper = Stepper(model, pool, max_batch_tokens=1024, block_size=16, max_prompt_tokens_with_decodes=32)
+        done.update(a=0, b=0)
+        await asyncio.gather(*(stepper.prefill(model.new_state(16, 128), plan(n), (0, k)) for k, n in enumerate("abc")))
+        assert stepper.forwards == 1 and stepper.rows == 3 * 64        # no decode: the budget alone
+    finally:
+        pool.shutdown()
+
+
 async def test_admission_by_priority_then_arrival(serve) -> None:
     async with serve(**{"service.max_concurrency": 1, "service.batch_window_ms": 0}) as s:
         t = Tenant("default")
