@@ -483,12 +483,13 @@ class Cluster:
     """A coordinator and one worker process, with their own database and subject prefix."""
 
     def __init__(self, tmp: Path, db_url: str, nats_url: str, pool_mb: int, model_dir: str = "",
-                 cache_dtype: str = "auto", max_batch_tokens: int = 0) -> None:
+                 cache_dtype: str = "auto", service: dict[str, int] | None = None) -> None:
         from shared.embedded import free_port
 
         self.model_dir = model_dir
         self.cache_dtype = cache_dtype
-        self.max_batch_tokens = max_batch_tokens
+        #: ``service.*`` settings of the worker that differ from the config's defaults.
+        self.service = service or {}
         self.tmp = tmp
         self.db_url = db_url
         self.nats_url = nats_url
@@ -523,8 +524,7 @@ class Cluster:
             "cache": {"host_tier_bytes": 0, "offload_dir": "", "dtype": self.cache_dtype},
             "worker": {"worker_id": "bench-serving", "port": 0, "pool_bytes": self.pool_mb * 2**20,
                        "model_dir": self.model_dir},
-            "service": {"request_timeout_ms": 600_000, "queue_timeout_ms": 600_000,
-                        **({"max_batch_tokens": self.max_batch_tokens} if self.max_batch_tokens else {})},
+            "service": {"request_timeout_ms": 600_000, "queue_timeout_ms": 600_000, **self.service},
             "auth": {"keys": [{"key_sha256": hashlib.sha256(k.encode()).hexdigest(), "tenant": f"bench-{mode}"}
                               for mode, k in KEYS.items()]}})
 
@@ -592,8 +592,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if services is not None:
                 await asyncio.to_thread(services.stop)
     bench_db, db_name = await _create_db(db_url)
-    cluster = Cluster(tmp, db_url, nats_url, args.pool_mb, cache_dtype=args.cache_dtype,
-                      max_batch_tokens=args.max_batch_tokens)
+    cluster = Cluster(tmp, db_url, nats_url, args.pool_mb, cache_dtype=args.cache_dtype, service=_service(args))
     try:
         cluster.start(bench_db)
         url = await cluster.wait_ready()
@@ -601,7 +600,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await run_level(url, Workload(32, 16, 16, 1, 2, 1), 1, True, seed=0)     # warm-up (first-call costs)
         result: dict[str, Any] = {"bench": "serving", "mode": "quick" if args.quick else "full",
                                   "workload": {**w.__dict__, "levels": list(args.levels)},
-                                  "max_batch_tokens": args.max_batch_tokens or _default_max_batch_tokens()}
+                                  **_service_settings(args)}
         result.update(await structured_phase(url, 8 if args.quick else 24))
         _log(f"structured output: {result['json_schema_overhead_pct']} % slower per output token with a schema")
         if args.api_only:
@@ -667,10 +666,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.to_thread(services.stop)
 
 
-def _default_max_batch_tokens() -> int:
+def _service(args: argparse.Namespace) -> dict[str, int]:
+    """The worker's ``service.*`` settings this run asks for (the rest keep the config's defaults)."""
+    out = {"max_batch_tokens": args.max_batch_tokens} if args.max_batch_tokens else {}
+    if args.max_prompt_tokens_with_decodes >= 0:
+        out["max_prompt_tokens_with_decodes"] = args.max_prompt_tokens_with_decodes
+    return out
+
+
+def _service_settings(args: argparse.Namespace) -> dict[str, int]:
+    """The step loop's budgets the worker ran with (result keys), defaults filled in."""
     from shared.config import ServiceConfig
 
-    return ServiceConfig().max_batch_tokens
+    d = ServiceConfig()
+    return {"max_batch_tokens": d.max_batch_tokens, "max_prompt_tokens_with_decodes": d.max_prompt_tokens_with_decodes,
+            **_service(args)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -691,12 +701,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--cache-dtype", default="auto", help="the workers' cache.dtype (default auto)")
     ap.add_argument("--max-batch-tokens", type=int, default=0,
                     help="the worker's service.max_batch_tokens (default: the config's own default)")
+    ap.add_argument("--max-prompt-tokens-with-decodes", type=int, default=-1,
+                    help="the worker's service.max_prompt_tokens_with_decodes (0: no cap; default: the config's)")
     ap.add_argument("--database-url", default=os.environ.get("KVL_DATABASE_URL", ""))
     ap.add_argument("--nats-url", default=os.environ.get("KVL_NATS_URL", ""))
     args = ap.parse_args(argv)
     args.levels = tuple(int(x) for x in args.levels.split(","))
     if not 0 <= args.max_batch_tokens <= 65536:
         ap.error("--max-batch-tokens: 1 to 65536 (0: the config's default)")
+    if not -1 <= args.max_prompt_tokens_with_decodes <= 65536:
+        ap.error("--max-prompt-tokens-with-decodes: 0 (no cap) to 65536 (default: the config's)")
     args.families = tuple(f for f in args.families.split(",") if f)
     if bad := [f for f in args.families if f not in ("hybrid", "yoco")]:
         ap.error(f"--families: {bad} not known; use hybrid and/or yoco")
