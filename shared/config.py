@@ -93,8 +93,7 @@ class ServiceConfig(_Section):
     #: Token budget of one model forward: every decoding request's next token, then prompt
     #: pieces (whole blocks) in priority/arrival order until it is spent (``worker.stepper``).
     #: Larger: more prompts share a forward (throughput and time to first token under load);
-    #: smaller: a decode token waits less behind others' prompt rows (inter-token latency), and
-    #: a lone long prompt ran ~10 % faster at 256 in the serving bench.
+    #: smaller: a decode token waits less behind others' prompt rows (inter-token latency).
     #: The start-up probe checks products this large (docs/BENCHMARKS.md, stop 42).
     max_batch_tokens: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 1024
     #: Most prompt tokens a forward may carry while it also runs decode tokens (rounded to whole
