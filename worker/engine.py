@@ -87,7 +87,7 @@ from worker.selfcheck import SelfCheck, self_check
 from worker.publisher import OutboxFull, TransitionPublisher
 from worker.session import CacheValidationError, Result, Session
 from worker.settings import pool_slots, worker_id
-from worker.stepper import Stepper
+from worker.stepper import Stepper, largest_forward
 
 T = TypeVar("T")
 R = ReplicaState
@@ -192,9 +192,8 @@ class Engine:
                                               batch=cfg.worker.publish_batch)
                           if client is not None else None)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="kvl-model")
-        # (the stepper's largest forward: its token budget, or one block when the budget is smaller)
         failures = model.check_invariance(self.block_size, self.cache_dtype, reuse=True,
-                                          max_rows=max(cfg.service.max_batch_tokens, self.block_size))
+                                          max_rows=largest_forward(cfg.service.max_batch_tokens, self.block_size))
         if failures:
             self.log.error("batch-invariance probe failed: one request per forward, replies not cached",
                            failures=failures[:5])

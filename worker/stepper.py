@@ -61,6 +61,13 @@ log = get_logger("kvl.worker.stepper")
 GATHER_TURNS = 1
 
 
+def largest_forward(max_batch_tokens: int, block_size: int) -> int:
+    """The most rows one forward of :meth:`Stepper._form` can hold: the budget, or one block when
+    the budget is smaller (the first prompt of a step always gets a block) — what the start-up
+    probe must reach."""
+    return max(max_batch_tokens, block_size)
+
+
 class FusedMismatch(RuntimeError):
     """A fused forward gave one of its requests other logits than the request alone."""
 
@@ -213,7 +220,7 @@ class Stepper:
                 s.ids = [s.token]
                 decodes += 1
             else:
-                allowed = budget if batch else max(budget, self.block_size)
+                allowed = budget if batch else largest_forward(budget, self.block_size)
                 if decodes and cap:
                     # NOTE: decodes sort first, so the cap is known before any prompt is cut
                     allowed = min(allowed, cap - prompt_rows if prompt_rows else max(cap, self.block_size))
@@ -287,4 +294,4 @@ class Stepper:
                             "than the same request alone; fusing is off on this worker from now on, retry")
 
 
-__all__ = ["FusedMismatch", "StepResult", "Stepper"]
+__all__ = ["FusedMismatch", "StepResult", "Stepper", "largest_forward"]
