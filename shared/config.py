@@ -102,6 +102,7 @@ class ServiceConfig(_Section):
     #: waiting prompt's first token comes later; forwards of prompts alone (a burst of arrivals)
     #: keep the whole budget (``worker.stepper``). At 128 in the serving bench (c = 32): p99 gap
     #: between tokens halved, time to first token doubled, ~10 % fewer tokens/s (BENCHMARKS.md).
+    #: Watch ``kvl_worker_inter_token_latency_seconds`` against ``kvl_worker_time_to_first_token_seconds``.
     max_prompt_tokens_with_decodes: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 0
     #: Every this many fused forwards, one of its requests also runs alone on a copy of its
     #: state and must give the same logits bits; a difference turns fusing off and drops the
