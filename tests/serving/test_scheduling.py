@@ -108,6 +108,19 @@ async def test_forked_samples_are_bit_identical_to_their_own_cold_runs(serve, re
             assert not s.engine.sessions
 
 
+def _planner(prompts: dict[str, list[int]], done: dict[str, int]):
+    """A stepper plan per prompt name: whole 16-token blocks up to what the step allows, at
+    least one; ``done`` records how far each prompt has been handed out."""
+    def plan(name: str):
+        def f(max_tokens):
+            start = done[name]
+            end = min(len(prompts[name]), start + max(16, max_tokens // 16 * 16))
+            done[name] = end
+            return prompts[name][start:end], []
+        return f
+    return plan
+
+
 async def test_a_step_runs_decodes_first_then_prompts_in_priority_order_within_the_budget() -> None:
     """One forward: every decode token, then the oldest (highest-priority) prompt takes whole
     blocks from what is left of service.max_batch_tokens; a prompt that no longer fits waits."""
@@ -121,13 +134,7 @@ async def test_a_step_runs_decodes_first_then_prompts_in_priority_order_within_t
     states = {name: model.new_state(16, 128) for name in prompts}
     done = {name: 0 for name in prompts}
 
-    def plan(name: str):
-        def f(max_tokens):
-            start = done[name]
-            end = min(64, start + max(16, max_tokens // 16 * 16))
-            done[name] = end
-            return prompts[name][start:end], []
-        return f
+    plan = _planner(prompts, done)
 
     try:
         futs = [stepper.prefill(states["b"], plan("b"), (1, 2)), stepper.decode(decoding, 7, (5, 3)),
@@ -151,13 +158,7 @@ async def test_prompts_beside_decode_tokens_take_at_most_the_cap_and_alone_the_w
     prompts = {name: torch.randint(0, 256, (64,), generator=g).tolist() for name in "abc"}
     done = {name: 0 for name in prompts}
 
-    def plan(name: str):
-        def f(max_tokens):
-            start = done[name]
-            end = min(64, start + max(16, max_tokens // 16 * 16))
-            done[name] = end
-            return prompts[name][start:end], []
-        return f
+    plan = _planner(prompts, done)
 
     try:
         for cap, first_rows in ((32, 32), (4, 16)):
