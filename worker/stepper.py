@@ -212,16 +212,16 @@ class Stepper:
         budget = self.max_batch_tokens
         cap = self.max_prompt_tokens_with_decodes
         batch: list[_Step] = []
-        decodes = prompt_rows = 0
+        decoding, prompt_rows = False, 0
         for s in waiting:
             if s.decode:
                 if budget < 1 and batch:
                     continue
                 s.ids = [s.token]
-                decodes += 1
+                decoding = True
             else:
                 allowed = budget if batch else largest_forward(budget, self.block_size)
-                if decodes and cap:
+                if decoding and cap:
                     # NOTE: decodes sort first, so the cap is known before any prompt is cut
                     allowed = min(allowed, cap - prompt_rows if prompt_rows else max(cap, self.block_size))
                 if allowed < self.block_size and batch:
