@@ -152,7 +152,7 @@ def _reload_ratios(catalogue: Any, specs: dict, namespace: str, hashes: list[str
         # reload, the read straight into it, validated there, installed without a copy
         nonlocal in_place
         slots = [dst.reserve(m.form, m.block_hash) for _, m, _ in items]
-        reads = tiers.disk_read_many([m for _, m, _ in items], [r.view if r is not None else None for r in slots])
+        reads = tiers.disk_read_many([m for _, m, _ in items], slots)
         for (i, m, _), ref, r, res in zip(items, refs, reads, slots):
             assert valid(ref, i, r.observed)
             if res is not None and res.filled_by(r.data):

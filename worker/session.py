@@ -590,9 +590,9 @@ class Session:
             else:
                 wants = [self._meta(need, ref) for need, ref in disk]
                 slots = self._reserve(disk)
-                into = [res.view if res is not None else None for res in slots]
                 t0 = time.perf_counter()
-                reads = await e.io(lambda: e.tiers.disk_read_many(wants, into))
+                # a Reservation is a segments.Destination: the read lands in the slot when it can
+                reads = await e.io(lambda: e.tiers.disk_read_many(wants, slots))
                 e.metrics.reload_seconds.labels(tier="disk").observe(time.perf_counter() - t0)
                 for (need, ref), r, res in zip(disk, reads, slots):
                     if res is not None:

@@ -13,7 +13,7 @@ from shared.hashing import checksum
 from tests.segment_files import cut_inside, flip_header, flip_payload, records, segment_files
 from worker.cache import segments as sg
 from worker.cache.offload_key import BlockKey, OffloadUnavailable
-from worker.cache.segments import ALIGN, SegmentIndex, SegmentWriter
+from worker.cache.segments import ALIGN, SegmentIndex, SegmentWriter, destination
 
 NS = "ab" * 16
 
@@ -205,12 +205,17 @@ def test_the_gc_names_a_block_only_with_the_segment_of_its_current_record(tmp_pa
     assert {p.name: sorted(m.block_hash for m in ms) for p, _, ms in tiers.disk_collectable()} == named
 
 
-def _slots(n: int, size: int = 1000) -> list:
-    """``n`` ALIGN-aligned flat uint8 destinations (as pool slots are), filled with a marker."""
+def _tensors(n: int, size: int = 1000) -> list:
+    """``n`` ALIGN-aligned flat uint8 tensors (as pool slots are), filled with a marker."""
     import torch
     whole = torch.full((n * 1024 + ALIGN,), 0xEE, dtype=torch.uint8)
     skew = (-whole.data_ptr()) % ALIGN
     return [whole[skew + k * 1024:skew + k * 1024 + size] for k in range(n)]
+
+
+def _slots(n: int, size: int = 1000) -> list:
+    """``n`` destinations over :func:`_tensors`."""
+    return [destination(t) for t in _tensors(n, size)]
 
 
 def test_a_run_with_destinations_is_one_scatter_read_straight_into_them(tmp_path, monkeypatch) -> None:
@@ -222,8 +227,8 @@ def test_a_run_with_destinations_is_one_scatter_read_straight_into_them(tmp_path
     dests = _slots(5)
     order = [3, 0, 1, 2, 4]
     found = SegmentIndex(tmp_path).read_many([key(i) for i in order], dests)
-    assert [f.data.data_ptr() for f in found] == [d.data_ptr() for d in dests]      # landed in place
-    assert [bytes(d.numpy()) for d in dests] == [payload(i) for i in order]
+    assert [f.data for f in found] == [d.view for d in dests]      # landed in place
+    assert [bytes(d.view.numpy()) for d in dests] == [payload(i) for i in order]
     assert len(calls) == 1 and calls[0] == 5 * 2 + 4       # header + payload each, padding between
     assert [f.digest for f in found] == [checksum(payload(i)) for i in order]   # summed as read
 
@@ -232,11 +237,12 @@ def test_a_run_lacking_a_fitting_destination_reads_into_a_buffer_of_its_own(tmp_
     w = SegmentWriter(tmp_path, "w1", segment_bytes=1 << 20)
     write(w, range(3))
     for dests in (_slots(3)[:2] + [None], _slots(3, size=999) + [],
-                  [d[1:] for d in _slots(3, size=1001)]):        # one missing, wrong length, misaligned
+                  [destination(t[1:]) for t in _tensors(3, size=1001)]):   # one missing, wrong length, misaligned
         dests = (dests + [None] * 3)[:3]
         found = SegmentIndex(tmp_path).read_many([key(i) for i in range(3)], dests)
         assert [bytes(f.data.numpy()) for f in found] == [payload(i) for i in range(3)]
-        assert all(d is None or f.data.data_ptr() != d.data_ptr() for f, d in zip(found, dests))
+        assert all(d is None or f.data.data_ptr() != d.view.data_ptr() for f, d in zip(found, dests))
+    assert destination(_tensors(1, size=1001)[0][1:]).raw is None     # misaligned: never a destination
 
 
 def test_damage_after_the_scan_is_found_by_a_scatter_read_too(tmp_path) -> None:
@@ -254,6 +260,25 @@ def test_damage_after_the_scan_is_found_by_a_scatter_read_too(tmp_path) -> None:
     assert "ends inside the record" in found[3].damage
 
 
+def test_a_header_swapped_for_another_whole_one_after_the_scan_is_damage(tmp_path) -> None:
+    """Each header passes its own CRC, but record 0's bytes are no longer those indexed: a read
+    says so rather than trust the index's memory of them."""
+    w = SegmentWriter(tmp_path, "w1", segment_bytes=1 << 20)
+    recs = write(w, range(2))
+    idx = SegmentIndex(tmp_path)
+    idx.refresh()
+    with open(recs[0].path, "r+b") as f:
+        f.seek(recs[1].start)
+        other = f.read(recs[1].payload - recs[1].start)
+        assert len(other) == recs[0].payload - recs[0].start
+        f.seek(recs[0].start)
+        f.write(other)
+    for into in (None, _slots(2)):
+        found = idx.read_many([key(0), key(1)], into)
+        assert "fails its CRC" in found[0].damage and found[0].data is None
+        assert bytes(found[1].data.numpy()) == payload(1)
+
+
 @pytest.mark.parametrize("limit, value, reads", [("_IOV_RECORDS", 4, 3), ("_HOT_BYTES", 64 * 3, 4),
                                                   ("_HOT_BYTES", 10, 10)])
 def test_a_long_run_is_split_under_the_iovec_limit_and_the_cache_budget(tmp_path, monkeypatch, limit, value,
@@ -267,5 +292,5 @@ def test_a_long_run_is_split_under_the_iovec_limit_and_the_cache_budget(tmp_path
     dests = _slots(10, size=64)
     found = SegmentIndex(tmp_path).read_many([key(i) for i in range(10)], dests)
     assert [bytes(f.data.numpy()) for f in found] == [payload(i, 64) for i in range(10)]
-    assert len(calls) == reads and all(f.data.data_ptr() == d.data_ptr() for f, d in zip(found, dests))
+    assert len(calls) == reads and all(f.data is d.view for f, d in zip(found, dests))
     assert [f.digest for f in found] == [checksum(payload(i, 64)) for i in range(10)]

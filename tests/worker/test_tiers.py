@@ -196,7 +196,8 @@ def test_a_disk_reload_lands_in_a_reserved_slot_that_is_invisible_until_installe
     slots = [store.reserve("compressed", m.block_hash) for m in metas]
     assert all(r is not None for r in slots)
     assert store.reserve("compressed", metas[0].block_hash) is None     # the block has a slot already
-    reads = t.disk_read_many(metas, [r.view for r in slots])
+    reads = t.disk_read_many(metas, slots)
+    assert all(s.filled_by(r.data) and s.raw is not None for r, s in zip(reads, slots))
     assert [r.data.data_ptr() for r in reads] == [s.view.data_ptr() for s in slots]
     assert all(r.observed.checksum() == m.checksum for r, m in zip(reads, metas))
     # reserved: no hit, no meta, nothing to offload; the pool counts the slot as used

@@ -49,6 +49,9 @@ class FormPool:
     #: Each slot's memoryview (host pools only), kept for the same reason: ``Tensor.numpy()``
     #: costs ~1.5 us, more than checksumming a small block in place.
     _raws: list[memoryview | None] = field(init=False, repr=False)
+    #: The storage's address and whether it is host memory, read once (it never moves).
+    base: int = field(init=False, repr=False)
+    on_host: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         pin = self.device.type == "cpu" and torch.cuda.is_available()
@@ -60,6 +63,8 @@ class FormPool:
         self._free = list(range(self.slots - 1, -1, -1))
         self._views = [None] * self.slots
         self._raws = [None] * self.slots
+        self.base = self.storage.data_ptr()
+        self.on_host = self.storage.device.type == "cpu"
 
     @property
     def name(self) -> str:
@@ -70,7 +75,7 @@ class FormPool:
         return self.slots - len(self._free)
 
     def data_ptr(self) -> int:
-        return self.storage.data_ptr()
+        return self.base
 
     def allocate(self, block_hash: str) -> tuple[int, int]:
         """Take a free slot for ``block_hash``; returns (slot, new generation)."""
@@ -92,7 +97,7 @@ class FormPool:
             if payload.nbytes != self.spec.bytes_per_block:
                 raise ValueError(f"pool {self.name}: payload is {payload.nbytes} bytes, a slot holds "
                                  f"{self.spec.bytes_per_block}")
-            if self.storage.device.type == "cpu":
+            if self.on_host:
                 self.raw(slot)[:] = payload   # ValueError unless a flat run of bytes
             else:
                 self.view(slot).copy_(torch.frombuffer(payload, dtype=torch.uint8))

@@ -18,12 +18,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from shared.forms import FormCatalogue
 from shared.hashing import checksum
 from worker.cache.planner import BlockMeta, Observed
 from worker.cache.pools import PoolExhausted, PoolSet
+from worker.cache.segments import ALIGN
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -39,23 +41,27 @@ def bytes_checksum(t: torch.Tensor) -> str:
     return checksum(memoryview(b.numpy()))
 
 
-@dataclass(frozen=True, slots=True)
-class Reservation:
+class Reservation(msgspec.Struct, frozen=True):
     """A slot taken for one block before its bytes are known good (a disk reload reads straight
     into it): not READY, so no lookup finds it, and no meta, so nothing offloads it. ``view`` is
-    the slot's memory. Whoever holds one either installs it (:meth:`CacheStore.install_reserved`)
-    or releases it; either way the generation says whether the slot is still this one."""
+    the slot's memory, ``raw`` the same as a memoryview when the slot is ALIGN-aligned (a
+    :class:`worker.cache.segments.Destination`). Whoever holds one either installs it
+    (:meth:`CacheStore.install_reserved`) or releases it; either way the generation says whether
+    the slot is still this one. (A frozen msgspec struct: one per block reloaded, see
+    :class:`BlockMeta`.)"""
 
     form: str
     block_hash: str
     slot: int
     generation: int
     view: torch.Tensor
+    raw: memoryview | None = None
 
     def filled_by(self, data: torch.Tensor | None) -> bool:
         """Whether ``data`` (what a disk read returned) is this slot's memory: the read landed in
-        place. A read that could not use the slot returns a buffer of its own (or nothing)."""
-        return data is not None and data.data_ptr() == self.view.data_ptr()
+        place (the reader hands back the destination's own ``view``). A read that could not use
+        the slot returns a buffer of its own (or nothing)."""
+        return data is self.view
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,14 +217,15 @@ class CacheStore:
         """A free slot for ``block_hash`` of ``form`` to read its bytes into (see
         :class:`Reservation`); None when the block already has a slot here or none is free (the
         caller reads into memory of its own, as before)."""
-        pool = self.pools[form]
-        if pool.storage.device.type != "cpu" or pool.lookup(block_hash) is not None:
+        pool = self.pools.pools[form]
+        if not pool.on_host or block_hash in pool.by_hash:
             return None
         try:
             slot, gen = pool.allocate(block_hash)
         except PoolExhausted:
             return None
-        return Reservation(form, block_hash, slot, gen, pool.view(slot))
+        aligned = (pool.base + slot * pool.spec.bytes_per_block) % ALIGN == 0
+        return Reservation(form, block_hash, slot, gen, pool.view(slot), pool.raw(slot) if aligned else None)
 
     def holds(self, r: Reservation) -> bool:
         """Whether ``r``'s slot is still the one reserved: not freed and taken again since (an

@@ -21,9 +21,9 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import torch
 
 from shared.hashing import checksum
@@ -31,14 +31,14 @@ from shared.versions import SEGMENT_FORMAT_VERSION
 from worker.cache import offload_key as of
 from worker.cache.host_tier import HostTier
 from worker.cache.planner import BlockMeta, Observed
-from worker.cache.segments import ALIGN, Found, Record, SegmentIndex, SegmentWriter, key_of
+from worker.cache.segments import ALIGN, Destination, Found, Record, SegmentIndex, SegmentWriter, key_of
 
 Key = tuple[str, str]  # (block_hash, form)
 
 
-@dataclass(frozen=True, slots=True)
-class DiskRead:
-    """One block read from the disk tier: what validation needs, and the bytes."""
+class DiskRead(msgspec.Struct, frozen=True):
+    """One block read from the disk tier: what validation needs, and the bytes (a frozen msgspec
+    struct: one per block reloaded, see :class:`worker.cache.segments.Found`)."""
 
     observed: Observed
     data: torch.Tensor | None
@@ -238,12 +238,12 @@ class Tiers:
         return [r.header.checksum for r in records]
 
     def disk_read_many(self, wants: Sequence[BlockMeta],
-                       into: Sequence[torch.Tensor | None] | None = None) -> list[DiskRead]:
+                       into: Sequence[Destination | None] | None = None) -> list[DiskRead]:
         """Read blocks (blocking), one read per contiguous run of records, and report what each
         record says about itself.
 
         ``into`` optionally names where each payload should land (a reserved pool slot, see
-        :meth:`SegmentIndex.read_many`); ``DiskRead.data`` is that tensor when it did.
+        :meth:`SegmentIndex.read_many`); ``DiskRead.data`` is its ``view`` when it did.
 
         ``want`` names the record (tenant, namespace, block, form; the spec digest the running
         model expects) and supplies the chain facts a record does not store (parent, span):
@@ -266,9 +266,8 @@ class Tiers:
         if f.record is None:
             return DiskRead(Observed(None), None)
         h = f.record.header
-        meta = BlockMeta(namespace=h.namespace, tenant=h.tenant, block_hash=h.block_hash,
-                         parent_hash=want.parent_hash, token_start=want.token_start, token_end=want.token_end,
-                         form=h.form, spec_digest=h.spec_digest, checksum=h.checksum)
+        meta = BlockMeta(h.namespace, h.tenant, h.block_hash, want.parent_hash, want.token_start, want.token_end,
+                         h.form, h.spec_digest, h.checksum)
         if h.version != SEGMENT_FORMAT_VERSION:
             return DiskRead(Observed(meta, damage=f"segment record format v{h.version}; this build reads "
                                                   f"v{SEGMENT_FORMAT_VERSION}"), None)
@@ -278,8 +277,7 @@ class Tiers:
         # NOTE: a digest the read computed covers the bytes as read into a reserved slot; were the
         # slot taken since, the session sees it by the reservation after its restore and recomputes
         digest = f.digest
-        view = memoryview(data.numpy())
-        sums = (lambda: digest) if digest else (lambda: checksum(view))
+        sums = (lambda: digest) if digest else (lambda: checksum(memoryview(data.numpy())))
         return DiskRead(Observed(meta, nbytes=data.numel(), checksum=sums, aligned=data.data_ptr() % ALIGN == 0), data)
 
     def disk_check(self, wants: Sequence[tuple[BlockMeta, str]]) -> list[str]:
