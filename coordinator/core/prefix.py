@@ -13,19 +13,23 @@ usable there, each by its scope (see :mod:`shared.forms`):
 
 The search goes downwards from the longest boundary, so a failure at the longest falls
 back to a shorter boundary, never straight to nothing; the smallest reusable prefix is one
-block. Cost is O(blocks × forms × locations) dictionary probes: full-history forms are
-probed only until their first gap, which bounds every other form's probes, and window
-checks use a "last missing block" array instead of rescanning each window.
+block. Cost is O(blocks × forms × locations) dictionary probes at most: full-history forms
+are probed only until their first gap, which bounds every other form's probes, and window and
+resume-point forms are probed downwards from that bound, each block once, only as deep as
+the boundaries tried need.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from coordinator.core.lifecycle import READY
 from coordinator.core.state import LedgerState, ReplicaKey
 from shared.forms import FormCatalogue, FormScope
+
+
+_UNSEEN = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,31 +88,29 @@ def longest_usable_prefix(state: LedgerState, catalogue: FormCatalogue, block_ha
         span = f"p={n}" if bound == n - 1 else f"p={bound + 1}..{n}"
         rejected.append(f"{span} blocks: {limit_reason}")
 
-    # Window and resume-point forms: probe blocks below the bound once each.
-    checks: list[tuple[str, int, list[ReplicaKey | None], list[int]]] = []
+    # Window and resume-point forms: probed from the bound down, each block at most once, and only
+    # as far as the boundaries tried reach (the blocks below a window are never probed: a long
+    # prompt's resume costs its window here, not its length).
+    checks: list[tuple[str, int, dict[int, ReplicaKey | None]]] = []
     for spec in catalogue.forms:
         if spec.scope is FormScope.FULL_HISTORY:
             continue
-        keys = [find(block_hashes[i], spec.name) for i in range(bound)]
-        found[spec.name] = keys
-        # last_miss[i]: the highest j ≤ i whose block is missing (-1 if none).
-        last_miss: list[int] = []
-        m = -1
-        for i, k in enumerate(keys):
-            if k is None:
-                m = i
-            last_miss.append(m)
         wb = catalogue.window_blocks(spec) if spec.scope is FormScope.WINDOW else 1
-        checks.append((spec.name, wb, keys, last_miss))
+        checks.append((spec.name, wb, {}))
 
     p = bound
     more = 0
     while p > 0:
         why = ""
-        for name, wb, _keys, last_miss in checks:
-            miss = last_miss[p - 1]
-            if miss >= 0 and miss >= p - wb:  # a missing block inside [max(0, p - wb), p)
-                why = f"{name} of block {miss} not READY"
+        for name, wb, seen in checks:
+            for i in range(p - 1, max(0, p - wb) - 1, -1):     # the highest missing block first
+                k = seen.get(i, _UNSEEN)
+                if k is _UNSEEN:
+                    k = seen[i] = find(block_hashes[i], name)
+                if k is None:
+                    why = f"{name} of block {i} not READY"
+                    break
+            if why:
                 break
         if not why:
             break
@@ -123,14 +125,15 @@ def longest_usable_prefix(state: LedgerState, catalogue: FormCatalogue, block_ha
         return PrefixResult(0, [], rejected)
 
     pins: list[ReplicaKey] = []
+    probed = {name: seen for name, _, seen in checks}      # every block of p's windows is in them
     for spec in catalogue.forms:
-        keys = found[spec.name]
+        keys: Mapping[int, ReplicaKey | None] | list[ReplicaKey | None]
         if spec.scope is FormScope.FULL_HISTORY:
-            lo = 0
+            keys, lo = found[spec.name], 0
         elif spec.scope is FormScope.WINDOW:
-            lo = max(0, p - catalogue.window_blocks(spec))
+            keys, lo = probed[spec.name], max(0, p - catalogue.window_blocks(spec))
         else:
-            lo = p - 1
+            keys, lo = probed[spec.name], p - 1
         for i in range(lo, p):
             k = keys[i]
             assert k is not None, (spec.name, i, p)

@@ -7,6 +7,9 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as strat
+
 from coordinator.core import CoreParams, LedgerState, longest_usable_prefix
 from coordinator.core.state import Replica
 from shared.forms import FormCatalogue, FormScope, FormSpec
@@ -171,3 +174,47 @@ def test_long_prompts_are_linear() -> None:
         assert res.usable_blocks == 1   # type: ignore[attr-defined]
     # 4x the blocks, about 4x the lines (a search quadratic in the blocks would run ~16x)
     assert work[2000] < 5 * work[500], work
+
+
+def _oracle(s: LedgerState, blocks: list[str], locs: tuple[str, ...]) -> tuple[int, list[tuple[str, str, str]]]:
+    """The definition, boundary by boundary from the longest: every form usable by its scope,
+    each block's replica the first READY one in ``locs`` order."""
+    def first(i: int, form: str) -> tuple[str, str, str] | None:
+        for loc in locs:
+            r = s.replicas.get((blocks[i], form, loc))
+            if r is not None and r.state is S.READY:
+                return (blocks[i], form, loc)
+        return None
+
+    for p in range(len(blocks), 0, -1):
+        need = []
+        for spec in CAT.forms:
+            lo = {FormScope.FULL_HISTORY: 0, FormScope.WINDOW: max(0, p - CAT.window_blocks(spec)),
+                  FormScope.RESUME_POINT: p - 1}[spec.scope]
+            need += [first(i, spec.name) for i in range(lo, p)]
+        if None not in need:
+            return p, need          # type: ignore[return-value]
+    return 0, []
+
+
+@given(strat.lists(strat.lists(strat.sampled_from(["none", "ready", "other"]), min_size=len(LOCS), max_size=len(LOCS)),
+                min_size=0, max_size=14 * len(CAT.forms)),
+       strat.lists(strat.sampled_from(LOCS), min_size=1, max_size=3, unique=True))
+@settings(max_examples=300, deadline=None)
+def test_the_search_agrees_with_the_definition(cells: list[list[str]], readable: list[str]) -> None:
+    """Random replicas (absent, READY or in another state, at each location) for every (block,
+    form): the downward, probe-once search finds the boundary and the pins the definition does."""
+    n = len(cells) // len(CAT.forms)
+    s = LedgerState.empty(CoreParams())
+    blocks = [h(i) for i in range(n)]
+    for c, where in enumerate(cells[:n * len(CAT.forms)]):
+        i, form = divmod(c, len(CAT.forms))
+        for loc, what in zip(LOCS, where):
+            if what != "none":
+                st_ = S.READY if what == "ready" else S.ALLOCATED
+                s.replicas[(blocks[i], CAT.names[form], loc)] = Replica(blocks[i], CAT.names[form], loc, st_,
+                                                                        generation=1)
+    res = longest_usable_prefix(s, CAT, blocks, tuple(readable))
+    p, pins = _oracle(s, blocks, tuple(readable))
+    assert (res.usable_blocks, res.replicas_to_pin) == (p, pins)
+    assert len(res.rejected) <= 17 and (res.rejected == []) == (p == n)
