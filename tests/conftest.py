@@ -18,9 +18,18 @@ from collections.abc import AsyncIterator, Iterator
 import asyncpg
 import nats
 import pytest
+from hypothesis import settings
 
 from shared.embedded import Services, start_services
 from shared.subjects import Subjects
+
+# NOTE: CI (.ci/run sets HYPOTHESIS_PROFILE=ci) draws the same examples on every run, so a property
+# test that fails there fails again on a rerun and a change cannot land or be held back by the
+# luck of a draw; a developer's run draws new examples each time (the "dev" profile) and prints
+# the blob that reproduces a failure (@reproduce_failure).
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
 @pytest.fixture(scope="session")
