@@ -669,7 +669,7 @@ class Engine:
         except OutboxFull:
             self._outbox_overflow()
             return 0
-        self.metrics.transitions.labels(kind=kind).inc()
+        self.metrics.count_transition(kind)
         return ev.seq
 
     def commit(self, meta: BlockMeta, data: torch.Tensor | memoryview | Reservation, *, lease_id: str) -> int:

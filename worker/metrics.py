@@ -84,6 +84,7 @@ class WorkerMetrics:
         self.outbox_depth = Gauge(p + "outbox_depth", "Transitions awaiting the coordinator's commit watermark",
                                   registry=r)
         self.transitions = Counter(p + "transitions", "Transitions emitted, by kind", ["kind"], registry=r)
+        self._transitions_by_kind: dict[str, Any] = {}
         self.publish_failures = Counter(p + "publish_failures", "JetStream publishes that failed", registry=r)
         self.published_messages = Counter(p + "published_messages", "JetStream messages the broker stored, each "
                                           "one transition or a batch of up to worker.publish_batch", registry=r)
@@ -119,6 +120,14 @@ class WorkerMetrics:
         self.refused_copies = Counter(p + "refused_copies", "Copies to the host tier that the ledger refused "
                                       "(the source they named was no longer known, or invalidated), dropped "
                                       "when the commit watermark said so", registry=r)
+
+    def count_transition(self, kind: str) -> None:
+        """One transition emitted. NOTE: the labelled child is kept per kind: ``labels()`` costs
+        ~2.7 us against ~1 for the increment, and this runs for every block of every commit."""
+        child = self._transitions_by_kind.get(kind)
+        if child is None:
+            child = self._transitions_by_kind[kind] = self.transitions.labels(kind=kind)
+        child.inc()
 
     def observe_step(self, requests: int, tokens: int, seconds: float) -> None:
         self.step_requests.observe(requests)
