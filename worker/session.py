@@ -56,7 +56,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import msgspec
 import torch
 
 from shared import tracing
@@ -88,7 +87,7 @@ from worker.cache.planner import (
     resume_cap,
     validate,
 )
-from worker.cache.store import Reservation, SlotRead, as_bytes, bytes_checksum
+from worker.cache.store import Reservation, SlotRead, as_bytes
 from worker.client import CoordinatorRefused, CoordinatorUnavailable
 from worker.model.state import BlockPayload
 from worker.model.vision import PromptEmbeds, encode_images
@@ -841,9 +840,9 @@ class Session:
         lease = lease or self.main
         if lease is not None and self.epoch == e.epoch:
             for meta, data in pending:
-                if not meta.checksum:
-                    assert not isinstance(data, (Reservation, memoryview)), "a reload carries its record's checksum"
-                    meta = msgspec.structs.replace(meta, checksum=bytes_checksum(data))
+                # a block computed here has no checksum yet: the store sums it as it installs it
+                assert meta.checksum or not isinstance(data, (Reservation, memoryview)), \
+                    "a reload carries its record's checksum"
                 seq = e.commit(meta, data, lease_id=lease.lease_id)
                 if seq:
                     self.last_seq = max(self.last_seq, seq)
