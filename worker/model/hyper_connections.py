@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kernels.invariant import linear, pointwise
-from worker.model.norms import as_dtype, as_float32, rms_normalize
+from worker.model.norms import as_dtype, as_float32, f32, rms_normalize
 
 
 #: Largest ``hc_mult`` whose sums :func:`sinkhorn_` takes over the planar layout: up to 4 terms
@@ -47,13 +47,17 @@ def sinkhorn_(comb: torch.Tensor, iters: int, eps: float) -> None:
     i_ax, j_ax = (0, 1) if planar else (-2, -1)
     cols = c.new_empty((1, n, T) if planar else (T, 1, n))
     rows = c.new_empty((n, 1, T) if planar else (T, n, 1))
+    # NOTE: eps as a tensor of comb's dtype (float32, as the Python float is rounded to for this
+    # float32 op: the same bits): an op with a Python scalar first copies it into a tensor of
+    # its own (aten::_to_copy, ~4 us), 39 times a call, ~470 times a decode step
+    e = c.new_full((), eps)
     torch.sum(c, dim=i_ax, keepdim=True, out=cols)
-    c.div_(cols.add_(eps))
+    c.div_(cols.add_(e))
     for _ in range(iters - 1):
         torch.sum(c, dim=j_ax, keepdim=True, out=rows)
-        c.div_(rows.add_(eps))
+        c.div_(rows.add_(e))
         torch.sum(c, dim=i_ax, keepdim=True, out=cols)
-        c.div_(cols.add_(eps))
+        c.div_(cols.add_(e))
     if planar:
         comb.copy_(c.permute(2, 0, 1))
 
@@ -73,9 +77,10 @@ class HyperConnection(nn.Module):
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         s_pre, s_post, s_comb = self.scale.unbind(0)
-        pre = pointwise(torch.sigmoid, pre_w * s_pre + pre_b) + self.eps
-        post = 2 * pointwise(torch.sigmoid, post_w * s_post + post_b)
-        comb = torch.softmax(comb_w.view(-1, n, n) * s_comb + comb_b.view(n, n), dim=-1) + self.eps
+        eps = f32(self.eps, mixes)                                             # mixes are float32
+        pre = pointwise(torch.sigmoid, pre_w * s_pre + pre_b) + eps
+        post = f32(2.0, mixes) * pointwise(torch.sigmoid, post_w * s_post + post_b)
+        comb = torch.softmax(comb_w.view(-1, n, n) * s_comb + comb_b.view(n, n), dim=-1) + eps
         sinkhorn_(comb, self.iters, self.eps)
         collapsed = as_dtype((pre.unsqueeze(-1) * streams).sum(dim=1), streams.dtype)
         return post, comb, collapsed
@@ -100,5 +105,6 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         mixes = linear(rms_normalize(as_float32(streams.flatten(1)), self.norm_eps), as_float32(self.hc_fn))
-        pre = pointwise(torch.sigmoid, mixes * as_float32(self.hc_scale) + as_float32(self.hc_base)) + self.eps
+        pre = (pointwise(torch.sigmoid, mixes * as_float32(self.hc_scale) + as_float32(self.hc_base))
+               + f32(self.eps, mixes))
         return as_dtype((pre.unsqueeze(-1) * streams).sum(dim=1), streams.dtype)

@@ -18,9 +18,28 @@ def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
+_F32: dict[tuple[float, torch.device], torch.Tensor] = {}
+
+
+def f32(value: float, like: torch.Tensor) -> torch.Tensor:
+    """``value`` as a 0-dim float32 tensor on ``like``'s device, made once and kept.
+
+    NOTE: an op with a Python scalar first copies the scalar into a tensor of its own
+    (aten::_to_copy, ~4 us here), and the tiny model's decode step is bound by per-op overhead.
+    For float32 operands only: the op rounds the Python float to float32 either way (the same
+    bits); a reduced-precision op reads a Python scalar at float32 precision but a bfloat16
+    tensor at its own, so there the scalar stays."""
+    key = (value, like.device)
+    t = _F32.get(key)
+    if t is None:
+        t = _F32[key] = torch.tensor(value, dtype=torch.float32, device=like.device)
+    return t
+
+
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x²) + eps)`` over the last dim, no weight (V4's per-head q norm, mHC input)."""
-    return x * as_dtype(torch.rsqrt(as_float32(x).square().mean(-1, keepdim=True) + eps), x.dtype)
+    ms = as_float32(x).square().mean(-1, keepdim=True)                  # float32
+    return x * as_dtype(torch.rsqrt(ms + f32(eps, ms)), x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -33,7 +52,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = as_float32(x)
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + f32(self.eps, xf))
         return as_dtype(self.weight * normed, x.dtype)
 
 
