@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import errno
 import os
+from typing import NamedTuple
 
 import pytest
+import torch
 
 from shared.hashing import checksum
 from tests.segment_files import cut_inside, flip_header, flip_payload, records, segment_files
 from worker.cache import segments as sg
 from worker.cache.offload_key import BlockKey, OffloadUnavailable
-from worker.cache.segments import ALIGN, SegmentIndex, SegmentWriter, destination
+from worker.cache.segments import ALIGN, SegmentIndex, SegmentWriter
 
 NS = "ab" * 16
 
@@ -207,10 +209,24 @@ def test_the_gc_names_a_block_only_with_the_segment_of_its_current_record(tmp_pa
 
 def _tensors(n: int, size: int = 1000) -> list:
     """``n`` ALIGN-aligned flat uint8 tensors (as pool slots are), filled with a marker."""
-    import torch
     whole = torch.full((n * 1024 + ALIGN,), 0xEE, dtype=torch.uint8)
     skew = (-whole.data_ptr()) % ALIGN
     return [whole[skew + k * 1024:skew + k * 1024 + size] for k in range(n)]
+
+
+class _Slot(NamedTuple):
+    """A :class:`worker.cache.segments.Destination` over any tensor (a pool's reservation is one)."""
+
+    view: torch.Tensor
+    raw: memoryview | None
+
+
+def destination(t: torch.Tensor) -> _Slot:
+    """``t`` as a destination: usable (``raw`` set) when it is a contiguous, ALIGN-aligned flat
+    uint8 CPU tensor, as a pool slot is."""
+    ok = (t.dtype is torch.uint8 and t.device.type == "cpu" and t.dim() == 1 and t.is_contiguous()
+          and t.data_ptr() % ALIGN == 0)
+    return _Slot(t, memoryview(t.numpy()) if ok else None)
 
 
 def _slots(n: int, size: int = 1000) -> list:

@@ -277,7 +277,7 @@ class Found(msgspec.Struct, frozen=True):
     damage: str = ""
     unavailable: str = ""
     #: The payload's xxh3 checksum, computed right after the read while the bytes were still in
-    #: the CPU's caches ("" = not computed: the reader checksums ``data`` when it needs to).
+    #: the CPU's caches (set whenever ``data`` is).
     digest: str = ""
 
 
@@ -292,21 +292,6 @@ class Destination(Protocol):
 
     @property
     def raw(self) -> memoryview | None: ...
-
-
-class Slot(NamedTuple):
-    """A :class:`Destination` for any tensor (see :func:`destination`)."""
-
-    view: torch.Tensor
-    raw: memoryview | None
-
-
-def destination(t: torch.Tensor) -> Slot:
-    """``t`` as a :class:`Destination`: usable when it is a contiguous, ALIGN-aligned uint8 CPU
-    tensor (``raw`` None otherwise)."""
-    ok = (t.dtype is torch.uint8 and t.device.type == "cpu" and t.dim() == 1 and t.is_contiguous()
-          and t.data_ptr() % ALIGN == 0)
-    return Slot(t, memoryview(t.numpy()) if ok else None)
 
 
 class SegmentIndex:
@@ -630,5 +615,5 @@ def _scatter_run(fd: int, run: list[Record], idx: list[int], out: list[Found | N
                 out[i] = Found(r, d.view, digest=checksum(d.raw))     # type: ignore[arg-type]
 
 
-__all__ = ["ALIGN", "Destination", "Found", "Record", "RecordHeader", "SegmentIndex", "SegmentWriter", "Slot",
-           "destination", "encode_header", "key_of"]
+__all__ = ["ALIGN", "Destination", "Found", "Record", "RecordHeader", "SegmentIndex", "SegmentWriter",
+           "encode_header", "key_of"]

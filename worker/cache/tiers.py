@@ -277,8 +277,8 @@ class Tiers:
         # NOTE: a digest the read computed covers the bytes as read into a reserved slot; were the
         # slot taken since, the session sees it by the reservation after its restore and recomputes
         digest = f.digest
-        sums = (lambda: digest) if digest else (lambda: checksum(memoryview(data.numpy())))
-        return DiskRead(Observed(meta, nbytes=data.numel(), checksum=sums, aligned=data.data_ptr() % ALIGN == 0), data)
+        return DiskRead(Observed(meta, nbytes=data.numel(), checksum=lambda: digest,
+                                 aligned=data.data_ptr() % ALIGN == 0), data)
 
     def disk_check(self, wants: Sequence[tuple[BlockMeta, str]]) -> list[str]:
         """For the audit: each ``(block, checksum recorded at commit)``'s record verified without

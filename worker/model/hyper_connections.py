@@ -39,7 +39,7 @@ def sinkhorn_(comb: torch.Tensor, iters: int, eps: float) -> None:
     ``[T, n, n]`` it reduced runs of ``n`` floats one by one — 2.9 → 0.7 ms a call at 1,024 rows,
     0.38 → 0.40 ms at one row (the copy in and out) — and a sum of up to 4 terms is added in
     order on either layout.
-    ``comb`` must be a fresh tensor (no autograd, nobody else holding it).
+    ``comb`` must be a fresh float32 tensor (no autograd, nobody else holding it).
     """
     T, n = comb.shape[0], comb.shape[-1]
     planar = n <= PLANAR_MAX_N
@@ -47,10 +47,9 @@ def sinkhorn_(comb: torch.Tensor, iters: int, eps: float) -> None:
     i_ax, j_ax = (0, 1) if planar else (-2, -1)
     cols = c.new_empty((1, n, T) if planar else (T, 1, n))
     rows = c.new_empty((n, 1, T) if planar else (T, n, 1))
-    # NOTE: eps as a tensor of comb's dtype (float32, as the Python float is rounded to for this
-    # float32 op: the same bits): an op with a Python scalar first copies it into a tensor of
-    # its own (aten::_to_copy, ~4 us), 39 times a call, ~470 times a decode step
-    e = c.new_full((), eps)
+    # NOTE: eps as a kept float32 tensor (norms.f32: the same bits for this float32 op): with a
+    # Python scalar each add_ first copied it into a tensor (~4 us), ~470 times a decode step
+    e = f32(eps, c)
     torch.sum(c, dim=i_ax, keepdim=True, out=cols)
     c.div_(cols.add_(e))
     for _ in range(iters - 1):
