@@ -141,6 +141,21 @@ def _at(model, n_tokens):
     return state
 
 
+def test_a_state_written_in_inference_mode_stays_usable_outside_it(tiny, tokens, cold_with_decode) -> None:
+    """The forward runs in inference mode; the state it writes is used after it, outside that
+    mode, by a restore into it, a fork and an export, and another forward follows on it."""
+    cold, blocks, cold_decode = cold_with_decode
+    state = tiny.new_state(BLOCK)
+    logits = tiny.forward_batch([(tokens[:4 * BLOCK], state)])[0]
+    assert logits.is_inference() and not torch.is_inference_mode_enabled()
+    assert not any(t.is_inference() for t in state.export_block(0).values())
+    state.restore(blocks, 8)                      # in place, outside inference mode
+    assert torch.equal(tiny.prefill(tokens[8 * BLOCK:], state), cold[8 * BLOCK:])
+    twin = state.fork()
+    assert torch.equal(tiny.decode_step(DECODE[0], twin), cold_decode[0])
+    assert torch.equal(tiny.decode_step(DECODE[0], state), cold_decode[0])
+
+
 def test_new_request_state_is_reset(tiny, tokens, cold_run) -> None:
     """A state reused for a new request (reset) behaves like a fresh one."""
     state = tiny.new_state(BLOCK)
