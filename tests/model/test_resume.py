@@ -156,6 +156,18 @@ def test_a_state_written_in_inference_mode_stays_usable_outside_it(tiny, tokens,
     assert torch.equal(tiny.decode_step(DECODE[0], state), cold_decode[0])
 
 
+def test_kept_scalars_made_in_inference_mode_serve_autograd_too() -> None:
+    """norms.f32 keeps its constants across calls; one first made inside the forward's inference
+    mode must still be usable by a caller with autograd on (an inference tensor cannot be saved
+    for backward)."""
+    from worker.model.norms import f32
+    with torch.inference_mode():
+        kept = f32(0.3125, torch.zeros(1))
+    w = torch.ones(2, requires_grad=True)
+    (w * kept).sum().backward()
+    assert torch.equal(w.grad, torch.full((2,), 0.3125))
+
+
 def test_new_request_state_is_reset(tiny, tokens, cold_run) -> None:
     """A state reused for a new request (reset) behaves like a fresh one."""
     state = tiny.new_state(BLOCK)

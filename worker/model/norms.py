@@ -32,7 +32,10 @@ def f32(value: float, like: torch.Tensor) -> torch.Tensor:
     key = (value, like.device)
     t = _F32.get(key)
     if t is None:
-        t = _F32[key] = torch.tensor(value, dtype=torch.float32, device=like.device)
+        # an ordinary tensor even when first asked for inside the forward's inference mode: an
+        # inference tensor kept here would break any later caller that runs with autograd on
+        with torch.inference_mode(False):
+            t = _F32[key] = torch.tensor(value, dtype=torch.float32, device=like.device)
     return t
 
 
