@@ -22,7 +22,7 @@ SCHEMA_VERSION: Final = 1
 #: Layout of cached bytes in pools, host memory and offload files.
 CACHE_FORMAT_VERSION: Final = 1
 #: What the kernels expect of the bytes they read (strides, scales, quantisation).
-KERNEL_ABI_VERSION: Final = 1
+KERNEL_ABI_VERSION: Final = 2
 #: Record format of the segment files on the shared disk tier (``worker.cache.segments``; the
 #: one-file-per-block format before them was version 1).
 SEGMENT_FORMAT_VERSION: Final = 2
