@@ -108,6 +108,19 @@ class ServiceConfig(_Section):
     #: state and must give the same logits bits; a difference turns fusing off and drops the
     #: cache (``worker.stepper``). 0 turns the check off. Costs one request's forward in N.
     fused_check_every: Annotated[int, msgspec.Meta(ge=0)] = 64
+    #: Forwards run at once on a CPU worker: a forward of at least ``service.lane_min_rows`` rows
+    #: holding two or more requests is split by request into up to this many forwards, each on a
+    #: thread of its own with one intra-op thread. Batch invariance gives every request the same
+    #: bits in any split, so this is how a CPU worker uses more than one core exactly (more
+    #: intra-op threads would not be batch-invariant). 0: automatic, 1 on CUDA (one stream runs
+    #: the kernels in turn) and otherwise the usable cores, at most 2 (the most measured:
+    #: docs/BENCHMARKS.md, stop 46). 1: every forward on the model thread alone.
+    model_lanes: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
+    #: Rows a forward needs before it is split into lanes: a small forward is bound by per-op
+    #: overhead under one interpreter lock, and split it runs slower (``python -m bench.lanes``,
+    #: 2 cores: 8 decode rows 0.45x on the tiny model, 0.9x 512 wide; 1,024 prompt rows 1.6x on
+    #: the tiny model; 512 rows 1.3x 512 wide). Wider models gain from fewer rows.
+    lane_min_rows: Annotated[int, msgspec.Meta(ge=2, le=65536)] = 512
     request_timeout_ms: PosInt = 60000
     queue_size: Annotated[int, msgspec.Meta(ge=0)] = 256
     #: Most samples one request may ask for (``n``, ``best_of``): each runs as its own request

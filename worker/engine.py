@@ -87,7 +87,7 @@ from worker.selfcheck import SelfCheck, self_check
 from worker.publisher import OutboxFull, TransitionPublisher
 from worker.session import CacheValidationError, Result, Session
 from worker.settings import pool_slots, worker_id
-from worker.stepper import Stepper, largest_forward
+from worker.stepper import Stepper, largest_forward, resolve_lanes
 
 T = TypeVar("T")
 R = ReplicaState
@@ -208,7 +208,10 @@ class Engine:
                                block_size=self.block_size,
                                max_prompt_tokens_with_decodes=cfg.service.max_prompt_tokens_with_decodes,
                                metrics=self.metrics,
-                               check_every=cfg.service.fused_check_every, on_mismatch=self._fused_mismatch)
+                               check_every=cfg.service.fused_check_every, on_mismatch=self._fused_mismatch,
+                               lanes=resolve_lanes(cfg.service.model_lanes, str(self.device)),
+                               lane_min_rows=cfg.service.lane_min_rows)
+        self.metrics.model_lanes.set(self.stepper.lanes)
         self.metrics.batch_invariant.set(1 if self.stepper.fused else 0)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvl-io")
         self._salts: dict[str, bytes] = {}
@@ -290,6 +293,7 @@ class Engine:
         if self.client is not None:
             await self.client.close()
         self._compute.shutdown(wait=True)
+        self.stepper.close()
         self._io.shutdown(wait=True)
 
     async def flush(self, timeout: float = 5.0) -> bool:

@@ -111,6 +111,10 @@ class WorkerMetrics:
         self.fused_checks = Counter(p + "fused_checks", "Fused forwards re-run for one request alone "
                                     "(service.fused_check_every), by outcome: same or differs", ["outcome"],
                                     registry=r)
+        self.lane_forwards = Counter(p + "lane_forwards", "Fused forwards split by request into lanes run at "
+                                     "once (service.model_lanes)", registry=r)
+        self.model_lanes = Gauge(p + "model_lanes", "Forwards this worker runs at once (service.model_lanes, "
+                                 "resolved)", registry=r)
         self.batch_invariant = Gauge(p + "batch_invariant", "1 if fused forwards are exact here "
                                      "(the product probe and the whole-forward probe passed, one intra-op thread)",
                                      registry=r)

@@ -30,6 +30,15 @@ per-request schedule.
 Blocks a step completes that the request may write are exported on the model thread right
 after the forward (the request commits them later, off the model thread).
 
+Lanes (``service.model_lanes``): one intra-op thread keeps the ops batch-invariant, and leaves
+a CPU worker one core. A fused forward of at least ``service.lane_min_rows`` rows is split by
+request into up to that many forwards run at once, one on the model thread and the others on
+lane threads (:func:`split_lanes`). Each request's rows are the bits it would get alone —
+the same invariance the fusing rests on — and the states of a forward's requests are distinct,
+so the lanes share nothing they write. The run-time check below covers a lane's forward as any
+other. Small forwards stay whole: they are bound by per-op overhead under the one interpreter
+lock, where lanes only contend.
+
 The start-up probe is a sample of shapes; a kernel path it never took (a row count, a dtype
 path of this CPU) could still make a fused row differ. So every ``check_every``-th fused
 forward one of its requests (in turn) also runs alone, on a copy of its state taken before
@@ -43,9 +52,10 @@ epoch: what it made fused is not reused).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-from collections.abc import Callable
-from concurrent.futures import Executor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +76,33 @@ def largest_forward(max_batch_tokens: int, block_size: int) -> int:
     the budget is smaller (the first prompt of a step always gets a block) — what the start-up
     probe must reach."""
     return max(max_batch_tokens, block_size)
+
+
+def resolve_lanes(setting: int, device: str) -> int:
+    """``service.model_lanes`` as run: the setting, or when it is 0, 1 on CUDA (one stream runs
+    the kernels in turn) and otherwise the usable cores, at most 2 (the most measured)."""
+    if setting:
+        return setting
+    if device.split(":", 1)[0] == "cuda":
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(2, cores))
+
+
+def split_lanes(rows: Sequence[int], lanes: int, min_rows: int) -> list[list[int]]:
+    """Indices of a forward's requests, by the lane that runs them: one group (no split) when
+    fewer than ``min_rows`` rows, one request or one lane; otherwise up to ``lanes`` groups,
+    largest request first into the lane with the fewest rows so far (deterministic)."""
+    n = min(lanes, len(rows))
+    if n < 2 or sum(rows) < min_rows:
+        return [list(range(len(rows)))]
+    groups: list[list[int]] = [[] for _ in range(n)]
+    load = [0] * n
+    for i in sorted(range(len(rows)), key=lambda i: (-rows[i], i)):
+        k = load.index(min(load))
+        groups[k].append(i)
+        load[k] += rows[i]
+    return [sorted(g) for g in groups if g]
 
 
 class FusedMismatch(RuntimeError):
@@ -99,9 +136,16 @@ class Stepper:
 
     def __init__(self, model, executor: Executor, *, max_batch_tokens: int, block_size: int,
                  max_prompt_tokens_with_decodes: int = 0, metrics=None, check_every: int = 0,
-                 on_mismatch: Callable[[str], None] | None = None) -> None:
+                 on_mismatch: Callable[[str], None] | None = None, lanes: int = 1,
+                 lane_min_rows: int = 512) -> None:
         self.model = model
         self.executor = executor
+        #: Forwards run at once (the model thread's and ``lanes - 1`` lane threads'; see the module docstring).
+        self.lanes = lanes
+        self.lane_min_rows = lane_min_rows
+        self._lane_pool: ThreadPoolExecutor | None = None
+        #: Fused forwards split into lanes.
+        self.split_forwards = 0
         self.max_batch_tokens = max_batch_tokens
         #: Prompt tokens a forward that also runs decode tokens may carry (0: only the budget).
         self.max_prompt_tokens_with_decodes = max_prompt_tokens_with_decodes
@@ -139,7 +183,8 @@ class Stepper:
         else:
             why = ""
         out = {"fused": not why, "why_not": why, "checks": self.checks, "check_failures": self.check_failures,
-               "check_every": self.check_every}
+               "check_every": self.check_every, "lanes": self.lanes, "lane_min_rows": self.lane_min_rows,
+               "split_forwards": self.split_forwards}
         if self._skew:
             out["failpoint"] = "fused_skew"
         return out
@@ -261,7 +306,7 @@ class Stepper:
             if self.check_every and self._fused_forwards % self.check_every == 0:
                 k = self._fused_forwards // self.check_every % len(batch)
                 shadow = (k, batch[k].state.fork())
-        outs = self.model.forward_batch(work, logits="last")
+        outs = self._forward_lanes(work)
         if self._skew and len(batch) > 1:
             outs = [o * (1 + 2**-12) for o in outs]
         self.forwards += 1
@@ -274,6 +319,40 @@ class Stepper:
             payloads = [(i, s.state.export_block(i)) for i in s.export]
             results.append(StepResult(logits, len(s.ids), payloads))
         return results
+
+    def _forward_lanes(self, work: list) -> list[torch.Tensor]:
+        """``model.forward_batch(work)``, split into lanes run at once when it is large enough."""
+        groups = split_lanes([len(w[0]) for w in work], self.lanes, self.lane_min_rows)
+        if len(groups) == 1:
+            return self.model.forward_batch(work, logits="last")
+        if self._lane_pool is None:
+            self._lane_pool = ThreadPoolExecutor(self.lanes - 1, thread_name_prefix="kvl-lane")
+        futures = [self._lane_pool.submit(self.model.forward_batch, [work[i] for i in g], logits="last")
+                   for g in groups[1:]]
+        outs: list = [None] * len(work)
+        error: BaseException | None = None
+        try:
+            for i, o in zip(groups[0], self.model.forward_batch([work[i] for i in groups[0]], logits="last")):
+                outs[i] = o
+        except BaseException as e:  # noqa: BLE001 - raised once every lane has let go of its states
+            error = e
+        for g, f in zip(groups[1:], futures):
+            try:
+                for i, o in zip(g, f.result()):
+                    outs[i] = o
+            except BaseException as e:  # noqa: BLE001 - the first error of any lane fails the step
+                error = error or e
+        if error is not None:
+            raise error
+        self.split_forwards += 1
+        if self.metrics is not None:
+            self.metrics.lane_forwards.inc()
+        return outs
+
+    def close(self) -> None:
+        """Stop the lane threads (after the model thread's last forward)."""
+        if self._lane_pool is not None:
+            self._lane_pool.shutdown(wait=True)
 
     def _check(self, batch: list[_Step], work: list, outs: list[torch.Tensor], k: int, copy) -> None:
         """Request ``k`` of the fused forward just run, again alone on ``copy`` (its state before
@@ -294,4 +373,4 @@ class Stepper:
                             "than the same request alone; fusing is off on this worker from now on, retry")
 
 
-__all__ = ["FusedMismatch", "StepResult", "Stepper", "largest_forward"]
+__all__ = ["FusedMismatch", "StepResult", "Stepper", "largest_forward", "resolve_lanes", "split_lanes"]

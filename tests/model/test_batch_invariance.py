@@ -244,12 +244,17 @@ requests = st.lists(st.tuples(st.integers(1, 70),       # prompt length
                     min_size=1, max_size=6)
 
 
+#: (service.model_lanes, service.lane_min_rows): one lane, or forwards split from 2 or 20 rows up.
+LANES = st.sampled_from([(1, 256), (2, 2), (2, 20), (3, 2)])
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(reqs=requests, budget=st.sampled_from([1, 17, 48, 256, 1024]), seed=st.integers(0, 2**16),
-       cap=st.sampled_from([0, 0, 16, 40]))
-def test_random_mixes_run_batched_equal_each_request_run_alone(tiny, reqs, budget, seed, cap) -> None:
-    """``cap``: service.max_prompt_tokens_with_decodes (prompts cut smaller beside decode tokens)."""
-    check_mix(tiny, reqs, budget, seed, cap)
+       cap=st.sampled_from([0, 0, 16, 40]), lanes=LANES)
+def test_random_mixes_run_batched_equal_each_request_run_alone(tiny, reqs, budget, seed, cap, lanes) -> None:
+    """``cap``: service.max_prompt_tokens_with_decodes (prompts cut smaller beside decode tokens);
+    ``lanes``: service.model_lanes and lane_min_rows (forwards split by request, run at once)."""
+    check_mix(tiny, reqs, budget, seed, cap, lanes)
 
 
 DENSE = {
@@ -278,17 +283,19 @@ def dense(request):
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(reqs=requests, budget=st.sampled_from([1, 17, 48, 256, 1024]), seed=st.integers(0, 2**16))
+@given(reqs=requests, budget=st.sampled_from([1, 17, 48, 256, 1024]), seed=st.integers(0, 2**16), lanes=LANES)
 # found by a random run: three float16 decode rows fused differed from each alone (bmm_rows)
-@example(reqs=[(5, 0, 3, 1, 2), (12, 4, 3, 1, 1), (11, 4, 1, 0, 2), (27, 4, 5, 0, 0)], budget=256, seed=63814)
-def test_dense_random_mixes_run_batched_equal_each_request_run_alone(dense, reqs, budget, seed) -> None:
+@example(reqs=[(5, 0, 3, 1, 2), (12, 4, 3, 1, 1), (11, 4, 1, 0, 2), (27, 4, 5, 0, 0)], budget=256, seed=63814,
+         lanes=(1, 256))
+def test_dense_random_mixes_run_batched_equal_each_request_run_alone(dense, reqs, budget, seed, lanes) -> None:
     """The dense family (decode tokens of several requests share one attention call, each over
     its own padded keys; prefill units of one size likewise), the hybrid model in bfloat16 and
-    the YOCO family (its cross-decoder on each piece's last row only): every request keeps its bits."""
-    check_mix(dense, reqs, budget, seed)
+    the YOCO family (its cross-decoder on each piece's last row only): every request keeps its bits,
+    in one forward or split into lanes."""
+    check_mix(dense, reqs, budget, seed, lanes=lanes)
 
 
-def check_mix(tiny, reqs, budget, seed, cap: int = 0) -> None:
+def check_mix(tiny, reqs, budget, seed, cap: int = 0, lanes: tuple[int, int] = (1, 256)) -> None:
     g = torch.Generator().manual_seed(seed)
     corpus = torch.randint(0, tiny.cfg.vocab_size, (CAP,), generator=g).tolist()
     cold = tiny.new_state(BLOCK, CAP)
@@ -303,7 +310,7 @@ def check_mix(tiny, reqs, budget, seed, cap: int = 0) -> None:
         pool = ThreadPoolExecutor(1)
         # every second fused forward also runs one request alone and compares: no false alarm here
         stepper = Stepper(tiny, pool, max_batch_tokens=budget, block_size=BLOCK, check_every=2,
-                          max_prompt_tokens_with_decodes=cap)
+                          max_prompt_tokens_with_decodes=cap, lanes=lanes[0], lane_min_rows=lanes[1])
         steppers.append(stepper)
 
         async def one(k: int, prompt, resume, max_tokens, priority, arrival):
@@ -335,6 +342,7 @@ def check_mix(tiny, reqs, budget, seed, cap: int = 0) -> None:
             return await asyncio.gather(*tasks)
         finally:
             pool.shutdown()
+            stepper.close()
 
     steppers: list[Stepper] = []
     batched = asyncio.run(run_all())
@@ -356,6 +364,107 @@ def test_two_intra_op_threads_turn_fusing_off(tiny) -> None:
             tiny.forward_batch([([1, 2], tiny.new_state(BLOCK)), ([3], tiny.new_state(BLOCK))])
     finally:
         torch.set_num_threads(before)
+
+
+def make(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_lanes_split_large_forwards_by_request_and_balance_their_rows() -> None:
+    from worker.stepper import split_lanes
+    assert split_lanes([1] * 8, 2, 256) == [list(range(8))]                 # small: one forward
+    assert split_lanes([300], 2, 256) == [[0]]                               # one request: nothing to split
+    assert split_lanes([100, 100, 100], 1, 2) == [[0, 1, 2]]                 # one lane
+    assert split_lanes([128, 1, 1, 128], 2, 256) == [[0, 1], [2, 3]]          # largest first, fewest rows next
+    assert split_lanes([200, 30, 20, 10], 2, 256) == [[0], [1, 2, 3]]
+    assert split_lanes([5, 5], 3, 2) == [[0], [1]]                           # never an empty lane
+    groups = split_lanes([64, 16, 48, 32, 1, 1], 3, 100)
+    assert sorted(i for g in groups for i in g) == list(range(6)) and len(groups) == 3
+
+
+def test_automatic_lanes_are_one_on_cuda_and_the_usable_cores_at_most_two_on_cpu(monkeypatch) -> None:
+    from worker.stepper import resolve_lanes
+    assert resolve_lanes(3, "cpu") == 3 and resolve_lanes(2, "cuda:0") == 2   # a setting is kept
+    assert resolve_lanes(0, "cuda:1") == 1
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0}, raising=False)
+    assert resolve_lanes(0, "cpu") == 1
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(16)), raising=False)
+    assert resolve_lanes(0, "cpu") == 2
+
+
+def test_a_forward_split_into_lanes_runs_at_once_and_each_request_keeps_its_bits(tiny, monkeypatch) -> None:
+    """Four prompts in one step, two lanes: two forwards on two threads, each request's logits
+    and the blocks it completes bit-identical to the request alone."""
+    import threading
+    threads: set[str] = set()
+    forward = tiny.forward_batch
+
+    def spy(work, **kw):
+        threads.add(threading.current_thread().name)
+        return forward(work, **kw)
+    monkeypatch.setattr(tiny, "forward_batch", spy)
+    prompts = [make(40, 1), make(33, 2), make(20, 3), make(16, 4)]
+
+    async def scenario():
+        pool = ThreadPoolExecutor(1, thread_name_prefix="kvl-model")
+        st_ = Stepper(tiny, pool, max_batch_tokens=1024, block_size=BLOCK, check_every=1, lanes=2, lane_min_rows=2)
+        states = [tiny.new_state(BLOCK, CAP) for _ in prompts]
+        try:
+            def plan_for(p):
+                return lambda _max: (p.tolist(), list(range(len(p) // BLOCK)))
+            got = await asyncio.gather(*(st_.prefill(s, plan_for(p), (0, k))
+                                         for k, (s, p) in enumerate(zip(states, prompts))))
+            return got, st_
+        finally:
+            pool.shutdown()
+            st_.close()
+
+    got, st_ = asyncio.run(scenario())
+    assert st_.forwards == 1 and st_.split_forwards == 1 and st_.check_failures == 0 and st_.checks == 1
+    assert any(t.startswith("kvl-model") for t in threads) and any(t.startswith("kvl-lane") for t in threads)
+    for p, r in zip(prompts, got):
+        state = tiny.new_state(BLOCK, CAP)
+        alone = forward([(p, state)], logits="last")[0]
+        assert torch.equal(bits(r.logits), bits(alone))
+        assert [i for i, _ in r.payloads] == list(range(len(p) // BLOCK))
+        for i, payload in r.payloads:
+            want = state.export_block(i)
+            assert all(torch.equal(bits(payload[k]), bits(want[k])) for k in want)
+
+
+def test_an_error_in_one_lane_fails_the_step_once_every_lane_has_finished(tiny, monkeypatch) -> None:
+    """A lane's forward that raises fails every request of the step, and only after the other
+    lane's forward returned (its states are not written behind the step's back)."""
+    import threading
+    import time as _time
+    forward = tiny.forward_batch
+    done: list[str] = []
+    bad = tiny.new_state(BLOCK, CAP)
+
+    def flaky(work, **kw):
+        if any(item[1] is bad for item in work):
+            raise RuntimeError("lane broke")
+        _time.sleep(0.05)
+        out = forward(work, **kw)
+        done.append(threading.current_thread().name)
+        return out
+    monkeypatch.setattr(tiny, "forward_batch", flaky)
+
+    async def scenario():
+        pool = ThreadPoolExecutor(1, thread_name_prefix="kvl-model")
+        st_ = Stepper(tiny, pool, max_batch_tokens=1024, block_size=BLOCK, lanes=2, lane_min_rows=2)
+        states = [tiny.new_state(BLOCK, CAP), bad]
+        try:
+            return await asyncio.gather(*(st_.prefill(s, lambda _m, n=n: (make(n, n).tolist(), []), (0, k))
+                                          for k, (s, n) in enumerate(zip(states, (40, 30)))),
+                                        return_exceptions=True)
+        finally:
+            pool.shutdown()
+            st_.close()
+
+    got = asyncio.run(scenario())
+    assert all(isinstance(r, RuntimeError) and "lane broke" in str(r) for r in got), got
+    assert len(done) == 1          # the healthy lane finished before the step failed
 
 
 def test_a_fused_forward_that_differs_fails_its_step_and_fusing_stops(tiny, monkeypatch) -> None:
