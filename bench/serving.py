@@ -421,7 +421,8 @@ _COUNTERS = {"evictions": ('kvl_worker_transitions_total', {"kind": "evict"}),
              "fallbacks_grid": ("kvl_worker_fallbacks_total", {"reason": "grid"}),
              "fallbacks_validation": ("kvl_worker_fallbacks_total", {"reason": "validation"}),
              "fallbacks_degraded": ("kvl_worker_fallbacks_total", {"reason": "degraded"}),
-             "fallbacks_lease": ("kvl_worker_fallbacks_total", {"reason": "lease"})}
+             "fallbacks_lease": ("kvl_worker_fallbacks_total", {"reason": "lease"}),
+             "lane_forwards": ("kvl_worker_lane_forwards_total", {})}
 
 
 async def counters(http: Any, url: str) -> dict[str, float]:
@@ -671,6 +672,8 @@ def _service(args: argparse.Namespace) -> dict[str, int]:
     out = {"max_batch_tokens": args.max_batch_tokens} if args.max_batch_tokens else {}
     if args.max_prompt_tokens_with_decodes >= 0:
         out["max_prompt_tokens_with_decodes"] = args.max_prompt_tokens_with_decodes
+    if args.model_lanes >= 0:
+        out["model_lanes"] = args.model_lanes
     return out
 
 
@@ -678,9 +681,13 @@ def _service_settings(args: argparse.Namespace) -> dict[str, int]:
     """The step loop's budgets the worker ran with (result keys), defaults filled in."""
     from shared.config import ServiceConfig
 
+    from worker.stepper import resolve_lanes
+
     d = ServiceConfig()
-    return {"max_batch_tokens": d.max_batch_tokens, "max_prompt_tokens_with_decodes": d.max_prompt_tokens_with_decodes,
-            **_service(args)}
+    out = {"max_batch_tokens": d.max_batch_tokens, "max_prompt_tokens_with_decodes": d.max_prompt_tokens_with_decodes,
+           "model_lanes": d.model_lanes, "lane_min_rows": d.lane_min_rows, **_service(args)}
+    out["model_lanes_resolved"] = resolve_lanes(out["model_lanes"], "cpu")     # the bench's worker runs on the CPU
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -703,12 +710,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="the worker's service.max_batch_tokens (default: the config's own default)")
     ap.add_argument("--max-prompt-tokens-with-decodes", type=int, default=-1,
                     help="the worker's service.max_prompt_tokens_with_decodes (0: no cap; default: the config's)")
+    ap.add_argument("--model-lanes", type=int, default=-1,
+                    help="the worker's service.model_lanes (1: one forward at a time; 0: automatic; default: the "
+                         "config's)")
     ap.add_argument("--database-url", default=os.environ.get("KVL_DATABASE_URL", ""))
     ap.add_argument("--nats-url", default=os.environ.get("KVL_NATS_URL", ""))
     args = ap.parse_args(argv)
     args.levels = tuple(int(x) for x in args.levels.split(","))
     if not 0 <= args.max_batch_tokens <= 65536:
         ap.error("--max-batch-tokens: 1 to 65536 (0: the config's default)")
+    if not -1 <= args.model_lanes <= 16:
+        ap.error("--model-lanes: 0 (automatic) to 16 (default: the config's)")
     if not -1 <= args.max_prompt_tokens_with_decodes <= 65536:
         ap.error("--max-prompt-tokens-with-decodes: 0 (no cap) to 65536 (default: the config's)")
     args.families = tuple(f for f in args.families.split(",") if f)
