@@ -422,6 +422,7 @@ _COUNTERS = {"evictions": ('kvl_worker_transitions_total', {"kind": "evict"}),
              "fallbacks_validation": ("kvl_worker_fallbacks_total", {"reason": "validation"}),
              "fallbacks_degraded": ("kvl_worker_fallbacks_total", {"reason": "degraded"}),
              "fallbacks_lease": ("kvl_worker_fallbacks_total", {"reason": "lease"}),
+             "forwards": ("kvl_worker_step_batch_tokens_count", {}),
              "lane_forwards": ("kvl_worker_lane_forwards_total", {})}
 
 
