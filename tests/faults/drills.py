@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from shared import messages as m
 from shared import nats_auth
 from shared.config import parse_config
@@ -95,14 +97,20 @@ MAX_CONCURRENCY = 2
 QUEUE_SIZE = 4
 
 
+#: wb's service.model_lanes and lane_min_rows: every forward of two requests runs as two at once.
+LANES = {"model_lanes": 2, "lane_min_rows": 2}
+
+
 def worker_specs() -> list[WorkerSpec]:
     """wa, wb: ordinary workers with small pools; wa offloads straight to disk, wb through a small
     host tier (~8 window blocks) that spills to disk. wp: one form's pool (``tail``, 2 slots) far
     too small for its load. wr: untouched by the load; it holds the prompts retention is measured on."""
     service = {"max_concurrency": MAX_CONCURRENCY, "queue_size": QUEUE_SIZE}
     return [WorkerSpec("wa", cache=SMALL_POOLS, worker={"pool_bytes": 2**20}, service=service),
+            # wb splits every fused forward into two lanes (LANES): the drills' answers and the
+            # audit cover that path too
             WorkerSpec("wb", cache={**SMALL_POOLS, "host_tier_bytes": 200_000}, worker={"pool_bytes": 2**20},
-                       service=service),
+                       service={**service, **LANES}),
             pressured_worker(service),
             # the retention witness: no load, no host or disk tier (only its GPU pools can retain)
             WorkerSpec("wr", cache={"host_tier_bytes": 0, "offload_dir": ""}, worker={"pool_bytes": 16 * 2**20},
@@ -241,6 +249,8 @@ class Run:
         #: Where the log-archive drill writes the archive files; ``kvledger log verify``'s report of them.
         self.archive_dir = root / "log-archive"
         self.archives_verified: dict[str, Any] | None = None
+        #: drill → wb's forwards split into lanes since its last start, read after the drill
+        self.lane_forwards: dict[str, float] = {}
 
     async def _warm(self) -> None:
         """Every reference the drills need, computed while the stack starts."""
@@ -1099,6 +1109,14 @@ def audit_findings(run: Run, audit: dict[str, Any]) -> dict[str, Any]:
     if damaged and not injected:
         out["disk"] = disk
     return out
+
+
+async def note_lane_forwards(run: Run, drill: str) -> None:
+    """Record wb's split forwards after a drill (nothing when wb is not answering)."""
+    try:
+        run.lane_forwards[drill] = await run.stack.metric("wb", "kvl_worker_lane_forwards_total")
+    except (OSError, asyncio.TimeoutError, aiohttp.ClientError):
+        pass
 
 
 async def final_check(run: Run) -> tuple[checker.Report, dict[str, Any]]:

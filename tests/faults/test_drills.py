@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from tests.faults.drills import ALL, DRILLS, Run, Settings, audit_findings, final_check
+from tests.faults.drills import ALL, DRILLS, Run, Settings, audit_findings, final_check, note_lane_forwards
 from tests.faults.report import numbers, publish
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow, pytest.mark.timeout(300)]
@@ -41,6 +41,7 @@ async def test_drill(run: Run, drill: str) -> None:
         run.failures.append((drill, f"{type(e).__name__}: {e}"))
         await run.abandon()
         raise
+    await note_lane_forwards(run, drill)
 
 
 async def test_history_is_clean_and_the_audit_passes(run: Run) -> None:
@@ -58,6 +59,8 @@ async def test_history_is_clean_and_the_audit_passes(run: Run) -> None:
     if {f.drill for f in run.faults} & {"offload-damage", "offload-readonly"} and disk.get("checked"):
         assert (disk.get("missing") or {}).get("count") or (disk.get("damaged") or {}).get("count"), disk
     assert n["mismatches"] == 0
+    # wb ran its fused forwards as two lanes at once, and every answer above came through them too
+    assert any(v > 0 for v in run.lane_forwards.values()), run.lane_forwards
     if "log-archive" in {f.drill for f in run.faults}:
         # the archived history verifies offline, and the audit replayed from its anchor
         assert run.archives_verified and run.archives_verified["ok"], run.archives_verified
