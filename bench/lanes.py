@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -103,7 +102,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error("--reps: a positive count (0: the default)")
     reps = args.reps or (3 if args.quick else 6)
     torch.set_num_threads(1)         # the rule batch invariance needs; lanes are the other way to more cores
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from worker.stepper import usable_cores
+    cores = usable_cores()
     t0 = time.perf_counter()
     models: dict[str, Any] = {}
     rows = []

@@ -78,6 +78,11 @@ def largest_forward(max_batch_tokens: int, block_size: int) -> int:
     return max(max_batch_tokens, block_size)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def resolve_lanes(setting: int, device: str) -> int:
     """``service.model_lanes`` as run: the setting, or when it is 0, 1 on CUDA (one stream runs
     the kernels in turn) and otherwise the usable cores, at most 2 (the most measured)."""
@@ -85,8 +90,7 @@ def resolve_lanes(setting: int, device: str) -> int:
         return setting
     if device.split(":", 1)[0] == "cuda":
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(2, cores))
+    return max(1, min(2, usable_cores()))
 
 
 def split_lanes(rows: Sequence[int], lanes: int, min_rows: int) -> list[list[int]]:
