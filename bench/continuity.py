@@ -41,6 +41,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from shared.child_process import parent_death_signal
+
 #: coordinator.resume_grace_ms (and lease_ttl_ms) of the benchmark's stacks: short enough that
 #: a stall past it fits the run.
 GRACE_MS = 12_000
@@ -75,6 +77,7 @@ class Up:
              "--coordinators", str(coordinators), "--coordinator-port", "0", "--worker-base-port", "0",
              "--gateway-port", "0", "--quiet"],
             cwd=self.dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            preexec_fn=parent_death_signal(),
             env={**os.environ, "PYTHONPATH": os.getcwd(), "KVL_TORCH_THREADS": "1"})
         assert self.p.stdout is not None
         for line in self.p.stdout:

@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+from shared.child_process import parent_death_signal
+
 PHASES = (("services+migrate", "event log schema at revision"), ("coordinator ready", "worker(s) starting"),
           ("all ready", "up; Ctrl-C"))
 
@@ -37,7 +39,8 @@ def one_run(workers: int) -> dict[str, float]:
         p = subprocess.Popen([sys.executable, "-m", "kvledger.cli", "up", "--config", "kvledger.yaml",
                               "--workers", str(workers), "--coordinator-port", "0", "--worker-base-port", "0", "--gateway-port", "0",
                               "--quiet"], cwd=d, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                             start_new_session=True, preexec_fn=parent_death_signal(),
+                             env={**os.environ, "PYTHONPATH": os.getcwd()})
         out: dict[str, float] = {}
         assert p.stdout is not None
         for line in p.stdout:

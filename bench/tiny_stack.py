@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from shared.child_process import parent_death_signal
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n{{ m['content'] }}"
                  "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n"
                  "{% endif %}")
@@ -35,7 +37,10 @@ def launch_up(d: Path, workers: int) -> tuple[subprocess.Popen, dict]:
     up = subprocess.Popen([sys.executable, "-m", "kvledger.cli", "up", "--config", "kvledger.yaml", "--workers",
                            str(workers), "--coordinator-port", "0", "--worker-base-port", "0", "--gateway-port", "0",
                            "--quiet"], cwd=d, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                          # a stack dies with the run that started it (a killed pytest left one holding the
+                          # leader lock on the shared PostgreSQL, and the next run's coordinator waited as standby)
+                          start_new_session=True, preexec_fn=parent_death_signal(),
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert up.stdout is not None
     for line in up.stdout:
         if "up; Ctrl-C" in line:

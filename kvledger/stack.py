@@ -44,7 +44,6 @@ Theory of operation — a small process supervisor, threads and ``subprocess``, 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import secrets
@@ -63,6 +62,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from shared import nats_auth
+from shared.child_process import parent_death_signal
 from shared.config import Config
 from shared.nats_auth import CredentialStore
 from shared.subjects import Subjects
@@ -184,22 +184,6 @@ def _short(v: Any) -> str:
 
 # --- one child process ---------------------------------------------------------------------------
 
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A ``preexec_fn`` asking Linux to SIGTERM the child if this process dies (even by kill -9),
-    so a killed supervisor leaves no orphaned workers. Prepared here: the child only calls it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    PR_SET_PDEATHSIG = 1  # noqa: N806 - the kernel's name
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    return preexec
-
-
 class Child:
     """A supervised process in its own process group; output to a log file and the terminal.
     :meth:`start` again after it exited runs it anew with the same command and environment."""
@@ -228,7 +212,7 @@ class Child:
         self._tail = []  # the end of the log shown when it exits is this run's
         self.popen = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace",
-                                      start_new_session=True, preexec_fn=_parent_death_signal())
+                                      start_new_session=True, preexec_fn=parent_death_signal())
         self._reader = threading.Thread(target=self._pump, name=f"log-{self.name}", daemon=True)
         self._reader.start()
 

@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 import yaml
 
+from shared.child_process import parent_death_signal
 from shared.embedded import free_port
 from shared.subjects import Subjects
 
@@ -56,7 +57,7 @@ class CoordinatorProcess:
         with open(self.log, "ab") as out:
             self.popen = subprocess.Popen([sys.executable, "-m", "coordinator", "--config", str(self.config)],
                                           cwd=REPO, env=clean_env(), stdout=out, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
+                                          start_new_session=True, preexec_fn=parent_death_signal())
         return self
 
     @property

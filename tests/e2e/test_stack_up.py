@@ -31,6 +31,7 @@ import psutil
 import pytest
 import yaml
 
+from shared.child_process import parent_death_signal
 from shared.subjects import Subjects
 from tests.e2e.coordinator_processes import REPO, clean_env
 from tests.integration.test_tls import certs  # noqa: F401 - fixture (certificates made on the fly)
@@ -53,7 +54,7 @@ class UpProcess:
             [*KVLEDGER, "up", "--config", str(self.config), "--coordinator-port", "0", "--worker-base-port", "0",
              "--gateway-port", "0",
              *args], cwd=tmp, env=clean_env(KVL_TORCH_THREADS="1"), stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=parent_death_signal())
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 

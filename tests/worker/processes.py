@@ -23,6 +23,7 @@ import aiohttp
 import nats
 import yaml
 
+from shared.child_process import parent_death_signal
 from shared.embedded import free_port
 from shared.subjects import Subjects
 from worker.engine_main import debug_subject, decode_logits
@@ -36,7 +37,7 @@ class Proc:
         self.log = log
         self._f = open(log, "ab")  # noqa: SIM115 - closed in stop()
         self.popen = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self._f, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
+                                      start_new_session=True, preexec_fn=parent_death_signal())
 
     @property
     def alive(self) -> bool:
