@@ -7,8 +7,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvl-installed
 PYTEST_ARGS ?=
 UP_ARGS ?=
+# make fuzz: the property tests with new examples, FUZZ_SCALE times as many as CI draws
+FUZZ_SCALE ?= 10
+PROPERTY_TESTS := tests/unit/core/test_stateful.py tests/unit/core/test_prefix.py \
+	tests/unit/test_tool_call_parsing.py tests/model/test_batch_invariance.py
 
-.PHONY: up test install bench gpu-check clean
+.PHONY: up test fuzz install bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +27,11 @@ up: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Not part of make test: a wider search than a run that must stay fast.
+# New examples on every run; a failure prints the @reproduce_failure blob to pin it down.
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=dev KVL_FUZZ_SCALE=$(FUZZ_SCALE) $(PY) -m pytest -q -p no:cacheprovider $(PROPERTY_TESTS) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m bench.model --quick

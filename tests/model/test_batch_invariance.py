@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import kernels.invariant as inv
 from kernels.invariant import MIN_COLS, ROW_FLOORS, linear, pointwise, probe
 from kernels.sparse_attention.reference import sparse_attn_ref
+from tests.fuzz import examples
 from worker.stepper import Stepper
 
 BLOCK = 16
@@ -248,7 +249,7 @@ requests = st.lists(st.tuples(st.integers(1, 70),       # prompt length
 LANES = st.sampled_from([(1, 256), (2, 2), (2, 20), (3, 2)])
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(reqs=requests, budget=st.sampled_from([1, 17, 48, 256, 1024]), seed=st.integers(0, 2**16),
        cap=st.sampled_from([0, 0, 16, 40]), lanes=LANES)
 def test_random_mixes_run_batched_equal_each_request_run_alone(tiny, reqs, budget, seed, cap, lanes) -> None:
@@ -282,7 +283,7 @@ def dense(request):
     return model
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(reqs=requests, budget=st.sampled_from([1, 17, 48, 256, 1024]), seed=st.integers(0, 2**16), lanes=LANES)
 # found by a random run: three float16 decode rows fused differed from each alone (bmm_rows)
 @example(reqs=[(5, 0, 3, 1, 2), (12, 4, 3, 1, 1), (11, 4, 1, 0, 2), (27, 4, 5, 0, 0)], budget=256, seed=63814,

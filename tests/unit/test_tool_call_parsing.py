@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from shared.text import tool_calls as tc
 from shared.text.chat_template import BUILTIN, message
+from tests.fuzz import examples
 
 NAMES = frozenset({"get_weather", "noop"})
 
@@ -114,7 +115,7 @@ FRAGMENTS = ["Hi", " ", "\n", "Let me see.", "<tool", "_call>", "<tool_call>", "
              '<|tool_calls|>[{"name":"noop","arguments":{}}]', "<|tool_", '[{"name": "noop", "arguments": {}}]']
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(fmt=st.sampled_from(["hermes", "llama3_json", "mistral", "builtin"]),
        pieces=st.lists(st.sampled_from(FRAGMENTS), max_size=8), cuts=st.randoms(use_true_random=False))
 def test_a_stream_cut_anywhere_gives_the_whole_outputs_content_and_calls(fmt, pieces, cuts) -> None:

@@ -14,6 +14,7 @@ from coordinator.core import CoreParams, LedgerState, longest_usable_prefix
 from coordinator.core.state import Replica
 from shared.forms import FormCatalogue, FormScope, FormSpec
 from shared.messages import ReplicaState as S
+from tests.fuzz import examples
 
 from .support import h
 
@@ -200,7 +201,7 @@ def _oracle(s: LedgerState, blocks: list[str], locs: tuple[str, ...]) -> tuple[i
 @given(strat.lists(strat.lists(strat.sampled_from(["none", "ready", "other"]), min_size=len(LOCS), max_size=len(LOCS)),
                 min_size=0, max_size=14 * len(CAT.forms)),
        strat.lists(strat.sampled_from(LOCS), min_size=1, max_size=3, unique=True))
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_the_search_agrees_with_the_definition(cells: list[list[str]], readable: list[str]) -> None:
     """Random replicas (absent, READY or in another state, at each location) for every (block,
     form): the downward, probe-once search finds the boundary and the pins the definition does."""

@@ -30,6 +30,7 @@ from coordinator.core import (
 from shared.forms import FormScope
 from shared.hashing import split_digests
 from shared.messages import ErrorCode, ErrorReply, LeaseGrant, ReplicaState as S, ResumeReply
+from tests.fuzz import examples
 
 from .support import CAT, Driver, acquire, hb, held, register, release, renew, resume_msg, transition
 
@@ -655,7 +656,7 @@ class CoreMachine(RuleBasedStateMachine):
 
 
 CoreMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("KVL_CORE_HYPOTHESIS_EXAMPLES", "150")),
+    max_examples=int(os.environ.get("KVL_CORE_HYPOTHESIS_EXAMPLES", str(examples(150)))),
     stateful_step_count=int(os.environ.get("KVL_CORE_HYPOTHESIS_STEPS", "50")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
