@@ -28,7 +28,7 @@ up: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# Not part of make test: a wider search than a run that must stay fast.
+# Not part of make test: a wider search than a run that must stay fast (scale 10: ~10 min here).
 # New examples on every run; a failure prints the @reproduce_failure blob to pin it down.
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=dev KVL_FUZZ_SCALE=$(FUZZ_SCALE) $(PY) -m pytest -q -p no:cacheprovider $(PROPERTY_TESTS) $(PYTEST_ARGS)
