@@ -24,7 +24,10 @@ What a turn can reuse: every whole block of the previous turns' prompts *and rep
 prefill computes and is cached at the end of its request; ``next_turn_reuse_ratio`` is what
 turn n+1 found cached over turn n's prompt + reply tokens). Requests run concurrently share
 model forwards (``worker.stepper``): ``throughput_c8_vs_c1`` and ``throughput_c32_vs_c1``
-are the gain of concurrency with reuse on.
+are the gain of concurrency with reuse on. After the levels, ``bench.serving_bound`` times the
+same requests' model work fused as well as the stepper can fuse it, on this machine, and prints
+``model_bound_c<N>_vs_c1`` (the most concurrency could buy for requests of this shape) and
+``throughput_c<N>_vs_model_bound`` (how close the level came).
 
 Per level and mode: ``throughput_tok_s`` (prompt + generated tokens per second of wall
 time), ``output_tok_s``, time to first token p50/p99 as the client sees it (request sent →
@@ -728,6 +731,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if bad := [f for f in args.families if f not in ("hybrid", "yoco")]:
         ap.error(f"--families: {bad} not known; use hybrid and/or yoco")
     result = asyncio.run(run(args))
+    if not (args.api_only or args.long_agent):
+        # the most concurrency could buy for these requests on this machine (the stack is stopped)
+        from bench.serving_bound import for_serving
+        bound = for_serving(result, args.quick)
+        result.update(bound)
+        result["elapsed_s"] = round(result.get("elapsed_s", 0) + bound.get("bound_s", 0), 1)
     print(json.dumps(result))
     return result
 

@@ -1,0 +1,67 @@
+"""bench.serving_bound: N requests through the worker's real stepper in the fewest forwards, and
+the bound it derives for bench.serving's measured ratios."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from bench.serving_bound import for_serving, main, model_seconds
+from worker.model import build_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_model(seed=0)
+
+
+def _forwards(model, n: int, budget: int) -> int:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    pool = ThreadPoolExecutor(1)
+    try:
+        seconds, forwards = model_seconds(model, n, 20, 2, budget=budget, lanes=1, lane_min_rows=512, pool=pool)
+    finally:
+        pool.shutdown()
+        torch.set_num_threads(before)
+    assert seconds > 0
+    return forwards
+
+
+def test_n_requests_run_in_the_fewest_forwards_the_budget_allows(tiny) -> None:
+    # every prompt in one forward, then one forward per decode step for all of them
+    assert _forwards(tiny, 1, 1024) == 3
+    assert _forwards(tiny, 4, 1024) == 3
+    # a budget of 32 rows: 4 prompts of 20 rows take at least 3 forwards (each forward's first
+    # prompt may run a whole block), then the 2 decode steps
+    assert _forwards(tiny, 4, 32) >= 5
+
+
+def _level(requests: int, wall_s: float, tokens: int, cached: float) -> dict:
+    return {"on": {"requests": requests, "wall_s": wall_s, "prompt_tokens": tokens * requests,
+                   "completion_tokens": 2 * requests, "cached_fraction": cached}}
+
+
+def test_the_bound_for_a_serving_result_follows_its_definition() -> None:
+    result = {"max_batch_tokens": 1024, "model_lanes_resolved": 1, "lane_min_rows": 512,
+              "c1": _level(4, 0.4, 40, 0.5), "c4": _level(16, 0.5, 40, 0.25), "throughput_c4_vs_c1": 2.0}
+    out = for_serving(result, quick=True)
+    assert out["c1_wall_ms_per_request"] == 100.0
+    assert 0 < out["c1_model_share"] == round(out["bound_model_ms_c1"] / 100.0, 3)
+    assert out["bound_forwards_c4"] == 2          # four 30-row prompts in one forward, then one decode step
+    bound = 4 * 100.0 / out["bound_model_ms_c4"]  # the same tokens per request at both levels
+    assert out["throughput_bound_c4_vs_c1"] == pytest.approx(bound, rel=1e-2)
+    assert out["throughput_c4_vs_bound"] == pytest.approx(2.0 / bound, rel=1e-2)
+
+
+def test_no_bound_without_c1_and_another_level() -> None:
+    assert for_serving({"c8": _level(16, 0.5, 40, 0.25)}, quick=True) == {}
+    assert for_serving({"c1": _level(4, 0.4, 40, 0.5)}, quick=True) == {}
+
+
+@pytest.mark.parametrize("argv", [["--levels", "1,8"], ["--levels", "x"], ["--prompt-rows", "0"]])
+def test_bad_arguments_are_refused(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(argv)
