@@ -54,6 +54,7 @@ def test_the_bound_for_a_serving_result_follows_its_definition() -> None:
     bound = 4 * 100.0 / out["bound_model_ms_c4"]  # the same tokens per request at both levels
     assert out["throughput_bound_c4_vs_c1"] == pytest.approx(bound, rel=1e-2)
     assert out["throughput_c4_vs_bound"] == pytest.approx(2.0 / bound, rel=1e-2)
+    assert out["throughput_bound_c4_vs_c1_any_budget"] > 0     # timed again with the largest budget
 
 
 def test_no_bound_without_c1_and_another_level() -> None:
