@@ -168,7 +168,9 @@ class Run:
                 "itl_p50_ms": round(percentile(gaps, 50), 1) if gaps else None,
                 "itl_p99_ms": round(percentile(gaps, 99), 1) if gaps else None,
                 "cached_fraction": round(sum(t.cached_tokens for t in self.turns) / max(1, prompt), 3),
-                **{k: round(v) for k, v in sorted(self.counters.items()) if v}}
+                **({"close_ms_mean": round(1000 * self.counters["close_s"] / self.counters["closes"], 2)}
+                   if self.counters.get("closes") else {}),
+                **{k: round(v) for k, v in sorted(self.counters.items()) if v and k not in ("close_s", "closes")}}
 
 
 #: API keys of the two tenants (one per mode); the worker's config stores their sha256.
@@ -426,7 +428,10 @@ _COUNTERS = {"evictions": ('kvl_worker_transitions_total', {"kind": "evict"}),
              "fallbacks_degraded": ("kvl_worker_fallbacks_total", {"reason": "degraded"}),
              "fallbacks_lease": ("kvl_worker_fallbacks_total", {"reason": "lease"}),
              "forwards": ("kvl_worker_step_batch_tokens_count", {}),
-             "lane_forwards": ("kvl_worker_lane_forwards_total", {})}
+             "lane_forwards": ("kvl_worker_lane_forwards_total", {}),
+             # a request's close (reply committed, watermark awaited, leases released): its mean below
+             "close_s": ("kvl_worker_request_close_seconds_sum", {}),
+             "closes": ("kvl_worker_request_close_seconds_count", {})}
 
 
 async def counters(http: Any, url: str) -> dict[str, float]:

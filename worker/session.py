@@ -940,6 +940,14 @@ class Session:
             return
         self._closed = True
         e = self.engine
+        t0 = time.perf_counter()
+        try:
+            await self._close()
+        finally:
+            e.metrics.close_seconds.observe(time.perf_counter() - t0)
+
+    async def _close(self) -> None:
+        e = self.engine
         settled = True
         with tracing.span("worker.commit") as sp:
             self._commit_pending()

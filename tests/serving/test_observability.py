@@ -46,6 +46,7 @@ async def test_metrics_names_and_values(serve) -> None:
         assert value(m, p + "time_to_first_token_seconds_count") == 3
         assert value(m, p + "inter_token_latency_seconds_count") == 6
         assert value(m, p + "e2e_request_latency_seconds_count") == 3
+        assert value(m, p + "request_close_seconds_count") == 3      # each request's commit, settle and release
         assert value(m, p + "prompt_tokens_total") == 3 * 55
         assert value(m, p + "generation_tokens_total") == 9
         assert value(m, p + "prefix_cache_queries_total") == 3 * 55
