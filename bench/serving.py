@@ -25,9 +25,10 @@ prefill computes and is cached at the end of its request; ``next_turn_reuse_rati
 turn n+1 found cached over turn n's prompt + reply tokens). Requests run concurrently share
 model forwards (``worker.stepper``): ``throughput_c8_vs_c1`` and ``throughput_c32_vs_c1``
 are the gain of concurrency with reuse on. After the levels, ``bench.serving_bound`` times the
-same requests' model work fused as well as the stepper can fuse it, on this machine, and prints
-``model_bound_c<N>_vs_c1`` (the most concurrency could buy for requests of this shape) and
-``throughput_c<N>_vs_model_bound`` (how close the level came).
+same requests' model work fused as the stepper fuses it, on this machine, and prints
+``throughput_aligned_c<N>_vs_c1`` (the ratio were each level's requests fused in aligned groups),
+``throughput_ceiling_c<N>_vs_c1`` (their model work spread perfectly over the usable cores: what
+no schedule here passes) and ``throughput_c<N>_vs_aligned`` (how close the level came).
 
 Per level and mode: ``throughput_tok_s`` (prompt + generated tokens per second of wall
 time), ``output_tok_s``, time to first token p50/p99 as the client sees it (request sent →

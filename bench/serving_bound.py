@@ -1,20 +1,21 @@
-"""The most concurrency can buy here: N requests' model work fused as well as the stepper can fuse
-it, against one request's, timed on this machine.
+"""What concurrency can buy here: N requests' model work fused as the stepper fuses it, against one
+request's, timed on this machine.
 
 ``bench.serving``'s ``throughput_cN_vs_c1`` divides the tokens/s of N concurrent clients by one
-client's. Whatever the scheduler does, N requests in flight cost at least the model time of their
-prompts and decode tokens run in the fewest, fullest forwards the stepper forms — every prompt
-packed into ``service.max_batch_tokens``-row forwards (split into lanes from
-``service.lane_min_rows`` rows up), then each decode step one forward for all N. This bench runs
-exactly that through the worker's own stepper and model (the built-in tiny model bench.serving
-serves), N requests submitted at once:
+client's. This bench runs N requests submitted together through the worker's own stepper and
+model (the built-in tiny model bench.serving serves): every prompt packed into
+``service.max_batch_tokens``-row forwards (split into lanes from ``service.lane_min_rows`` rows up),
+then each decode step one forward for all N — the fewest, fullest forwards it forms.
 
 * ``python -m bench.serving_bound``: ``model_ratio_c<N>_vs_c1`` = N × one request's model time /
   N requests' fused model time (requests of ``--prompt-rows`` uncached prompt tokens and
   ``--decode-tokens`` decode forwards): what fusing buys the model's work alone;
-* ``bench.serving`` (after its levels, :func:`for_serving`): ``throughput_bound_c<N>_vs_c1``, the
-  upper bound of its measured ratio given c = 1's measured wall time per request, and
-  ``throughput_c<N>_vs_bound``, how close the level came.
+* ``bench.serving`` (after its levels, :func:`for_serving`), from c = 1's measured wall time per
+  request and each level's own request shape: ``throughput_aligned_c<N>_vs_c1``, the ratio if the
+  level's requests ran in groups of N fused that way (``_any_budget``: with the largest budget the
+  config accepts); ``throughput_ceiling_c<N>_vs_c1``, the same with the model's work (one thread,
+  fewest forwards) spread perfectly over every usable core, which no schedule on this machine
+  passes; and ``throughput_c<N>_vs_aligned``, how close the level came.
 """
 
 from __future__ import annotations
@@ -120,21 +121,25 @@ def _shape(run: dict[str, Any]) -> tuple[int, int, float]:
 
 
 def for_serving(result: dict[str, Any], quick: bool) -> dict[str, Any]:
-    """The bound for ``bench.serving``'s result (empty without c = 1 and another level).
+    """Where ``bench.serving``'s concurrency ratios stand against this machine (empty without
+    c = 1 and another level).
 
-    A level of N clients runs its requests at most N at a time, so its wall time is at least its
-    requests' count / N times the model time of N such requests fused (each level's own shape: a
-    level's requests find less cached than c = 1's, whose agents run one after another). Hence
+    A level of N clients has at most N requests in flight. Were they aligned (arriving together,
+    fused as :func:`model_seconds` runs them), the level would take its requests' count / N times
+    T_N, the model time of N such requests (each level's own shape: its requests find less cached
+    than c = 1's, whose agents run one after another), hence
 
-        throughput_c<N>_vs_c1 <= N × (tokens per request at N / at 1) × (c = 1's wall ms per
-                                 request) / (N requests' fused model ms)  = ``throughput_bound_c<N>_vs_c1``
+        throughput_aligned_c<N>_vs_c1 = N × (tokens per request at N / at 1) × (c = 1's wall ms
+                                        per request) / T_N
 
-    with c = 1's wall time as measured (its lease, HTTP and commits included: what concurrency
-    can hide). ``c1_model_share``: the model's part of a c = 1 request's wall time.
-    ``..._any_budget``: the same bound with the largest token budget the config accepts (fewer,
-    fuller forwards), so that no budget setting can pass it either.
+    with c = 1's wall time as measured (its lease, HTTP and close included: what concurrency can
+    hide; ``c1_model_share`` is the model's part). Staggered requests can do a little better (one's
+    small decode forward beside another's prompt on the second core), so the ceiling replaces T_N
+    with W_N / cores, W_N being the same work on one thread in the fewest forwards (the largest
+    budget): ``throughput_ceiling_c<N>_vs_c1``.
     """
     from worker.model import build_model
+    from worker.stepper import usable_cores
 
     c1 = result.get("c1", {}).get("on")
     levels = sorted(int(k[1:]) for k in result if k.startswith("c") and k[1:].isdigit() and k != "c1")
@@ -145,24 +150,29 @@ def for_serving(result: dict[str, Any], quick: bool) -> dict[str, Any]:
     _log("request shapes (uncached prompt rows, decode tokens): "
          + ", ".join(f"c{n} {r}+{d}" for n, (r, d, _) in shapes.items()) + " ...")
     model = build_model(seed=0)
-    kw = {"lanes": result["model_lanes_resolved"], "lane_min_rows": result["lane_min_rows"], "reps": 3 if quick else 5}
+    reps = 3 if quick else 5
+    lanes, floor = result["model_lanes_resolved"], result["lane_min_rows"]
     sizes = {n: sh[:2] for n, sh in shapes.items()}
-    ms = fused_ms(model, sizes, budget=result["max_batch_tokens"], **kw)
-    # the same with the largest budget the config allows: what no setting of it can pass
-    ms_any = fused_ms(model, sizes, budget=MAX_BUDGET, **kw) if result["max_batch_tokens"] < MAX_BUDGET else ms
+    ms = fused_ms(model, sizes, budget=result["max_batch_tokens"], lanes=lanes, lane_min_rows=floor, reps=reps)
+    ms_any = (fused_ms(model, sizes, budget=MAX_BUDGET, lanes=lanes, lane_min_rows=floor, reps=reps)
+              if result["max_batch_tokens"] < MAX_BUDGET else ms)
+    work = fused_ms(model, sizes, budget=MAX_BUDGET, lanes=1, lane_min_rows=floor, reps=reps)
+    cores = usable_cores()
     wall1 = 1000 * c1["wall_s"] / c1["requests"]
     out: dict[str, Any] = {"c1_wall_ms_per_request": round(wall1, 2), "bound_model_ms_c1": round(ms[1][0], 2),
-                           "c1_model_share": round(ms[1][0] / wall1, 3)}
+                           "c1_model_share": round(ms[1][0] / wall1, 3), "bound_cores": cores}
     for n in levels:
         out[f"bound_model_ms_c{n}"] = round(ms[n][0], 2)
         out[f"bound_forwards_c{n}"] = ms[n][1]
+        out[f"bound_work_ms_c{n}"] = round(work[n][0], 2)
         tokens = n * shapes[n][2] / shapes[1][2] * wall1
-        b = tokens / ms[n][0]
-        out[f"throughput_bound_c{n}_vs_c1"] = round(b, 3)
-        out[f"throughput_bound_c{n}_vs_c1_any_budget"] = round(tokens / ms_any[n][0], 3)
+        aligned = tokens / ms[n][0]
+        out[f"throughput_aligned_c{n}_vs_c1"] = round(aligned, 3)
+        out[f"throughput_aligned_c{n}_vs_c1_any_budget"] = round(tokens / ms_any[n][0], 3)
+        out[f"throughput_ceiling_c{n}_vs_c1"] = round(tokens * cores / work[n][0], 3)
         measured = result.get(f"throughput_c{n}_vs_c1")
         if measured:
-            out[f"throughput_c{n}_vs_bound"] = round(measured / b, 3)
+            out[f"throughput_c{n}_vs_aligned"] = round(measured / aligned, 3)
     out["bound_s"] = round(time.perf_counter() - t0, 1)
     return out
 
