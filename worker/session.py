@@ -987,15 +987,17 @@ class Session:
     async def _release(self) -> None:
         e = self.engine
         self._stop_renewing()
+        async def release(lease: _Lease) -> None:
+            try:
+                await e.call("release", e.client.release(LeaseRelease(
+                    worker_id=e.worker_id, epoch=lease.epoch, lease_id=lease.grant.lease_id)))
+            except (CoordinatorRefused, CoordinatorUnavailable):
+                pass
+
         with tracing.span("worker.release", {"kvl.leases": len(self.leases)}, kind=tracing.CLIENT):
-            for lease in self.leases:
-                if lease.epoch != e.epoch:
-                    continue
-                try:
-                    await e.call("release", e.client.release(LeaseRelease(
-                        worker_id=e.worker_id, epoch=lease.epoch, lease_id=lease.grant.lease_id)))
-                except (CoordinatorRefused, CoordinatorUnavailable):
-                    pass
+            # at once: the prompt's lease and the reply's are independent (one round trip, not two,
+            # of what a response's last chunk waits for)
+            await asyncio.gather(*(release(lease) for lease in self.leases if lease.epoch == e.epoch))
         self.leases = []
 
     def result(self, tokens: list[int], logits: torch.Tensor | None, ttft: float) -> Result:
