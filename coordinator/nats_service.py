@@ -530,8 +530,9 @@ class NatsService:
                 # arrived: nats-py asks for what is stored, and when that is fewer than n it pulls
                 # again and lingers until the timeout. So: wait for one, then ask only for as many
                 # as the broker says are stored behind it (its num_pending), which it hands over at
-                # once. Asking for batch - 1 with a 0.05 s timeout held every lone batch that long,
-                # and with it every request's close (the commit watermark it waits for): ~35 ms.
+                # once. Asking for batch - 1 with a 0.05 s timeout held a lone batch up to that long,
+                # and with it a request's close (the commit watermark it waits for): 41 ms on average
+                # at c = 1 of the quick serving bench, a third of each request (BENCHMARKS.md, stop 47).
                 msgs = await self._psub.fetch(batch=1, timeout=1.0)
                 more = min(batch - 1, _stored_behind(msgs[-1]))
                 if more > 0:
