@@ -727,8 +727,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--nats-url", default=os.environ.get("KVL_NATS_URL", ""))
     args = ap.parse_args(argv)
     args.levels = tuple(int(x) for x in args.levels.split(","))
-    if not 0 <= args.max_batch_tokens <= 65536:
-        ap.error("--max-batch-tokens: 1 to 65536 (0: the config's default)")
+    from shared.config import MAX_BATCH_TOKENS
+    if not 0 <= args.max_batch_tokens <= MAX_BATCH_TOKENS:
+        ap.error(f"--max-batch-tokens: 1 to {MAX_BATCH_TOKENS} (0: the config's default)")
     if not -1 <= args.model_lanes <= 16:
         ap.error("--model-lanes: 0 (automatic) to 16 (default: the config's)")
     if not -1 <= args.max_prompt_tokens_with_decodes <= 65536:

@@ -85,6 +85,10 @@ class CacheConfig(_Section):
     chunk_blocks: PosInt = 1
 
 
+#: The largest ``service.max_batch_tokens`` accepted (benches that sweep it use the same bound).
+MAX_BATCH_TOKENS = 65536
+
+
 class ServiceConfig(_Section):
     max_concurrency: PosInt = 32
     max_context_length: PosInt = 8192
@@ -95,7 +99,7 @@ class ServiceConfig(_Section):
     #: Larger: more prompts share a forward (throughput and time to first token under load);
     #: smaller: a decode token waits less behind others' prompt rows (inter-token latency).
     #: The start-up probe checks products this large (docs/BENCHMARKS.md, stop 42).
-    max_batch_tokens: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 1024
+    max_batch_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_BATCH_TOKENS)] = 1024
     #: Most prompt tokens a forward may carry while it also runs decode tokens (rounded to whole
     #: blocks, at least one, so prompts still advance); 0: only ``max_batch_tokens`` bounds them.
     #: Smaller: a decoding request waits less between tokens while others' prompts run, and a

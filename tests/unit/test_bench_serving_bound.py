@@ -45,7 +45,7 @@ def _level(requests: int, wall_s: float, tokens: int, cached: float) -> dict:
 
 
 def test_the_bound_for_a_serving_result_follows_its_definition() -> None:
-    result = {"max_batch_tokens": 1024, "model_lanes_resolved": 1, "lane_min_rows": 512,
+    result = {"max_batch_tokens": 1024, "model_lanes_resolved": 1, "lane_min_rows": 512, "workload": {"levels": [1, 4]},
               "c1": _level(4, 0.4, 40, 0.5), "c4": _level(16, 0.5, 40, 0.25), "throughput_c4_vs_c1": 2.0}
     out = for_serving(result, quick=True)
     assert out["c1_wall_ms_per_request"] == 100.0
@@ -60,11 +60,12 @@ def test_the_bound_for_a_serving_result_follows_its_definition() -> None:
 
 
 def test_no_bound_without_c1_and_another_level() -> None:
-    assert for_serving({"c8": _level(16, 0.5, 40, 0.25)}, quick=True) == {}
-    assert for_serving({"c1": _level(4, 0.4, 40, 0.5)}, quick=True) == {}
+    assert for_serving({"workload": {"levels": [8]}, "c8": _level(16, 0.5, 40, 0.25)}, quick=True) == {}
+    assert for_serving({"workload": {"levels": [1]}, "c1": _level(4, 0.4, 40, 0.5)}, quick=True) == {}
 
 
-@pytest.mark.parametrize("argv", [["--levels", "1,8"], ["--levels", "x"], ["--prompt-rows", "0"]])
+@pytest.mark.parametrize("argv", [["--levels", "1,8"], ["--levels", "x"], ["--prompt-rows", "0"],
+                                  ["--max-batch-tokens", "70000"], ["--model-lanes", "-3"]])
 def test_bad_arguments_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         main(argv)
