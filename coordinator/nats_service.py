@@ -122,7 +122,7 @@ def _stored_behind(msg: Msg) -> int:
     """How many messages the broker held for the consumer after ``msg`` when it delivered it."""
     try:
         return max(0, int(msg.metadata.num_pending))
-    except Exception:  # noqa: BLE001 - not a JetStream delivery (no metadata): nothing known behind it
+    except (nats.errors.NotJSMessageError, ValueError):   # not a JetStream delivery: nothing known behind it
         return 0
 
 
