@@ -77,6 +77,7 @@ from worker.cache.store import CacheStore, Reservation
 from worker.cache.tiers import Tiers
 from worker.client import CoordinatorClient, CoordinatorRefused, CoordinatorUnavailable
 from worker.generation import SamplingParams, generate
+from worker.inflight import InFlightBlocks
 from worker.metrics import WorkerMetrics
 from worker.model import CausalLM, weights_digest
 from worker.model.storage import stored_precisions
@@ -174,6 +175,10 @@ class Engine:
         self.checked: SelfCheck | None = None
         #: Validate and restore from the worker's own pools while the lease is in flight.
         self.speculate = True
+        #: Prompt blocks live requests will commit, and how long another waits for them
+        #: (``worker.inflight``, ``cache.prefix_wait_ms``).
+        self.inflight = InFlightBlocks()
+        self.prefix_wait_s = cfg.cache.prefix_wait_ms / 1000
         self.slots = pool_slots(self.catalogue, cfg) if self.cache_enabled else {}
         # NOTE: static topology — the pools are allocated here, once, and never again.
         self.store = CacheStore(self.catalogue, self.slots, self.device) if self.cache_enabled else None
@@ -1206,6 +1211,11 @@ class Engine:
         return ControlAck(worker_id=self.worker_id, affected=affected)
 
     # --- requests -------------------------------------------------------------------------
+
+    def holds(self, block_hash: str) -> bool:
+        """Whether this worker's pools hold a READY replica of ``block_hash`` in any form."""
+        store = self.store
+        return store is not None and any(store.lookup(f, block_hash) is not None for f in self.catalogue.names)
 
     async def open(self, tokens: Sequence[int], *, tenant: str = "default", reuse: bool = True,
                    max_new_tokens: int = 1, images: Sequence[PromptImage] = ()) -> Session:

@@ -104,6 +104,14 @@ class WorkerMetrics:
                                        "the release (a response's last chunk waits for it)", buckets=_FAST,
                                        registry=r)
         self.requests = Counter(p + "requests", "Requests run through the engine", ["outcome"], registry=r)
+        self.prefix_waits = Counter(p + "prefix_waits", "Requests that waited, before their lease, for prompt "
+                                    "blocks another request here was computing (worker.inflight), by outcome: "
+                                    "committed (then leased), abandoned (the other will not commit one: it "
+                                    "closed, or was not granted it), timeout (it leased without them)",
+                                    ["outcome"], registry=r)
+        self.prefix_wait_seconds = Histogram(p + "prefix_wait_seconds", "How long a request waited, before its "
+                                             "lease, for prompt blocks another request here was computing",
+                                             buckets=_SLOW, registry=r)
         self.step_requests = Histogram(p + "step_batch_requests", "Requests fused into one model forward",
                                        buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.step_tokens = Histogram(p + "step_batch_tokens", "Tokens (rows) in one model forward",

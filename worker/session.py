@@ -89,6 +89,7 @@ from worker.cache.planner import (
 )
 from worker.cache.store import Reservation, SlotRead, as_bytes
 from worker.client import CoordinatorRefused, CoordinatorUnavailable
+from worker.inflight import wait_for
 from worker.model.state import BlockPayload
 from worker.model.vision import PromptEmbeds, encode_images
 
@@ -236,6 +237,10 @@ class Session:
         #: no lease of its own and caches only its reply's blocks, under a lease taken at close:
         #: whether its source's prompt was leased. None: not a fork.
         self._source_leased: bool | None = None
+        #: Whether this session holds claims on blocks it will commit (:mod:`worker.inflight`),
+        #: and the claimed blocks whose commits it has sent.
+        self._claims = False
+        self._emitted: set[str] = set()
 
     def _spent(self, phase: str, since: float) -> None:
         self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - since
@@ -269,6 +274,8 @@ class Session:
                 for i in idx:
                     if i >= self.resume_blocks:
                         self.writes.setdefault(i, []).append(form)
+        if self._claims:
+            e.inflight.keep(self, [self.hashes[i] for i in self.writes])
         if e.cache_enabled:
             e.metrics.validated_hits.inc(self.resume_blocks * self.bs)
 
@@ -297,6 +304,8 @@ class Session:
         self.write_room = blocks - len(keep)      # what the reply may still cache
         if dropped:
             self.writes = {i: self.writes[i] for i in keep}
+            if self._claims:
+                self.engine.inflight.keep(self, [self.hashes[i] for i in keep])
         return dropped
 
     def fallback(self, reason: str) -> None:
@@ -312,6 +321,14 @@ class Session:
             self.fallback("degraded")
             return
         self.epoch = e.epoch
+        if e.prefix_wait_s > 0:
+            # a burst sharing a prefix computes it once (worker.inflight): wait for the blocks
+            # another request here is computing, then claim the rest before asking for them
+            if self.reuse:
+                await self._wait_for_shared()
+            # NOTE: not the blocks this worker holds already (a lease reads them): a claim on them
+            # would make the next request wait for this one's grant for nothing
+            self._claims = e.inflight.claim(self, [h for h in self.hashes if not e.holds(h)]) > 0
         lease = asyncio.get_running_loop().create_task(
             self._acquire(self.hashes, write=not e.draining, reuse=self.reuse))
         # NOTE: while the lease is in flight, validate and restore what this worker's own pools
@@ -323,6 +340,8 @@ class Session:
                 sp.set_attribute("kvl.resume_blocks", spec.p if spec is not None else 0)
         self._build_state(spec)
         grant = await lease
+        if self._claims:
+            e.inflight.keep(self, [self.hashes[i] for idx in grant.write.values() for i in idx] if grant else ())
         if grant is None:
             return
         self.main = grant
@@ -376,6 +395,27 @@ class Session:
                 await self._restore(p)
                 sp.set_attributes({"kvl.reloaded_host": self.reloaded.get("host", 0),
                                    "kvl.reloaded_disk": self.reloaded.get("disk", 0)})
+
+    async def _wait_for_shared(self) -> None:
+        """Wait (``cache.prefix_wait_ms`` at most) for this prompt's blocks that other requests
+        here claim (:mod:`worker.inflight`), so the lease that follows finds them committed."""
+        e = self.engine
+        futures = e.inflight.others(self.hashes, self)
+        if not futures:
+            return
+        t0 = time.perf_counter()
+        with tracing.span("worker.prefix_wait", {"kvl.blocks": len(futures)}) as sp:
+            # NOTE: again while others hold claims: a request that waited with this one for the
+            # same prefix may have claimed the next blocks of it first
+            outcome = ""
+            while futures and outcome != "timeout":
+                left = e.prefix_wait_s - (time.perf_counter() - t0)
+                outcome = await wait_for(futures, left) if left > 0 else "timeout"
+                futures = e.inflight.others(self.hashes, self)
+            sp.set_attribute("kvl.outcome", outcome)
+        e.metrics.prefix_waits.labels(outcome=outcome).inc()
+        e.metrics.prefix_wait_seconds.observe(time.perf_counter() - t0)
+        self._spent("prefix_wait", t0)
 
     def _build_state(self, spec: _Speculation | None) -> None:
         """Allocate the request state on the model thread (restored at ``spec.p`` if speculating)."""
@@ -848,12 +888,25 @@ class Session:
                     self.last_seq = max(self.last_seq, seq)
                     self.commits += 1
             e.committed()
+            if self._claims:
+                # NOTE: every form of a block is exported by the same piece, so a block here is whole
+                done = {m.block_hash for m, _ in pending}
+                self._emitted |= done
+                e.background(self._announce(done, self.epoch, self.last_seq))
         else:
             # the epoch that holds the lease is gone: its writes were fenced
             for _, data in pending:
                 if isinstance(data, Reservation):
                     e.store.release(data)
         self._spent("commit", t0)
+
+    async def _announce(self, hashes: set[str], epoch: int, seq: int) -> None:
+        """Tell requests waiting for ``hashes`` (:mod:`worker.inflight`) once the watermark
+        covers their commits: the ledger lists them READY for the lease they ask next. (Not
+        covered in time: the claims stay until the close drops them, or the waiters' wait ends.)"""
+        e = self.engine
+        if e.publisher is None or await e.publisher.wait_committed(epoch, seq, timeout=e.settle_timeout_s):
+            e.inflight.committed(self, hashes)
 
     async def decode(self, token: int) -> torch.Tensor:
         """Feed one token; returns the logits for the next position."""
@@ -944,6 +997,9 @@ class Session:
         try:
             await self._close()
         finally:
+            if self._claims:
+                e.inflight.drop(self)       # what it did not commit: waiters lease (and compute) now
+                self._claims = False
             e.metrics.close_seconds.observe(time.perf_counter() - t0)
 
     async def _close(self) -> None:
@@ -958,6 +1014,8 @@ class Session:
                 e.log.warning("reply blocks not cached", error=type(err).__name__)
             if self.leases and self.last_seq and e.publisher is not None:
                 settled = await e.publisher.wait_committed(self.epoch, self.last_seq, timeout=e.settle_timeout_s)
+            if self._claims and settled:
+                e.inflight.committed(self, self._emitted)     # before the announcements' own tasks run
             sp.set_attributes({"kvl.replicas_committed": self.commits, "kvl.reply_blocks": self.reply_blocks,
                                "kvl.settled": settled})
         if not self.leases:

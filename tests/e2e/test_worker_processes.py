@@ -7,6 +7,7 @@ same seeded model, one intra-op thread on both sides).
 
 from __future__ import annotations
 
+import asyncio
 import signal
 
 import pytest
@@ -95,6 +96,24 @@ async def test_reuse_in_a_worker_process_is_bit_identical(cluster, reference) ->
     assert await cluster.flush("wa")
     ready = await cluster.replicas(location="gpu:wa", state="READY")
     assert ready and all(r["generation"] >= 1 for r in ready)
+
+
+async def test_a_burst_sharing_a_new_prefix_computes_it_once(cluster, reference) -> None:
+    """Four requests at once, sharing 6 blocks nobody has cached: one computes them, the other
+    three wait for its commit to be durable and read them (worker.inflight)."""
+    cluster.start_coordinator()
+    cluster.start_worker("wa")
+    await cluster.wait_coordinator()
+    await cluster.wait_worker("wa")
+    base = prompt(96, seed=80)
+    prompts = [base + prompt(20, seed=81 + i) for i in range(4)]
+    got = await asyncio.gather(*(cluster.generate("wa", p) for p in prompts))
+    assert sorted(g["cached_tokens"] for g in got) == [0, 96, 96, 96]
+    for g, p in zip(got, prompts):
+        cold = await reference(p)
+        assert g["tokens"] == cold.tokens and torch.equal(g["logits"], cold.logits)
+    metrics = await cluster.debug("wa", "metrics")
+    assert 'kvl_worker_prefix_waits_total{outcome="committed"} 3.0' in metrics
 
 
 async def test_killed_worker_is_fenced_and_nothing_stale_is_reused(cluster, reference) -> None:

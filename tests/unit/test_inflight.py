@@ -1,0 +1,44 @@
+"""worker.inflight: claims on blocks a live request will commit, and waits on them."""
+
+from __future__ import annotations
+
+import asyncio
+
+from worker.inflight import InFlightBlocks, wait_for
+
+
+async def test_a_claim_is_seen_by_others_only_until_it_is_resolved() -> None:
+    f, a, b = InFlightBlocks(), object(), object()
+    assert f.claim(a, ["h1", "h2", "h3"]) == 3
+    assert f.claim(b, ["h2", "h4"]) == 1                # h2 is a's: only h4 is b's
+    assert f.others(["h1", "h2", "h4"], a) == [f.others(["h4"], a)[0]]
+    theirs = f.others(["h1", "h2", "h9"], b)
+    assert len(theirs) == 2 and not any(x.done() for x in theirs)
+    f.committed(a, ["h1"])
+    f.committed(b, ["h2"])                              # not b's claim: nothing happens
+    assert theirs[0].result() is True and not theirs[1].done()
+    assert len(f.others(["h1", "h2"], b)) == 1          # h1 left the table once committed
+    f.drop(a)
+    assert theirs[1].result() is False                  # a closed without committing h2
+    assert f.others(["h1", "h2", "h3"], b) == [] and len(f) == 1    # b's h4 stays
+
+
+async def test_keep_narrows_a_claim_to_what_the_grant_lets_it_write() -> None:
+    f, a, b = InFlightBlocks(), object(), object()
+    f.claim(a, ["h1", "h2", "h3"])
+    waiting = f.others(["h1", "h2", "h3"], b)
+    f.keep(a, ["h3"])                                   # h1, h2 were cached already: a reads them
+    assert [x.done() for x in waiting] == [True, True, False]
+    assert [x.result() for x in waiting[:2]] == [False, False]
+    assert await wait_for(waiting[:2], 1.0) == "abandoned"
+
+
+async def test_wait_for_reports_committed_abandoned_or_timeout() -> None:
+    f, a, b = InFlightBlocks(), object(), object()
+    assert await wait_for([], 0.01) == "committed"
+    f.claim(a, ["h1", "h2"])
+    futures = f.others(["h1", "h2"], b)
+    assert await wait_for(futures, 0.02) == "timeout"
+    assert not any(x.cancelled() for x in futures)      # shared with other waiters: never cancelled
+    asyncio.get_running_loop().call_later(0.01, f.committed, a, ["h1", "h2"])
+    assert await wait_for(futures, 5.0) == "committed"
