@@ -90,6 +90,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bench.proc_cpu import cpu_spent, process_cpu, stack_cpu
+
 REPO = Path(__file__).resolve().parents[1]
 NS = "ab" * 16
 WORKER = "benchw"
@@ -426,42 +428,15 @@ def append_delta(a: tuple[float, ...], b: tuple[float, ...], prefix: str,
 
 
 def cpu_seconds(coordinator_pid: int | None) -> dict[str, dict[int, float]]:
-    """CPU seconds (user + system) so far, per process, of those an ingest or lease run keeps
-    busy: the coordinator, every ``postgres`` and ``nats-server`` process on the machine (other
-    work on the same servers counts too), and this process."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, dict[int, float]] = {"coordinator": {}, "postgres": {}, "nats": {},
-                                        "bench": {os.getpid(): time.process_time()}}
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        role = ("coordinator" if int(d) == coordinator_pid else "postgres" if comm == "postgres"
-                else "nats" if comm == "nats-server" else None)
-        if role is not None:
-            fields = stat[stat.rindex(")") + 2:].split()
-            out[role][int(d)] = (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
-def proc_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of one process so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds so far, per process, of those an ingest or lease run keeps busy: the
+    coordinator, every ``postgres`` and ``nats-server`` process on the machine, and this process."""
+    return stack_cpu({"coordinator": coordinator_pid or -1})
 
 
 def cpu_delta(a: dict[str, dict[int, float]], b: dict[str, dict[int, float]], n: int,
               prefix: str) -> dict[str, float]:
-    """CPU microseconds per operation, by role, between two :func:`cpu_seconds` readings
-    (processes that ended in between are not counted; ones that started count in full)."""
-    return {f"{prefix}_cpu_us_per_op_{role}": round(1e6 * sum(t - a[role].get(pid, 0.0) for pid, t in procs.items())
-                                                   / n, 1) for role, procs in b.items()}
+    """CPU microseconds per operation, by role, between two :func:`cpu_seconds` readings."""
+    return {f"{prefix}_cpu_us_per_op_{role}": round(1e6 * s / n, 1) for role, s in cpu_spent(a, b).items()}
 
 
 def rate_summary(n: int, wall: float, lat: list[float]) -> dict[str, float]:
@@ -1058,9 +1033,9 @@ async def lease_phase(nc: Any, nats_url: str, coord: CoordinatorProc, w: BenchWo
     try:
         await drive(nc, echo_subj["acq"], warm, inflight)
         _log(f"leases: echo baseline, {n} requests, {inflight} in flight ...")
-        echo_cpu0 = proc_cpu(echo.popen.pid)
+        echo_cpu0 = process_cpu(echo.popen.pid)
         e1 = await drive(nc, echo_subj["acq"], acq, inflight)
-        echo_cpu = proc_cpu(echo.popen.pid) - echo_cpu0
+        echo_cpu = process_cpu(echo.popen.pid) - echo_cpu0
         _log(f"leases: echo {n / e1[0]:,.0f}/s; now {n} LeaseAcquire ({PROMPT_BLOCKS} blocks, {CACHED_BLOCKS} "
              f"cached), {inflight} in flight ...")
         st0 = await coord.append_stats()

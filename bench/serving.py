@@ -28,7 +28,12 @@ are the gain of concurrency with reuse on. After the levels, ``bench.serving_bou
 same requests' model work fused as the stepper fuses it, on this machine, and prints
 ``throughput_aligned_c<N>_vs_c1`` (the ratio were each level's requests fused in aligned groups),
 ``throughput_ceiling_c<N>_vs_c1`` (their model work spread perfectly over the usable cores: what
-no schedule here passes) and ``throughput_c<N>_vs_aligned`` (how close the level came).
+no schedule here passes) and ``throughput_c<N>_vs_aligned`` (how close the level came). Each
+level also reports the CPU its requests cost, per request and per process of the stack
+(``cpu_ms_per_request``: worker, coordinator, postgres, nats, bench — the servers counted by
+name, other work on them included) and the model thread's busy time (``model_ms_per_request``);
+``throughput_cpu_bound_c<N>_vs_c1`` is what the level's ratio could be at that CPU cost with
+every usable core busy.
 
 Per level and mode: ``throughput_tok_s`` (prompt + generated tokens per second of wall
 time), ``output_tok_s``, time to first token p50/p99 as the client sees it (request sent →
@@ -48,6 +53,10 @@ long document (3,072 tokens; quick 768), makes a forced tool call, gets the resu
 few tokens and asks follow-ups — on the built-in hybrid model and on a YOCO checkpoint
 (``kvledger model init --family yoco``), reuse on vs off: ``long_agent_<family>_*`` keys
 (later turns' TTFT speedup, the cached fraction, whether tool calls parsed and outputs agree).
+
+A burst of agents starting together shares a system prompt nobody has cached: with the worker's
+default ``cache.prefix_wait_ms`` one request computes it and the others wait for its commit
+(``worker.inflight``; ``prefix_waits`` per level); ``--prefix-wait-ms 0`` makes every one compute it.
 
 Pools: ``--pool-mb`` (default 256) is ``worker.pool_bytes``. The window form (``swa``,
 24 KiB per block for the tiny model) is the scarce one: with the config's default 64 MiB,
@@ -79,6 +88,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench.proc_cpu import cpu_spent, process_cpu, stack_cpu
 
 REPO = Path(__file__).resolve().parents[1]
 LEVELS = (1, 8, 32)
@@ -113,15 +124,6 @@ def _text(rng: random.Random, n: int) -> str:
     return "".join(rng.choice(alphabet) for _ in range(n))
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux ``/proc``; 0 where unavailable)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
 def percentile(xs: list[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100])."""
     s = sorted(xs)
@@ -144,6 +146,9 @@ class Run:
     wall_s: float = 0.0
     #: CPU seconds the worker process used during the run (all its threads).
     worker_cpu_s: float = 0.0
+    #: CPU seconds during the run by role (``bench.proc_cpu.stack_cpu``: worker, coordinator,
+    #: postgres, nats, bench), when the run was given the stack's processes.
+    cpu_s: dict[str, float] = field(default_factory=dict)
     #: Worker counters that explain the cache fraction: evictions, fallbacks by reason.
     counters: dict[str, float] = field(default_factory=dict)
     turns: list[Turn] = field(default_factory=list)
@@ -171,7 +176,13 @@ class Run:
                 "cached_fraction": round(sum(t.cached_tokens for t in self.turns) / max(1, prompt), 3),
                 **({"close_ms_mean": round(1000 * self.counters["close_s"] / self.counters["closes"], 2)}
                    if self.counters.get("closes") else {}),
-                **{k: round(v) for k, v in sorted(self.counters.items()) if v and k not in ("close_s", "closes")}}
+                # the model thread's busy time (forwards and their exports) per request
+                **({"model_ms_per_request": round(1000 * self.counters["model_s"] / len(self.turns), 2)}
+                   if self.counters.get("model_s") and self.turns else {}),
+                **({"cpu_ms_per_request": {k: round(1000 * v / len(self.turns), 2) for k, v in self.cpu_s.items()}}
+                   if self.cpu_s and self.turns else {}),
+                **{k: round(v) for k, v in sorted(self.counters.items())
+                   if v and k not in ("close_s", "closes", "model_s")}}
 
 
 #: API keys of the two tenants (one per mode); the worker's config stores their sha256.
@@ -331,7 +342,7 @@ async def long_agent_run(url: str, model: str, w: LongAgent, reuse: bool, seed: 
     turns: list[dict[str, Any]] = []
     replies: list[Any] = []
     calls = parsed = 0
-    t0, cpu0 = time.perf_counter(), cpu_seconds(worker_pid)
+    t0, cpu0 = time.perf_counter(), process_cpu(worker_pid)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1200)) as http:
         async def ask(messages, **extra) -> dict[str, Any]:
             body = {"model": model, "messages": messages, "temperature": 0, "cache_reuse": reuse,
@@ -367,7 +378,7 @@ async def long_agent_run(url: str, model: str, w: LongAgent, reuse: bool, seed: 
     prompt = sum(t["prompt"] for t in turns)
     first_turns = turns[::2 + w.followups]
     later = [t for i, t in enumerate(turns) if i % (2 + w.followups)]
-    return {"wall_s": wall, "worker_cpu_s": cpu_seconds(worker_pid) - cpu0 if worker_pid else 0.0,
+    return {"wall_s": wall, "worker_cpu_s": process_cpu(worker_pid) - cpu0 if worker_pid else 0.0,
             "requests": len(turns), "prompt_tokens": prompt, "completion_tokens": sum(t["out"] for t in turns),
             "ttft_p50_ms": percentile([t["s"] * 1000 for t in turns], 50),
             "later_turn_ttft_p50_ms": percentile([t["s"] * 1000 for t in later], 50),
@@ -432,7 +443,11 @@ _COUNTERS = {"evictions": ('kvl_worker_transitions_total', {"kind": "evict"}),
              "lane_forwards": ("kvl_worker_lane_forwards_total", {}),
              # a request's close (reply committed, watermark awaited, leases released): its mean below
              "close_s": ("kvl_worker_request_close_seconds_sum", {}),
-             "closes": ("kvl_worker_request_close_seconds_count", {})}
+             "closes": ("kvl_worker_request_close_seconds_count", {}),
+             "model_s": ("kvl_worker_step_seconds_sum", {}),
+             # requests that waited for a shared prefix another request was computing (worker.inflight)
+             "prefix_waits": ("kvl_worker_prefix_waits_total", {"outcome": "committed"}),
+             "prefix_wait_timeouts": ("kvl_worker_prefix_waits_total", {"outcome": "timeout"})}
 
 
 async def counters(http: Any, url: str) -> dict[str, float]:
@@ -445,7 +460,10 @@ async def counters(http: Any, url: str) -> dict[str, float]:
     return {k: samples.get((name, tuple(sorted(labels.items()))), 0.0) for k, (name, labels) in _COUNTERS.items()}
 
 
-async def run_level(url: str, w: Workload, c: int, reuse: bool, seed: int, worker_pid: int = 0) -> Run:
+async def run_level(url: str, w: Workload, c: int, reuse: bool, seed: int,
+                    pids: dict[str, int] | None = None) -> Run:
+    """One level: ``c`` agents at once. ``pids`` (role: pid, with ``worker``) turns on the CPU
+    accounting of the stack's processes (``Run.cpu_s``, ``Run.worker_cpu_s``)."""
     import aiohttp
 
     rng = random.Random(seed)
@@ -479,10 +497,13 @@ async def run_level(url: str, w: Workload, c: int, reuse: bool, seed: int, worke
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as http:
         before = await counters(http, url)
-        t0, cpu0 = time.perf_counter(), cpu_seconds(worker_pid)
+        cpu0 = stack_cpu(pids) if pids else {}
+        t0 = time.perf_counter()
         await asyncio.gather(*(agent(i, http) for i in range(n)))
         run.wall_s = time.perf_counter() - t0
-        run.worker_cpu_s = cpu_seconds(worker_pid) - cpu0 if worker_pid else 0.0
+        if pids:
+            run.cpu_s = cpu_spent(cpu0, stack_cpu(pids))
+            run.worker_cpu_s = run.cpu_s.get("worker", 0.0)
         after = await counters(http, url)
         run.counters = {k: after[k] - before[k] for k in after}
     return run
@@ -494,11 +515,13 @@ class Cluster:
     """A coordinator and one worker process, with their own database and subject prefix."""
 
     def __init__(self, tmp: Path, db_url: str, nats_url: str, pool_mb: int, model_dir: str = "",
-                 cache_dtype: str = "auto", service: dict[str, int] | None = None) -> None:
+                 cache_dtype: str = "auto", service: dict[str, int] | None = None,
+                 cache: dict[str, int] | None = None) -> None:
         from shared.embedded import free_port
 
         self.model_dir = model_dir
         self.cache_dtype = cache_dtype
+        self.cache = cache or {}
         #: ``service.*`` settings of the worker that differ from the config's defaults.
         self.service = service or {}
         self.tmp = tmp
@@ -532,7 +555,7 @@ class Cluster:
         self.coordinator = self._start("coordinator", "coordinator", {**base, "state_dir": str(self.tmp / "c")})
         self.worker = self._start("worker", "worker", {
             **base, "state_dir": str(self.tmp / "w"),
-            "cache": {"host_tier_bytes": 0, "offload_dir": "", "dtype": self.cache_dtype},
+            "cache": {"host_tier_bytes": 0, "offload_dir": "", "dtype": self.cache_dtype, **self.cache},
             "worker": {"worker_id": "bench-serving", "port": 0, "pool_bytes": self.pool_mb * 2**20,
                        "model_dir": self.model_dir},
             "service": {"request_timeout_ms": 600_000, "queue_timeout_ms": 600_000, **self.service},
@@ -561,6 +584,10 @@ class Cluster:
                         pass
                 await asyncio.sleep(0.1)
         raise RuntimeError(f"the worker was not ready within {timeout} s; see {self.tmp}")
+
+    def pids(self) -> dict[str, int]:
+        """The stack's own processes by role (``bench.proc_cpu.stack_cpu`` adds the servers)."""
+        return {"worker": self.worker.pid, "coordinator": self.coordinator.pid}
 
     def stop(self) -> None:
         for p, log in reversed(self.procs):
@@ -603,7 +630,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if services is not None:
                 await asyncio.to_thread(services.stop)
     bench_db, db_name = await _create_db(db_url)
-    cluster = Cluster(tmp, db_url, nats_url, args.pool_mb, cache_dtype=args.cache_dtype, service=_service(args))
+    cluster = Cluster(tmp, db_url, nats_url, args.pool_mb, cache_dtype=args.cache_dtype, service=_service(args),
+                      cache={"prefix_wait_ms": args.prefix_wait_ms} if args.prefix_wait_ms >= 0 else None)
     try:
         cluster.start(bench_db)
         url = await cluster.wait_ready()
@@ -625,7 +653,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             level: dict[str, Any] = {}
             runs = {}
             for mode in ("on", "off"):
-                r = await run_level(url, w, c, mode == "on", seed=1000 + c, worker_pid=cluster.worker.pid)
+                r = await run_level(url, w, c, mode == "on", seed=1000 + c, pids=cluster.pids())
                 if r.errors:
                     raise RuntimeError(f"c={c} reuse {mode}: {len(r.errors)} failed requests, e.g. {r.errors[0]}")
                 runs[mode] = r
@@ -689,7 +717,7 @@ def _service(args: argparse.Namespace) -> dict[str, int]:
 
 def _service_settings(args: argparse.Namespace) -> dict[str, int]:
     """The step loop's budgets the worker ran with (result keys), defaults filled in."""
-    from shared.config import ServiceConfig
+    from shared.config import CacheConfig, ServiceConfig
 
     from worker.stepper import resolve_lanes
 
@@ -697,6 +725,7 @@ def _service_settings(args: argparse.Namespace) -> dict[str, int]:
     out = {"max_batch_tokens": d.max_batch_tokens, "max_prompt_tokens_with_decodes": d.max_prompt_tokens_with_decodes,
            "model_lanes": d.model_lanes, "lane_min_rows": d.lane_min_rows, **_service(args)}
     out["model_lanes_resolved"] = resolve_lanes(out["model_lanes"], "cpu")     # the bench's worker runs on the CPU
+    out["prefix_wait_ms"] = args.prefix_wait_ms if args.prefix_wait_ms >= 0 else CacheConfig().prefix_wait_ms
     return out
 
 
@@ -720,6 +749,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="the worker's service.max_batch_tokens (default: the config's own default)")
     ap.add_argument("--max-prompt-tokens-with-decodes", type=int, default=-1,
                     help="the worker's service.max_prompt_tokens_with_decodes (0: no cap; default: the config's)")
+    ap.add_argument("--prefix-wait-ms", type=int, default=-1,
+                    help="the worker's cache.prefix_wait_ms (default: the config's; 0: a burst sharing a new prefix "
+                         "computes it in every request)")
     ap.add_argument("--model-lanes", type=int, default=-1,
                     help="the worker's service.model_lanes (1: one forward at a time; 0: automatic; default: the "
                          "config's)")
@@ -734,6 +766,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error("--model-lanes: 0 (automatic) to 16 (default: the config's)")
     if not -1 <= args.max_prompt_tokens_with_decodes <= 65536:
         ap.error("--max-prompt-tokens-with-decodes: 0 (no cap) to 65536 (default: the config's)")
+    if not -1 <= args.prefix_wait_ms <= 60_000:
+        ap.error("--prefix-wait-ms: 0 (never wait) to 60000 (default: the config's)")
     args.families = tuple(f for f in args.families.split(",") if f)
     if bad := [f for f in args.families if f not in ("hybrid", "yoco")]:
         ap.error(f"--families: {bad} not known; use hybrid and/or yoco")
