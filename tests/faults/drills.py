@@ -819,7 +819,9 @@ async def pool_exhausted(run: Run, drill: str) -> Fault:
 
 
 async def spike(run: Run, drill: str) -> Fault:
-    """5× service.max_concurrency requests at once on wa (2 running + 4 queued): the rest get a 429."""
+    """5× service.max_concurrency requests at once on wa (2 running + 4 queued): the rest get a 429.
+    They share a stem nobody has cached, so the requests running together also take the path
+    where one waits for the other's commit of it (``worker.inflight``: ``prefix_waits``)."""
     stack = run.stack
     load = await run.begin(drill)
     limit = MAX_CONCURRENCY
@@ -828,6 +830,8 @@ async def spike(run: Run, drill: str) -> Fault:
     wants = await asyncio.gather(*[run.reference.get(p, 2) for p in prompts])
     f = Fault(drill, f"{n} simultaneous requests on wa (max_concurrency {limit}, queue {QUEUE_SIZE})",
               run.history.now())
+    waits0 = {o: await stack.metric("wa", "kvl_worker_prefix_waits_total", outcome=o)
+              for o in ("committed", "abandoned", "timeout")}
     t0 = time.monotonic()
     burst = asyncio.gather(*[stack.http_generate("wa", p, 2, drill) for p in prompts])
     probe = run.probe(drill, t0, "wa")
@@ -839,7 +843,9 @@ async def spike(run: Run, drill: str) -> Fault:
     await load.stop()
     outcome = Counter(r.error or "ok" for r in replies)
     f.evidence = {"spike": dict(outcome), "spike_seconds": round(max(r.seconds for r in replies), 2),
-                  "reused": sum(1 for r in replies if r.cached_tokens > 0)}
+                  "reused": sum(1 for r in replies if r.cached_tokens > 0),
+                  "prefix_waits": {o: round(await stack.metric("wa", "kvl_worker_prefix_waits_total", outcome=o) - n)
+                                   for o, n in waits0.items()}}
     assert outcome["ok"] >= limit, f"fewer than max_concurrency spike requests succeeded: {dict(outcome)}"
     assert outcome["http 429 queue_full"] > 0, f"no spike request was refused with 429: {dict(outcome)}"
     return run.close(f, QUEUE, load)
