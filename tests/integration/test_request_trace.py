@@ -152,3 +152,22 @@ async def test_one_request_is_one_connected_trace_across_the_three_services(span
             assert not isinstance(value, str) or len(value) <= 64 and "ledger" not in value, (s.name, key)
             assert not isinstance(value, tuple) or all(isinstance(v, str) for v in value), (s.name, key)
     assert cold["choices"][0]["text"] == warm["choices"][0]["text"]
+
+
+async def test_a_request_that_waits_for_a_shared_prefix_shows_the_wait_in_its_trace(spans) -> None:
+    """Three requests at once with the same new prompt: one computes it, the other two wait for
+    its commit (worker.inflight) — a ``worker.prefix_wait`` span in each of their traces."""
+    url, exporter = spans
+    async with aiohttp.ClientSession() as http:
+        got = await asyncio.gather(*(complete(http, url) for _ in range(3)))
+    assert len({g["choices"][0]["text"] for g in got}) == 1
+    assert sorted(g["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for g in got) == [False, True, True]
+    traces = await traces_of(exporter, 3)
+    assert len(traces) == 3
+    waits = [[s for s in t if s.name == "worker.prefix_wait"] for t in traces]
+    assert sorted(len(w) for w in waits) == [0, 1, 1]
+    for trace, wait in zip(traces, waits):
+        for s in wait:
+            parent = next(p for p in trace if p.context.span_id == s.parent.span_id)
+            assert parent.name == "worker.request"
+            assert s.attributes["kvl.outcome"] == "committed" and s.attributes["kvl.blocks"] > 0
