@@ -1212,7 +1212,7 @@ class Engine:
 
     # --- requests -------------------------------------------------------------------------
 
-    def holds(self, block_hash: str) -> bool:
+    def holds_block(self, block_hash: str) -> bool:
         """Whether this worker's pools hold a READY replica of ``block_hash`` in any form."""
         store = self.store
         return store is not None and any(store.lookup(f, block_hash) is not None for f in self.catalogue.names)

@@ -326,9 +326,11 @@ class Session:
             # another request here is computing, then claim the rest before asking for them
             if self.reuse:
                 await self._wait_for_shared()
-            # NOTE: not the blocks this worker holds already (a lease reads them): a claim on them
-            # would make the next request wait for this one's grant for nothing
-            self._claims = e.inflight.claim(self, [h for h in self.hashes if not e.holds(h)]) > 0
+            # NOTE: not the prefix this worker holds already (a lease reads it): a claim on it would
+            # make the next request wait for this one's grant for nothing. Probed only up to the
+            # first block it lacks, so a long cached prompt costs its held prefix here, not more.
+            held = next((i for i, h in enumerate(self.hashes) if not e.holds_block(h)), len(self.hashes))
+            self._claims = e.inflight.claim(self, self.hashes[held:]) > 0
         lease = asyncio.get_running_loop().create_task(
             self._acquire(self.hashes, write=not e.draining, reuse=self.reuse))
         # NOTE: while the lease is in flight, validate and restore what this worker's own pools
