@@ -40,8 +40,6 @@ import xxhash
 
 from worker.cache.segments import ALIGN
 
-#: The tiny model's forms, bytes per block (``build_model().declare_forms(16)``).
-TINY_FORMS = {"compressed": 2560, "indexer": 1024, "tail": 6144, "swa": 24576}
 #: iovecs per ``preadv`` (Linux's IOV_MAX is 1024): up to three per record.
 _IOV = 900
 
@@ -50,19 +48,21 @@ def _log(msg: str) -> None:
     print(f"[bench.reload_floor {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-class _Key:
-    def __init__(self, block_hash: str, form: str) -> None:
-        self.namespace, self.tenant, self.spec_digest = "ab" * 16, "default", "cd" * 16
-        self.block_hash, self.form = block_hash, form
+def tiny_forms() -> dict[str, tuple[int, str]]:
+    """The built-in tiny model's forms (what ``bench.worker`` reloads): bytes per block, spec digest."""
+    from worker.model import build_model
+
+    return {f.name: (f.bytes_per_block, f.spec_digest) for f in build_model().declare_forms(16).forms}
 
 
-def write_segment(root: Path, blocks: int) -> tuple[Path, list[Any]]:
-    """One segment of ``blocks`` × the tiny forms (random bytes); its path and records."""
+def write_segment(root: Path, blocks: int, forms: dict[str, tuple[int, str]]) -> tuple[Path, list[Any]]:
+    """One segment of ``blocks`` × ``forms`` (random bytes); its path and records."""
+    from worker.cache.offload_key import BlockKey
     from worker.cache.segments import SegmentWriter
 
     w = SegmentWriter(root, "bench", segment_bytes=1 << 40)
-    items = [(_Key(f"{b + 1:032x}", form), memoryview(os.urandom(size)))
-             for b in range(blocks) for form, size in TINY_FORMS.items()]
+    items = [(BlockKey("ab" * 16, "default", f"{b + 1:032x}", form, digest), memoryview(os.urandom(size)))
+             for b in range(blocks) for form, (size, digest) in forms.items()]
     records = w.append(items)
     path = w.current
     w.close()
@@ -120,12 +120,13 @@ def raw_read(path: Path, buf: bytearray) -> float:
 
 def run(blocks: int, reps: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvl-reload-floor-") as tmp:
-        path, records = write_segment(Path(tmp), blocks)
+        forms = tiny_forms()
+        path, records = write_segment(Path(tmp), blocks, forms)
         size = path.stat().st_size
         payload = sum(r.end - r.payload for r in records)
         # destinations: one preallocated pool per form size, as the worker's pools are
         free = {}
-        for s in TINY_FORMS.values():
+        for s, _ in forms.values():
             pool = memoryview(bytearray(s * (blocks + 1)))
             free[s] = [pool[i * s:(i + 1) * s] for i in range(blocks + 1)]
         buf = bytearray(size)
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error("--blocks: 1 to 100000")
     if not 1 <= args.reps <= 10_000:
         ap.error("--reps: 1 to 10000")
-    _log(f"{args.blocks} blocks x {len(TINY_FORMS)} forms, {args.reps} reps ...")
+    _log(f"{args.blocks} blocks of the tiny model's forms, {args.reps} reps ...")
     result = run(args.blocks, args.reps)
     print(json.dumps(result), flush=True)
     return result

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from bench.reload_floor import TINY_FORMS, main
+from bench.reload_floor import main, tiny_forms
 
 
 def test_a_small_run_verifies_every_record_and_prints_its_keys(capsys) -> None:
+    forms = tiny_forms()
     out = main(["--blocks", "3", "--reps", "2"])
-    assert out["records"] == 3 * len(TINY_FORMS)
-    assert out["payload_bytes"] == 3 * sum(TINY_FORMS.values()) < out["segment_bytes"]   # headers and padding
+    assert out["records"] == 3 * len(forms) == 12
+    assert out["payload_bytes"] == 3 * sum(s for s, _ in forms.values()) < out["segment_bytes"]   # headers, padding
     assert out["floor_us_per_record"] > 0 and out["raw_us_per_record"] > 0 and out["floor_ratio_vs_raw"] > 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith('{"bench": "reload_floor"')
 
@@ -24,8 +25,9 @@ def test_bad_arguments_are_refused(argv: list[str]) -> None:
 def test_the_floor_really_checks_the_bytes(tmp_path) -> None:
     from bench.reload_floor import floor_reload, write_segment
 
-    path, records = write_segment(tmp_path, 2)
-    free = {s: [memoryview(bytearray(s)) for _ in range(3)] for s in TINY_FORMS.values()}
+    forms = tiny_forms()
+    path, records = write_segment(tmp_path, 2, forms)
+    free = {s: [memoryview(bytearray(s)) for _ in range(3)] for s, _ in forms.values()}
     assert floor_reload(path, records, free) > 0
     with open(path, "r+b") as f:                 # one payload byte of the third record
         f.seek(records[2].payload + 7)
