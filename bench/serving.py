@@ -144,8 +144,6 @@ class Turn:
 @dataclass
 class Run:
     wall_s: float = 0.0
-    #: CPU seconds the worker process used during the run (all its threads).
-    worker_cpu_s: float = 0.0
     #: CPU seconds during the run by role (``bench.proc_cpu.stack_cpu``: worker, coordinator,
     #: postgres, nats, bench), when the run was given the stack's processes.
     cpu_s: dict[str, float] = field(default_factory=dict)
@@ -157,6 +155,11 @@ class Run:
     replies: dict[int, list[str]] = field(default_factory=dict)
     #: Per later turn: (its cached prompt tokens, the previous turn's prompt tokens, reply tokens).
     next_turn: list[tuple[int, int, int]] = field(default_factory=list)
+
+    @property
+    def worker_cpu_s(self) -> float:
+        """CPU seconds the worker process used during the run (all its threads)."""
+        return self.cpu_s.get("worker", 0.0)
 
     def summary(self) -> dict[str, Any]:
         prompt = sum(t.prompt_tokens for t in self.turns)
@@ -463,7 +466,7 @@ async def counters(http: Any, url: str) -> dict[str, float]:
 async def run_level(url: str, w: Workload, c: int, reuse: bool, seed: int,
                     pids: dict[str, int] | None = None) -> Run:
     """One level: ``c`` agents at once. ``pids`` (role: pid, with ``worker``) turns on the CPU
-    accounting of the stack's processes (``Run.cpu_s``, ``Run.worker_cpu_s``)."""
+    accounting of the stack's processes (``Run.cpu_s``)."""
     import aiohttp
 
     rng = random.Random(seed)
@@ -503,7 +506,6 @@ async def run_level(url: str, w: Workload, c: int, reuse: bool, seed: int,
         run.wall_s = time.perf_counter() - t0
         if pids:
             run.cpu_s = cpu_spent(cpu0, stack_cpu(pids))
-            run.worker_cpu_s = run.cpu_s.get("worker", 0.0)
         after = await counters(http, url)
         run.counters = {k: after[k] - before[k] for k in after}
     return run

@@ -36,11 +36,11 @@ class InFlightBlocks:
         return len(self._claims)
 
     def others(self, hashes: Sequence[str], owner: object) -> list[asyncio.Future[bool]]:
-        """The unresolved claims of other owners on any of ``hashes``."""
+        """The claims of other owners on any of ``hashes`` (a resolved claim leaves the table)."""
         out = []
         for h in hashes:
             c = self._claims.get(h)
-            if c is not None and c[0] is not owner and not c[1].done():
+            if c is not None and c[0] is not owner:
                 out.append(c[1])
         return out
 
