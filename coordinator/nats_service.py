@@ -152,6 +152,9 @@ class NatsService:
         self._batch: asyncio.Task[None] | None = None
         self._request_series: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._psub: Any = None
+        #: Where a reclaim's new consumer starts once it has deleted the old one (None: no reclaim
+        #: cut short between its delete and its add).
+        self._reclaim_from: int | None = None
         self._consumer: asyncio.Task[None] | None = None
         self._pull = asyncio.Event()
         self._marks: dict[tuple[str, int], int] = {}
@@ -472,20 +475,32 @@ class NatsService:
         worker's republish does not help (the broker drops it as a duplicate Nats-Msg-Id), so
         watermarks would stall. The consumer is recreated to start at its ack floor + 1;
         messages above the floor that were acked are delivered again and absorbed as duplicates.
+
+        A reclaim cut short after its delete (a broker timeout right after a long stall: found by
+        the stall-past-grace drill) left no consumer, and every later fetch and reclaim failed, so
+        nothing was committed again. The next reclaim then finds none and creates it, from where
+        the cut one meant to start (or the stream's start: what is delivered twice is absorbed).
         """
         stream = self.subjects.stream_name
-        info = await self.js.consumer_info(stream, CONSUMER_NAME)
-        if not info.num_ack_pending:
-            return 0
-        start = (info.ack_floor.stream_seq if info.ack_floor else 0) + 1
-        await self.js.delete_consumer(stream, CONSUMER_NAME)
+        try:
+            info = await self.js.consumer_info(stream, CONSUMER_NAME)
+        except nats.js.errors.NotFoundError:
+            start, unacked = self._reclaim_from or 0, 0
+        else:
+            if not info.num_ack_pending:
+                return 0
+            start = (info.ack_floor.stream_seq if info.ack_floor else 0) + 1
+            unacked = int(info.num_ack_pending)
+            self._reclaim_from = start
+            await self.js.delete_consumer(stream, CONSUMER_NAME)
         await self.js.add_consumer(stream, self._consumer_config(start_seq=start))
+        self._reclaim_from = None
         old, self._psub = self._psub, await self.js.pull_subscribe_bind(durable=CONSUMER_NAME, stream=stream)
         if old is not None:
             with contextlib.suppress(Exception):
                 await old.unsubscribe()
-        self.log.info("consumer_reclaimed", unacked=info.num_ack_pending, redeliver_from_stream_seq=start)
-        return int(info.num_ack_pending)
+        self.log.info("consumer_reclaimed", unacked=unacked, redeliver_from_stream_seq=start or 1)
+        return unacked
 
     def resume_consumer(self) -> None:
         self._pull.set()

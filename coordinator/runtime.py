@@ -321,10 +321,14 @@ class Coordinator:
 
     async def _reclaim_in_flight(self) -> None:
         assert self.service is not None
-        try:
-            await self.service.reclaim_in_flight()
-        except Exception as e:  # noqa: BLE001 - only a delay: un-acked messages come back after ack_wait
-            self.log.warning("consumer_reclaim_failed", error=f"{type(e).__name__}: {e}")
+        # NOTE: tried again: a reclaim cut short after its delete leaves no consumer until one succeeds
+        for attempt in range(5):
+            try:
+                await self.service.reclaim_in_flight()
+                return
+            except Exception as e:  # noqa: BLE001 - only a delay while a later attempt can succeed
+                self.log.warning("consumer_reclaim_failed", error=f"{type(e).__name__}: {e}", attempt=attempt + 1)
+                await asyncio.sleep(0.5 * 2 ** attempt)
 
     async def _expire_loop(self) -> None:
         """Liveness and lease decisions once per heartbeat interval.

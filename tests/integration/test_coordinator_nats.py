@@ -510,3 +510,33 @@ async def test_a_large_inventory_resumes_in_parts(database_url: str, nats_url: s
     finally:
         await client.close()
         await nc.drain()
+
+
+async def test_a_reclaim_cut_short_after_its_delete_is_completed_by_the_next(
+        database_url: str, nats_url: str, subjects: Subjects) -> None:
+    """A reclaim that deleted the consumer and then timed out (a broker timeout right after a
+    long stall) left none: every later fetch and reclaim failed and nothing was committed again
+    (found by the stall-past-grace drill). The next reclaim creates it, and ingest goes on."""
+    cfg = fast_config(database_url, nats_url, subjects)
+    async with running_coordinator(cfg) as (app, base):
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            w = Worker(nc, subjects)
+            await w.register()
+            await w.watch_watermarks()
+            hashes = [block(i) for i in range(4)]
+            grant = await w.acquire(hashes)
+            commits = [w.commit(hashes, i, grant.lease_id) for i in range(4)]
+            await w.publish(commits[0])
+            await w.wait_watermark(1)
+            await js.delete_consumer(subjects.stream_name, CONSUMER_NAME)     # the cut-short reclaim's delete
+            assert await app[COORDINATOR].service.reclaim_in_flight() == 0
+            consumer = (await js.consumer_info(subjects.stream_name, CONSUMER_NAME)).config
+            assert consumer.ack_policy == AckPolicy.EXPLICIT
+            for t in commits[1:]:
+                await w.publish(t)
+            await w.wait_watermark(4)        # the first commit came again from the stream's start: absorbed
+            await _audit_clean(base)
+        finally:
+            await nc.drain()
