@@ -20,7 +20,7 @@ from coordinator.core import (
     CoreParams, EventDecodeError, IllegalTransition, LedgerState, ReplayError, SnapshotError, apply, decode_event,
     from_snapshot, state_hash,
 )
-from coordinator.core.state import FoldFailed, fold_rows, no_gc
+from coordinator.core.state import FoldFailed, fold_rows, indexes_deferred, no_gc
 from coordinator.log.port import EventLog
 
 
@@ -203,8 +203,11 @@ async def load_state(log: EventLog, params: CoreParams, *, upto: int | None = No
     # NOTE: the cyclic GC is paused as in ``core.replay``: a replay allocates millions of
     # long-lived objects and every full collection would rescan all of them (a third of a
     # replay's CPU). It stays paused across the page reads' awaits; nothing else runs long then.
+    # a whole log (or its tail after a snapshot) rebuilds the LRU and deadline heaps once, at the
+    # end; a standby's step (``start``) keeps them as it folds (see ``indexes_deferred``)
+    deferred = indexes_deferred(state) if start is None else contextlib.nullcontext(state)
     try:
-        with no_gc():
+        with no_gc(), deferred:
             pos, n, errors = await _fold(log, state, pos, upto, page, snap_pos is not None, check_streams,
                                          progress_every, logger, what, t0)
     except LogGap as e:

@@ -246,6 +246,8 @@ class LedgerState:
     #: Live leases by when they may expire: a heap of ``(due_ms, lease_id, expires_at_ms)``
     #: (entries of ended or renewed leases are stale: skipped when popped; see :func:`due_push`).
     lease_due: list[tuple[int, str, int]] = field(default_factory=list)
+    #: The two indexes above are not kept while a whole log is folded (:func:`indexes_deferred`).
+    indexes_deferred: bool = False
 
     @classmethod
     def empty(cls, params: CoreParams | None = None) -> LedgerState:
@@ -429,6 +431,8 @@ def lru_push(s: LedgerState, r: Replica, key: ReplicaKey) -> None:
     are dropped when popped, and the heap is rebuilt from the pool once it holds more than
     twice the pool's slots (plus 64, checked every ``LRU_CHECK_EVERY`` pushes).
     """
+    if s.indexes_deferred:
+        return
     pool = r.pool
     heap = s.lru.get(pool)  # type: ignore[arg-type]
     if heap is None:
@@ -458,6 +462,8 @@ def due_push(s: LedgerState, lease: Lease) -> None:
     milliseconds with 20k of them, a pause in the middle of serving. The heap is rebuilt once it
     holds more than twice the live leases.
     """
+    if s.indexes_deferred:
+        return
     due = s.lease_due
     heapq.heappush(due, (lease.expires_at_ms, lease.lease_id, lease.expires_at_ms))
     if len(due) > 2 * len(s.leases) + 64:
@@ -468,6 +474,34 @@ def due_rebuild(s: LedgerState) -> list[tuple[int, str, int]]:
     due = [(lease.expires_at_ms, lid, lease.expires_at_ms) for lid, lease in s.leases.items()]
     heapq.heapify(due)
     return due
+
+
+def rebuild_indexes(s: LedgerState) -> None:
+    """Every pool's LRU heap and the leases' deadline heap, from the state alone."""
+    s.lru = {pool: lru_rebuild(s, pool) for pool in s.pools}
+    s.lease_due = due_rebuild(s)
+
+
+@contextlib.contextmanager
+def indexes_deferred(s: LedgerState) -> Iterator[LedgerState]:
+    """Fold a whole log onto ``s`` without keeping its LRU and deadline heaps; both are rebuilt
+    from the state at the end (also when the fold fails).
+
+    NOTE: folding never reads them (a grant's victims are in its event), so a replay that
+    pushed an entry per commit and per unpin (~0.4 µs each, then the periodic rebuilds of a
+    heap full of stale entries) paid for an index that only the next decision uses. A rebuilt
+    heap holds exactly the entries that a kept one would not skip as stale, so the victims
+    chosen afterwards are the same. A standby following the log folds short tails onto its live
+    state and keeps the heaps as it goes (a rebuild is O(pool) per step).
+    """
+    was = s.indexes_deferred
+    s.indexes_deferred = True
+    try:
+        yield s
+    finally:
+        s.indexes_deferred = was
+        if not was:
+            rebuild_indexes(s)
 
 
 def _end_lease(s: LedgerState, lease_id: str, abort: bool) -> None:
@@ -591,6 +625,10 @@ def _evict_victims(s: LedgerState, w: WorkerRecord, e: ev.LeaseGranted) -> None:
     replicas, pools, tenant_used = s.replicas, s.pools, s.tenant_used
     gpu, cap, wid = w.gpu, w.slots_total, w.worker_id
     ring = s.tombstones.get(wid)
+    # NOTE: a grant's victims are of one pool and one tenant as a rule: both looked up once per run
+    pool: PoolKey | None = None
+    members: dict[ReplicaKey, None] = {}
+    tenant, freed = "", 0
     for block_hash, form, _generation in e.evicted:
         key = (block_hash, form, gpu)
         r = replicas.get(key)
@@ -598,12 +636,15 @@ def _evict_victims(s: LedgerState, w: WorkerRecord, e: ev.LeaseGranted) -> None:
             raise IllegalTransition(r.state if r is not None else None, "evict", key)
         if r.pins:
             raise ReplayError(f"lease {e.lease_id} evicts {key}, which is pinned by {r.pins} lease(s)")
-        del pools[r.pool][key]  # type: ignore[index]
-        n = tenant_used[r.tenant] - 1
-        if n:
-            tenant_used[r.tenant] = n
-        else:
-            del tenant_used[r.tenant]
+        if r.pool != pool:
+            pool = r.pool
+            members = pools[pool]  # type: ignore[index]
+        del members[key]
+        if r.tenant != tenant:
+            if freed:
+                _free(tenant_used, tenant, freed)
+            tenant, freed = r.tenant, 0
+        freed += 1
         r.state = EVICTED
         owner = r.owner
         if owner == wid:
@@ -618,6 +659,17 @@ def _evict_victims(s: LedgerState, w: WorkerRecord, e: ev.LeaseGranted) -> None:
                     ring = None
         else:
             _bury(s, owner, key)
+    if freed:
+        _free(tenant_used, tenant, freed)
+
+
+def _free(tenant_used: dict[str, int], tenant: str, n: int) -> None:
+    """``n`` of ``tenant``'s GPU replicas left the pools."""
+    left = tenant_used[tenant] - n
+    if left:
+        tenant_used[tenant] = left
+    else:
+        del tenant_used[tenant]
 
 
 def _allocate_writes(s: LedgerState, w: WorkerRecord, e: ev.LeaseGranted) -> None:
@@ -710,7 +762,7 @@ def _apply_transition_applied(s: LedgerState, e: ev.TransitionApplied) -> None:
         r.generation = t.generation
         r.checksum = t.checksum
         r.last_used_ms = e.at_ms
-        if r.pool is not None:  # a commit makes a GPU replica READY (and unpinned: it was ALLOCATED)
+        if r.pool is not None and not s.indexes_deferred:  # a commit makes a GPU replica READY, unpinned
             lru_push(s, r, key)
         if wm is not None and t.seq == wm.contiguous + 1 and not wm.pending:   # _record_seq's common case
             wm.contiguous = t.seq
@@ -799,7 +851,7 @@ def replay(events: Iterable[Any], params: CoreParams | None = None, *,
     s = start if start is not None else LedgerState.empty(params)
     fold = _APPLY
     n = 0
-    with no_gc():
+    with no_gc(), indexes_deferred(s):
         try:
             for e in events:
                 fold[type(e)](s, e)
@@ -1061,14 +1113,13 @@ def _from_snapshot(data: bytes, params: CoreParams | None) -> LedgerState:
     s.reuse_off = dict(snap.reuse_off)
     for owner, keys in snap.tombstones:
         s.tombstones[owner] = OrderedDict.fromkeys(tuple(k) for k in keys)  # type: ignore[misc]
-    for pool in s.pools:
-        s.lru[pool] = lru_rebuild(s, pool)
-    s.lease_due = due_rebuild(s)
+    rebuild_indexes(s)
     return s
 
 
 __all__ = [
     "CoreParams", "FoldFailed", "LedgerState", "Lease", "PoolKey", "Replica", "ReplicaKey", "ReplayError", "SnapshotError",
     "Watermark", "WorkerRecord", "apply", "fold_rows", "from_snapshot", "no_gc", "pool_of", "replay", "state_hash", "to_snapshot",
-    "due_push", "due_rebuild", "lru_push", "lru_rebuild", "tombstone_capacity", "TRANSITIONS",
+    "due_push", "due_rebuild", "indexes_deferred", "lru_push", "lru_rebuild", "rebuild_indexes", "tombstone_capacity",
+    "TRANSITIONS",
 ]
