@@ -1387,7 +1387,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if "replay" in phases:
             t0 = time.perf_counter()
             result.update(await replay_and_restart(nc, db_url, nats_url, tmp, args.replay_events, dbs, procs,
-                                                   streams, args.takeover_rounds, args.replay_pool_slots))
+                                                   streams, args.takeover_rounds, args.replay_pool_slots,
+                                                   args.replay_repeats))
             phase_s["replay"] = time.perf_counter() - t0
         ok = True
     except BaseException:
@@ -1473,7 +1474,7 @@ async def pg_facts(db_url: str) -> dict[str, Any]:
 
 async def replay_and_restart(nc: Any, base_url: str, nats_url: str, tmp: Path, n: int, dbs: list[str],
                              procs: list[CoordinatorProc], streams: list[str], takeover_rounds: int,
-                             pool_slots: int = 512) -> dict[str, Any]:
+                             pool_slots: int = 512, repeats: int = 1) -> dict[str, Any]:
     from coordinator.core import CoreParams, decode_event, replay, state_hash
     from coordinator.log.postgres import PgSettings, PostgresEventLog
     from coordinator.replay import load_state
@@ -1486,19 +1487,25 @@ async def replay_and_restart(nc: Any, base_url: str, nats_url: str, tmp: Path, n
     built = await build_log(db_url, n, tail, pool_slots)
     n = built["events"]
 
-    _log("replay: baseline: read the same rows, same columns and pages, raw asyncpg (no decode, no fold) ...")
-    t_read = await read_baseline(db_url, n)
-    _log(f"replay: read {n / t_read:,.0f} rows/s")
-
     log = PostgresEventLog.connect(PgSettings(url=db_url))
     try:
-        _log(f"replay: coordinator.replay.load_state from empty over {n:,} events ...")
-        res = await load_state(log, CoreParams(), use_snapshot=False)
-        t_replay = res.seconds
-        if res.events != n or state_hash(res.state) != built["state_hash"]:
-            raise RuntimeError(f"replay disagrees with the builder: {res.events} events, hash {state_hash(res.state)}")
-        del res
-        _log(f"replay: {n:,} events in {t_replay:.2f} s: {n / t_replay:,.0f} events/s (state hash matches)")
+        # NOTE: the read baseline and the replay alternate ``repeats`` times and each key is the
+        # median: on this VM one run of either moved by up to a third between minutes.
+        reads, replays = [], []
+        for k in range(repeats):
+            _log(f"replay: baseline: read the same rows, same columns and pages, raw asyncpg (no decode, "
+                 f"no fold) ({k + 1}/{repeats}) ...")
+            reads.append(await read_baseline(db_url, n))
+            _log(f"replay: read {n / reads[-1]:,.0f} rows/s; coordinator.replay.load_state from empty over "
+                 f"{n:,} events ...")
+            res = await load_state(log, CoreParams(), use_snapshot=False)
+            replays.append(res.seconds)
+            if res.events != n or state_hash(res.state) != built["state_hash"]:
+                raise RuntimeError(f"replay disagrees with the builder: {res.events} events, "
+                                   f"hash {state_hash(res.state)}")
+            del res
+            _log(f"replay: {n:,} events in {replays[-1]:.2f} s: {n / replays[-1]:,.0f} events/s (state hash matches)")
+        t_read, t_replay = statistics.median(reads), statistics.median(replays)
         res = await load_state(log, CoreParams())
         t_snap = res.seconds
         assert res.snapshot_position == built["snapshot_position"]
@@ -1534,7 +1541,8 @@ async def replay_and_restart(nc: Any, base_url: str, nats_url: str, tmp: Path, n
     last, takeover = await takeover_phase(nc, coord, db_url, nats_url, tmp, subjects, procs, takeover_rounds)
     last.stop()
     return {
-        "replay_events": n, "replay_pool_slots": pool_slots, "replay_seconds": round(t_replay, 3), "replay_events_per_s": round(n / t_replay),
+        "replay_events": n, "replay_pool_slots": pool_slots, "replay_repeats": repeats,
+        "replay_seconds_each": [round(t, 3) for t in replays], "replay_seconds": round(t_replay, 3), "replay_events_per_s": round(n / t_replay),
         "replay_read_rows_per_s": round(n / t_read), "replay_ratio_vs_read": round(t_read / t_replay, 3),
         "replay_fold_events_per_s": round(n / t_fold),
         "replay_seconds_per_1m": round(t_replay * 1e6 / n, 3),
@@ -1788,6 +1796,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     ap.add_argument("--replay-pool-slots", type=int, default=512,
                     help="the replay log's worker: GPU pool slots (default 512; e.g. 100000 for a large GPU's pool, "
                          "whose state keeps as many tombstones)")
+    ap.add_argument("--replay-repeats", type=int, default=3,
+                    help="replays of the log from empty, each after a read baseline; the keys are medians (default 3)")
     ap.add_argument("--idle-workers", type=int, help="idle phase: heartbeating workers (default 8, quick 4)")
     ap.add_argument("--idle-seconds", type=float, help="idle phase: counting window (default 30, quick 10)")
     ap.add_argument("--idle-heartbeat-ms", type=int, default=100,
@@ -1811,6 +1821,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = ap.parse_args(argv)
     if args.gc_young_threshold is not None and not 100 <= args.gc_young_threshold <= 1_000_000:
         ap.error("--gc-young-threshold must be within 100–1000000 (coordinator.gc_young_threshold)")
+    if not 1 <= args.replay_repeats <= 20:
+        ap.error("--replay-repeats must be within 1–20")
     if not 64 <= args.replay_pool_slots <= 10_000_000:
         ap.error("--replay-pool-slots must be within 64–10000000 (a request writes up to 32 blocks)")
     if args.gc_full_threshold is not None and not 1 <= args.gc_full_threshold <= 10_000:
