@@ -1,5 +1,7 @@
 """Message schemas: every type round-trips; bad input is rejected with a clear error."""
 
+import re
+
 import msgspec
 import pytest
 
@@ -114,6 +116,34 @@ def test_transition_source_id() -> None:
 def test_bad_messages_rejected_with_clear_error(data: bytes, needle: str) -> None:
     with pytest.raises(MessageError, match=needle.replace("(", r"\(").replace("[", r"\[")):
         decode(data)
+
+
+_T = ('{"type":"transition","v":1,"worker_id":"%s","epoch":1,"seq":1,"namespace":"' + H + '","block_hash":"' + H
+      + '","parent_hash":"' + H + '","tenant":"%s","form":"%s"}')
+_A = '{"type":"lease.acquire","v":1,"worker_id":"%s","epoch":1,"namespace":"' + H + '","request_id":"%s","tenant":"%s",' \
+     '"write_forms":%s}'
+
+
+@pytest.mark.parametrize(("data", "needle"), [
+    # the names a transition and a lease request carry are checked in __post_init__ (a cheaper
+    # check than msgspec's pattern), with the same characters and lengths as every Name
+    (_T % ("w 1", "default", "swa"), "worker_id: 'w 1' has a character outside"),
+    (_T % ("w1", "ten/ant", "swa"), "tenant: 'ten/ant'"),
+    (_T % ("w1", "default", "sw\\na"), "form: "),
+    (_T % ("w1\\n", "default", "swa"), "worker_id: "),        # a newline is no name character either
+    (_T % ("w1", "", "swa"), "length >= 1 - at `$.tenant`"),
+    (_T % ("w" * 129, "default", "swa"), "length <= 128 - at `$.worker_id`"),
+    (_A % ("w1", "r 1", "default", '["swa"]'), "request_id: 'r 1'"),
+    (_A % ("w1", "r1", "dé", '["swa"]'), "tenant: 'dé'"),
+    (_A % ("w1", "r1", "default", '["swa","x*"]'), "write_forms: 'x*'"),
+    (_A % ("w1", "r1", "default", '[""]'), "length >= 1 - at `$.write_forms[0]`"),
+])
+def test_names_in_hot_messages_are_checked(data: str, needle: str) -> None:
+    t = decode((_T % ("w-1.a:b_c", "default", "swa")).encode())
+    a = decode((_A % ("w1", "r1", "t", '["swa"]')).encode())
+    assert t.worker_id == "w-1.a:b_c" and a.write_forms == ["swa"]
+    with pytest.raises(MessageError, match=re.escape(needle)):
+        decode(data.encode())
 
 
 def _batch_json(events: list[tuple[str, int, int]], worker: str = "w", epoch: int = 1) -> bytes:
