@@ -693,7 +693,7 @@ def commits(w: BenchWorker, leases: list[tuple[str, list[str]]], seq0: int
             ) -> tuple[list[tuple[bytes, str]], list[tuple[Any, ...]]]:
     """The commit transition of every block of ``leases`` (seqs from ``seq0 + 1``), encoded with its
     source id, and the row the coordinator will store for each (for the COPY baseline)."""
-    from coordinator.core.events import TransitionApplied, TransitionRecord
+    from coordinator.core.events import TransitionApplied
     from coordinator.ledger import to_new_event
     from shared.messages import encode, now_ms
 
@@ -707,7 +707,7 @@ def commits(w: BenchWorker, leases: list[tuple[str, list[str]]], seq0: int
             t = commit_transition(w.epoch, seq, chunk, i, lease_id, ts, w.worker_id)
             msgs.append((encode(t), t.source_id))
             # exactly what the coordinator will store for it
-            ne = to_new_event(TransitionApplied(transition=TransitionRecord.of(t), kind="commit", at_ms=ts))
+            ne = to_new_event(TransitionApplied(transition=t, kind="commit", at_ms=ts))
             rows.append((seq, ne.stream_id, 2, ne.source_id, ne.type, ne.payload.decode(), 1))
     return msgs, rows
 

@@ -350,8 +350,51 @@ class ErrorReply(_Msg, tag="error", kw_only=True):
 
 # --- state transitions (JetStream) ---------------------------------------------------
 
-class TransitionEvent(_Msg, tag="transition", kw_only=True):
-    """One replica state change, as a worker publishes it and as the log stores it.
+class TransitionFields(_Msg, tag="transition", kw_only=True):
+    """A replica state change's fields, typed but not checked: what the ledger stores and folds.
+
+    NOTE: :class:`TransitionEvent`, the message a worker publishes, is this with every field's
+    bounds and characters checked. The ledger keeps the message it accepted as it is (a copy
+    into a mirror type cost a tenth of the coordinator's ingest), and a replay decodes this
+    base, trusting its own log, without the checks (they were two thirds of a replayed
+    event's decode). Both encode to the same JSON.
+    """
+
+    worker_id: str
+    epoch: int
+    seq: int
+    namespace: str
+    tenant: str = "default"
+    block_hash: str
+    parent_hash: str
+    token_start: int = 0
+    token_end: int = 0
+    form: str = "compressed"
+    location: str = ""
+    from_state: ReplicaState | None = None
+    to_state: ReplicaState = ReplicaState.READY
+    generation: int = 0
+    checksum: str = ""
+    lease_id: str = ""
+    reason: str = ""
+    block_size: int = 16
+    model_name: str = ""
+    ts_ms: int = 0
+
+    @property
+    def source_id(self) -> str:
+        """``<worker>.<epoch>.<seq>``: the Nats-Msg-Id and the log's unique source key."""
+        return f"{self.worker_id}.{self.epoch}.{self.seq}"
+
+    def to_message(self) -> TransitionEvent:
+        """The worker's message (checked: raises ``msgspec.ValidationError`` if a field is not)."""
+        if type(self) is TransitionEvent:
+            return self
+        return msgspec.convert(msgspec.structs.asdict(self), TransitionEvent)
+
+
+class TransitionEvent(TransitionFields, tag="transition", kw_only=True):
+    """One replica state change, as a worker publishes it (and the log stores it).
 
     A superset of the fields public KV-event streams carry (event id, tenant, medium,
     block size, parent hash, block hashes, model name).
@@ -389,11 +432,6 @@ class TransitionEvent(_Msg, tag="transition", kw_only=True):
             raise ValueError(f"{bad}: expected 32 lowercase hex characters")
         if not _NAME_CHARS.issuperset(self.worker_id + self.tenant + self.form):
             check_names(self, ("worker_id", "tenant", "form"))
-
-    @property
-    def source_id(self) -> str:
-        """``<worker>.<epoch>.<seq>``: the Nats-Msg-Id and the log's unique source key."""
-        return f"{self.worker_id}.{self.epoch}.{self.seq}"
 
 
 #: Most transitions one :class:`TransitionBatch` may carry (~700 bytes each: ~0.7 MB, under

@@ -787,8 +787,8 @@ def ingest_transition(state: LedgerState, t: m.TransitionEvent, now_ms: int | No
     at = t.ts_ms if now_ms is None else now_ms
     kind, reason = _judge(state, t)
     if kind:
-        return [ev.TransitionApplied(transition=ev.TransitionRecord.of(t), kind=kind, at_ms=at)]
-    return [ev.TransitionRejected(transition=ev.TransitionRecord.of(t), reason=reason, at_ms=at)]
+        return [ev.TransitionApplied(transition=t, kind=kind, at_ms=at)]
+    return [ev.TransitionRejected(transition=t, reason=reason, at_ms=at)]
 
 
 # --- operator commands -------------------------------------------------------------------

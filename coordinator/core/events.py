@@ -20,8 +20,7 @@ from typing import Annotated, Any, Final, Literal, Union
 import msgspec
 
 from shared.forms import FormCatalogue
-from shared.messages import ReplicaRef, ReplicaState, TransitionEvent
-from shared.versions import SCHEMA_VERSION
+from shared.messages import ReplicaRef, TransitionFields
 
 #: Version of the ledger event schema; bump when a field changes meaning.
 EVENT_SCHEMA_VERSION: Final = 1
@@ -41,49 +40,13 @@ class _Event(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field=
 
 # --- records of worker messages ------------------------------------------------------------
 # NOTE: the log is trusted input (only validated decisions reach it), so the worker messages
-# it embeds are decoded into these mirrors, which encode to the *same JSON* as the shared
-# messages but skip their per-field pattern checks: regex validation of hashes and names
-# was two thirds of a replayed event's decode time.
+# it embeds are decoded into types that encode to the *same JSON* as the shared messages but
+# skip their per-field checks: regex validation of hashes and names was two thirds of a
+# replayed event's decode time. A transition's is the message's own unchecked base class.
 
-class TransitionRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type",
-                       tag="transition", kw_only=True):
-    """A worker's :class:`shared.messages.TransitionEvent`, as the ledger stores it."""
-
-    v: int = SCHEMA_VERSION
-    worker_id: str
-    epoch: int
-    seq: int
-    namespace: str
-    tenant: str = "default"
-    block_hash: str
-    parent_hash: str
-    token_start: int = 0
-    token_end: int = 0
-    form: str = "compressed"
-    location: str = ""
-    from_state: ReplicaState | None = None
-    to_state: ReplicaState = ReplicaState.READY
-    generation: int = 0
-    checksum: str = ""
-    lease_id: str = ""
-    reason: str = ""
-    block_size: int = 16
-    model_name: str = ""
-    ts_ms: int = 0
-
-    @property
-    def source_id(self) -> str:
-        return f"{self.worker_id}.{self.epoch}.{self.seq}"
-
-    @classmethod
-    def of(cls, t: TransitionEvent | TransitionRecord) -> TransitionRecord:
-        if isinstance(t, TransitionRecord):
-            return t
-        return cls(**msgspec.structs.asdict(t))
-
-    def to_message(self) -> TransitionEvent:
-        """The worker's message again (validated)."""
-        return msgspec.convert(msgspec.structs.asdict(self), TransitionEvent)
+#: A worker's :class:`shared.messages.TransitionEvent` as the ledger stores it: live, the
+#: accepted message itself (a subclass); decoded from the log, its fields unchecked.
+TransitionRecord = TransitionFields
 
 
 class PinRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

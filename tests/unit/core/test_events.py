@@ -17,7 +17,7 @@ from shared.messages import ReplicaRef, ReplicaState as S, TransitionEvent, enco
 from .support import CAT, NS, h, transition
 
 T = transition("w1", 2, 5, h(1), "swa", S.ALLOCATED, S.READY, lease_id="L1")
-REC = TransitionRecord.of(T)
+REC = msgspec.json.decode(encode(T), type=TransitionRecord)   # as a replay reads it: unchecked
 K = (h(1), "swa", "gpu:w1")
 
 SAMPLES = [
@@ -61,6 +61,13 @@ def test_round_trip(e: object) -> None:
 def test_transition_record_is_the_workers_message_byte_for_byte() -> None:
     assert msgspec.json.encode(REC) == encode(T)
     assert REC.to_message() == T and REC.source_id == T.source_id == "w1.2.5"
+    # the ledger keeps the accepted message itself (a TransitionRecord with its fields checked)
+    assert isinstance(T, TransitionRecord) and type(REC) is TransitionRecord and T.to_message() is T
+    # what a replay reads is not checked (the log is trusted); turning it back into a message is
+    bad = msgspec.json.decode(encode(T).replace(b'"tenant":"t1"', b'"tenant":"a b"'), type=TransitionRecord)
+    assert bad.tenant == "a b"
+    with pytest.raises(msgspec.ValidationError, match="tenant"):
+        bad.to_message()
     ref = ReplicaRef(block_hash=h(0), form="swa", location="gpu:w1", generation=3, checksum="c")
     assert msgspec.json.encode(PinRef.of(ref)) == msgspec.json.encode(ref)
     assert PinRef.of(ref).to_message() == ref

@@ -11,7 +11,6 @@ from coordinator.core import (
     TRANSITIONS, IllegalTransition, TransitionApplied, TransitionRejected, acquire_lease, apply, ingest_transition,
     register_worker, step,
 )
-from coordinator.core.events import TransitionRecord
 from coordinator.core.lifecycle import KIND_OF_PAIR, KINDS, LIVE, TERMINAL, kind_of
 from shared.messages import ReplicaState as S
 
@@ -69,11 +68,11 @@ def test_illegal_event_in_the_log_raises_and_changes_nothing() -> None:
     d, blocks = _world()
     before = d.hash
     # A forged TransitionApplied asking READY → READY (commit of a committed replica).
-    forged = TransitionApplied(kind="commit", at_ms=3, transition=TransitionRecord.of(
+    forged = TransitionApplied(kind="commit", at_ms=3, transition=(
         transition("w1", 1, 2, blocks[0], "compressed", S.ALLOCATED, S.READY)))
     with pytest.raises(IllegalTransition):
         apply(d.state, forged)
-    forged2 = TransitionApplied(kind="evict", at_ms=3, transition=TransitionRecord.of(
+    forged2 = TransitionApplied(kind="evict", at_ms=3, transition=(
         transition("w1", 1, 2, blocks[1], "compressed", S.READY, S.EVICTED)))
     with pytest.raises(IllegalTransition):
         apply(d.state, forged2)
