@@ -217,7 +217,25 @@ class HeartbeatReply(_Msg, tag="worker.heartbeat.ok", kw_only=True):
 
 # --- leases --------------------------------------------------------------------------
 
-class ReplicaRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class ReplicaRefFields(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A :class:`ReplicaRef`'s fields, typed but not checked: what the ledger stores (a grant's
+    pins) and folds. As :class:`TransitionFields` is for a transition, so a grant's event holds
+    the refs its reply carries rather than a copy of each."""
+
+    block_hash: str
+    form: str
+    location: str
+    generation: int
+    checksum: str = ""
+
+    def to_message(self) -> ReplicaRef:
+        """The message (checked: raises ``msgspec.ValidationError`` if a field is not)."""
+        if type(self) is ReplicaRef:
+            return self
+        return msgspec.convert(msgspec.structs.asdict(self), ReplicaRef)
+
+
+class ReplicaRef(ReplicaRefFields, kw_only=True):
     """A READY replica a read lease pins: where it is and which generation to expect."""
 
     block_hash: Hex32

@@ -509,7 +509,7 @@ def acquire_lease(state: LedgerState, msg: m.LeaseAcquire, now_ms: int,
     event = ev.LeaseGranted(
         lease_id=lease_id, worker_id=w.worker_id, epoch=w.epoch, tenant=msg.tenant, namespace=msg.namespace,
         request_id=msg.request_id, block_hashes=list(hashes), usable_blocks=usable,
-        read=[ev.PinRef.of(r) for r in reads], write=write, expires_at_ms=expires,
+        read=reads, write=write, expires_at_ms=expires,
         evicted=[(v.block_hash, v.form, v.generation) for v in victims], allocated=True, at_ms=now_ms)
     grant = m.LeaseGrant(lease_id=lease_id, expires_at_ms=expires, usable_blocks=usable, read=reads,
                          write=write, evict=evict, rejected=rejected)

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Final, Literal, Union
 import msgspec
 
 from shared.forms import FormCatalogue
-from shared.messages import ReplicaRef, TransitionFields
+from shared.messages import ReplicaRefFields, TransitionFields
 
 #: Version of the ledger event schema; bump when a field changes meaning.
 EVENT_SCHEMA_VERSION: Final = 1
@@ -49,23 +49,9 @@ class _Event(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field=
 TransitionRecord = TransitionFields
 
 
-class PinRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """A :class:`shared.messages.ReplicaRef` as the ledger stores it (same JSON)."""
-
-    block_hash: str
-    form: str
-    location: str
-    generation: int
-    checksum: str = ""
-
-    @classmethod
-    def of(cls, r: ReplicaRef) -> PinRef:
-        return cls(block_hash=r.block_hash, form=r.form, location=r.location, generation=r.generation,
-                   checksum=r.checksum)
-
-    def to_message(self) -> ReplicaRef:
-        return ReplicaRef(block_hash=self.block_hash, form=self.form, location=self.location,
-                          generation=self.generation, checksum=self.checksum)
+#: A :class:`shared.messages.ReplicaRef` as the ledger stores it (a grant's pins): live, the
+#: ref the grant's reply carries; decoded from the log, its fields unchecked.
+PinRef = ReplicaRefFields
 
 
 # --- workers ---------------------------------------------------------------------------
