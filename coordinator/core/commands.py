@@ -27,7 +27,7 @@ import msgspec
 
 from coordinator.core import events as ev
 from coordinator.core.lifecycle import (
-    ALLOCATED, EVICTED, LIVE, READY, WORKER_KINDS, IllegalTransition, kind_of, step,
+    ALLOCATED, EVICTED, KIND_OF_PAIR, LIVE, READY, TRANSITIONS, WORKER_KINDS, IllegalTransition,
 )
 from coordinator.core.prefix import longest_usable_prefix
 from coordinator.core.state import Lease, LedgerState, Replica, ReplicaKey, WorkerRecord
@@ -715,7 +715,7 @@ def _judge(state: LedgerState, t: m.TransitionEvent) -> tuple[str, str]:
             return "", f"worker {t.worker_id} cannot change replicas at {loc} (its host tier is {w.host})"
     elif loc != "disk":
         return "", f"location {loc!r}: expected gpu:<worker>, host:<node> or disk"
-    kind = kind_of(t.from_state, t.to_state)
+    kind = KIND_OF_PAIR.get((t.from_state, t.to_state))   # kind_of() and step() inlined: per transition
     if kind is None or kind not in WORKER_KINDS:
         frm = t.from_state.value if t.from_state else "absent"
         return "", f"a worker cannot move a replica from {frm} to {t.to_state.value}"
@@ -727,10 +727,9 @@ def _judge(state: LedgerState, t: m.TransitionEvent) -> tuple[str, str]:
             return "", f"replica {key} already exists ({cur})"
     elif cur != t.from_state:
         return "", f"stale: replica {key} is {cur.value if cur else 'absent'}, not {t.from_state}"
-    try:
-        step(cur, kind, key)
-    except IllegalTransition as e:
-        return "", str(e)
+    moves = TRANSITIONS.get(cur)
+    if moves is None or kind not in moves:
+        return "", str(IllegalTransition(cur, kind, key))
     holder = r is not None and r.owner == t.worker_id and r.owner_epoch == t.epoch
     if kind in ("commit", "abort") or (kind == "invalidate" and cur is ALLOCATED):
         assert r is not None

@@ -180,20 +180,18 @@ class WorkerRecord:
     slots_total: int = field(init=False)
     #: The names of its catalogue's forms.
     form_names: frozenset[str] = field(init=False)
+    #: Its GPU's location, ``gpu:<worker_id>``.
+    gpu: str = field(init=False)
+    #: The host tier it shares with its node (``host:<worker_id>`` until registration carries a
+    #: node name).
+    host: str = field(init=False)
 
     def __post_init__(self) -> None:
         self.slots_total = sum(self.pool_slots.values())
         self.form_names = frozenset(self.catalogue.names)
-
-    @property
-    def gpu(self) -> str:
-        return f"gpu:{self.worker_id}"
-
-    @property
-    def host(self) -> str:
-        """The host tier this worker shares with its node (``host:<worker_id>`` until
-        registration carries a node name)."""
-        return f"host:{self.node or self.worker_id}"
+        # NOTE: fields, not properties: a decision read them several times (an f-string each)
+        self.gpu = f"gpu:{self.worker_id}"
+        self.host = f"host:{self.node or self.worker_id}"
 
     def is_fenced(self, epoch: int) -> bool:
         return epoch <= self.fenced_through
