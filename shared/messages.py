@@ -238,11 +238,10 @@ class ReplicaRefFields(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
 class ReplicaRef(ReplicaRefFields, kw_only=True):
     """A READY replica a read lease pins: where it is and which generation to expect."""
 
+    # NOTE: the fields whose values are bounded, with their bounds; the others are the base's.
     block_hash: Hex32
     form: Name
-    location: str
     generation: NonNeg
-    checksum: str = ""
 
 
 class LeaseAcquire(_Msg, tag="lease.acquire", kw_only=True):
@@ -388,6 +387,7 @@ class TransitionFields(_Msg, tag="transition", kw_only=True):
     token_start: int = 0
     token_end: int = 0
     form: str = "compressed"
+    #: ``gpu:<worker>``, ``host:<node>`` or ``disk`` (the "medium" of other event streams).
     location: str = ""
     from_state: ReplicaState | None = None
     to_state: ReplicaState = ReplicaState.READY
@@ -418,6 +418,7 @@ class TransitionEvent(TransitionFields, tag="transition", kw_only=True):
     block size, parent hash, block hashes, model name).
     """
 
+    # NOTE: the fields whose values are bounded, with their bounds; the others are the base's.
     #: ``worker_id``, ``tenant`` and ``form``: names (``__post_init__``).
     worker_id: NameChars
     epoch: Pos
@@ -430,16 +431,8 @@ class TransitionEvent(TransitionFields, tag="transition", kw_only=True):
     token_start: NonNeg = 0
     token_end: NonNeg = 0
     form: NameChars = "compressed"
-    #: ``gpu:<worker>``, ``host:<node>`` or ``disk`` (the "medium" of other event streams).
-    location: str = ""
-    from_state: ReplicaState | None = None
-    to_state: ReplicaState = ReplicaState.READY
     generation: NonNeg = Generation(0)
-    checksum: str = ""
-    lease_id: str = ""
-    reason: str = ""
     block_size: Pos = 16
-    model_name: str = ""
     ts_ms: NonNeg = 0
 
     def __post_init__(self) -> None:
