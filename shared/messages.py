@@ -229,19 +229,45 @@ class ReplicaRefFields(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     checksum: str = ""
 
     def to_message(self) -> ReplicaRef:
-        """The message (checked: raises ``msgspec.ValidationError`` if a field is not)."""
+        """The message (checked: raises ``msgspec.ValidationError`` or ``ValueError`` if a field is not)."""
         if type(self) is ReplicaRef:
             return self
-        return msgspec.convert(msgspec.structs.asdict(self), ReplicaRef)
+        ref = msgspec.convert(msgspec.structs.asdict(self), ReplicaRef)
+        check_refs("ref", [ref])
+        return ref
 
 
 class ReplicaRef(ReplicaRefFields, kw_only=True):
-    """A READY replica a read lease pins: where it is and which generation to expect."""
+    """A READY replica a read lease pins: where it is and which generation to expect.
+
+    ``block_hash`` is 32 lowercase hex characters and ``form`` a name: the message carrying refs
+    checks their characters for all of them at once (:func:`check_refs`)."""
 
     # NOTE: the fields whose values are bounded, with their bounds; the others are the base's.
-    block_hash: Hex32
-    form: Name
+    block_hash: Len32
+    form: NameChars
     generation: NonNeg
+
+
+def check_refs(field: str, refs: list[ReplicaRef]) -> None:
+    """ValueError (a ValidationError when decoding) unless every decoded ref's ``block_hash`` is
+    32 lowercase hex characters and its ``form`` a name.
+
+    NOTE: a pattern per field cost ~1 µs a ref, ~1 ms of a long prompt's grant at the worker
+    (1,000 refs); two joined checks cost ~0.4 µs a ref. Only decoded refs are checked, as msgspec
+    checks only what it decodes: a list decoded from the wire holds ``ReplicaRef`` alone, while
+    one the coordinator builds from its ledger holds the unchecked base (``_ref``), which it
+    trusts as it trusts its log.
+    """
+    if not refs or type(refs[0]) is not ReplicaRef:
+        return
+    if not _hex32s("".join(r.block_hash for r in refs)):
+        bad = next(i for i, r in enumerate(refs) if not _HEX32.fullmatch(r.block_hash))
+        raise ValueError(f"{field}[{bad}].block_hash: expected 32 lowercase hex characters")
+    if not _NAME_CHARS.issuperset("".join(r.form for r in refs)):
+        bad = next(i for i, r in enumerate(refs) if not _NAME_CHARS.issuperset(r.form))
+        raise ValueError(f"{field}[{bad}].form: {refs[bad].form[:40]!r} has a character outside "
+                         f"A-Z a-z 0-9 _ . : -")
 
 
 class LeaseAcquire(_Msg, tag="lease.acquire", kw_only=True):
@@ -280,6 +306,10 @@ class LeaseGrant(_Msg, tag="lease.granted", kw_only=True):
     evict: list[ReplicaRef] = []
     #: Why each longer boundary was rejected, longest first (for metrics and debugging).
     rejected: list[str] = []
+
+    def __post_init__(self) -> None:
+        check_refs("read", self.read)
+        check_refs("evict", self.evict)
 
 
 class LeaseRenew(_Msg, tag="lease.renew", kw_only=True):

@@ -73,9 +73,11 @@ def readable_locations(w: WorkerRecord) -> tuple[str, ...]:
     return (w.gpu, w.host, "disk")
 
 
-def _ref(r: Replica) -> m.ReplicaRef:
-    return m.ReplicaRef(block_hash=r.block_hash, form=r.form, location=r.location,
-                        generation=r.generation, checksum=r.checksum)
+def _ref(r: Replica) -> m.ReplicaRefFields:
+    """A grant's ref to ``r``: the unchecked base, from the ledger's own state (as the grant's
+    event stores it; the worker decodes it as a checked ``ReplicaRef``)."""
+    return m.ReplicaRefFields(block_hash=r.block_hash, form=r.form, location=r.location,
+                              generation=r.generation, checksum=r.checksum)
 
 
 def _live_worker(state: LedgerState, worker_id: str, epoch: int, *,

@@ -146,6 +146,37 @@ def test_names_in_hot_messages_are_checked(data: str, needle: str) -> None:
         decode(data.encode())
 
 
+def _grant(read: list[tuple[str, str]], evict: list[tuple[str, str]] = ()) -> bytes:
+    ref = '{{"block_hash":"{}","form":"{}","location":"gpu:w1","generation":1,"checksum":"c"}}'
+    return ('{"type":"lease.granted","v":1,"lease_id":"l1","read":[' + ",".join(ref.format(*r) for r in read)
+            + '],"evict":[' + ",".join(ref.format(*r) for r in evict) + ']}').encode()
+
+
+@pytest.mark.parametrize(("read", "evict", "needle"), [
+    # a grant's refs are checked all at once (check_refs), each wrong one named
+    ([(H, "swa"), (H, "swa"), ("AB" * 16, "swa")], [], "read[2].block_hash: expected 32 lowercase hex"),
+    ([(H, "swa")], [(H, "swa"), (H, "s/a")], "evict[1].form: 's/a' has a character outside"),
+    ([(H, "sw\\na")], [], "read[0].form: "),
+    ([(H[:31], "swa")], [], "length >= 32 - at `$.read[0].block_hash`"),
+    ([(H, "")], [], "length >= 1 - at `$.read[0].form`"),
+])
+def test_a_grants_refs_are_checked_when_decoded(read: list[tuple[str, str]], evict: list[tuple[str, str]],
+                                                needle: str) -> None:
+    good = decode(_grant([(H, "swa"), ("0" * 32, "a.b:c-d_e")], [(H, "x")]), expect=LeaseGrant)
+    assert [r.form for r in good.read] == ["swa", "a.b:c-d_e"] and type(good.read[0]) is ReplicaRef
+    with pytest.raises(MessageError, match=re.escape(needle)):
+        decode(_grant(read, evict))
+
+
+def test_a_ref_built_from_the_ledger_is_the_unchecked_base_and_checked_when_made_a_message() -> None:
+    from shared.messages import ReplicaRefFields
+    trusted = ReplicaRefFields(block_hash=H, form="swa", location="gpu:w1", generation=1)
+    grant = LeaseGrant(lease_id="l1", read=[trusted])        # built in process: as msgspec, nothing checked
+    assert decode(encode(grant), expect=LeaseGrant).read == [trusted.to_message()]
+    with pytest.raises(ValueError, match="ref\\[0\\].form"):
+        ReplicaRefFields(block_hash=H, form="s a", location="gpu:w1", generation=1).to_message()
+
+
 def _batch_json(events: list[tuple[str, int, int]], worker: str = "w", epoch: int = 1) -> bytes:
     evs = ",".join(f'{{"type":"transition","v":1,"worker_id":"{w}","epoch":{e},"seq":{s},"namespace":"{H}",'
                    f'"block_hash":"{H}","parent_hash":"{H}"}}' for w, e, s in events)
