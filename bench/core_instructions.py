@@ -66,7 +66,7 @@ def fold_workload(n: int) -> tuple[Callable[[], Any], int]:
     rows: list[tuple[int, bytes]] = []
     evs = b.start()
     while len(rows) < n:
-        rows.extend((len(rows) + 1 + i, to_new_event(e).payload) for i, e in enumerate(evs))
+        rows += [(len(rows) + 1 + i, to_new_event(e).payload) for i, e in enumerate(evs)]   # positions 1, 2, 3, …
         evs = b.request()
     del rows[n:]
 
@@ -79,8 +79,8 @@ def fold_workload(n: int) -> tuple[Callable[[], Any], int]:
     return work, len(rows)
 
 
-def _worker(slots: int) -> tuple[Any, Any, int, int]:
-    """A ledger state with one registered worker of ``slots`` slots: (state, namespace, epoch, now)."""
+def _worker(slots: int) -> tuple[Any, int, int]:
+    """A ledger state with one registered worker of ``slots`` slots: (state, epoch, now)."""
     from bench.coordinator import NS, catalogue
     from coordinator import core
     from shared import messages as m
@@ -91,7 +91,7 @@ def _worker(slots: int) -> tuple[Any, Any, int, int]:
                                                               pool_slots={"compressed": slots}), now)
     for e in evs:
         core.apply(state, e)
-    return state, NS, reply.epoch, now
+    return state, reply.epoch, now
 
 
 def _grant(state: Any, epoch: int, now: int, hashes: list[str], lease_id: str) -> Any:
@@ -115,7 +115,7 @@ def ingest_workload(n: int) -> tuple[Callable[[], Any], int]:
     from coordinator.ledger import to_new_event
     from shared import messages as m
 
-    state, _, epoch, now = _worker(2 * n + 256)
+    state, epoch, now = _worker(2 * n + 256)
     msgs, seq = [], 0
     for k in range(n // 256):
         hashes = [h(1 + 256 * k + i) for i in range(256)]
@@ -148,7 +148,7 @@ def lease_workload(n: int) -> tuple[Callable[[], Any], int]:
     from shared import messages as m
 
     slots = max(4_000, 8 * n)
-    state, _, epoch, now = _worker(slots)
+    state, epoch, now = _worker(slots)
     cached: list[str] = []
     seq = 0
     while len(cached) < slots:                 # fill the pool with READY blocks, then let go of them

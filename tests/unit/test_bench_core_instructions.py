@@ -21,6 +21,8 @@ def test_the_workloads_do_what_they_say() -> None:
     from coordinator.core import check_invariants
 
     work, n = fold_workload(600)
+    rows = dict(zip(work.__code__.co_freevars, (c.cell_contents for c in work.__closure__)))["rows"]
+    assert [p for p, _ in rows] == list(range(1, 601))   # the log's positions, as a replay reads them
     state = work()
     assert n == 600 and state.applied == 600 and check_invariants(state) == []
     assert not state.indexes_deferred and sum(map(len, state.lru.values())) > 0   # rebuilt at the end
