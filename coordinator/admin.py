@@ -41,10 +41,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Every pattern is checked with ``fullmatch`` (Python's ``$`` also matches before a final newline;
 # JSON Schema's does not), and the same text is what /openapi.json declares.
-HEX32 = re.compile(r"^[0-9a-f]{32}$")
-NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+HEX32 = re.compile(r"^[0-9a-f]{32}\Z")
+NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}\Z")
 #: A page cursor: the hex of the last key returned (any even-length hex is a valid position).
-CURSOR = re.compile(r"^(?:[0-9a-f]{2}){1,1024}$")
+CURSOR = re.compile(r"^(?:[0-9a-f]{2}){1,1024}\Z")
 MAX_PAGE = 1000
 MAX_AFTER = 2**62
 
@@ -201,7 +201,7 @@ class CacheSwitchBody(msgspec.Struct, forbid_unknown_fields=True):
     #: "on" = reuse again, "off" = every request recomputes and nothing new is cached.
     state: Literal["on", "off"]
     #: One namespace (32 hex), or "" for every namespace.
-    namespace: Annotated[str, msgspec.Meta(pattern="^(?:[0-9a-f]{32})?$")] = ""
+    namespace: Annotated[str, msgspec.Meta(pattern=r"^(?:[0-9a-f]{32})?\Z")] = ""
     reason: Reason = ""
 
 

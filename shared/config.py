@@ -184,11 +184,11 @@ class DatabaseConfig(_Section):
 class NatsConfig(_Section):
     #: ``nats://host:port``; empty = start an embedded nats-server with JetStream.
     url: str = ""
-    subject_prefix: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")] = "kvl"
+    subject_prefix: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*\Z")] = "kvl"
     request_timeout_ms: PosInt = 2000
     #: This process's NATS user: ``coordinator``, ``worker.<worker id>``, ``operator`` or ``observer``
     #: (``shared.nats_auth``: each is confined to its own subjects); empty = connect without one.
-    user: Annotated[str, msgspec.Meta(pattern=r"^([A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)?)?$")] = ""
+    user: Annotated[str, msgspec.Meta(pattern=r"^([A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)?)?\Z")] = ""
     #: Its password (``KVL_NATS__PASSWORD``); ``password_file`` is preferred.
     password: str = ""
     #: A file holding the password (read at start; 0600). Wins over ``password``.
@@ -251,7 +251,7 @@ class WorkerConfig(_Section):
     #: ``http://worker-0:8400`` in a container network. Empty: ``http://<host>:<port>`` as bound, or
     #: the machine's host name in place of a wildcard ``host`` (``0.0.0.0``, ``::``), which no
     #: other machine can connect to.
-    advertise_url: Annotated[str, msgspec.Meta(pattern=r"^(https?://[^\s/]+)?$")] = ""
+    advertise_url: Annotated[str, msgspec.Meta(pattern=r"^(https?://[^\s/]+)?\Z")] = ""
     #: ``cpu``, ``cuda``, ``cuda:N``.
     device: str = "cpu"
     #: A checkpoint directory as transformers' ``save_pretrained`` writes it (DeepseekV4, Llama,
@@ -280,8 +280,8 @@ class WorkerConfig(_Section):
 
 class ApiKey(_Section):
     #: sha256 hex of the key; keys are never stored in clear.
-    key_sha256: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
-    tenant: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_\-]{1,64}$")]
+    key_sha256: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}\Z")]
+    tenant: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_\-]{1,64}\Z")]
     max_concurrency: Annotated[int, msgspec.Meta(ge=0)] = 0
     cache_quota_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
     #: Requests per second the gateway admits for this tenant (token bucket, one second of burst;
@@ -350,7 +350,7 @@ class TracingConfig(_Section):
     #: ``OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE`` in the environment.
     otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
     #: Each process reports itself as ``<service_name>-gateway``, ``-worker`` or ``-coordinator``.
-    service_name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")] = "kvledger"
+    service_name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.\-]{1,64}\Z")] = "kvledger"
     #: Fraction of new traces recorded (by trace id). Parent-based: a request arriving with a
     #: ``traceparent`` follows its caller's decision, so a trace is whole or absent.
     sample_ratio: Fraction = 1.0

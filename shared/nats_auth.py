@@ -49,7 +49,7 @@ from shared.subjects import Subjects
 ROLES = ("coordinator", "worker", "gateway", "operator", "observer")
 #: Roles whose identity carries a name (one user per worker, per gateway).
 NAMED = ("worker", "gateway")
-_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+\Z")
 
 
 class AuthConfigError(ValueError):
@@ -131,7 +131,7 @@ class EnvRef:
     name: str
 
     def __post_init__(self) -> None:
-        if not re.match(r"^[A-Z_][A-Z0-9_]*$", self.name):
+        if not re.match(r"^[A-Z_][A-Z0-9_]*\Z", self.name):
             raise ValueError(f"{self.name!r} is not an environment variable name")
 
 

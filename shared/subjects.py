@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+\Z")
 #: Queue group of the coordinator's request/reply service.
 COORDINATOR_QUEUE = "kvl-coordinator"
 #: Worker → coordinator requests; each has its own subject per worker (:meth:`Subjects.request`).

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_SAFE = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
+_SAFE = re.compile(r"^[A-Za-z0-9_\-]{1,128}\Z")
 
 
 class OffloadError(Exception):
