@@ -599,11 +599,25 @@ def openapi_document() -> dict[str, Any]:
             op["requestBody"] = {"required": r.body_required,
                                  "content": {"application/json": {"schema": body_schema[id(r.body)]}}}
         paths.setdefault(r.path, {})[r.method.lower()] = op
-    return {"openapi": "3.1.0",
-            "info": {"title": "kvledger coordinator admin API", "version": "1"},
-            "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-                           "schemas": {"Error": _ERROR_SCHEMA, **components}},
-            "paths": paths}
+    return _ecma_patterns({"openapi": "3.1.0",
+                           "info": {"title": "kvledger coordinator admin API", "version": "1"},
+                           "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+                                          "schemas": {"Error": _ERROR_SCHEMA, **components}},
+                           "paths": paths})
+
+
+def _ecma_patterns(doc: Any) -> Any:
+    """``doc`` with each ``pattern`` ending in ``$`` where this module's end in ``\\Z``.
+
+    NOTE: the same anchor in each dialect. A JSON Schema pattern is an ECMA-262 regex, where
+    ``$`` (no multiline flag) matches only at the end of the input and ``\\Z`` is not an anchor;
+    in Python's ``re``, which validates here, ``$`` also matches before a trailing newline."""
+    if isinstance(doc, dict):
+        return {k: v[:-2] + "$" if k == "pattern" and isinstance(v, str) and v.endswith("\\Z")
+                else _ecma_patterns(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [_ecma_patterns(v) for v in doc]
+    return doc
 
 
 # --- middleware ---------------------------------------------------------------------------------

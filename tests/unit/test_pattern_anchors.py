@@ -93,6 +93,22 @@ def test_offload_path_tokens_and_admin_parameters_refuse_a_trailing_newline():
         msgspec.convert({"state": "off", "namespace": NS + "\n"}, admin.CacheSwitchBody)
 
 
+def _patterns(doc: object) -> set[str]:
+    if isinstance(doc, dict):
+        return {v for k, v in doc.items() if k == "pattern"} | {p for v in doc.values() for p in _patterns(v)}
+    if isinstance(doc, list):
+        return {p for v in doc for p in _patterns(v)}
+    return set()
+
+
+def test_the_admin_openapi_document_publishes_each_pattern_with_the_ecma_anchor():
+    """JSON Schema patterns are ECMA-262 regexes: there ``$`` anchors at the end of the input (what
+    ``\\Z`` does in Python) and ``\\Z`` is no anchor at all."""
+    validating = {admin.HEX32.pattern, admin.NAME.pattern, admin.CURSOR.pattern, r"^(?:[0-9a-f]{32})?\Z"}
+    published = _patterns(admin.openapi_document())
+    assert published == {p[:-2] + "$" for p in validating}
+
+
 #: Regexes that parse text the project itself reads (checkpoint tensor names, msgspec's own
 #: error messages), not inputs they validate: a trailing ``$`` is what they mean.
 PARSERS = {"worker/model/hf_names.py", "shared/config.py:_AT", "worker/api/schemas.py:_AT",
