@@ -322,11 +322,24 @@ class SegmentIndex:
         """Records this process just wrote (known without a scan)."""
         by_key, by_path = self._by_key, self._by_path
         ends: dict[Path, int] = {}
+        # NOTE: a batch's records share one segment: its list and end are looked up once per run of
+        # records of one path (hashing a Path per record was a tenth of a tiny block's write)
+        path: Path | None = None
+        rows: list[Record] = []
+        end = 0
         for r in records:
             h = r.header
             by_key[(h.namespace, h.tenant, h.block_hash, h.form)] = r
-            by_path.setdefault(r.path, []).append(r)
-            ends[r.path] = max(ends.get(r.path, 0), r.end)
+            if r.path is not path:
+                if path is not None:
+                    ends[path] = max(ends.get(path, 0), end)
+                path, end = r.path, 0
+                rows = by_path.setdefault(path, [])
+            rows.append(r)
+            if r.end > end:
+                end = r.end
+        if path is not None:
+            ends[path] = max(ends.get(path, 0), end)
         for path, end in ends.items():
             self._scanned[path] = max(self._scanned.get(path, 0), end + _pad(end))
 

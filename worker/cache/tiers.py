@@ -230,7 +230,8 @@ class Tiers:
         # NOTE: the metas name the records as they are (a BlockMeta has every key field): the
         # engine checked each key before queueing it (``Engine._spill_batch``), and a BlockKey
         # per record here, each field re-checked by a regex, was 40 % of a batch's CPU time.
-        batch = [(meta, memoryview((data.cpu() if data.device.type != "cpu" else data).contiguous().numpy()))
+        # (``is_cpu``: ``device.type`` builds a device object, 0.28 against 0.06 us a record)
+        batch = [(meta, memoryview((data if data.is_cpu else data.cpu()).contiguous().numpy()))
                  for meta, data in items]
         records = self._writer.append(batch)
         self._index.add(records)
