@@ -1323,7 +1323,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             streams.append(subjects.stream_name)
             coord = CoordinatorProc(tmp, "live", live_db, nats_url, subjects.prefix,
                                     {k: v for k, v in (("gc_young_threshold", args.gc_young_threshold),
-                                                       ("gc_full_threshold", args.gc_full_threshold)) if v} or None,
+                                                       ("gc_full_threshold", args.gc_full_threshold),
+                                                       ("decide_pass_max", args.decide_pass_max)) if v} or None,
                                     database=None if args.copy_append_min_events is None
                                     else {"copy_append_min_events": args.copy_append_min_events})
             procs.append(coord)
@@ -1334,6 +1335,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             from shared.config import CoordinatorConfig
             result["coordinator_gc_young_threshold"] = args.gc_young_threshold or CoordinatorConfig().gc_young_threshold
             result["coordinator_gc_full_threshold"] = args.gc_full_threshold or CoordinatorConfig().gc_full_threshold
+            result["coordinator_decide_pass_max"] = args.decide_pass_max or CoordinatorConfig().decide_pass_max
             from shared.config import DatabaseConfig
             result["coordinator_copy_append_min_events"] = (DatabaseConfig().copy_append_min_events
                                                             if args.copy_append_min_events is None
@@ -1812,6 +1814,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     ap.add_argument("--gc-full-threshold", type=int,
                     help="the ingest and lease phases' coordinator.gc_full_threshold (default: the config's; "
                          "10 = CPython's own, for an A/B)")
+    ap.add_argument("--decide-pass-max", type=int,
+                    help="the ingest and lease phases' coordinator.decide_pass_max (default: the config's; "
+                         "a large value decides a whole burst in one pass, as before stop 50, for an A/B)")
     ap.add_argument("--copy-append-min-events", type=int,
                     help="the ingest and lease phases' database.copy_append_min_events (default: the config's; "
                          "0 = every append by kvl_append, for an A/B)")
@@ -1827,6 +1832,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         ap.error("--replay-pool-slots must be within 64–10000000 (a request writes up to 32 blocks)")
     if args.gc_full_threshold is not None and not 1 <= args.gc_full_threshold <= 10_000:
         ap.error("--gc-full-threshold must be within 1–10000 (coordinator.gc_full_threshold)")
+    if args.decide_pass_max is not None and not 1 <= args.decide_pass_max <= 100_000:
+        ap.error("--decide-pass-max must be within 1–100000 (coordinator.decide_pass_max)")
     if args.copy_append_min_events is not None and args.copy_append_min_events < 0:
         ap.error("--copy-append-min-events must be 0 or more (database.copy_append_min_events)")
     if args.echo_serve:
