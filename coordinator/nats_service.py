@@ -200,10 +200,13 @@ class NatsService:
             await self._slots.acquire()   # backpressure: at most max_in_flight requests taken
             self._queued.append((op, msg, time.perf_counter()))
             if self._batch is None:
-                self._batch = task = asyncio.create_task(self._serve_queued())
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._start_pass(behind=False)
         return cb
+
+    def _start_pass(self, *, behind: bool) -> None:
+        self._batch = task = asyncio.create_task(self._serve_queued(behind))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _heartbeat(self, msg: Msg) -> None:
         t0 = time.perf_counter()
@@ -302,17 +305,32 @@ class NatsService:
             return disown
         return op.decide(req)
 
-    async def _serve_queued(self) -> None:
-        """Decide every request taken since the last batch started, in arrival order, as one
-        submission to the ledger; answer each once the events of all are durable.
+    async def _serve_queued(self, behind: bool = False) -> None:
+        """Decide the requests taken since the last pass started (at most
+        ``coordinator.decide_pass_max``), in arrival order, as one submission to the ledger;
+        answer each once the events of all are durable. What is left queued gets a pass of its
+        own (``behind``), started now.
 
         NOTE: one task, one decision pass and one commit future per burst of requests instead
         of a task, a future and a shield per request (that bookkeeping cost more than many a
-        decision). Batches start in the order they were created and decide before their
+        decision). Passes start in the order they were created and decide before their
         first real wait, so decisions (and the log) follow the order requests arrived in.
+
+        NOTE: a burst is decided in bounded passes so that its first part's append starts while
+        the rest is decided, and its first answers go out while later parts wait for theirs. One
+        pass for the whole burst ran it in lock step: 64 leases in flight, all decided (2.7 ms),
+        then appended (2 ms), then answered, then the client's turn (2.8 ms), every stage idle
+        while another ran. A pass started behind another yields once first, so the group
+        committer (woken by the other's submission) takes that submission alone and starts its
+        append before this pass decides.
         """
+        if behind:
+            await asyncio.sleep(0)
         self._batch = None
-        batch, self._queued = self._queued, []
+        cap = self.config.coordinator.decide_pass_max
+        batch, self._queued = self._queued[:cap], self._queued[cap:]
+        if self._queued:
+            self._start_pass(behind=True)
         traced = BatchSpans.of(batch)    # None unless tracing is on and a request carries a traceparent
         try:
             replies: list[Any] = [None] * len(batch)

@@ -214,6 +214,10 @@ class CoordinatorConfig(_Section):
     #: (0 = commit at once; while a commit is in flight the next batch fills by itself).
     commit_batch_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
     commit_batch_max: PosInt = 2000
+    #: Requests (leases, releases, renewals, …) decided in one pass at most; a larger burst is
+    #: decided in several, each submitted for commit as soon as it is decided, so the first
+    #: part's append overlaps the deciding of the rest (``coordinator.nats_service``).
+    decide_pass_max: PosInt = 32
     snapshot_every_events: PosInt = 100_000
     #: Serialise each snapshot in a forked child, so that decisions wait only for the fork (a
     #: few ms) instead of the whole hash and encoding (~0.5 s for a worker with a 100k-slot

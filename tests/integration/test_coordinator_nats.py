@@ -288,6 +288,39 @@ async def test_a_worker_that_disowns_its_replicas_takes_its_disk_copies_out_of_r
             await nc.drain()
 
 
+async def test_a_burst_is_decided_in_bounded_passes_in_the_order_it_arrived(
+        database_url: str, nats_url: str, subjects: Subjects) -> None:
+    """100 acquires sent at once, decided 8 to a pass (``decide_pass_max``): each pass is submitted
+    as soon as it is decided, so the first commits apart from the rest, and the log holds the
+    grants in the order the requests were sent."""
+    cfg = fast_config(database_url, nats_url, subjects, commit_batch_ms=0, decide_pass_max=8)
+    async with running_coordinator(cfg) as (app, base):
+        nc = await nats.connect(nats_url)
+        db = await asyncpg.connect(database_url)
+        ledger = app[COORDINATOR].ledger
+        passes: list[int] = []
+        execute_all = ledger.execute_all
+
+        async def counted(decisions: Any) -> Any:
+            passes.append(len(decisions))
+            return await execute_all(decisions)
+        try:
+            w = Worker(nc, subjects)
+            await w.register()
+            ledger.execute_all = counted
+            grants = await asyncio.gather(*[w.acquire([block(i)]) for i in range(100)])
+            assert all(isinstance(g, LeaseGrant) and g.write == {"compressed": [0]} for g in grants)
+            assert sum(passes) == 100 and max(passes) <= 8
+            rows = await db.fetch("SELECT payload::jsonb->'block_hashes'->>0 AS first, xmin::text AS tx FROM events "
+                                  "WHERE type = 'lease.granted' ORDER BY position")
+            assert [r["first"] for r in rows] == [block(i) for i in range(100)]
+            assert len({r["tx"] for r in rows}) >= 2
+            await _audit_clean(base)
+        finally:
+            await db.close()
+            await nc.drain()
+
+
 async def test_a_batch_larger_than_a_nats_message_goes_out_in_ordered_parts(
         database_url: str, nats_url: str, subjects: Subjects) -> None:
     cfg = fast_config(database_url, nats_url, subjects)
