@@ -39,8 +39,8 @@ from shared.messages import Control, ReplicaState, now_ms
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-# Every pattern is checked with ``fullmatch`` (Python's ``$`` also matches before a final newline;
-# JSON Schema's does not), and the same text is what /openapi.json declares.
+# Every pattern is checked with ``fullmatch`` and ends in ``\Z`` (Python's ``$`` also matches before a
+# final newline); /openapi.json declares the same text with JSON Schema's ``$`` (``_ecma_patterns``).
 HEX32 = re.compile(r"^[0-9a-f]{32}\Z")
 NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}\Z")
 #: A page cursor: the hex of the last key returned (any even-length hex is a valid position).

@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import mmap
+import operator
 import os
 import struct
 import zlib
@@ -108,6 +110,9 @@ class RecordKey(Protocol):
     block_hash: str
     form: str
     spec_digest: str
+
+
+_path_of = operator.attrgetter("path")
 
 
 def key_of(k: RecordKey) -> Key:
@@ -320,28 +325,17 @@ class SegmentIndex:
 
     def add(self, records: Sequence[Record]) -> None:
         """Records this process just wrote (known without a scan)."""
-        by_key, by_path = self._by_key, self._by_path
-        ends: dict[Path, int] = {}
+        by_key, by_path, scanned = self._by_key, self._by_path, self._scanned
         # NOTE: a batch's records share one segment: its list and end are looked up once per run of
         # records of one path (hashing a Path per record was a tenth of a tiny block's write)
-        path: Path | None = None
-        rows: list[Record] = []
-        end = 0
-        for r in records:
-            h = r.header
-            by_key[(h.namespace, h.tenant, h.block_hash, h.form)] = r
-            if r.path is not path:
-                if path is not None:
-                    ends[path] = max(ends.get(path, 0), end)
-                path, end = r.path, 0
-                rows = by_path.setdefault(path, [])
-            rows.append(r)
-            if r.end > end:
-                end = r.end
-        if path is not None:
-            ends[path] = max(ends.get(path, 0), end)
-        for path, end in ends.items():
-            self._scanned[path] = max(self._scanned.get(path, 0), end + _pad(end))
+        for path, group in itertools.groupby(records, key=_path_of):
+            run = list(group)
+            for r in run:
+                h = r.header
+                by_key[(h.namespace, h.tenant, h.block_hash, h.form)] = r
+            by_path.setdefault(path, []).extend(run)
+            end = max(r.end for r in run)
+            scanned[path] = max(scanned.get(path, 0), end + _pad(end))
 
     def drop(self, key: Key) -> None:
         """Stop offering one record (its bytes failed validation; the segment stays)."""
