@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import nats.errors
 
 from shared import nats_auth
 from shared.embedded import EmbeddedNats
@@ -51,6 +52,26 @@ async def _connect(url: str, store: nats_auth.CredentialStore | None, ident: nat
     return await nats.connect(url, allow_reconnect=False, pending_size=64 * 2**20, **kw)
 
 
+async def _first_answer(requester: Any, subject: str, within_s: float = 5.0) -> None:
+    """Wait until the responder's interest reaches the requester's path.
+
+    CI once saw the first request of a round answered "no responders" although the responder
+    had subscribed and flushed first (not reproduced in 100 local rounds, idle or loaded); a
+    worker takes the same answer as "coordinator unavailable" and carries on. A path that never
+    answers (a permission that denies it) still fails after ``within_s``.
+    """
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            await requester.request(subject, PAYLOAD, timeout=5)
+            return
+        except nats.errors.NoRespondersError:
+            if time.monotonic() > deadline:
+                raise
+            _log("no responders yet; retrying")
+            await asyncio.sleep(0.05)
+
+
 async def _round(url: str, store: nats_auth.CredentialStore | None, serial: int, piped: int,
                  inflight: int) -> dict[str, float]:
     t0 = time.perf_counter()
@@ -64,6 +85,7 @@ async def _round(url: str, store: nats_auth.CredentialStore | None, serial: int,
         await responder.subscribe(SUBJECTS.requests_wildcard("acquire"), cb=answer)
         await responder.flush()
         subject = SUBJECTS.request("acquire", WORKER)
+        await _first_answer(requester, subject)
         for _ in range(50):   # warm-up
             await requester.request(subject, PAYLOAD, timeout=5)
         lat = []
