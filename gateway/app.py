@@ -35,6 +35,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from gateway.inflight import InFlightPrefixes
 from gateway.limits import Admitted, Refused, TenantLimits
 from gateway.prompt import prompt_tokens
 from gateway.routing import Choice, Worker, choose
@@ -71,8 +72,9 @@ class GatewayMetrics:
         r = self.registry = CollectorRegistry()
         p = "kvl_gateway_"
         self.requests = Counter(p + "requests", "Requests answered, by path and status", ["path", "status"], registry=r)
-        self.decisions = Counter(p + "route_decisions", "Route decisions by reason (cache, load, affinity, "
-                                 "no_hint: prompt unreadable or route query failed)", ["reason"], registry=r)
+        self.decisions = Counter(p + "route_decisions", "Route decisions by reason (cache, inflight: a prefix being "
+                                 "computed there, load, affinity, no_hint: prompt unreadable or route query failed)",
+                                 ["reason"], registry=r)
         self.expected = Counter(p + "expected_cached_tokens", "Prompt tokens the route expected cached", registry=r)
         self.realized = Counter(p + "realized_cached_tokens", "Prompt tokens the worker reported cached "
                                 "(streams only when they carry usage: stream_options.include_usage)", registry=r)
@@ -81,6 +83,9 @@ class GatewayMetrics:
         self.failovers = Counter(p + "failovers", "Requests moved to the next worker, by why", ["why"], registry=r)
         self.in_flight = Gauge(p + "worker_in_flight", "Requests this gateway has in flight per worker", ["worker"],
                                registry=r)
+        self.inflight_blocks = Gauge(p + "inflight_prompt_blocks", "Distinct (worker, block) pairs of the prompts "
+                                     "this gateway has in flight (gateway.route_inflight_prefixes; 0 when idle)",
+                                     registry=r)
         self.reported_load = Gauge(p + "worker_reported_load", "Running + queued requests per worker, as its last "
                                    "heartbeat told the coordinator (every gateway's traffic)", ["worker"], registry=r)
         self.route_seconds = Histogram(p + "route_seconds", "Tokenize + hash + route query",
@@ -114,6 +119,7 @@ class Gateway:
         self._listed_at: dict[str, tuple[Worker, float]] = {}
         self.fleet_at = 0.0                      # monotonic time of the last good fleet refresh
         self.in_flight: dict[str, int] = {}
+        self.inflight = InFlightPrefixes()
         self.down: dict[str, float] = {}         # worker → monotonic time until which it is skipped
         self._salts: dict[str, bytes] = {}
         self._nc: Any = None
@@ -206,22 +212,24 @@ class Gateway:
         return s
 
     async def route(self, tokens: list[int] | None, tenant: str,
-                    images: tuple[PromptImage, ...] = ()) -> tuple[list[Choice], str]:
-        """Candidates best first, and the affinity key used (``images``: the prompt's, whose
-        content hashes key the blocks they overlap, as on the workers)."""
+                    images: tuple[PromptImage, ...] = ()) -> tuple[list[Choice], dict[str, list[str]]]:
+        """Candidates best first, and each worker's block hashes of the prompt (``images``: the
+        prompt's, whose content hashes key the blocks they overlap, as on the workers)."""
         now = time.monotonic()
         down = frozenset(w for w, until in self.down.items() if until > now)
         usable: dict[str, int] = {}
+        hashes_of: dict[str, list[str]] = {}
         affinity = tenant
         if tokens:
             groups: dict[tuple[str, int], list[Worker]] = {}
             for w in self.fleet:
                 groups.setdefault((w.namespace, w.block_size), []).append(w)
             asks = []
-            for (ns, bs), _ws in groups.items():
+            for (ns, bs), ws in groups.items():
                 hashes = chain_hashes(tokens, bs, ns, self.salt(tenant), image_block_keys(images, bs))
                 if hashes:
                     affinity = hashes[0]
+                    hashes_of.update((w.worker_id, hashes) for w in ws)
                     asks.append(self._ask(m.RouteQuery(gateway_id=self.g.gateway_id, namespace=ns,
                                                        block_hashes=hashes), self.g.route_timeout_ms / 1000))
             # one fleet, one model: await the one query itself (no task for a gather of one)
@@ -229,8 +237,13 @@ class Gateway:
             for reply in replies:
                 if reply is not None:
                     usable.update({c.worker_id: c.usable_blocks for c in reply.workers})
+        if not self.g.route_inflight_prefixes:
+            hashes_of = {}
+        # NOTE: no await from here until _try_workers records the chosen worker's share, so a
+        # burst's next request, routed after this one, sees it
         return choose(self.fleet, usable, self.in_flight, affinity=affinity,
-                      load_penalty_tokens=self.g.load_penalty_tokens, down=down), affinity
+                      load_penalty_tokens=self.g.load_penalty_tokens, down=down,
+                      inflight_blocks=self.inflight.leading(hashes_of)), hashes_of
 
     # --- HTTP ---------------------------------------------------------------------------------
 
@@ -309,7 +322,7 @@ class Gateway:
                 return self._count(path, _error(admitted.status, admitted.message, "rate_limit_error"
                                                 if admitted.status == 429 else "invalid_request_error", admitted.code,
                                                 headers))
-            choices, _ = await self.route(tokens, tenant.id, prompt.images if prompt is not None else ())
+            choices, hashes_of = await self.route(tokens, tenant.id, prompt.images if prompt is not None else ())
             self.metrics.route_seconds.observe(time.perf_counter() - t0)
             if choices:
                 self.metrics.decisions.labels(reason=choices[0].reason if tokens else "no_hint").inc()
@@ -319,24 +332,25 @@ class Gateway:
                                      **({"kvl.worker_id": choices[0].worker.worker_id,
                                          "kvl.route_reason": choices[0].reason if tokens else "no_hint",
                                          "kvl.expected_cached_tokens": choices[0].cached_tokens} if choices else {})})
-        return await self._forward(request, "POST", body, choices, path, tenant, admitted)
+        return await self._forward(request, "POST", body, choices, path, tenant, admitted, hashes_of)
 
     def _count(self, path: str, resp: web.StreamResponse) -> web.StreamResponse:
         self.metrics.requests.labels(path=path, status=str(resp.status)).inc()
         return resp
 
     async def _forward(self, request: web.Request, method: str, body: bytes, choices: list[Choice],
-                       path: str, tenant: Tenant, admitted: Admitted | None) -> web.StreamResponse:
+                       path: str, tenant: Tenant, admitted: Admitted | None,
+                       hashes_of: dict[str, list[str]] | None = None) -> web.StreamResponse:
         used: int | None = None     # tokens the answer used: the rest is refunded (None: keep the estimate)
         try:
-            resp, used = await self._try_workers(request, method, body, choices, tenant)
+            resp, used = await self._try_workers(request, method, body, choices, tenant, hashes_of or {})
             return self._count(path, resp)
         finally:
             if admitted is not None and used is not None:
                 self.limits.refund(admitted, used, time.monotonic())
 
     async def _try_workers(self, request: web.Request, method: str, body: bytes, choices: list[Choice],
-                           tenant: Tenant) -> tuple[web.StreamResponse, int | None]:
+                           tenant: Tenant, hashes_of: dict[str, list[str]]) -> tuple[web.StreamResponse, int | None]:
         if not choices:
             return _error(503, "no worker can take this request now (none registered, all draining or down)",
                           "server_error", "no_worker", {"Retry-After": "1"}), 0
@@ -348,6 +362,9 @@ class Gateway:
             more = i + 1 < len(choices)
             self.in_flight[w.worker_id] = self.in_flight.get(w.worker_id, 0) + 1
             self.metrics.in_flight.labels(worker=w.worker_id).set(self.in_flight[w.worker_id])
+            hashes = hashes_of.get(w.worker_id, ())
+            self.inflight.add(w.worker_id, hashes)
+            self.metrics.inflight_blocks.set(self.inflight.blocks_held())
             try:
                 with tracing.span("gateway.forward", {"kvl.worker_id": w.worker_id, "kvl.attempt": i},
                                   kind=tracing.CLIENT) as span:   # one per worker tried; its worker.request below
@@ -377,6 +394,8 @@ class Gateway:
             finally:
                 self.in_flight[w.worker_id] -= 1
                 self.metrics.in_flight.labels(worker=w.worker_id).set(self.in_flight[w.worker_id])
+                self.inflight.remove(w.worker_id, hashes)
+                self.metrics.inflight_blocks.set(self.inflight.blocks_held())
         return last or _error(503, "no worker took the request", "server_error", "no_worker",
                               {"Retry-After": "1"}), 0
 

@@ -2,7 +2,9 @@
 
 Score of worker ``w`` = ``cached_tokens(w) − load_penalty_tokens × load(w)``, its load being
 the larger of what this gateway has in flight on it and the running + queued requests of its
-last heartbeat (what every gateway together sent it, up to a heartbeat old). Draining and
+last heartbeat (what every gateway together sent it, up to a heartbeat old). Its cached tokens
+are the larger of the usable prefix the coordinator reports and the prefix that prompts this
+gateway has in flight on it are computing (:mod:`gateway.inflight`). Draining and
 recently failed workers are not candidates; suspended ones only after every other. Ties (no
 cache anywhere, equal load) go by rendezvous hashing on the request's affinity key (its first
 block's hash: a conversation's turns share it), so a conversation keeps landing on one worker
@@ -33,8 +35,9 @@ class Choice:
     worker: Worker
     #: Prompt tokens the coordinator says this worker holds (whole blocks).
     cached_tokens: int
-    #: ``cache`` (the most cached tokens won), ``load`` (no cache anywhere; least loaded),
-    #: ``affinity`` (a tie broken by the conversation's key).
+    #: ``cache`` (the most cached tokens won), ``inflight`` (the same, the tokens being computed
+    #: there for a request in flight), ``load`` (no cache anywhere; least loaded), ``affinity``
+    #: (a tie broken by the conversation's key).
     reason: str
 
 
@@ -43,9 +46,11 @@ def _rank(key: str, worker_id: str) -> int:
 
 
 def choose(workers: Sequence[Worker], usable_blocks: Mapping[str, int], in_flight: Mapping[str, int], *,
-           affinity: str, load_penalty_tokens: int, down: frozenset[str] = frozenset()) -> list[Choice]:
+           affinity: str, load_penalty_tokens: int, down: frozenset[str] = frozenset(),
+           inflight_blocks: Mapping[str, int] | None = None) -> list[Choice]:
     """Every usable worker, best first (the rest are the failover order). ``in_flight``: what
-    this gateway has running on each worker. Suspended workers (their epoch waits for the
+    this gateway has running on each worker; ``inflight_blocks``: the prompt's leading blocks
+    that its requests in flight on each worker are computing. Suspended workers (their epoch waits for the
     coordinator: they serve, without their cache) come last, only so that a control-plane
     outage that suspends the whole fleet is not an outage of the endpoint."""
     ok = [w for w in workers if not w.draining and not w.suspended and w.worker_id not in down]
@@ -57,8 +62,10 @@ def choose(workers: Sequence[Worker], usable_blocks: Mapping[str, int], in_fligh
                                              _rank(affinity, w.worker_id)), reverse=True)
         return [Choice(ranked[0], 0, "suspended")] + [Choice(w, 0, "failover") for w in ranked[1:]]
 
+    pending = inflight_blocks or {}
+
     def cached(w: Worker) -> int:
-        return usable_blocks.get(w.worker_id, 0) * w.block_size
+        return max(usable_blocks.get(w.worker_id, 0), pending.get(w.worker_id, 0)) * w.block_size
 
     def load(w: Worker) -> int:
         return max(in_flight.get(w.worker_id, 0), w.reported_load)
@@ -69,7 +76,7 @@ def choose(workers: Sequence[Worker], usable_blocks: Mapping[str, int], in_fligh
     ranked = sorted(ok, key=score, reverse=True)
     best = ranked[0]
     if cached(best) > 0:
-        reason = "cache"
+        reason = "inflight" if pending.get(best.worker_id, 0) > usable_blocks.get(best.worker_id, 0) else "cache"
     elif len({load(w) for w in ok}) > 1:
         reason = "load"
     else:

@@ -314,6 +314,10 @@ class GatewayConfig(_Section):
     #: cache: the router picks the worker with the most cached tokens minus this times its load
     #: (bench.gateway: 256 sent a third of the turns away from their cache; 32 kept them home).
     load_penalty_tokens: Annotated[int, msgspec.Meta(ge=0)] = 32
+    #: Count the blocks that this gateway's requests in flight on a worker are computing as cached
+    #: there: a burst sharing a new prefix goes where the prefix is being computed (and is computed
+    #: once, the worker folding the rest into that computation) until the load outweighs it.
+    route_inflight_prefixes: bool = True
     #: Time to connect to a worker before the next candidate is tried.
     connect_timeout_ms: PosInt = 5000
     #: A worker the coordinator stops listing (fenced after a long stall, or dead) stays a last-resort

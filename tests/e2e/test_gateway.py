@@ -168,6 +168,37 @@ async def test_failover_to_the_next_worker_when_the_first_is_dead(cluster) -> No
             assert 'kvl_gateway_failovers_total{why="connection refused"} 1.0' in await r.text()
 
 
+async def test_a_burst_sharing_a_new_prefix_goes_where_it_is_being_computed(cluster) -> None:
+    """Nothing cached anywhere, four requests at once with one long new prefix: routed by load alone
+    they would spread and each worker would compute it; the gateway counts what its first request
+    is computing, so they all go there, and the worker computes the prefix once for all four."""
+    cluster.start_coordinator()
+    for wid in ("wa", "wb"):
+        cluster.start_worker(wid, worker={"port": 0})
+    for wid in ("wa", "wb"):
+        await cluster.wait_worker(wid)
+    gw, url = start_gateway(cluster)
+    # ~10 blocks: more than the three requests ahead of the last one weigh (3 × 32 tokens), and
+    # within what the test workers' small pools take from one prompt
+    shared = "".join(f"rule {i}: every cached block of every tenant is validated before a kernel reads it. "
+                     for i in range(2))
+    async with aiohttp.ClientSession() as http:
+        await wait_ready(http, url, gw, usable=2)
+        got = await asyncio.gather(*(complete(http, url, "alpha", shared + f"question {i}: why?", stream=True)
+                                     for i in range(4)))
+        async with http.post(url + "/tokenize", json={"prompt": shared}) as r:
+            shared_tokens = (await r.json())["count"]
+        whole = (shared_tokens - 1) // 16 * 16             # its whole blocks (the last token may merge)
+        assert whole > 3 * 32, shared_tokens             # the prefix outweighs the burst's load
+        assert len({w for w, _, _, _ in got}) == 1, got  # one worker took the whole burst
+        computed = [c for _, _, c, _ in got if c < whole]
+        assert len(computed) <= 1, got                   # and computed the prefix once
+        assert sum(r.startswith(("inflight", "cache")) for _, r, _, _ in got) >= 3, got
+        async with http.get(url + "/metrics") as r:
+            text = await r.text()
+        assert "kvl_gateway_inflight_prompt_blocks 0.0" in text     # every request ended: nothing held
+
+
 async def test_tenants_at_the_door_signed_tenant_and_rate_limits(cluster) -> None:
     cluster.start_coordinator()
     port = free_port()
