@@ -17,6 +17,14 @@ to the worker it routes to, interleaved, the median of the paired differences (g
 ``proxy_hop_ms_p50``, the same for ``GET /v1/models`` (the bare second HTTP hop: no prompt, no route query), and
 ``route_step_ms_mean``, the gateway's own timing of tokenize + hash + route query over those requests.
 
+Then bursts: each a new shared prefix (~16 blocks, nothing cached anywhere) and distinct tails,
+all sent at once, through the gateway (``burst_*_kv``) and round robin (``burst_*_round_robin``),
+alternating: ``burst_prefix_computes_kv`` / ``_round_robin`` is how many requests of a burst
+computed the prefix (found less of it cached than its whole blocks), on average; ``burst_wall_ms_*``
+a burst's wall time (median) and ``burst_wall_ratio_vs_round_robin`` kv ÷ round robin;
+``burst_ttft_p50_ms_*`` its requests' time to first token. ``--no-inflight-routing`` runs the
+stack with ``gateway.route_inflight_prefixes: false`` (the A/B of that setting).
+
     python -m bench.gateway            # 24 conversations × 4 turns per mode
     python -m bench.gateway --quick    # 9 × 3, within ~90 s
 
@@ -49,8 +57,13 @@ def user_text(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n)) + ". "
 
 
-def start_stack(d: Path) -> tuple[subprocess.Popen, dict]:
-    (d / "kvledger.yaml").write_text("state_dir: state\nworker:\n  pool_bytes: 33554432\n")
+#: A burst: this many requests at once, sharing a new prefix of this many words (~16 blocks).
+BURST, BURST_PREFIX_WORDS = 6, 36
+
+
+def start_stack(d: Path, inflight_routing: bool = True) -> tuple[subprocess.Popen, dict]:
+    gateway = "" if inflight_routing else "gateway:\n  route_inflight_prefixes: false\n"
+    (d / "kvledger.yaml").write_text("state_dir: state\nworker:\n  pool_bytes: 33554432\n" + gateway)
     return launch_up(d, 3)
 
 
@@ -102,6 +115,30 @@ async def run_mode(http, targets, mode: str, conversations: int, turns: int, con
             "requests": len(ttfts), "prompt_tokens": prompt_tokens, "cached_tokens": cached}
 
 
+async def prompt_blocks(http: aiohttp.ClientSession, worker: str, prompt: str) -> int:
+    """Whole 16-token blocks of ``prompt`` (less its last token, which may merge with what follows)."""
+    async with http.post(worker + "/tokenize", json={"prompt": prompt}) as r:
+        return (int((await r.json())["count"]) - 1) // 16
+
+
+async def bursts(http: aiohttp.ClientSession, gateway: str, workers: list[str], rounds: int) -> dict:
+    """``rounds`` bursts per mode, alternating kv and round robin, each with a prefix of its own."""
+    rng = random.Random("bench-gateway-bursts")
+    got: dict[str, dict[str, list[float]]] = {m: {"computes": [], "wall": [], "ttft": []} for m in ("kv", "rr")}
+    for r in range(rounds):
+        for mode in (("kv", "rr") if r % 2 == 0 else ("rr", "kv")):
+            shared = f"[burst {mode} {r}] " + user_text(rng, BURST_PREFIX_WORDS)
+            whole = 16 * await prompt_blocks(http, workers[0], shared)
+            urls = [gateway] * BURST if mode == "kv" else [workers[i % len(workers)] for i in range(BURST)]
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*(turn(http, u, shared + user_text(rng, 6)) for u in urls))
+            got[mode]["wall"].append(time.perf_counter() - t0)
+            got[mode]["computes"].append(sum(1 for _, _, cached, _ in res if cached < whole))
+            got[mode]["ttft"] += [t for t, _, _, _ in res]
+    return {m: {"computes": statistics.mean(g["computes"]), "wall_ms": statistics.median(g["wall"]) * 1000,
+                "ttft_p50_ms": statistics.median(g["ttft"]) * 1000} for m, g in got.items()}
+
+
 async def route_seconds(http: aiohttp.ClientSession, gateway: str) -> tuple[float, float]:
     """(sum, count) of the gateway's ``kvl_gateway_route_seconds``: tokenize + hash + route query."""
     async with http.get(gateway + "/metrics") as r:
@@ -114,7 +151,7 @@ async def route_seconds(http: aiohttp.ClientSession, gateway: str) -> tuple[floa
     return got.get("kvl_gateway_route_seconds_sum", 0.0), got.get("kvl_gateway_route_seconds_count", 0.0)
 
 
-async def measure(stack: dict, conversations: int, turns: int, reps: int) -> dict:
+async def measure(stack: dict, conversations: int, turns: int, reps: int, burst_rounds: int) -> dict:
     gateway, workers = stack["gateway_url"], stack["worker_urls"]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
         out = {"kv": await run_mode(http, lambda i: gateway, "kv", conversations, turns, 8),
@@ -151,26 +188,29 @@ async def measure(stack: dict, conversations: int, turns: int, reps: int) -> dic
                            "diff_ms_p50": statistics.median(a - b for a, b in zip(via, straight)) * 1000,
                            "hop_ms_p50": statistics.median(a - b for a, b in zip(hop_via, hop_direct)) * 1000,
                            "route_ms_mean": (route1[0] - route0[0]) / max(1, route1[1] - route0[1]) * 1000}
+        out["bursts"] = await bursts(http, gateway, workers, burst_rounds)
     return out
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="9 conversations × 3 turns per mode")
+    ap.add_argument("--quick", action="store_true", help="9 conversations × 3 turns per mode, 4 bursts")
+    ap.add_argument("--no-inflight-routing", action="store_true",
+                    help="gateway.route_inflight_prefixes: false (the A/B of the burst keys)")
     args = ap.parse_args(argv)
-    conversations, turns, reps = (9, 3, 30) if args.quick else (24, 4, 100)
+    conversations, turns, reps, burst_rounds = (9, 3, 30, 4) if args.quick else (24, 4, 100, 12)
     d = Path(tempfile.mkdtemp(prefix="kvl-bench-gateway-"))
     p = None
     try:
-        p, stack = start_stack(d)
-        r = asyncio.run(measure(stack, conversations, turns, reps))
+        p, stack = start_stack(d, inflight_routing=not args.no_inflight_routing)
+        r = asyncio.run(measure(stack, conversations, turns, reps, burst_rounds))
     finally:
         if p is not None:
             p.send_signal(signal.SIGTERM)
             with __import__("contextlib").suppress(Exception):
                 p.wait(60)
         shutil.rmtree(d, ignore_errors=True)
-    kv, rr, single = r["kv"], r["round_robin"], r["single"]
+    kv, rr, single, b = r["kv"], r["round_robin"], r["single"], r["bursts"]
     result = {
         "workers": 3, "conversations": conversations, "turns": turns,
         "reuse_kv": round(kv["reuse"], 3), "reuse_round_robin": round(rr["reuse"], 3),
@@ -183,6 +223,14 @@ def main(argv: list[str] | None = None) -> dict:
         "one_token_request_ms_p50_direct": round(r["overhead"]["direct_ms_p50"], 2),
         "proxy_hop_ms_p50": round(r["overhead"]["hop_ms_p50"], 2),
         "route_step_ms_mean": round(r["overhead"]["route_ms_mean"], 2),
+        "burst_size": BURST, "burst_rounds": burst_rounds,
+        "burst_prefix_computes_kv": round(b["kv"]["computes"], 2),
+        "burst_prefix_computes_round_robin": round(b["rr"]["computes"], 2),
+        "burst_wall_ms_kv": round(b["kv"]["wall_ms"], 1), "burst_wall_ms_round_robin": round(b["rr"]["wall_ms"], 1),
+        "burst_wall_ratio_vs_round_robin": round(b["kv"]["wall_ms"] / b["rr"]["wall_ms"], 3),
+        "burst_ttft_p50_ms_kv": round(b["kv"]["ttft_p50_ms"], 1),
+        "burst_ttft_p50_ms_round_robin": round(b["rr"]["ttft_p50_ms"], 1),
+        "route_inflight_prefixes": not args.no_inflight_routing,
         "mode": "quick" if args.quick else "full",
     }
     print(json.dumps(result))
