@@ -52,6 +52,16 @@ def start_gateway(cluster: Cluster) -> tuple[Proc, str]:
     return p, f"http://127.0.0.1:{port}"
 
 
+async def two_workers_and_a_gateway(cluster: Cluster) -> tuple[Proc, str]:
+    """A coordinator, workers ``wa`` and ``wb`` registered, and a gateway started (not yet ready)."""
+    cluster.start_coordinator()
+    for wid in ("wa", "wb"):
+        cluster.start_worker(wid, worker={"port": 0})
+    for wid in ("wa", "wb"):
+        await cluster.wait_worker(wid)
+    return start_gateway(cluster)
+
+
 async def wait_ready(http: aiohttp.ClientSession, url: str, proc: Proc, usable: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -98,12 +108,7 @@ def turns(seed: str, n: int) -> list[str]:
 
 
 async def test_turns_follow_their_cache_tenants_stay_apart_drain_and_kill(cluster) -> None:
-    cluster.start_coordinator()
-    for wid in ("wa", "wb"):
-        cluster.start_worker(wid, worker={"port": 0}, )
-    for wid in ("wa", "wb"):
-        await cluster.wait_worker(wid)
-    gw, url = start_gateway(cluster)
+    gw, url = await two_workers_and_a_gateway(cluster)
     async with aiohttp.ClientSession() as http:
         await wait_ready(http, url, gw, usable=2)
         # two conversations of tenant alpha: every later turn lands where the earlier ones are cached
@@ -149,12 +154,7 @@ async def test_turns_follow_their_cache_tenants_stay_apart_drain_and_kill(cluste
 
 
 async def test_failover_to_the_next_worker_when_the_first_is_dead(cluster) -> None:
-    cluster.start_coordinator()
-    for wid in ("wa", "wb"):
-        cluster.start_worker(wid, worker={"port": 0})
-    for wid in ("wa", "wb"):
-        await cluster.wait_worker(wid)
-    gw, url = start_gateway(cluster)
+    gw, url = await two_workers_and_a_gateway(cluster)
     async with aiohttp.ClientSession() as http:
         await wait_ready(http, url, gw, usable=2)
         prompts = turns("failover", 2)
@@ -172,12 +172,7 @@ async def test_a_burst_sharing_a_new_prefix_goes_where_it_is_being_computed(clus
     """Nothing cached anywhere, four requests at once with one long new prefix: routed by load alone
     they would spread and each worker would compute it; the gateway counts what its first request
     is computing, so they all go there, and the worker computes the prefix once for all four."""
-    cluster.start_coordinator()
-    for wid in ("wa", "wb"):
-        cluster.start_worker(wid, worker={"port": 0})
-    for wid in ("wa", "wb"):
-        await cluster.wait_worker(wid)
-    gw, url = start_gateway(cluster)
+    gw, url = await two_workers_and_a_gateway(cluster)
     # ~10 blocks: more than the three requests ahead of the last one weigh (3 × 32 tokens), and
     # within what the test workers' small pools take from one prompt
     shared = "".join(f"rule {i}: every cached block of every tenant is validated before a kernel reads it. "
@@ -264,12 +259,7 @@ async def test_tenants_at_the_door_signed_tenant_and_rate_limits(cluster) -> Non
 
 
 async def test_killing_a_worker_mid_run_costs_no_request_that_had_not_streamed(cluster) -> None:
-    cluster.start_coordinator()
-    for wid in ("wa", "wb"):
-        cluster.start_worker(wid, worker={"port": 0})
-    for wid in ("wa", "wb"):
-        await cluster.wait_worker(wid)
-    gw, url = start_gateway(cluster)
+    gw, url = await two_workers_and_a_gateway(cluster)
     async with aiohttp.ClientSession() as http:
         await wait_ready(http, url, gw, usable=2)
         prompt = turns("midrun", 2)[-1]
