@@ -94,6 +94,8 @@ T = TypeVar("T")
 R = ReplicaState
 #: Blocks written to the disk tier per batch (one fsync each).
 SPILL_BATCH = 256
+#: How long stop() lets background work (deferred lease releases) finish before cancelling it.
+STOP_GRACE_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +287,10 @@ class Engine:
         t.add_done_callback(self._background.discard)
 
     async def stop(self) -> None:
+        if self._background:
+            # the releases served requests left behind (Session.close(release_later=True)) take a
+            # round trip each: let them finish rather than leave their leases to expire by TTL
+            await asyncio.wait(list(self._background), timeout=STOP_GRACE_S)
         tasks, self._tasks = self._tasks + list(self._background), []
         for t in tasks:
             t.cancel()
@@ -1230,9 +1236,9 @@ class Engine:
             raise
         return s
 
-    async def close(self, s: Session) -> None:
+    async def close(self, s: Session, *, release_later: bool = False) -> None:
         try:
-            await s.close()
+            await s.close(release_later=release_later)
         finally:
             self.sessions.discard(s)
 

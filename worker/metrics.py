@@ -99,10 +99,10 @@ class WorkerMetrics:
         self.lease_errors = Counter(p + "lease_errors", "Coordinator requests that failed", ["op", "code"],
                                     registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token", buckets=_SLOW, registry=r)
-        self.close_seconds = Histogram(p + "request_close_seconds", "From a request's last step to its leases "
-                                       "released: the reply's blocks committed, the commit watermark awaited, "
-                                       "the release (a response's last chunk waits for it)", buckets=_FAST,
-                                       registry=r)
+        self.close_seconds = Histogram(p + "request_close_seconds", "From a request's last step to its commits "
+                                       "settled: the reply's blocks committed, the commit watermark awaited (a "
+                                       "response's last chunk waits for it; served requests release their leases "
+                                       "after it, the engine's own generate() before)", buckets=_FAST, registry=r)
         self.requests = Counter(p + "requests", "Requests run through the engine", ["outcome"], registry=r)
         self.prefix_waits = Counter(p + "prefix_waits", "Requests that waited, before their lease, for prompt "
                                     "blocks another request here was computing (worker.inflight), by outcome: "

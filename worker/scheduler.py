@@ -556,8 +556,11 @@ class Scheduler:
                                keep_logits=req.keep_logits, on_token=on_token,
                                on_prefilled=lambda: self._fork(job, s))
         finally:
-            # NOTE: shielded: a second cancellation must not stop the release of the leases.
-            await asyncio.shield(e.close(s))
+            # NOTE: shielded: a second cancellation must not stop the settling of the commits. The
+            # leases are released after the response ends (release_later: one round trip and a
+            # log append fewer before its last chunk; the next turn needs the blocks READY, which
+            # the settling waits for, not the lease gone).
+            await asyncio.shield(e.close(s, release_later=True))
         self.metrics.e2e.observe(time.perf_counter() - job.arrival)
         r = s.result(g.tokens, None, ttft)
         return Outcome(tokens=g.tokens, finish_reason=g.finish_reason, prompt_tokens=r.prompt_tokens,

@@ -983,13 +983,17 @@ class Session:
                 except (CoordinatorRefused, CoordinatorUnavailable):
                     pass
 
-    async def close(self) -> None:
+    async def close(self, *, release_later: bool = False) -> None:
         """Settle this session's transitions, then release its leases (idempotent).
 
         NOTE: a release aborts every write of the lease not yet committed in the ledger, so it
         waits for the commit watermark to cover this session's transitions. If that takes longer
         than ``settle_timeout_s`` (a slow or starved coordinator), the lease stays renewed and is
         released in the background once they are covered, instead of aborting them now.
+
+        ``release_later``: return once the transitions are settled and release in the background
+        (the serving path: a response's end waits for its blocks to be READY in the ledger, which
+        is what the next turn's lease needs, not for the release's round trip and log append).
         """
         if self._closed:
             return
@@ -997,14 +1001,14 @@ class Session:
         e = self.engine
         t0 = time.perf_counter()
         try:
-            await self._close()
+            await self._close(release_later)
         finally:
             if self._claims:
                 e.inflight.drop(self)       # what it did not commit: waiters lease (and compute) now
                 self._claims = False
             e.metrics.close_seconds.observe(time.perf_counter() - t0)
 
-    async def _close(self) -> None:
+    async def _close(self, release_later: bool) -> None:
         e = self.engine
         settled = True
         with tracing.span("worker.commit") as sp:
@@ -1023,7 +1027,7 @@ class Session:
         if not self.leases:
             self._stop_renewing()
             return
-        if not settled:
+        if not settled or release_later:
             e.releasing.add(self)
             e.background(self._settle_then_release())
             return
