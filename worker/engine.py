@@ -190,6 +190,7 @@ class Engine:
                            retry_s=cfg.cache.tier_retry_ms / 1000)
         self.metrics.disk_skipped.set_function(lambda: self.tiers.disk_index_skipped)
         self.metrics.host_evictions_waiting.set_function(lambda: self.tiers.evictions_waiting)
+        self.metrics.releasing.set_function(lambda: len(self.releasing))
         self.metrics.watch_gpu(str(self.device), self.store.pools.nbytes() if self.store is not None else 0)
         for form, n in self.slots.items():
             self.metrics.pool_slots.labels(form=form).set(n)

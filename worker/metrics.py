@@ -83,6 +83,9 @@ class WorkerMetrics:
                                   "header (each lost alone)", registry=r)
         self.outbox_depth = Gauge(p + "outbox_depth", "Transitions awaiting the coordinator's commit watermark",
                                   registry=r)
+        self.releasing = Gauge(p + "releasing_sessions", "Ended requests whose leases are being released in the "
+                               "background (after their response; near 0 unless the coordinator is slow)",
+                               registry=r)
         self.transitions = Counter(p + "transitions", "Transitions emitted, by kind", ["kind"], registry=r)
         self._transitions_by_kind: dict[str, Any] = {}
         self.publish_failures = Counter(p + "publish_failures", "JetStream publishes that failed", registry=r)

@@ -34,8 +34,10 @@ async def test_a_response_ends_before_its_leases_are_released_and_they_are_relea
         # the answer came back while the release it sent was still held: the lease is live
         await _until(lambda: sent, "no release sent")
         assert s.live_leases() >= 1 and s.engine.releasing and not s.engine.sessions
+        assert "kvl_worker_releasing_sessions 1.0" in (await s.get("/metrics"))[1]
         gate.set()
         await _until(lambda: s.live_leases() == 0 and not s.engine.releasing, "the lease was not released")
+        assert "kvl_worker_releasing_sessions 0.0" in (await s.get("/metrics"))[1]
         # the next turn reads the blocks the first one committed, released or not
         gate.clear()
         status, body, _ = await s.post("/v1/completions", BODY)
