@@ -100,15 +100,18 @@ async def complete(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
 
 
 async def traces_of(exporter: InMemorySpanExporter, n: int, timeout_s: float = 10) -> list[list[ReadableSpan]]:
-    """The exported spans grouped by trace, once ``n`` traces each hold their root and every
-    span its parent (the coordinator ends a span just after its reply is sent)."""
+    """The exported spans grouped by trace, once ``n`` traces each hold their root, every span
+    its parent (the coordinator ends a span just after its reply is sent) and the release (a
+    request's last span: its leases are released after its response)."""
     deadline = time.monotonic() + timeout_s
     while True:
         by_trace: dict[int, list[ReadableSpan]] = defaultdict(list)
         for s in exporter.get_finished_spans():
             by_trace[s.context.trace_id].append(s)
         traces = sorted(by_trace.values(), key=lambda t: min(s.start_time for s in t))
-        if len(traces) >= n and all(_connected(t) for t in traces) or time.monotonic() > deadline:
+        done = len(traces) >= n and all(_connected(t) and any(s.name == "coordinator.release" for s in t)
+                                        for t in traces)
+        if done or time.monotonic() > deadline:
             return traces
         await asyncio.sleep(0.05)
 

@@ -9,9 +9,11 @@ the tiny model takes ~35 ms per 16-token block and ~40 ms per token on this CPU.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator
+import inspect
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,20 @@ torch.set_num_threads(1)
 
 MODEL = "kvledger/dsv4-tiny"
 BS = 16
+
+
+async def until(what: str, probe: Callable[[], Any], timeout_s: float = 5.0) -> Any:
+    """Poll ``probe`` (sync or async) until it returns something true; its value. A served request's
+    leases are released after its response, so "nothing leased is left" is a wait, not a check."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        got = probe()
+        if inspect.isawaitable(got):
+            got = await got
+        if got:
+            return got
+        assert asyncio.get_running_loop().time() < deadline, what
+        await asyncio.sleep(0.01)
 
 
 def sha(key: str) -> str:

@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.serving.conftest import MODEL
+from tests.serving.conftest import MODEL, until
 
 BODY = {"model": MODEL, "prompt": "A prompt of three whole blocks and a few more bytes.", "max_tokens": 2,
         "temperature": 0}
-
-
-async def _until(pred, what: str, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        assert asyncio.get_running_loop().time() < deadline, what
-        await asyncio.sleep(0.01)
 
 
 async def test_a_response_ends_before_its_leases_are_released_and_they_are_released_after(serve) -> None:
@@ -32,11 +25,11 @@ async def test_a_response_ends_before_its_leases_are_released_and_they_are_relea
         status, body, _ = await asyncio.wait_for(s.post("/v1/completions", BODY), 10)
         assert status == 200 and body["choices"][0]["text"]
         # the answer came back while the release it sent was still held: the lease is live
-        await _until(lambda: sent, "no release sent")
+        await until("no release sent", lambda: sent)
         assert s.live_leases() >= 1 and s.engine.releasing and not s.engine.sessions
         assert "kvl_worker_releasing_sessions 1.0" in (await s.get("/metrics"))[1]
         gate.set()
-        await _until(lambda: s.live_leases() == 0 and not s.engine.releasing, "the lease was not released")
+        await until("the lease was not released", lambda: s.live_leases() == 0 and not s.engine.releasing)
         assert "kvl_worker_releasing_sessions 0.0" in (await s.get("/metrics"))[1]
         # the next turn reads the blocks the first one committed, released or not
         gate.clear()

@@ -8,7 +8,7 @@ import json
 import openai
 import pytest
 
-from tests.serving.conftest import MODEL
+from tests.serving.conftest import MODEL, until
 
 PROMPT = "sixteen bytes..!" * 2
 
@@ -169,7 +169,8 @@ async def test_request_timeout_is_504_and_frees_everything(serve) -> None:
             async for _ in await s.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=100,
                                                                stream=True):
                 pass
-        assert not s.engine.sessions and s.live_leases() == 0 and s.scheduler.running == 0
+        await until("a session, lease or request left", lambda: not s.engine.sessions and s.live_leases() == 0
+                    and s.scheduler.running == 0)
 
 
 async def test_no_5xx_for_a_barrage_of_bad_input(serve) -> None:

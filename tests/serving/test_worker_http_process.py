@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.serving.conftest import MODEL
+from tests.serving.conftest import MODEL, until
 from tests.worker.processes import Cluster
 
 PROMPT = "Every block state change is an event in the log, replayable. "   # 62 bytes
@@ -40,6 +40,10 @@ async def http_url(cluster: Cluster, worker_id: str, timeout: float = 60) -> str
             return m.group(1)
         await asyncio.sleep(0.1)
     raise AssertionError(f"{worker_id} printed no HTTP address\n{cluster.logs()}")
+
+
+async def _no_leases(cluster: Cluster, worker_id: str) -> bool:
+    return (await cluster.admin(f"/v1/leases?worker={worker_id}"))["leases"] == []
 
 
 async def test_openai_client_against_a_worker_process(cluster) -> None:
@@ -76,7 +80,7 @@ async def test_openai_client_against_a_worker_process(cluster) -> None:
                 assert "kvl_worker_time_to_first_token_seconds_count" in await r.text()
         # nothing leased is left behind once the requests are done
         assert await cluster.flush("wh")
-        assert (await cluster.admin("/v1/leases?worker=wh"))["leases"] == []
+        await until("a lease left behind", lambda: _no_leases(cluster, "wh"))
     finally:
         await c.close()
     proc = cluster.workers["wh"]
