@@ -48,6 +48,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.tiny_stack import launch_up
+from shared.config import CacheConfig
 
 WORDS = ("ledger", "block", "replica", "lease", "worker", "tenant", "prefix", "cache", "commit", "token",
          "window", "entry", "audit", "epoch", "offload", "validate")
@@ -59,6 +60,8 @@ def user_text(rng: random.Random, n: int) -> str:
 
 #: A burst: this many requests at once, sharing a new prefix of this many words (~16 blocks).
 BURST, BURST_PREFIX_WORDS = 6, 36
+#: The stack's block size (its kvledger.yaml leaves cache.block_size at the default).
+BLOCK = CacheConfig().block_size
 
 
 def start_stack(d: Path, inflight_routing: bool = True) -> tuple[subprocess.Popen, dict]:
@@ -116,9 +119,9 @@ async def run_mode(http, targets, mode: str, conversations: int, turns: int, con
 
 
 async def prompt_blocks(http: aiohttp.ClientSession, worker: str, prompt: str) -> int:
-    """Whole 16-token blocks of ``prompt`` (less its last token, which may merge with what follows)."""
+    """Whole blocks of ``prompt`` (less its last token, which may merge with what follows)."""
     async with http.post(worker + "/tokenize", json={"prompt": prompt}) as r:
-        return (int((await r.json())["count"]) - 1) // 16
+        return (int((await r.json())["count"]) - 1) // BLOCK
 
 
 async def bursts(http: aiohttp.ClientSession, gateway: str, workers: list[str], rounds: int) -> dict:
@@ -128,7 +131,7 @@ async def bursts(http: aiohttp.ClientSession, gateway: str, workers: list[str], 
     for r in range(rounds):
         for mode in (("kv", "rr") if r % 2 == 0 else ("rr", "kv")):
             shared = f"[burst {mode} {r}] " + user_text(rng, BURST_PREFIX_WORDS)
-            whole = 16 * await prompt_blocks(http, workers[0], shared)
+            whole = BLOCK * await prompt_blocks(http, workers[0], shared)
             urls = [gateway] * BURST if mode == "kv" else [workers[i % len(workers)] for i in range(BURST)]
             t0 = time.perf_counter()
             res = await asyncio.gather(*(turn(http, u, shared + user_text(rng, 6)) for u in urls))

@@ -120,6 +120,7 @@ class Gateway:
         self.fleet_at = 0.0                      # monotonic time of the last good fleet refresh
         self.in_flight: dict[str, int] = {}
         self.inflight = InFlightPrefixes()
+        self.metrics.inflight_blocks.set_function(self.inflight.blocks_held)     # read at scrape time
         self.down: dict[str, float] = {}         # worker → monotonic time until which it is skipped
         self._salts: dict[str, bytes] = {}
         self._nc: Any = None
@@ -229,7 +230,8 @@ class Gateway:
                 hashes = chain_hashes(tokens, bs, ns, self.salt(tenant), image_block_keys(images, bs))
                 if hashes:
                     affinity = hashes[0]
-                    hashes_of.update((w.worker_id, hashes) for w in ws)
+                    if self.g.route_inflight_prefixes:
+                        hashes_of.update((w.worker_id, hashes) for w in ws)
                     asks.append(self._ask(m.RouteQuery(gateway_id=self.g.gateway_id, namespace=ns,
                                                        block_hashes=hashes), self.g.route_timeout_ms / 1000))
             # one fleet, one model: await the one query itself (no task for a gather of one)
@@ -237,8 +239,6 @@ class Gateway:
             for reply in replies:
                 if reply is not None:
                     usable.update({c.worker_id: c.usable_blocks for c in reply.workers})
-        if not self.g.route_inflight_prefixes:
-            hashes_of = {}
         # NOTE: no await from here until _try_workers records the chosen worker's share, so a
         # burst's next request, routed after this one, sees it
         return choose(self.fleet, usable, self.in_flight, affinity=affinity,
@@ -364,7 +364,6 @@ class Gateway:
             self.metrics.in_flight.labels(worker=w.worker_id).set(self.in_flight[w.worker_id])
             hashes = hashes_of.get(w.worker_id, ())
             self.inflight.add(w.worker_id, hashes)
-            self.metrics.inflight_blocks.set(self.inflight.blocks_held())
             try:
                 with tracing.span("gateway.forward", {"kvl.worker_id": w.worker_id, "kvl.attempt": i},
                                   kind=tracing.CLIENT) as span:   # one per worker tried; its worker.request below
@@ -395,7 +394,6 @@ class Gateway:
                 self.in_flight[w.worker_id] -= 1
                 self.metrics.in_flight.labels(worker=w.worker_id).set(self.in_flight[w.worker_id])
                 self.inflight.remove(w.worker_id, hashes)
-                self.metrics.inflight_blocks.set(self.inflight.blocks_held())
         return last or _error(503, "no worker took the request", "server_error", "no_worker",
                               {"Retry-After": "1"}), 0
 

@@ -33,7 +33,8 @@ class Worker:
 @dataclass(frozen=True, slots=True)
 class Choice:
     worker: Worker
-    #: Prompt tokens the coordinator says this worker holds (whole blocks).
+    #: Prompt tokens this worker holds by the coordinator's answer, or is computing for a request
+    #: in flight from this gateway, whichever is more (whole blocks).
     cached_tokens: int
     #: ``cache`` (the most cached tokens won), ``inflight`` (the same, the tokens being computed
     #: there for a request in flight), ``load`` (no cache anywhere; least loaded), ``affinity``
