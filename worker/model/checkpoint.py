@@ -61,6 +61,10 @@ COMMON_IGNORED = frozenset({
     "finetuning_task", "id2label", "label2id", "tokenizer_class", "prefix", "task_specific_params",
     "problem_type", "tie_encoder_decoder", "add_cross_attention", "cross_attention_hidden_size",
     "pruned_heads", "_attn_implementation_autoset", "use_return_dict", "embd_pdrop", "resid_pdrop",
+    # Names, paths and versions (GGUF conversions write _model_name_or_path, the GGUF file's own
+    # name for the model; hub exports write _commit_hash), and the ids of special tokens the
+    # tokenizer already carries: none of them enters a forward pass.
+    "_model_name_or_path", "_commit_hash", "unk_token_id", "mask_token_id", "cls_token_id",
 })
 
 
