@@ -2,14 +2,33 @@
 
 Why this exists: when several requests share one forward, each row must come out exactly as
 it would alone (and a decode step's row exactly as the same token's row in a prefill unit),
-or batching and reply-block reuse would change logits. Measured with torch 2.13.0's CPU
-build (MKL; 1 and 2 intra-op threads, K from 16 to 1024, M and N up to 513; see
-``docs/BENCHMARKS.md``, Batched execution, and ``tests/model/test_batch_invariance.py``):
-an element of ``X @ W.T`` is the same whatever the other rows and columns **as long as the
-product has at least** :data:`MIN_ROWS` **rows and** :data:`MIN_COLS` **columns**; below
-that, MKL takes other code paths whose reduction order differs. So :func:`linear` pads a
-short product up to that size with zero rows (or zero weight rows) and slices the answer:
-a few multiply-adds of padding buy invariance for every row count.
+or batching and reply-block reuse would change logits.
+
+**The product: invariant by construction** (``kernels/cpu_linear``). Float32 and bfloat16
+products on the CPU go through a small compiled kernel in which every output element
+``(m, n)`` is reduced over K by one fixed instruction sequence: 16 float32 lanes start at zero,
+each 16-wide chunk of K in order is multiplied into them with one FMA (the last partial chunk
+loaded zero-filled, the same way), then one fixed tree sums the lanes; bfloat16 is widened
+exactly, accumulated in float32 and rounded once. Rows are tiled (up to 4 at a time) and
+columns grouped (up to 8) only to reuse loads: every tile shape runs the same per-element code,
+and the compiler may neither reassociate nor contract it (``-ffp-contract=off``, no
+``-ffast-math``). Threads split the OUTPUT COLUMNS, never an element's reduction. So nothing
+about an element's arithmetic depends on the row count, the tile it falls in or the thread
+count: no padding, one row reads the weights once (a matrix-vector product), and the kernel
+uses every core with its own small thread pool while torch keeps one intra-op thread. It is
+built once per machine (g++, ninja; offline) on first import; :func:`calibrate` still probes it
+at the model's shapes (rows 1..N against a larger product, alternating one thread and all of
+them) before trusting it, and turns it off for good in this process if the probe fails.
+
+**The fallback: padding to a measured floor** (no compiler, ``KVL_CPU_LINEAR=0``, float16,
+or a failed probe). Measured with torch 2.13.0's CPU build (MKL; 1 and 2 intra-op threads, K
+from 16 to 1024, M and N up to 513; see ``docs/BENCHMARKS.md``, Batched execution, and
+``tests/model/test_batch_invariance.py``): an element of ``X @ W.T`` is the same whatever the
+other rows and columns **as long as the product has at least** :data:`MIN_ROWS` **rows and**
+:data:`MIN_COLS` **columns**; below that, MKL takes other code paths whose reduction order
+differs. So :func:`linear` then pads a short product up to that size with zero rows (or zero
+weight rows) and slices the answer. :func:`bmm_rows` (attention's grouped products) always
+takes this path.
 
 Elementwise transcendental functions (``exp``, ``sigmoid``, ``softplus``, ``silu``) have a
 second trap: ATen's CPU loops run the vectorised (SLEEF) form over whole vectors and the
@@ -18,20 +37,22 @@ element's bits depend on whether it falls in the tail, i.e. on the tensor's size
 :func:`pointwise` pads the flattened input to a multiple of :data:`VECTOR_PAD` elements so
 every element takes the vector path.
 
-Both rules hold only with ONE intra-op thread: with two, MKL and ATen split the rows between
-threads and every split point is a new edge (measured: a 5-row product differs from the same
-rows in a 600-row one at 2 threads). The worker runs its model with one (``KVL_TORCH_THREADS``,
-default 1); :func:`invariant_here` says whether the current process does.
+The padded products and the pointwise rule hold only with ONE intra-op thread: with two, MKL
+and ATen split the rows (or the flattened elements) between threads and every split point is a
+new edge (measured: a 5-row product differs from the same rows in a 600-row one at 2 threads).
+The worker runs torch with one (``KVL_TORCH_THREADS``, default 1; :func:`invariant_here` says
+whether the current process does); the compiled product's own threads
+(``KVL_LINEAR_THREADS``, default: every usable core) are not torch's.
 
 Products whose reduction length itself varies (attention over a history that grows) are not
 made invariant here but by their callers' layout: a fixed split of the reduction into
 :data:`KEY_CHUNK`-wide pieces, summed in order (``kernels.sparse_attention.reference``).
 
-The rule is a measurement of one BLAS build on one CPU, not a law. The row floor moves with
-the CPU: 4 rows on the AVX2 Xeon it was first measured on, 16 on an AVX-512/AMX Xeon (Sapphire
-Rapids) with the same torch build, where products of 12–15 rows take a kernel of their own. So
-:func:`calibrate` finds the floor on the machine that runs the model (the smallest of
-:data:`ROW_FLOORS` for which :func:`probe` passes at the model's shapes) and sets
+The padding rule is a measurement of one BLAS build on one CPU, not a law. The row floor moves
+with the CPU: 4 rows on the AVX2 Xeon it was first measured on, 16 on an AVX-512/AMX Xeon
+(Sapphire Rapids) with the same torch build, where products of 12–15 rows take a kernel of
+their own. So :func:`calibrate` finds the floor on the machine that runs the model (the
+smallest of :data:`ROW_FLOORS` for which :func:`probe` passes at the model's shapes) and sets
 :data:`MIN_ROWS`; where none passes, the worker refuses to fuse requests (and to export
 decode-made blocks).
 """
@@ -43,6 +64,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
+
+from kernels import cpu_linear
 
 #: Smallest row count whose rows are computed as in any larger product: set by :func:`calibrate`
 #: for this machine (4 until then, the first machine's floor; see above).
@@ -56,6 +79,21 @@ MIN_COLS = 12
 VECTOR_PAD = 64
 #: Width of one piece of a split reduction over keys (attention, see the module docstring).
 KEY_CHUNK = 16
+
+#: Dtypes the compiled product computes (others take the padded path).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+#: The compiled product (:mod:`kernels.cpu_linear`) while it serves :func:`linear`; ``None``:
+#: the padded path (not built here, or turned off by a failed probe, for good in this process).
+_kernel = cpu_linear.load()
+#: Why :data:`_kernel` is ``None`` ("" while it serves).
+kernel_off_reason = "" if _kernel is not None else cpu_linear.why_not()
+
+
+def linear_path() -> str:
+    """Which arithmetic :func:`linear` runs here: ``compiled-<n>`` (:mod:`kernels.cpu_linear`,
+    version ``n`` of its per-element order) or ``padded`` (MKL with a row floor)."""
+    return f"compiled-{cpu_linear.ARITHMETIC}" if _kernel is not None else "padded"
+
 
 def _wide(w: torch.Tensor) -> torch.Tensor:
     """``w`` ``[N, K]`` with zero rows appended up to :data:`MIN_COLS` outputs."""
@@ -77,10 +115,11 @@ def plain_ops() -> Iterator[None]:
         _plain = before
 
 
-def rules() -> tuple[int, bool]:
-    """What the products' bits depend on in this process besides their inputs: the row floor and
-    whether the plain ops are on (a probe's answer is valid only under the same rules)."""
-    return MIN_ROWS, _plain
+def rules() -> tuple[int, bool, str]:
+    """What the products' bits depend on in this process besides their inputs: the row floor,
+    whether the plain ops are on and which product serves (a probe's answer is valid only under
+    the same rules)."""
+    return MIN_ROWS, _plain, linear_path()
 
 
 def invariant_here() -> bool:
@@ -103,11 +142,23 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
     ``x`` ``[..., K]``; ``w`` ``[N, K]``. Leading dims are flattened to rows.
     """
+    return _linear(x, w, bias, 0)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, threads: int) -> torch.Tensor:
+    """:func:`linear`; ``threads`` for the compiled product: 1 = the calling thread alone, 0 = its pool."""
     if _plain:
         return F.linear(x, w, bias)
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     m, n = rows.shape[0], w.shape[0]
+    if (_kernel is not None and rows.dtype in KERNEL_DTYPES and w.dtype == rows.dtype
+            and rows.device.type == "cpu" and w.device.type == "cpu"):
+        # NOTE: no autograd through the compiled product (inference only)
+        y = _kernel.linear(rows.detach(), w.detach(), threads)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*lead, n)
     if m < MIN_ROWS:
         rows = torch.cat([rows, rows.new_zeros(MIN_ROWS - m, rows.shape[1])], 0)
     ww = _wide(w) if n < MIN_COLS else w
@@ -200,11 +251,16 @@ def probe(shapes: Iterable[tuple[int, int]], rows: Iterable[int] = PROBE_ROWS,
                 return m, row
         return None
 
+    def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # the compiled product's threads must not matter either: odd row counts on the calling
+        # thread alone, even ones (and the largest product) on its pool
+        return _linear(x, w, None, 1 if x.shape[-2] % 2 else 0)
+
     for k, n in sorted(set(shapes)):
         w = torch.randn(n, k, generator=g).to(dtype)
-        if (d := diverges((), k, lambda x, w=w: linear(x, w))) is not None:
+        if (d := diverges((), k, lambda x, w=w: product(x, w))) is not None:
             failures.append(f"linear {k}->{n} {kind}: row {d[1]} of {d[0]} differs from the same row of "
-                            f"{rows[-1]} (row floor {MIN_ROWS})")
+                            f"{rows[-1]} ({_path_words(dtype)})")
     for groups, k, n in sorted(set(grouped)):
         w = torch.randn(groups, n, k, generator=g).to(dtype).transpose(1, 2)
         if (d := diverges((groups,), k, lambda x, w=w: bmm_rows(x, w))) is not None:
@@ -233,11 +289,22 @@ def calibrate(shapes: Iterable[tuple[int, int]], *, dtype: torch.dtype = torch.f
     returns the failures of the largest floor when none does (and leaves it there: the caller
     then does not fuse).
 
+    The compiled product's rows do not depend on the floor, so it is probed once (at every row
+    count, alternating one thread and all): if it fails, it is turned off for good in this
+    process and the padded path is calibrated instead.
+
     NOTE: process-wide, like the BLAS it measures; the floor only grows (a second model in the
-    process never lowers what the first one needs)."""
-    global MIN_ROWS
+    process never lowers what the first one needs), and a compiled product once turned off stays
+    off."""
+    global MIN_ROWS, _kernel, kernel_off_reason
     shapes, grouped = sorted(set(shapes)), sorted(set(grouped))
     failures: list[str] = []
+    if _kernel is not None and dtype in KERNEL_DTYPES and shapes:
+        failures = probe(shapes, probe_rows(max_rows), dtype=dtype)
+        if failures:
+            _kernel, kernel_off_reason = None, f"failed its probe: {failures[0]}"
+        else:
+            shapes = []         # settled: the floor below is attention's (bmm_rows) alone
     for floor in ROW_FLOORS:
         if floor < MIN_ROWS:
             continue
@@ -246,6 +313,12 @@ def calibrate(shapes: Iterable[tuple[int, int]], *, dtype: torch.dtype = torch.f
         if not failures:
             return []
     return failures
+
+
+def _path_words(dtype: torch.dtype) -> str:
+    if _kernel is not None and dtype in KERNEL_DTYPES:
+        return f"compiled product, {_kernel.get_threads()} threads"
+    return f"row floor {MIN_ROWS}"
 
 
 #: CPU features whose presence changes which kernels MKL and ATen dispatch to (and so the bits).
@@ -258,7 +331,8 @@ def compute_fingerprint(device: torch.device | str = "cpu") -> str:
     the BLAS it bundles), the instruction set it dispatches to, the intra-op thread count; on
     CUDA the device and its capability. Two workers with different fingerprints may compute
     different bits from the same weights (measured: the row floor moved from 4 to 16 between two
-    Xeons with the same torch build), so the engine puts this in the namespace and they never
+    Xeons with the same torch build), and the compiled product computes other bits than the
+    padded one (:func:`linear_path`), so the engine puts this in the namespace and they never
     share blocks."""
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -280,7 +354,7 @@ def compute_fingerprint(device: torch.device | str = "cpu") -> str:
         pass
     isa = ",".join(x for x in _ISA_FLAGS if x in flags)
     return (f"{dev.type}:{torch.__version__}:{torch.backends.cpu.get_cpu_capability()}:{vendor}:{isa}:"
-            f"threads{torch.get_num_threads()}")
+            f"threads{torch.get_num_threads()}:linear-{linear_path()}")
 
 
 def _calibrate_at_import() -> None:

@@ -127,8 +127,11 @@ def test_the_probe_checks_every_row_so_a_partial_tile_kernel_fails_it(monkeypatc
     """A BLAS that computes the rows of a partial tile at the end of a product (the last
     ``m mod 8`` here) with another rounding is not invariant, even though every row in a whole
     tile agrees. The probe compares every row of every count, so it fails such a kernel (a
-    probe of one middle row would pass it) — at every floor, and calibration then refuses."""
+    probe of one middle row would pass it) — at every floor, and calibration then refuses.
+    (The padded MKL path: the compiled product's own test is in tests/kernels/test_cpu_linear.py.)"""
     import types
+
+    monkeypatch.setattr(inv, "_kernel", None)
 
     def tail_rounds_up(x, w, bias=None):
         y = torch.nn.functional.linear(x, w, bias)
@@ -163,6 +166,7 @@ def test_the_probe_reaches_the_largest_forward_the_budget_allows(tiny, monkeypat
         return torch.nextafter(y, torch.full_like(y, float("inf"))) if x.shape[0] > 512 else y
 
     floor = inv.MIN_ROWS
+    monkeypatch.setattr(inv, "_kernel", None)           # the padded path's BLAS, here
     monkeypatch.setattr(inv, "F", types.SimpleNamespace(linear=large_rounds_up))
     try:
         assert inv.calibrate([(64, 32)], max_rows=256) == []

@@ -1,0 +1,313 @@
+// Batch-invariant y = x @ w.T on the CPU: every output element is reduced over K by one fixed
+// instruction sequence, whatever the row count, the tile it falls in or the thread count.
+//
+// Per element (m, n): acc = 0 (16 float lanes); for each 16-wide chunk of K in order,
+// acc = fma(x[m, chunk], w[n, chunk], acc); the last partial chunk is loaded zero-filled and
+// taken the same way; then one fixed horizontal sum of the 16 lanes. Tiles (MR rows x NR
+// columns, MR <= 4, NR <= 8) only decide which elements are computed together to reuse loads;
+// every tile shape runs the same per-element code (one template). Threads split the OUTPUT
+// COLUMNS into blocks, which never splits an element's reduction. Compiled with
+// -ffp-contract=off and without -ffast-math, so the compiler may not fuse or reorder any of it.
+// bfloat16: loaded, widened to float32 exactly, accumulated in float32, rounded once (RNE).
+#include <torch/extension.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+#include <unistd.h>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+#if defined(__AVX512F__)
+constexpr const char* kIsa = "avx512f";
+struct V { __m512 v; };
+inline V vzero() { return {_mm512_setzero_ps()}; }
+inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline V vload(const bf16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+}
+inline V vload_part(const float* p, int n) { return {_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p)}; }
+inline V vload_part(const bf16* p, int n) {
+  __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p);
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+}
+inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline float hsum(V a) {
+  // fixed tree: 16 -> 8 -> 4 -> 2 -> 1 lanes
+  __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1));
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
+  return _mm_cvtss_f32(s1);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr const char* kIsa = "avx2+fma";
+struct V { __m256 lo, hi; };
+inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 widen8(const bf16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline V vload(const bf16* p) { return {widen8(p), widen8(p + 8)}; }
+template <typename T> inline V vload_part(const T* p, int n) {
+  alignas(64) T buf[16] = {};
+  std::copy(p, p + n, buf);
+  return vload(buf);
+}
+inline V vfma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline float hsum(V a) {
+  __m256 s8 = _mm256_add_ps(a.lo, a.hi);
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
+  return _mm_cvtss_f32(s1);
+}
+#else
+constexpr const char* kIsa = "generic";
+struct V { float l[16]; };
+inline V vzero() { return V{}; }
+inline V vload(const float* p) { V r; for (int i = 0; i < 16; ++i) r.l[i] = p[i]; return r; }
+inline V vload(const bf16* p) { V r; for (int i = 0; i < 16; ++i) r.l[i] = static_cast<float>(p[i]); return r; }
+template <typename T> inline V vload_part(const T* p, int n) {
+  T buf[16] = {};
+  std::copy(p, p + n, buf);
+  return vload(buf);
+}
+// separate multiply and add (-ffp-contract=off keeps them apart): the same on every machine
+inline V vfma(V a, V b, V c) { V r; for (int i = 0; i < 16; ++i) r.l[i] = a.l[i] * b.l[i] + c.l[i]; return r; }
+inline float hsum(V a) {
+  float s8[8], s4[4], s2[2];
+  for (int i = 0; i < 8; ++i) s8[i] = a.l[i] + a.l[i + 8];
+  for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+  for (int i = 0; i < 2; ++i) s2[i] = s4[i] + s4[i + 2];
+  return s2[0] + s2[1];
+}
+#endif
+
+inline void store(float* p, float v) { *p = v; }
+inline void store(bf16* p, float v) { *p = bf16(v); }  // round to nearest even, once
+
+// The one per-element code path: MR x NR elements at a time, each reduced the same way.
+template <typename T, int MR, int NR>
+void tile(const T* x, int64_t ldx, const T* w, int64_t ldw, T* y, int64_t ldy, int64_t K) {
+  V acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = vzero();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    V xv[MR];
+    for (int i = 0; i < MR; ++i) xv[i] = vload(x + i * ldx + k);
+    for (int j = 0; j < NR; ++j) {
+      V wv = vload(w + j * ldw + k);
+      for (int i = 0; i < MR; ++i) acc[i][j] = vfma(xv[i], wv, acc[i][j]);
+    }
+  }
+  if (k < K) {
+    const int rest = static_cast<int>(K - k);
+    V xv[MR];
+    for (int i = 0; i < MR; ++i) xv[i] = vload_part(x + i * ldx + k, rest);
+    for (int j = 0; j < NR; ++j) {
+      V wv = vload_part(w + j * ldw + k, rest);
+      for (int i = 0; i < MR; ++i) acc[i][j] = vfma(xv[i], wv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) store(y + i * ldy + j, hsum(acc[i][j]));
+}
+
+template <typename T, int MR>
+void tile_cols(int nr, const T* x, int64_t ldx, const T* w, int64_t ldw, T* y, int64_t ldy, int64_t K) {
+  switch (nr) {
+    case 1: return tile<T, MR, 1>(x, ldx, w, ldw, y, ldy, K);
+    case 2: return tile<T, MR, 2>(x, ldx, w, ldw, y, ldy, K);
+    case 3: return tile<T, MR, 3>(x, ldx, w, ldw, y, ldy, K);
+    case 4: return tile<T, MR, 4>(x, ldx, w, ldw, y, ldy, K);
+    case 5: return tile<T, MR, 5>(x, ldx, w, ldw, y, ldy, K);
+    case 6: return tile<T, MR, 6>(x, ldx, w, ldw, y, ldy, K);
+    case 7: return tile<T, MR, 7>(x, ldx, w, ldw, y, ldy, K);
+    default: return tile<T, MR, 8>(x, ldx, w, ldw, y, ldy, K);
+  }
+}
+
+// Output columns [n0, n1) for every row: row tiles of 4 (4 x 4 elements: 16 accumulators),
+// the last 1-3 rows in one tile of that height (x 8 columns: more independent chains when a
+// product has one row, as a decode step's does).
+template <typename T>
+void column_block(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4)
+    for (int64_t n = n0; n < n1; n += 4)
+      tile_cols<T, 4>(static_cast<int>(std::min<int64_t>(4, n1 - n)), x + m * K, K, w + n * K, K, y + m * N + n, N, K);
+  const int64_t rest = M - m;
+  if (rest == 0) return;
+  for (int64_t n = n0; n < n1; n += 8) {
+    const int nr = static_cast<int>(std::min<int64_t>(8, n1 - n));
+    const T* xm = x + m * K;
+    T* ym = y + m * N + n;
+    if (rest == 1) tile_cols<T, 1>(nr, xm, K, w + n * K, K, ym, N, K);
+    else if (rest == 2) tile_cols<T, 2>(nr, xm, K, w + n * K, K, ym, N, K);
+    else tile_cols<T, 3>(nr, xm, K, w + n * K, K, ym, N, K);
+  }
+}
+
+// A small pool: helpers wait for a job (spinning briefly, then sleeping), claim column blocks
+// from a shared counter, and the caller claims blocks too. Which thread computes a block never
+// changes its bits. One job at a time: a caller that finds the pool busy (another lane's
+// product) computes its own blocks alone.
+class Pool {
+ public:
+  explicit Pool(int helpers) {
+    for (int i = 0; i < helpers; ++i) threads_.emplace_back([this] { loop(); });
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> g(m_);
+      stop_ = true;
+      gen_.fetch_add(1);
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  int size() const { return static_cast<int>(threads_.size()) + 1; }
+
+  template <typename F>
+  void run(int64_t blocks, const F& fn) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (!busy.owns_lock() || threads_.empty() || blocks < 2) {
+      for (int64_t b = 0; b < blocks; ++b) fn(b);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> g(m_);
+      ctx_ = &fn;
+      call_ = [](const void* c, int64_t b) { (*static_cast<const F*>(c))(b); };
+      blocks_ = blocks;
+      next_.store(0);
+      open_ = true;
+      gen_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+    for (int64_t b; (b = next_.fetch_add(1)) < blocks;) fn(b);
+    {
+      std::lock_guard<std::mutex> g(m_);
+      open_ = false;  // a helper that wakes from now on does not join
+    }
+    while (joined_.load(std::memory_order_acquire) != 0) _mm_pause();
+  }
+
+ private:
+  void loop() {
+    uint64_t seen = gen_.load();
+    for (;;) {
+      // spin ~100 us for the next product of the same forward, then sleep
+      auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(100);
+      int spins = 0;
+      while (gen_.load(std::memory_order_acquire) == seen) {
+        _mm_pause();
+        if (++spins % 256 == 0 && std::chrono::steady_clock::now() > until) break;
+      }
+      std::unique_lock<std::mutex> g(m_);
+      cv_.wait(g, [&] { return gen_.load() != seen; });
+      seen = gen_.load();
+      if (stop_) return;
+      if (!open_) continue;
+      joined_.fetch_add(1);
+      const void* ctx = ctx_;
+      void (*call)(const void*, int64_t) = call_;
+      const int64_t blocks = blocks_;
+      g.unlock();
+      for (int64_t b; (b = next_.fetch_add(1)) < blocks;) call(ctx, b);
+      joined_.fetch_sub(1, std::memory_order_release);
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex busy_, m_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<int64_t> next_{0};
+  std::atomic<int> joined_{0};
+  const void* ctx_ = nullptr;
+  void (*call_)(const void*, int64_t) = nullptr;
+  int64_t blocks_ = 0;
+  bool open_ = false, stop_ = false;
+};
+
+std::mutex g_pool_mutex;
+std::shared_ptr<Pool> g_pool;
+pid_t g_pool_pid = 0;
+int g_threads = 1;
+
+std::shared_ptr<Pool> pool() {
+  std::lock_guard<std::mutex> g(g_pool_mutex);
+  if (g_pool && g_pool_pid != getpid()) {
+    // a forked child: the parent's helper threads do not exist here; leak the old pool
+    new std::shared_ptr<Pool>(std::move(g_pool));
+  }
+  if (!g_pool || g_pool->size() != g_threads) {
+    g_pool = std::make_shared<Pool>(g_threads - 1);
+    g_pool_pid = getpid();
+  }
+  return g_pool;
+}
+
+}  // namespace
+
+void set_threads(int64_t n) {
+  std::lock_guard<std::mutex> g(g_pool_mutex);
+  g_threads = static_cast<int>(std::max<int64_t>(1, n));
+}
+
+int64_t get_threads() { return g_threads; }
+
+std::string isa() { return kIsa; }
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t threads) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "cpu_linear: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "cpu_linear: x [M, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "cpu_linear: x and w of one dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "cpu_linear: float32 or bfloat16");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  if (K == 0) return y.zero_();
+  std::shared_ptr<Pool> p = threads == 1 ? nullptr : pool();
+  const int64_t T = p ? p->size() : 1;
+  // ~4 blocks per thread (balance), of 8..64 columns (a block's weights stay in cache while
+  // the row tiles pass over them). The split changes who computes a column, never how.
+  const int64_t nb = std::min<int64_t>(64, std::max<int64_t>(8, (N / (4 * T) + 7) / 8 * 8));
+  const int64_t blocks = (N + nb - 1) / nb;
+  auto go = [&](auto* xp, auto* wp, auto* yp) {
+    auto fn = [&](int64_t b) { column_block(xp, wp, yp, M, K, N, b * nb, std::min(N, (b + 1) * nb)); };
+    if (p) p->run(blocks, fn);
+    else for (int64_t b = 0; b < blocks; ++b) fn(b);
+  };
+  if (x.scalar_type() == at::kFloat)
+    go(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>());
+  else
+    go(x.data_ptr<bf16>(), w.data_ptr<bf16>(), y.data_ptr<bf16>());
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "x @ w.T, each element reduced in one fixed order (threads: 1 = the caller only, "
+        "else the pool)", py::arg("x"), py::arg("w"), py::arg("threads") = 0,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("set_threads", &set_threads);
+  m.def("get_threads", &get_threads);
+  m.def("isa", &isa);
+}
