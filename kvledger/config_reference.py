@@ -17,6 +17,7 @@ import argparse
 import ast
 import re
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,8 @@ def _type_name(t: Any) -> str:
         return _type_name(base) + (f" ({', '.join(bounds)})" if bounds else "")
     if origin is typing.Literal:
         return " \\| ".join(f"`{a}`" for a in typing.get_args(t))
+    if origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(t):
+        return " or ".join(_type_name(a) for a in typing.get_args(t) if a is not type(None)) + " or unset"
     if origin is list:
         (inner,) = typing.get_args(t)
         return f"list of {_type_name(inner)}"
@@ -153,6 +156,8 @@ def _default(field: msgspec.structs.FieldInfo) -> Any:
 def _fmt_default(v: Any) -> str:
     if v is msgspec.NODEFAULT:
         return "(required)"
+    if v is None:
+        return "(unset)"
     if v == "":
         return '`""`'
     if isinstance(v, bool):

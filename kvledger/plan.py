@@ -17,7 +17,8 @@ compressor state in fp32).
 
 Capacity follows the worker's own split (:func:`worker.settings.pool_slots`): the cache
 budget is ``pool × cache_reserve_ratio``, where the pool is ``--memory − --weights`` (or
-``worker.pool_bytes`` when no ``--memory`` is given); full-history forms share
+``worker.pool_bytes`` when no ``--memory`` is given, or — pool_bytes unset — the pool a worker
+would size from this machine's memory now: :func:`worker.settings.memory_pool_bytes`); full-history forms share
 ``compressed_pool_limit`` with equal slot counts, the window form gets ``swa_pool_limit``,
 the resume-point form ``tail_pool_limit``. A request of ``L`` tokens holds ``ceil(L/B)``
 blocks of each full-history form, the blocks covering its last ``W − 1`` tokens of the
@@ -226,6 +227,12 @@ class Plan:
     max_position: int
     contexts: list[int] = field(default_factory=list)
     concurrency: int = 32
+    #: The pool before the reserve ratio, and whether it is ``worker.pool_bytes``, ``memory``
+    #: (sized as a worker without pool_bytes sizes it) or ``--memory``.
+    pool_bytes: float = 0.0
+    pool_source: str = ""
+    #: The longest request a worker serves: service.max_context_length, at most the model's maximum.
+    serve_context: int = 0
 
     # -- per form / per request ---------------------------------------------------------------
 
@@ -238,12 +245,9 @@ class Plan:
         return sum(f.bytes_per_token(self.block_size) for f in self.by_scope("full_history"))
 
     def blocks_per_request(self, form: FormPlan, context: int) -> int:
-        blocks = -(-context // self.block_size)
-        if form.scope == "window":
-            return min(blocks, -(-form.window_tokens // self.block_size) + 1)
-        if form.scope == "resume_point":
-            return 1
-        return blocks
+        from worker.settings import blocks_per_request
+
+        return blocks_per_request(form.scope, form.window_tokens, self.block_size, context)
 
     def bounded_bytes_per_request(self) -> int:
         """Bytes a request holds whatever its length: the window rows and the resume-point tail."""
@@ -273,16 +277,11 @@ class Plan:
         return {k: v * scale for k, v in frac.items()}
 
     def max_concurrency(self, context: int) -> tuple[int, str]:
-        """Requests of ``context`` tokens the pools hold at once, and the form that limits it."""
-        slots = self.slots()
-        best: tuple[int, str] | None = None
-        for f in self.forms:
-            need = self.blocks_per_request(f, context)
-            n = slots.get(f.name, 0) // need if need else 10**18
-            if best is None or n < best[0]:
-                best = (n, f.name)
-        assert best is not None
-        return best
+        """Requests of ``context`` tokens the pools hold at once, and the form that limits it
+        (the worker's own count: ``worker.settings.requests_admitted``)."""
+        from worker.settings import requests_admitted
+
+        return requests_admitted(self.forms, self.slots(), self.block_size, context)
 
     def max_context(self, concurrency: int) -> tuple[int, str]:
         """Longest context (block multiple, ≤ the model's maximum) ``concurrency`` requests can each have."""
@@ -316,6 +315,9 @@ class Plan:
                          for c in self.contexts],
             "concurrency": self.concurrency,
             "max_context_at_concurrency": self.max_context(self.concurrency)[0],
+            "pool_bytes": int(self.pool_bytes), "pool_source": self.pool_source,
+            "max_context": self.serve_context,
+            "requests_at_max_context": self.max_concurrency(self.serve_context)[0] if self.serve_context else None,
         }
 
 
@@ -414,7 +416,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per block (default: cache.block_size rounded up to a multiple of every ratio)")
     p.add_argument("--memory", type=float, default=None, metavar="GiB",
-                   help="device memory per worker; default: plan for worker.pool_bytes of the config")
+                   help="device memory per worker; default: plan for worker.pool_bytes of the config, or "
+                        "(unset) for the pool a worker sizes from this machine's memory")
     p.add_argument("--weights", type=float, default=None, metavar="GiB",
                    help="memory the weights take (default: the model dir's safetensors, the tiny model's "
                         "parameters; required for a preset with --memory)")
@@ -438,10 +441,14 @@ def build_plan(args: argparse.Namespace, cfg: Any) -> Plan:
     reserve = cfg.service.cache_reserve_ratio if args.reserve is None else args.reserve
     if not 0 < reserve <= 1:
         raise PlanError(f"--reserve {reserve}: a share in (0, 1]")
-    if args.memory is None:
-        pool = float(cfg.worker.pool_bytes)
+    if args.memory is None and cfg.worker.pool_bytes is not None:
+        pool, source = float(cfg.worker.pool_bytes), "worker.pool_bytes"
         note = f"worker.pool_bytes {fmt_bytes(pool)} × reserve {reserve}"
+    elif args.memory is None:
+        pool, note = memory_pool(cfg, preset, model_dir)
+        source, note = "memory", f"{note} × reserve {reserve}"
     else:
+        source = "--memory"
         if args.weights is not None:
             weights = args.weights * GiB
         else:
@@ -470,7 +477,25 @@ def build_plan(args: argparse.Namespace, cfg: Any) -> Plan:
     state_dtype = next((f.dtype for f in forms if f.scope == "resume_point"), args.state_dtype) if cache_dtype \
         else args.state_dtype
     return Plan(model.model_id, block_size, dtype, state_dtype, forms, note, pool * reserve, limits, max_pos,
-                contexts, args.concurrency or cfg.service.max_concurrency)
+                contexts, args.concurrency or cfg.service.max_concurrency, pool, source,
+                min(cfg.service.max_context_length, max_pos))
+
+
+def memory_pool(cfg: Any, preset: str | None, model_dir: str | None) -> tuple[float, str]:
+    """The pool a worker without ``worker.pool_bytes`` would size on this machine now: the memory
+    available (less the weights it has yet to load) × ``worker.cache_memory_fraction``, capped on
+    a CPU (:func:`worker.settings.memory_pool_bytes`, what the worker itself calls)."""
+    from worker.settings import available_memory, memory_pool_bytes
+
+    try:
+        free, where = available_memory(cfg.worker.device)
+    except (RuntimeError, AssertionError) as e:   # no such CUDA device here
+        raise PlanError(f"worker.pool_bytes is unset and {cfg.worker.device} cannot be read here ({e}): "
+                        f"give --memory GiB or set worker.pool_bytes") from None
+    weights = weights_bytes(preset, model_dir)
+    counted = f"weights {fmt_bytes(weights)}" if weights is not None else "weights not counted: give --memory/--weights"
+    pool, how = memory_pool_bytes(cfg, cfg.worker.device, max(0, free - (weights or 0)))
+    return float(pool), f"memory-sized: ({fmt_bytes(free)} {where} − {counted}) × " + how.split(" × ", 1)[1]
 
 
 def fmt_bytes(n: float) -> str:
@@ -528,4 +553,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
     longest, why = plan.max_context(plan.concurrency)
     con.print(f"{plan.concurrency} concurrent requests: up to [bold]{longest:,}[/bold] tokens each"
               + (f" (limited by the {why}{' pool' if why != 'model maximum' else ''})" if why else ""))
+    n, form = plan.max_concurrency(plan.serve_context)
+    con.print(f"requests of the maximum context ({plan.serve_context:,} tokens) held at once: [bold]{n:,}[/bold] "
+              f"(limited by the {form} pool)" + ("" if n or plan.pool_source != "memory" else
+                                                 " — a worker sized from memory refuses to start"))
     return 0

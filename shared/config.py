@@ -268,8 +268,18 @@ class WorkerConfig(_Section):
     #: DIR`` writes it). A manifest that is present is always verified, and any checkpoint's digest
     #: enters the cache namespace.
     require_manifest: bool = False
-    #: Memory the pools may take in bytes; cache_reserve_ratio of it goes to cached forms.
-    pool_bytes: PosInt = 64 * 2**20
+    #: Memory the pools may take in bytes; cache_reserve_ratio of it goes to cached forms. Unset
+    #: (the default): sized at start from the memory left after the weights — free device memory
+    #: on a GPU, MemAvailable on a CPU — × ``worker.cache_memory_fraction`` (capped on a CPU by
+    #: ``worker.cpu_pool_max_bytes``); the worker logs what that holds (``pools_sized``).
+    pool_bytes: PosInt | None = None
+    #: When ``pool_bytes`` is unset: the share of the memory left after the weights the pools take
+    #: (as vLLM's gpu_memory_utilization, but of what is free once the weights are loaded; the
+    #: rest is for activations and everything else). Several workers on one GPU: set pool_bytes.
+    cache_memory_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.8
+    #: When ``pool_bytes`` is unset and the device is the CPU: the most the pools take. RAM is
+    #: shared with every other process (other workers, the test suite's many workers); 0 = no cap.
+    cpu_pool_max_bytes: Annotated[int, msgspec.Meta(ge=0)] = 2**30
     outbox_max: PosInt = 100_000
     outbox_resend_ms: PosInt = 2000
     #: Transitions per JetStream message (a ``transitions`` batch, at most 1000); 1 sends one

@@ -87,7 +87,7 @@ from worker import failpoints
 from worker.selfcheck import SelfCheck, self_check
 from worker.publisher import OutboxFull, TransitionPublisher
 from worker.session import CacheValidationError, Result, Session
-from worker.settings import pool_slots, worker_id
+from worker.settings import size_pools, worker_id
 from worker.stepper import Stepper, largest_forward, resolve_lanes
 
 T = TypeVar("T")
@@ -181,7 +181,12 @@ class Engine:
         #: (``worker.inflight``, ``cache.prefix_wait_ms``).
         self.inflight = InFlightBlocks()
         self.prefix_wait_s = cfg.cache.prefix_wait_ms / 1000
-        self.slots = pool_slots(self.catalogue, cfg) if self.cache_enabled else {}
+        #: The pools' size and what it holds (``worker.settings.size_pools``; None without a cache).
+        self.sizing = size_pools(self.catalogue, cfg, self.device, self.max_context) if self.cache_enabled else None
+        self.slots = dict(self.sizing.slots) if self.sizing is not None else {}
+        if self.sizing is not None:
+            (self.log.info if self.sizing.admitted else self.log.warning)(
+                "pools_sized", **self.sizing.log_fields(self.catalogue.forms))
         # NOTE: static topology — the pools are allocated here, once, and never again.
         self.store = CacheStore(self.catalogue, self.slots, self.device) if self.cache_enabled else None
         self.tiers = Tiers(cfg.cache.host_tier_bytes if self.cache_enabled else 0,

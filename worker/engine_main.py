@@ -51,6 +51,7 @@ from worker.model import CausalLM, build_model
 from worker.model.checkpoint import DTYPES, CheckpointError, load_checkpoint
 from worker.model.storage import StorageError
 from worker.model.weights import WeightsError
+from worker.settings import PoolSizeError
 from shared.tenants import AuthError, TenantDirectory
 from shared.text.tokenizer import load_tokenizer
 
@@ -209,6 +210,9 @@ async def serve(cfg: Config) -> int:
         engine = Engine(model, cfg, client)
     except StorageError as e:   # cache.dtype this model's forms cannot be stored in
         print(f"kvledger worker: config key cache.dtype: {e}", file=sys.stderr, flush=True)
+        return 2
+    except PoolSizeError as e:  # pools sized from memory too small for one request of the maximum context
+        print(f"kvledger worker: {e}", file=sys.stderr, flush=True)
         return 2
     if cfg.nats.user and cfg.nats.user != nats_auth.worker(engine.worker_id).user:
         print(f"kvledger worker: config key nats.user: worker {engine.worker_id} connects as "

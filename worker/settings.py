@@ -1,15 +1,26 @@
-"""What the engine derives from the configuration: worker id, pool sizes, tenant salts."""
+"""What the engine derives from the configuration: worker id, pool sizes, tenant salts.
+
+Pool sizing (operations.md, "Cache sizing"): ``worker.pool_bytes`` when set; otherwise the memory
+left after the weights — free device memory on a GPU (``torch.cuda.mem_get_info``), ``MemAvailable``
+of ``/proc/meminfo`` on a CPU — × ``worker.cache_memory_fraction``, at most
+``worker.cpu_pool_max_bytes`` on a CPU. :func:`size_pools` returns the slots per form with what
+they hold (blocks, tokens, requests of the maximum context); ``kvledger plan`` uses the same
+functions, so it says before a start what the worker will log at it.
+"""
 
 from __future__ import annotations
 
 import os
 import re
 import socket
+from dataclasses import dataclass
+from typing import Any
 
-from shared.config import Config
+from shared.config import Config, ConfigError
 from shared.forms import FormCatalogue, FormScope
 
 _TOKEN = re.compile(r"[^A-Za-z0-9_\-]")
+MiB = 2**20
 
 
 def worker_id(cfg: Config) -> str:
@@ -21,8 +32,9 @@ def worker_id(cfg: Config) -> str:
     return wid
 
 
-def pool_slots(catalogue: FormCatalogue, cfg: Config) -> dict[str, int]:
-    """Slots per form from ``worker.pool_bytes × service.cache_reserve_ratio × <form>_pool_limit``.
+def pool_slots(catalogue: FormCatalogue, cfg: Config, pool_bytes: int | None = None) -> dict[str, int]:
+    """Slots per form from ``pool_bytes × service.cache_reserve_ratio × <form>_pool_limit``
+    (``pool_bytes``: ``worker.pool_bytes`` unless given).
 
     Full-history forms (``compressed``, ``indexer``) grow together — a resume needs both for
     every block — so they split ``compressed_pool_limit`` into equal slot counts. A window
@@ -31,7 +43,10 @@ def pool_slots(catalogue: FormCatalogue, cfg: Config) -> dict[str, int]:
     form gets all three).
     """
     c = cfg.cache
-    budget = cfg.worker.pool_bytes * cfg.service.cache_reserve_ratio
+    pool = cfg.worker.pool_bytes if pool_bytes is None else pool_bytes
+    if pool is None:
+        raise ConfigError("worker.pool_bytes is unset: size the pools with size_pools() (from memory)")
+    budget = pool * cfg.service.cache_reserve_ratio
     return scope_slots(catalogue.forms, budget, {
         FormScope.FULL_HISTORY: c.compressed_pool_limit, FormScope.WINDOW: c.swa_pool_limit,
         FormScope.RESUME_POINT: c.tail_pool_limit})
@@ -51,3 +66,122 @@ def scope_slots(forms, budget: float, limits: dict) -> dict[str, int]:
         for f in group:
             out[f.name] = n
     return out
+
+
+# --- sizing from memory ----------------------------------------------------------------------------
+
+def size(n: float) -> str:
+    """``1,024 MiB``, ``0.6 MiB``; bytes below 100 KiB."""
+    return f"{n / MiB:,.{0 if n >= 100 * MiB else 1}f} MiB" if n >= 100 * 1024 else f"{int(n):,} bytes"
+
+
+class PoolSizeError(ConfigError):
+    """Pools sized from memory too small for one request of the maximum context; the message
+    gives the numbers and the keys to change."""
+
+
+def blocks_per_request(scope: str, window_tokens: int, block_size: int, context: int) -> int:
+    """Blocks of a form one request of ``context`` tokens holds: all of its blocks for a
+    full-history form, those covering the last ``window − 1`` tokens for a window form (at most
+    ``ceil((W−1)/B) + 1``), one for a resume-point form."""
+    blocks = -(-context // block_size)
+    if str(scope) == str(FormScope.WINDOW):
+        return min(blocks, -(-window_tokens // block_size) + 1)
+    if str(scope) == str(FormScope.RESUME_POINT):
+        return 1
+    return blocks
+
+
+def requests_admitted(forms, slots: dict[str, int], block_size: int, context: int) -> tuple[int, str]:
+    """Requests of ``context`` tokens the pools hold at once, and the form that limits it."""
+    best: tuple[int, str] | None = None
+    for f in forms:
+        need = blocks_per_request(f.scope, f.window_tokens, block_size, context)
+        n = slots.get(f.name, 0) // need if need else 10**18
+        if best is None or n < best[0]:
+            best = (n, f.name)
+    return best or (0, "")
+
+
+def available_memory(device: Any) -> tuple[int, str]:
+    """Bytes free for the pools now (the weights are loaded), and where the number comes from."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return int(free), f"free memory on {dev}"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable"
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free RAM (sysconf)"
+
+
+def memory_pool_bytes(cfg: Config, device: Any, available: int) -> tuple[int, str]:
+    """The pool a worker without ``worker.pool_bytes`` takes out of ``available`` bytes, and how."""
+    import torch
+
+    w = cfg.worker
+    pool = int(available * w.cache_memory_fraction)
+    how = f"{size(available)} available × worker.cache_memory_fraction {w.cache_memory_fraction:g}"
+    if torch.device(device).type == "cpu" and w.cpu_pool_max_bytes and pool > w.cpu_pool_max_bytes:
+        pool = w.cpu_pool_max_bytes
+        how += f", capped at worker.cpu_pool_max_bytes {size(pool)}"
+    return pool, how
+
+
+@dataclass(frozen=True)
+class PoolSizing:
+    """The pools' size, where it came from, and what it holds."""
+    pool_bytes: int
+    #: ``worker.pool_bytes`` or ``memory``.
+    source: str
+    #: How the size was reached, for people.
+    how: str
+    slots: dict[str, int]
+    block_size: int
+    max_context: int
+    #: Requests of ``max_context`` tokens the pools hold at once, and the form that limits it.
+    admitted: int
+    limited_by: str
+
+    def log_fields(self, forms) -> dict[str, Any]:
+        """What the ``pools_sized`` log line says: per form, blocks and the tokens they hold."""
+        return {"source": self.source, "pool_bytes": self.pool_bytes, "how": self.how,
+                "forms": {f.name: {"blocks": self.slots.get(f.name, 0),
+                                   "tokens": self.slots.get(f.name, 0) * self.block_size} for f in forms},
+                "max_context": self.max_context, "requests_at_max_context": self.admitted,
+                "limited_by": self.limited_by}
+
+
+def size_pools(catalogue: FormCatalogue, cfg: Config, device: Any, max_context: int,
+               available: tuple[int, str] | None = None) -> PoolSizing:
+    """The pools of a worker with ``cfg`` on ``device`` (see the module docstring). Raises
+    :class:`PoolSizeError` when pools sized from memory cannot hold one request of
+    ``max_context`` tokens; an explicit ``worker.pool_bytes`` is the operator's choice (the
+    caller warns)."""
+    block = cfg.cache.block_size
+    if cfg.worker.pool_bytes is not None:
+        pool, source, how = cfg.worker.pool_bytes, "worker.pool_bytes", f"worker.pool_bytes {cfg.worker.pool_bytes:,}"
+    else:
+        free, where = available or available_memory(device)
+        pool, how = memory_pool_bytes(cfg, device, free)
+        source, how = "memory", how.replace("available", where, 1)
+    slots = pool_slots(catalogue, cfg, pool)
+    admitted, limited_by = requests_admitted(catalogue.forms, slots, block, max_context)
+    sizing = PoolSizing(pool, source, how, slots, block, max_context, admitted, limited_by)
+    if admitted < 1 and source == "memory":
+        f = next(f for f in catalogue.forms if f.name == limited_by)
+        need = blocks_per_request(f.scope, f.window_tokens, block, max_context)
+        raise PoolSizeError(
+            f"the cache pools sized from memory ({how}: {size(pool)} × service.cache_reserve_ratio "
+            f"{cfg.service.cache_reserve_ratio:g}) hold {slots.get(f.name, 0):,} blocks of form {f.name}; one request "
+            f"of the maximum context ({max_context:,} tokens, service.max_context_length or the model's maximum) "
+            f"needs {need:,} ({size(need * f.bytes_per_block)}). Free memory, raise "
+            f"worker.cache_memory_fraction or worker.cpu_pool_max_bytes, lower service.max_context_length, or "
+            f"set worker.pool_bytes")
+    return sizing
