@@ -91,6 +91,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.proc_cpu import cpu_spent, process_cpu, stack_cpu
+from coordinator.log.chain import GENESIS, link
 
 REPO = Path(__file__).resolve().parents[1]
 NS = "ab" * 16
@@ -104,7 +105,7 @@ PROMPT_BLOCKS, CACHED_BLOCKS = 16, 12
 LEASE_TTL_MS = 600_000
 #: The phases, in the order they run (``--only``); replay includes the restart and the takeover.
 PHASES = ("ingest", "leases", "idle", "replay")
-COLUMNS = ["position", "stream_id", "stream_version", "source_id", "type", "payload", "leader_epoch"]
+COLUMNS = ["position", "stream_id", "stream_version", "source_id", "type", "payload", "leader_epoch", "chain_hash"]
 
 
 def _log(msg: str) -> None:
@@ -700,6 +701,7 @@ def commits(w: BenchWorker, leases: list[tuple[str, list[str]]], seq0: int
     ts = now_ms()
     msgs: list[tuple[bytes, str]] = []
     rows: list[tuple[Any, ...]] = []
+    chained = GENESIS   # the baseline stores the chain hash too (the coordinator's rows carry one)
     seq = seq0
     for lease_id, chunk in leases:
         for i in range(len(chunk)):
@@ -708,7 +710,8 @@ def commits(w: BenchWorker, leases: list[tuple[str, list[str]]], seq0: int
             msgs.append((encode(t), t.source_id))
             # exactly what the coordinator will store for it
             ne = to_new_event(TransitionApplied(transition=t, kind="commit", at_ms=ts))
-            rows.append((seq, ne.stream_id, 2, ne.source_id, ne.type, ne.payload.decode(), 1))
+            chained = link(chained, seq, 1, ne.stream_id, ne.type, ne.source_id, ne.payload)
+            rows.append((seq, ne.stream_id, 2, ne.source_id, ne.type, ne.payload.decode(), 1, chained))
     return msgs, rows
 
 
@@ -1192,6 +1195,7 @@ async def build_log(db_url: str, n: int, tail: int, pool_slots: int = 512) -> di
         await engine.dispose()
     b = LogBuilder(CoreParams(), pool_slots=pool_slots)
     heads: dict[str, int] = {}
+    chain = [GENESIS]   # the log's chain head (coordinator.log.chain), as the coordinator's writer keeps it
     counts: dict[str, int] = {}
     snap: list[Any] = []
     first = b.start()
@@ -1205,14 +1209,15 @@ async def build_log(db_url: str, n: int, tail: int, pool_slots: int = 512) -> di
         while at < limit:
             if not snap and at >= n - tail:
                 snap.extend((at, state_hash(b.state), to_snapshot(b.state), len(b.state.replicas),
-                             sum(r.state in LIVE for r in b.state.replicas.values())))
+                             sum(r.state in LIVE for r in b.state.replicas.values()), chain[0]))
             for e in first or b.request():
                 ne = to_new_event(e)
                 v = heads.get(ne.stream_id, 0) + 1
                 heads[ne.stream_id] = v
                 counts[ne.type] = counts.get(ne.type, 0) + 1
                 at += 1
-                rows.append((at, ne.stream_id, v, ne.source_id, ne.type, ne.payload.decode(), 1))
+                chain[0] = link(chain[0], at, 1, ne.stream_id, ne.type, ne.source_id, ne.payload)
+                rows.append((at, ne.stream_id, v, ne.source_id, ne.type, ne.payload.decode(), 1, chain[0]))
             first = []
         return rows
 
@@ -1234,8 +1239,8 @@ async def build_log(db_url: str, n: int, tail: int, pool_slots: int = 512) -> di
         if copying is not None:
             await copying
         build_s = time.perf_counter() - t0
-        await conn.execute("INSERT INTO snapshots (position, state_hash, state, leader_epoch) VALUES ($1, $2, $3, 1)",
-                           *snap[:3])
+        await conn.execute("INSERT INTO snapshots (position, state_hash, state, leader_epoch, chain_hash) "
+                           "VALUES ($1, $2, $3, 1, $4)", *snap[:3], snap[5])
         await conn.execute("ANALYZE events")
     finally:
         await conn.close()

@@ -6,6 +6,10 @@
 2. Replay the log up to that position into a fresh state — from empty by default, or from
    the latest snapshot — checking that positions are dense and each stream's versions run
    1, 2, 3, …; compare the hashes; check the invariants of the replayed state too.
+   Then verify the log's hash chain (:mod:`coordinator.log.chain`) from its anchor — the
+   start, the newest archive's head, or (``from_snapshot``) the snapshot's head — up to that
+   position: an event edited, deleted, inserted or moved is reported with the first position
+   where the chain breaks (``chain.first_break``), and the audit is not ok.
 3. Ask every live worker for its inventory — the :func:`shared.hashing.replica_digest` of
    every replica it holds on its GPU *and* its host tier, in pages within NATS max_payload —
    and compare it, tier by tier, with the ledger's READY replicas at ``gpu:<worker>`` and
@@ -39,6 +43,7 @@ from coordinator.core import check_invariants, state_hash
 from coordinator.core.lifecycle import LIVE
 from coordinator.core.state import LedgerState
 from coordinator.ledger import Ledger
+from coordinator.log.chain import ChainCheck
 from coordinator.replay import LogCorrupt, load_state
 from shared.hashing import replica_digests, split_digests
 from shared.messages import DiskRef, InventoryReply, ReplicaState
@@ -47,6 +52,8 @@ from shared.messages import DiskRef, InventoryReply, ReplicaState
 MAX_LISTED = 50
 #: Most disk files one audit asks a worker to verify.
 MAX_DISK_CHECKS = 1024
+#: Events read per page by the chain check.
+CHAIN_PAGE = 5000
 
 Key = tuple[str, str, str]
 
@@ -172,6 +179,10 @@ async def run_audit(ledger: Ledger, inventory: Any = None, *, from_snapshot: boo
         report.update(replay_hash=replay_hash, hash_match=replay_hash == live_hash, log_errors=errors,
                       replayed_events=result.events, snapshot_position=result.snapshot_position,
                       replay_seconds=round(result.seconds, 3))
+    report["chain"] = chain = await verify_chain(ledger.log, position, from_snapshot=from_snapshot)
+    if not chain["ok"]:
+        brk = chain["first_break"]
+        report["log_errors"].append(f"hash chain broken at position {brk['position']}: {brk['what']}")
     report["invariant_violations"] = live_violations
     report["replay_invariant_violations"] = check_invariants(result.state) if result is not None else []
     if check_workers and inventory is not None:
@@ -186,6 +197,34 @@ async def run_audit(ledger: Ledger, inventory: Any = None, *, from_snapshot: boo
         and not report["replay_invariant_violations"] and not drift and not disk_bad
     report["duration_ms"] = round((time.perf_counter() - t0) * 1000, 1)
     return report
+
+
+async def verify_chain(log: Any, upto: int, *, from_snapshot: bool = False) -> dict[str, Any]:
+    """The log's hash chain from its anchor up to ``upto`` (the audit's ``chain`` entry).
+
+    The anchor is the newest archive's head (position 0 and the genesis hash when nothing is
+    archived), or with ``from_snapshot`` the latest snapshot's head (itself checked against the
+    stored event at its position). Reads the events in pages; stops at the first break."""
+    snap = await log.latest_snapshot() if from_snapshot else None
+    if snap is not None and snap.chain_hash is not None and 0 < snap.position <= upto:
+        check, anchor = ChainCheck(snap.position, bytes(snap.chain_hash)), "snapshot"
+        at = await log.read(snap.position, 1)
+        if at and at[0].position == snap.position and at[0].chain_hash != snap.chain_hash:
+            out = check.report(upto)
+            out.update(ok=False, anchor="snapshot", first_break={
+                "position": snap.position, "what": "the snapshot's chain head is not the stored event's chain hash"})
+            return out
+    else:
+        position, head = await log.chain_anchor()
+        check, anchor = ChainCheck(position, bytes(head)), "archive" if position else "start"
+    pos = check.position + 1
+    while pos <= upto:
+        rows = await log.read(pos, min(CHAIN_PAGE, upto - pos + 1))
+        if not rows or not check.feed((r.position, r.stream_id, r.type, r.source_id, r.payload, r.leader_epoch,
+                                       r.chain_hash) for r in rows):
+            break
+        pos = rows[-1].position + 1
+    return {**check.report(upto), "anchor": anchor}
 
 
 async def audit_workers(ledger: Any, inventory: Any, *, timeout_s: float = 2.0, disk_checks: int = 64,

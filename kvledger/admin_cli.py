@@ -337,6 +337,7 @@ def _print_audit(r: dict[str, Any]) -> None:
         ["replayed state hash", f"{r.get('replay_hash')} ({'match' if r.get('hash_match') else 'DIFFERENT'})"],
         ["invariant violations", len(r.get("invariant_violations", [])) + len(r.get("replay_invariant_violations", []))],
         ["log errors", len(r.get("log_errors", []))],
+        ["hash chain", _chain(r.get("chain"))],
         ["workers checked", ", ".join(r.get("workers_checked", [])) or "-"],
         ["workers unreachable", ", ".join(f"{w} ({why})" for w, why in r.get("workers_unreachable", {}).items()) or "-"],
         ["workers skipped", ", ".join(f"{w} ({why})" for w, why in (r.get("workers_skipped") or {}).items()) or "-"],
@@ -369,6 +370,16 @@ def _print_audit(r: dict[str, Any]) -> None:
     for kind in ("missing", "damaged"):
         for ref in (disk.get(kind) or {}).get("replicas", [])[:20]:
             con.print(f"  disk {kind}: {' '.join(map(str, ref))}")
+
+
+def _chain(c: dict[str, Any] | None) -> str:
+    if not c:
+        return "-"
+    span = f"{c.get('anchor')} {c.get('anchor_position')} → {c.get('head_position')}"
+    if c.get("ok"):
+        return f"intact ({span}, head {str(c.get('head_hash', ''))[:16]}…)"
+    brk = c.get("first_break") or {}
+    return f"BROKEN at position {brk.get('position')} ({span})"
 
 
 def _disk_checks(text: str) -> int:

@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
+from coordinator.log.chain import GENESIS, chain_batch
 from coordinator.log.port import LeaderInfo, NewEvent, NotLeader, Snapshot, StoredEvent, plan_append
 
 
@@ -31,8 +32,12 @@ class InMemoryEventLog:
                 batch, len(self._events), {s: len(self._by_stream.get(s, ())) for s in streams},
                 {ev.source_id for ev in batch if ev.source_id in self._sources})
             now = datetime.now(UTC)
-            staged = [StoredEvent(pos, ev.stream_id, ver, ev.type, bytes(ev.payload), ev.source_id, leader_epoch, now)
-                      for pos, ver, ev in rows]
+            # the same chain as the PostgreSQL adapter's (the contract test compares them)
+            prev = self._events[-1].chain_hash if self._events else GENESIS
+            hashes = chain_batch(prev or GENESIS, len(self._events) + 1, leader_epoch,
+                                 [(ev.stream_id, ev.type, ev.source_id, bytes(ev.payload)) for _, _, ev in rows])
+            staged = [StoredEvent(pos, ev.stream_id, ver, ev.type, bytes(ev.payload), ev.source_id, leader_epoch, now, h)
+                      for (pos, ver, ev), h in zip(rows, hashes)]
             for s in staged:  # commit
                 self._events.append(s)
                 self._by_stream.setdefault(s.stream_id, []).append(s)
@@ -82,8 +87,12 @@ class InMemoryEventLog:
                 raise NotLeader(leader_epoch, self._leader.leader_epoch)
             if snapshot.position > len(self._events):
                 raise ValueError(f"snapshot at position {snapshot.position} is past the head {len(self._events)}")
+            chain = self._events[snapshot.position - 1].chain_hash if snapshot.position else GENESIS
             self._snapshots.setdefault(snapshot.position, Snapshot(
-                snapshot.position, snapshot.state_hash, bytes(snapshot.state), leader_epoch, datetime.now(UTC)))
+                snapshot.position, snapshot.state_hash, bytes(snapshot.state), leader_epoch, datetime.now(UTC), chain))
+
+    async def chain_anchor(self) -> tuple[int, bytes]:
+        return 0, GENESIS
 
     async def close(self) -> None:
         return None

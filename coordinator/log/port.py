@@ -15,6 +15,8 @@ Guarantees every adapter gives:
   and writes nothing.
 * **Idempotent by source id.** An event whose ``source_id`` is already stored (or appears
   earlier in the same batch) is not stored again; its slot in the result is ``None``.
+* **A hash chain.** Each stored event carries ``chain_hash`` = sha256 over its content and the
+  previous event's (:mod:`coordinator.log.chain`), computed by the writer for its batch.
 * **Per-stream versions.** Each stored event gets ``stream_version`` = previous head + 1
   (heads derived from the stored rows, never from a counter that could drift); an event
   with ``expected_version`` set fails the batch with :class:`StreamConflict` unless the
@@ -54,6 +56,8 @@ class StoredEvent(NamedTuple):
     source_id: str | None
     leader_epoch: int
     recorded_at: datetime
+    #: sha256 over this event and the previous one's chain_hash (:mod:`coordinator.log.chain`).
+    chain_hash: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +69,8 @@ class Snapshot:
     state: bytes
     leader_epoch: int = 0
     created_at: datetime | None = field(default=None, compare=False)
+    #: The log's chain head at ``position``, filled in by the log when it stores the snapshot.
+    chain_hash: bytes | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +195,13 @@ class EventLog(Protocol):
         ...
 
     async def save_snapshot(self, snapshot: Snapshot, leader_epoch: int) -> None:
-        """Store a snapshot (fenced like ``append``); a second one at the same position is ignored."""
+        """Store a snapshot (fenced like ``append``) with the chain head at its position; a second
+        one at the same position is ignored."""
+        ...
+
+    async def chain_anchor(self) -> tuple[int, bytes]:
+        """``(position, chain hash)`` where the stored chain starts: the newest archive's head, or
+        ``(0, GENESIS)`` when nothing is archived (:mod:`coordinator.log.chain`)."""
         ...
 
     async def close(self) -> None:

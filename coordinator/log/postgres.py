@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
+from coordinator.log.chain import GENESIS, chain_batch
 from coordinator.log.port import (
     LeaderInfo, LogError, LogUnavailable, NewEvent, NotLeader, Snapshot, StoredEvent, StreamConflict,
 )
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
 #: The Alembic revision this build's statements need (a test keeps it equal to the head of
 #: ``migrations/``). NOTE: a constant, so that a coordinator's start checks the schema with one
 #: query and imports Alembic and SQLAlchemy only when it has to migrate (a third of its start).
-SCHEMA_REVISION = "0005"
+SCHEMA_REVISION = "0006"
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,9 +196,10 @@ def translate(e: BaseException, what: str, *, committed_unknown: bool = False) -
 READ_LEADER_EPOCH = "SELECT leader_epoch FROM leader WHERE id = 1"
 #: The head counts archived positions (migration 0005): a log archived up to its head has no rows.
 HEAD = "SELECT coalesce((SELECT max(position) FROM events), (SELECT max(last_position) FROM log_archives), 0)"
-#: A whole append, one statement (migration 0004): the fence, positions, stream versions,
-#: duplicate sources; returns each event's position (NULL for a duplicate source).
-APPEND = "SELECT kvl_append($1, $2, $3, $4, $5, $6)"
+#: A whole append, one statement (migrations 0004, 0006): the fence, positions, stream versions,
+#: duplicate sources, the check that the batch's chain hashes link to the head; returns each
+#: event's position (NULL for a duplicate source).
+APPEND = "SELECT kvl_append($1, $2, $3, $4, $5, $6, $7, $8, $9)"
 #: An append by COPY, in its transaction: first the fence (the leader row locked ``FOR UPDATE``,
 #: its epoch returned for the caller to compare), then, in a statement of its own, the head and
 #: each given stream's current version (its floor when ``events`` holds none), as kvl_append
@@ -206,17 +208,27 @@ APPEND = "SELECT kvl_append($1, $2, $3, $4, $5, $6)"
 #: append it waited for committed (READ COMMITTED re-reads only the locked row).
 COPY_APPEND_LOCK = "SELECT leader_epoch FROM leader WHERE id = 1 FOR UPDATE"
 COPY_APPEND_HEADS = """
-SELECT coalesce((SELECT max(position) FROM events), (SELECT max(last_position) FROM log_archives), 0),
+WITH h AS (SELECT coalesce((SELECT max(position) FROM events), (SELECT max(last_position) FROM log_archives), 0)
+                  AS head)
+SELECT h.head,
        ARRAY(SELECT coalesce((SELECT max(e.stream_version) FROM events e WHERE e.stream_id = u.s),
                              (SELECT f.stream_version FROM log_stream_floors f WHERE f.stream_id = u.s), 0)
-             FROM unnest($1::text[]) WITH ORDINALITY AS u(s, o) ORDER BY u.o)
+             FROM unnest($1::text[]) WITH ORDINALITY AS u(s, o) ORDER BY u.o),
+       coalesce((SELECT chain_hash FROM events WHERE position = h.head),
+                (SELECT chain_hash FROM log_archives WHERE last_position = h.head))
+FROM h
 """
-COPY_COLUMNS = ("position", "stream_id", "stream_version", "source_id", "type", "payload", "leader_epoch")
+COPY_COLUMNS = ("position", "stream_id", "stream_version", "source_id", "type", "payload", "leader_epoch",
+                "chain_hash")
 SQLSTATE_UNIQUE_VIOLATION = "23505"
 #: kvl_append's own errors (migration 0004).
 SQLSTATE_NO_LEADER_ROW, SQLSTATE_NOT_LEADER, SQLSTATE_STREAM_CONFLICT = "KV001", "KV002", "KV003"
+#: kvl_append's chain errors (migration 0006): the head is not the one the batch was chained from
+#: (DETAIL ``<position>|<hex>``); the hashes do not line up with the kept events (DETAIL: the
+#: ordinals left out). Either is answered by re-chaining the batch, not by a retry as such.
+SQLSTATE_CHAIN_HEAD, SQLSTATE_CHAIN_ALIGN = "KV004", "KV005"
 #: Columns of a StoredEvent, in order.
-EVENT_COLUMNS = "position, stream_id, stream_version, type, payload, source_id, leader_epoch, recorded_at"
+EVENT_COLUMNS = "position, stream_id, stream_version, type, payload, source_id, leader_epoch, recorded_at, chain_hash"
 READ = f"SELECT {EVENT_COLUMNS} FROM events WHERE position >= $1 ORDER BY position LIMIT $2"
 READ_STREAM = (f"SELECT {EVENT_COLUMNS} FROM events WHERE stream_id = $1 AND stream_version >= $2 "
                "ORDER BY stream_version LIMIT $3")
@@ -265,16 +277,22 @@ SELECT l.leader_epoch, l.holder, l.since, greatest(l.renewed_at, r.renewed_at)
 FROM leader l LEFT JOIN leader_renewal r ON r.id = 1 AND r.leader_epoch = l.leader_epoch
 WHERE l.id = 1
 """
-LATEST_SNAPSHOT = ("SELECT position, state_hash, state, leader_epoch, created_at FROM snapshots "
+LATEST_SNAPSHOT = ("SELECT position, state_hash, state, leader_epoch, created_at, chain_hash FROM snapshots "
                    "ORDER BY position DESC LIMIT 1")
 #: The snapshot a replay "from the beginning" starts at once the log has been archived.
-ARCHIVE_ANCHOR = ("SELECT a.last_position, s.state_hash, s.state, s.leader_epoch, s.created_at FROM log_archives a "
+ARCHIVE_ANCHOR = ("SELECT a.last_position, s.state_hash, s.state, s.leader_epoch, s.created_at, s.chain_hash "
+                  "FROM log_archives a "
                   "LEFT JOIN snapshots s ON s.position = a.last_position ORDER BY a.last_position DESC LIMIT 1")
 ARCHIVED_UPTO = "SELECT coalesce(max(last_position), 0) FROM log_archives"
-SAVE_SNAPSHOT = ("INSERT INTO snapshots (position, state_hash, state, leader_epoch) VALUES ($1, $2, $3, $4) "
-                 "ON CONFLICT (position) DO NOTHING")
+#: Where the stored chain starts: the newest archive's head (none: position 0, the genesis hash).
+CHAIN_ANCHOR = "SELECT last_position, chain_hash FROM log_archives ORDER BY last_position DESC LIMIT 1"
+#: The chain hash at a position (stored, or an archive's head).
+CHAIN_AT = ("SELECT coalesce((SELECT chain_hash FROM events WHERE position = $1), "
+            "(SELECT chain_hash FROM log_archives WHERE last_position = $1))")
+SAVE_SNAPSHOT = ("INSERT INTO snapshots (position, state_hash, state, leader_epoch, chain_hash) "
+                 "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (position) DO NOTHING")
 SNAPSHOT_EXISTS = "SELECT 1 FROM snapshots WHERE position = $1"
-SNAPSHOT_COLUMNS = ("position", "state_hash", "state", "leader_epoch")
+SNAPSHOT_COLUMNS = ("position", "state_hash", "state", "leader_epoch", "chain_hash")
 #: Snapshots at least this large are saved by COPY, streamed in pieces of ``STREAM_PIECE_BYTES``.
 STREAM_SNAPSHOT_BYTES = 4 << 20
 STREAM_PIECE_BYTES = 1 << 20
@@ -282,7 +300,7 @@ STREAM_PIECE_BYTES = 1 << 20
 _COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack("!ii", 0, 0)
 
 
-async def _snapshot_copy(snapshot: Snapshot, leader_epoch: int) -> AsyncIterator[bytes]:
+async def _snapshot_copy(snapshot: Snapshot, leader_epoch: int, chain: bytes | None) -> AsyncIterator[bytes]:
     """One snapshot row in PostgreSQL's binary COPY format (``SNAPSHOT_COLUMNS``), in pieces."""
     hashed = snapshot.state_hash.encode()
     data = memoryview(snapshot.state)
@@ -290,7 +308,8 @@ async def _snapshot_copy(snapshot: Snapshot, leader_epoch: int) -> AsyncIterator
            + struct.pack("!i", len(hashed)) + hashed + struct.pack("!i", len(data)))
     for at in range(0, len(data), STREAM_PIECE_BYTES):
         yield bytes(data[at:at + STREAM_PIECE_BYTES])
-    yield struct.pack("!iq", 8, leader_epoch) + struct.pack("!h", -1)
+    tail = struct.pack("!i", -1) if chain is None else struct.pack("!i", len(chain)) + chain
+    yield struct.pack("!iq", 8, leader_epoch) + tail + struct.pack("!h", -1)
 
 
 class PostgresEventLog:
@@ -311,6 +330,12 @@ class PostgresEventLog:
         #: Appends committed by each path (``function``, ``copy``) and COPYs refused for a
         #: duplicate source (``copy_refused``), for ``kvl_coordinator_append_path_total``.
         self.append_paths: dict[str, int] = {"function": 0, "copy": 0, "copy_refused": 0}
+        #: ``(position, chain hash)`` of the last event this writer stored or learned of; None:
+        #: unknown (the next append learns it from kvl_append's KV004 and re-chains).
+        self._chain: tuple[int, bytes] | None = None
+        self._append_lock = asyncio.Lock()
+        #: Appends re-chained because the head was not the one assumed (a takeover, a restart).
+        self.rechains = 0
 
     @classmethod
     def connect(cls, settings: PgSettings) -> "PostgresEventLog":
@@ -372,6 +397,12 @@ class PostgresEventLog:
     async def append(self, batch: Sequence[NewEvent], leader_epoch: int) -> list[int | None]:
         if not batch:
             return []
+        # NOTE: one append at a time per adapter (the group committer never has two in flight): the
+        # chain head it keeps must be the one the next batch is chained from.
+        async with self._append_lock:
+            return await self._append(batch, leader_epoch)
+
+    async def _append(self, batch: Sequence[NewEvent], leader_epoch: int) -> list[int | None]:
         expected = any(e.expected_version is not None for e in batch)
         by_copy = 0 < self.settings.copy_min_events <= len(batch) and not expected
         args = ([e.stream_id for e in batch], [e.type for e in batch], [e.source_id for e in batch],
@@ -397,16 +428,58 @@ class PostgresEventLog:
 
     async def _append_once(self, batch: Sequence[NewEvent], leader_epoch: int,
                            args: tuple[Any, ...]) -> list[int | None]:
+        """kvl_append, with the batch chained from the head this writer knows. NOTE: the head is
+        known after the first append (kept from each commit), so an append is still one round
+        trip; after a start, a takeover or a failure the first one learns it from KV004 and
+        re-chains (a second round trip, once)."""
+        skip: set[int] = set()
+        for _ in range(4):
+            head = self._chain or (-1, GENESIS)
+            chained = chain_batch(head[1], head[0] + 1, leader_epoch,
+                                  [None if i in skip else (e.stream_id, e.type, e.source_id, e.payload)
+                                   for i, e in enumerate(batch)])
+            try:
+                positions = await self._append_chained(batch, leader_epoch, args, head, chained)
+            except _Rechain as r:
+                self.rechains += 1
+                if r.head is not None:
+                    self._chain = r.head
+                if r.skip is not None:
+                    skip = r.skip
+                continue
+            except BaseException:
+                self._chain = None
+                raise
+            last = next((i for i in range(len(positions) - 1, -1, -1) if positions[i] is not None), None)
+            if last is not None:
+                hashed = chained[last]
+                assert hashed is not None, "kvl_append stored an event the batch's chain left out"
+                self._chain = (positions[last], hashed)
+            return positions
+        self._chain = None
+        raise LogError("append: the batch could not be chained to the log's head (it kept moving)")
+
+    async def _append_chained(self, batch: Sequence[NewEvent], leader_epoch: int, args: tuple[Any, ...],
+                              head: tuple[int, bytes], chained: list[bytes | None]) -> list[int | None]:
         sent = False
         try:
             conn = await self._writer_connection()
             sent = True
-            positions = await conn.fetchval(APPEND, leader_epoch, *args)
+            positions = await conn.fetchval(APPEND, leader_epoch, *args, head[0], head[1], chained)
         except asyncio.CancelledError:
             self._drop_writer()   # the statement's fate and the connection's state are unknown
             raise
         except asyncpg.PostgresError as e:
             state = e.sqlstate
+            if state == SQLSTATE_CHAIN_HEAD:
+                pos, _, hexed = (e.detail or "0|").partition("|")
+                if not hexed:
+                    raise LogError(f"the log's head at position {pos} has no chain hash: it was written around "
+                                   f"the coordinator; run `kvledger audit` (docs/operations.md, \"The log's hash "
+                                   f"chain\")") from None
+                raise _Rechain(head=(int(pos), bytes.fromhex(hexed))) from None
+            if state == SQLSTATE_CHAIN_ALIGN:
+                raise _Rechain(skip={int(o) - 1 for o in (e.detail or "").split(",") if o}) from None
             if state == SQLSTATE_NOT_LEADER:
                 raise NotLeader(leader_epoch, int(e.detail or 0)) from None
             if state == SQLSTATE_STREAM_CONFLICT:
@@ -464,30 +537,41 @@ class PostgresEventLog:
                     raise LogError("the leader row is missing: run `kvledger db upgrade`")
                 if epoch != leader_epoch:
                     raise NotLeader(leader_epoch, epoch)
-                head, versions = await conn.fetchrow(COPY_APPEND_HEADS, distinct)
+                head, versions, head_hash = await conn.fetchrow(COPY_APPEND_HEADS, distinct)
+                if head_hash is None and head > 0:
+                    raise LogError(f"the log's head at position {head} has no chain hash: it was written around "
+                                   f"the coordinator; run `kvledger audit`")
                 version = dict(zip(distinct, versions))
+                chained = chain_batch(head_hash or GENESIS, head + 1, leader_epoch,
+                                      [(e.stream_id, e.type, e.source_id, e.payload) for e in batch])
                 records = []
                 for i, stream in enumerate(streams):
                     v = version[stream] + 1
                     version[stream] = v
-                    records.append((head + 1 + i, stream, v, sources[i], types[i], payloads[i], leader_epoch))
+                    records.append((head + 1 + i, stream, v, sources[i], types[i], payloads[i], leader_epoch,
+                                    chained[i]))
                 await conn.copy_records_to_table("events", records=records, columns=COPY_COLUMNS)
             except (LogError, asyncpg.PostgresError):
                 await tx.rollback()   # refused by the server or by the fence: the connection stays usable
                 raise
             await tx.commit()
         except asyncio.CancelledError:
+            self._chain = None
             self._drop_writer()   # the transaction's fate and the connection's state are unknown
             raise
         except LogError:
+            self._chain = None
             raise
         except asyncpg.PostgresError as e:
+            self._chain = None
             if e.sqlstate == SQLSTATE_UNIQUE_VIOLATION and getattr(e, "constraint_name", "") == "uq_events_source_id":
                 return None
             raise self._failed(e, sent) from e
         except Exception as e:  # noqa: BLE001 - connection trouble: whether it committed is unknown once sent
+            self._chain = None
             self._drop_writer()
             raise translate(e, "append", committed_unknown=sent) from e
+        self._chain = (head + len(records), chained[-1])
         return list(range(head + 1, head + 1 + len(records)))
 
     # --- reads ----------------------------------------------------------------------------
@@ -537,7 +621,7 @@ class PostgresEventLog:
 
     async def latest_snapshot(self) -> Snapshot | None:
         row = await self._call("latest_snapshot", "fetchrow", LATEST_SNAPSHOT)
-        return Snapshot(row[0], row[1], bytes(row[2]), row[3], row[4]) if row is not None else None
+        return Snapshot(row[0], row[1], bytes(row[2]), row[3], row[4], row[5]) if row is not None else None
 
     async def archived_upto(self) -> int:
         return int(await self._call("archived_upto", "fetchval", ARCHIVED_UPTO) or 0)
@@ -547,7 +631,11 @@ class PostgresEventLog:
         row = await self._call("archive_anchor", "fetchrow", ARCHIVE_ANCHOR)
         if row is None:
             return 0, None
-        return row[0], Snapshot(row[0], row[1], bytes(row[2]), row[3], row[4]) if row[2] is not None else None
+        return row[0], Snapshot(row[0], row[1], bytes(row[2]), row[3], row[4], row[5]) if row[2] is not None else None
+
+    async def chain_anchor(self) -> tuple[int, bytes]:
+        row = await self._call("chain_anchor", "fetchrow", CHAIN_ANCHOR)
+        return (0, GENESIS) if row is None else (row[0], bytes(row[1]) if row[1] is not None else GENESIS)
 
     async def save_snapshot(self, snapshot: Snapshot, leader_epoch: int) -> None:
         """Fenced by the epoch, read without holding the leader row.
@@ -569,14 +657,15 @@ class PostgresEventLog:
                 head = await conn.fetchval(HEAD)
                 if snapshot.position > head:
                     raise LogError(f"snapshot at position {snapshot.position} is past the head {head}")
+                chain = await conn.fetchval(CHAIN_AT, snapshot.position) if snapshot.position else GENESIS
                 if len(snapshot.state) < STREAM_SNAPSHOT_BYTES:
                     await conn.execute(SAVE_SNAPSHOT, snapshot.position, snapshot.state_hash, snapshot.state,
-                                       leader_epoch)
+                                       leader_epoch, chain)
                 elif await conn.fetchval(SNAPSHOT_EXISTS, snapshot.position) is None:
                     # NOTE: a bind message of tens of MB is built on the event loop's thread in one
                     # go (~80 ms for 46 MB, every decision waiting); COPY takes it in 1 MB pieces
                     with contextlib.suppress(asyncpg.UniqueViolationError):   # saved meanwhile: the first stays
-                        await conn.copy_to_table("snapshots", source=_snapshot_copy(snapshot, leader_epoch),
+                        await conn.copy_to_table("snapshots", source=_snapshot_copy(snapshot, leader_epoch, chain),
                                                  columns=SNAPSHOT_COLUMNS, format="binary")
         except (LogError, asyncio.CancelledError):
             raise
@@ -597,13 +686,22 @@ class PostgresEventLog:
 
 def _stored(rows: Sequence[Any]) -> list[StoredEvent]:
     """Rows of ``EVENT_COLUMNS`` as StoredEvents (payloads as bytes)."""
-    return [StoredEvent(r[0], r[1], r[2], r[3], r[4].encode(), r[5], r[6], r[7]) for r in rows]
+    return [StoredEvent(r[0], r[1], r[2], r[3], r[4].encode(), r[5], r[6], r[7], r[8]) for r in rows]
 
 
 def _connection_lost(e: BaseException) -> bool:
     """An error of a connection that had been working (not a refusal to connect)."""
     return isinstance(e, (asyncpg.ConnectionDoesNotExistError, asyncpg.InterfaceError, asyncpg.InternalClientError,
                           ConnectionResetError, BrokenPipeError)) or getattr(e, "sqlstate", None) in ("57P01", "57P02")
+
+
+class _Rechain(Exception):
+    """kvl_append refused the batch's chain (KV004/KV005): chain it again from ``head`` / without ``skip``."""
+
+    def __init__(self, head: tuple[int, bytes] | None = None, skip: set[int] | None = None) -> None:
+        super().__init__("re-chain")
+        self.head = head
+        self.skip = skip
 
 
 class _Retry(Exception):

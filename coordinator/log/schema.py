@@ -48,6 +48,8 @@ events = Table(
     Column("payload", Text, nullable=False),
     Column("leader_epoch", BigInteger, nullable=False),
     Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    #: sha256 over the event and the previous event's chain_hash (migration 0006, coordinator.log.chain)
+    Column("chain_hash", LargeBinary, nullable=True),
     UniqueConstraint("stream_id", "stream_version"),
     UniqueConstraint("source_id"),
     CheckConstraint("position > 0", name="position_positive"),
@@ -61,6 +63,8 @@ snapshots = Table(
     Column("state", LargeBinary, nullable=False),
     Column("leader_epoch", BigInteger, nullable=False),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    #: the log's chain head at ``position`` (migration 0006)
+    Column("chain_hash", LargeBinary, nullable=True),
 )
 
 #: One row per archive of the log's oldest events (migration 0005, ``coordinator.log.archive``):
@@ -75,6 +79,8 @@ log_archives = Table(
     Column("sha256", Text, nullable=False),
     Column("file_name", Text, nullable=False),
     Column("archived_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    #: the log's chain head at ``last_position`` (migration 0006; genesis for older archives)
+    Column("chain_hash", LargeBinary, nullable=True),
     CheckConstraint("first_position > 0 AND last_position >= first_position", name="positions"),
 )
 
