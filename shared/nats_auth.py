@@ -10,7 +10,8 @@ that sent it.
 user                    may
 ======================  =====================================================================
 ``coordinator``         take every worker's requests (``<p>.req.*.*``) and every gateway's
-                        route queries (``<p>.route.*``) and answer them;
+                        route queries (``<p>.route.*``), in the queue group ``kvl-coordinator``
+                        only (no other identity may join it), and answer them;
                         publish watermarks, inventory and control to workers; use JetStream's
                         API and acknowledge its transitions. Never publish a transition.
 ``worker.<id>``         request only ``<p>.req.<id>.*``; publish only ``<p>.events.<id>``;
@@ -19,10 +20,13 @@ user                    may
                         nothing else on the bus (it reaches workers over HTTP).
 ``operator``            ask any worker's debug subjects (``<p>.worker.*.debug.>``) and read
                         JetStream stream and consumer information.
-``observer``            read-only: subscribe to the bus (debug traffic excluded), read
-                        JetStream information.
+``observer``            read-only: subscribe to the transitions (``<p>.events.>``) and the
+                        commit watermarks (``<p>.worker.*.watermark``), never in a queue group
+                        and never on a request subject; read JetStream information.
 ======================  =====================================================================
 
+Nobody but the coordinator subscribes in a queue group (every other user's subscribe permissions
+deny ``"> >"``: any subject in any queue), and the coordinator only in ``kvl-coordinator``.
 Each user's replies arrive under its own inbox prefix (``_INBOX.<user>``), and it may subscribe
 only there, so no participant can read another's replies. Answers to requests are allowed by
 ``allow_responses`` (one reply to a request actually received), not by a publish grant on inboxes.
@@ -44,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.subjects import Subjects
+from shared.subjects import COORDINATOR_QUEUE, Subjects
 
 ROLES = ("coordinator", "worker", "gateway", "operator", "observer")
 #: Roles whose identity carries a name (one user per worker, per gateway).
@@ -101,28 +105,51 @@ STANDARD = (Identity("coordinator"), Identity("operator"), Identity("observer"))
 _JS_INFO = ["$JS.API.INFO"]
 
 
+#: A subscribe deny entry that matches every subject *in any queue group* (NATS ≥ 2.2 reads
+#: "<subject> <queue>"; ``>`` as the queue matches every queue name): plain subscriptions its
+#: allow list grants stay allowed, queue subscriptions are refused. NOTE: an allow entry without
+#: a queue also grants queue subscriptions on its subjects — that is how an observer allowed
+#: ``<p>.>`` could join ``kvl-coordinator`` and take the coordinator's requests.
+NO_QUEUES = "> >"
+
+
+def queue_entry(subject: str, queue: str) -> str:
+    """A permission entry that grants ``subject`` in queue group ``queue`` only."""
+    return f"{subject} {queue}"
+
+
 def permissions(identity: Identity, subjects: Subjects) -> dict[str, Any]:
-    """The NATS permissions block of ``identity`` (see the table in the module docstring)."""
+    """The NATS permissions block of ``identity`` (see the table in the module docstring).
+
+    Only the coordinator subscribes in a queue group (:data:`COORDINATOR_QUEUE`, on request and
+    route subjects, and nowhere else); every other identity subscribes plainly, never in a queue
+    group, and nobody but the coordinator subscribes to a request subject (a plain subscriber
+    there would hide the coordinator's absence: requests would time out instead of failing fast
+    with "no responders")."""
     p, stream, inbox = subjects.prefix, subjects.stream_name, inbox_prefix(identity.user) + ".>"
     js_info = [*_JS_INFO, f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.CONSUMER.INFO.{stream}.*"]
     if identity.role == "coordinator":
         return {"publish": {"allow": [f"{p}.worker.*.watermark", f"{p}.worker.*.inventory", f"{p}.worker.*.control",
                                       "$JS.API.>", f"$JS.ACK.{stream}.>"]},
-                "subscribe": {"allow": [f"{p}.req.*.*", f"{p}.route.*", inbox]},
+                "subscribe": {"allow": [queue_entry(f"{p}.req.*.*", COORDINATOR_QUEUE),
+                                        queue_entry(f"{p}.route.*", COORDINATOR_QUEUE), inbox],
+                              "deny": [queue_entry(inbox, ">")]},
                 "allow_responses": True}
     if identity.role == "worker":
         w = identity.name
         return {"publish": {"allow": [f"{p}.req.{w}.*", f"{p}.events.{w}"]},
-                "subscribe": {"allow": [f"{p}.worker.{w}.>", inbox]},
+                "subscribe": {"allow": [f"{p}.worker.{w}.>", inbox], "deny": [NO_QUEUES]},
                 "allow_responses": True}
     if identity.role == "gateway":
         return {"publish": {"allow": [f"{p}.route.{identity.name}"]},
-                "subscribe": {"allow": [inbox]}}
+                "subscribe": {"allow": [inbox], "deny": [NO_QUEUES]}}
     if identity.role == "operator":
         return {"publish": {"allow": [f"{p}.worker.*.debug.>", *js_info]},
-                "subscribe": {"allow": [inbox]}}
-    return {"publish": {"allow": js_info},   # observer
-            "subscribe": {"allow": [f"{p}.>", inbox], "deny": [f"{p}.worker.*.debug.>"]}}
+                "subscribe": {"allow": [inbox], "deny": [NO_QUEUES]}}
+    # observer: what it observes (transitions and commit watermarks), plainly; no request subject
+    return {"publish": {"allow": js_info},
+            "subscribe": {"allow": [subjects.events_wildcard, f"{p}.worker.*.watermark", inbox],
+                          "deny": [NO_QUEUES]}}
 
 
 @dataclass(frozen=True, slots=True)

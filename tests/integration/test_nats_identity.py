@@ -28,7 +28,7 @@ from shared.messages import (
     CommitWatermark, ErrorCode, ErrorReply, LeaseAcquire, RegisterReply, WorkerRegister, decode, encode,
 )
 from shared.nats_auth import CredentialStore, Identity
-from shared.subjects import Subjects
+from shared.subjects import COORDINATOR_QUEUE, Subjects
 from tests.integration.coordinator_kit import CATALOGUE, NS, Worker, block, fast_config, running_coordinator
 
 SUBJECTS = Subjects("kvlid")
@@ -119,7 +119,8 @@ async def test_a_worker_is_confined_to_its_own_subjects(clients: dict[str, Clien
         got.append(msg.subject)
         await msg.respond(b"ok")
 
-    await coord.nc.subscribe(SUBJECTS.requests_wildcard("acquire"), cb=answer)
+    # (the coordinator may take requests only in its queue group: tests/integration/test_nats_permissions.py)
+    await coord.nc.subscribe(SUBJECTS.requests_wildcard("acquire"), queue=COORDINATOR_QUEUE, cb=answer)
     await clients["observer"].nc.subscribe(SUBJECTS.events_wildcard, cb=collect(got))
     await coord.nc.flush()
     await clients["observer"].nc.flush()
@@ -152,7 +153,8 @@ async def test_only_the_coordinator_speaks_to_workers_and_the_observer_only_list
     seen: list[str] = []
     await w0.nc.subscribe(f"{SUBJECTS.prefix}.worker.w0.>", cb=collect(seen))
     watched: list[str] = []
-    await observer.nc.subscribe(f"{SUBJECTS.prefix}.>", cb=collect(watched))
+    # (the observer reads transitions and watermarks only: tests/integration/test_nats_permissions.py)
+    await observer.nc.subscribe(f"{SUBJECTS.prefix}.worker.*.watermark", cb=collect(watched))
     await w0.nc.flush()
     await observer.nc.flush()
     await coord.nc.publish(SUBJECTS.watermark("w0"), b"{}")
@@ -278,7 +280,7 @@ def test_config_binds_a_worker_to_its_identity() -> None:
 
 def test_server_config_reads_passwords_from_the_environment() -> None:
     text = nats_auth.server_config({Identity("coordinator"): nats_auth.EnvRef("NATS_COORDINATOR_PASSWORD")}, SUBJECTS)
-    assert '"password": $NATS_COORDINATOR_PASSWORD' in text and '"kvlid.req.*.*"' in text
+    assert '"password": $NATS_COORDINATOR_PASSWORD' in text and '"kvlid.req.*.* kvl-coordinator"' in text
 
 
 def _doc(cfg: Any) -> dict[str, Any]:
