@@ -27,6 +27,7 @@ from nats.aio.client import Client as NatsClient
 from coordinator.aio import bounded
 from coordinator.core import CoreParams, expire
 from coordinator.ledger import Ledger, Unavailable
+from coordinator.log.chain_metrics import ChainHeadCollector
 from coordinator.log.leader import LeaderElection, make_holder_id
 from coordinator.log.port import LogError, LogUnavailable
 from coordinator.log.postgres import PgSettings, PostgresEventLog, describe, is_unavailable
@@ -72,6 +73,7 @@ class Coordinator:
         self.metrics.watch_pools(self.pool_usage)
         self.metrics.watch_workers(self.worker_states)
         self.metrics.watch_append_paths(lambda: dict(self.event_log.append_paths))
+        self.metrics.registry.register(ChainHeadCollector(lambda: self.event_log.chain_head))
         self.nc: NatsClient | None = None
         self.service: NatsService | None = None
         self._tasks: list[asyncio.Task[Any]] = []

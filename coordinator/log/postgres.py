@@ -343,6 +343,11 @@ class PostgresEventLog:
         return cls(settings)
 
     @property
+    def chain_head(self) -> tuple[int, bytes] | None:
+        """``(position, chain hash)`` of the last event this writer appended or learned of (None: unknown)."""
+        return self._chain
+
+    @property
     def engine(self) -> AsyncEngine:
         """A SQLAlchemy engine on the same database, for the Alembic migrations."""
         if self._engine is None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+import aiohttp
 import asyncpg
+import nats
 import pytest
 
 from coordinator.audit import run_audit, verify_chain
@@ -23,6 +25,8 @@ from coordinator.log.chain import GENESIS, link
 from coordinator.log.memory import InMemoryEventLog
 from coordinator.log.migrate import upgrade
 from coordinator.log.postgres import PgSettings, PostgresEventLog
+from shared.subjects import Subjects
+from tests.integration.coordinator_kit import Worker, block, fast_config, running_coordinator
 from tests.integration.test_log_archive import Traffic, serving
 
 
@@ -304,3 +308,38 @@ async def test_migration_0006_chains_an_existing_log_and_round_trips(pg: Postgre
     assert (await verify_chain(pg, head))["ok"]
     assert await pg.append([ev("z", 1)], epoch) == [head + 1]
     assert (await verify_chain(pg, head + 1))["ok"]
+
+
+async def test_running_coordinator_publishes_the_head_and_audits_the_chain(
+        database_url: str, nats_url: str, subjects: Subjects) -> None:
+    """Through the coordinator's own HTTP surface: /metrics publishes the chain head (position and
+    hash prefix, the external anchor), and POST /v1/audit reports the chain, then its first break."""
+    token = "chain-test-token"
+    cfg = fast_config(database_url, nats_url, subjects, admin_token=token)
+    async with running_coordinator(cfg) as (_app, base):
+        nc = await nats.connect(nats_url)
+        http = aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"})
+        owner = await asyncpg.connect(database_url)
+        try:
+            w = Worker(nc, subjects)
+            await w.register()
+            await w.watch_watermarks()
+            await w.fill([block(i) for i in range(3)])
+            head = await owner.fetchrow("SELECT position, chain_hash FROM events ORDER BY position DESC LIMIT 1")
+            async with http.get(f"{base}/metrics") as r:
+                text = await r.text()
+            assert f"kvl_log_chain_head_position {float(head['position'])}" in text, text[-2000:]
+            assert f'kvl_log_chain_head_info{{hash_prefix="{bytes(head["chain_hash"]).hex()[:16]}"}} 1.0' in text
+            async with http.post(f"{base}/v1/audit", json={}) as r:
+                report = await r.json()
+            assert report["ok"] and report["chain"]["ok"], report
+            assert report["chain"]["head_position"] == head["position"]
+            await owner.execute("SET session_replication_role = replica")
+            await _rewrite_payload(owner, 2)
+            async with http.post(f"{base}/v1/audit", json={}) as r:
+                report = await r.json()
+            assert not report["ok"] and report["chain"]["first_break"]["position"] == 2, report
+        finally:
+            await owner.close()
+            await http.close()
+            await nc.drain()
