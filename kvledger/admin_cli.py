@@ -6,9 +6,12 @@ Tables for people, ``--json`` for scripts (the API's own JSON; ``events --json``
 event per line). Every failure is one line on stderr and a non-zero exit: 1 = the
 coordinator said no or could not be reached, 3 = the audit or replay found a problem.
 
-The coordinator is found at ``--coordinator-url``, else ``$KVL_COORDINATOR_URL``, else
+The coordinator is found at ``--coordinator-url``, else ``$KVL_COORDINATOR_URL``, else in the
+``stack.json`` of the stack this command belongs to (``--state-dir``, ``$KVLEDGER_STATE_DIR``, or
+the nearest ``.kvl-state`` at or above the working directory: :mod:`kvledger.discovery`), else
 ``http://<coordinator.host>:<coordinator.port>`` of the configuration; the bearer token is
-``--token``, else ``coordinator.admin_token``, else ``$KVL_ADMIN_TOKEN``.
+``--token``, else ``coordinator.admin_token``, else ``$KVL_ADMIN_TOKEN``. A discovered stack's
+configuration file is read when none is given (``--config``, ``$KVL_CONFIG``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from kvledger.event_view import transition
 from shared.config import Config, load_config
 from shared.tls import client_context, http_scheme
 
@@ -107,9 +111,21 @@ def coordinator_url(cfg: Config, given: str | None) -> str:
 
 
 def client_for(args: argparse.Namespace) -> AdminClient:
+    from kvledger.discovery import NoStack, find_stack
+
     cfg = load_config(getattr(args, "config", None))
+    url = args.coordinator_url or os.environ.get("KVL_COORDINATOR_URL")
+    if not url:
+        try:
+            stack = find_stack(getattr(args, "state_dir", None), cfg.state_dir)
+        except NoStack as e:
+            raise CliError(str(e)) from None
+        if stack is not None and stack.coordinator_url:
+            url = stack.coordinator_url
+            if stack.config_path and not getattr(args, "config", None) and not os.environ.get("KVL_CONFIG"):
+                cfg = load_config(stack.config_path)   # its admin token and TLS settings
     token = args.token or cfg.coordinator.admin_token or os.environ.get("KVL_ADMIN_TOKEN", "")
-    return AdminClient(coordinator_url(cfg, args.coordinator_url), token, args.timeout, client_context(cfg.tls))
+    return AdminClient(coordinator_url(cfg, url), token, args.timeout, client_context(cfg.tls))
 
 
 # --- output -------------------------------------------------------------------------------------
@@ -260,7 +276,9 @@ def cmd_pools(args: argparse.Namespace) -> int:
 
 def _event_line(e: dict[str, Any]) -> str:
     source = f"  source={e['source_id']}" if e.get("source_id") else ""
-    return f"{e['position']:>8}  {_when(e['recorded_at'])}  {e['type']:<22} {e['stream_id']}{source}"
+    change = transition(e)
+    return (f"{e['position']:>8}  {_when(e['recorded_at'])}  {e['type']:<22} {e['stream_id']}"
+            + (f"  {change}" if change else "") + source)
 
 
 def cmd_events(args: argparse.Namespace) -> int:
@@ -282,9 +300,9 @@ def cmd_events(args: argparse.Namespace) -> int:
                     print(json.dumps(e), flush=True)
             elif events and (first and not args.follow):
                 _console().print(_table(f"events after position {after} ({len(events)})",
-                                        ["#position", "recorded", "type", "stream", "source"],
+                                        ["#position", "recorded", "type", "stream", "change", "source"],
                                         [[e["position"], _when(e["recorded_at"]), e["type"], e["stream_id"],
-                                          e["source_id"] or ""] for e in events]))
+                                          transition(e), e["source_id"] or ""] for e in events]))
             else:
                 for e in events:
                     print(_event_line(e), flush=True)
@@ -545,7 +563,11 @@ def register(sub: Any) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", "-c", default=argparse.SUPPRESS, help="YAML config file")
     common.add_argument("--coordinator-url", metavar="URL",
-                        help="admin API (default: $KVL_COORDINATOR_URL, else coordinator.host:port of the config)")
+                        help="admin API (default: $KVL_COORDINATOR_URL, else the stack.json of the stack found by "
+                             "--state-dir, else coordinator.host:port of the config)")
+    common.add_argument("--state-dir", metavar="DIR",
+                        help="the state dir of the `kvledger up` to talk to (default: $KVLEDGER_STATE_DIR, else the "
+                             "config's state_dir, else the nearest .kvl-state at or above the working directory)")
     common.add_argument("--token", default="", help="admin bearer token (default: coordinator.admin_token, "
                                                      "else $KVL_ADMIN_TOKEN)")
     common.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS", help="per request (default 10)")
