@@ -22,7 +22,8 @@ replicas, sequence numbers and cache as before, the audit clean.
 The last test replays a hole this module found: a compromised worker publishing on its *own*
 transition subject with ``Nats-Msg-Id`` set to another worker's next source id made JetStream
 (whose duplicate window is stream-wide) drop the victim's real transitions for two minutes.
-Message ids now end in a random per-client nonce (``worker/client/nats_adapter.py``).
+Message ids now end in an HMAC under a key of the worker process's own (``worker/client/nats_adapter.py``;
+the observer-assisted variant is in tests/integration/test_nats_permissions.py).
 """
 
 from __future__ import annotations
@@ -482,11 +483,14 @@ async def test_observer_reads_and_operator_only_asks_debug_subjects(target: Targ
                  (S.control(VICTIM), Control(action="drain", reason="forged"))]
     observer, operator = await connect(t, "observer"), await connect(t, "operator")
     try:
-        # the observer may subscribe to the bus and read JetStream's information
+        # the observer may subscribe to what it observes and read JetStream's information ...
         await observer.nc.subscribe(S.events_wildcard)
-        await observer.nc.subscribe(f"{S.prefix}.req.>")
+        await observer.nc.subscribe(f"{S.prefix}.worker.*.watermark")
         await observer.nc.flush()
         assert observer.errors == []
+        # ... but no request subject, and never in the coordinator's queue group (issue 51)
+        await observer.nc.subscribe(f"{S.prefix}.req.>")
+        await observer.refused("subscription", f"{S.prefix}.req.>")
         assert await stream_last_seq(observer) > 0
         assert await stream_last_seq(operator) > 0       # the operator too
         for who in (observer, operator):

@@ -231,3 +231,62 @@ async def test_the_observer_cannot_take_the_coordinators_requests(
 def _doc(cfg: Any) -> dict[str, Any]:
     import msgspec
     return msgspec.to_builtins(cfg)  # type: ignore[no-any-return]
+
+
+async def test_an_observed_message_id_does_not_let_another_identity_preempt_the_next(
+        secured: tuple[EmbeddedNats, CredentialStore], database_url: str) -> None:
+    """The observer reads worker w0's message ids off the transitions; a compromised worker w1
+    publishes junk on its own subject under the ids w0 would use next (its seq replaced by the next
+    ones). JetStream deduplicates by id across the whole stream: with a fixed per-client nonce in
+    the id, w0's real transitions were dropped as duplicates and its committed seq froze for the
+    duplicate window. With ids keyed by a secret of w0's process they are w0's alone."""
+    from worker.client.nats_adapter import NatsCoordinatorClient
+    from tests.integration.coordinator_kit import block
+
+    srv, store = secured
+    cfg = fast_config(database_url, srv.url, SUBJECTS)
+    doc = _doc(cfg)
+    coord, w0 = Identity("coordinator"), nats_auth.worker("w0")
+    cfg = parse_config({**doc, "nats": {**doc["nats"], "user": coord.user, "password_file": str(store.path(coord))}})
+    async with running_coordinator(cfg):
+        client = NatsCoordinatorClient(srv.url, SUBJECTS, timeout_s=2.0, auth={
+            "user": w0.user, "password": store.password(w0), "inbox_prefix": nats_auth.inbox_prefix(w0.user)})
+        await client.connect()
+        observer = await connect(srv, store, Identity("observer"))
+        mole = await connect(srv, store, nats_auth.worker("w1"))
+        ids: list[str] = []
+
+        async def seen(msg: Any) -> None:
+            ids.append(msg.headers["Nats-Msg-Id"])
+
+        try:
+            await observer.nc.subscribe(SUBJECTS.events("w0"), cb=seen)
+            await observer.nc.flush()
+            worker = Worker(client.nc, SUBJECTS, worker_id="w0")
+            await worker.register()
+            await worker.watch_watermarks()
+            hashes = [block(i) for i in range(1, 9)]
+            grant = await worker.acquire(hashes)
+            await client.publish(worker.commit(hashes, 0, grant.lease_id))
+            await worker.wait_watermark(1)
+            deadline = asyncio.get_running_loop().time() + 5
+            while not ids and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
+            assert ids, "the observer saw none of w0's transitions"
+            # the attack: every id seen, with its seq replaced by each of the next seven
+            js = mole.nc.jetstream(timeout=5)
+            squatted = 0
+            for seen_id in ids:
+                wid, epoch, seq, *rest = seen_id.split(".")
+                for nxt in range(int(seq) + 1, int(seq) + 8):
+                    ack = await js.publish(SUBJECTS.events("w1"), b'{"type": "junk", "v": 1}',
+                                           headers={"Nats-Msg-Id": ".".join([wid, epoch, str(nxt), *rest])})
+                    squatted += not ack.duplicate
+            assert squatted == 7 and mole.refused() == set()
+            for i in range(1, 8):
+                await client.publish(worker.commit(hashes, i, grant.lease_id))
+            await worker.wait_watermark(8, timeout_s=8)
+        finally:
+            await client.close()
+            for c in (observer, mole):
+                await c.nc.close()

@@ -2,17 +2,25 @@
 
 Every request has a timeout (``nats.request_timeout_ms``) and turns a timeout, "no
 responders" or a closed connection into :class:`CoordinatorUnavailable`. Transitions go to
-JetStream with ``Nats-Msg-Id = <worker>.<epoch>.<seq>.<nonce>`` so the broker drops duplicates
-in its window and the log's unique source id drops the rest. The nonce (random, one per client)
-matters: JetStream deduplicates by id across the whole stream, whatever the subject, so a
-guessable id would let another worker publish junk under ids this worker is about to use (on
-its own subject, which its permissions allow) and have the real transitions dropped. The client reconnects forever;
-subscriptions are restored by nats-py after a reconnect.
+JetStream with ``Nats-Msg-Id = <worker>.<epoch>.<seq>.<mac>`` so the broker drops duplicates
+in its window and the log's unique source id drops the rest. The mac (an HMAC-SHA256 of the
+source id, keyed by a random key that never leaves this process, and of a round number) is what
+makes the id this client's alone: JetStream deduplicates by id across the whole stream, whatever
+the subject, so an id another identity could compute before this client uses it would let that
+identity publish junk under it (on its own subject, which its permissions allow) and have the
+real transition dropped for the duplicate window. A fixed per-client nonce was not enough: any
+identity allowed to read the transitions (the observer) saw it in one header and could then
+compute every later id. Ids seen on the bus are used again only for resends of messages the
+broker stored (a duplicate there is the point); after a publish that failed (its id may have been
+seen without being stored) the round advances, so no id seen on the bus can ever pre-empt a
+message of this client. The client reconnects forever; subscriptions are restored by nats-py after a reconnect.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import secrets
 import ssl
 from typing import Any
@@ -36,6 +44,13 @@ log = get_logger("kvl.worker.nats")
 _TRANSIENT_CODES = (m.ErrorCode.UNAVAILABLE, m.ErrorCode.NOT_LEADER)
 
 
+def _too_large(e: PublishFailed) -> bool:
+    """The stream refused a message over its ``max_msg_size`` (JetStream error 10054)."""
+    cause = e.__cause__
+    return isinstance(cause, nats.js.errors.APIError) and (cause.err_code == 10054
+                                                           or "message size exceeds" in str(cause.description))
+
+
 class NatsCoordinatorClient:
     def __init__(self, url: str, subjects: Subjects, *, timeout_s: float = 2.0, name: str = "kvl-worker",
                  max_part_bytes: int = 0, tls: ssl.SSLContext | None = None,
@@ -54,9 +69,11 @@ class NatsCoordinatorClient:
         self._js: Any = None
         self._subs: list[Any] = []
         self._listening: str | None = None
-        #: Makes this client's message ids unguessable (see the module docstring); the same for
-        #: every resend of an event, so the broker still drops this client's own duplicates.
-        self._msg_nonce = secrets.token_hex(8)
+        #: Keys this client's message ids (see the module docstring): the same id for every resend
+        #: of an event in one round, so the broker still drops this client's own duplicates.
+        self._msg_key = secrets.token_bytes(32)
+        #: Advanced after each failed publish: an id that may have been seen but not stored is dropped.
+        self._msg_round = 0
 
     @property
     def connected(self) -> bool:
@@ -168,13 +185,22 @@ class NatsCoordinatorClient:
         if self._js is None or self._nc is None or not self._nc.is_connected:
             raise PublishFailed("not connected to NATS")
 
+    def msg_id(self, source_id: str) -> str:
+        """The ``Nats-Msg-Id`` of the message with this source id, in the current round."""
+        mac = hmac.new(self._msg_key, f"{self._msg_round}.{source_id}".encode(), hashlib.sha256).hexdigest()
+        return f"{source_id}.{mac[:32]}"
+
     async def _js_publish(self, msg: m.TransitionEvent | m.TransitionBatch, data: bytes) -> None:
-        """One message on the worker's events subject, deduplicated by the broker under its id."""
+        """One message on the worker's events subject, deduplicated by the broker under its id.
+
+        A refusal by the stream (its byte, message-size or per-worker limits: docs/operations.md,
+        "Stream limits") is a :class:`PublishFailed` naming the limit: the message stays in the
+        outbox and is sent again; nothing is dropped."""
         try:
             await self._js.publish(self.subjects.events(msg.worker_id), data,
-                                   headers={"Nats-Msg-Id": f"{msg.source_id}.{self._msg_nonce}"},
-                                   timeout=self.timeout_s)
+                                   headers={"Nats-Msg-Id": self.msg_id(msg.source_id)}, timeout=self.timeout_s)
         except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as e:
+            self._msg_round += 1
             raise PublishFailed(f"publish {msg.source_id}: {type(e).__name__}: {e}") from e
 
     async def publish(self, event: m.TransitionEvent) -> None:
@@ -195,7 +221,19 @@ class NatsCoordinatorClient:
                     await self.publish_batch(m.TransitionBatch(worker_id=batch.worker_id, epoch=batch.epoch,
                                                                events=part))
             return
-        await self._js_publish(batch, data)
+        try:
+            await self._js_publish(batch, data)
+        except PublishFailed as e:
+            # NOTE: over the stream's message size (nats.stream_max_msg_bytes, below max_payload):
+            # in halves, as above; a single transition over it stays an error
+            if len(batch.events) > 1 and _too_large(e):
+                half = len(batch.events) // 2
+                await self.publish_batch(m.TransitionBatch(worker_id=batch.worker_id, epoch=batch.epoch,
+                                                           events=batch.events[:half]))
+                await self.publish_batch(m.TransitionBatch(worker_id=batch.worker_id, epoch=batch.epoch,
+                                                           events=batch.events[half:]))
+                return
+            raise
 
     async def listen(self, worker_id: str, on_watermark: OnWatermark, on_inventory: OnInventory,
                      on_control: OnControl) -> None:
