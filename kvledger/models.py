@@ -198,6 +198,7 @@ def _locked(path: Path) -> Iterator[None]:
 
 def _need(module: str, install: str = INSTALL_GGUF):
     """Import ``module`` or say what to install."""
-    if importlib.util.find_spec(module) is None:
-        raise ModelBuildError(f"reading GGUF files needs the {module} package: {install}")
-    return importlib.import_module(module)
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ModelBuildError(f"reading GGUF files needs the {module} package: {install}") from None
