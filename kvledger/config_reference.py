@@ -199,6 +199,7 @@ def config_markdown() -> str:
 
 
 def metric_rows() -> list[dict[str, str]]:
+    from coordinator.log.chain_metrics import ChainHeadCollector
     from coordinator.metrics import CoordinatorMetrics
     from gateway.app import GatewayMetrics
     from worker.metrics import GpuMemory, WorkerMetrics
@@ -208,6 +209,7 @@ def metric_rows() -> list[dict[str, str]]:
     cm.watch_pools(lambda: [("w", "f", 0, 0)])
     cm.watch_workers(lambda: {"live": 0})
     cm.watch_append_paths(lambda: {"copy": 0})
+    cm.registry.register(ChainHeadCollector(lambda: (1, bytes(32))))
     wm = WorkerMetrics()
     ServingMetrics.of(wm.registry)
     # a worker on CUDA has these too (none on CPU, where this runs): listed from a stand-in device

@@ -44,7 +44,8 @@ from coordinator.core import (
 )
 from coordinator.core.events import replica_stream
 from coordinator.core.state import no_gc
-from coordinator.log.postgres import ARCHIVED_UPTO, HEAD
+from coordinator.log.chain import GENESIS, ChainCheck, link
+from coordinator.log.postgres import ARCHIVED_UPTO, CHAIN_AT, HEAD
 
 FORMAT = "kvledger-log-archive"
 FORMAT_VERSION = 1
@@ -53,8 +54,8 @@ FIELDS = ("position", "stream_id", "stream_version", "source_id", "type", "leade
 #: Rows read per page (a page of payloads is a few MB).
 PAGE = 10_000
 
-READ_PAGE = ("SELECT position, stream_id, stream_version, source_id, type, leader_epoch, recorded_at, payload "
-             "FROM events WHERE position > $1 AND position <= $2 ORDER BY position LIMIT $3")
+READ_PAGE = ("SELECT position, stream_id, stream_version, source_id, type, leader_epoch, recorded_at, payload, "
+             "chain_hash FROM events WHERE position > $1 AND position <= $2 ORDER BY position LIMIT $3")
 SNAPSHOT_AT = "SELECT position, state_hash, state FROM snapshots WHERE position = $1"
 # the newest snapshot an archive may anchor on: past the last archive, at or before the limit
 ANCHOR = "SELECT position, state_hash FROM snapshots WHERE position > $1 AND position <= $2 ORDER BY position DESC LIMIT 1"
@@ -78,6 +79,9 @@ class Header:
     events: int
     anchor_hash: str
     created_at: str
+    #: The log's chain head at ``last_position`` (hex; :mod:`coordinator.log.chain`): a copy outside
+    #: the database. Files made before migration 0006 have none.
+    chain_hash: str = ""
     format: str = FORMAT
     version: int = FORMAT_VERSION
     fields: tuple[str, ...] = FIELDS
@@ -86,7 +90,8 @@ class Header:
         return msgspec.json.encode({"format": self.format, "version": self.version,
                                     "first_position": self.first_position, "last_position": self.last_position,
                                     "events": self.events, "anchor_hash": self.anchor_hash,
-                                    "created_at": self.created_at, "fields": list(self.fields)}) + b"\n"
+                                    "created_at": self.created_at, "fields": list(self.fields),
+                                    "chain_hash": self.chain_hash}) + b"\n"
 
 
 def file_name(first: int, last: int) -> str:
@@ -181,8 +186,10 @@ async def plan(conn: Any, before: int) -> dict[str, Any]:
                            f"archive ends at a snapshot, and the coordinator takes one every "
                            f"coordinator.snapshot_every_events events (the log's head is {head})")
     last = int(row["position"])
+    chain = await conn.fetchval(CHAIN_AT, last)
     return {"first_position": archived + 1, "last_position": last, "events": last - archived,
-            "anchor_hash": row["state_hash"], "head": head, "archived_before": archived}
+            "anchor_hash": row["state_hash"], "head": head, "archived_before": archived,
+            "chain_hash": bytes(chain).hex() if chain is not None else ""}
 
 
 async def archive(conn: Any, out_dir: Path, before: int, params: CoreParams, *, page: int = PAGE,
@@ -218,9 +225,11 @@ async def _archive_locked(conn: Any, out_dir: Path, before: int, params: CorePar
         state = LedgerState.empty(params)
     out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    header = Header(first, last, p["events"], p["anchor_hash"], datetime.now(UTC).isoformat())
+    header = Header(first, last, p["events"], p["anchor_hash"], datetime.now(UTC).isoformat(), p["chain_hash"])
     writer = ArchiveWriter(out_dir, header)
     pos = first - 1
+    prev = await conn.fetchval(CHAIN_AT, pos) if pos else GENESIS
+    chain = ChainCheck(pos, bytes(prev) if prev is not None else GENESIS)
     try:
         with no_gc():
             while pos < last:
@@ -232,6 +241,10 @@ async def _archive_locked(conn: Any, out_dir: Path, before: int, params: CorePar
                         raise ArchiveError(f"log gap: position {pos + 1} is missing (next stored is {r[0]})")
                     _fold_one(state, r[0], r[7])
                     pos = r[0]
+                if not chain.feed((r[0], r[1], r[4], r[3], r[7].encode(), r[5], r[8]) for r in rows):
+                    assert chain.broken is not None
+                    raise ArchiveError(f"the log's hash chain breaks at position {chain.broken.position} "
+                                       f"({chain.broken.what}): nothing archived; run `kvledger audit`")
                 writer.write_rows([_row(r) for r in rows])
                 if progress is not None:
                     progress(pos - first + 1)
@@ -315,6 +328,7 @@ def verify_archives(paths: list[Path], params: CoreParams, *,
     opened = sorted((read_archive(p) + (p,) for p in paths), key=lambda t: t[0]["first_position"])
     state = LedgerState.empty(params)
     pos = 0
+    chain = GENESIS
     files = []
     with no_gc():
         for header, rows, path in opened:
@@ -329,6 +343,7 @@ def verify_archives(paths: list[Path], params: CoreParams, *,
                 except ArchiveError as e:
                     raise ArchiveError(f"{path}: {e}") from e
                 pos = r[0]
+                chain = link(chain, r[0], r[5], r[1], r[4], r[3], r[7].encode())
                 if progress is not None and not pos % 10_000:
                     progress(pos)
             if pos != header["last_position"]:
@@ -337,9 +352,14 @@ def verify_archives(paths: list[Path], params: CoreParams, *,
             if got != header["anchor_hash"]:
                 raise ArchiveError(f"{path}: the events fold to state hash {got}, not to the anchor's "
                                    f"{header['anchor_hash']}")
+            if header.get("chain_hash") and header["chain_hash"] != chain.hex():
+                raise ArchiveError(f"{path}: the events chain to {chain.hex()[:16]}…, not to the chain head its "
+                                   f"header recorded ({header['chain_hash'][:16]}…)")
+            if not header.get("chain_hash"):
+                chain = GENESIS   # made before migration 0006: the stored chain starts after it
             files.append({"file": str(path), "first_position": header["first_position"], "last_position": pos,
-                          "anchor_hash": got, "sha256": sha256_of(path)})
-    return {"ok": True, "position": pos, "state_hash": state_hash(state), "files": files}
+                          "anchor_hash": got, "sha256": sha256_of(path), "chain_hash": chain.hex()})
+    return {"ok": True, "position": pos, "state_hash": state_hash(state), "files": files, "chain_hash": chain.hex()}
 
 
 def match_recorded(files: list[dict[str, Any]], recorded: list[dict[str, Any]]) -> list[str]:

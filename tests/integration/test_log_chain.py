@@ -20,7 +20,7 @@ import pytest
 from coordinator.audit import run_audit, verify_chain
 from coordinator.core import CoreParams
 from coordinator.log import NewEvent
-from coordinator.log.archive import archive
+from coordinator.log.archive import ArchiveError, archive, read_archive, verify_archives
 from coordinator.log.chain import GENESIS, link
 from coordinator.log.memory import InMemoryEventLog
 from coordinator.log.migrate import upgrade
@@ -245,11 +245,15 @@ async def test_chain_survives_snapshot_restart_and_archive(pg: PostgresEventLog,
         # an archive up to the second snapshot records the chain head; the check starts there
         owner = await asyncpg.connect(database_url)
         try:
-            await archive(owner, tmp_path, snap2.position, CoreParams())
+            out = await archive(owner, tmp_path, snap2.position, CoreParams())
             recorded = await owner.fetchval("SELECT chain_hash FROM log_archives")
         finally:
             await owner.close()
         assert await log2.chain_anchor() == (snap2.position, bytes(recorded))
+        # the file carries the head too (a copy outside the database), and its events re-chain to it
+        header, _rows = read_archive(Path(out["file"]))
+        assert header["chain_hash"] == bytes(recorded).hex()
+        assert verify_archives([Path(out["file"])], CoreParams())["chain_hash"] == bytes(recorded).hex()
         ledger3 = await serving(log2)
         await Traffic(ledger3, "w3").register()
         report = await run_audit(ledger3, check_workers=False)
@@ -343,3 +347,24 @@ async def test_running_coordinator_publishes_the_head_and_audits_the_chain(
             await owner.close()
             await http.close()
             await nc.drain()
+
+
+async def test_archive_refuses_a_broken_chain(pg: PostgresEventLog, database_url: str, tmp_path: Path) -> None:
+    """Events that no longer chain are not moved out of the database into a file that would bless them."""
+    ledger = await serving(pg)
+    w = Traffic(ledger)
+    await w.register()
+    await w.request()
+    await w.request()
+    snap = await ledger.snapshot()
+    await ledger.stand_down("test")
+    owner = await asyncpg.connect(database_url)
+    try:
+        await owner.execute("SET session_replication_role = replica")
+        await _rewrite_payload(owner, 3)
+        await owner.execute("SET session_replication_role = DEFAULT")
+        with pytest.raises(ArchiveError, match="hash chain breaks at position 3"):
+            await archive(owner, tmp_path, snap.position, CoreParams())
+        assert await owner.fetchval("SELECT count(*) FROM log_archives") == 0
+    finally:
+        await owner.close()
