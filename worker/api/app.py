@@ -10,6 +10,7 @@ from aiohttp import web
 
 from shared import tracing
 from shared.config import Config
+from shared.http_limits import handler_args
 from worker.api import handlers as h
 from worker.api.errors import Handler, error_middleware
 from worker.api.keys import (
@@ -77,10 +78,9 @@ def create_app(engine: Engine, cfg: Config, tokenizer: Tokenizer, scheduler: Sch
     traced = [_tracing_middleware(engine.worker_id)] if tracing.enabled() else []
     app = web.Application(client_max_size=limit,
                           middlewares=[*traced, error_middleware(limit, _count_status), auth_middleware],
-                          # NOTE: aiohttp's keep-alive timer runs from the connection's start and
-                          # closes it if no complete request came, so it also bounds a client that
-                          # sends its headers slowly; the body has its own limit (read_body).
-                          handler_args={"keepalive_timeout": cfg.service.keepalive_timeout_ms / 1000})
+                          # NOTE: the keep-alive timer also bounds a client that sends its headers
+                          # slowly; the body has its own limit (read_body; shared.http_limits).
+                          handler_args=handler_args(cfg.service.keepalive_timeout_ms))
     app[ENGINE] = engine
     app[CONFIG] = cfg
     app[TOKENIZER] = tokenizer

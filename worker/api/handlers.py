@@ -43,6 +43,7 @@ from worker.api.keys import (
 )
 from shared.text.generation_config import DEFAULT_MAX_TOKENS
 from shared.versions import package_version
+from shared import http_limits
 from worker.api.logprobs import LogprobsShape
 from worker.api.schemas import (
     BaseRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, decode,
@@ -62,15 +63,10 @@ from worker.structured import GrammarError
 async def read_body(request: web.Request, served: Served) -> bytes:
     """The body, within ``service.max_body_bytes`` and ``service.body_read_timeout_ms``: a slower
     sender gets a 408 and its connection back instead of holding it (and a handler) open."""
-    limit, timeout_s = served.max_body_bytes, served.body_read_timeout_s
-    if request.content_length is not None and request.content_length > limit:
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
     try:
-        async with asyncio.timeout(timeout_s):
-            return await request.read()    # the app's client_max_size stops a longer chunked body
-    except TimeoutError:
-        raise ApiError(408, f"the request body was not received within {timeout_s:g} s; send it at once",
-                       type="timeout_error", code="body_timeout", headers={"Connection": "close"}) from None
+        return await http_limits.read_body(request, served.max_body_bytes, served.body_read_timeout_s)
+    except http_limits.BodyTimeout as e:
+        raise ApiError(408, str(e), type="timeout_error", code="body_timeout", headers={"Connection": "close"}) from None
 
 
 def check_model(served: Served, model: str | None) -> None:
