@@ -8,6 +8,7 @@ import json
 import openai
 import pytest
 
+from tests.bad_requests import BAD_CHAT_BODIES, BAD_COMPLETION_BODIES, MALFORMED_BODIES
 from tests.serving.conftest import MODEL, until
 
 PROMPT = "sixteen bytes..!" * 2
@@ -18,41 +19,7 @@ def err(doc) -> dict:
     return doc["error"]
 
 
-@pytest.mark.parametrize("body, param, words", [
-    ({"prompt": PROMPT, "max_tokens": "4"}, "max_tokens", "expected `int | null`, got `str`"),
-    ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens", ">= 1"),
-    ({"prompt": PROMPT, "temperature": 3}, "temperature", "<= 2.0"),
-    ({"prompt": PROMPT, "top_p": 0}, "top_p", "> 0.0"),
-    ({"prompt": PROMPT, "stream": "yes"}, "stream", "expected `bool`"),
-    ({"max_tokens": 2}, "prompt", "required"),
-    ({"prompt": ""}, "prompt", "empty"),
-    ({"prompt": []}, "prompt", "empty"),
-    ({"prompt": ["a", "b"]}, "prompt", "batched prompts"),
-    ({"prompt": [1, "a"]}, "prompt", "token ids"),
-    ({"prompt": [1, 2, 256]}, "prompt", "[0, 256)"),
-    ({"prompt": PROMPT, "n": 0}, "n", ">= 1"),
-    ({"prompt": PROMPT, "n": 17}, "n", "at most 16"),
-    ({"prompt": PROMPT, "n": 2, "best_of": 1}, "best_of", "at least n"),
-    ({"prompt": PROMPT, "best_of": 3, "stream": True}, "best_of", "cannot be used with stream"),
-    ({"prompt": PROMPT, "logprobs": 21}, "logprobs", "<= 20"),
-    ({"prompt": PROMPT, "logprobs": -1}, "logprobs", ">= 0"),
-    ({"prompt": PROMPT, "echo": True, "n": 2}, "echo", "not supported with n"),
-    ({"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
-    ({"prompt": PROMPT, "stop": 5}, "stop", "expected `str | array | null`"),
-    ({"prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty", "<= 2.0"),
-    ({"prompt": PROMPT, "frequency_penalty": -3}, "frequency_penalty", ">= -2.0"),
-    ({"prompt": PROMPT, "repetition_penalty": 0}, "repetition_penalty", "> 0.0"),
-    ({"prompt": PROMPT, "min_p": 1.5}, "min_p", "<= 1.0"),
-    ({"prompt": PROMPT, "min_tokens": -1}, "min_tokens", ">= 0"),
-    ({"prompt": PROMPT, "min_tokens": 5, "max_tokens": 2}, "min_tokens", "more than max_tokens"),
-    ({"prompt": PROMPT, "logit_bias": {"5": 101}}, "logit_bias", "<= 100.0"),
-    ({"prompt": PROMPT, "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
-    ({"prompt": PROMPT, "logit_bias": {"999": 1}}, "logit_bias", "not in the vocabulary"),
-    ({"prompt": PROMPT, "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "at most 300"),
-    ({"prompt": PROMPT, "stop_token_ids": [3, 4096]}, "stop_token_ids", "not in the vocabulary"),
-    ({"prompt": PROMPT, "stop_token_ids": list(range(65))}, "stop_token_ids", "length <= 64"),
-    ({"prompt": PROMPT, "cache_reuse": "no"}, "cache_reuse", "expected `bool`"),
-])
+@pytest.mark.parametrize("body, param, words", BAD_COMPLETION_BODIES)
 async def test_bad_completion_bodies_are_400_naming_the_parameter(serve, body, param, words) -> None:
     async with serve() as s:
         status, doc, _ = await s.post("/v1/completions", body)
@@ -61,21 +28,7 @@ async def test_bad_completion_bodies_are_400_naming_the_parameter(serve, body, p
         assert e["param"] == param and words in e["message"], e
 
 
-@pytest.mark.parametrize("body, param, words", [
-    ({"messages": "hi"}, "messages", "expected `array`"),
-    ({"messages": []}, "messages", "at least one message"),
-    ({"messages": [{"content": "hi"}]}, "messages[0].role", "required"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", "'robot' is not supported"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]",
-     "does not accept images"),
-    ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages[0].content",
-     "only text and image_url parts"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0].function",
-     "expected"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs", "only allowed when"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs",
-     "<= 20"),
-])
+@pytest.mark.parametrize("body, param, words", BAD_CHAT_BODIES)
 async def test_bad_chat_bodies_are_400(serve, body, param, words) -> None:
     async with serve() as s:
         status, doc, _ = await s.post("/v1/chat/completions", body)
@@ -85,8 +38,7 @@ async def test_bad_chat_bodies_are_400(serve, body, param, words) -> None:
 
 async def test_malformed_json_and_wrong_shapes(serve) -> None:
     async with serve() as s:
-        for raw, words in ((b'{"prompt": "x",', "not valid JSON"), (b"", "empty"), (b"[1, 2]", "expected `object`"),
-                           (b"\xff\xfe", "not valid JSON")):
+        for raw, words in MALFORMED_BODIES:
             status, doc, _ = await s.post("/v1/completions", raw=raw, headers={"Content-Type": "application/json"})
             assert status == 400 and words in err(doc)["message"], (raw, doc)
 
