@@ -53,14 +53,25 @@ def chain_batch(prev: bytes, first_position: int, leader_epoch: int,
     """Chain hashes for a batch of ``(stream_id, type, source_id, payload)`` stored at consecutive
     positions from ``first_position``; a ``None`` entry is not stored (a duplicate source) and
     takes no position. Returns one hash per entry (``None`` for the skipped)."""
+    # NOTE: link() inlined with its names bound locally: this runs for every appended event on the
+    # coordinator's event loop (about a third less time than calling link()).
     out: list[bytes | None] = []
     pos = first_position
     h = prev
+    head, length, join, sha = _HEAD.pack, _LEN.pack, b"".join, _sha256
     for e in events:
         if e is None:
             out.append(None)
             continue
-        h = link(h, pos, leader_epoch, e[0], e[1], e[2], e[3])
+        stream, type_, source, payload = e
+        s = stream.encode()
+        t = type_.encode()
+        if source is None:
+            src = _NULL
+        else:
+            b = source.encode()
+            src = length(len(b)) + b
+        h = sha(join((h, head(pos, leader_epoch, len(s)), s, length(len(t)), t, src, payload))).digest()
         out.append(h)
         pos += 1
     return out
