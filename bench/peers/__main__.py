@@ -6,6 +6,7 @@ import argparse
 import json
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -14,7 +15,7 @@ from typing import Any
 
 from bench.peers import floor
 from bench.peers.load import requests_at, run_level
-from bench.peers.report import ABSENT, Level, results_keys
+from bench.peers.report import ABSENT, Failed, Levels, results_keys
 from bench.peers.servers import PEERS, SERVERS, Server, ServerFailed, installed
 
 DTYPES = ("float32", "bfloat16")
@@ -32,7 +33,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtypes", default=None, help="comma-separated (default float32,bfloat16; quick float32)")
     p.add_argument("--concurrency", default=None, help="levels (default 1,8,32; quick 1,8)")
     p.add_argument("--max-seconds", type=int, default=None,
-                   help="cap on each level's guidellm run (default 150; quick 90)")
+                   help="cap on each level's guidellm run (default 90; quick 60)")
     p.add_argument("--no-kvledger", action="store_true", help="run the peers only (no ratios)")
     p.add_argument("--keep", action="store_true", help="keep the work dir (guidellm reports, server logs)")
     a = p.parse_args(argv)
@@ -46,13 +47,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a.concurrency = [int(c) for c in (a.concurrency or ("1,8" if a.quick else "1,8,32")).split(",")]
     if any(c < 1 for c in a.concurrency):
         p.error("--concurrency: positive integers")
-    a.max_seconds = a.max_seconds or (90 if a.quick else 150)
+    a.max_seconds = a.max_seconds or (60 if a.quick else 90)
     return a
 
 
 def measure_server(name: str, work: Path, model_dir: Path, dtype: str, args: argparse.Namespace,
-                   guidellm: Path, running: list[Server]) -> list[Level] | str:
-    """Start ``name`` alone, run every level, stop it; its levels, or why it failed (a string)."""
+                   guidellm: Path, running: list[Server]) -> Levels | str:
+    """Start ``name`` alone, run every level, stop it; its levels (a level guidellm could not run is
+    :class:`Failed`), or why the server failed (a string)."""
     server = SERVERS[name](work / f"{name}-{dtype}", model_dir, dtype)
     running.append(server)
     t0 = time.monotonic()
@@ -62,15 +64,32 @@ def measure_server(name: str, work: Path, model_dir: Path, dtype: str, args: arg
         ready = server.wait_ready()
         server.warm()
         log(f"{name} ({dtype}) ready in {ready:.0f} s at {server.url}")
-        return [run_level(guidellm, server.url, model_dir, c, requests_at(c, args.quick), args.max_seconds,
-                          server.work, f"{name}-{dtype}") for c in args.concurrency]
-    except (ServerFailed, RuntimeError, ValueError, OSError) as e:
+    except (ServerFailed, OSError, ValueError) as e:
         log(f"{name} ({dtype}) failed: {e}")
+        stop(server, running, t0)
         return f"failed: {str(e).splitlines()[0][:200]}"
+    levels: Levels = []
+    try:
+        for c in args.concurrency:
+            try:
+                levels.append(run_level(guidellm, server.url, model_dir, c, requests_at(c, args.quick),
+                                        args.max_seconds, server.work, f"{name}-{dtype}"))
+            except (RuntimeError, ValueError, OSError, subprocess.TimeoutExpired) as e:
+                log(f"{name} ({dtype}) c={c} failed: {e}")
+                levels.append(Failed(c, str(e).strip().splitlines()[-1][:200]))
+            server.check_alive()
+    except ServerFailed as e:
+        log(str(e))
+        levels += [Failed(c, "the server exited") for c in args.concurrency[len(levels):]]
     finally:
-        server.stop()
-        running.remove(server)
-        log(f"{name} ({dtype}) stopped ({time.monotonic() - t0:.0f} s in all)")
+        stop(server, running, t0)
+    return levels
+
+
+def stop(server: Server, running: list[Server], t0: float) -> None:
+    server.stop()
+    running.remove(server)
+    log(f"{server.name} ({server.dtype}) stopped ({time.monotonic() - t0:.0f} s in all)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -92,7 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log(f"memory bandwidth: copy {bw['copy']:.1f} GB/s, matvec {bw['matvec']:.1f} GB/s")
         for dtype in args.dtypes:
             model_dir = smollm2_dir(dtype, say=log)
-            results: dict[str, list[Level] | str] = {}
+            results: dict[str, Levels | str] = {}
             if not args.no_kvledger:
                 results["kvledger"] = measure_server("kvledger", work, model_dir, dtype, args, guidellm, running)
             for peer in args.peers:

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.peers.report import Level, read_levels
+from bench.peers.report import Failed, Level, read_levels
 from bench.peers.servers import clean_env
 
 
@@ -32,12 +32,12 @@ class Workload:
 
 
 def requests_at(c: int, quick: bool) -> int:
-    """Requests (turns) per level: whole conversations, at least two rounds of ``c`` streams at c > 1
-    (quick: one), and 12 conversations at c=1 (quick: 3)."""
+    """Requests (turns) per level, whole conversations: ``max(c, 8)`` conversations (quick: ``c``, and
+    3 at c=1), doubled at c > 1 outside quick runs. A level also stops at ``--max-seconds``."""
     turns = Workload().turns
-    if c == 1:
-        return (3 if quick else 12) * turns
-    return c * (1 if quick else 2) * turns
+    if quick:
+        return (3 if c == 1 else c) * turns
+    return (8 if c == 1 else 2 * max(c, 8)) * turns
 
 
 def guidellm_command(guidellm: Path, target: str, tokenizer_dir: Path, c: int, requests: int, max_seconds: int,
@@ -55,8 +55,9 @@ def guidellm_command(guidellm: Path, target: str, tokenizer_dir: Path, c: int, r
 
 
 def run_level(guidellm: Path, target: str, tokenizer_dir: Path, c: int, requests: int, max_seconds: int,
-              work: Path, tag: str) -> Level:
-    """One guidellm run at concurrency ``c``; its report kept as ``work/<tag>_c<c>.json``."""
+              work: Path, tag: str) -> Level | Failed:
+    """One guidellm run at concurrency ``c``; its report kept as ``work/<tag>_c<c>.json``. Raises
+    RuntimeError when guidellm itself fails (no report)."""
     out = work / f"{tag}_c{c}.json"
     cmd = guidellm_command(guidellm, target, tokenizer_dir, c, requests, max_seconds, seed=1000 + c, out=out)
     log = work / f"{tag}_c{c}.guidellm.log"
@@ -68,8 +69,12 @@ def run_level(guidellm: Path, target: str, tokenizer_dir: Path, c: int, requests
     if rc != 0 or not out.exists():
         tail = log.read_text(errors="replace")[-1500:]
         raise RuntimeError(f"guidellm at c={c} against {tag} failed ({rc}): ...{tail}")
-    levels = read_levels(out)
-    print(f"bench.peers: {tag} c={c}: {levels[0].requests_ok} ok, {levels[0].output_tps:.1f} output tok/s, "
-          f"ttft p50 {levels[0].ttft_p50_ms:.0f} ms, itl p50 {levels[0].itl_p50_ms:.1f} ms "
-          f"({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
-    return levels[0]
+    [lv] = read_levels(out)
+    took = f"({time.monotonic() - t0:.0f} s)"
+    if isinstance(lv, Failed):
+        print(f"bench.peers: {tag} c={c}: failed: {lv.reason} {took}", file=sys.stderr, flush=True)
+    else:
+        print(f"bench.peers: {tag} c={c}: {lv.requests_ok} ok, {lv.requests_errored} errored, "
+              f"{lv.output_tps:.1f} output tok/s, ttft p50 {lv.ttft_p50_ms:.0f} ms, itl p50 {lv.itl_p50_ms:.1f} ms "
+              f"{took}", file=sys.stderr, flush=True)
+    return lv

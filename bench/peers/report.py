@@ -27,6 +27,24 @@ class Level:
     duration_s: float
 
 
+@dataclass(frozen=True)
+class Failed:
+    """A level that gave no figure: why (guidellm failing, or every request erroring)."""
+
+    concurrency: int
+    reason: str
+
+
+def _first_error(bench: dict[str, Any]) -> str:
+    """The last line of the first errored request's error, as guidellm recorded it."""
+    for r in (bench.get("requests") or {}).get("errored") or []:
+        info = r.get("info") or {}
+        err = info.get("error") if isinstance(info, dict) else None
+        if err:
+            return str(err).strip().splitlines()[-1][:240]
+    return "no error text kept"
+
+
 def _median(metric: dict[str, Any]) -> float:
     """The successful requests' median of one guidellm metric (its ``successful`` distribution)."""
     ok = metric["successful"]
@@ -44,16 +62,18 @@ def _streams(bench: dict[str, Any]) -> int:
     raise ValueError("guidellm benchmark without streams (not a concurrent profile?)")
 
 
-def parse_levels(report: dict[str, Any]) -> list[Level]:
-    """Every benchmark of a guidellm json report (``--output kind=json``), in its order."""
-    levels = []
+def parse_levels(report: dict[str, Any]) -> list[Level | Failed]:
+    """Every benchmark of a guidellm json report (``--output kind=json``), in its order; one without
+    a successful request is a :class:`Failed` naming its first error."""
+    levels: list[Level | Failed] = []
     for b in report["benchmarks"]:
         m = b["metrics"]
         totals = m["request_totals"]
         ok = int(totals["successful"])
         if ok == 0:
-            raise ValueError(f"guidellm benchmark at c={_streams(b)} has no successful request "
-                             f"({totals.get('errored', 0)} errored)")
+            levels.append(Failed(_streams(b), f"no successful request ({totals.get('errored', 0)} errored, "
+                                              f"{totals.get('incomplete', 0)} incomplete): {_first_error(b)}"))
+            continue
         levels.append(Level(
             concurrency=_streams(b), requests_ok=ok, requests_errored=int(totals.get("errored", 0)),
             requests_incomplete=int(totals.get("incomplete", 0)),
@@ -65,17 +85,23 @@ def parse_levels(report: dict[str, Any]) -> list[Level]:
     return levels
 
 
-def read_levels(path: Path) -> list[Level]:
+def read_levels(path: Path) -> list[Level | Failed]:
     return parse_levels(json.loads(path.read_text()))
 
 
-def level_keys(name: str, levels: list[Level], suffix: str = "") -> dict[str, Any]:
+Levels = list[Level | Failed]
+
+
+def level_keys(name: str, levels: Levels, suffix: str = "") -> dict[str, Any]:
     """The absolute figures of one server: ``<name>_output_tps_c<N>``, ``_ttft_p50_ms_c<N>``,
     ``_itl_p50_ms_c<N>``, ``_requests_ok_c<N>``, ``_output_tokens_per_request_c<N>`` (plus
-    ``_requests_errored_c<N>`` when any)."""
+    ``_requests_errored_c<N>`` when any); a failed level is ``<name>_c<N>: "failed: <why>"``."""
     keys: dict[str, Any] = {}
     for lv in levels:
         c = f"c{lv.concurrency}{suffix}"
+        if isinstance(lv, Failed):
+            keys[f"{name}_{c}"] = f"failed: {lv.reason}"
+            continue
         keys[f"{name}_output_tps_{c}"] = round(lv.output_tps, 2)
         keys[f"{name}_ttft_p50_ms_{c}"] = round(lv.ttft_p50_ms, 1)
         keys[f"{name}_itl_p50_ms_{c}"] = round(lv.itl_p50_ms, 2)
@@ -86,15 +112,15 @@ def level_keys(name: str, levels: list[Level], suffix: str = "") -> dict[str, An
     return keys
 
 
-def ratio_keys(peer: str, ours: list[Level], theirs: list[Level], suffix: str = "") -> dict[str, Any]:
+def ratio_keys(peer: str, ours: Levels, theirs: Levels, suffix: str = "") -> dict[str, Any]:
     """kvledger ÷ peer at each level both ran: ``peer_<peer>_throughput_ratio_c<N>`` (output tokens/s:
     above 1 is kvledger faster), ``peer_<peer>_ttft_p50_ratio_c<N>`` and ``_itl_p50_ratio_c<N>``
     (latencies: below 1 is kvledger faster)."""
-    by_c = {lv.concurrency: lv for lv in theirs}
+    by_c = {lv.concurrency: lv for lv in theirs if isinstance(lv, Level)}
     keys: dict[str, Any] = {}
     for lv in ours:
         p = by_c.get(lv.concurrency)
-        if p is None:
+        if p is None or not isinstance(lv, Level):
             continue
         c = f"c{lv.concurrency}{suffix}"
         keys[f"peer_{peer}_throughput_ratio_{c}"] = _ratio(lv.output_tps, p.output_tps)
@@ -107,13 +133,13 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b > 0 else None
 
 
-def floor_keys(floor_ms: float, levels: dict[str, list[Level]], suffix: str = "") -> dict[str, Any]:
+def floor_keys(floor_ms: float, levels: dict[str, Levels], suffix: str = "") -> dict[str, Any]:
     """``decode_floor_ms`` and each server's c=1 inter-token latency over it (``itl_c1_vs_floor`` for
     kvledger, ``peer_<name>_itl_c1_vs_floor`` for a peer): how far a decode step is from reading
     the weights once at the machine's measured bandwidth."""
     keys: dict[str, Any] = {f"decode_floor_ms{suffix}": round(floor_ms, 3)}
     for name, lvs in levels.items():
-        c1 = next((lv for lv in lvs if lv.concurrency == 1), None)
+        c1 = next((lv for lv in lvs if isinstance(lv, Level) and lv.concurrency == 1), None)
         if c1 is None or floor_ms <= 0:
             continue
         key = "itl_c1_vs_floor" if name == "kvledger" else f"peer_{name}_itl_c1_vs_floor"
@@ -128,7 +154,7 @@ def dtype_suffix(dtype: str, dtypes: list[str]) -> str:
     return "_" + {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
 
 
-def results_keys(dtype: str, dtypes: list[str], results: dict[str, list[Level] | str],
+def results_keys(dtype: str, dtypes: list[str], results: dict[str, Levels | str],
                  floor_ms: float) -> dict[str, Any]:
     """All keys of one dtype. ``results`` maps a server name (``kvledger``, ``vllm``, ...) to its
     levels, or to a string when it did not run: ``"absent"`` (not installed) or why it failed;
@@ -136,7 +162,7 @@ def results_keys(dtype: str, dtypes: list[str], results: dict[str, list[Level] |
     sfx = dtype_suffix(dtype, dtypes)
     keys: dict[str, Any] = {}
     ours = results.get("kvledger")
-    ran: dict[str, list[Level]] = {}
+    ran: dict[str, Levels] = {}
     if isinstance(ours, list):
         keys.update(level_keys("kvledger", ours, sfx))
         ran["kvledger"] = ours

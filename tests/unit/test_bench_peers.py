@@ -17,7 +17,7 @@ import torch
 from bench.peers import floor
 from bench.peers.__main__ import parse
 from bench.peers.load import Workload, guidellm_command, requests_at
-from bench.peers.report import Level, dtype_suffix, parse_levels, read_levels, results_keys
+from bench.peers.report import Failed, Level, dtype_suffix, parse_levels, read_levels, results_keys
 from bench.peers.servers import installed
 
 REPORT = Path(__file__).parent / "data" / "guidellm_0.8.1_vllm_c2.json"
@@ -71,12 +71,21 @@ def test_a_peer_whose_venv_is_not_ready_is_not_installed(tmp_path: Path, monkeyp
     assert installed("llamacpp") is None
 
 
-def test_a_level_without_one_successful_request_is_refused() -> None:
-    report = json.loads(REPORT.read_text())
-    bad = copy.deepcopy(report)
-    bad["benchmarks"][0]["metrics"]["request_totals"].update(successful=0, errored=6)
-    with pytest.raises(ValueError, match="no successful request"):
-        parse_levels(bad)
+def test_a_level_without_one_successful_request_is_a_failure_naming_its_first_error() -> None:
+    bad = copy.deepcopy(json.loads(REPORT.read_text()))
+    bench = bad["benchmarks"][0]
+    bench["metrics"]["request_totals"].update(successful=0, errored=6, incomplete=0)
+    # as guidellm 0.8.1 records an error the server streamed (kvledger's request timeout, seen at c=8)
+    bench["requests"]["errored"] = [{"info": {"error": "Traceback ...\nValueError: Streaming response returned an "
+                                                        "error: the request did not finish within "
+                                                        "service.request_timeout_ms (60000 ms)\n"}}]
+    [lv] = parse_levels(bad)
+    assert isinstance(lv, Failed) and lv.concurrency == 2
+    assert lv.reason.startswith("no successful request (6 errored, 0 incomplete): ValueError: Streaming")
+    keys = results_keys("float32", ["float32"], {"kvledger": [lv], "vllm": read_levels(REPORT)}, floor_ms=10.0)
+    assert keys["kvledger_c2"].startswith("failed: no successful request")
+    assert "kvledger_output_tps_c2" not in keys and not [k for k in keys if "ratio" in k]
+    assert keys["peer_vllm_output_tps_c2"] == pytest.approx(2.98, abs=0.01)
 
 
 def test_the_dtype_suffix_appears_only_when_several_dtypes_run() -> None:
@@ -92,6 +101,7 @@ def test_the_guidellm_command_carries_the_workload_and_the_level() -> None:
     assert "turns=3" in joined and "prefix_tokens=512" in joined and "output_tokens=32" in joined
     assert "request_format=/v1/chat/completions" in joined and "kind=static,value=1008" in joined
     assert requests_at(8, quick=True) == 8 * Workload().turns and requests_at(32, quick=False) == 192
+    assert requests_at(1, quick=True) == 9 and requests_at(1, quick=False) == 24
 
 
 def test_quick_defaults_and_bad_arguments() -> None:
