@@ -49,6 +49,8 @@ from coordinator.log.port import EventLog, LogError, NewEvent, NotLeader, Snapsh
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.replay import LogCorrupt, load_state
 from coordinator.snapshot_child import ForkedSnapshot, SnapshotChildFailed, can_fork, fork_snapshot
+from coordinator.core.rejections import coalesce_rejections
+from coordinator.rejection_hold import RejectionHold
 from coordinator.core.route import route
 from shared.messages import (
     CacheCounters, ErrorCode, ErrorReply, Heartbeat, HeartbeatReply, RouteQuery, RouteReply, now_ms,
@@ -89,7 +91,8 @@ class Ledger:
                  snapshot_every: int, metrics: CoordinatorMetrics, logger: Any,
                  on_watermarks: WatermarkHook | None = None,
                  on_not_leader: Callable[[str], None] | None = None, progress_every: int = 50_000,
-                 snapshot_fork: bool = True, snapshot_timeout_s: float = 300.0) -> None:
+                 snapshot_fork: bool = True, snapshot_timeout_s: float = 300.0,
+                 rejection_interval_ms: int = 0) -> None:
         self.log = log
         self.params = params
         self.batch_ms = batch_ms
@@ -134,6 +137,8 @@ class Ledger:
         #: Whether this process may still speak for the ledger without writing (see
         #: ``LeaderElection.confirmed``); appends are fenced by the epoch instead.
         self.leadership_confirmed: Callable[[], bool] = lambda: True
+        #: Refusals held for the next row of their worker epoch and kind (``coordinator.rejection_hold``).
+        self.rejections = RejectionHold(rejection_interval_ms, self._flush_rejections)
 
     @property
     def serving(self) -> bool:
@@ -167,6 +172,7 @@ class Ledger:
         """
         if self.status != "stopped":
             self.set_status(status, reason)
+        self.rejections.fail_all(Unavailable(f"coordinator is {self.status}: {reason}"))
         if self._rebuild is not None:
             self._rebuild.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -331,12 +337,25 @@ class Ledger:
         state = self.state
         out: list[R | Exception] = []
         decided: list[Any] = []
+        held: list[asyncio.Future[None]] = []
+        logging_now: set[tuple[str, int, str]] = set()   # keys whose row this pass writes
         for decide in decisions:
             try:
                 reply, events = decide(state)
             except Exception as e:  # noqa: BLE001 - reported in its place
                 out.append(e)
                 continue
+            if len(events) == 1 and type(events[0]) is TransitionRejected:
+                # NOTE: not applied, not logged: held for its key's next row (rejection_hold),
+                # unless this pass logs a row of its key anyway (coalesce_rejections joins them)
+                key = self.rejections.key(events[0])
+                if key not in logging_now:
+                    wait = self.rejections.hold(events[0])
+                    if wait is not None:
+                        held.append(wait)
+                        out.append(reply)
+                        continue
+                    logging_now.add(key)
             if events:
                 try:
                     for event in events:
@@ -348,11 +367,55 @@ class Ledger:
                 decided.extend(events)
             out.append(reply)
         if decided:
-            fut = committer.submit([to_new_event(e) for e in decided], context=self._watermarks_after(decided))
+            # NOTE: the rejections of one worker epoch and kind become one row (core.rejections);
+            # the watermarks and refusals are the individual events' (they were applied one by one)
+            fut = committer.submit([to_new_event(e) for e in coalesce_rejections(decided)],
+                                   context=self._watermarks_after(decided))
         else:
             fut = committer.barrier()
         await self._durable(fut)
+        for wait in held:
+            await self._durable(wait)
         return out
+
+    def _flush_rejections(self, key: tuple[str, int, str]) -> None:
+        """The row of the refusals held for ``key`` (one worker epoch and kind): applied and
+        queued like a decision (no await in between), its waiters answered once it is durable."""
+        events, waiter = self.rejections.take(key)
+        if waiter is None:
+            return
+        if not self.serving or self.committer is None:
+            waiter.set_exception(Unavailable(f"coordinator is {self.status}; retry"))
+            return
+        wm = self.state.watermarks.get((key[0], key[1]))
+        fresh: list[Any] = []
+        seen: set[int] = set()
+        for e in events:   # a redelivered refusal may be held twice; a seq may have been taken since
+            if e.transition.seq not in seen and (wm is None or not wm.has(e.transition.seq)):
+                seen.add(e.transition.seq)
+                fresh.append(e)
+        if not fresh:
+            waiter.set_result(None)
+            return
+        row = coalesce_rejections(fresh)
+        assert len(row) == 1, row
+        try:
+            apply(self.state, row[0])
+        except Exception as e:  # noqa: BLE001 - a core bug: the live state may be half-applied
+            self.logger.error("apply_failed", error=str(e), event_type="transition.rejected")
+            waiter.set_exception(Unavailable("internal error while recording refusals"))
+            self._degrade(f"live state inconsistent after a failed apply: {e}")
+            return
+        fut = self.committer.submit([to_new_event(row[0])], context=self._watermarks_after(fresh))
+
+        def done(f: asyncio.Future[Any]) -> None:
+            if waiter.done():
+                return
+            if f.cancelled() or f.exception() is not None:
+                waiter.set_exception(Unavailable(f"refusals not logged: {f.exception() if not f.cancelled() else 'cancelled'}"))
+            else:
+                waiter.set_result(None)
+        fut.add_done_callback(done)
 
     async def _durable(self, fut: asyncio.Future[Any] | None) -> None:
         """Wait for a submission (or barrier) to commit; log failures become :class:`Unavailable`."""
@@ -438,6 +501,7 @@ class Ledger:
         if self.status not in ("serving", "degraded"):
             return
         self.set_status("degraded", reason)
+        self.rejections.fail_all(Unavailable(reason))
         if self.committer is not None:
             self.committer.fail_pending(Unavailable(reason))
         if self._rebuild is None or self._rebuild.done():

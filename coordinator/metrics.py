@@ -35,6 +35,9 @@ class CoordinatorMetrics:
         self.consumer_lag = Gauge("kvl_coordinator_consumer_lag_messages",
                                   "JetStream messages (one transition or a worker's batch) in the stream not yet "
                                   "delivered to the coordinator", registry=r)
+        self.stream_purged = Gauge("kvl_coordinator_stream_purged_through",
+                                   "Stream sequence through which the leader purged acknowledged (logged) "
+                                   "transition messages (nats.stream_purge_interval_s)", registry=r)
         self.transition_messages = Histogram("kvl_coordinator_transitions_per_message",
                                              "Transitions per JetStream message consumed (a worker's batch; 1 for "
                                              "a lone transition)", buckets=BATCH_BUCKETS, registry=r)

@@ -68,7 +68,8 @@ class Coordinator:
         self.ledger = Ledger(self.event_log, CoreParams.from_config(c), batch_ms=c.commit_batch_ms,
                              batch_max=c.commit_batch_max, snapshot_every=c.snapshot_every_events,
                              metrics=self.metrics, logger=logger, on_not_leader=self._not_leader,
-                             snapshot_fork=c.snapshot_fork, snapshot_timeout_s=c.snapshot_timeout_s)
+                             snapshot_fork=c.snapshot_fork, snapshot_timeout_s=c.snapshot_timeout_s,
+                             rejection_interval_ms=c.rejection_interval_ms)
         self.ledger.leadership_confirmed = self.election.confirmed
         self.metrics.watch_pools(self.pool_usage)
         self.metrics.watch_workers(self.worker_states)

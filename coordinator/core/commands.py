@@ -30,6 +30,7 @@ from coordinator.core.lifecycle import (
     ALLOCATED, EVICTED, KIND_OF_PAIR, LIVE, READY, TRANSITIONS, WORKER_KINDS, IllegalTransition,
 )
 from coordinator.core.prefix import longest_usable_prefix
+from coordinator.core.rejections import rejection_kind
 from coordinator.core.state import Lease, LedgerState, Replica, ReplicaKey, WorkerRecord
 from shared import messages as m
 from shared.hashing import replica_digests, split_digests
@@ -789,7 +790,7 @@ def ingest_transition(state: LedgerState, t: m.TransitionEvent, now_ms: int | No
     kind, reason = _judge(state, t)
     if kind:
         return [ev.TransitionApplied(transition=t, kind=kind, at_ms=at)]
-    return [ev.TransitionRejected(transition=t, reason=reason, at_ms=at)]
+    return [ev.TransitionRejected(transition=t, reason=reason, kind=rejection_kind(reason), at_ms=at)]
 
 
 # --- operator commands -------------------------------------------------------------------

@@ -227,10 +227,18 @@ class TransitionApplied(_Event, tag="transition.applied", kw_only=True):
 
 
 class TransitionRejected(_Event, tag="transition.rejected", kw_only=True):
-    """A worker's transition, recorded but refused: it changes no replica."""
+    """A worker's transition, recorded but refused: it changes no replica.
+
+    One row stands for every transition of the same worker epoch refused for the same ``kind``
+    of reason in one commit (``coordinator.core.rejections``): ``transition`` and ``reason`` are
+    the first's, ``count`` how many there were, ``more`` the others' seqs as inclusive ranges."""
 
     transition: TransitionRecord
     reason: str
+    #: ``rejections.rejection_kind(reason)``; empty in rows written before kinds existed.
+    kind: str = ""
+    count: Annotated[int, msgspec.Meta(ge=1)] = 1
+    more: list[tuple[NonNeg, NonNeg]] = []
 
     @property
     def source_id(self) -> str:

@@ -785,6 +785,20 @@ def _apply_transition_applied(s: LedgerState, e: ev.TransitionApplied) -> None:
 def _apply_transition_rejected(s: LedgerState, e: ev.TransitionRejected) -> None:
     t = e.transition
     _record_seq(s, _new_seq(s, t), t)
+    if e.more:   # the other refusals this row stands for (core.rejections)
+        wm = s.watermarks[(t.worker_id, t.epoch)]
+        for lo, hi in e.more:
+            for seq in range(lo, hi + 1):
+                if wm.has(seq):
+                    raise ReplayError(f"transition {t.worker_id}.{t.epoch}.{seq} is already in the ledger "
+                                      "(duplicate source id)")
+                if seq == wm.contiguous + 1:
+                    while seq + 1 in wm.pending:
+                        seq += 1
+                        wm.pending.remove(seq)
+                    wm.contiguous = seq
+                else:
+                    wm.pending.add(seq)
 
 
 def _apply_invalidated(s: LedgerState, e: ev.Invalidated) -> None:

@@ -351,7 +351,15 @@ def check(log: list[dict[str, Any]], observed: Observed) -> Report:
             elif (t["worker_id"], t["epoch"]) not in registered and typ == "transition.applied":
                 note(rep.unexpected, pos, f"{sid} applied for an epoch the log never registered")
             if typ == "transition.rejected":
-                rep.rejected[reason_kind(e.get("reason", ""))] += 1
+                rep.rejected[reason_kind(e.get("reason", ""))] += int(e.get("count", 1))
+                # one row may stand for several refusals of the epoch (coordinator.core.rejections)
+                for lo, hi in e.get("more", []):
+                    for seq in range(lo, hi + 1):
+                        other = f"{t['worker_id']}.{t['epoch']}.{seq}"
+                        logged[other] += 1
+                        rep.logged += 1
+                        if logged[other] > 1:
+                            note(rep.duplicated, pos, other)
                 continue
             rep.applied += 1
             problem = _judge(t, replicas, workers)

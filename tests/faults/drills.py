@@ -1139,6 +1139,10 @@ async def final_check(run: Run) -> tuple[checker.Report, dict[str, Any]]:
     while True:
         log = archived + await stack.events()
         logged = {r["source_id"]: r for r in log if r["type"].startswith("transition.")}
+        # the refusals a coalesced rejection row stands for (coordinator.core.rejections)
+        logged.update({f"{t['worker_id']}.{t['epoch']}.{seq}": r for r in log if r["type"] == "transition.rejected"
+                       for t in [r["event"]["transition"]] for lo, hi in r["event"].get("more", [])
+                       for seq in range(lo, hi + 1)})
         if all(sid in logged for sid in forged) or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.25)
