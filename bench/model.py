@@ -111,6 +111,62 @@ def yoco_vs_standard(yoco, bs: int, n_tokens: int, reps: int) -> dict:
     }
 
 
+#: SmolLM2-135M's products in one forward, as ``(in, out)``: 30 layers of q, k, v, o, gate, up,
+#: down (hidden 576, 9 heads and 3 K/V heads of 64, intermediate 1,536), then the tied head.
+SMOLLM2_LAYER = ((576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576))
+SMOLLM2_PRODUCTS = (*SMOLLM2_LAYER * 30, (576, 49152))
+
+
+def invariant_linear_vs_plain(reps: int, rows=(1, 8, 64), dtypes=("float32", "bfloat16")) -> dict:
+    """SmolLM2-135M's products (random weights of its shapes, 538 MB in float32) at ``rows`` rows,
+    through ``kernels.invariant.linear`` against plain ``F.linear`` with every core as torch's
+    intra-op threads (not invariant; the memory floor at one row), and against the padded path
+    the compiled product replaced (one intra-op thread, its row floor calibrated at these shapes).
+    Best of ``reps``, the three interleaved so that each rep samples the same load."""
+    import os
+
+    import torch.nn.functional as F
+
+    import kernels.invariant as inv
+    cores = len(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    ratio: dict = {}
+    old_ratio: dict = {}
+    ms: dict = {}
+    for name in dtypes:
+        dt = DTYPES[name]
+        g = torch.Generator().manual_seed(0)
+        ws = [(torch.randn(n, k, generator=g) * k ** -0.5).to(dt) for k, n in SMOLLM2_PRODUCTS]
+        torch.set_num_threads(1)
+        with inv.padded_products():
+            failures = inv.calibrate(set(SMOLLM2_LAYER), dtype=dt)
+            floor = inv.MIN_ROWS
+        ratio[name], old_ratio[name], ms[name] = {}, {}, {"padded_row_floor": floor,
+                                                          "padded_probe_failures": len(failures)}
+        for m in rows:
+            xs = {k: torch.randn(m, k, generator=g).to(dt) for k in (576, 1536)}
+
+            def step(fn, xs=xs):
+                for (k, _), w in zip(SMOLLM2_PRODUCTS, ws):
+                    fn(xs[k], w)
+            best = {"compiled": [], "padded": [], "plain": []}
+            for _ in range(reps):
+                torch.set_num_threads(1)
+                best["compiled"].append(_timed(lambda: step(inv.linear))[0])
+                with inv.padded_products(floor):
+                    best["padded"].append(_timed(lambda: step(inv.linear))[0])
+                torch.set_num_threads(cores)
+                best["plain"].append(_timed(lambda: step(F.linear))[0])
+            b = {k: min(v) for k, v in best.items()}
+            ratio[name][m] = round(b["compiled"] / b["plain"], 3)
+            old_ratio[name][m] = round(b["padded"] / b["plain"], 3)
+            ms[name][m] = {k: round(v, 2) for k, v in b.items()}
+        del ws
+    torch.set_num_threads(threads)
+    return {"invariant_linear_vs_plain": ratio, "invariant_linear_padded_vs_plain": old_ratio,
+            "invariant_linear_ms": ms, "invariant_linear_path": inv.linear_path(), "invariant_linear_cores": cores}
+
+
 def _timed(fn) -> tuple[float, float, object]:
     """(wall ms, process CPU ms, result) of one call (a CUDA device is synchronised first and after)."""
     if torch.cuda.is_available():
@@ -182,8 +238,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model-dir", help="benchmark this checkpoint directory (as worker.model_dir) instead")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                     help="compute dtype (default: float32, or the checkpoint's own with --model-dir)")
+    ap.add_argument("--products-only", action="store_true",
+                    help="only invariant_linear_vs_plain (SmolLM2-135M's products; both dtypes)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.products_only:
+        result = invariant_linear_vs_plain(3 if args.quick else 7)
+        print(json.dumps(result))
+        return result
     cold_reps, warm_reps, decode_steps = (2, 8, 16) if args.quick else (5, 25, 64)
 
     model = load(args).to(args.device)
@@ -316,6 +378,9 @@ def main(argv: list[str] | None = None) -> dict:
     drift = storage_drift(model, bs, prompt, 256 if args.quick else 1024)
     yoco = (yoco_vs_standard(model, bs, 2048 if args.quick else 4096, 3 if args.quick else 5)
             if model.family == "yoco" else {})
+    # the batch-invariant product vs plain F.linear on every core at SmolLM2-135M's shapes (issue 53;
+    # goal <= 1.2 at 1, 8 and 64 rows), and the padded path it replaced
+    products = invariant_linear_vs_plain(2 if args.quick else 5) if args.device == "cpu" else {}
 
     ideal = args.prompt / (args.prompt - P)
     speedup = cold_ms / warm_ms
@@ -361,6 +426,7 @@ def main(argv: list[str] | None = None) -> dict:
         "cache_dtype_drift": drift,
         "cache_dtype_warm_bit_identical": all(v.get("warm_bit_identical", True) for v in drift.values()),
         **yoco,
+        **products,
         "mode": "quick" if args.quick else "full",
     }
     print(json.dumps(result))

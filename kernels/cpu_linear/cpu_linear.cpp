@@ -3,12 +3,13 @@
 //
 // Per element (m, n): acc = 0 (16 float lanes); for each 16-wide chunk of K in order,
 // acc = fma(x[m, chunk], w[n, chunk], acc); the last partial chunk is loaded zero-filled and
-// taken the same way; then one fixed horizontal sum of the 16 lanes. Tiles (MR rows x NR
+// taken the same way; then one fixed horizontal sum of the 16 lanes. (bfloat16 on a CPU with
+// AVX512_BF16: 32-wide chunks, one VDPBF16PS each, see Ops<bf16>.) Tiles (MR rows x NR
 // columns, MR <= 4, NR <= 8) only decide which elements are computed together to reuse loads;
 // every tile shape runs the same per-element code (one template). Threads split the OUTPUT
 // COLUMNS into blocks, which never splits an element's reduction. Compiled with
 // -ffp-contract=off and without -ffast-math, so the compiler may not fuse or reorder any of it.
-// bfloat16: loaded, widened to float32 exactly, accumulated in float32, rounded once (RNE).
+// bfloat16: widened to float32 exactly, accumulated in float32, rounded once (RNE).
 #include <torch/extension.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
@@ -96,31 +97,56 @@ inline float hsum(V a) {
 }
 #endif
 
+// How one chunk of K is loaded and multiplied into an element's 16 float32 lanes, per dtype.
+template <typename T> struct Ops {
+  static constexpr int W = 16;
+  using X = V;
+  static X load(const T* p) { return vload(p); }
+  static X part(const T* p, int n) { return vload_part(p, n); }
+  static V madd(X a, X b, V acc) { return vfma(a, b, acc); }
+};
+#if defined(__AVX512BF16__)
+// bfloat16 with AVX512_BF16: one VDPBF16PS per 32-element chunk: lane j gets the products of
+// elements 2j+1 and 2j added to it in that order (exact products, float32 sums, round to
+// nearest even, denormals flushed: fixed by the instruction, not by the row count).
+constexpr const char* kBf16 = "dpbf16";
+template <> struct Ops<bf16> {
+  static constexpr int W = 32;
+  using X = __m512bh;
+  static X load(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static X part(const bf16* p, int n) { return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ull << n) - 1), p); }
+  static V madd(X a, X b, V acc) { return {_mm512_dpbf16_ps(acc.v, a, b)}; }
+};
+#else
+constexpr const char* kBf16 = "widen-fma";
+#endif
+
 inline void store(float* p, float v) { *p = v; }
 inline void store(bf16* p, float v) { *p = bf16(v); }  // round to nearest even, once
 
 // The one per-element code path: MR x NR elements at a time, each reduced the same way.
 template <typename T, int MR, int NR>
 void tile(const T* x, int64_t ldx, const T* w, int64_t ldw, T* y, int64_t ldy, int64_t K) {
+  using O = Ops<T>;
   V acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = vzero();
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    V xv[MR];
-    for (int i = 0; i < MR; ++i) xv[i] = vload(x + i * ldx + k);
+  for (; k + O::W <= K; k += O::W) {
+    typename O::X xv[MR];
+    for (int i = 0; i < MR; ++i) xv[i] = O::load(x + i * ldx + k);
     for (int j = 0; j < NR; ++j) {
-      V wv = vload(w + j * ldw + k);
-      for (int i = 0; i < MR; ++i) acc[i][j] = vfma(xv[i], wv, acc[i][j]);
+      typename O::X wv = O::load(w + j * ldw + k);
+      for (int i = 0; i < MR; ++i) acc[i][j] = O::madd(xv[i], wv, acc[i][j]);
     }
   }
   if (k < K) {
     const int rest = static_cast<int>(K - k);
-    V xv[MR];
-    for (int i = 0; i < MR; ++i) xv[i] = vload_part(x + i * ldx + k, rest);
+    typename O::X xv[MR];
+    for (int i = 0; i < MR; ++i) xv[i] = O::part(x + i * ldx + k, rest);
     for (int j = 0; j < NR; ++j) {
-      V wv = vload_part(w + j * ldw + k, rest);
-      for (int i = 0; i < MR; ++i) acc[i][j] = vfma(xv[i], wv, acc[i][j]);
+      typename O::X wv = O::part(w + j * ldw + k, rest);
+      for (int i = 0; i < MR; ++i) acc[i][j] = O::madd(xv[i], wv, acc[i][j]);
     }
   }
   for (int i = 0; i < MR; ++i)
@@ -204,7 +230,11 @@ class Pool {
       std::lock_guard<std::mutex> g(m_);
       open_ = false;  // a helper that wakes from now on does not join
     }
-    while (joined_.load(std::memory_order_acquire) != 0) _mm_pause();
+    // a helper descheduled mid-block (a busy machine) needs a core: yield now and then
+    for (int spins = 1; joined_.load(std::memory_order_acquire) != 0; ++spins) {
+      _mm_pause();
+      if (spins % 1024 == 0) std::this_thread::yield();
+    }
   }
 
  private:
@@ -272,7 +302,7 @@ void set_threads(int64_t n) {
 
 int64_t get_threads() { return g_threads; }
 
-std::string isa() { return kIsa; }
+std::string isa() { return std::string(kIsa) + ", bfloat16 " + kBf16; }
 
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t threads) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "cpu_linear: CPU tensors only");
@@ -285,7 +315,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t threads) {
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (K == 0) return y.zero_();
-  std::shared_ptr<Pool> p = threads == 1 ? nullptr : pool();
+  // a product of under ~256K multiply-adds (a tiny model's) is done before a helper could join
+  const bool alone = threads == 1 || M * N * K < (int64_t{1} << 18);
+  std::shared_ptr<Pool> p = alone ? nullptr : pool();
   const int64_t T = p ? p->size() : 1;
   // ~4 blocks per thread (balance), of 8..64 columns (a block's weights stay in cache while
   // the row tiles pass over them). The split changes who computes a column, never how.
