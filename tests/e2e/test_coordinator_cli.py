@@ -28,7 +28,7 @@ def test_db_upgrade_and_current(database_url: str) -> None:
     assert before.returncode == 1 and "current: (none)" in before.stdout and "not migrated" in before.stdout
     up = kvledger("db", "upgrade", env=env)
     assert up.returncode == 0, up.stderr
-    assert "event log schema at revision 0005" in up.stdout
+    assert "event log schema at revision 0006" in up.stdout
     after = kvledger("db", "current", env=env)
     assert after.returncode == 0 and "up to date" in after.stdout
 
@@ -120,10 +120,10 @@ async def test_rolling_the_schema_back_and_a_schema_too_new_for_a_coordinator(
 
     env = clean_env(KVL_DATABASE_URL=database_url)
     assert kvledger("db", "upgrade", env=env).returncode == 0
-    not_older = kvledger("db", "downgrade", "0005", env=env)
-    assert not_older.returncode == 1 and "refused: the schema is at 0005; 0005 is not older" in not_older.stderr
+    not_older = kvledger("db", "downgrade", "0006", env=env)
+    assert not_older.returncode == 1 and "refused: the schema is at 0006; 0006 is not older" in not_older.stderr
     unknown = kvledger("db", "downgrade", "0099", env=env)
-    assert unknown.returncode == 1 and "'0099' is not one of this release's: 0001, 0002, 0003, 0004, 0005" in unknown.stderr
+    assert unknown.returncode == 1 and "'0099' is not one of this release's: 0001, 0002, 0003, 0004, 0005, 0006" in unknown.stderr
     c = CoordinatorProcess("leader", tmp_path, database_url=database_url, nats_url=nats_url, subjects=subjects)
     coordinators.append(c.start())
     await c.wait_status("serving", timeout_s=90)
@@ -146,5 +146,5 @@ async def test_rolling_the_schema_back_and_a_schema_too_new_for_a_coordinator(
         env=clean_env(KVL_DATABASE_URL=database_url, KVL_NATS_URL=nats_url, KVL_LOGGING__LEVEL="error",
                       KVL_NATS__SUBJECT_PREFIX=subjects.prefix))
     assert newer.returncode != 0 and "Traceback" not in newer.stderr
-    assert "schema is at revision 0099, which this coordinator (schema 0005) does not know" in newer.stderr + newer.stdout
-    assert "kvledger db downgrade 0005" in newer.stderr + newer.stdout
+    assert "schema is at revision 0099, which this coordinator (schema 0006) does not know" in newer.stderr + newer.stdout
+    assert "kvledger db downgrade 0006" in newer.stderr + newer.stdout
