@@ -15,6 +15,11 @@ Ordering and locking (see also :mod:`coordinator.log.schema`):
   which appends never lock, ``WHERE leader_epoch = <its epoch>``. The epoch bump rewrites
   ``leader_renewal`` in the same statement (:data:`TAKE_LEADERSHIP`), so the two rows agree
   on the epoch whenever either is visible, and a superseded leader's renewal matches nothing.
+* The hash chain (migration 0006, :mod:`coordinator.log.chain`): this writer chains each batch
+  from the head it keeps (``_chain``); kvl_append checks under the leader lock that the batch
+  links to the stored head and lines up with the events it keeps, and refuses it otherwise
+  (KV004/KV005: re-chain and send again). The COPY path chains from the head it reads under the
+  same lock. The hashing is the writer's, never PostgreSQL's: an append stays one statement.
 * Duplicate source ids are filtered inside the same statement, so the UNIQUE constraint on
   ``source_id`` is the guarantee and never the control flow.
 
