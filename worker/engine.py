@@ -187,6 +187,8 @@ class Engine:
         if self.sizing is not None:
             (self.log.info if self.sizing.admitted else self.log.warning)(
                 "pools_sized", **self.sizing.log_fields(self.catalogue.forms))
+            self.metrics.pool_bytes.set(self.sizing.pool_bytes)
+            self.metrics.pool_max_context_requests.set(self.sizing.admitted)
         # NOTE: static topology — the pools are allocated here, once, and never again.
         self.store = CacheStore(self.catalogue, self.slots, self.device) if self.cache_enabled else None
         self.tiers = Tiers(cfg.cache.host_tier_bytes if self.cache_enabled else 0,

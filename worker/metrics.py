@@ -45,6 +45,11 @@ class WorkerMetrics:
                                  ["reason"], registry=r)
         self.pool_used = Gauge(p + "pool_used_slots", "Pool slots in use per form", ["form"], registry=r)
         self.pool_slots = Gauge(p + "pool_slots", "Pool slots per form (static)", ["form"], registry=r)
+        self.pool_bytes = Gauge(p + "pool_bytes", "Bytes the cache pools were sized to at start (worker.pool_bytes, or "
+                                "from the memory left after the weights)", registry=r)
+        self.pool_max_context_requests = Gauge(
+            p + "pool_max_context_requests", "Requests of the maximum context (service.max_context_length, at most "
+            "the model's) the pools hold at once; 0: not even one", registry=r)
         self.offload_seconds = Histogram(p + "offload_seconds", "Time to copy one block to the host tier, or one "
                                          "batch of blocks to the disk tier (one fsync)", ["tier"],
                                          buckets=_FAST, registry=r)

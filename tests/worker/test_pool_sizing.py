@@ -46,6 +46,9 @@ async def test_sized_from_memory_logs_what_it_holds(model, tmp_path) -> None:
         assert line["requests_at_max_context"] == min(per_form.values()) > 0
         assert per_form[line["limited_by"]] == line["requests_at_max_context"]
         assert sum(p.storage.numel() for p in e.store.pools.pools.values()) <= 8 * MiB
+        # where an operator looks: the same numbers as gauges
+        assert e.metrics.value("kvl_worker_pool_bytes") == 8 * MiB
+        assert e.metrics.value("kvl_worker_pool_max_context_requests") == line["requests_at_max_context"]
     finally:
         await e.stop()
 
@@ -89,6 +92,7 @@ async def test_explicit_pool_too_small_warns_and_serves(model, tmp_path) -> None
     try:
         line = sized(logs)
         assert line["log_level"] == "warning" and line["requests_at_max_context"] == 0 and line["limited_by"]
+        assert e.metrics.value("kvl_worker_pool_max_context_requests") == 0
     finally:
         await e.stop()
 
