@@ -79,7 +79,8 @@ def load() -> ModuleType | None:
         return None
     t0 = time.perf_counter()
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import _get_build_directory, load_inline
+        _drop_stale_lock(pathlib.Path(_get_build_directory(build_name(), verbose=False)) / "lock")
         mod = load_inline(name=build_name(), cpp_sources=[SOURCE.read_text()], extra_cflags=list(CFLAGS),
                           verbose=False)
     except Exception as e:   # no compiler, no ninja, a failed build: the padded MKL path serves
@@ -89,6 +90,19 @@ def load() -> ModuleType | None:
     mod.set_threads(default_threads())
     _module = mod
     return mod
+
+
+#: A build lock older than this was left by a build that died (a first build takes ~1-2 min).
+STALE_LOCK_S = 900
+
+
+def _drop_stale_lock(lock: pathlib.Path) -> None:
+    """Remove a build lock left by a process killed mid-build: torch waits on it forever."""
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+    except OSError:
+        pass
 
 
 def why_not() -> str:

@@ -172,3 +172,17 @@ def test_the_build_name_hashes_the_source_the_flags_and_this_cpu(monkeypatch) ->
     monkeypatch.undo()
     monkeypatch.setattr(cpu_linear, "_cpu_flags", lambda: "another cpu")
     assert cpu_linear.build_name() != name
+
+
+def test_a_build_lock_left_by_a_killed_build_is_dropped_a_live_one_kept(tmp_path) -> None:
+    """torch waits forever on a build directory's lock file; a build killed mid-way leaves one."""
+    import time
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_linear._drop_stale_lock(lock)
+    assert lock.exists()                                # a build under way
+    old = time.time() - cpu_linear.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    cpu_linear._drop_stale_lock(lock)
+    assert not lock.exists()
+    cpu_linear._drop_stale_lock(lock)                   # none: nothing to do
