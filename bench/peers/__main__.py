@@ -33,7 +33,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtypes", default=None, help="comma-separated (default float32,bfloat16; quick float32)")
     p.add_argument("--concurrency", default=None, help="levels (default 1,8,32; quick 1,8)")
     p.add_argument("--max-seconds", type=int, default=None,
-                   help="cap on each level's guidellm run (default 90; quick 60)")
+                   help="cap on each level's guidellm run (default 90; quick 120)")
     p.add_argument("--no-kvledger", action="store_true", help="run the peers only (no ratios)")
     p.add_argument("--keep", action="store_true", help="keep the work dir (guidellm reports, server logs)")
     a = p.parse_args(argv)
@@ -47,7 +47,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a.concurrency = [int(c) for c in (a.concurrency or ("1,8" if a.quick else "1,8,32")).split(",")]
     if any(c < 1 for c in a.concurrency):
         p.error("--concurrency: positive integers")
-    a.max_seconds = a.max_seconds or (60 if a.quick else 90)
+    a.max_seconds = a.max_seconds or (120 if a.quick else 90)
     return a
 
 
@@ -72,8 +72,9 @@ def measure_server(name: str, work: Path, model_dir: Path, dtype: str, args: arg
     try:
         for c in args.concurrency:
             try:
-                levels.append(run_level(guidellm, server.url, model_dir, c, requests_at(c, args.quick),
-                                        args.max_seconds, server.work, f"{name}-{dtype}"))
+                levels.append(run_level(guidellm, server.url, server.model_name(), model_dir, c,
+                                        requests_at(c, args.quick), args.max_seconds, server.work,
+                                        f"{name}-{dtype}"))
             except (RuntimeError, ValueError, OSError, subprocess.TimeoutExpired) as e:
                 log(f"{name} ({dtype}) c={c} failed: {e}")
                 levels.append(Failed(c, str(e).strip().splitlines()[-1][:200]))

@@ -40,10 +40,10 @@ def requests_at(c: int, quick: bool) -> int:
     return (8 if c == 1 else 2 * max(c, 8)) * turns
 
 
-def guidellm_command(guidellm: Path, target: str, tokenizer_dir: Path, c: int, requests: int, max_seconds: int,
-                     seed: int, out: Path, w: Workload = Workload()) -> list[str]:
+def guidellm_command(guidellm: Path, target: str, model: str, tokenizer_dir: Path, c: int, requests: int,
+                     max_seconds: int, seed: int, out: Path, w: Workload = Workload()) -> list[str]:
     return [str(guidellm), "run",
-            "--backend", f"kind=openai_http,target={target},request_format=/v1/chat/completions",
+            "--backend", f"kind=openai_http,target={target},model={model},request_format=/v1/chat/completions",
             "--profile", f"kind=concurrent,streams={c}",
             "--data", w.data_arg(),
             "--tokenizer", f"kind=hf_auto,model={tokenizer_dir}",
@@ -54,12 +54,12 @@ def guidellm_command(guidellm: Path, target: str, tokenizer_dir: Path, c: int, r
             "--disable-console-interactive"]
 
 
-def run_level(guidellm: Path, target: str, tokenizer_dir: Path, c: int, requests: int, max_seconds: int,
-              work: Path, tag: str) -> Level | Failed:
+def run_level(guidellm: Path, target: str, model: str, tokenizer_dir: Path, c: int, requests: int,
+              max_seconds: int, work: Path, tag: str) -> Level | Failed:
     """One guidellm run at concurrency ``c``; its report kept as ``work/<tag>_c<c>.json``. Raises
     RuntimeError when guidellm itself fails (no report)."""
     out = work / f"{tag}_c{c}.json"
-    cmd = guidellm_command(guidellm, target, tokenizer_dir, c, requests, max_seconds, seed=1000 + c, out=out)
+    cmd = guidellm_command(guidellm, target, model, tokenizer_dir, c, requests, max_seconds, seed=1000 + c, out=out)
     log = work / f"{tag}_c{c}.guidellm.log"
     t0 = time.monotonic()
     with open(log, "wb") as fh:

@@ -37,6 +37,9 @@ class Failed:
 
 def _first_error(bench: dict[str, Any]) -> str:
     """The last line of the first errored request's error, as guidellm recorded it."""
+    totals = bench["metrics"]["request_totals"]
+    if not totals.get("errored") and totals.get("incomplete"):
+        return f"none finished within the level's {bench.get('duration', 0):.0f} s"
     for r in (bench.get("requests") or {}).get("errored") or []:
         info = r.get("info") or {}
         err = info.get("error") if isinstance(info, dict) else None

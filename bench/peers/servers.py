@@ -98,14 +98,19 @@ class Server:
         while time.monotonic() - t0 < self.ready_timeout:
             self.check_alive()
             try:
-                if get_json(self.url + "/v1/models").get("data"):
+                if self.listed(get_json(self.url + "/v1/models")):
                     return time.monotonic() - t0
             except (OSError, ValueError, urllib.error.URLError):
                 pass
             time.sleep(1.0)
         raise ServerFailed(f"{self.name} not ready after {self.ready_timeout:.0f} s: ...{self.log_tail()}")
 
+    def listed(self, models: dict) -> bool:
+        """Whether a ``/v1/models`` answer says the model is served."""
+        return bool(models.get("data"))
+
     def model_name(self) -> str:
+        """The ``model`` requests name (guidellm's too)."""
         return get_json(self.url + "/v1/models")["data"][0]["id"]
 
     def warm(self) -> None:
@@ -217,6 +222,12 @@ class Transformers(Server):
     RAM otherwise)."""
 
     name = "transformers"
+
+    def listed(self, models: dict) -> bool:
+        return models.get("object") == "list"   # it lists the hub cache only: a local dir never shows
+
+    def model_name(self) -> str:
+        return str(self.model_dir)
 
     def command(self) -> list[str]:
         venv = installed("transformers")

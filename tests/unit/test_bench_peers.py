@@ -95,11 +95,12 @@ def test_the_dtype_suffix_appears_only_when_several_dtypes_run() -> None:
 
 
 def test_the_guidellm_command_carries_the_workload_and_the_level() -> None:
-    cmd = guidellm_command(Path("/g"), "http://127.0.0.1:1", Path("/m"), 8, 48, 90, seed=1008, out=Path("/o.json"))
+    cmd = guidellm_command(Path("/g"), "http://127.0.0.1:1", "smol", Path("/m"), 8, 48, 90, seed=1008,
+                           out=Path("/o.json"))
     joined = " ".join(cmd)
     assert "kind=concurrent,streams=8" in joined and "kind=max_requests,count=48" in joined
     assert "turns=3" in joined and "prefix_tokens=512" in joined and "output_tokens=32" in joined
-    assert "request_format=/v1/chat/completions" in joined and "kind=static,value=1008" in joined
+    assert "target=http://127.0.0.1:1,model=smol,request_format=/v1/chat/completions" in joined and "kind=static,value=1008" in joined
     assert requests_at(8, quick=True) == 8 * Workload().turns and requests_at(32, quick=False) == 192
     assert requests_at(1, quick=True) == 9 and requests_at(1, quick=False) == 24
 
