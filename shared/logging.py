@@ -4,13 +4,21 @@ The redaction processor removes prompt text, token ids and cache contents from e
 before it is rendered, whatever a caller passed: keys that name such content are replaced
 by ``"<redacted>"`` and any string longer than ``MAX_FIELD_CHARS`` is cut to its length.
 With tracing on, a line logged inside a recorded span carries its ``trace_id`` and ``span_id``.
+
+:class:`JsonLinesFile` is where a supervisor (``kvledger up``) writes a child's output: one JSON
+object per line whatever the child printed (a plain line becomes an ``output`` record), rotated
+by size (``logging.max_bytes``, ``logging.backups``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import logging.handlers
 import re
 import sys
+from datetime import datetime, timezone
+from pathlib import Path
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -82,3 +90,49 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream: Any = None
 
 def get_logger(name: str) -> Any:
     return structlog.get_logger(name)
+
+
+#: Longest plain output line kept whole in an ``output`` record (a longer one is cut, marked).
+MAX_OUTPUT_CHARS = 4096
+
+
+def as_json_line(line: str, logger: str, level: str = "info") -> str:
+    """``line`` (without its newline) as one JSON object: unchanged when it is one already, else an
+    ``output`` record holding the text (credentials in URLs masked, cut at ``MAX_OUTPUT_CHARS``)."""
+    line = line.rstrip("\r\n")
+    if line.startswith("{"):
+        try:
+            if isinstance(json.loads(line), dict):
+                return line
+        except ValueError:
+            pass
+    text = mask_credentials(line)
+    if len(text) > MAX_OUTPUT_CHARS:
+        text = text[:MAX_OUTPUT_CHARS] + f"…<{len(text) - MAX_OUTPUT_CHARS} more chars>"
+    ts = datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    return json.dumps({"event": "output", "level": level, "logger": logger, "timestamp": ts, "line": text},
+                      ensure_ascii=False)
+
+
+class JsonLinesFile:
+    """A JSON-lines log file rotated by size: ``path`` → ``path.1`` … ``path.<backups>`` (the oldest
+    deleted), before a line would take it to ``max_bytes`` (stdlib ``RotatingFileHandler``).
+    Thread-safe: the handler's lock serialises writers and rotation."""
+
+    def __init__(self, path: Path, max_bytes: int, backups: int, logger: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.logger = logger
+        self._handler = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups,
+                                                             encoding="utf-8", delay=True)
+        self._handler.setFormatter(logging.Formatter("%(message)s"))
+
+    def write(self, line: str, level: str = "info") -> None:
+        """One line of output (JSON or not) as one JSON line; flushed."""
+        self.write_json(as_json_line(line, self.logger, level))
+
+    def write_json(self, text: str) -> None:
+        self._handler.handle(logging.makeLogRecord({"msg": text, "args": (), "levelno": logging.INFO}))
+
+    def close(self) -> None:
+        self._handler.close()
