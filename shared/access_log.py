@@ -118,8 +118,10 @@ def install(app: web.Application, service: str, *, enabled: bool = True, prefixe
             duration_ms = round((time.perf_counter() - t0) * 1000, 2)
             # NOTE: a plain response is sent after this (its headers at once): its ttfb is its duration
             record.setdefault("ttfb_ms", duration_ms)
-            log.info("access", service=service, method=request.method, path=request.path, status=status,
-                     **record, duration_ms=duration_ms)
+            fields = {"service": service, "method": request.method, "path": request.path, "status": status,
+                      **record, "duration_ms": duration_ms}
+            fields.pop("event", None)
+            log.info("access", **fields)
 
     async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
         record = request.get(_RECORD_KEY)
