@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,16 @@ torch.set_num_threads(1)
 BS = 16
 #: The engines' forward budget: small, so the start-up probe checks small products (fast).
 MAX_BATCH_TOKENS = 64
+
+
+@pytest.fixture(scope="package", autouse=True)
+def _release_models():
+    """The models (~1.6 GB with transformers' copies) are held for this folder's tests only, not
+    for the rest of the suite's run."""
+    yield
+    loaded.cache_clear()
+    oracle.cache_clear()
+    gc.collect()
 
 
 @functools.cache
