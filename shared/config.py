@@ -196,6 +196,18 @@ class NatsConfig(_Section):
     #: JetStream duplicate window: redeliveries inside it are dropped by the broker too.
     duplicate_window_s: PosInt = 120
     stream_max_age_s: PosInt = 7 * 86400
+    #: The transitions stream's size cap in bytes; a publish that would pass it is refused (an
+    #: error to the worker, which keeps the transitions and retries), never an older one dropped.
+    stream_max_bytes: PosInt = 1 << 30
+    #: Largest transitions message the stream takes (a worker splits a batch over it).
+    stream_max_msg_bytes: PosInt = 1 << 20
+    #: Most messages one worker may have stored in the stream (its subject); more are refused to
+    #: that worker alone. Needs nats-server ≥ 2.10 (per-subject discard-new); ignored, with a
+    #: warning, on an older server.
+    stream_max_msgs_per_worker: PosInt = 100_000
+    #: Every this many seconds the leader purges the stream's messages it has acknowledged (their
+    #: transitions are in the log), so the caps bound the backlog, not history; 0 = never.
+    stream_purge_interval_s: Annotated[int, msgspec.Meta(ge=0)] = 10
 
 
 class CoordinatorConfig(_Section):
@@ -218,18 +230,6 @@ class CoordinatorConfig(_Section):
     #: decided in several, each submitted for commit as soon as it is decided, so the first
     #: part's append overlaps the deciding of the rest (``coordinator.nats_service``).
     decide_pass_max: PosInt = 32
-    #: The transitions stream's size cap in bytes; a publish that would pass it is refused (an
-    #: error to the worker, which keeps the transitions and retries), never an older one dropped.
-    stream_max_bytes: PosInt = 1 << 30
-    #: Largest transitions message the stream takes (a worker splits a batch over it).
-    stream_max_msg_bytes: PosInt = 1 << 20
-    #: Most messages one worker may have stored in the stream (its subject); more are refused to
-    #: that worker alone. Needs nats-server ≥ 2.10 (per-subject discard-new); ignored, with a
-    #: warning, on an older server.
-    stream_max_msgs_per_worker: PosInt = 100_000
-    #: Every this many seconds the leader purges the stream's messages it has acknowledged (their
-    #: transitions are in the log), so the caps bound the backlog, not history; 0 = never.
-    stream_purge_interval_s: Annotated[int, msgspec.Meta(ge=0)] = 10
     snapshot_every_events: PosInt = 100_000
     #: Serialise each snapshot in a forked child, so that decisions wait only for the fork (a
     #: few ms) instead of the whole hash and encoding (~0.5 s for a worker with a 100k-slot
@@ -239,6 +239,10 @@ class CoordinatorConfig(_Section):
     #: A snapshot child still running after this long is killed and the snapshot skipped (the
     #: next one is tried after another ``snapshot_every_events``).
     snapshot_timeout_s: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 300
+    #: Refused transitions of one worker epoch and kind of reason are logged at most once per this
+    #: interval, as one row with their count (a burst's later refusals wait, at most this long,
+    #: for that row); 0 = one row per kind per commit.
+    rejection_interval_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] = 1000
     #: Per-tenant cap on READY+ALLOCATED replicas across all workers (0 = unlimited).
     tenant_quota_replicas: Annotated[int, msgspec.Meta(ge=0)] = 0
     #: The coordinator process's asyncio event loop: ``uvloop`` (libuv; faster sockets and
@@ -261,10 +265,6 @@ class CoordinatorConfig(_Section):
 
 class WorkerConfig(_Section):
     worker_id: str = ""
-    #: Refused transitions of one worker epoch and kind of reason are logged at most once per this
-    #: interval, as one row with their count (a burst's later refusals wait, at most this long,
-    #: for that row); 0 = one row per kind per commit.
-    rejection_interval_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] = 1000
     host: str = "127.0.0.1"
     port: Port = 8400
     #: The URL the gateway reaches this worker's API at (recorded with its registration), e.g.
