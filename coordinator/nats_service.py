@@ -501,8 +501,8 @@ class NatsService:
         stream = self.subjects.stream_name
         info = await self.js.consumer_info(stream, CONSUMER_NAME)
         floor = info.ack_floor.stream_seq if info.ack_floor else 0
-        if floor <= self._purged_below - 1:
-            return 0
+        if floor == 0 or floor < self._purged_below:
+            return 0   # nothing acknowledged, or nothing since the last purge
         await self.js.purge_stream(stream, seq=floor + 1)
         self._purged_below = floor + 1
         self.metrics.stream_purged.set(floor)
