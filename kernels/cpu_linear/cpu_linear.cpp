@@ -52,6 +52,23 @@ inline float hsum(V a) {
   __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
   return _mm_cvtss_f32(s1);
 }
+// hsum of 16 accumulators at once: out[4 * l + q] = hsum(a[4 * q + l]). Each addition pairs the
+// same two partial sums, in the same operand order, as hsum's tree (lanes i and i+8, then i and
+// i+4, i and i+2, 0 and 1); the shuffles only put 16 elements' pairs side by side. So an element
+// gets the same bits here as through hsum (a remainder tile's path).
+inline __m512 hsum16(const __m512* a) {
+  __m512 c[8], e[4], g[2];
+  for (int k = 0; k < 8; ++k)   // 16 -> 8 lanes: [s8(a[2k]), s8(a[2k+1])]
+    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xEE));
+  for (int k = 0; k < 4; ++k)   // 8 -> 4: [s4(a[4k]), .., s4(a[4k+3])]
+    e[k] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0xDD));
+  for (int k = 0; k < 2; ++k)   // 4 -> 2, within each 128-bit lane
+    g[k] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * k], e[2 * k + 1], 0x44), _mm512_shuffle_ps(e[2 * k], e[2 * k + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], 0x88), _mm512_shuffle_ps(g[0], g[1], 0xDD));  // 2 -> 1
+}
+#define KVL_HSUM16 1
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr const char* kIsa = "avx2+fma";
 struct V { __m256 lo, hi; };
@@ -121,6 +138,18 @@ template <> struct Ops<bf16> {
 constexpr const char* kBf16 = "widen-fma";
 #endif
 
+// Keep a loaded vector in a register: otherwise GCC folds its load into each FMA that uses it
+// (a 4 x 4 tile then loads 20 vectors per 16 FMAs instead of 8: load-bound on Zen 4).
+// An empty asm: no instruction, no effect on the arithmetic.
+#if defined(__AVX512F__)
+inline void pin(V& v) { asm("" : "+v"(v.v)); }
+#if defined(__AVX512BF16__)
+inline void pin(__m512bh& v) { asm("" : "+v"(v)); }
+#endif
+#else
+inline void pin(V&) {}
+#endif
+
 inline void store(float* p, float v) { *p = v; }
 inline void store(bf16* p, float v) { *p = bf16(v); }  // round to nearest even, once
 
@@ -134,9 +163,13 @@ void tile(const T* x, int64_t ldx, const T* w, int64_t ldw, T* y, int64_t ldy, i
   int64_t k = 0;
   for (; k + O::W <= K; k += O::W) {
     typename O::X xv[MR];
-    for (int i = 0; i < MR; ++i) xv[i] = O::load(x + i * ldx + k);
+    for (int i = 0; i < MR; ++i) {
+      xv[i] = O::load(x + i * ldx + k);
+      if constexpr (NR > 1) pin(xv[i]);
+    }
     for (int j = 0; j < NR; ++j) {
       typename O::X wv = O::load(w + j * ldw + k);
+      if constexpr (MR > 1) pin(wv);
       for (int i = 0; i < MR; ++i) acc[i][j] = O::madd(xv[i], wv, acc[i][j]);
     }
   }
@@ -149,6 +182,18 @@ void tile(const T* x, int64_t ldx, const T* w, int64_t ldw, T* y, int64_t ldy, i
       for (int i = 0; i < MR; ++i) acc[i][j] = O::madd(xv[i], wv, acc[i][j]);
     }
   }
+#if defined(KVL_HSUM16)
+  if constexpr (MR == 4 && NR == 4) {   // a whole tile: its 16 lane sums together (same bits, see hsum16)
+    __m512 a[16];
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 4; ++j) a[4 * i + j] = acc[i][j].v;
+    alignas(64) float out[16];
+    _mm512_store_ps(out, hsum16(a));
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 4; ++j) store(y + i * ldy + j, out[4 * j + i]);
+    return;
+  }
+#endif
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) store(y + i * ldy + j, hsum(acc[i][j]));
 }
