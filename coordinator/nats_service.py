@@ -37,9 +37,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.js.api import (
-    AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig,
-)
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from coordinator.core import (
     CoreError, Invalidated, TransitionRejected, acquire_lease, collect_disk, drop_controls, evict_host,
@@ -49,6 +47,7 @@ from coordinator.controls import outcome as control_outcome, send_controls
 from coordinator.ledger import Ledger, Unavailable
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.request_trace import BatchSpans
+from coordinator.stream import CONSUMER_NAME, StartupError, TransitionStream
 from shared.messages import (
     CommitWatermark, Control, DiskGc, ErrorCode, ErrorReply, Heartbeat, HostEvict, InventoryReply, InventoryRequest, LeaseAcquire, LeaseRelease,
     LeaseRenew, MessageError, ResumeReply, RouteQuery, RouteReply, TransitionBatch, TransitionEvent, WorkerRegister, WorkerResume, decode,
@@ -58,14 +57,8 @@ from shared import tracing
 from shared.hashing import REPLICA_DIGEST_BYTES
 from shared.subjects import COORDINATOR_QUEUE, Subjects
 
-#: Durable name of the coordinator's pull consumer (shared by leader and standbys; only the leader pulls).
-CONSUMER_NAME = "kvl-coordinator"
 #: Redelivery of a message not acked in time (a commit takes milliseconds; statements time out in seconds).
 ACK_WAIT_S = 10.0
-
-
-class StartupError(RuntimeError):
-    """The coordinator cannot start; the message is one readable line for an operator."""
 
 
 def new_lease_id() -> str:
@@ -163,9 +156,9 @@ class NatsService:
         self._refused: dict[tuple[str, int], list[int]] = {}
         self._marks_ready = asyncio.Event()
         self._publisher: asyncio.Task[None] | None = None
-        #: The task purging acknowledged messages, and the first stream sequence not yet purged.
+        #: The transitions stream (limits, purges) and the task purging what was acknowledged.
+        self.stream = TransitionStream(self.js, nc, subjects, config=config, metrics=metrics, logger=logger)
         self._purger: asyncio.Task[None] | None = None
-        self._purged_below = 0
         #: ``(worker, epoch)`` → the parts of a multi-part resume received so far.
         self._resume_parts: dict[tuple[str, int], list[bytes]] = {}
 
@@ -432,97 +425,13 @@ class NatsService:
 
     # --- JetStream ------------------------------------------------------------------------
 
-    def _stream_limits(self) -> dict[str, Any]:
-        """The stream's bounds (``nats.stream_*``): a byte cap, a message-size cap and, on a
-        server that can refuse per subject (≥ 2.10), a per-worker message cap — all with the
-        discard policy ``new``: a publish over a cap is refused (the worker gets an error and
-        keeps its transitions), never an older, possibly unconsumed, message dropped."""
-        n = self.config.nats
-        limits: dict[str, Any] = {"max_bytes": n.stream_max_bytes, "max_msg_size": n.stream_max_msg_bytes,
-                                  "discard": DiscardPolicy.NEW}
-        if self.per_subject_discard_new:
-            limits.update(max_msgs_per_subject=n.stream_max_msgs_per_worker, discard_new_per_subject=True)
-        return limits
-
-    @property
-    def per_subject_discard_new(self) -> bool:
-        """Whether the server refuses a publish over a per-subject limit (instead of dropping the
-        subject's oldest message): nats-server 2.10 and later."""
-        v = self.nc.connected_server_version
-        return (v.major, v.minor) >= (2, 10)
-
     async def ensure_stream(self) -> None:
         """Create the transitions stream, or verify (and bring up to date) an existing one."""
-        n = self.config.nats
-        name = self.subjects.stream_name
-        limits = self._stream_limits()
-        want = StreamConfig(name=name, subjects=[self.subjects.events_wildcard], retention=RetentionPolicy.LIMITS,
-                            storage=StorageType.FILE, max_age=float(n.stream_max_age_s),
-                            duplicate_window=float(n.duplicate_window_s), **limits)
-        if not self.per_subject_discard_new:
-            self.log.warning("stream_limit_unsupported", limit="nats.stream_max_msgs_per_worker",
-                             server_version=str(self.nc.connected_server_version),
-                             reason="needs nats-server >= 2.10 (per-subject discard new); not applied")
-        shown = {k: getattr(v, "value", v) for k, v in limits.items()}
-        try:
-            info = await self.js.stream_info(name)
-        except nats.js.errors.NotFoundError:
-            await self.js.add_stream(want)
-            self.log.info("stream_created", stream=name, subjects=want.subjects, retention="limits", storage="file",
-                          max_age_s=n.stream_max_age_s, duplicate_window_s=n.duplicate_window_s, **shown)
-            return
-        have = info.config
-        if have.storage != StorageType.FILE or have.retention != RetentionPolicy.LIMITS:
-            raise StartupError(
-                f"JetStream stream {name} exists with storage={getattr(have.storage, 'value', have.storage)} "
-                f"retention={getattr(have.retention, 'value', have.retention)}; kvledger needs file storage and "
-                "limits retention (these cannot be changed in place: move or delete the stream)")
-        if self.subjects.events_wildcard not in (have.subjects or []):
-            raise StartupError(f"JetStream stream {name} does not cover {self.subjects.events_wildcard} "
-                               f"(it has {have.subjects}); fix its subjects or the subject prefix")
-        if (round(have.max_age or 0) != n.stream_max_age_s
-                or round(have.duplicate_window or 0) != n.duplicate_window_s
-                or any(getattr(have, k) != v for k, v in limits.items())):
-            have.max_age = want.max_age
-            have.duplicate_window = want.duplicate_window
-            for k, v in limits.items():
-                setattr(have, k, v)
-            await self.js.update_stream(have)
-            self.log.info("stream_updated", stream=name, max_age_s=n.stream_max_age_s,
-                          duplicate_window_s=n.duplicate_window_s, **shown)
-        else:
-            self.log.info("stream_verified", stream=name)
+        await self.stream.ensure()
 
     async def purge_acknowledged(self) -> int:
-        """Remove the stream's messages up to the consumer's ack floor: each was acked after its
-        transitions were committed to the log (or terminated as malformed), so the log holds
-        all they carried and no redelivery can need them (a reclaim restarts above the floor).
-        Returns the first sequence kept (0: nothing purged)."""
-        stream = self.subjects.stream_name
-        info = await self.js.consumer_info(stream, CONSUMER_NAME)
-        floor = info.ack_floor.stream_seq if info.ack_floor else 0
-        if floor == 0 or floor < self._purged_below:
-            return 0   # nothing acknowledged, or nothing since the last purge
-        await self.js.purge_stream(stream, seq=floor + 1)
-        self._purged_below = floor + 1
-        self.metrics.stream_purged.set(floor)
-        return floor + 1
-
-    async def _purge_loop(self, every_s: float) -> None:
-        last_error = ""
-        while True:
-            await asyncio.sleep(every_s)
-            if not self._pull.is_set() or not self.ledger.serving:
-                continue   # only the serving leader purges
-            try:
-                await self.purge_acknowledged()
-                last_error = ""
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - broker trouble (or a reclaim between): next round
-                if str(e) != last_error:
-                    self.log.warning("stream_purge_failed", error=f"{type(e).__name__}: {e}")
-                last_error = str(e)
+        """Purge what the consumer has acknowledged (:meth:`TransitionStream.purge_acknowledged`)."""
+        return await self.stream.purge_acknowledged()
 
     def _consumer_config(self, start_seq: int = 0) -> ConsumerConfig:
         batch_max = self.config.coordinator.commit_batch_max
@@ -550,8 +459,9 @@ class NatsService:
         self._consumer = asyncio.create_task(self._consume(), name="transition-consumer")
         self._publisher = asyncio.create_task(self._publish_watermarks(), name="watermark-publisher")
         if self.config.nats.stream_purge_interval_s:
-            self._purger = asyncio.create_task(self._purge_loop(float(self.config.nats.stream_purge_interval_s)),
-                                               name="stream-purger")
+            self._purger = asyncio.create_task(self.stream.purge_loop(
+                float(self.config.nats.stream_purge_interval_s), lambda: self._pull.is_set() and self.ledger.serving),
+                name="stream-purger")
 
     async def reclaim_in_flight(self) -> int:
         """After a takeover: have deliveries the previous leader never acked redelivered now.
