@@ -381,6 +381,10 @@ class Ledger:
     def _flush_rejections(self, key: tuple[str, int, str]) -> None:
         """The row of the refusals held for ``key`` (one worker epoch and kind): applied and
         queued like a decision (no await in between), its waiters answered once it is durable."""
+        if self.serving and not self._open.is_set():
+            # NOTE: frozen (a snapshot or an audit reads the state as the log has it): after it
+            self.rejections.rearm(key, 0.05)
+            return
         events, waiter = self.rejections.take(key)
         if waiter is None:
             return

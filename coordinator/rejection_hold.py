@@ -68,6 +68,11 @@ class RejectionHold:
             self._timers[key] = loop.call_later(delay, self._flush, key)
         return fut
 
+    def rearm(self, key: Key, delay_s: float) -> None:
+        """Try ``key``'s flush again in ``delay_s`` (the ledger could not write its row just now)."""
+        if key in self.held:
+            self._timers[key] = asyncio.get_running_loop().call_later(delay_s, self._flush, key)
+
     def take(self, key: Key) -> tuple[list[Any], asyncio.Future[None] | None]:
         """The refusals held for ``key`` and their future; the key's interval restarts now."""
         timer = self._timers.pop(key, None)

@@ -96,6 +96,40 @@ async def test_junk_transitions_become_a_handful_of_rows_with_their_counts(
             await nc.drain()
 
 
+async def test_a_burst_of_refusals_waits_for_one_row_and_audits_stay_clean(
+        database_url: str, nats_url: str, subjects: Subjects) -> None:
+    """The first refusal of a quiet worker epoch and kind is logged at once; the burst after it is
+    held (neither applied nor logged, its messages not acked) and logged as one row when the
+    interval ends — an audit in between (the live state replayed from the log) sees no difference."""
+    cfg = fast_config(database_url, nats_url, subjects, rejection_interval_ms=1500)
+    async with running_coordinator(cfg) as (app, base):
+        nc = await nats.connect(nats_url)
+        db = await asyncpg.connect(database_url)
+        try:
+            w = Worker(nc, subjects)
+            await w.register()
+            await w.watch_watermarks()
+            js = nc.jetstream(timeout=10)
+            await js.publish(subjects.events("w1"), encode(junk(w, 1)))
+            await w.wait_watermark(1)                  # at once: nothing of its kind in the interval
+            await asyncio.gather(*(js.publish(subjects.events("w1"), encode(junk(w, s))) for s in range(2, 201)))
+            ledger = app[COORDINATOR].ledger
+            deadline = asyncio.get_running_loop().time() + 5
+            while sum(len(v) for v in ledger.rejections.held.values()) < 199:
+                assert asyncio.get_running_loop().time() < deadline, "the burst was not held"
+                await asyncio.sleep(0.02)
+            assert w.watermark == 1 and ledger.state.committed_seq("w1", w.epoch) == 1
+            await _audit_clean(base)                   # held: in neither the live state nor the log
+            await w.wait_watermark(200, timeout_s=10)
+            rows = await db.fetch("SELECT payload FROM events WHERE type = 'transition.rejected' ORDER BY position")
+            assert [(json.loads(r["payload"])["count"], json.loads(r["payload"])["more"]) for r in rows] == \
+                [(1, []), (199, [[3, 200]])]
+            await _audit_clean(base)
+        finally:
+            await db.close()
+            await nc.drain()
+
+
 @pytest.fixture(scope="module")
 def nats210(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
     """The pip package's nats-server (≥ 2.10: per-subject discard new), without users."""
