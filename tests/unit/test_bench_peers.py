@@ -1,9 +1,11 @@
 """bench.peers without any peer installed: guidellm's json read into figures and keys, absent peers
 reported as absent, the decode floor's arithmetic.
 
-tests/unit/data/guidellm_0.8.1_vllm_c2.json is a real report of guidellm 0.8.1 (the bench's
-workload at 2 streams, 6 requests, 60 s cap, against vLLM's CPU build on this project's 2-core
-machine under load), trimmed: per-request records and the text/turn metrics removed."""
+Two real guidellm 0.8.1 reports of the bench's workload on this project's 2-core machine under
+load, trimmed (per-request records and the text/turn metrics removed): guidellm_0.8.1_vllm_c2.json
+(vLLM's CPU build, 2 streams, 6 requests, 60 s cap) and guidellm_0.8.1_kvledger_c8_timeout.json
+(``kvledger up`` at 8 streams: every request past the worker's 60 s request timeout; one errored
+request's error kept)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from bench.peers.report import Failed, Level, dtype_suffix, parse_levels, read_l
 from bench.peers.servers import installed
 
 REPORT = Path(__file__).parent / "data" / "guidellm_0.8.1_vllm_c2.json"
+TIMEOUT_REPORT = Path(__file__).parent / "data" / "guidellm_0.8.1_kvledger_c8_timeout.json"
 
 
 def test_a_real_guidellm_report_is_read_as_its_console_table_shows_it() -> None:
@@ -72,20 +75,22 @@ def test_a_peer_whose_venv_is_not_ready_is_not_installed(tmp_path: Path, monkeyp
 
 
 def test_a_level_without_one_successful_request_is_a_failure_naming_its_first_error() -> None:
-    bad = copy.deepcopy(json.loads(REPORT.read_text()))
-    bench = bad["benchmarks"][0]
-    bench["metrics"]["request_totals"].update(successful=0, errored=6, incomplete=0)
-    # as guidellm 0.8.1 records an error the server streamed (kvledger's request timeout, seen at c=8)
-    bench["requests"]["errored"] = [{"info": {"error": "Traceback ...\nValueError: Streaming response returned an "
-                                                        "error: the request did not finish within "
-                                                        "service.request_timeout_ms (60000 ms)\n"}}]
-    [lv] = parse_levels(bad)
-    assert isinstance(lv, Failed) and lv.concurrency == 2
-    assert lv.reason.startswith("no successful request (6 errored, 0 incomplete): ValueError: Streaming")
+    [lv] = read_levels(TIMEOUT_REPORT)
+    assert isinstance(lv, Failed) and lv.concurrency == 8
+    assert lv.reason.startswith("no successful request (8 errored, 0 incomplete): ValueError('Streaming response")
+    assert "service.request_timeout_ms (60000 ms)" in lv.reason
     keys = results_keys("float32", ["float32"], {"kvledger": [lv], "vllm": read_levels(REPORT)}, floor_ms=10.0)
-    assert keys["kvledger_c2"].startswith("failed: no successful request")
-    assert "kvledger_output_tps_c2" not in keys and not [k for k in keys if "ratio" in k]
+    assert keys["kvledger_c8"].startswith("failed: no successful request")
+    assert not [k for k in keys if k.startswith("kvledger_") and k != "kvledger_c8"]
+    assert not [k for k in keys if "ratio" in k] and "itl_c1_vs_floor" not in keys
     assert keys["peer_vllm_output_tps_c2"] == pytest.approx(2.98, abs=0.01)
+
+
+def test_a_level_cut_by_its_cap_before_any_request_finished_says_so() -> None:
+    cut = copy.deepcopy(json.loads(REPORT.read_text()))
+    cut["benchmarks"][0]["metrics"]["request_totals"].update(successful=0, errored=0, incomplete=6)
+    [lv] = parse_levels(cut)
+    assert isinstance(lv, Failed) and lv.reason.endswith("none finished within the level's 60 s")
 
 
 def test_the_dtype_suffix_appears_only_when_several_dtypes_run() -> None:
