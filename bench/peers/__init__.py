@@ -17,6 +17,6 @@ kvledger ÷ peer ratios (``peer_vllm_throughput_ratio_c8``: above 1 kvledger is 
 installed is ``"peer_<name>": "absent"``; one that failed, ``"failed: <why>"``.
 
     bench/peers/setup.sh --only vllm,guidellm         # once: the peers' own venvs
-    python -m bench.peers --quick                      # c=1,8, float32: ~10 min
-    python -m bench.peers                              # c=1,8,32, float32 and bfloat16
+    python -m bench.peers --quick                      # c=1,8, float32, levels capped at 120 s: ~10 min
+    python -m bench.peers --peers vllm                 # c=1,8,32, float32 and bfloat16, 90 s caps: ≤ ~30 min
 """
