@@ -2,13 +2,16 @@
 route queries) and with the workers (HTTP: the requests themselves).
 
 ``POST /v1/completions``, ``POST /v1/chat/completions``: authenticated by API key (the workers'
-key config), admitted by the tenant's rate limits (:mod:`gateway.limits`: 429 + Retry-After),
-routed (:mod:`gateway.routing`), and forwarded with the client's body — with the tenant in a
-signed header (:mod:`shared.tenant_header`) when ``auth.gateway_secret`` is set, else with
-the client's ``Authorization`` header for the worker to check. SSE streams pass through chunk
+key config) before a byte of the body is read, the body read within its cap and timeout and
+checked to be a JSON object (:mod:`gateway.intake`; slow headers are closed by the keep-alive
+timer, :mod:`shared.http_limits`), admitted by the tenant's rate limits (:mod:`gateway.limits`:
+429 + Retry-After), routed (:mod:`gateway.routing`), and forwarded with the client's body —
+with the tenant in a signed header (:mod:`shared.tenant_header`) when ``auth.gateway_secret``
+is set, else with the client's ``Authorization`` header for the worker to check. SSE streams pass through chunk
 by chunk, and every answer names the worker that served it (``x-kvl-worker``) and why it was
-chosen (``x-kvl-route``). ``GET /v1/models`` is answered by a worker. ``/healthz`` and
-``/health`` (alive), ``/readyz`` (the fleet is known and a worker usable), ``/metrics``.
+chosen (``x-kvl-route``). ``GET /v1/models``, ``/tokenize`` and ``/detokenize`` (with a key
+when one is required) are answered by a worker. ``/healthz`` and ``/health`` (alive),
+``/readyz`` (the fleet is known and a worker usable), ``/metrics``.
 
 Failover: a worker that refuses the connection, resets it, dies before its answer (or a
 stream's first event) is complete, or answers 429/502/503/504, before any byte reached the
@@ -35,6 +38,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from gateway import intake
 from gateway.inflight import InFlightPrefixes
 from gateway.limits import Admitted, Refused, TenantLimits
 from gateway.prompt import prompt_tokens
@@ -43,11 +47,12 @@ from shared import messages as m
 from shared import tracing
 from shared.config import Config
 from shared.hashing import chain_hashes
+from shared.http_limits import handler_args
 from shared.images import ImageLimits, PromptImage, image_block_keys
 from shared.logging import get_logger
 from shared.subjects import Subjects
 from shared.tenant_header import SIGNATURE_HEADER, TENANT_HEADER, sign
-from shared.tenants import DEFAULT_TENANT, AuthError, Tenant, TenantDirectory, salt_secret, tenant_salt
+from shared.tenants import Tenant, TenantDirectory, salt_secret, tenant_salt
 from shared.text.generation_config import DEFAULT_MAX_TOKENS
 from shared.text.chat_template import ChatTemplate
 from shared.text.image_prompt import ImagePrompting
@@ -60,7 +65,6 @@ RETRY_STATUSES = frozenset({429, 502, 503, 504})
 #: Request headers passed to the worker (hop-by-hop and length headers are the proxy's own;
 #: ``Authorization`` only when no gateway secret signs the tenant instead).
 FORWARDED = ("Content-Type", "Accept", "X-Request-Id")
-MAX_BODY = 32 * 2**20
 #: Routes traced when tracing is on (the ones routed by cache).
 TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 #: How much of a stream's end is kept to read its usage chunk (realised cached tokens, refunds).
@@ -262,21 +266,28 @@ class Gateway:
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         try:
-            tenant = self.tenants.authenticate(request.headers.get("Authorization"))
-        except AuthError as e:
-            return self._count("/v1/models", _error(401, str(e), "authentication_error", "invalid_api_key"))
+            tenant = intake.authenticate(self.tenants, request)
+        except intake.Refused as e:
+            return self._count("/v1/models", e.response())
         choices, _ = await self.route(None, "")
         return await self._forward(request, "GET", b"", choices, "/v1/models", tenant, None)
 
+    async def _intake(self, request: web.Request) -> tuple[Tenant, bytes, dict[str, Any]]:
+        """The tenant (before a byte of the body is read), the body within its limits, its JSON
+        object (:mod:`gateway.intake`); raises :class:`gateway.intake.Refused`."""
+        tenant = intake.authenticate(self.tenants, request)
+        body = await intake.read(request, self.cfg)
+        return tenant, body, intake.parse(body)
+
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
-        """``/tokenize``, ``/detokenize`` (vLLM's routes; tenant-free, as on the workers): any usable worker."""
-        if request.content_length is not None and request.content_length > MAX_BODY:
-            return self._count(request.path, _error(413, f"request body over {MAX_BODY} bytes",
-                                                    "invalid_request_error", "body_too_large"))
-        body = await request.read()
+        """``/tokenize``, ``/detokenize`` (vLLM's routes): any usable worker, with a key when
+        ``auth.required`` (the workers serve them without one: the gateway is the door)."""
+        try:
+            tenant, body, _ = await self._intake(request)
+        except intake.Refused as e:
+            return self._count(request.path, e.response())
         choices, _ = await self.route(None, "")
-        return await self._forward(request, request.method, body, choices, request.path,
-                                   self.tenants.tenant(DEFAULT_TENANT), None)
+        return await self._forward(request, request.method, body, choices, request.path, tenant, None)
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": package_version()})
@@ -294,21 +305,13 @@ class Gateway:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         path = request.path
-        if request.content_length is not None and request.content_length > MAX_BODY:
-            return self._count(path, _error(413, f"request body over {MAX_BODY} bytes", "invalid_request_error",
-                                            "body_too_large"))
-        body = await request.read()
         try:
-            tenant = self.tenants.authenticate(request.headers.get("Authorization"))
-        except AuthError as e:
-            return self._count(path, _error(401, str(e), "authentication_error", "invalid_api_key"))
+            tenant, body, doc = await self._intake(request)
+        except intake.Refused as e:
+            return self._count(path, e.response())
         tracing.current().set_attribute("kvl.tenant", tenant.id)
         t0 = time.perf_counter()
         with tracing.span("gateway.route") as span:     # tokenize + hash + route query (+ the rate limits)
-            try:
-                doc = json.loads(body)
-            except ValueError:
-                doc = None
             args = (path, doc, self.tokenizer, self.template, self.images, self.image_limits)
             # NOTE: images are decoded and resized to hash them: CPU work, off the event loop
             prompt = (await asyncio.to_thread(prompt_tokens, *args)
@@ -472,7 +475,12 @@ def create_app(gw: Gateway) -> web.Application:
     # gateway.request: a generation request's span (the root of its trace, or a child of the client's traceparent)
     traced = ([tracing.http_middleware("gateway.request", TRACED_PATHS, lambda _: {"kvl.gateway_id": gw.g.gateway_id})]
               if tracing.enabled() else [])
-    app = web.Application(client_max_size=MAX_BODY, middlewares=traced)
+    # NOTE: the keep-alive timer also closes a connection whose headers are slower than it; an
+    # unread body (a request refused before its body was read) is drained for at most the body
+    # timeout before its connection closes (shared.http_limits)
+    g = gw.g
+    app = web.Application(client_max_size=intake.body_limit(gw.cfg), middlewares=traced,
+                          handler_args=handler_args(g.keepalive_timeout_ms, lingering_ms=g.body_read_timeout_ms))
     app.router.add_get("/healthz", gw.healthz)
     app.router.add_get("/health", gw.healthz)
     app.router.add_get("/readyz", gw.readyz)

@@ -112,6 +112,8 @@ def prompt_tokens(path: str, body: Any, tokenizer: Tokenizer, template: ChatTemp
             return Prompt(tokenizer.encode(prompt, add_special_tokens=True))
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return Prompt(list(prompt))
-    except (ChatTemplateError, ValueError, TypeError, AttributeError, KeyError):
+    # NOTE: RecursionError: a body nested deeper than the workers take (they refuse it) but not
+    # too deep for the gateway's parser, rendered by the template (``tools``)
+    except (ChatTemplateError, ValueError, TypeError, AttributeError, KeyError, RecursionError):
         return None
     return None

@@ -351,6 +351,15 @@ class GatewayConfig(_Section):
     unlisted_grace_ms: PosInt = 30_000
     #: The gateway process's event loop: ``uvloop`` (libuv) or ``asyncio`` (the standard library's).
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
+    #: Largest request body the gateway reads (413 above: before reading when the Content-Length
+    #: says so, at the limit for a chunked body); 0 = the workers' ``service.max_body_bytes``.
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    #: Idle time allowed on a client connection between requests, and the longest a client may
+    #: take to send a request's headers (slower connections are closed).
+    keepalive_timeout_ms: PosInt = 15000
+    #: Time allowed to receive a request body once its headers are in (and the API key checked);
+    #: slower is a 408 and the connection is closed. Also the longest an unread body is drained.
+    body_read_timeout_ms: PosInt = 10000
 
 
 class AuthConfig(_Section):
