@@ -204,6 +204,7 @@ def metric_rows() -> list[dict[str, str]]:
     from gateway.app import GatewayMetrics
     from worker.metrics import GpuMemory, WorkerMetrics
     from worker.scheduler import ServingMetrics
+    from worker.structured import GrammarMetrics
 
     cm = CoordinatorMetrics()
     cm.watch_pools(lambda: [("w", "f", 0, 0)])
@@ -212,6 +213,7 @@ def metric_rows() -> list[dict[str, str]]:
     cm.registry.register(ChainHeadCollector(lambda: (1, bytes(32))))
     wm = WorkerMetrics()
     ServingMetrics.of(wm.registry)
+    GrammarMetrics.of(wm.registry)
     # a worker on CUDA has these too (none on CPU, where this runs): listed from a stand-in device
     wm.watch_gpu("cuda:0", 0, read=lambda _: GpuMemory(0, 0, 0, 0))
     rows = []

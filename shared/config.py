@@ -161,6 +161,28 @@ class ServiceConfig(_Section):
     allow_remote_images: bool = False
     #: Time allowed to fetch one remote image (connect, redirects and body), when allowed.
     image_fetch_timeout_ms: PosInt = 10000
+    #: Most bytes one image may take decoded (width × height × channels × bytes per channel after
+    #: the mode conversion, per frame): checked from the header before the pixels are decoded.
+    max_image_decoded_bytes: PosInt = 64 * 2**20
+    #: Most frames an animated GIF / WebP / PNG may declare (only the first is read).
+    max_image_frames: PosInt = 256
+    #: Structured output (``worker.structured``): most bytes of a grammar, regex, JSON schema or
+    #: choice list (all choices together), as sent; more is a 400 naming this key.
+    structured_max_bytes: PosInt = 256 * 1024
+    #: Most strings a ``structured_outputs.choice`` list may hold.
+    structured_max_choices: PosInt = 10000
+    #: Most levels of objects / arrays inside each other in a JSON schema (and a tool's parameters).
+    structured_max_schema_depth: PosInt = 32
+    #: Time one grammar may take to compile (in a child process, off the event loop); past it the
+    #: child is killed and the request answered 400 naming this key.
+    structured_compile_timeout_ms: PosInt = 5000
+    #: Child processes that compile grammars (started on first use; ~30 MB each).
+    structured_compile_processes: Annotated[int, msgspec.Meta(ge=1, le=16)] = 2
+    #: Address-space limit of each compiler child, MiB (0: none); a grammar past it is a 400.
+    structured_compile_memory_mb: Annotated[int, msgspec.Meta(ge=0)] = 1024
+    #: Compiled grammars kept by content, measured in their source bytes (a compiled grammar holds
+    #: ~100x its source in memory); a repeated grammar is not compiled again.
+    structured_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 2 * 2**20
 
 
 class DatabaseConfig(_Section):

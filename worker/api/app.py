@@ -22,7 +22,7 @@ from shared.text.chat_template import ChatTemplate
 from worker.engine import Engine
 from shared.text.generation_config import SamplingDefaults
 from worker.scheduler import Scheduler
-from worker.structured import StructuredOutput
+from worker.structured import StructuredLimits, StructuredOutput
 from shared.tenant_header import SIGNATURE_HEADER, TENANT_HEADER, verify
 from shared.tenants import TenantDirectory
 from shared.text.tokenizer import Tokenizer
@@ -89,7 +89,8 @@ def create_app(engine: Engine, cfg: Config, tokenizer: Tokenizer, scheduler: Sch
     app[SCHEDULER] = scheduler
     app[TENANTS] = TenantDirectory.from_config(cfg.auth)
     app[METRICS] = scheduler.metrics
-    app[STRUCTURED] = StructuredOutput(tokenizer, engine.model.cfg.vocab_size)
+    app[STRUCTURED] = StructuredOutput(tokenizer, engine.model.cfg.vocab_size, StructuredLimits.of(cfg.service),
+                                       engine.metrics.registry)
     app[TOOL_FORMAT] = choose_format(cfg.service.tool_call_parser, chat_template.tool_format)
     app[SERVED] = Served(model_id=engine.model.cfg.model_id, fingerprint=f"kvl-{engine.namespace[:16]}",
                          created=int(time.time()), max_body_bytes=limit,
@@ -98,6 +99,7 @@ def create_app(engine: Engine, cfg: Config, tokenizer: Tokenizer, scheduler: Sch
     async def scheduler_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
         await app[SCHEDULER].stop()
+        await app[STRUCTURED].close()       # the grammar compiler's child processes
 
     app.cleanup_ctx.append(scheduler_ctx)
     app.router.add_post("/v1/completions", h.completions)

@@ -75,22 +75,24 @@ def check_model(served: Served, model: str | None) -> None:
                             f"{served.model_id!r}", param="model", code="model_not_found")
 
 
-def structured(request: web.Request, body: BaseRequest) -> Any:
+async def structured(request: web.Request, body: BaseRequest) -> Any:
+    """The output's grammar, compiled off the event loop within ``service.structured_*``
+    (:mod:`worker.structured`)."""
     so = request.app[STRUCTURED]
     if body.structured_outputs:
         if body.response_format and body.response_format.get("type") not in (None, "text"):
             raise ApiError.invalid("give response_format or structured_outputs, not both", "structured_outputs")
         try:
-            return so.compile_extension(body.structured_outputs)
+            return await so.compile_extension(body.structured_outputs)
         except GrammarError as e:
-            raise ApiError.invalid(str(e), "structured_outputs") from None
+            raise ApiError.invalid(str(e), "structured_outputs", code=e.code) from None
     try:
-        return so.compile(body.response_format)
+        return await so.compile(body.response_format)
     except GrammarError as e:
-        raise ApiError.invalid(str(e), "response_format") from None
+        raise ApiError.invalid(str(e), "response_format", code=e.code) from None
 
 
-def gen_request(request: web.Request, body: BaseRequest, tokens: list[int], max_tokens: int | None,
+async def gen_request(request: web.Request, body: BaseRequest, tokens: list[int], max_tokens: int | None,
                 images: tuple[PromptImage, ...] = (), tools: ToolPlan | None = None) -> GenRequest:
     """The scheduler's request; a forced tool call (``tools.grammar``) is its output's grammar."""
     tok = request.app[TOKENIZER]
@@ -102,7 +104,7 @@ def gen_request(request: web.Request, body: BaseRequest, tokens: list[int], max_
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=body.repetition_penalty or 1.0, logit_bias=body.bias(), min_tokens=body.min_tokens,
         logprobs=body.top_logprobs_count,
-        grammar=tools.grammar if tools is not None and tools.grammar is not None else structured(request, body))
+        grammar=tools.grammar if tools is not None and tools.grammar is not None else await structured(request, body))
     return GenRequest(tokens=tokens, max_tokens=max_tokens, tenant=request[TENANT], sampling=sampling,
                       reuse=body.cache_reuse, priority=body.priority,
                       stop_token_ids=tok.eos_token_ids | frozenset(body.stop_token_ids or ()), images=images)
@@ -179,7 +181,7 @@ async def _generate(request: web.Request, body: BaseRequest, shape: _Shape, toke
     # NOTE: everything that can refuse the request happens before submit: a request answered
     # 400 must never be left running in the scheduler (it would hold a slot to max_tokens).
     text = TextStream(request.app[TOKENIZER].detokenizer(), body.stops())
-    req = gen_request(request, body, tokens, max_tokens, images, shape.tools)
+    req = await gen_request(request, body, tokens, max_tokens, images, shape.tools)
     lps = (LogprobsShape(request.app[TOKENIZER], chat=shape.chat, top=req.sampling.logprobs)
            if req.sampling.logprobs is not None else None)
     echo: tuple[str, dict[str, Any] | None] | None = None
@@ -332,7 +334,7 @@ async def _generate_samples(request: web.Request, body: BaseRequest, shape: _Sha
     is seeded ``seed + i`` (with a ``seed``)."""
     sched = request.app[SCHEDULER]
     body.check_n(request.app[CONFIG].service.max_n)
-    base = gen_request(request, body, tokens, max_tokens, images, shape.tools)
+    base = await gen_request(request, body, tokens, max_tokens, images, shape.tools)
     k, n = body.samples, body.n
     want_lp = base.sampling.logprobs
 
@@ -493,7 +495,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body: ChatCompletionRequest = decode(await read_body(request, served), ChatCompletionRequest)
     body.checks()
     check_model(served, body.model)
-    tools = tools_api.plan(request.app[TOOL_FORMAT], body.tools, body.choice, body.parallel_tool_calls is not False,
+    tools = await tools_api.plan(request.app[TOOL_FORMAT], body.tools, body.choice, body.parallel_tool_calls is not False,
                            request.app[STRUCTURED])
     images = await chat_images(request, body.messages)        # empty without image parts
     messages = [images.message(i, _message(body, i, images.placeholder)) for i in range(len(body.messages))]

@@ -218,7 +218,7 @@ def _openai_call(call: tool_calls.Call) -> dict[str, Any]:
             "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def plan(fmt: str, tools: list[dict[str, Any]] | None, choice: ToolChoice, parallel: bool,
+async def plan(fmt: str, tools: list[dict[str, Any]] | None, choice: ToolChoice, parallel: bool,
          so: StructuredOutput) -> ToolPlan | None:
     """The request's :class:`ToolPlan` (None: its output is plain text). Raises the 400s of a call
     that cannot be forced: no known syntax, or a schema llguidance cannot compile (named)."""
@@ -237,9 +237,9 @@ def plan(fmt: str, tools: list[dict[str, Any]] | None, choice: ToolChoice, paral
                for i, fn in chosen]
     try:
         lark = tool_calls.grammar(fmt, functions, parallel=parallel and choice.mode == "required")
-        grammar = so.compile_tool_calls(lark, schemas)
+        grammar = await so.compile_tool_calls(lark, schemas)
     except GrammarError as e:
-        raise ApiError.invalid(str(e), e.param or "tool_choice") from None
+        raise ApiError.invalid(str(e), e.param or "tool_choice", code=e.code) from None
     return ToolPlan(fmt, names, grammar)
 
 
