@@ -43,7 +43,10 @@ def requests_at(c: int, quick: bool) -> int:
 def guidellm_command(guidellm: Path, target: str, model: str, tokenizer_dir: Path, c: int, requests: int,
                      max_seconds: int, seed: int, out: Path, w: Workload = Workload()) -> list[str]:
     return [str(guidellm), "run",
-            "--backend", f"kind=openai_http,target={target},model={model},request_format=/v1/chat/completions",
+            # validate_backend=false: guidellm's check is GET /health, which llama-cpp-python's server
+            # lacks; the bench has already seen /v1/models answer and a chat request served
+            "--backend", f"kind=openai_http,target={target},model={model},request_format=/v1/chat/completions,"
+                         "validate_backend=false",
             "--profile", f"kind=concurrent,streams={c}",
             "--data", w.data_arg(),
             "--tokenizer", f"kind=hf_auto,model={tokenizer_dir}",
