@@ -10,11 +10,19 @@ lease for a request with images, so both prepare an image with this code.
 1. a ``data:`` URL with a base64 payload of an allowed media type (PNG, JPEG, WebP, GIF); its
    decoded size is computed from the base64 length and checked against ``service.max_image_bytes``
    *before* anything is decoded;
-2. the picture's width × height, read from its header alone, against ``service.max_image_pixels``
-   (before its pixels are decoded: a small file can declare a huge canvas);
+2. from its header alone, before any pixel is decoded (a 2 KB PNG can declare a 4096 × 4096
+   canvas): its width × height against ``service.max_image_pixels``; the bytes one decoded copy
+   takes — width × height × channels × bytes per channel, of its own mode or of the RGB / RGBA it
+   is converted to, whichever is more — against ``service.max_image_decoded_bytes``; the frames
+   an animated image declares against ``service.max_image_frames``;
 3. then it is decoded (a GIF's or animated WebP's first frame), made RGB (an alpha channel is
-   composited onto white, as transformers' ``convert_to_rgb`` does), and resized to the model's
-   ``image_size`` square with Pillow's bicubic filter.
+   composited onto white, as transformers' ``convert_to_rgb`` does; an image without one is
+   converted straight to RGB, the same pixels without the three RGBA copies), and resized to the
+   model's ``image_size`` square with Pillow's bicubic filter.
+
+The peak memory of one image is therefore a small multiple of its decoded budget: a 1-bit
+4096 × 4096 PNG of 2 KB cost 229 MB before (four full-size RGBA/RGB copies), ~50 MB now
+(``tests/unit/test_image_budget.py`` measures it).
 
 (``service.max_images_per_request`` is counted by the caller before any image is read; remote
 ``http(s)`` URLs are the worker's business: :mod:`worker.api.images`.)
@@ -96,20 +104,24 @@ class ImageSpec:
 @dataclass(frozen=True, slots=True)
 class ImageLimits:
     """``service.max_image_bytes`` / ``max_image_pixels`` / ``max_images_per_request`` /
-    ``allow_remote_images`` / ``image_fetch_timeout_ms``."""
+    ``allow_remote_images`` / ``image_fetch_timeout_ms`` / ``max_image_decoded_bytes`` /
+    ``max_image_frames``."""
 
     max_bytes: int
     max_pixels: int
     max_images: int
     allow_remote: bool = False
     fetch_timeout_s: float = 10.0
+    max_decoded_bytes: int = 64 * 2**20
+    max_frames: int = 256
 
     @classmethod
     def of(cls, service: Any) -> ImageLimits:
         """From a :class:`shared.config.ServiceConfig`."""
         return cls(max_bytes=service.max_image_bytes, max_pixels=service.max_image_pixels,
                    max_images=service.max_images_per_request, allow_remote=service.allow_remote_images,
-                   fetch_timeout_s=service.image_fetch_timeout_ms / 1000)
+                   fetch_timeout_s=service.image_fetch_timeout_ms / 1000,
+                   max_decoded_bytes=service.max_image_decoded_bytes, max_frames=service.max_image_frames)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -194,6 +206,7 @@ def prepare(data: bytes, spec: ImageSpec, limits: ImageLimits, param: str) -> Pr
             raise _too_many_pixels(param, (w, h), limits)
         if w <= 0 or h <= 0:
             raise ImageError(f"{param}: the image has no pixels ({w}×{h})", param, code="invalid_image")
+        _check_header(img, param, limits)
         try:
             img.seek(0)                                  # a GIF's / animated WebP's first frame
             rgb = _rgb(img)
@@ -206,6 +219,40 @@ def prepare(data: bytes, spec: ImageSpec, limits: ImageLimits, param: str) -> Pr
     pixels = square.tobytes()
     assert square.mode == "RGB" and len(pixels) == spec.image_size ** 2 * 3, (square.mode, len(pixels))
     return PreparedImage(pixels, content_hash(pixels, spec))
+
+
+def decoded_bytes(mode: str, size: tuple[int, int]) -> int:
+    """Bytes one full-size copy of an image of ``mode`` takes while it is prepared: its own
+    mode's or the RGB / RGBA it is converted to (:func:`_rgb`), whichever is more."""
+    from PIL import Image
+
+    try:
+        own = len(Image.new(mode, (1, 1)).tobytes())   # bytes per pixel: channels × bytes per channel
+    except (ValueError, OSError):
+        own = 4
+    return size[0] * size[1] * max(own, 3 if mode == "RGB" or not _has_alpha_mode(mode) else 4)
+
+
+def _has_alpha_mode(mode: str) -> bool:
+    return mode in ("RGBA", "LA", "PA", "La", "RGBa", "P")   # P: a palette may carry transparency
+
+
+def _check_header(img: Any, param: str, limits: ImageLimits) -> None:
+    """The decoded-bytes and frame budgets, from what the header declares (nothing decoded)."""
+    need = decoded_bytes(img.mode, img.size)
+    if need > limits.max_decoded_bytes:
+        w, h = img.size
+        raise ImageError(f"{param}: the image would take {need} bytes decoded ({w}×{h}, mode {img.mode}); at most "
+                         f"{limits.max_decoded_bytes} (service.max_image_decoded_bytes)", param,
+                         code="image_too_large_decoded")
+    try:
+        frames = int(getattr(img, "n_frames", 1))      # headers only: no frame is decoded to count them
+    except (OSError, ValueError, SyntaxError, EOFError):
+        raise ImageError(f"{param}: the image could not be decoded (truncated or damaged)", param,
+                         code="invalid_image") from None
+    if frames > limits.max_frames:
+        raise ImageError(f"{param}: the image has {frames} frames; at most {limits.max_frames} "
+                         f"(service.max_image_frames; only the first is used)", param, code="image_too_many_frames")
 
 
 def _too_many_pixels(param: str, size: tuple[int, int] | None, limits: ImageLimits) -> ImageError:
@@ -221,8 +268,15 @@ def _rgb(img: Any) -> Any:
     if img.mode == "RGB":
         img.load()
         return img
+    if img.mode in _OPAQUE and "transparency" not in img.info:
+        # NOTE: no alpha to composite: the same pixels as through RGBA, without three full-size copies
+        return img.convert("RGB")
     rgba = img.convert("RGBA")
     return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+
+
+#: Modes without an alpha channel (converted straight to RGB when no ``transparency`` is declared).
+_OPAQUE = frozenset({"1", "L", "P", "CMYK", "YCbCr", "LAB", "HSV", "I", "I;16", "I;16L", "I;16B", "I;16N", "F"})
 
 
 def content_hash(pixels: bytes, spec: ImageSpec) -> str:
@@ -292,4 +346,5 @@ def image_spec_of(model_dir: str) -> ImageSpec | None:
 
 __all__ = ["CONFIG_KEY", "FORMATS", "MEDIA_TYPES", "PIPELINE", "ImageError", "ImageLimits", "ImageSpec",
            "PreparedImage", "PromptImage", "check_bytes", "check_placement", "content_hash", "decode_data_url",
+           "decoded_bytes",
            "image_block_keys", "image_spec_of", "is_remote", "prepare"]
