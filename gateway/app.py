@@ -43,8 +43,8 @@ from gateway.inflight import InFlightPrefixes
 from gateway.limits import Admitted, Refused, TenantLimits
 from gateway.prompt import prompt_tokens
 from gateway.routing import Choice, Worker, choose
+from shared import access_log, tracing
 from shared import messages as m
-from shared import tracing
 from shared.config import Config
 from shared.hashing import chain_hashes
 from shared.http_limits import handler_args
@@ -301,6 +301,8 @@ class Gateway:
             headers[SIGNATURE_HEADER] = sign(secret, tenant.id, method, request.path_qs, body, time.time())
         elif (a := request.headers.get("Authorization")) is not None:
             headers["Authorization"] = a
+        if (rid := access_log.current_id()) is not None:
+            headers[access_log.REQUEST_ID_HEADER] = rid   # the worker's access line has the same id
         return headers
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -310,6 +312,7 @@ class Gateway:
         except intake.Refused as e:
             return self._count(path, e.response())
         tracing.current().set_attribute("kvl.tenant", tenant.id)
+        access_log.note(tenant=tenant.id)
         t0 = time.perf_counter()
         with tracing.span("gateway.route") as span:     # tokenize + hash + route query (+ the rate limits)
             args = (path, doc, self.tokenizer, self.template, self.images, self.image_limits)
@@ -363,6 +366,7 @@ class Gateway:
         for i, choice in enumerate(choices):
             w = choice.worker
             more = i + 1 < len(choices)
+            access_log.note(worker=w.worker_id, failovers=i)   # failovers: workers tried before this one
             self.in_flight[w.worker_id] = self.in_flight.get(w.worker_id, 0) + 1
             self.metrics.in_flight.labels(worker=w.worker_id).set(self.in_flight[w.worker_id])
             hashes = hashes_of.get(w.worker_id, ())
@@ -435,6 +439,7 @@ class Gateway:
         """Count the realised cached tokens of a usage object; its total tokens (None if none)."""
         if not isinstance(usage, dict):
             return None
+        access_log.note_usage(usage)
         with contextlib.suppress(TypeError, ValueError, AttributeError):
             self.metrics.realized.inc(int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)))
         try:
@@ -481,6 +486,7 @@ def create_app(gw: Gateway) -> web.Application:
     g = gw.g
     app = web.Application(client_max_size=intake.body_limit(gw.cfg), middlewares=traced,
                           handler_args=handler_args(g.keepalive_timeout_ms, lingering_ms=g.body_read_timeout_ms))
+    access_log.install(app, "gateway", enabled=gw.cfg.logging.access_log)
     app.router.add_get("/healthz", gw.healthz)
     app.router.add_get("/health", gw.healthz)
     app.router.add_get("/readyz", gw.readyz)

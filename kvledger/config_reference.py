@@ -74,8 +74,9 @@ EXTRA = {
                          "full the worker serves degraded (no caching) until it drains.",
     "worker.outbox_resend_ms": "Transitions not covered by the watermark after this long are published again.",
     "auth.keys": "API keys: a list of `{key_sha256, tenant, max_concurrency, cache_quota_blocks, "
-                 "requests_per_second, tokens_per_minute}` (keys are stored only as sha256; the last two "
-                 "are the gateway's rate limits, 0 = none).",
+                 "requests_per_second, tokens_per_minute, priority}` (keys are stored only as sha256; "
+                 "requests_per_second and tokens_per_minute are the gateway's rate limits, 0 = none; priority is "
+                 "the tenant's scheduling priority, which a request may only lower).",
     "logging.level": "Least severe level written.",
 }
 

@@ -18,18 +18,20 @@ Theory of operation — a small process supervisor, threads and ``subprocess``, 
 5. **Summary.** A table of what runs where (URL, pid, log file) on stdout, and the same as
    JSON in ``<state_dir>/stack.json`` for scripts.
 6. **Supervision.** Every child runs in its own process group (Ctrl-C reaches only this
-   process, which then stops the children in order). Its stdout and stderr go, line by
-   line, to ``<state_dir>/logs/<name>.log`` unchanged (JSON) and to the terminal rendered
-   readably with a ``name |`` prefix. A coordinator or worker that exits while the stack is
-   up is reported with the end of its log and **restarted** with the same port and worker id,
-   after a backoff that doubles while it keeps dying (0.5 s up to 10 s); the others keep
-   running (a restarted worker registers again and the coordinator fences its old epoch; a
-   restarted coordinator replays the log, or stands by if another one took the lead). The
-   restarts are counted in the table, ``stack.json`` and a JSON line in the child's log. A
-   process that dies more than ``--max-restarts`` times within ``--restart-window`` seconds
-   is a crash loop, not bad luck: **the whole stack stops** (exit 1) and says so. An embedded
-   PostgreSQL or NATS that exits is started again on the same port and data directory (the
-   coordinator and workers reconnect; the workers keep their caches), under the same limit.
+   process, which then stops the children in order). Its stdout and stderr go, line by line,
+   to ``<state_dir>/logs/<name>.log`` as JSON lines (a plain line, such as ``listening on
+   URL`` or a traceback's, wrapped in an ``output`` record; rotated at ``logging.max_bytes``,
+   ``logging.backups`` kept) and to the terminal rendered readably with a ``name |`` prefix.
+   A coordinator or worker that exits while the stack is up is reported with the end of its
+   log and **restarted** with the same port and worker id, after a backoff that doubles while
+   it keeps dying (0.5 s up to 10 s); the others keep running (a restarted worker registers
+   again and the coordinator fences its old epoch; a restarted coordinator replays the log,
+   or stands by if another one took the lead). The restarts are counted in the table,
+   ``stack.json`` and a JSON line in the child's log. A process that dies more than
+   ``--max-restarts`` times within ``--restart-window`` seconds is a crash loop, not bad luck:
+   **the whole stack stops** (exit 1) and says so. An embedded PostgreSQL or NATS that exits is
+   started again on the same port and data directory (the coordinator and workers reconnect;
+   the workers keep their caches), under the same limit.
 7. **Shutdown** on SIGINT/SIGTERM (a second signal hurries: SIGKILL at once): workers, then
    the coordinators, each by SIGTERM to its process group with a grace period, then SIGKILL;
    then NATS and PostgreSQL. Finally every process this supervisor started, and anything
@@ -47,6 +49,7 @@ import contextlib
 import json
 import os
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -64,6 +67,8 @@ from typing import IO, Any
 from shared import nats_auth
 from shared.child_process import parent_death_signal
 from shared.config import Config
+from kvledger.discovery import cli_command, found_from
+from shared.logging import JsonLinesFile
 from shared.nats_auth import CredentialStore
 from shared.subjects import Subjects
 from shared.tls import client_context, http_scheme
@@ -189,11 +194,13 @@ class Child:
     :meth:`start` again after it exited runs it anew with the same command and environment."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path, console: Console,
-                 colour: str, echo: bool) -> None:
+                 colour: str, echo: bool, *, max_bytes: int = 50 * 2**20, backups: int = 5) -> None:
         self.name = name
         self.argv = argv
         self.env = env
         self.log_path = log_path
+        #: Every line the child prints, as one JSON object per line, rotated by size (logging.max_bytes).
+        self.log = JsonLinesFile(log_path, max_bytes, backups, logger=name)
         self.console = console
         self.colour = colour
         self.echo = echo
@@ -218,20 +225,19 @@ class Child:
 
     def _pump(self) -> None:
         assert self.popen is not None and self.popen.stdout is not None
-        with open(self.log_path, "a", encoding="utf-8") as log:
-            for line in self.popen.stdout:
-                log.write(line)
-                log.flush()
-                self._tail.append(line.rstrip("\n"))
-                del self._tail[:-40]
-                if line.startswith("listening on http"):
-                    self.url = line.split()[-1].strip()
-                    self.url_seen.set()
-                if self.echo:
-                    try:
-                        self.console.child_line(self.name, self.colour, line)
-                    except (OSError, ValueError):  # the terminal went away (`kvledger up | head`)
-                        self.echo = False  # keep draining the pipe, or the child blocks on a full one
+        for line in self.popen.stdout:
+            # NOTE: a plain line (`listening on …`, a traceback) goes to the log file as an `output` record
+            self.log.write(line, render_log_line(line)[0])
+            self._tail.append(line.rstrip("\n"))
+            del self._tail[:-40]
+            if line.startswith("listening on http"):
+                self.url = line.split()[-1].strip()
+                self.url_seen.set()
+            if self.echo:
+                try:
+                    self.console.child_line(self.name, self.colour, line)
+                except (OSError, ValueError):  # the terminal went away (`kvledger up | head`)
+                    self.echo = False  # keep draining the pipe, or the child blocks on a full one
 
     @property
     def pid(self) -> int:
@@ -254,8 +260,7 @@ class Child:
         run ended and why the next began. Only between runs (after :meth:`stop`): no reader writes."""
         ts = datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
         doc = {"event": event, "level": level, "logger": "kvledger.up", "timestamp": ts, "name": self.name, **fields}
-        with open(self.log_path, "a", encoding="utf-8") as log:
-            log.write(json.dumps(doc) + "\n")
+        self.log.write_json(json.dumps(doc))
 
     def signal_group(self, sig: int) -> None:
         if self.popen is None:
@@ -551,7 +556,8 @@ class Stack:
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str], colour: str) -> Child:
         self.console.width = max(self.console.width, len(name) + 1)
-        child = Child(name, argv, env, self.log_dir / f"{name}.log", self.console, colour, self.opts.echo_logs)
+        child = Child(name, argv, env, self.log_dir / f"{name}.log", self.console, colour, self.opts.echo_logs,
+                      max_bytes=self.cfg.logging.max_bytes, backups=self.cfg.logging.backups)
         self._run(child)
         return child
 
@@ -791,10 +797,12 @@ class Stack:
             ca = f"--cacert {self.cfg.tls.ca_file} " if self.cfg.tls.ca_file and self.cfg.tls.cert_file else ""
             lines.append(f"  curl {ca}{endpoint}/v1/completions -H 'Content-Type: application/json' "
                          "-d '{\"prompt\": \"Hello\", \"max_tokens\": 8}'")
-        flag = "" if self.coordinator_url == _default_coordinator_url(self.cfg) else \
-            f" --coordinator-url {self.coordinator_url}"
-        lines.append(f"  kvledger workers{flag}    kvledger audit{flag}    kvledger events --follow{flag}")
-        lines.append(f"  state and logs: {self.state_dir}/ (stack.json lists the addresses)")
+        # NOTE: as printed, from a fresh shell: the full command (no activated venv needed) and, unless
+        # the nearest .kvl-state of the working directory is this stack's, its state dir (kvledger.discovery)
+        kvl = cli_command()
+        flag = "" if found_from(self.state_dir, Path.cwd()) else f" --state-dir {shlex.quote(str(self.state_dir))}"
+        lines += [f"  {kvl} {command}{flag}" for command in ("workers", "events --follow", "audit")]
+        lines.append(f"  state and logs: {self.state_dir}/ (stack.json lists the addresses; logs/*.log are JSON lines)")
         if self.credentials is not None:
             lines.append(f"  NATS users (operator, observer, ...): passwords in {self.credentials.dir}/ "
                          "(docs/operations.md, \"Identity on the bus\")")
@@ -807,6 +815,8 @@ class Stack:
                "coordinator_url": self.coordinator_url, "coordinator_urls": [c.url for c in self.coordinators],
                "worker_urls": [w.url for w in self.workers],
                "gateway_url": self.gateways[0].url if self.gateways else None,
+               # the operator commands that find this file read this configuration too (kvledger.discovery)
+               "config": str(Path(self.opts.config_path).resolve()) if self.opts.config_path else None,
                "services": [{**r, "url": _redact_url(r["url"] or "")} for r in self.rows()]}
         path = self.state_dir / "stack.json"
         tmp = path.with_suffix(".json.tmp")
@@ -958,10 +968,6 @@ def survivors(pids: set[int], below: list[Any] | None = None) -> list[str]:
         except psutil.Error:
             continue
     return out
-
-
-def _default_coordinator_url(cfg: Config) -> str:
-    return f"{http_scheme(cfg.tls)}://{cfg.coordinator.host}:{cfg.coordinator.port}"
 
 
 def _redact_url(url: str) -> str:

@@ -342,6 +342,9 @@ class ApiKey(_Section):
     #: Tokens per minute (prompt + max_tokens, refunded to what was generated) the gateway admits
     #: for this tenant (token bucket, one minute of burst; 0 = no limit).
     tokens_per_minute: Annotated[int, msgspec.Meta(ge=0)] = 0
+    #: This tenant's scheduling priority (lower runs first); a request's ``priority`` may only
+    #: lower it (a larger number), never raise it (``shared.tenants``).
+    priority: Annotated[int, msgspec.Meta(ge=-1_000_000, le=1_000_000)] = 0
 
 
 class GatewayConfig(_Section):
@@ -403,6 +406,13 @@ class AuthConfig(_Section):
 class LoggingConfig(_Section):
     format: Literal["json", "console", "auto"] = "auto"
     level: Literal["debug", "info", "warning", "error"] = "info"
+    #: Size at which ``kvledger up`` rotates a ``<state_dir>/logs/<name>.log`` (to ``.log.1``, …).
+    max_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 50 * 1024 * 1024
+    #: Rotated files kept per log (``.log.1`` … ``.log.N``); the oldest is deleted.
+    backups: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 5
+    #: One ``access`` line at info level per API request in the worker and the gateway
+    #: (``shared.access_log``: id, tenant, status, token counts, timings; never content).
+    access_log: bool = True
 
 
 class TracingConfig(_Section):

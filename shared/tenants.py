@@ -20,6 +20,11 @@ in the queue); ``cache_quota_blocks`` — blocks of this tenant a worker keeps i
 pools (new blocks beyond it are computed but not cached); ``requests_per_second`` and
 ``tokens_per_minute`` — what the gateway admits (``gateway.limits``). Several keys may name
 one tenant; they must then agree on its limits.
+
+Priority: ``priority`` (lower runs first, vLLM's convention; default 0) is the tenant's, from
+its key's configuration. A request's own ``priority`` may only lower it — a larger number —
+and one that asks for more than its tenant has is given its tenant's (:func:`effective_priority`),
+so no client can jump the queue by sending ``priority: -1000000``.
 """
 
 from __future__ import annotations
@@ -54,6 +59,16 @@ class Tenant:
     cache_quota_blocks: int = 0
     requests_per_second: float = 0.0
     tokens_per_minute: int = 0
+    #: Scheduling priority (lower first); a request may ask for a larger number, never a smaller one.
+    priority: int = 0
+
+
+def effective_priority(tenant: Tenant, requested: int | None) -> int:
+    """The priority a request runs at: its tenant's, or the lower one (a larger number) it asked for.
+
+    A request asking for a higher priority (a smaller number) than its tenant's gets its tenant's:
+    clamped, not refused, so an OpenAI client that always sends ``priority: 0`` keeps working."""
+    return tenant.priority if requested is None else max(requested, tenant.priority)
 
 
 def key_sha256(key: str) -> str:
@@ -88,14 +103,15 @@ class TenantDirectory:
             if not isinstance(k.tenant, str) or not TENANT_NAME.fullmatch(k.tenant):
                 raise ConfigError(f"auth keys: tenant name {k.tenant!r} is not allowed; use 1 to 64 letters, "
                                   f"digits, '_' or '-' (key hash {str(k.key_sha256)[:12]}…)")
-            t = Tenant(k.tenant, k.max_concurrency, k.cache_quota_blocks, k.requests_per_second, k.tokens_per_minute)
+            t = Tenant(k.tenant, k.max_concurrency, k.cache_quota_blocks, k.requests_per_second, k.tokens_per_minute,
+                       k.priority)
             known = self._by_hash.get(k.key_sha256)
             if known is not None and known.id != t.id:
                 raise ConfigError(f"auth keys: one key hash ({k.key_sha256[:12]}…) is listed for tenants "
                                   f"{known.id!r} and {t.id!r}")
             if from_keys.setdefault(t.id, t) != t:
                 raise ConfigError(f"auth keys of tenant {t.id!r} disagree on its limits (max_concurrency, "
-                                  f"cache_quota_blocks, requests_per_second, tokens_per_minute); give every key "
+                                  f"cache_quota_blocks, requests_per_second, tokens_per_minute, priority); give every key "
                                   f"of a tenant the same limits")
             self._by_hash[k.key_sha256] = t
         self._tenants.update(from_keys)
@@ -173,5 +189,5 @@ def tenant_salt(secret: str, tenant: str) -> bytes:
     return hashlib.blake2b(tenant.encode(), key=key, digest_size=16, person=b"kvl-tenant-salt").digest()
 
 
-__all__ = ["AuthError", "DEFAULT_TENANT", "DEFAULT_TENANT_SECRET", "Tenant", "TenantDirectory", "key_sha256",
-           "salt_secret", "tenant_salt"]
+__all__ = ["AuthError", "DEFAULT_TENANT", "DEFAULT_TENANT_SECRET", "Tenant", "TenantDirectory", "effective_priority",
+           "key_sha256", "salt_secret", "tenant_salt"]

@@ -144,7 +144,7 @@ def test_two_coordinators_one_leads_and_the_standby_takes_over_when_it_is_killed
     assert eventually("coordinator-2 standing by", lambda: readyz_status(second) == (503, "standby"))
     out = up.output()
     assert "coordinator-2 starting (pid" in out and "as a standby" in out
-    assert f"kvledger workers --coordinator-url {first}" in out  # the hints point at the first
+    assert f" workers --state-dir {up.state}" in out  # the hints name this stack (its stack.json: the first)
     leader = service(up, "coordinator")
     tree = up.tree()
 

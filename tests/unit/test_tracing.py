@@ -140,9 +140,9 @@ def test_the_http_apps_trace_only_when_tracing_is_on() -> None:
     from shared.config import Config
 
     gw = Gateway(Config(), None, None)  # type: ignore[arg-type]   # no model side needed to build the app
-    assert len(create_app(gw).middlewares) == 0
+    assert len(create_app(gw).middlewares) == 1   # the access log's (shared.access_log) alone
     tracing.setup(TracingConfig(), "test", exporter=InMemorySpanExporter())
     try:
-        assert len(create_app(gw).middlewares) == 1
+        assert len(create_app(gw).middlewares) == 2
     finally:
         tracing.shutdown()

@@ -8,7 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
-from shared import tracing
+from shared import access_log, tracing
 from shared.config import Config
 from shared.http_limits import handler_args
 from worker.api import handlers as h
@@ -81,6 +81,8 @@ def create_app(engine: Engine, cfg: Config, tokenizer: Tokenizer, scheduler: Sch
                           # NOTE: the keep-alive timer also bounds a client that sends its headers
                           # slowly; the body has its own limit (read_body; shared.http_limits).
                           handler_args=handler_args(cfg.service.keepalive_timeout_ms))
+    access_log.install(app, "worker", enabled=cfg.logging.access_log,
+                       tenant_of=lambda r: getattr(r.get(TENANT), "id", None))
     app[ENGINE] = engine
     app[CONFIG] = cfg
     app[TOKENIZER] = tokenizer

@@ -37,6 +37,8 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from shared import access_log
+from shared.tenants import effective_priority
 from worker.api.errors import ApiError, to_api_error, internal_error
 from worker.api.keys import (
     CHAT_TEMPLATE, CONFIG, ENGINE, SAMPLING, SCHEDULER, SERVED, STRUCTURED, TENANT, TOKENIZER, TOOL_FORMAT, Served,
@@ -106,7 +108,7 @@ async def gen_request(request: web.Request, body: BaseRequest, tokens: list[int]
         logprobs=body.top_logprobs_count,
         grammar=tools.grammar if tools is not None and tools.grammar is not None else await structured(request, body))
     return GenRequest(tokens=tokens, max_tokens=max_tokens, tenant=request[TENANT], sampling=sampling,
-                      reuse=body.cache_reuse, priority=body.priority,
+                      reuse=body.cache_reuse, priority=effective_priority(request[TENANT], body.priority),
                       stop_token_ids=tok.eos_token_ids | frozenset(body.stop_token_ids or ()), images=images)
 
 
@@ -160,12 +162,13 @@ class _Shape:
 
 
 def usage(job: Job, completion_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": job.prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": job.cached_tokens}}
+    return access_log.note_usage({"prompt_tokens": job.prompt_tokens, "completion_tokens": completion_tokens,
+                                  "total_tokens": job.prompt_tokens + completion_tokens,
+                                  "prompt_tokens_details": {"cached_tokens": job.cached_tokens}})
 
 
 def kvl_info(job: Job) -> dict[str, Any]:
+    access_log.note(fallbacks=job.fallbacks)
     return {"cache_reuse": job.req.reuse, "fallbacks": job.fallbacks, "degraded": job.degraded}
 
 
@@ -390,7 +393,7 @@ async def _generate_samples(request: web.Request, body: BaseRequest, shape: _Sha
 def _samples_usage(samples: list[_Sample]) -> dict[str, Any]:
     """The prompt once (its first run's cache figure), the completions of every sample."""
     completion = sum(s.text.tokens for s in samples)
-    return {**usage(samples[0].job, completion), "completion_tokens": completion}
+    return access_log.note_usage({**usage(samples[0].job, completion), "completion_tokens": completion})
 
 
 async def _stream_samples(request: web.Request, body: BaseRequest, shape: _Shape, samples: list[_Sample],

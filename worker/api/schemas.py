@@ -25,7 +25,10 @@ kvledger extensions (pass them with the openai client's ``extra_body``):
 
 * ``cache_reuse`` (bool, default true) — false runs this request without reading the
   prefix cache (it still fills it): a cold run, for differential checks;
-* ``priority`` (int, default 0) — lower is scheduled first (vLLM's convention);
+* ``priority`` (int, default: the tenant's, ``auth.keys[].priority``, 0 unless configured) — lower
+  is scheduled first (vLLM's convention); a request may only lower its tenant's priority (ask for a
+  larger number): one that asks for a smaller number runs at its tenant's
+  (:func:`shared.tenants.effective_priority`);
 * ``top_k`` (int, default 0 = off, or the checkpoint's default).
 
 Defaults: ``max_tokens`` 16 (both endpoints; the tiny model has no end-of-sequence token,
@@ -96,7 +99,8 @@ class BaseRequest(msgspec.Struct, kw_only=True):
     structured_outputs: dict[str, Any] | None = None
     # kvledger extensions
     cache_reuse: bool = True
-    priority: Priority = 0
+    #: None = the tenant's; see :func:`shared.tenants.effective_priority` (a client may only lower it).
+    priority: Priority | None = None
 
     def common_checks(self) -> None:
         if self.stream_options is not None and not self.stream:
