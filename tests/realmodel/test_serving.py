@@ -95,3 +95,19 @@ async def test_tool_calls_through_its_template(serve, monkeypatch) -> None:
         assert call.function.name == "get_weather"
         args = json.loads(call.function.arguments)
         assert set(args) == {"city"} and isinstance(args["city"], str)
+
+
+async def test_ignore_eos_generates_past_the_end_of_sequence(serve) -> None:
+    """vLLM's ``ignore_eos`` (what benchmarks send for fixed-length replies): a reply that ends
+    early ends at ``max_tokens`` instead, and its first tokens are the ones it had."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    async with serve() as s:
+        c = s.client()
+        model = s.engine.model.cfg.model_id
+        short = await c.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0)
+        assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 40
+        n = short.usage.completion_tokens + 4
+        long = await c.chat.completions.create(model=model, messages=messages, max_tokens=n, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        assert long.choices[0].finish_reason == "length" and long.usage.completion_tokens == n
+        assert long.choices[0].message.content.startswith(short.choices[0].message.content)

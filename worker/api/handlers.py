@@ -109,7 +109,8 @@ async def gen_request(request: web.Request, body: BaseRequest, tokens: list[int]
         grammar=tools.grammar if tools is not None and tools.grammar is not None else await structured(request, body))
     return GenRequest(tokens=tokens, max_tokens=max_tokens, tenant=request[TENANT], sampling=sampling,
                       reuse=body.cache_reuse, priority=effective_priority(request[TENANT], body.priority),
-                      stop_token_ids=tok.eos_token_ids | frozenset(body.stop_token_ids or ()), images=images)
+                      stop_token_ids=(frozenset() if body.ignore_eos else tok.eos_token_ids) | frozenset(body.stop_token_ids or ()),
+                      images=images)
 
 
 # --- output --------------------------------------------------------------------------------------

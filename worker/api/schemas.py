@@ -19,7 +19,8 @@ in [-2, 2]; ``logit_bias`` {token id: bias in [-100, 100]}, at most 300 entries,
 vocabulary; ``logprobs`` (completions, 0–20) and ``logprobs`` + ``top_logprobs`` (chat, 0–20,
 ``top_logprobs`` only with ``logprobs``: true). vLLM's extensions: ``repetition_penalty``
 (0, 10], ``min_p`` [0, 1], ``min_tokens`` (at most ``max_tokens``), ``stop_token_ids`` (at
-most 64 ids in the vocabulary; the token is part of the output unless it is a special token).
+most 64 ids in the vocabulary; the token is part of the output unless it is a special token),
+``ignore_eos`` (the model's end-of-sequence tokens do not end the output).
 
 kvledger extensions (pass them with the openai client's ``extra_body``):
 
@@ -92,6 +93,9 @@ class BaseRequest(msgspec.Struct, kw_only=True):
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
     min_tokens: NonNeg = 0
     stop_token_ids: Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    #: Generation goes on past the model's end-of-sequence tokens (benchmarks' fixed-length
+    #: replies); ``stop_token_ids`` and ``stop`` still end it.
+    ignore_eos: bool = False
     #: ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}``
     #: (completions too, as vLLM takes it); compiled by ``worker.structured``.
     response_format: dict[str, Any] | None = None
