@@ -137,6 +137,15 @@ class ServiceConfig(_Section):
     #: in the scheduler; all but the first decode a copy of the state the first one's prompt left.
     max_n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 16
     queue_timeout_ms: PosInt = 30000
+    #: Goodput under overload (``worker.scheduler``): a queued request is admitted only while the
+    #: prompt tokens admitted but not yet prefilled, plus its own, can be prefilled at the worker's
+    #: measured prefill rate within this share of the time each running request (and it) has left
+    #: to its deadline after its own remaining tokens — so the first admitted finish instead of
+    #: every request streaming behind the others' prompts to a 504 together. A queued request that
+    #: could not finish even with all the time left is refused at once (429, Retry-After from the
+    #: backlog). Smaller: more margin for a machine slower than measured, fewer prompts at once.
+    #: 0: admission by ``max_concurrency`` alone.
+    admission_prefill_share: Fraction = 0.5
     max_body_bytes: PosInt = 4 * 2**20
     #: Idle time allowed on a connection between requests, and the longest a client may take to
     #: send a request's headers (slower connections are closed).

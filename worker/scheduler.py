@@ -19,7 +19,23 @@ admitted by ``priority`` (lower first, vLLM's convention), then arrival, while f
 arrival at a busy worker waits for the batch window (``service.batch_window_ms``) to close, so a
 burst is admitted in priority order rather than arrival order and its prompts share forwards; at
 an idle worker (nothing running, more slots free than requests waiting) a request is admitted
-at once. Waiting longer than ``service.queue_timeout_ms``
+at once.
+
+*Goodput under overload.* Admission also bounds the prefill backlog: the prompt tokens of
+admitted requests not yet prefilled. The stepper prefills prompts in (priority, arrival) order
+with the whole budget, but every admitted request's decode tokens ride in every forward — so
+once more prompts are admitted than the worker can prefill before their deadline, the early
+ones stream one token per (large) prompt forward and every request misses the deadline
+together (eight ~970-token prompts on SmolLM2: all 504). So a queued request is admitted only
+while the backlog plus its own prompt can be prefilled, at the stepper's measured prefill rate
+(``Stepper.prefill_tok_s``, a moving average), within ``service.admission_prefill_share`` of the
+time left to its deadline (the rest is for decoding); the first in line is admitted when
+nothing is left to prefill, so a prompt always runs. Before any rate is measured, one prompt is
+prefilled at a time. A queued request whose prompt could not be prefilled before its deadline
+even with the whole time left is refused at once (:class:`Overloaded`, a 429 whose Retry-After
+is the backlog's time) — at submission or while it waits — instead of running to a 504 and
+taking the machine from those that can finish. 0 turns this off (admission by slots alone).
+Waiting longer than ``service.queue_timeout_ms``
 → :class:`QueueTimeout`; the whole request longer than ``service.request_timeout_ms`` →
 :class:`RequestTimeout`.
 
@@ -83,6 +99,17 @@ class QueueFull(SchedulerError):
     def __init__(self, queued: int, retry_after_s: int) -> None:
         super().__init__(f"the request queue is full ({queued} waiting); retry after {retry_after_s} s")
         self.retry_after_s = retry_after_s
+
+
+class Overloaded(QueueFull):
+    """The prompt cannot be prefilled before the request's deadline at the measured rate."""
+
+    def __init__(self, backlog_tokens: int, rate_tok_s: float, retry_after_s: int) -> None:
+        SchedulerError.__init__(self, f"the worker is overloaded: {backlog_tokens} prompt tokens to prefill (this "
+                                f"request's and those ahead of it) at ~{rate_tok_s:.0f} tokens/s would not finish "
+                                f"within service.request_timeout_ms; retry after {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+        self.backlog_tokens = backlog_tokens
 
 
 class QueueTimeout(SchedulerError):
@@ -206,6 +233,12 @@ class Job:
         self.seq = seq
         self.id = f"{seq:x}"
         self.arrival = arrival
+        #: When ``service.request_timeout_ms`` ends for this request (``perf_counter`` time).
+        self.deadline = math.inf
+        #: The open session (its ``prefill_pos`` says how much of the prompt is left).
+        self.session: Session | None = None
+        #: Tokens generated so far.
+        self.generated = 0
         self.admitted_at = 0.0
         self.admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.outcome: Outcome | None = None
@@ -292,6 +325,8 @@ class Scheduler:
         self._closed = False
         #: Moving average of admitted requests' running time (for Retry-After); None until one ended.
         self._avg_run_s: float | None = None
+        #: Re-check admission after every forward (prompts advanced; the prefill rate moved).
+        engine.stepper.on_step = self._admit
 
     # --- state -------------------------------------------------------------------------------
 
@@ -347,7 +382,12 @@ class Scheduler:
             retry = self._retry_after()
             self.metrics.rejected.labels(reason="queue_full").inc()
             raise QueueFull(len(self._waiting), retry)
+        refusal = self._unreachable(len(req.tokens), self._queued_prompt_tokens(req.priority), self.cfg.request_timeout_ms / 1000)
+        if refusal is not None:
+            self.metrics.rejected.labels(reason="overloaded").inc()
+            raise refusal
         job = Job(req, next(self._seq), time.perf_counter())
+        job.deadline = job.arrival + self.cfg.request_timeout_ms / 1000
         if fork_of is not None and fork_of._forks is not None:
             job.fork_from = asyncio.get_running_loop().create_future()
             fork_of._forks.append(job.fork_from)
@@ -385,6 +425,62 @@ class Scheduler:
         wait_s = service_s * (len(self._waiting) + 1) / self.cfg.max_concurrency
         return max(RETRY_AFTER_MIN_S, min(RETRY_AFTER_MAX_S, math.ceil(wait_s)))
 
+    # --- the prefill backlog (see "Goodput under overload" in the module docstring) ---------------
+
+    def _prefill_backlog(self) -> int:
+        """Prompt tokens of running requests not yet prefilled (a whole prompt before its session opens)."""
+        n = 0
+        for j in self._running:
+            s = j.session
+            if s is not None:
+                n += max(0, len(s.tokens) - s.prefill_pos)
+            elif j.fork_from is None:
+                n += len(j.req.tokens)
+        return n
+
+    def _queued_prompt_tokens(self, priority: int) -> int:
+        """Prompt tokens of queued requests a new request of ``priority`` would wait behind."""
+        return sum(len(j.req.tokens) for j in self._waiting if j.req.priority <= priority)
+
+    def _unreachable(self, own: int, ahead: int, time_left_s: float) -> Overloaded | None:
+        """An :class:`Overloaded` when ``own`` prompt tokens behind the running backlog and ``ahead``
+        queued ones could not be prefilled within ``time_left_s`` at the measured rate; else None."""
+        rate = self.engine.stepper.prefill_tok_s
+        if not self.cfg.admission_prefill_share or not rate:
+            return None
+        before = self._prefill_backlog() + ahead
+        if not before or (before + own) / rate <= time_left_s:
+            return None
+        return self._overloaded(before + own, rate)
+
+    def _overloaded(self, tokens: int, rate: float) -> Overloaded:
+        """The refusal of a request that would finish prefilling ``tokens`` (its own last): Retry-After
+        is the time until a fresh request could be admitted: the backlog ahead of it within
+        ``admission_prefill_share`` of the request timeout."""
+        wait_s = tokens / rate - self.cfg.admission_prefill_share * self.cfg.request_timeout_ms / 1000
+        retry = max(RETRY_AFTER_MIN_S, min(RETRY_AFTER_MAX_S, math.ceil(max(wait_s, 0.0))))
+        return Overloaded(tokens, rate, retry)
+
+    def _fits(self, now: float, prefill_s: float, job: Job) -> bool:
+        """Whether ``prefill_s`` of prompts (the backlog with ``job``'s) may run before the remaining
+        tokens of every running request and of ``job``: within ``admission_prefill_share`` of the
+        time each has left after its own decoding (the rest is the margin for a machine slower than
+        measured, and for decode tokens that ride in the prompt forwards, counted at no speed)."""
+        share = self.cfg.admission_prefill_share
+        return all(prefill_s <= share * (j.deadline - now - self._decode_s(j)) for j in (*self._running, job))
+
+    def _decode_s(self, job: Job) -> float:
+        """The time ``job``'s remaining tokens take at the measured decode step with every running
+        request decoding (the larger of the step and the per-row time × requests; before one was
+        measured: two blocks of prompt at the prefill rate per row), at most
+        ``1 - admission_prefill_share`` of the request timeout."""
+        st = self.engine.stepper
+        rows = len(self._running) + (job not in self._running)
+        row_s = st.decode_row_s or (2 * self.engine.block_size / st.prefill_tok_s)
+        step_s = max(st.decode_step_s or 0.0, row_s * rows)
+        most = (1 - self.cfg.admission_prefill_share) * self.cfg.request_timeout_ms / 1000
+        return min(most, (job.req.max_tokens - job.generated) * step_s)
+
     def _close_window(self) -> None:
         self._window = None
         self._admit()
@@ -394,14 +490,34 @@ class Scheduler:
         if not self._waiting or len(self._running) >= self.cfg.max_concurrency:
             return
         now = time.perf_counter()
+        share = self.cfg.admission_prefill_share
+        rate = self.engine.stepper.prefill_tok_s
+        backlog = self._prefill_backlog() if share else 0
+        blocked = False                       # a request ahead waits: the rest only hear if they cannot make it
         for job in sorted(self._waiting, key=lambda j: (j.req.priority, j.seq)):
-            if len(self._running) >= self.cfg.max_concurrency:
+            if not blocked and len(self._running) >= self.cfg.max_concurrency:
                 break
             t = job.req.tenant
             if t.max_concurrency and self._tenant_running[t.id] >= t.max_concurrency:
                 continue                      # this tenant waits; others may go ahead
             if job.admitted.done():
                 continue                      # cancelled while queued (its task removes it)
+            own = 0 if job.fork_from is not None else len(job.req.tokens)   # a fork runs no prompt
+            if share and rate and backlog:
+                left = job.deadline - now
+                need = (backlog + own) / rate         # its prompt done after all ahead of it
+                if need + self._decode_s(job) > left:
+                    # NOTE: both sides shrink alike while the worker prefills: it would never fit
+                    self._waiting.remove(job)
+                    job.admitted.set_exception(self._overloaded(backlog + own, rate))
+                    continue
+                if not blocked and not self._fits(now, need, job):
+                    blocked = True            # waits (in order) until the backlog drains
+            elif share and backlog and not rate:
+                blocked = True                # nothing measured yet: one prompt at a time
+            backlog += own
+            if blocked:
+                continue
             self._waiting.remove(job)
             self._running.add(job)
             self._tenant_running[t.id] += 1
@@ -444,6 +560,9 @@ class Scheduler:
                 reason = "timeout"
                 self.metrics.rejected.labels(reason="request_timeout").inc()
                 job._events.put_nowait(RequestTimeout(self.cfg.request_timeout_ms))
+            except Overloaded as e:
+                reason = "overloaded"
+                job._events.put_nowait(e)
             except QueueTimeout as e:
                 reason = "timeout"
                 self.metrics.rejected.labels(reason="queue_timeout").inc()
@@ -469,6 +588,9 @@ class Scheduler:
         try:
             async with asyncio.timeout(self.cfg.queue_timeout_ms / 1000):
                 await asyncio.shield(job.admitted)
+        except Overloaded:
+            self.metrics.rejected.labels(reason="overloaded").inc()
+            raise
         except TimeoutError:
             if job.admitted.done():
                 return                        # admitted at the last moment: run it
@@ -522,6 +644,7 @@ class Scheduler:
         e = self.engine
         req = job.req
         s = await self._open(job)
+        job.session = s
         try:
             job.cached_tokens = s.cached_tokens
             job.fallbacks = list(s.fallbacks)
@@ -547,6 +670,7 @@ class Scheduler:
                     self.metrics.itl.observe(now - last)
                 last = now
                 self.metrics.generation_tokens.inc()
+                job.generated += 1
                 if lp is not None:
                     job.logprobs.append(lp)     # before the token: a reader of token i finds its logprobs
                 job._events.put_nowait(tok)
@@ -604,5 +728,5 @@ class Scheduler:
 
 
 __all__ = ["ContextTooLong", "GenRequest", "InternalError", "InvalidRequest", "Job", "Outcome", "QueueFull",
-           "QueueTimeout", "RequestTimeout", "Sampler", "SamplingParams", "Scheduler", "SchedulerError",
+           "Overloaded", "QueueTimeout", "RequestTimeout", "Sampler", "SamplingParams", "Scheduler", "SchedulerError",
            "ServingMetrics", "ShuttingDown"]

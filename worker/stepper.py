@@ -141,8 +141,23 @@ class Stepper:
     def __init__(self, model, executor: Executor, *, max_batch_tokens: int, block_size: int,
                  max_prompt_tokens_with_decodes: int = 0, metrics=None, check_every: int = 0,
                  on_mismatch: Callable[[str], None] | None = None, lanes: int = 1,
-                 lane_min_rows: int = 512) -> None:
+                 lane_min_rows: int = 512, on_step: Callable[[], None] | None = None) -> None:
         self.model = model
+        #: Called on the event loop after every forward (the scheduler re-checks admission).
+        self.on_step = on_step
+        #: Moving average of seconds per prompt token in forwards that carried at least a block of
+        #: prompt rows (decode rows in them count as time, not tokens); None until one ran.
+        #: Averaged per token, not per second, so slow forwards (late positions of a long prompt,
+        #: a busy machine) weigh as they cost. See :attr:`prefill_tok_s`.
+        self._prefill_s_per_tok: float | None = None
+        #: Moving average of the time from a forward of decode tokens only to the next forward's
+        #: start (the step a decoding request sees: its forward, sampling, handing in the next
+        #: token); None until measured.
+        self.decode_step_s: float | None = None
+        #: The same per decode row (a forward's time grows with its requests: per-request work).
+        self.decode_row_s: float | None = None
+        self._decode_only_at: float | None = None
+        self._decode_only_rows = 0
         self.executor = executor
         #: Forwards run at once (the model thread's and ``lanes - 1`` lane threads'; see the module docstring).
         self.lanes = lanes
@@ -170,6 +185,12 @@ class Stepper:
         self.forwards = 0
         self.rows = 0
         self.segments = 0
+
+    @property
+    def prefill_tok_s(self) -> float | None:
+        """The measured prefill rate (prompt tokens per second); None until a prompt ran. The
+        scheduler's admission sizes the prefill backlog by it (``worker.scheduler``)."""
+        return 1 / self._prefill_s_per_tok if self._prefill_s_per_tok else None
 
     @property
     def fused(self) -> bool:
@@ -222,9 +243,17 @@ class Stepper:
                 await asyncio.sleep(0)
             self._waiting = [s for s in self._waiting if not s.fut.done()]   # cancelled meanwhile
             if not self._waiting:
+                self._decode_only_at = None     # idle time is no step
                 return
             batch = self._form()
             t0 = time.perf_counter()
+            if self._decode_only_at is not None:
+                step = t0 - self._decode_only_at
+                self.decode_step_s = step if self.decode_step_s is None else 0.7 * self.decode_step_s + 0.3 * step
+                row = step / self._decode_only_rows
+                self.decode_row_s = row if self.decode_row_s is None else 0.7 * self.decode_row_s + 0.3 * row
+            self._decode_only_at = t0 if all(s.decode for s in batch) else None
+            self._decode_only_rows = len(batch)
             try:
                 results = await loop.run_in_executor(self.executor, self._run, batch)
             except BaseException as e:  # noqa: BLE001 - every request of the batch hears of it
@@ -236,9 +265,14 @@ class Stepper:
                 if isinstance(e, FusedMismatch) and self.on_mismatch is not None:
                     self.on_mismatch(str(e))
                 continue
+            dt = time.perf_counter() - t0
             if self.metrics is not None:
-                self.metrics.observe_step(len(batch), sum(r.tokens for r in results if isinstance(r, StepResult)),
-                                          time.perf_counter() - t0)
+                self.metrics.observe_step(len(batch), sum(r.tokens for r in results if isinstance(r, StepResult)), dt)
+            prompt_rows = sum(len(s.ids) for s in batch if not s.decode)
+            if prompt_rows >= self.block_size and dt > 0:
+                per = dt / prompt_rows
+                self._prefill_s_per_tok = per if self._prefill_s_per_tok is None else \
+                    0.7 * self._prefill_s_per_tok + 0.3 * per
             for s, r in zip(batch, results):
                 if s.fut.done():
                     continue
@@ -246,6 +280,8 @@ class Stepper:
                     s.fut.set_exception(r)
                 else:
                     s.fut.set_result(r)
+            if self.on_step is not None:
+                self.on_step()
 
     def _form(self) -> list[_Step]:
         """Pick this forward's steps and decide each prompt's piece (see the module docstring)."""
