@@ -63,6 +63,16 @@ Pools: ``--pool-mb`` (default 256) is ``worker.pool_bytes``. The window form (``
 32 agents evict each other's latest windows and the cached fraction drops (the run
 reports ``evictions`` and ``fallbacks_*`` from the worker's counters when they happen).
 
+Goodput under overload (``--overload`` runs only this; the default and ``--api-only`` runs run it
+first, before the stack starts): the built-in tiny model's engine and the worker's scheduler in this process
+(no HTTP, no coordinator), long prompts (3,072 tokens; quick 2,048) and 16 output tokens. One
+request alone takes ``t1``; under a request timeout of ``k`` × ``t1`` (k = 6; quick 5) at most
+``k`` requests could finish; 2k are sent at once. ``goodput_ratio_overload`` is those finished
+within the timeout ÷ k (goal ≥ 0.8), with the default ``service.admission_prefill_share``;
+``goodput_ratio_overload_unbounded`` is the same with it 0 (admission by slots alone, as before
+issue 53: every request streamed behind the others' prompts to a 504 together), and
+``overload_refused_early`` / ``overload_timed_out`` say how the rest ended.
+
 Services: ``--database-url``/``--nats-url`` (default ``$KVL_DATABASE_URL``/``$KVL_NATS_URL``),
 else embedded PostgreSQL and NATS. Progress goes to stderr; the last line printed is one
 JSON object.
@@ -453,6 +463,63 @@ _COUNTERS = {"evictions": ('kvl_worker_transitions_total', {"kind": "evict"}),
              "prefix_wait_timeouts": ("kvl_worker_prefix_waits_total", {"outcome": "timeout"})}
 
 
+async def overload_phase(quick: bool) -> dict[str, Any]:
+    """Goodput under overload (see the module docstring): default admission vs slots alone."""
+    import msgspec
+    import torch
+
+    from shared.config import parse_config
+    from shared.tenants import Tenant
+    from worker.engine import Engine
+    from worker.model import build_model
+    from worker.scheduler import GenRequest, Overloaded, QueueTimeout, RequestTimeout, SamplingParams, Scheduler
+
+    torch.set_num_threads(1)
+    prompt, max_tokens, k = (2048, 16, 5) if quick else (3072, 16, 6)
+    model = build_model(seed=0)
+    rng = random.Random(53)
+    out: dict[str, Any] = {}
+    for share in (0.5, 0.0):
+        tmp = Path(tempfile.mkdtemp(prefix="kvl-bench-overload-"))
+        cfg = parse_config({"cache": {"host_tier_bytes": 0, "offload_dir": ""},
+                            "worker": {"worker_id": "bench-overload", "pool_bytes": 128 * 2**20},
+                            "service": {"admission_prefill_share": share, "request_timeout_ms": 600_000},
+                            "state_dir": str(tmp)})
+        engine = Engine(model, cfg, None)
+        await engine.start()
+        try:
+            def req() -> GenRequest:
+                return GenRequest(tokens=[rng.randrange(1, model.cfg.vocab_size) for _ in range(prompt)],
+                                  max_tokens=max_tokens, tenant=Tenant(id="bench"), sampling=SamplingParams())
+            t0 = time.perf_counter()
+            await Scheduler(engine, cfg.service).submit(req()).wait()      # c = 1 (the rates measured too)
+            t1 = time.perf_counter() - t0
+            timeout_s = k * t1
+            sch = Scheduler(engine, msgspec.structs.replace(cfg.service, request_timeout_ms=round(timeout_s * 1000)))
+
+            async def one() -> str:
+                try:
+                    await sch.submit(req()).wait()
+                    return "ok"
+                except (Overloaded, QueueTimeout) as e:
+                    return "refused" if isinstance(e, Overloaded) else "queue_timeout"
+                except RequestTimeout:
+                    return "timeout"
+
+            ends = await asyncio.gather(*(one() for _ in range(2 * k)))
+        finally:
+            await engine.stop()
+        tag = "" if share else "_unbounded"
+        out[f"goodput_ratio_overload{tag}"] = round(ends.count("ok") / k, 3)
+        out[f"overload_refused_early{tag}"] = ends.count("refused")
+        out[f"overload_timed_out{tag}"] = ends.count("timeout") + ends.count("queue_timeout")
+        out[f"overload_c1_s{tag}"] = round(t1, 3)
+        _log(f"overload (admission_prefill_share {share}): c=1 {t1:.2f} s, timeout {timeout_s:.2f} s, "
+             f"{2 * k} sent: {ends}")
+    out["overload_workload"] = {"prompt_tokens": prompt, "max_tokens": max_tokens, "timeout_x_c1": k}
+    return out
+
+
 async def counters(http: Any, url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -609,6 +676,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     w = QUICK if args.quick else FULL
     if args.max_tokens:
         w = dataclasses.replace(w, max_tokens=args.max_tokens)
+    overload = {} if args.long_agent else await overload_phase(args.quick)
+    if args.overload:
+        return {"bench": "serving", "mode": "quick" if args.quick else "full", "workload": "overload", **overload,
+                "load_average_1m": round(os.getloadavg()[0], 2)}
     tmp = Path(tempfile.mkdtemp(prefix="kvl-bench-serving-"))
     db_url, nats_url = args.database_url, args.nats_url
     services = None
@@ -641,7 +712,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await run_level(url, Workload(32, 16, 16, 1, 2, 1), 1, True, seed=0)     # warm-up (first-call costs)
         result: dict[str, Any] = {"bench": "serving", "mode": "quick" if args.quick else "full",
                                   "workload": {**w.__dict__, "levels": list(args.levels)},
-                                  **_service_settings(args)}
+                                  **_service_settings(args), **overload}
         result.update(await structured_phase(url, 8 if args.quick else 24))
         _log(f"structured output: {result['json_schema_overhead_pct']} % slower per output token with a schema")
         if args.api_only:
@@ -746,6 +817,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--families", default="hybrid,yoco",
                     help="with --long-agent: hybrid (the built-in DeepSeek-V4-style model) and/or yoco (a seeded "
                          "YOCO checkpoint written by kvledger model init)")
+    ap.add_argument("--overload", action="store_true",
+                    help="only the goodput-under-overload phase (in this process, no stack): goodput_ratio_overload")
     ap.add_argument("--cache-dtype", default="auto", help="the workers' cache.dtype (default auto)")
     ap.add_argument("--max-batch-tokens", type=int, default=0,
                     help="the worker's service.max_batch_tokens (default: the config's own default)")
@@ -774,7 +847,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if bad := [f for f in args.families if f not in ("hybrid", "yoco")]:
         ap.error(f"--families: {bad} not known; use hybrid and/or yoco")
     result = asyncio.run(run(args))
-    if not (args.api_only or args.long_agent):
+    if not (args.api_only or args.long_agent or args.overload):
         # the most concurrency could buy for these requests on this machine (the stack is stopped)
         from bench.serving_bound import for_serving
         bound = for_serving(result, args.quick)
