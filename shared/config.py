@@ -123,8 +123,10 @@ class ServiceConfig(_Section):
     #: thread of its own with one intra-op thread. Batch invariance gives every request the same
     #: bits in any split, so this is how a CPU worker uses more than one core exactly (more
     #: intra-op threads would not be batch-invariant). 0: automatic, 1 on CUDA (one stream runs
-    #: the kernels in turn) and otherwise the usable cores, at most 2 (the most measured:
-    #: docs/BENCHMARKS.md, stop 46). 1: every forward on the model thread alone.
+    #: the kernels in turn), 1 where the compiled product (``kernels.cpu_linear``) serves the
+    #: products — it runs every core itself (``KVL_LINEAR_THREADS``), so two lanes only contend
+    #: (docs/BENCHMARKS.md, issue 53) — and otherwise the usable cores, at most 2 (the most
+    #: measured: docs/BENCHMARKS.md, stop 46). 1: every forward on the model thread alone.
     model_lanes: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
     #: Rows a forward needs before it is split into lanes: a small forward is bound by per-op
     #: overhead under one interpreter lock, and split it runs slower (``python -m bench.lanes``,

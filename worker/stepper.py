@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.invariant import invariant_here
+from kernels.invariant import invariant_here, linear_path
 from shared.logging import get_logger
 from worker import failpoints
 
@@ -83,12 +83,17 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def resolve_lanes(setting: int, device: str) -> int:
+def resolve_lanes(setting: int, device: str, compiled: bool | None = None) -> int:
     """``service.model_lanes`` as run: the setting, or when it is 0, 1 on CUDA (one stream runs
-    the kernels in turn) and otherwise the usable cores, at most 2 (the most measured)."""
+    the kernels in turn), 1 where the compiled product serves the CPU's products (``compiled``;
+    None: ask ``kernels.invariant``) — it runs every core itself, its own pool per call, so two
+    lanes only contend (``bench.lanes``, docs/BENCHMARKS.md) — and otherwise the usable cores, at
+    most 2 (the most measured)."""
     if setting:
         return setting
     if device.split(":", 1)[0] == "cuda":
+        return 1
+    if linear_path().startswith("compiled") if compiled is None else compiled:
         return 1
     return max(1, min(2, usable_cores()))
 

@@ -392,8 +392,14 @@ def test_automatic_lanes_are_one_on_cuda_and_the_usable_cores_at_most_two_on_cpu
     assert resolve_lanes(3, "cpu") == 3 and resolve_lanes(2, "cuda:0") == 2   # a setting is kept
     assert resolve_lanes(0, "cuda:1") == 1
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0}, raising=False)
-    assert resolve_lanes(0, "cpu") == 1
+    assert resolve_lanes(0, "cpu", compiled=False) == 1
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(16)), raising=False)
+    assert resolve_lanes(0, "cpu", compiled=False) == 2
+    # the compiled product runs every core itself: one lane (two measured no faster, bench.lanes)
+    assert resolve_lanes(0, "cpu", compiled=True) == 1 and resolve_lanes(2, "cpu", compiled=True) == 2
+    monkeypatch.setattr("worker.stepper.linear_path", lambda: "compiled-1")
+    assert resolve_lanes(0, "cpu") == 1
+    monkeypatch.setattr("worker.stepper.linear_path", lambda: "padded")
     assert resolve_lanes(0, "cpu") == 2
 
 
