@@ -150,11 +150,12 @@ class Stepper:
         self.model = model
         #: Called on the event loop after every forward (the scheduler re-checks admission).
         self.on_step = on_step
-        #: Moving average of seconds per prompt token in forwards that carried at least a block of
-        #: prompt rows (decode rows in them count as time, not tokens); None until one ran.
-        #: Averaged per token, not per second, so slow forwards (late positions of a long prompt,
-        #: a busy machine) weigh as they cost. See :attr:`prefill_tok_s`.
-        self._prefill_s_per_tok: float | None = None
+        #: Decaying sums of prompt rows and of the time of the forwards that carried them (decode
+        #: rows in them count as time, not tokens): their ratio is the prefill rate, averaged per
+        #: token, so slow forwards (late positions of a long prompt, a busy machine) weigh as they
+        #: cost and a forward of a few rows weighs little. See :attr:`prefill_tok_s`.
+        self._prefill_rows = 0.0
+        self._prefill_time = 0.0
         #: Moving average of the time from a forward of decode tokens only to the next forward's
         #: start (the step a decoding request sees: its forward, sampling, handing in the next
         #: token); None until measured.
@@ -195,7 +196,7 @@ class Stepper:
     def prefill_tok_s(self) -> float | None:
         """The measured prefill rate (prompt tokens per second); None until a prompt ran. The
         scheduler's admission sizes the prefill backlog by it (``worker.scheduler``)."""
-        return 1 / self._prefill_s_per_tok if self._prefill_s_per_tok else None
+        return self._prefill_rows / self._prefill_time if self._prefill_time > 0 else None
 
     @property
     def fused(self) -> bool:
@@ -274,10 +275,10 @@ class Stepper:
             if self.metrics is not None:
                 self.metrics.observe_step(len(batch), sum(r.tokens for r in results if isinstance(r, StepResult)), dt)
             prompt_rows = sum(len(s.ids) for s in batch if not s.decode)
-            if prompt_rows >= self.block_size and dt > 0:
-                per = dt / prompt_rows
-                self._prefill_s_per_tok = per if self._prefill_s_per_tok is None else \
-                    0.7 * self._prefill_s_per_tok + 0.3 * per
+            if prompt_rows:
+                # NOTE: decays by forwards: the last ~10 dominate
+                self._prefill_rows = 0.8 * self._prefill_rows + prompt_rows
+                self._prefill_time = 0.8 * self._prefill_time + dt
             for s, r in zip(batch, results):
                 if s.fut.done():
                     continue
