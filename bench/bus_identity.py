@@ -34,7 +34,7 @@ import nats.errors
 
 from shared import nats_auth
 from shared.embedded import EmbeddedNats
-from shared.subjects import Subjects
+from shared.subjects import COORDINATOR_QUEUE, Subjects
 
 SUBJECTS = Subjects("kvlbench")
 WORKER = "w0"
@@ -82,7 +82,8 @@ async def _round(url: str, store: nats_auth.CredentialStore | None, serial: int,
         async def answer(msg: Any) -> None:
             await msg.respond(msg.data[:200])
 
-        await responder.subscribe(SUBJECTS.requests_wildcard("acquire"), cb=answer)
+        # as the coordinator answers: in its queue group, the only way its identity may subscribe there
+        await responder.subscribe(SUBJECTS.requests_wildcard("acquire"), queue=COORDINATOR_QUEUE, cb=answer)
         await responder.flush()
         subject = SUBJECTS.request("acquire", WORKER)
         await _first_answer(requester, subject)
