@@ -186,3 +186,25 @@ def test_a_build_lock_left_by_a_killed_build_is_dropped_a_live_one_kept(tmp_path
     cpu_linear._drop_stale_lock(lock)
     assert not lock.exists()
     cpu_linear._drop_stale_lock(lock)                   # none: nothing to do
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_failing_its_floor_does_not_turn_the_compiled_product_off(monkeypatch, dtype) -> None:
+    """Attention's grouped products take the padded path whatever serves ``linear``: when they
+    fail at the current floor (bfloat16's did here at 4 rows), calibration raises the floor for
+    them, and the compiled product, which passed its own probe, keeps serving. (It was turned off
+    for good, so one bfloat16 model sent every later model of the process to the padded path.)"""
+    bmm = torch.bmm
+
+    def company_rounds_up(x, w):
+        y = bmm(x, w)
+        return torch.nextafter(y, torch.full_like(y, float("inf"))) if x.shape[0] > 1 else y
+
+    kernel, floor = inv._kernel, inv.MIN_ROWS
+    monkeypatch.setattr(inv.torch, "bmm", company_rounds_up)
+    try:
+        failures = inv.calibrate([(64, 32)], dtype=dtype, grouped=[(4, 64, 32)], max_rows=64)
+        assert failures and all(f.startswith("bmm ") for f in failures)     # attention: no floor passes
+        assert inv._kernel is kernel and inv.linear_path().startswith("compiled-")
+    finally:
+        inv._kernel, inv.MIN_ROWS = kernel, floor
