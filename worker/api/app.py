@@ -11,6 +11,7 @@ from aiohttp import web
 from shared import access_log, tracing
 from shared.config import Config
 from shared.http_limits import handler_args
+from shared.logging import get_logger
 from worker.api import handlers as h
 from worker.api.errors import Handler, error_middleware
 from worker.api.keys import (
@@ -18,6 +19,7 @@ from worker.api.keys import (
     TOOL_FORMAT, Served,
 )
 from worker.api.tools import choose_format
+from worker.capacity import capacity_ctx
 from shared.text.chat_template import ChatTemplate
 from worker.engine import Engine
 from shared.text.generation_config import SamplingDefaults
@@ -104,6 +106,8 @@ def create_app(engine: Engine, cfg: Config, tokenizer: Tokenizer, scheduler: Sch
         await app[STRUCTURED].close()       # the grammar compiler's child processes
 
     app.cleanup_ctx.append(scheduler_ctx)
+    # the pools against service.max_concurrency at start, over_capacity refusals while serving
+    app.cleanup_ctx.append(capacity_ctx(engine, cfg, get_logger("kvl.worker.capacity")))
     app.router.add_post("/v1/completions", h.completions)
     app.router.add_post("/v1/chat/completions", h.chat_completions)
     app.router.add_get("/v1/models", h.models)
