@@ -23,8 +23,7 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
-
-from shared.tracing import log_trace_ids
+from opentelemetry import trace
 
 #: Keys whose values are content, never to be logged.
 REDACTED_KEYS = frozenset({
@@ -62,6 +61,18 @@ def redact_content(_logger: Any, _method: str, event: MutableMapping[str, Any]) 
     msg = event.get("event")
     if isinstance(msg, str) and "://" in msg:
         event["event"] = mask_credentials(msg)
+    return event
+
+
+def log_trace_ids(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """structlog processor: ``trace_id`` and ``span_id`` of the span a line is logged in (a
+    recorded one), so a log line leads to its trace and back. With tracing off no span is ever
+    current (``shared.tracing`` makes none), so nothing is added."""
+    # NOTE: here and not in shared.tracing, which logs through this module: no import cycle.
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.trace_flags.sampled:
+        event["trace_id"] = format(ctx.trace_id, "032x")
+        event["span_id"] = format(ctx.span_id, "016x")
     return event
 
 

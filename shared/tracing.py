@@ -28,6 +28,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from shared.logging import get_logger, mask_credentials
+
 if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -78,7 +80,6 @@ def setup(cfg: TracingConfig, role: str, *, instance: str = "", exporter: SpanEx
         provider.add_span_processor(BatchSpanProcessor(
             otlp, max_queue_size=cfg.max_queue_size, schedule_delay_millis=cfg.schedule_delay_ms,
             max_export_batch_size=min(512, cfg.max_queue_size), export_timeout_millis=cfg.export_timeout_ms))
-        from shared.logging import get_logger, mask_credentials
         get_logger("kvl.tracing").info("tracing_on", service=attrs["service.name"], sample_ratio=cfg.sample_ratio,
                                        otlp_endpoint=mask_credentials(cfg.otlp_endpoint))
     _provider, _tracer = provider, provider.get_tracer("kvledger", package_version())
@@ -230,16 +231,5 @@ def http_middleware(name: str, paths: frozenset[str],
     return traced
 
 
-def log_trace_ids(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    """structlog processor: ``trace_id`` and ``span_id`` of the span a line is logged in (a
-    recorded one), so a log line leads to its trace and back."""
-    if _tracer is not None:
-        ctx = trace.get_current_span().get_span_context()
-        if ctx.trace_flags.sampled:
-            event["trace_id"] = format(ctx.trace_id, "032x")
-            event["span_id"] = format(ctx.span_id, "016x")
-    return event
-
-
 __all__ = ["CLIENT", "INTERNAL", "NO_SPAN", "SERVER", "Status", "StatusCode", "current", "enabled", "extract", "failed",
-           "headers", "http_middleware", "log_trace_ids", "remote_span", "setup", "shutdown", "span", "start"]
+           "headers", "http_middleware", "remote_span", "setup", "shutdown", "span", "start"]

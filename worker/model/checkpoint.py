@@ -25,56 +25,31 @@ so a changed encoder never reuses cached blocks.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from shared.manifest import checkpoint_digest
 from worker.model.config import ConfigError, ModelConfig, YarnScaling
-from worker.model.dense.config import FULL, SLIDING, DenseConfig, RopeSpec
+# CheckpointError and DTYPES stay importable from here (the worker's start-up and the tests name them so).
+from worker.model.config_fields import COMMON_IGNORED, NUM, CheckpointError, Fields, field_error, rope_spec, vision_section
+from worker.model.dense.config import FULL, SLIDING, DenseConfig
 from worker.model.dense.model import DenseLM
 from worker.model.hf_names import DSV4_IGNORED, dsv4_target
 from worker.model.lm import CausalLM
 from worker.model.model import HybridAttentionLM
-from worker.model.vision import VisionConfig
-from worker.model.weights import WeightsError
+from worker.model.weight_files import DTYPES, load_weights, weight_files
+from worker.model.yoco.checkpoint import yoco_config
+from worker.model.yoco.model import YocoLM
 
 ARCHITECTURES = {"DeepseekV4ForCausalLM": "deepseek_v4", "LlamaForCausalLM": "llama",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  # kvledger's own format for the YOCO family (worker.model.yoco.checkpoint)
                  "YocoForCausalLM": "yoco"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-#: Fields of every transformers config that do not change what the model computes from token
-#: ids (ids of special tokens are the tokenizer's and generation's business, read there).
-COMMON_IGNORED = frozenset({
-    "architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype",
-    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
-    "initializer_range", "attention_dropout", "use_cache", "return_dict", "output_hidden_states",
-    "output_attentions", "torchscript", "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder",
-    "finetuning_task", "id2label", "label2id", "tokenizer_class", "prefix", "task_specific_params",
-    "problem_type", "tie_encoder_decoder", "add_cross_attention", "cross_attention_hidden_size",
-    "pruned_heads", "_attn_implementation_autoset", "use_return_dict", "embd_pdrop", "resid_pdrop",
-    # Names, paths and versions (GGUF conversions write _model_name_or_path, the GGUF file's own
-    # name for the model; hub exports write _commit_hash), and the ids of special tokens the
-    # tokenizer already carries: none of them enters a forward pass.
-    "_model_name_or_path", "_commit_hash", "unk_token_id", "mask_token_id", "cls_token_id",
-})
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint directory this worker cannot serve; the message names the file or field."""
-
-
-def _err(field: str, value: Any, why: str) -> CheckpointError:
-    return CheckpointError(f"config.json field {field}={json.dumps(value)}: {why}")
-
 
 def read_config(directory: Path) -> dict[str, Any]:
     path = directory / "config.json"
@@ -95,60 +70,17 @@ def family_of(doc: Mapping[str, Any]) -> str:
     if archs is None and "model_type" not in doc:
         return "kvledger"
     if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
-        raise _err("architectures", archs, f"not supported; supported: {', '.join(ARCHITECTURES)}")
+        raise field_error("architectures", archs, f"not supported; supported: {', '.join(ARCHITECTURES)}")
     return ARCHITECTURES[archs[0]]
 
 
 def checkpoint_dtype(doc: Mapping[str, Any]) -> torch.dtype:
     name = doc.get("dtype", doc.get("torch_dtype", "float32"))
     if name not in DTYPES:
-        raise _err("dtype" if "dtype" in doc else "torch_dtype", name,
+        raise field_error("dtype" if "dtype" in doc else "torch_dtype", name,
                    f"not supported; use one of {', '.join(DTYPES)} (quantised weights are not supported)")
     return DTYPES[name]
 
-
-class _Fields:
-    """Reads a config document field by field and remembers which were read, so the rest can be
-    refused by name."""
-
-    def __init__(self, doc: Mapping[str, Any], ignored: frozenset[str]) -> None:
-        self.doc, self.used = doc, set(ignored)
-
-    def get(self, name: str, default: Any = dataclasses.MISSING, kind: type | tuple[type, ...] | None = None) -> Any:
-        self.used.add(name)
-        if name not in self.doc or (self.doc[name] is None and default is not dataclasses.MISSING):
-            if default is dataclasses.MISSING:
-                raise CheckpointError(f"config.json: field {name} is required")
-            return default
-        v = self.doc[name]
-        if kind is not None and (not isinstance(v, kind) or isinstance(v, bool) and bool not in _tuple(kind)):
-            raise _err(name, v, f"expected {_names(kind)}")
-        return v
-
-    def require(self, name: str, allowed: tuple, default: Any, why: str) -> Any:
-        v = self.get(name, default)
-        if v not in allowed:
-            raise _err(name, v, why)
-        return v
-
-    def leftover(self) -> None:
-        rest = sorted(k for k in self.doc if k not in self.used)
-        if rest:
-            shown = ", ".join(f"{k}={json.dumps(self.doc[k])[:60]}" for k in rest[:6])
-            raise CheckpointError(f"config.json: fields this loader does not know: {shown}"
-                                  f"{' …' if len(rest) > 6 else ''} — refusing rather than ignoring what they "
-                                  f"might change")
-
-
-def _tuple(kind) -> tuple:
-    return kind if isinstance(kind, tuple) else (kind,)
-
-
-def _names(kind) -> str:
-    return " or ".join(k.__name__ for k in _tuple(kind))
-
-
-NUM = (int, float)
 
 # ---- the dense families ----------------------------------------------------------------------------
 
@@ -156,52 +88,8 @@ DENSE_IGNORED = COMMON_IGNORED | {"max_window_layers", "use_sliding_window", "ro
                                   "partial_rotary_factor"}
 
 
-def _rope_spec(f: _Fields, doc: Mapping[str, Any]) -> RopeSpec:
-    """``rope_parameters`` (transformers 5) or the older ``rope_theta`` + ``rope_scaling``."""
-    params = doc.get("rope_parameters")
-    f.used.add("rope_parameters")
-    if params is None:
-        params = dict(doc.get("rope_scaling") or {})
-        params.setdefault("rope_theta", doc.get("rope_theta", 10000.0))
-        if "type" in params and "rope_type" not in params:
-            params["rope_type"] = params.pop("type")
-        where = "rope_scaling"
-    else:
-        where = "rope_parameters"
-    if not isinstance(params, dict):
-        raise _err(where, params, "expected an object")
-    params = dict(params)
-    prf = params.pop("partial_rotary_factor", doc.get("partial_rotary_factor", 1.0))
-    if prf not in (1, 1.0):
-        raise _err(f"{where}.partial_rotary_factor", prf, "only full rotation (1.0) is supported for this family")
-    known = {fl.name for fl in dataclasses.fields(RopeSpec)}
-    unknown = sorted(set(params) - known)
-    if unknown:
-        raise _err(f"{where}.{unknown[0]}", params[unknown[0]], "not a RoPE parameter this loader knows")
-    rope_type = params.get("rope_type", "default")
-    try:
-        if rope_type == "llama3" or rope_type == "yarn":
-            params.setdefault("original_max_position_embeddings", doc.get("max_position_embeddings", 0))
-        return RopeSpec(**params)
-    except ConfigError as e:
-        raise CheckpointError(f"config.json {where}: {e}") from e
-    except TypeError as e:
-        raise _err(where, params, f"ill-typed ({e})") from e
-
-
-def _vision(f: _Fields) -> VisionConfig | None:
-    """kvledger's ``vision`` section (``shared.images.CONFIG_KEY``), or None."""
-    section = f.get("vision", None, kind=dict)
-    if section is None:
-        return None
-    try:
-        return VisionConfig.from_dict(section)
-    except TypeError as e:
-        raise _err("vision", section, f"ill-typed ({e})") from e
-
-
 def dense_config(doc: Mapping[str, Any], family: str, model_id: str) -> DenseConfig:
-    f = _Fields(doc, DENSE_IGNORED)
+    f = Fields(doc, DENSE_IGNORED)
     f.require("hidden_act", ("silu",), "silu", "only SwiGLU with silu is implemented")
     f.require("pretraining_tp", (1,), 1, "tensor-parallel pretraining slices (pretraining_tp > 1) are not implemented")
     f.require("attn_logit_softcapping", (None,), None, "logit soft-capping is not implemented")
@@ -213,7 +101,7 @@ def dense_config(doc: Mapping[str, Any], family: str, model_id: str) -> DenseCon
     layers = f.get("num_hidden_layers", kind=int)
     attention_bias = f.get("attention_bias", False, kind=bool)
     if family == "qwen2" and "attention_bias" in doc:
-        raise _err("attention_bias", doc["attention_bias"], "Qwen2 always has q/k/v biases and no o bias")
+        raise field_error("attention_bias", doc["attention_bias"], "Qwen2 always has q/k/v biases and no o bias")
     sliding = bool(doc.get("use_sliding_window", False))
     window = f.get("sliding_window", 0, kind=int)
     types = doc.get("layer_types")
@@ -224,11 +112,11 @@ def dense_config(doc: Mapping[str, Any], family: str, model_id: str) -> DenseCon
         first = int(doc.get("max_window_layers", layers)) if sliding else layers
         types = [SLIDING if i >= first else FULL for i in range(layers)]
     if not isinstance(types, list) or any(t not in (FULL, SLIDING) for t in types):
-        raise _err("layer_types", types, f"expected a list of {FULL!r} / {SLIDING!r}")
+        raise field_error("layer_types", types, f"expected a list of {FULL!r} / {SLIDING!r}")
     if SLIDING in types and not sliding and family != "llama":
         types = [FULL] * layers   # transformers ignores layer types' windows without use_sliding_window
     if SLIDING in types and family == "llama":
-        raise _err("layer_types", types, "Llama has no sliding-window layers")
+        raise field_error("layer_types", types, "Llama has no sliding-window layers")
     try:
         cfg = DenseConfig(
             model_id=model_id, family=family, vocab_size=f.get("vocab_size", kind=int), hidden_size=hidden,
@@ -241,7 +129,7 @@ def dense_config(doc: Mapping[str, Any], family: str, model_id: str) -> DenseCon
             o_bias=False if family == "qwen2" else attention_bias,
             mlp_bias=f.get("mlp_bias", False, kind=bool), qk_norm=family == "qwen3",
             layer_types=tuple(types), sliding_window=window if SLIDING in types else 0,
-            rope=_rope_spec(f, doc), vision=_vision(f), image_token_id=f.get("image_token_id", None, kind=int))
+            rope=rope_spec(f, doc), vision=vision_section(f), image_token_id=f.get("image_token_id", None, kind=int))
     except CheckpointError:
         raise
     except ConfigError as e:
@@ -262,29 +150,29 @@ DSV4_SAME = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_he
              "swiglu_limit", "rms_norm_eps", "max_position_embeddings")
 
 
-def _dsv4_rope(f: _Fields, doc: Mapping[str, Any], head_dim: int) -> dict[str, Any]:
+def _dsv4_rope(f: Fields, doc: Mapping[str, Any], head_dim: int) -> dict[str, Any]:
     prf = f.get("partial_rotary_factor", kind=NUM)
     rope_dims = head_dim * prf
     if rope_dims != int(rope_dims):
-        raise _err("partial_rotary_factor", prf, f"head_dim {head_dim} × factor is not a whole number of dims")
+        raise field_error("partial_rotary_factor", prf, f"head_dim {head_dim} × factor is not a whole number of dims")
     out: dict[str, Any] = {"qk_rope_head_dim": int(rope_dims)}
     stated = f.get("qk_rope_head_dim", int(rope_dims), kind=int)   # transformers writes the derived value too
     if stated != int(rope_dims):
-        raise _err("qk_rope_head_dim", stated, f"disagrees with head_dim × partial_rotary_factor = {int(rope_dims)}")
+        raise field_error("qk_rope_head_dim", stated, f"disagrees with head_dim × partial_rotary_factor = {int(rope_dims)}")
     params = f.get("rope_parameters", None)
     if params is None:
         out.update(rope_theta=doc.get("rope_theta", 10000.0), compress_rope_theta=doc.get("compress_rope_theta", 160000.0),
                    compress_rope_scaling=None)
         return out
     if not isinstance(params, dict) or set(params) - {"main", "compress"}:
-        raise _err("rope_parameters", params, "expected {\"main\": {...}, \"compress\": {...}}")
+        raise field_error("rope_parameters", params, "expected {\"main\": {...}, \"compress\": {...}}")
     main, comp = params.get("main", {}), params.get("compress", {})
     if main.get("rope_type", "default") != "default":
-        raise _err("rope_parameters.main.rope_type", main.get("rope_type"), "the main table is plain RoPE")
+        raise field_error("rope_parameters.main.rope_type", main.get("rope_type"), "the main table is plain RoPE")
     for name, table in (("main", main), ("compress", comp)):
         p = table.get("partial_rotary_factor", prf)
         if p != prf:
-            raise _err(f"rope_parameters.{name}.partial_rotary_factor", p, f"differs from partial_rotary_factor {prf}")
+            raise field_error(f"rope_parameters.{name}.partial_rotary_factor", p, f"differs from partial_rotary_factor {prf}")
     out["rope_theta"] = float(main.get("rope_theta", doc.get("rope_theta", 10000.0)))
     out["compress_rope_theta"] = float(comp.get("rope_theta", doc.get("compress_rope_theta", 160000.0)))
     ctype = comp.get("rope_type", "default")
@@ -292,18 +180,18 @@ def _dsv4_rope(f: _Fields, doc: Mapping[str, Any], head_dim: int) -> dict[str, A
         out["compress_rope_scaling"] = None
     elif ctype == "yarn":
         if comp.get("attention_factor", 1.0) != 1.0:
-            raise _err("rope_parameters.compress.attention_factor", comp.get("attention_factor"),
+            raise field_error("rope_parameters.compress.attention_factor", comp.get("attention_factor"),
                        "DeepSeek-V4 applies no YaRN logit scale (1.0)")
         out["compress_rope_scaling"] = YarnScaling(
             factor=float(comp["factor"]), original_max_position_embeddings=int(comp["original_max_position_embeddings"]),
             beta_fast=float(comp.get("beta_fast", 32.0)), beta_slow=float(comp.get("beta_slow", 1.0)))
     else:
-        raise _err("rope_parameters.compress.rope_type", ctype, "use 'default' or 'yarn'")
+        raise field_error("rope_parameters.compress.rope_type", ctype, "use 'default' or 'yarn'")
     return out
 
 
 def dsv4_config(doc: Mapping[str, Any], model_id: str) -> ModelConfig:
-    f = _Fields(doc, DSV4_IGNORED_FIELDS)
+    f = Fields(doc, DSV4_IGNORED_FIELDS)
     f.require("hidden_act", ("silu",), "silu", "only SwiGLU with silu is implemented")
     f.require("num_key_value_heads", (1,), 1, "DeepSeek-V4 attention has one K=V head")
     f.require("attention_bias", (False,), False, "not implemented")
@@ -317,12 +205,12 @@ def dsv4_config(doc: Mapping[str, Any], model_id: str) -> ModelConfig:
     rates = f.get("compress_rates", kind=dict)
     bad = sorted({t for t in types if t not in (CSA, HCA, SWA_TYPE)})
     if bad:
-        raise _err("layer_types", bad, f"unknown layer types; known: {SWA_TYPE}, {CSA}, {HCA}")
+        raise field_error("layer_types", bad, f"unknown layer types; known: {SWA_TYPE}, {CSA}, {HCA}")
     for t in {CSA, HCA} & set(types):
         if not isinstance(rates.get(t), int) or rates[t] <= 0:
-            raise _err(f"compress_rates.{t}", rates.get(t), "a positive integer is required for the layers of that type")
+            raise field_error(f"compress_rates.{t}", rates.get(t), "a positive integer is required for the layers of that type")
     if CSA in rates and HCA in rates and rates[CSA] == rates[HCA] and HCA in types:
-        raise _err("compress_rates", rates, "CSA and HCA need different ratios (the ratio tells them apart here)")
+        raise field_error("compress_rates", rates, "CSA and HCA need different ratios (the ratio tells them apart here)")
     kw["compress_ratios"] = tuple(0 if t == SWA_TYPE else rates[t] for t in types)
     kw["csa_ratio"] = rates.get(CSA, 4)
     kw["mlp_layer_types"] = tuple(f.get("mlp_layer_types", kind=list))
@@ -341,128 +229,17 @@ def native_config(doc: Mapping[str, Any]) -> ModelConfig:
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(doc) - known - {"eos_token_id", "bos_token_id"})
     if unknown:
-        raise _err(unknown[0], doc[unknown[0]], f"not a ModelConfig field (known: {', '.join(sorted(known))})")
+        raise field_error(unknown[0], doc[unknown[0]], f"not a ModelConfig field (known: {', '.join(sorted(known))})")
     kw = {k: tuple(v) if isinstance(v, list) else v for k, v in doc.items() if k in known}
     if isinstance(kw.get("compress_rope_scaling"), dict):
         try:
             kw["compress_rope_scaling"] = YarnScaling(**kw["compress_rope_scaling"])
         except TypeError as e:
-            raise _err("compress_rope_scaling", doc["compress_rope_scaling"], f"not YaRN parameters ({e})") from e
+            raise field_error("compress_rope_scaling", doc["compress_rope_scaling"], f"not YaRN parameters ({e})") from e
     try:
         return ModelConfig(**kw)
     except (ConfigError, TypeError) as e:
         raise CheckpointError(f"config.json: {e}") from e
-
-# ---- weights -----------------------------------------------------------------------------------------
-
-
-def weight_files(directory: Path) -> list[Path]:
-    """``model.safetensors.index.json``'s shards, else every ``*.safetensors`` file."""
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise WeightsError(f"{index}: not a safetensors index ({e})") from e
-        missing = [s for s in shards if not (directory / s).is_file()]
-        if missing:
-            raise WeightsError(f"{index} names shards that are not in the directory: {missing}")
-        return [directory / s for s in shards]
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise WeightsError(f"{directory}: no *.safetensors files and no model.safetensors.index.json")
-    return files
-
-
-def _where(files: list[Path]) -> dict[str, Path]:
-    found: dict[str, Path] = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as h:
-                for key in h.keys():
-                    if key in found:
-                        raise WeightsError(f"tensor {key} appears in both {found[key].name} and {f.name}")
-                    found[key] = f
-        except WeightsError:
-            raise
-        except Exception as e:  # safetensors raises its own error types for a damaged header
-            raise WeightsError(f"{f}: not a readable safetensors file ({e})") from e
-    return found
-
-
-class _Files:
-    """Every file of the checkpoint opened once (a header parse per file, not per tensor)."""
-
-    def __init__(self, files: list[Path]) -> None:
-        self._stack = contextlib.ExitStack()
-        self._h = {f: self._stack.enter_context(safe_open(str(f), framework="pt")) for f in files}
-
-    def get(self, path: Path, key: str) -> torch.Tensor:
-        t = self._h[path].get_tensor(key)
-        if t.dtype.is_floating_point and t.dtype not in DTYPES.values():
-            raise WeightsError(f"tensor {key} in {path.name} is {t.dtype}: quantised weights are not supported")
-        return t
-
-    def close(self) -> None:
-        self._stack.close()
-
-
-@torch.no_grad()
-def load_weights(model: CausalLM, files: list[Path], target: Callable[[str], tuple[str, Any] | None], *,
-                 ignore: Callable[[str], bool] = lambda k: False, optional: frozenset[str] = frozenset()) -> None:
-    """Copy every tensor of ``model`` from the checkpoint, through ``target`` (checkpoint name →
-    ``(our name, None)`` or ``(our name, (expert, slot))`` for stacked experts). Every tensor must
-    be present with its shape; a checkpoint tensor with no place is an error (unless ``ignore``)."""
-    expected = model.state_dict()
-    found = _where(files)
-    plain: dict[str, tuple[Path, str]] = {}
-    pieces: dict[str, dict[tuple[int, int], tuple[Path, str]]] = {}
-    extra = []
-    for key, path in found.items():
-        if ignore(key):
-            continue
-        t = target(key)
-        if t is None or t[0] not in expected:
-            extra.append(key)
-        elif t[1] is None:
-            plain[t[0]] = (path, key)
-        else:
-            pieces.setdefault(t[0], {})[t[1]] = (path, key)
-    missing = sorted(k for k in expected if k not in plain and k not in pieces and k not in optional)
-    if missing or extra:
-        raise WeightsError(f"checkpoint does not match the model: missing {missing[:8]}"
-                           f"{' …' if len(missing) > 8 else ''} ({len(missing)}), unexpected {sorted(extra)[:8]}"
-                           f"{' …' if len(extra) > 8 else ''} ({len(extra)})")
-    opened = _Files(files)
-    try:
-        _copy_all(expected, plain, pieces, opened)
-    finally:
-        opened.close()
-
-
-def _copy_all(expected, plain, pieces, opened: _Files) -> None:
-    for name, dest in expected.items():
-        if name in plain:
-            t = opened.get(*plain[name])
-            src = plain[name][1]
-        elif name in pieces:
-            parts = pieces[name]
-            n_exp, n_slot = dest.shape[0], 1 + max(s for _, s in parts)
-            gaps = [(e, s) for e in range(n_exp) for s in range(n_slot) if (e, s) not in parts]
-            if gaps or len(parts) != n_exp * n_slot:
-                raise WeightsError(f"tensor {name}: the checkpoint lacks expert pieces {gaps[:4]} "
-                                   f"(or has experts beyond n_routed_experts {n_exp})")
-            t = torch.stack([torch.cat([opened.get(*parts[(e, s)]) for s in range(n_slot)], 0) for e in range(n_exp)])
-            src = f"{name} (from {len(parts)} expert tensors)"
-        else:
-            continue
-        if tuple(t.shape) != tuple(dest.shape):
-            raise WeightsError(f"tensor {src}: shape {tuple(t.shape)} in the checkpoint, the model needs "
-                               f"{tuple(dest.shape)}")
-        if t.dtype.is_floating_point != dest.dtype.is_floating_point:
-            raise WeightsError(f"tensor {src}: dtype {t.dtype} in the checkpoint, the model needs {dest.dtype}")
-        dest.copy_(t)   # converts to the model's dtype
-
 
 def _identity(key: str) -> tuple[str, None]:
     return key, None
@@ -519,8 +296,6 @@ def load_checkpoint(directory: str | Path, *, dtype: str = "auto", require_manif
         model = _empty(HybridAttentionLM, dsv4_config(doc, model_id_for(d, doc)), want, device)
         load_weights(model, weight_files(d), _dsv4_target, ignore=lambda k: bool(DSV4_IGNORED.match(k)))
     elif family == "yoco":
-        from worker.model.yoco.checkpoint import yoco_config
-        from worker.model.yoco.model import YocoLM
         declared = checkpoint_dtype(doc)
         want = DTYPES[dtype] if dtype != "auto" else declared
         model = _empty(YocoLM, yoco_config(doc, model_id_for(d, doc)), want, device)

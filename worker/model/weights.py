@@ -24,15 +24,11 @@ from safetensors.torch import save_file
 
 from worker.model.config import ModelConfig
 from worker.model.model import HybridAttentionLM
+from worker.model.seeding import tensor_generator
+# WeightsError stays importable from here (the worker's start-up and the tests name it so).
+from worker.model.weight_files import WeightsError, files_of, load_weights
 
-
-class WeightsError(ValueError):
-    """A checkpoint does not fit the model: names, shapes or dtypes differ."""
-
-
-def _generator(seed: int, name: str) -> torch.Generator:
-    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+__all__ = ["WeightsError", "build_model", "init_weights", "load_safetensors", "save_safetensors", "weights_digest"]
 
 
 def _init_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -69,7 +65,7 @@ def _init_tensor(cfg: ModelConfig, name: str, t: torch.Tensor, g: torch.Generato
 def init_weights(model: HybridAttentionLM, seed: int = 0) -> HybridAttentionLM:
     """Fill every checkpoint tensor of ``model`` deterministically from ``seed``."""
     for name, t in model.state_dict().items():
-        t.copy_(_init_tensor(model.cfg, name, t, _generator(seed, name)).to(t.dtype))
+        t.copy_(_init_tensor(model.cfg, name, t, tensor_generator(seed, name)).to(t.dtype))
     return model
 
 
@@ -85,26 +81,13 @@ def save_safetensors(model: HybridAttentionLM, path: str | Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt", "model_id": model.cfg.model_id})
 
 
-def _files(path: Path) -> list[Path]:
-    if path.is_dir():
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise WeightsError(f"{path}: no *.safetensors files in this directory")
-        return files
-    if not path.exists():
-        raise WeightsError(f"{path}: no such file")
-    return [path]
-
-
 def load_safetensors(model: HybridAttentionLM, path: str | Path, *,
                      ignore_prefixes: tuple[str, ...] = ("mtp.",)) -> HybridAttentionLM:
     """Load a checkpoint (one file or a directory of shards) in our own naming into ``model``:
     every model tensor present with its shape, nothing unexpected (except names under
     ``ignore_prefixes``: multi-token-prediction layers, which this model does not instantiate);
-    the checks and copies are :func:`worker.model.checkpoint.load_weights`'."""
-    from worker.model.checkpoint import load_weights   # that module imports this one
-
-    load_weights(model, _files(Path(path)), lambda k: (k, None), ignore=lambda k: k.startswith(ignore_prefixes))
+    the checks and copies are :func:`worker.model.weight_files.load_weights`'."""
+    load_weights(model, files_of(Path(path)), lambda k: (k, None), ignore=lambda k: k.startswith(ignore_prefixes))
     return model
 
 

@@ -25,6 +25,7 @@ from worker.model.dense.state import DenseState, dense_form_layouts
 from worker.model.linear import Linear
 from worker.model.lm import CausalLM
 from worker.model.norms import CastRMSNorm as RMSNorm
+from worker.model.seeding import tensor_generator
 from worker.model.state import Batch
 from worker.model.vision import VisionEncoder
 
@@ -191,14 +192,13 @@ def build_dense(cfg: DenseConfig | None = None, seed: int = 0, dtype: torch.dtyp
 @torch.no_grad()
 def seed_weights(model: CausalLM, seed: int) -> CausalLM:
     """Seeded weights for a model of dense-style names (the dense and YOCO families): each tensor
-    from its own generator (as ``worker.model.weights.init_weights``), embeddings N(0, 1), norms
-    around 1, biases small, products scaled by their fan-in; a tied head is the embedding."""
-    from worker.model.weights import _generator
-
+    from its own generator (:mod:`worker.model.seeding`, as ``worker.model.weights.init_weights``),
+    embeddings N(0, 1), norms around 1, biases small, products scaled by their fan-in; a tied head
+    is the embedding."""
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
             continue
-        g = _generator(seed, name)
+        g = tensor_generator(seed, name)
         leaf = name.rsplit(".", 1)[-1]
         if name.endswith("embed_tokens.weight"):
             val = torch.randn(t.shape, generator=g)

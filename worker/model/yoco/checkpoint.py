@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from worker.model.checkpoint import COMMON_IGNORED, NUM, CheckpointError, _Fields, _rope_spec, _vision
 from worker.model.config import ConfigError
+from worker.model.config_fields import COMMON_IGNORED, NUM, CheckpointError, Fields, rope_spec, vision_section
 from worker.model.yoco.config import YocoConfig
 from worker.model.yoco.model import YocoLM
 
@@ -32,9 +32,9 @@ MODEL_TYPE = "kvledger_yoco"
 
 def yoco_config(doc: Mapping[str, Any], model_id: str) -> YocoConfig:
     """``config.json`` → :class:`YocoConfig`; a field it does not know refuses the start by name."""
-    f = _Fields(doc, COMMON_IGNORED | {"rope_theta", "rope_scaling"})
+    f = Fields(doc, COMMON_IGNORED | {"rope_theta", "rope_scaling"})
     f.require("hidden_act", ("silu",), "silu", "only SwiGLU with silu is implemented")
-    kw: dict[str, Any] = {"model_id": model_id, "rope": _rope_spec(f, doc), "vision": _vision(f),
+    kw: dict[str, Any] = {"model_id": model_id, "rope": rope_spec(f, doc), "vision": vision_section(f),
                           "image_token_id": f.get("image_token_id", None, kind=int)}
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_self_decoder_layers",
                  "num_cross_decoder_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
