@@ -23,6 +23,12 @@ def _load(args: argparse.Namespace) -> Config:
     return load_config(getattr(args, "config", None))
 
 
+def cmd_config_example(args: argparse.Namespace) -> int:
+    from kvledger.config_example import run
+
+    return run(args.write)
+
+
 def cmd_config_check(args: argparse.Namespace) -> int:
     cfg = _load(args)
     if args.json:
@@ -107,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     chk = cfgsub.add_parser("check", help="validate the configuration and print a summary")
     chk.add_argument("--json", action="store_true", help="print the full effective configuration as JSON")
     chk.set_defaults(func=cmd_config_check)
+    exa = cfgsub.add_parser("example", help="print kvledger.example.yaml as the schema makes it: every key, its "
+                                           "default and its description (--write FILE to write it)")
+    exa.add_argument("--write", metavar="FILE", help="write it to FILE instead of printing it")
+    exa.set_defaults(func=cmd_config_example)
 
     svc = sub.add_parser("services", help="run PostgreSQL and NATS (embedded unless configured) until Ctrl-C")
     svc.add_argument("--worker", action="append", default=[], metavar="ID",

@@ -2,7 +2,8 @@
 
 * **configuration**: every key of :class:`shared.config.Config` — type and bounds from the
   schema, default from the schema, its environment variable, and the description written
-  beside the field in ``shared/config.py`` (``#:`` comments) or in ``kvledger.example.yaml``;
+  beside the field in ``shared/config.py`` (``#:`` comments) or in :data:`EXTRA`
+  (``kvledger.example.yaml`` is generated from the same, by :mod:`kvledger.config_example`);
 * **metrics**: every Prometheus metric the coordinator and the worker export, from their
   registries (name, type, labels, help).
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import re
 import sys
 import types
 import typing
@@ -31,9 +31,18 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "kvledger.example.yaml"
 SHORT_ENV = {"database.url": "KVL_DATABASE_URL", "nats.url": "KVL_NATS_URL"}
 
-#: Descriptions for keys that have no comment in shared/config.py or kvledger.example.yaml (or
-#: whose comment there is not a description). A test requires every key to have one.
+#: Descriptions for keys that have no comment in shared/config.py (or whose comment there is not
+#: a description). A test requires every key to have one.
 EXTRA = {
+    "cache.block_size": "Tokens per block; must be a multiple of every compress ratio.",
+    "cache.offload_dir": "The shared disk tier (e.g. /data/cache_offload); empty = no disk tier.",
+    "cache.hit_validation.check_offload": "Anything reloaded from the host or disk tier is checksummed when true.",
+    "cache.on_invalid": "`refill` = recompute from the first unusable block; `error` = fail the request.",
+    "service.max_context_length": "Prompt + max_tokens above this is a 400, never a silent truncation.",
+    "service.cache_reserve_ratio": "Share of the pools' memory (`worker.pool_bytes`, or sized from memory) given to cached forms.",
+    "coordinator.port": "Port of the admin REST API (and /metrics, /ui).",
+    "worker.port": "Port of the OpenAI-compatible API (0 = any free port).",
+    "logging.format": "`json` (one object per line), `console`, or `auto` (console on a terminal, else json).",
     "cache.compressed_pool_limit": "Share of the cache budget for the full-history forms (compressed entries "
                                    "and indexer keys, equal slot counts); the three limits sum to ≤ 1.0.",
     "cache.tail_pool_limit": "Share of the cache budget for the resume-point form (compressor tail).",
@@ -101,25 +110,6 @@ def _field_comments() -> dict[tuple[str, str], str]:
     return out
 
 
-def _example_comments() -> dict[str, str]:
-    """``dotted key -> inline comment`` of kvledger.example.yaml."""
-    out: dict[str, str] = {}
-    stack: list[tuple[int, str]] = []
-    for line in EXAMPLE.read_text().splitlines():
-        m = re.match(r"^(\s*)([a-z_]+):(.*)$", line)
-        if not m:
-            continue
-        indent, key, rest = len(m.group(1)), m.group(2), m.group(3)
-        while stack and stack[-1][0] >= indent:
-            stack.pop()
-        dotted = ".".join([k for _, k in stack] + [key])
-        if "#" in rest:
-            out[dotted] = rest.split("#", 1)[1].strip()
-        if not rest.split("#", 1)[0].strip():
-            stack.append((indent, key))
-    return out
-
-
 def _type_name(t: Any) -> str:
     origin = typing.get_origin(t)
     if origin is typing.Annotated:
@@ -168,9 +158,27 @@ def _fmt_default(v: Any) -> str:
     return f"`{v}`"
 
 
+def descriptions() -> dict[str, str]:
+    """``dotted key -> description`` of every leaf key that has one (:data:`EXTRA`, else ``#:``)."""
+    docs = _field_comments()
+    out: dict[str, str] = {}
+
+    def walk(struct: type[msgspec.Struct], path: list[str]) -> None:
+        for f in msgspec.structs.fields(struct):
+            if isinstance(f.type, type) and issubclass(f.type, msgspec.Struct):
+                walk(f.type, [*path, f.name])
+                continue
+            dotted = ".".join([*path, f.name])
+            desc = EXTRA.get(dotted) or docs.get((struct.__name__, f.name))
+            if desc:
+                out[dotted] = desc
+    walk(Config, [])
+    return out
+
+
 def config_rows() -> list[dict[str, str]]:
     """One row per leaf key, in schema order."""
-    docs, example = _field_comments(), _example_comments()
+    described = descriptions()
     rows: list[dict[str, str]] = []
 
     def walk(struct: type[msgspec.Struct], path: list[str]) -> None:
@@ -183,7 +191,7 @@ def config_rows() -> list[dict[str, str]]:
             env = "KVL_" + "__".join(p.upper() for p in [*path, f.name]) if path else "(config file only)"
             if dotted in SHORT_ENV:
                 env = f"{SHORT_ENV[dotted]}, {env}"
-            desc = EXTRA.get(dotted) or docs.get((struct.__name__, f.name)) or example.get(dotted, "")
+            desc = described.get(dotted, "")
             desc = desc.replace("``", "`").replace("|", "\\|")
             rows.append({"key": dotted, "type": _type_name(t), "default": _fmt_default(_default(f)),
                          "env": env, "description": desc})
