@@ -31,6 +31,15 @@ def register(sub: Any) -> None:
     down.set_defaults(func=cmd_db_downgrade)
     cur = dbsub.add_parser("current", help="print the schema revision of the database (and the latest)")
     cur.set_defaults(func=cmd_db_current)
+    pro = dbsub.add_parser("promote", help="promote the embedded PostgreSQL standby (kvledger up --pg-standby) to "
+                                           "primary, after its primary died",
+                           description="pg_ctl promote on <state_dir>/postgres-standby: it ends recovery and accepts "
+                                       "writes; the coordinators' URL names both servers and follows. Refused while "
+                                       "the primary still runs (two primaries), unless --force.")
+    pro.add_argument("--state-dir", default=None, help="the stack's state directory (default: state_dir)")
+    pro.add_argument("--force", action="store_true",
+                     help="promote even though the primary's server still runs (it must never take writes again)")
+    pro.set_defaults(func=cmd_db_promote)
     db.set_defaults(func=lambda args: (db.print_help(), 2)[1])
 
 
@@ -71,6 +80,19 @@ def cmd_db_current(args: argparse.Namespace) -> int:
     state = "up to date" if rev == head else "not migrated" if rev is None else "behind: run `kvledger db upgrade`"
     print(f"current: {rev or '(none)'}  latest: {head}  ({state})")
     return 0 if rev == head else 1
+
+
+def cmd_db_promote(args: argparse.Namespace) -> int:
+    from shared.pg_standby import StandbyError, promote_in
+
+    cfg = load_config(getattr(args, "config", None))
+    try:
+        standby = promote_in(args.state_dir or cfg.state_dir, force=args.force)
+    except StandbyError as e:
+        print(f"kvledger db promote: {e}", file=sys.stderr)
+        return 1
+    print(f"promoted: {standby.data_dir} is the primary now (it takes writes); the coordinators reconnect to it")
+    return 0
 
 
 def _with_database(cfg: Config, action: Any) -> Any:

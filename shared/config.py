@@ -212,6 +212,16 @@ class DatabaseConfig(_Section):
     #: versions read first in the same transaction); smaller ones by one ``kvl_append`` call,
     #: a single round trip. 0 = always ``kvl_append``.
     copy_append_min_events: Annotated[int, msgspec.Meta(ge=0)] = 256
+    #: ``kvledger up`` runs a streaming standby of its embedded PostgreSQL (as ``--pg-standby``;
+    #: ``shared.pg_standby``); the coordinators' URL names both, the one accepting writes is used.
+    standby: bool = False
+    #: A commit waits until the standby has flushed it (``synchronous_standby_names``): an acknowledged
+    #: event survives the primary's loss, and commits stall while the standby is down. False = commits
+    #: return at the primary's own flush; a failover may lose the last acknowledged events.
+    synchronous_standby: bool = True
+    #: ``kvledger up`` promotes the standby once the primary has been dead this many seconds;
+    #: 0 = never by itself (``kvledger db promote``).
+    failover_after_s: Annotated[float, msgspec.Meta(ge=0)] = 0
 
 
 class NatsConfig(_Section):

@@ -41,14 +41,15 @@ PG_PASSWORD_FILE = "superuser.password"
 #: The embedded PostgreSQL's unix socket directory, in its data directory (mode 0700).
 PG_SOCKET_DIR = "run"
 #: The embedded PostgreSQL's whole ``pg_hba.conf``: a SCRAM password for every connection, TCP
-#: from loopback only (the server listens on loopback only too).
+#: from loopback only (the server listens on loopback only too); streaming replication only for the
+#: standby's own role (``shared.pg_standby.REPLICATION_ROLE``).
 PG_HBA = """# written by kvledger (shared/embedded.py) on every start: password (SCRAM) only
 local   all          all                  scram-sha-256
 host    all          all   127.0.0.1/32   scram-sha-256
 host    all          all   ::1/128        scram-sha-256
-local   replication  all                  scram-sha-256
-host    replication  all   127.0.0.1/32   scram-sha-256
-host    replication  all   ::1/128        scram-sha-256
+local   replication  kvledger_replication                  scram-sha-256
+host    replication  kvledger_replication   127.0.0.1/32   scram-sha-256
+host    replication  kvledger_replication   ::1/128        scram-sha-256
 """
 
 
@@ -122,6 +123,8 @@ class EmbeddedPostgres:
     tls_key: str = ""
     #: Another PostgreSQL's ``bin`` directory (pgserver's bundled build has no TLS support).
     binaries: str = ""
+    #: More ``postgres`` arguments (``-c name=value``): a standby's settings (:mod:`shared.pg_standby`).
+    extra_args: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _upgrade_trust: bool = field(default=False, repr=False)
 
@@ -275,7 +278,7 @@ class EmbeddedPostgres:
             [str(self.bin_dir() / "postgres"), "-D", str(self.data_dir / "pgdata"), "-h", self.host,
              "-p", str(self.port), "-k", str(self.socket_dir), "-c", "unix_socket_permissions=0700",
              "-c", "password_encryption=scram-sha-256", "-c", "max_connections=200",
-             "-c", "fsync=on", "-c", "synchronous_commit=on", *self._tls_args()],
+             "-c", "fsync=on", "-c", "synchronous_commit=on", *self._tls_args(), *self.extra_args],
             stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, **self._user_kwargs())  # type: ignore[arg-type]
         logf.close()
         wait_tcp(self.host, self.port, timeout_s, self.proc, "embedded PostgreSQL", log)

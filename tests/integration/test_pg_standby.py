@@ -1,0 +1,150 @@
+"""The embedded PostgreSQL's streaming standby (shared/pg_standby.py), on real servers.
+
+A primary and its standby made with ``pg_basebackup -R``: a synchronous standby holds a commit
+until it has flushed it (a stopped standby stalls the commit; an asynchronous one does not);
+``kvledger db promote`` refuses while the primary runs, promotes once it was killed with
+SIGKILL, and the multi-host ``target_session_attrs=read-write`` URL then reaches the promoted
+standby with every committed row; only the replication role may replicate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import psutil
+import pytest
+
+from shared import pg_standby
+from shared.embedded import EmbeddedPostgres
+from tests.e2e.coordinator_processes import REPO, clean_env
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[EmbeddedPostgres, pg_standby.EmbeddedStandby]]:
+    primary = EmbeddedPostgres(tmp_path / "postgres").start()
+    standby = None
+    try:
+        standby = pg_standby.start_standby(primary, tmp_path, synchronous=True)
+        yield primary, standby
+    finally:
+        if standby is not None:
+            with_cont(standby)
+            standby.stop()
+        primary.stop()
+
+
+def signal_all(pg: EmbeddedPostgres, sig: int) -> None:
+    """``sig`` to the server and every process of it (PostgreSQL's children each lead a process
+    group of their own, so ``killpg`` of the postmaster reaches only the postmaster)."""
+    if pg.proc is None:
+        return
+    main = psutil.Process(pg.proc.pid)
+    for p in [main, *main.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(sig)
+
+
+def with_cont(pg: EmbeddedPostgres) -> None:
+    signal_all(pg, signal.SIGCONT)
+
+
+async def _insert(url: str, value: int, timeout_s: float) -> None:
+    conn = await asyncpg.connect(url, timeout=5)
+    try:
+        await asyncio.wait_for(conn.execute("INSERT INTO t VALUES ($1)", value), timeout_s)
+    finally:
+        conn.terminate()
+
+
+def test_a_synchronous_standby_holds_the_commit_and_an_asynchronous_one_does_not(pair) -> None:
+    primary, standby = pair
+    assert pg_standby.replication_state(primary)["sync_state"] == "sync"
+    asyncio.run(_run(primary.url, "CREATE TABLE t (x int)"))
+    assert standby.proc is not None
+    signal_all(standby, signal.SIGSTOP)  # every process of the standby, its WAL receiver included
+    try:
+        with pytest.raises(asyncio.TimeoutError):
+            asyncio.run(_insert(primary.url, 1, 2.0))
+    finally:
+        signal_all(standby, signal.SIGCONT)
+
+    pg_standby.set_synchronous(primary, False)
+    assert pg_standby.replication_state(primary)["sync_state"] == "async"
+    signal_all(standby, signal.SIGSTOP)
+    try:
+        asyncio.run(_insert(primary.url, 2, 10.0))  # returns at the primary's own flush
+    finally:
+        signal_all(standby, signal.SIGCONT)
+
+
+async def _run(url: str, sql: str) -> object:
+    conn = await asyncpg.connect(url, timeout=5)
+    try:
+        return await conn.fetchval(sql)
+    finally:
+        await conn.close()
+
+
+def promote(state_dir: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvledger.cli", "db", "promote", "--state-dir", str(state_dir)],
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+
+
+def test_promote_after_the_primary_is_killed_keeps_every_committed_row(pair, tmp_path: Path) -> None:
+    primary, standby = pair
+    url = pg_standby.failover_url(primary.url, (standby.host, standby.port))
+
+    async def fill() -> None:
+        conn = await asyncpg.connect(url, timeout=5)
+        try:
+            assert await conn.fetchval("SELECT inet_server_port()") == primary.port
+            await conn.execute("CREATE TABLE t (x int PRIMARY KEY)")
+            for i in range(200):  # each its own commit, each acknowledged once the standby flushed it
+                await conn.execute("INSERT INTO t VALUES ($1)", i)
+        finally:
+            await conn.close()
+
+    asyncio.run(fill())
+    refused = promote(tmp_path)
+    assert refused.returncode == 1 and "still runs" in refused.stderr, refused.stdout + refused.stderr
+    assert not standby.promoted
+
+    signal_all(primary, signal.SIGKILL)  # kill -9 of every process: a lost machine, as far as PostgreSQL can tell
+    primary.proc.wait(10)
+    primary.proc = None
+    with pytest.raises((OSError, asyncpg.InternalClientError)):  # nothing accepts writes yet
+        asyncio.run(_run(url, "SELECT 1"))
+    done = promote(tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert standby.promoted
+
+    async def check() -> None:
+        conn = await asyncpg.connect(url, timeout=5)
+        try:
+            assert await conn.fetchval("SELECT inet_server_port()") == standby.port
+            assert await conn.fetchval("SELECT count(*) FROM t") == 200
+            await conn.execute("INSERT INTO t VALUES (200)")  # it takes writes, and waits for no standby
+        finally:
+            await conn.close()
+
+    asyncio.run(check())
+    again = promote(tmp_path)
+    assert again.returncode == 1 and "promoted already" in again.stderr
+
+
+def test_only_the_replication_role_may_replicate(pair, tmp_path: Path) -> None:
+    primary, _ = pair
+    r = subprocess.run([str(primary.bin_dir() / "pg_basebackup"), "-D", str(tmp_path / "copy"), "-h", primary.host,
+                        "-p", str(primary.port), "-U", "postgres", "-w"],
+                       env={**os.environ, "PGPASSWORD": primary.password}, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "pg_hba.conf" in r.stderr, r.stderr
+    password_file = primary.data_dir / pg_standby.REPLICATION_PASSWORD_FILE
+    assert password_file.stat().st_mode & 0o777 == 0o600
