@@ -1,11 +1,11 @@
 """Log retention: archiving the oldest events of a long log, against reading the same rows.
 
-Builds the replay benchmark's log (``bench.coordinator.build_log``: the real core's events,
+Builds the replay benchmark's log (``bench.coordinator.log_builder.build_log``: the real core's events,
 ~92 % commit transitions, a snapshot ``--tail`` events before the end) in a fresh database,
 then runs ``coordinator.log.archive.archive`` up to that snapshot, as ``kvledger log archive``
 does: read every event, write the gzip file, fold it, compare the anchor's hash, then
 ``kvl_archive`` (floors, delete). Baseline in the same run: the raw read of the same rows
-(``bench.coordinator.read_baseline``). After it: a replay "from the beginning" (it starts at the
+(``bench.coordinator.replay.read_baseline``). After it: a replay "from the beginning" (it starts at the
 anchor now) and the offline verification of the file.
 
 Prints one JSON line: ``archive_events``, ``archive_seconds``, ``archive_write_seconds``,
@@ -32,7 +32,7 @@ from typing import Any
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.coordinator import scratch_database
+    from bench.coordinator.harness import scratch_database
 
     tmp = Path(tempfile.mkdtemp(prefix="kvl-bench-archive-"))
     try:
@@ -46,7 +46,9 @@ async def _archive(db: str, args: argparse.Namespace, tmp: Path) -> dict[str, An
     """Build the log in ``db``, archive it up to its snapshot, replay and verify."""
     import asyncpg
 
-    from bench.coordinator import _log, build_log, read_baseline
+    from bench.coordinator.harness import log as _log
+    from bench.coordinator.log_builder import build_log
+    from bench.coordinator.replay import read_baseline
     from coordinator.core import CoreParams
     from coordinator.log.archive import archive, verify_archives
     from coordinator.log.postgres import PgSettings, PostgresEventLog

@@ -3,7 +3,7 @@ callgrind: a measure that does not move with this VM's speed (one timed run of t
 moved by up to a third between minutes here), for A/Bs of a tenth or less.
 
 * ``fold``: a replay's inner loop (``state.fold_rows``, indexes deferred as ``load_state``
-  folds), per event of a log the core's own commands built (``bench.coordinator.LogBuilder``:
+  folds), per event of a log the core's own commands built (``bench.coordinator.log_builder.LogBuilder``:
   a 512-slot pool kept full, ~92 % commit transitions);
 * ``ingest``: per transition, what the coordinator does with a worker's 256-transition batch
   message once fetched: decode and validate it, judge each transition, apply, encode each
@@ -53,7 +53,7 @@ def _log(msg: str) -> None:
 def fold_workload(n: int) -> tuple[Callable[[], Any], int]:
     import contextlib
 
-    from bench.coordinator import LogBuilder
+    from bench.coordinator.log_builder import LogBuilder
     from coordinator.core import CoreParams, LedgerState
     from coordinator.core import state as core_state
     from coordinator.ledger import to_new_event
@@ -81,7 +81,7 @@ def fold_workload(n: int) -> tuple[Callable[[], Any], int]:
 
 def _worker(slots: int) -> tuple[Any, int, int]:
     """A ledger state with one registered worker of ``slots`` slots: (state, epoch, now)."""
-    from bench.coordinator import NS, catalogue
+    from bench.coordinator.harness import NS, catalogue
     from coordinator import core
     from shared import messages as m
 
@@ -95,7 +95,7 @@ def _worker(slots: int) -> tuple[Any, int, int]:
 
 
 def _grant(state: Any, epoch: int, now: int, hashes: list[str], lease_id: str) -> Any:
-    from bench.coordinator import NS
+    from bench.coordinator.harness import NS
     from coordinator import core
     from shared import messages as m
 
@@ -110,7 +110,8 @@ def _grant(state: Any, epoch: int, now: int, hashes: list[str], lease_id: str) -
 
 
 def ingest_workload(n: int) -> tuple[Callable[[], Any], int]:
-    from bench.coordinator import commit_transition, h
+    from bench.coordinator.harness import h
+    from bench.coordinator.synthetic_worker import commit_transition
     from coordinator import core
     from coordinator.ledger import to_new_event
     from shared import messages as m
@@ -142,7 +143,8 @@ def ingest_workload(n: int) -> tuple[Callable[[], Any], int]:
 
 
 def lease_workload(n: int) -> tuple[Callable[[], Any], int]:
-    from bench.coordinator import NS, commit_transition, h
+    from bench.coordinator.harness import NS, h
+    from bench.coordinator.synthetic_worker import commit_transition
     from coordinator import core
     from coordinator.ledger import to_new_event
     from shared import messages as m

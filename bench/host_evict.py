@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.cli import services
-from bench.coordinator import BLOCK, NS, BenchWorker, CoordinatorProc, commit_blocks, create_db, drop_db, h, pct
+from bench.coordinator.harness import BLOCK, NS, CoordinatorProc, create_db, drop_db, h, pct
+from bench.coordinator.synthetic_worker import BenchWorker, commit_blocks
 
 
 def _log(msg: str) -> None:

@@ -30,9 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.cli import services
-from bench.coordinator import (
-    CACHED_BLOCKS, PROMPT_BLOCKS, BenchWorker, CoordinatorProc, commit_blocks, create_db, drop_db, h, pct,
-)
+from bench.coordinator.harness import CACHED_BLOCKS, PROMPT_BLOCKS, CoordinatorProc, create_db, drop_db, h, pct
+from bench.coordinator.synthetic_worker import BenchWorker, commit_blocks
 
 
 def _log(msg: str) -> None:

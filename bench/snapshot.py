@@ -1,7 +1,7 @@
 """Snapshots of a large ledger state: how long decisions stall while one is taken and saved.
 
 Builds the state of a worker with a ``--pool-slots`` GPU pool in steady state (the replay
-benchmark's workload, ``bench.coordinator.LogBuilder``: every written block evicts one, as
+benchmark's workload, ``bench.coordinator.log_builder.LogBuilder``: every written block evicts one, as
 many tombstones as slots), puts it in a real ``coordinator.ledger.Ledger`` on PostgreSQL (a
 fresh database; embedded when no URL is given), and takes snapshots while a probe decides
 one durable event after another (a decision, its append, 1 ms of sleep). Alternating rounds:
@@ -34,7 +34,7 @@ from typing import Any
 
 def build_state(slots: int, events: int) -> Any:
     """The ledger state after ``events`` events of one worker with ``slots`` pool slots."""
-    from bench.coordinator import LogBuilder
+    from bench.coordinator.log_builder import LogBuilder
     from coordinator.core import CoreParams
 
     b = LogBuilder(CoreParams(), pool_slots=slots)
@@ -122,7 +122,8 @@ async def rounds(db: str, state: Any, n: int) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.coordinator import _log, scratch_database
+    from bench.coordinator.harness import log as _log
+    from bench.coordinator.harness import scratch_database
 
     tmp = Path(tempfile.mkdtemp(prefix="kvl-bench-snapshot-"))
     result: dict[str, Any] = {"quick": args.quick, "pool_slots": args.pool_slots}

@@ -13,7 +13,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from bench.coordinator import BenchWorker, commit_transition, drive, goals, h, idle_rates
+from bench.coordinator.harness import drive, h
+from bench.coordinator.idle import idle_rates
+from bench.coordinator.run import goals
+from bench.coordinator.synthetic_worker import BenchWorker, commit_transition
 from coordinator import core
 from shared import messages as m
 from shared.subjects import Subjects
