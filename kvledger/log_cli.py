@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from kvledger.admin_cli import EXIT_FOUND_PROBLEMS, CliError, _print_json, _wrap, progress
+from kvledger.cli_support import EXIT_FOUND_PROBLEMS, CliError, print_json, progress, wrap
 from shared.config import load_config
 
 
@@ -82,7 +82,7 @@ def cmd_archive(args: argparse.Namespace) -> int:
 
     report = _with_connection(args, work)
     if args.json:
-        _print_json(report)
+        print_json(report)
     elif report.get("dry_run"):
         print(f"would archive positions {report['first_position']:,}..{report['last_position']:,} "
               f"({report['events']:,} events; anchor snapshot at {report['last_position']:,}, state hash "
@@ -102,7 +102,7 @@ def cmd_archives(args: argparse.Namespace) -> int:
 
     rows = _with_connection(args, work)
     if args.json:
-        _print_json({"archives": rows})
+        print_json({"archives": rows})
     elif not rows:
         print("nothing archived: the log is whole from position 1")
     else:
@@ -126,7 +126,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             report = ar.verify_archives(paths, CoreParams.from_config(cfg.coordinator), progress=update)
     except ar.ArchiveError as e:
         if args.json:
-            _print_json({"ok": False, "error": str(e)})
+            print_json({"ok": False, "error": str(e)})
         else:
             print(f"PROBLEM: {e}")
         return EXIT_FOUND_PROBLEMS
@@ -137,7 +137,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         problems = ar.match_recorded(report["files"], _with_connection(args, recorded))
         report.update(ok=not problems, database_problems=problems)
     if args.json:
-        _print_json(report)
+        print_json(report)
     else:
         for line in report.get("database_problems", []):
             print(f"PROBLEM: {line}")
@@ -175,13 +175,13 @@ def register(sub: Any) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="directory of the archive files (created if missing)")
     p.add_argument("--page", type=int, default=10_000, help="events read per query")
     p.add_argument("--dry-run", action="store_true", help="say what would be archived; write and delete nothing")
-    p.set_defaults(func=_wrap(cmd_archive))
+    p.set_defaults(func=wrap(cmd_archive))
     p = logsub.add_parser("archives", parents=[db], help="the archives this database has made")
-    p.set_defaults(func=_wrap(cmd_archives))
+    p.set_defaults(func=wrap(cmd_archives))
     p = logsub.add_parser("verify", parents=[common], help="fold archive files from position 1 and check every "
                                                            "anchor (offline; exit 3 on a problem)")
     p.add_argument("--database-url", help="also check each file's SHA-256 against the archive the database "
                                           "recorded, and that no recorded archive is missing")
     p.add_argument("files", nargs="+", metavar="FILE", help="every archive file from position 1 on")
-    p.set_defaults(func=_wrap(cmd_verify))
+    p.set_defaults(func=wrap(cmd_verify))
     log.set_defaults(func=lambda args: (log.print_help(), 2)[1])
