@@ -38,6 +38,13 @@ class CoordinatorMetrics:
         self.stream_purged = Gauge("kvl_coordinator_stream_purged_through",
                                    "Stream sequence through which the leader purged acknowledged (logged) "
                                    "transition messages (nats.stream_purge_interval_s)", registry=r)
+        self.stream_replicas = Gauge("kvl_coordinator_stream_replicas",
+                                     "Replicas the transitions stream is configured with (nats.stream_replicas)",
+                                     registry=r)
+        self.stream_replicas_current = Gauge("kvl_coordinator_stream_replicas_current",
+                                             "Replicas of the transitions stream that are current: its leader and "
+                                             "every follower caught up (below stream_replicas: a NATS node is down "
+                                             "or still catching up)", registry=r)
         self.transition_messages = Histogram("kvl_coordinator_transitions_per_message",
                                              "Transitions per JetStream message consumed (a worker's batch; 1 for "
                                              "a lone transition)", buckets=BATCH_BUCKETS, registry=r)

@@ -36,7 +36,7 @@ from coordinator.nats_service import NatsService, StartupError
 from coordinator.replay import LogCorrupt
 from shared import nats_auth
 from shared.logging import mask_credentials
-from shared.config import Config
+from shared.config import Config, nats_servers
 from shared.messages import now_ms
 from shared.subjects import Subjects
 from shared.tls import nats_tls_kwargs
@@ -103,7 +103,7 @@ class Coordinator:
             # NOTE: with unlimited reconnects nats-py retries the *first* connection forever too;
             # at start an unreachable NATS is a configuration problem, so bound it.
             await asyncio.wait_for(nc.connect(
-                self.nats_url, name=f"kvl-coordinator {self.holder}", connect_timeout=timeout,
+                nats_servers(self.nats_url), name=f"kvl-coordinator {self.holder}", connect_timeout=timeout,
                 allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                 error_cb=self._nats_error, disconnected_cb=self._nats_disconnected,
                 reconnected_cb=self._nats_reconnected, **nats_tls_kwargs(self.config.tls),

@@ -7,6 +7,11 @@ per-worker message cap, all with the discard policy ``new``: a publish over a ca
 worker gets an error and keeps its transitions), never an older, possibly unconsumed, message
 dropped. The leader purges up to its consumer's ack floor (each message there was acked after
 its transitions were committed to the log), so the caps bound the backlog, not history.
+
+Replicas (``nats.stream_replicas``; 0 = one per server in ``nats.url``, at most 5): on a
+three-node cluster the stream is R3, so a worker's publish is acknowledged once two nodes hold
+it and losing any one node loses nothing acknowledged (docs/architecture.md, "NATS as a
+cluster"). An existing stream is scaled to the configured count at start.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 import nats.js.errors
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
+from shared.config import nats_servers
 from shared.subjects import Subjects
 
 #: Durable name of the coordinator's pull consumer (shared by leader and standbys; only the leader pulls).
@@ -46,10 +52,16 @@ class TransitionStream:
         keeps its transitions), never an older, possibly unconsumed, message dropped."""
         n = self.config.nats
         limits: dict[str, Any] = {"max_bytes": n.stream_max_bytes, "max_msg_size": n.stream_max_msg_bytes,
-                                  "discard": DiscardPolicy.NEW}
+                                  "discard": DiscardPolicy.NEW, "num_replicas": self.replicas}
         if self.per_subject_discard_new:
             limits.update(max_msgs_per_subject=n.stream_max_msgs_per_worker, discard_new_per_subject=True)
         return limits
+
+    @property
+    def replicas(self) -> int:
+        """``nats.stream_replicas``, or one per configured server (JetStream allows at most 5)."""
+        n = self.config.nats
+        return n.stream_replicas or min(5, len(nats_servers(n.url)) or 1)
 
     @property
     def per_subject_discard_new(self) -> bool:
@@ -71,10 +83,15 @@ class TransitionStream:
                              server_version=str(self.nc.connected_server_version),
                              reason="needs nats-server >= 2.10 (per-subject discard new); not applied")
         shown = {k: getattr(v, "value", v) for k, v in limits.items()}
+        self.metrics.stream_replicas.set(self.replicas)
         try:
             info = await self.js.stream_info(name)
         except nats.js.errors.NotFoundError:
-            await self.js.add_stream(want)
+            try:
+                await self.js.add_stream(want)
+            except nats.js.errors.APIError as e:
+                self._replicas_refused(e)
+                raise
             self.log.info("stream_created", stream=name, subjects=want.subjects, retention="limits", storage="file",
                           max_age_s=n.stream_max_age_s, duplicate_window_s=n.duplicate_window_s, **shown)
             return
@@ -94,11 +111,23 @@ class TransitionStream:
             have.duplicate_window = want.duplicate_window
             for k, v in limits.items():
                 setattr(have, k, v)
-            await self.js.update_stream(have)
+            try:
+                await self.js.update_stream(have)
+            except nats.js.errors.APIError as e:
+                self._replicas_refused(e)
+                raise
             self.log.info("stream_updated", stream=name, max_age_s=n.stream_max_age_s,
                           duplicate_window_s=n.duplicate_window_s, **shown)
         else:
             self.log.info("stream_verified", stream=name)
+
+    def _replicas_refused(self, e: Exception) -> None:
+        """A refused stream with replicas: most likely more than the cluster has (one readable line)."""
+        if self.replicas > 1:
+            raise StartupError(
+                f"JetStream refused the stream {self.subjects.stream_name} at {self.replicas} replicas: {e}; a stream "
+                "has at most as many replicas as the cluster has JetStream servers (config key "
+                "nats.stream_replicas; 0 = one per server in nats.url)") from e
 
     async def purge_acknowledged(self) -> int:
         """Remove the stream's messages up to the consumer's ack floor: each was acked after its
@@ -115,6 +144,17 @@ class TransitionStream:
         self.metrics.stream_purged.set(floor)
         return floor + 1
 
+    async def observe_replicas(self) -> int:
+        """How many of the stream's replicas are current (the leader and each follower caught up),
+        into ``kvl_coordinator_stream_replicas_current``: a NATS node that is down or has not yet
+        caught up after a restart shows there."""
+        info = await self.js.stream_info(self.subjects.stream_name)
+        cluster = info.cluster
+        peers = (cluster.replicas or []) if cluster is not None else []
+        current = (1 if cluster is None or cluster.leader else 0) + sum(1 for p in peers if p.current and not p.offline)
+        self.metrics.stream_replicas_current.set(current)
+        return current
+
     async def purge_loop(self, every_s: float, leading: Callable[[], bool]) -> None:
         """Every ``every_s``, while ``leading()`` (the serving leader, its consumer pulling): purge."""
         last_error = ""
@@ -124,6 +164,7 @@ class TransitionStream:
                 continue
             try:
                 await self.purge_acknowledged()
+                await self.observe_replicas()
                 last_error = ""
             except asyncio.CancelledError:
                 raise

@@ -45,7 +45,7 @@ from gateway.prompt import prompt_tokens
 from gateway.routing import Choice, Worker, choose
 from shared import access_log, tracing
 from shared import messages as m
-from shared.config import Config
+from shared.config import Config, nats_servers
 from shared.hashing import chain_hashes
 from shared.http_limits import handler_args
 from shared.images import ImageLimits, PromptImage, image_block_keys
@@ -135,7 +135,7 @@ class Gateway:
 
     async def start(self) -> None:
         import nats
-        self._nc = await nats.connect(self.cfg.nats.url, name=f"kvl-gateway-{self.g.gateway_id}",
+        self._nc = await nats.connect(nats_servers(self.cfg.nats.url), name=f"kvl-gateway-{self.g.gateway_id}",
                                       max_reconnect_attempts=-1, reconnect_time_wait=0.5, **self.nats_kwargs)
         self._http = aiohttp.ClientSession(auto_decompress=False,
                                            connector=aiohttp.TCPConnector(limit=0, ssl=self.client_ssl))

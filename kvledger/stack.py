@@ -3,7 +3,9 @@
 Theory of operation — a small process supervisor, threads and ``subprocess``, no asyncio:
 
 1. **Services.** PostgreSQL and NATS from the configuration; whichever has no URL is started
-   embedded under ``state_dir`` (:mod:`shared.embedded`), owned by this process.
+   embedded under ``state_dir`` (:mod:`shared.embedded`), owned by this process; NATS as a
+   3- or 5-node JetStream cluster with ``--nats-cluster`` (:mod:`shared.nats_cluster`), each
+   node supervised and listed on its own.
 2. **Migrations.** ``kvledger db upgrade`` in-process, so a schema problem is reported
    before anything else starts (the coordinator would also migrate; this makes the step
    visible and its failure one clear line, like compose's one-shot ``migrate`` service).
@@ -70,6 +72,7 @@ from shared.config import Config
 from kvledger.discovery import cli_command, found_from
 from shared.logging import JsonLinesFile
 from shared.nats_auth import CredentialStore
+from shared.nats_cluster import NatsCluster, embedded_nodes
 from shared.subjects import Subjects
 from shared.tls import client_context, http_scheme
 
@@ -101,6 +104,8 @@ class StackOptions:
     gateway: bool = True
     #: None = the config's gateway.port; 0 = any free port.
     gateway_port: int | None = None
+    #: Embedded nats-servers, clustered when 3 or 5 (None = the config's nats.cluster_size).
+    nats_cluster: int | None = None
     config_path: str | None = None
     start_timeout_s: float = 180.0
     stop_timeout_s: float = 20.0
@@ -467,14 +472,34 @@ class Stack:
             if self.opts.gateway:
                 workers.append(nats_auth.gateway(cfg.gateway.gateway_id))
             nats_config = str(self.credentials.write_server_config(workers, Subjects(cfg.nats.subject_prefix)))
+        size = cfg.nats.cluster_size if self.opts.nats_cluster is None else self.opts.nats_cluster
+        # NOTE: a NATS cluster (shared.nats_cluster) starts first and is handed over as the NATS URL
+        cluster = NatsCluster(self.state_dir / "nats", size, config_file=nats_config) \
+            if size > 1 and not cfg.nats.url else None
         try:
-            self.services = start_services(cfg.database.url, cfg.nats.url, self.state_dir, nats_config=nats_config)
-        except EmbeddedServiceError as e:
-            raise StackError(f"embedded services: {e}") from None
-        for emb in (self.services.postgres, self.services.nats):
-            if emb is not None and emb.proc is not None:
+            nats_url = cluster.start().url if cluster is not None else cfg.nats.url
+            self.services = start_services(cfg.database.url, nats_url, self.state_dir, nats_config=nats_config)
+        except BaseException as e:
+            if cluster is not None:
+                cluster.stop()
+            if isinstance(e, EmbeddedServiceError):
+                raise StackError(f"embedded services: {e}") from None
+            raise
+        if cluster is not None:
+            self.services.nats = cluster
+            self.console.say(f"NATS: a {size}-node JetStream cluster ({', '.join(cluster.names)})")
+        for _, emb in self._embedded():
+            if emb.proc is not None:
                 self._pids.add(emb.proc.pid)
                 self._started += 1
+
+    def _embedded(self) -> list[tuple[str, Any]]:
+        """``(name, server)`` of every embedded service this stack runs: postgres, and nats (or
+        nats-1 … of a cluster, each supervised on its own)."""
+        svc = self.services
+        if svc is None:
+            return []
+        return [*([("postgres", svc.postgres)] if svc.postgres is not None else []), *embedded_nodes(svc.nats)]
 
     #: The coordinators' own login role on the embedded PostgreSQL (a ``kvledger_writer`` member).
     COORDINATOR_ROLE = "kvledger_coordinator"
@@ -685,7 +710,7 @@ class Stack:
                         return True
                 elif not child.alive and not self._exited(child, now):
                     return True
-            for name, emb in (("postgres", self.services.postgres), ("nats", self.services.nats)):
+            for name, emb in self._embedded():
                 if emb is not None and emb.proc is not None and emb.proc.poll() is not None \
                         and not self._restart_service(name, emb, now):
                     return True
@@ -763,9 +788,11 @@ class Stack:
         out: list[dict[str, Any]] = []
         svc = self.services
         if svc is not None:
+            nats = [(name, node.url, node, str(node.data_dir / "nats.log"))
+                    for name, node in embedded_nodes(svc.nats)] \
+                if isinstance(svc.nats, NatsCluster) else [("nats", svc.nats_url, svc.nats, "nats/nats.log")]
             for name, url, emb, log in (
-                    ("postgres", svc.database_url, svc.postgres, "postgres/postgres.log"),
-                    ("nats", svc.nats_url, svc.nats, "nats/nats.log")):
+                    ("postgres", svc.database_url, svc.postgres, "postgres/postgres.log"), *nats):
                 out.append({"name": name, "url": url, "role": "embedded" if emb is not None else "configured",
                             "pid": emb.proc.pid if emb is not None and emb.proc is not None else None,
                             "log": str(self.state_dir / log) if emb is not None else None, "restarts": None})
@@ -924,7 +951,7 @@ def _is_supervisor(pid: int) -> bool:
 def _looks_like(p: Any, name: str, state_dir: Path) -> bool:
     """Whether ``p`` is the ``name`` service a stack with ``state_dir`` started."""
     cmd = " ".join(p.cmdline())
-    if name in ("postgres", "nats"):
+    if name in ("postgres", "nats") or name.startswith("nats-"):
         return str(state_dir) in cmd
     if name == "coordinator" or name.startswith("coordinator-"):
         return "-m coordinator" in cmd
@@ -995,6 +1022,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--gateway-port", type=int, default=None,
                    help="the gateway's port, the stack's one OpenAI endpoint (default: gateway.port, 8300; 0 = any "
                         "free port)")
+    p.add_argument("--nats-cluster", type=int, choices=(1, 3, 5), default=None, metavar="N",
+                   help="embedded NATS as a cluster of N JetStream servers, 1, 3 or 5 (default: nats.cluster_size, 1); "
+                        "the transitions stream gets N replicas and every client the N servers")
     p.add_argument("--no-gateway", action="store_true",
                    help="run no gateway: clients choose a worker themselves")
     p.add_argument("--start-timeout", type=float, default=180.0, metavar="SECONDS",
@@ -1020,9 +1050,13 @@ def cmd_up(args: Any) -> int:
     if not args.restart_window > 0:
         raise SystemExit("kvledger up: --restart-window must be > 0 seconds")
     cfg = load_config(getattr(args, "config", None))
+    if (args.nats_cluster or 1) > 1 and cfg.nats.url:
+        raise SystemExit("kvledger up: --nats-cluster runs an embedded NATS cluster, but nats.url is set: list your "
+                         "cluster's servers there instead (comma-separated nats:// URLs)")
     opts = StackOptions(workers=args.workers, coordinators=args.coordinators, coordinator_port=args.coordinator_port,
                         worker_base_port=args.worker_base_port, config_path=getattr(args, "config", None),
                         gateway=not args.no_gateway, gateway_port=args.gateway_port,
                         start_timeout_s=args.start_timeout, echo_logs=not args.quiet,
-                        max_restarts=args.max_restarts, restart_window_s=args.restart_window)
+                        max_restarts=args.max_restarts, restart_window_s=args.restart_window,
+                        nats_cluster=args.nats_cluster)
     return Stack(cfg, opts).run()

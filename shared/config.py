@@ -224,9 +224,24 @@ class DatabaseConfig(_Section):
     failover_after_s: Annotated[float, msgspec.Meta(ge=0)] = 0
 
 
+def nats_servers(url: str) -> list[str]:
+    """The servers of ``nats.url``: one URL, or a cluster's as a comma-separated list (every
+    client is given them all, so that it reconnects to another node when its own goes away)."""
+    return [u.strip() for u in url.split(",") if u.strip()]
+
+
 class NatsConfig(_Section):
-    #: ``nats://host:port``; empty = start an embedded nats-server with JetStream.
+    #: ``nats://host:port``, or a cluster's servers comma-separated
+    #: (``nats://n1:4222,nats://n2:4222,nats://n3:4222``); empty = start an embedded nats-server
+    #: with JetStream (``cluster_size`` of them).
     url: str = ""
+    #: Embedded NATS only (``nats.url`` empty): how many clustered nats-servers ``kvledger up``
+    #: runs (1, or 3 or 5 for a JetStream cluster that survives losing one or two);
+    #: ``kvledger up --nats-cluster N`` overrides it.
+    cluster_size: Literal[1, 3, 5] = 1
+    #: Replicas of the transitions stream (JetStream R1..R5); 0 = one per server in ``nats.url``
+    #: (at most 5), so a three-node cluster gets R3. Applied to an existing stream at start.
+    stream_replicas: Annotated[int, msgspec.Meta(ge=0, le=5)] = 0
     subject_prefix: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*\Z")] = "kvl"
     request_timeout_ms: PosInt = 2000
     #: This process's NATS user: ``coordinator``, ``worker.<worker id>``, ``operator`` or ``observer``
@@ -653,8 +668,9 @@ def _cross_check(cfg: Config) -> None:
                           "outlive its leases")
     if cfg.database.url and not cfg.database.url.startswith(("postgresql", "postgres")):
         raise ConfigError("config key database.url: expected a postgresql:// or postgresql+asyncpg:// URL")
-    if cfg.nats.url and not cfg.nats.url.startswith(("nats://", "tls://", "ws://", "wss://")):
-        raise ConfigError("config key nats.url: expected a nats:// URL")
+    if cfg.nats.url and not all(u.startswith(("nats://", "tls://", "ws://", "wss://"))
+                                for u in nats_servers(cfg.nats.url)):
+        raise ConfigError("config key nats.url: expected a nats:// URL (a cluster's: comma-separated nats:// URLs)")
     if cfg.tracing.enabled and not re.match(r"^https?://[^/\s]+", cfg.tracing.otlp_endpoint):
         raise ConfigError(f"config key tracing.otlp_endpoint: {mask_credentials(cfg.tracing.otlp_endpoint)!r} is not "
                           "an http:// or https:// URL (an OTLP/HTTP traces endpoint, e.g. "

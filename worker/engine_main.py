@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from shared import nats_auth, tracing
-from shared.config import Config, ConfigError, load_config
+from shared.config import Config, ConfigError, load_config, nats_servers
 from shared.logging import configure_logging, get_logger, mask_credentials
 from shared.manifest import ManifestError
 from shared.subjects import Subjects
@@ -118,7 +118,7 @@ class DebugService:
 
     async def start(self) -> None:
         import nats
-        self._nc = await nats.connect(self.url, name=f"kvl-worker-debug-{self.engine.worker_id}",
+        self._nc = await nats.connect(nats_servers(self.url), name=f"kvl-worker-debug-{self.engine.worker_id}",
                                       **({"tls": self.tls} if self.tls is not None else {}),
                                       max_reconnect_attempts=-1, reconnect_time_wait=0.5, **self.auth)
         for what, handler in (("generate", self._generate), ("health", self._health),

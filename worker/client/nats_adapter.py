@@ -33,6 +33,7 @@ import nats.js.errors
 from shared import messages as m
 from shared import tracing
 from shared.hashing import REPLICA_DIGEST_BYTES
+from shared.config import nats_servers
 from shared.logging import get_logger, mask_credentials
 from shared.subjects import Subjects
 from worker.client import (
@@ -85,7 +86,9 @@ class NatsCoordinatorClient:
                 raise CoordinatorUnavailable(f"NATS at {mask_credentials(self.url)} is reconnecting")
             return
         try:
-            self._nc = await nats.connect(self.url, name=self.name, connect_timeout=1, reconnect_time_wait=0.5,
+            # every server of a cluster: the connection moves to another node when its own goes away
+            self._nc = await nats.connect(nats_servers(self.url), name=self.name, connect_timeout=1,
+                                          reconnect_time_wait=0.5,
                                           max_reconnect_attempts=-1, allow_reconnect=True,
                                           error_cb=self._on_error, disconnected_cb=self._on_disconnect,
                                           **({"tls": self.tls} if self.tls is not None else {}), **self.auth)
