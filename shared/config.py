@@ -364,6 +364,14 @@ class WorkerConfig(_Section):
     #: operators. Off by default: ``generate`` bypasses the HTTP API's admission control; its
     #: tenant comes only from an API key, as over HTTP.
     debug_subjects: bool = False
+    #: Tokens (prompt + output) of a typical request, for the start-up capacity check: a worker whose
+    #: pools cannot hold ``service.max_concurrency`` such requests at once warns (``pool_capacity_low``),
+    #: naming the key to raise and by how much — past that, requests are refused their leases
+    #: (``over_capacity``) and recompute uncached. 0: no check. At most the maximum context.
+    capacity_check_tokens: Annotated[int, msgspec.Meta(ge=0)] = 1024
+    #: While serving: at most one ``cache_over_capacity`` warning per this many seconds, when leases
+    #: were refused ``over_capacity`` since the last one (``worker.capacity``).
+    capacity_warning_interval_s: Annotated[float, msgspec.Meta(gt=0, le=86_400)] = 60.0
 
 
 class ApiKey(_Section):
@@ -389,14 +397,6 @@ class GatewayConfig(_Section):
     gateway_id: str = "gateway"
     #: Address the gateway's OpenAI endpoint listens on (0 = any free port).
     host: str = "127.0.0.1"
-    #: Tokens (prompt + output) of a typical request, for the start-up capacity check: a worker whose
-    #: pools cannot hold ``service.max_concurrency`` such requests at once warns (``pool_capacity_low``),
-    #: naming the key to raise and by how much — past that, requests are refused their leases
-    #: (``over_capacity``) and recompute uncached. 0: no check. At most the maximum context.
-    capacity_check_tokens: Annotated[int, msgspec.Meta(ge=0)] = 1024
-    #: While serving: at most one ``cache_over_capacity`` warning per this many seconds, when leases
-    #: were refused ``over_capacity`` since the last one (``worker.capacity``).
-    capacity_warning_interval_s: Annotated[float, msgspec.Meta(gt=0, le=86_400)] = 60.0
     #: Port of that endpoint; ``kvledger up`` prints it as the stack's endpoint.
     port: Port = 8300
     #: How long a route query to the coordinator may take before the request is routed by load.
