@@ -117,6 +117,20 @@ class NatsCluster:
             raise EmbeddedServiceError(f"a NATS cluster of {self.size}: choose 3 or 5 nodes (an odd number keeps "
                                        "a JetStream quorum when one or two are lost)")
         self.data_dir = Path(self.data_dir).resolve()
+        if not self.nodes:   # the ports now, so that ``url`` is known before the start
+            taken: set[int] = set()
+
+            def port() -> int:
+                p = free_port(self.host)
+                while p in taken:
+                    p = free_port(self.host)
+                taken.add(p)
+                return p
+
+            self.route_ports = [port() for _ in range(self.size)]
+            self.http_ports = [port() for _ in range(self.size)]
+            self.nodes = [EmbeddedNats(self.data_dir / f"node-{i + 1}", self.host, port(), tls_cert=self.tls_cert,
+                                       tls_key=self.tls_key, tls_ca=self.tls_ca) for i in range(self.size)]
 
     @property
     def url(self) -> str:
@@ -140,23 +154,9 @@ class NatsCluster:
         return pw
 
     def _configure(self) -> None:
-        """Choose the ports (once) and write every node's configuration file."""
+        """Write every node's configuration file (the route password generated on first use)."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.data_dir, 0o700)
-        taken: set[int] = set()
-
-        def port() -> int:
-            p = free_port(self.host)
-            while p in taken:
-                p = free_port(self.host)
-            taken.add(p)
-            return p
-
-        if not self.nodes:
-            self.route_ports = [port() for _ in range(self.size)]
-            self.http_ports = [port() for _ in range(self.size)]
-            self.nodes = [EmbeddedNats(self.data_dir / f"node-{i + 1}", self.host, port(), tls_cert=self.tls_cert,
-                                       tls_key=self.tls_key, tls_ca=self.tls_ca) for i in range(self.size)]
         password = self._route_password()
         for i, node in enumerate(self.nodes):
             node.data_dir.mkdir(parents=True, exist_ok=True)

@@ -220,10 +220,10 @@ class Settings:
 class Run:
     """One stack, one history, the drills run on it in turn."""
 
-    def __init__(self, root: Path, settings: Settings, tenants: list[str]) -> None:
+    def __init__(self, root: Path, settings: Settings, tenants: list[str], nats_nodes: int = 1) -> None:
         self.root = root
         self.settings = settings
-        self.stack = Stack(root, worker_specs(), tenants)
+        self.stack = Stack(root, worker_specs(), tenants, nats_nodes=nats_nodes)
         self.reference = Reference()
         self.script = Script(self.reference, turns=settings.turns)
         self.history = History()

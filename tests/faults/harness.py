@@ -37,8 +37,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared import messages as m
 from shared import nats_auth
+from shared.config import nats_servers
 from shared.embedded import EmbeddedNats, EmbeddedPostgres, free_port
 from shared.nats_auth import CredentialStore, Identity
+from shared.nats_cluster import NatsCluster, embedded_nodes
 from shared.subjects import Subjects
 from tests.faults.checker import Observed
 from tests.worker.processes import Proc
@@ -101,7 +103,9 @@ class Reply:
 
 
 class Stack:
-    def __init__(self, root: Path, specs: list[WorkerSpec], tenants: list[str]) -> None:
+    def __init__(self, root: Path, specs: list[WorkerSpec], tenants: list[str], nats_nodes: int = 1) -> None:
+        """``nats_nodes``: 1 = one nats-server; 3 or 5 = a JetStream cluster (``shared.nats_cluster``),
+        every process given all its servers, the transitions stream at as many replicas."""
         self.root = root
         self.logs = root / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -113,7 +117,9 @@ class Stack:
         conf = self.credentials.write_server_config(
             [*(nats_auth.worker(w) for w in (*(s.worker_id for s in specs), "ghost")), nats_auth.gateway(GATEWAY_ID)],
             self.subjects)
-        self.nats = EmbeddedNats(root / "nats", port=free_port(), config_file=str(conf))
+        self.nats: EmbeddedNats | NatsCluster = (
+            NatsCluster(root / "nats", nats_nodes, config_file=str(conf)) if nats_nodes > 1
+            else EmbeddedNats(root / "nats", port=free_port(), config_file=str(conf)))
         #: Connections as a given user (``client``), e.g. a worker's to replay its forgeries.
         self._clients: dict[str, Any] = {}
         self.admin_port = free_port()
@@ -169,7 +175,7 @@ class Stack:
             async def quiet(e: Exception) -> None:
                 self.nats_errors += 1
             self._clients[ident.user] = await nats.connect(
-                self.nats.url, name=f"kvl-fault-drills-{ident.user}", max_reconnect_attempts=-1,
+                nats_servers(self.nats.url), name=f"kvl-fault-drills-{ident.user}", max_reconnect_attempts=-1,
                 reconnect_time_wait=0.2, allow_reconnect=True, error_cb=quiet, **self.auth(ident))
         return self._clients[ident.user]
 
@@ -232,7 +238,7 @@ class Stack:
             self.nats_errors += 1
 
         # the operator: the debug subjects (generate with logits, health, metrics, flush)
-        self.nc = await nats.connect(self.nats.url, name="kvl-fault-drills", max_reconnect_attempts=-1,
+        self.nc = await nats.connect(nats_servers(self.nats.url), name="kvl-fault-drills", max_reconnect_attempts=-1,
                                      reconnect_time_wait=0.2, allow_reconnect=True, error_cb=quiet,
                                      **self.auth(Identity("operator")))
         self.start_coordinator()
@@ -333,6 +339,16 @@ class Stack:
         await asyncio.to_thread(self.nats.start, 30)
         self._gone.pop("nats", None)
 
+    async def kill_nats_node(self, i: int) -> None:
+        """kill -9 node ``i`` of the NATS cluster (the others carry the bus and the stream on)."""
+        assert isinstance(self.nats, NatsCluster)
+        await asyncio.to_thread(self.nats.nodes[i].kill)
+
+    async def start_nats_node(self, i: int) -> None:
+        """Node ``i`` again, on its ports and from its store: it rejoins the cluster."""
+        assert isinstance(self.nats, NatsCluster)
+        await asyncio.to_thread(self.nats.nodes[i].start, 30)
+
     def gone(self, what: str) -> asyncio.Event:
         return self._gone.setdefault(what, asyncio.Event())
 
@@ -352,10 +368,12 @@ class Stack:
             self.pg.proc = None
             await self.start_postgres()
             done.append("postgres")
-        if self.nats.proc is None or self.nats.proc.poll() is not None:
-            self.nats.proc = None
-            await self.start_nats()
-            done.append("nats")
+        for name, node in embedded_nodes(self.nats):
+            if node.proc is None or node.proc.poll() is not None:
+                node.proc = None
+                await asyncio.to_thread(node.start, 30)
+                self._gone.pop("nats", None)
+                done.append(name)
         if self.coordinator is not None:
             self.coordinator.signal(signal.SIGCONT)   # a drill that failed while it was stopped
         if self.coordinator is None or not self.coordinator.alive:
@@ -618,7 +636,7 @@ class Observer:
         async def quiet(e: Exception) -> None:
             self.errors += 1
 
-        self.nc = await nats.connect(self.url, name="kvl-fault-observer", max_reconnect_attempts=-1,
+        self.nc = await nats.connect(nats_servers(self.url), name="kvl-fault-observer", max_reconnect_attempts=-1,
                                      reconnect_time_wait=0.1, allow_reconnect=True, disconnected_cb=gone,
                                      error_cb=quiet, pending_size=64 * 2**20, **self.auth)
         await self.nc.subscribe(self.subjects.events_wildcard, cb=self._transition, pending_msgs_limit=-1,

@@ -79,5 +79,8 @@ def test_embedded_nodes_names_a_lone_server_nats_and_a_clusters_nodes_nats_n() -
     assert list(embedded_nodes(lone)) == [("nats", lone)]  # type: ignore[arg-type]
     assert list(embedded_nodes(None)) == []
     cluster = NatsCluster(Path("/nonexistent"), 3)
-    cluster.nodes = ["a", "b", "c"]  # type: ignore[list-item]
-    assert list(embedded_nodes(cluster)) == [("nats-1", "a"), ("nats-2", "b"), ("nats-3", "c")]
+    assert list(embedded_nodes(cluster)) == [(f"nats-{i + 1}", n) for i, n in enumerate(cluster.nodes)]
+    # ports are chosen up front (the URL is known before the start) and are all distinct
+    ports = [n.port for n in cluster.nodes] + cluster.route_ports + cluster.http_ports
+    assert len(set(ports)) == 9 and 0 not in ports
+    assert cluster.url == ",".join(f"nats://127.0.0.1:{n.port}" for n in cluster.nodes)
