@@ -118,6 +118,8 @@ class StackOptions:
     restart_window_s: float = 60.0
     restart_backoff_s: float = 0.5
     restart_backoff_max_s: float = 10.0
+    #: A streaming standby of the embedded PostgreSQL (``kvledger.pg_failover``).
+    pg_standby: bool = False
 
 
 # --- the terminal ------------------------------------------------------------------------------
@@ -337,6 +339,8 @@ class Stack:
         self.state_dir = Path(self.cfg.state_dir).resolve()
         self.log_dir = self.state_dir / "logs"
         self.services: Any = None
+        #: The embedded PostgreSQL's standby and its watch (``--pg-standby``), else None.
+        self.pg_failover: Any = None
         #: How the supervisor's probes verify the children's HTTPS (``tls`` section; None = plain or system CAs).
         self.tls_context = client_context(self.cfg.tls)
         #: The embedded NATS's users and passwords (``None`` with a configured NATS).
@@ -492,6 +496,7 @@ class Stack:
             if emb.proc is not None:
                 self._pids.add(emb.proc.pid)
                 self._started += 1
+        self._start_pg_standby()
 
     def _embedded(self) -> list[tuple[str, Any]]:
         """``(name, server)`` of every embedded service this stack runs: postgres, and nats (or
@@ -500,6 +505,24 @@ class Stack:
         if svc is None:
             return []
         return [*([("postgres", svc.postgres)] if svc.postgres is not None else []), *embedded_nodes(svc.nats)]
+
+    def _start_pg_standby(self) -> None:
+        from kvledger.pg_failover import PgFailover
+        from shared.embedded import EmbeddedServiceError
+
+        primary = self.services.postgres
+        if self.opts.pg_standby and primary is None:
+            raise StackError("--pg-standby runs a standby of the embedded PostgreSQL; a configured database.url "
+                             "fails over on its own terms (docs/operations.md, \"PostgreSQL standby and failover\")")
+        try:
+            if self.opts.pg_standby:
+                self.console.say("starting the PostgreSQL standby (pg_basebackup on its first start)")
+                self.pg_failover = PgFailover.start(self)
+                self.console.say(self.pg_failover.describe())
+            elif primary is not None:
+                PgFailover.without_standby(primary)
+        except EmbeddedServiceError as e:
+            raise StackError(f"PostgreSQL standby: {e}") from None
 
     #: The coordinators' own login role on the embedded PostgreSQL (a ``kvledger_writer`` member).
     COORDINATOR_ROLE = "kvledger_coordinator"
@@ -529,8 +552,9 @@ class Stack:
             if embedded:
                 password = self._coordinator_password()
                 await ensure_login_role(owner_url, self.COORDINATOR_ROLE, password)
-                self._coordinator_database_url = with_credentials(self.services.database_url,
-                                                                  self.COORDINATOR_ROLE, password)
+                # with a standby: both servers, the one accepting writes is used (kvledger.pg_failover)
+                url = self.pg_failover.url(self.services.database_url) if self.pg_failover else self.services.database_url
+                self._coordinator_database_url = with_credentials(url, self.COORDINATOR_ROLE, password)
             return rev
 
         try:
@@ -710,6 +734,9 @@ class Stack:
                         return True
                 elif not child.alive and not self._exited(child, now):
                     return True
+            # NOTE: first, so that a dead primary with a standby is not restarted below
+            if self.pg_failover is not None and not self.pg_failover.tick(now):
+                return True
             for name, emb in self._embedded():
                 if emb is not None and emb.proc is not None and emb.proc.poll() is not None \
                         and not self._restart_service(name, emb, now):
@@ -796,6 +823,8 @@ class Stack:
                 out.append({"name": name, "url": url, "role": "embedded" if emb is not None else "configured",
                             "pid": emb.proc.pid if emb is not None and emb.proc is not None else None,
                             "log": str(self.state_dir / log) if emb is not None else None, "restarts": None})
+            if self.pg_failover is not None:
+                out += self.pg_failover.rows()
         for c in self.children:
             role = "OpenAI API" if c in self.workers else "OpenAI API (gateway)" if c in self.gateways else "admin API"
             out.append({"name": c.name, "url": c.url, "role": role,
@@ -916,6 +945,8 @@ class Stack:
             self.console.say(f"{c.name} stopped (exit code {c.returncode}{restarts})", style="dim")
         if self.services is not None:
             try:
+                if self.pg_failover is not None:
+                    self.pg_failover.stop()
                 self.services.stop()
             except Exception as e:  # noqa: BLE001 - go on to the check below
                 self.console.say(f"stopping embedded services: {e}", style="yellow")
@@ -951,7 +982,7 @@ def _is_supervisor(pid: int) -> bool:
 def _looks_like(p: Any, name: str, state_dir: Path) -> bool:
     """Whether ``p`` is the ``name`` service a stack with ``state_dir`` started."""
     cmd = " ".join(p.cmdline())
-    if name in ("postgres", "nats") or name.startswith("nats-"):
+    if name in ("postgres", "nats", "postgres-standby") or name.startswith("nats-"):
         return str(state_dir) in cmd
     if name == "coordinator" or name.startswith("coordinator-"):
         return "-m coordinator" in cmd
@@ -1034,6 +1065,9 @@ def add_arguments(p: Any) -> None:
                         "within --restart-window stops the stack (default 5; 0 = stop at the first exit)")
     p.add_argument("--restart-window", type=float, default=60.0, metavar="SECONDS",
                    help="the window of --max-restarts (default 60)")
+    p.add_argument("--pg-standby", action="store_true",
+                   help="also run a streaming standby of the embedded PostgreSQL (database.standby; "
+                        "database.synchronous_standby, database.failover_after_s; `kvledger db promote`)")
     p.add_argument("--quiet", "-q", action="store_true",
                    help="do not echo the services' logs (they are still written under <state_dir>/logs)")
 
@@ -1058,5 +1092,6 @@ def cmd_up(args: Any) -> int:
                         gateway=not args.no_gateway, gateway_port=args.gateway_port,
                         start_timeout_s=args.start_timeout, echo_logs=not args.quiet,
                         max_restarts=args.max_restarts, restart_window_s=args.restart_window,
-                        nats_cluster=args.nats_cluster)
+                        nats_cluster=args.nats_cluster,
+                        pg_standby=args.pg_standby or cfg.database.standby)
     return Stack(cfg, opts).run()

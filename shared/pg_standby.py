@@ -194,10 +194,21 @@ class EmbeddedStandby(EmbeddedPostgres):
             shutil.rmtree(self.pgdata, ignore_errors=True)
             raise StandbyError(f"pg_basebackup from the primary failed: {r.stderr.strip()[-1000:]}")
 
+    def _traversable(self) -> None:
+        """As root: the server's user may still reach the data directory. NOTE: granted at start
+        (``_prepare``), but something may have taken it back since (pytest, for one, resets its
+        base directory to 0700 whenever a run starts), and a promotion must not fail on that."""
+        if os.name == "posix" and os.geteuid() == 0:
+            for parent in reversed(self.data_dir.resolve().parents):
+                mode = parent.stat().st_mode
+                if not mode & 0o001:
+                    parent.chmod(mode | 0o001)
+
     def promote(self, timeout_s: float = 60.0) -> None:
         """End recovery: the standby accepts writes (``pg_ctl promote``, waits until it has)."""
         if self.promoted:
             return
+        self._traversable()
         r = subprocess.run([str(self.bin_dir() / "pg_ctl"), "promote", "-D", str(self.pgdata), "-w",
                             "-t", str(int(timeout_s))],
                            capture_output=True, text=True, timeout=timeout_s + 10,

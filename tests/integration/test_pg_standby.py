@@ -4,7 +4,8 @@ A primary and its standby made with ``pg_basebackup -R``: a synchronous standby 
 until it has flushed it (a stopped standby stalls the commit; an asynchronous one does not);
 ``kvledger db promote`` refuses while the primary runs, promotes once it was killed with
 SIGKILL, and the multi-host ``target_session_attrs=read-write`` URL then reaches the promoted
-standby with every committed row; only the replication role may replicate.
+standby with every committed row; what an asynchronous standby can lose (a commit acknowledged
+while it was down is not on it when promoted); only the replication role may replicate.
 """
 
 from __future__ import annotations
@@ -138,6 +139,22 @@ def test_promote_after_the_primary_is_killed_keeps_every_committed_row(pair, tmp
     asyncio.run(check())
     again = promote(tmp_path)
     assert again.returncode == 1 and "promoted already" in again.stderr
+
+
+def test_an_asynchronous_standby_loses_what_it_had_not_received(pair, tmp_path: Path) -> None:
+    """What ``database.synchronous_standby: false`` can lose (docs/architecture.md): a commit
+    acknowledged while the standby lagged is not on it when it is promoted."""
+    primary, standby = pair
+    asyncio.run(_run(primary.url, "CREATE TABLE t (x int)"))
+    pg_standby.set_synchronous(primary, False)
+    standby.stop()  # down for a moment (a restart, a network blip): nothing reaches it meanwhile
+    asyncio.run(_insert(primary.url, 1, 10.0))  # acknowledged at the primary's own flush
+    signal_all(primary, signal.SIGKILL)
+    primary.proc.wait(10)
+    primary.proc = None
+    standby.start()
+    assert promote(tmp_path).returncode == 0
+    assert asyncio.run(_run(standby.url, "SELECT count(*) FROM t")) == 0
 
 
 def test_only_the_replication_role_may_replicate(pair, tmp_path: Path) -> None:
