@@ -10,6 +10,8 @@ being served, and on the promoted server every event the reader saw is there wit
 chain hash (0 acknowledged events lost), the log goes on past them, the worker's outbox drains
 (every transition it sent is in the log) and `kvledger audit` is clean, hash chain included.
 The command path (`kvledger db promote`) is drilled in tests/integration/test_pg_standby.py.
+Part of the fault drills (tests/faults) but with a stack of its own: the drills' shared stack has
+no standby, and this drill ends its primary for good.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 import asyncpg
 import psutil
+import pytest
 
 from tests.e2e.test_stack_supervision import eventually, readyz_status, service
 from tests.e2e.test_stack_up import UP_READY, UpProcess, kvledger, still_running, ups, wait_outbox_empty  # noqa: F401
@@ -91,6 +94,9 @@ async def read_log(url: str) -> dict[int, bytes]:
         return {r[0]: bytes(r[1]) for r in await conn.fetch("SELECT position, chain_hash FROM events")}
     finally:
         await conn.close()
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def port_of(row: dict[str, Any]) -> int:
