@@ -55,10 +55,22 @@ class CacheConfig(_Section):
     tail_pool_limit: Fraction = 0.1
     swa_pool_limit: Fraction = 0.1
     offload_dir: str = ""
-    #: Bytes of segment files one worker may keep in ``offload_dir`` (0 = unbounded): past it
-    #: the worker's oldest segments are deleted once the ledger has evicted what they hold
-    #: (a segment holding a replica a live lease pins waits). Each worker bounds its own.
+    #: Bytes of segment files one worker may keep in ``offload_dir``: past it the worker's oldest
+    #: segments are deleted once the ledger has evicted what they hold (a segment holding a replica
+    #: a live lease pins waits). Each worker bounds its own. 0 (the default): ``offload_dir_share``
+    #: of the file system's free space at start, plus what its segments there already take.
     offload_dir_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    #: With ``offload_dir_bytes`` 0: the share of the offload file system's free space (at the
+    #: worker's start) its segments may take. Each worker on a shared directory takes this share of
+    #: the free space it sees: k workers starting together may take k times it (two at 0.5: all of
+    #: it; compose gives each 0.25), so give each 1/k of what they may take together, or a byte bound.
+    offload_dir_share: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
+    #: A segment last written longer ago than this is deleted (once the ledger has evicted what it
+    #: holds, as for the bound): cache entries that old are rarely reused, and a directory nobody
+    #: reads does not keep growing back to its bound. 0: no age limit.
+    offload_max_age_s: Annotated[int, msgspec.Meta(ge=0)] = 7 * 86400
+    #: How often a worker looks for segments past ``offload_max_age_s``.
+    offload_age_check_s: Annotated[float, msgspec.Meta(gt=0.0, le=86_400)] = 60.0
     #: Pool usage (fraction of a form's slots) above which the coldest replicas are copied to the
     #: host or disk tier in the background, before an eviction needs them there (1.0 = only
     #: when evicted).

@@ -51,7 +51,8 @@ from worker.model import CausalLM, build_model
 from worker.model.checkpoint import DTYPES, CheckpointError, load_checkpoint
 from worker.model.storage import StorageError
 from worker.model.weights import WeightsError
-from worker.settings import PoolSizeError
+from worker.settings import PoolSizeError, worker_id
+from worker.cache.retention import DiskRetention, resolve_at_start
 from shared.tenants import AuthError, TenantDirectory
 from shared.text.tokenizer import load_tokenizer
 
@@ -206,6 +207,8 @@ async def serve(cfg: Config) -> int:
         return 2
     client = NatsCoordinatorClient(cfg.nats.url, subjects, timeout_s=cfg.nats.request_timeout_ms / 1000,
                                    tls=client_context(cfg.tls), auth=auth)
+    # the disk tier's bound: cache.offload_dir_bytes, else a share of the file system's free space
+    cfg = resolve_at_start(cfg, worker_id(cfg), log)
     try:
         engine = Engine(model, cfg, client)
     except StorageError as e:   # cache.dtype this model's forms cannot be stored in
@@ -247,6 +250,8 @@ async def serve(cfg: Config) -> int:
         await http.cleanup()
         await engine.stop()
         return 2
+    retention = DiskRetention(engine, cfg.cache.offload_max_age_s, cfg.cache.offload_age_check_s, log)
+    retention.start()
     log.info("worker_started", worker_id=engine.worker_id, namespace=engine.namespace, pools=engine.slots,
              device=str(engine.device))
     print(f"kvledger worker {engine.worker_id} running", flush=True)
@@ -255,6 +260,7 @@ async def serve(cfg: Config) -> int:
     await http.cleanup()
     if debug is not None:
         await debug.stop()
+    await retention.stop()
     await engine.stop()
     tracing.shutdown()      # the last spans flushed
     return 0

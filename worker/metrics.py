@@ -68,8 +68,12 @@ class WorkerMetrics:
         self.disk_bytes = Gauge(p + "disk_segment_bytes", "Bytes of this worker's own segment files in the "
                                 "offload directory (bounded by cache.offload_dir_bytes)", registry=r)
         self.disk_gc = Counter(p + "disk_gc_segments", "This worker's segments the disk GC considered, by outcome "
-                               "(deleted; pinned: a live lease pins a replica it holds, kept; no_coordinator: "
-                               "deferred)", ["outcome"], registry=r)
+                               "(deleted: past cache.offload_dir_bytes; expired: older than cache.offload_max_age_s; pinned: a "
+                               "live lease pins a replica it holds, kept; no_coordinator: deferred)", ["outcome"],
+                               registry=r)
+        self.disk_bound = Gauge(p + "disk_bound_bytes", "Bytes this worker's segments may take in the offload "
+                                "directory (cache.offload_dir_bytes, or cache.offload_dir_share of the file "
+                                "system's free space at start)", registry=r)
         self.host_evictions = Counter(p + "host_evictions", "Host-tier LRU victims the coordinator was asked to "
                                       "evict, by outcome (evicted: bytes dropped; pinned: a live lease pins it, "
                                       "kept; deferred: no decision yet, kept and asked again)", ["outcome"], registry=r)

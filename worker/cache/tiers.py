@@ -8,9 +8,10 @@
   (:mod:`worker.cache.segments`; one fsync per batch), and reads any worker's records, every
   header field and the checksum checked by :func:`worker.cache.planner.validate`. A write that
   fails for lack of space or permission marks the tier down for ``retry_s``; the worker keeps
-  serving without it. This worker's segments are bounded by the engine's garbage collector
-  (:meth:`disk_collectable`, :meth:`disk_delete`), which deletes a segment only once the
-  ledger has evicted every replica it holds.
+  serving without it. This worker's segments are bounded in bytes by the engine's garbage
+  collector (:meth:`disk_collectable`, :meth:`disk_delete`) and in age by
+  :class:`worker.cache.retention.DiskRetention` (:meth:`disk_expired`), which delete a segment
+  only once the ledger has evicted every replica it holds.
 
 Disk methods block (file I/O): the engine runs them in its I/O thread, one at a time, so
 writes are sequential and a batch of reloads is one executor call.
@@ -343,6 +344,19 @@ class Tiers:
                                spec_digest=r.header.spec_digest, checksum=r.header.checksum)
                      for r in self._index.records(path) if newest[r.key] is r]
             out.append((path, size, metas))
+        return out
+
+    def disk_expired(self, max_age_s: float, now: float | None = None) -> list[tuple[Path, int, list[BlockMeta]]]:
+        """The :meth:`disk_collectable` segments last written more than ``max_age_s`` ago (by
+        their modification time, so a segment still appended to is never one), oldest first."""
+        cutoff = (time.time() if now is None else now) - max_age_s
+        out = []
+        for path, size, metas in self.disk_collectable():
+            try:
+                if path.stat().st_mtime < cutoff:
+                    out.append((path, size, metas))
+            except FileNotFoundError:
+                continue            # deleted meanwhile (the bound's GC)
         return out
 
     def disk_delete(self, path: Path) -> None:
