@@ -5,7 +5,8 @@ until it has flushed it (a stopped standby stalls the commit; an asynchronous on
 ``kvledger db promote`` refuses while the primary runs, promotes once it was killed with
 SIGKILL, and the multi-host ``target_session_attrs=read-write`` URL then reaches the promoted
 standby with every committed row; what an asynchronous standby can lose (a commit acknowledged
-while it was down is not on it when promoted); only the replication role may replicate.
+while it was down is not on it when promoted); only the replication role may replicate; and
+compose's initdb script makes that role, its slot and its pg_hba line on a real server.
 """
 
 from __future__ import annotations
@@ -165,3 +166,40 @@ def test_only_the_replication_role_may_replicate(pair, tmp_path: Path) -> None:
     assert r.returncode != 0 and "pg_hba.conf" in r.stderr, r.stderr
     password_file = primary.data_dir / pg_standby.REPLICATION_PASSWORD_FILE
     assert password_file.stat().st_mode & 0o777 == 0o600
+
+
+def test_compose_initdb_script_makes_the_replication_role_slot_and_hba_line(tmp_path: Path) -> None:
+    """deploy/postgres/initdb/10-replication.sh (compose's postgres, once per volume), run for real
+    the way the image's entrypoint runs it: psql as the owner, ``$PGDATA`` its data directory."""
+    pg = EmbeddedPostgres(tmp_path / "postgres").start()
+    try:
+        pgdata = tmp_path / "pgdata"
+        pgdata.mkdir()
+        (pgdata / "pg_hba.conf").write_text("# the image's own lines\n")
+        env = {"PATH": f"{pg.bin_dir()}:{os.environ['PATH']}", "PGHOST": pg.host, "PGPORT": str(pg.port),
+               "PGPASSWORD": pg.password, "POSTGRES_USER": "postgres", "POSTGRES_DB": "postgres",
+               "PGDATA": str(pgdata), "KVL_PG_REPLICATION_PASSWORD": "it's-a-secret"}
+        r = subprocess.run(["sh", str(REPO / "deploy" / "postgres" / "initdb" / "10-replication.sh")], env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert (pgdata / "pg_hba.conf").read_text().endswith(
+            "host replication kvledger_replication all scram-sha-256\n")
+
+        async def check() -> None:
+            conn = await asyncpg.connect(pg.url, timeout=5)
+            try:
+                row = await conn.fetchrow("SELECT rolcanlogin, rolreplication, rolsuper, rolcreaterole, rolcreatedb "
+                                          "FROM pg_roles WHERE rolname = 'kvledger_replication'")
+                assert tuple(row) == (True, True, False, False, False)
+                assert await conn.fetchval("SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'kvl_standby'") == 1
+            finally:
+                await conn.close()
+            # its password is the one given, quote and all (SCRAM, checked by the server)
+            as_role = await asyncpg.connect(host=pg.host, port=pg.port, user="kvledger_replication",
+                                            password="it's-a-secret", database="postgres", timeout=5)
+            await as_role.close()
+
+        asyncio.run(check())
+        assert "synchronous_standby_names = 'kvl_standby'" in (pg.data_dir / "pgdata" / "postgresql.auto.conf").read_text()
+    finally:
+        pg.stop()

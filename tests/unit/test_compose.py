@@ -51,10 +51,12 @@ def interpolate(value: str, env: dict[str, str]) -> str:
 
 def test_services_and_start_order(compose: dict[str, Any]) -> None:
     s = services(compose)
-    assert set(s) == {"postgres", "nats", "migrate", "coordinator", "coordinator-standby", "worker-0", "worker-1",
+    assert set(s) == {"postgres", "postgres-standby", "nats", "migrate", "coordinator", "coordinator-standby", "worker-0", "worker-1",
                       "gateway", "prometheus"}
     dep = {name: {k: v["condition"] for k, v in svc.get("depends_on", {}).items()} for name, svc in s.items()}
-    assert dep["migrate"] == {"postgres": "service_healthy"}
+    # a synchronous standby streams before the first commit (a migration's) can return
+    assert dep["migrate"] == {"postgres": "service_healthy", "postgres-standby": "service_healthy"}
+    assert dep["postgres-standby"] == {"postgres": "service_healthy"}
     assert dep["coordinator"] == {"migrate": "service_completed_successfully", "postgres": "service_healthy",
                                   "nats": "service_healthy"}
     assert dep["coordinator-standby"] == {"coordinator": "service_healthy"}  # the first one leads
@@ -97,7 +99,7 @@ def test_healthchecks(compose: dict[str, Any]) -> None:
 
 def test_volumes_and_gpu(compose: dict[str, Any]) -> None:
     s = services(compose)
-    assert set(compose["volumes"]) == {"pgdata", "natsdata", "offload", "promdata"}
+    assert set(compose["volumes"]) == {"pgdata", "pgstandby", "natsdata", "offload", "promdata"}
     assert "pgdata:/var/lib/postgresql/data" in s["postgres"]["volumes"]
     assert "natsdata:/data" in s["nats"]["volumes"]
     for name, gpu in (("worker-0", "0"), ("worker-1", "1")):
@@ -208,7 +210,7 @@ def test_the_standby_coordinator_shares_the_log_and_nats_on_its_own_port(compose
         assert standby[key] == leader[key], key
     example = env_example()
     env = {k: interpolate(str(v), example) for k, v in standby["environment"].items()}
-    assert env["KVL_DATABASE_URL"].endswith("@postgres:5432/kvledger") and env["KVL_NATS_URL"].endswith("//nats:4222")
+    assert env["KVL_DATABASE_URL"].endswith("@postgres:5432,postgres-standby:5432/kvledger?target_session_attrs=read-write") and env["KVL_NATS_URL"].endswith("//nats:4222")
     assert leader["ports"] == ["${KVL_BIND:-127.0.0.1}:8321:8321"]
     assert standby["ports"] == ["${KVL_BIND:-127.0.0.1}:8322:8321"]
 
@@ -273,3 +275,35 @@ def test_least_privilege_database_roles(compose: dict[str, Any]) -> None:
     assert env["coordinator"]["KVL_DATABASE_URL"].startswith(app)
     for name in ("coordinator", "coordinator-standby"):
         assert example["POSTGRES_PASSWORD"] not in " ".join(env[name].values()), name
+
+
+def test_the_postgres_standby_streams_from_postgres_as_its_own_role(compose: dict[str, Any]) -> None:
+    """postgres-standby clones postgres with pg_basebackup -R as kvledger_replication (password
+    from a passfile, never a command line), through the slot, and does not wait for a standby of
+    its own once promoted; the coordinators' URL names both servers and takes the writable one.
+    The initdb script itself runs against a real server in tests/integration/test_pg_standby.py."""
+    import subprocess
+
+    s = services(compose)
+    example = env_example()
+    sb = s["postgres-standby"]
+    assert sb["image"] == s["postgres"]["image"] and sb["user"] == "postgres"
+    assert sb["entrypoint"] == ["sh", "/etc/kvledger-postgres/standby.sh"]
+    assert "pgstandby:/var/lib/postgresql/data" in sb["volumes"] and "pgstandby" in compose["volumes"]
+    assert "pg_isready" in " ".join(sb["healthcheck"]["test"])
+    env = {k: interpolate(str(v), example) for k, v in sb["environment"].items()}
+    primary_env = {k: interpolate(str(v), example) for k, v in s["postgres"]["environment"].items()}
+    assert env["KVL_PG_REPLICATION_PASSWORD"] == primary_env["KVL_PG_REPLICATION_PASSWORD"] == \
+        example["KVL_PG_REPLICATION_PASSWORD"]
+    assert any(v.get("target") == "/docker-entrypoint-initdb.d" for v in s["postgres"]["volumes"] if isinstance(v, dict))
+    url = interpolate(str(s["coordinator"]["environment"]["KVL_DATABASE_URL"]), example)
+    assert "@postgres:5432,postgres-standby:5432/" in url and url.endswith("?target_session_attrs=read-write")
+    assert "postgres-standby" not in interpolate(str(s["migrate"]["environment"]["KVL_DATABASE_URL"]), example)
+
+    script = ROOT / "deploy" / "postgres" / "standby.sh"
+    text = script.read_text()
+    assert subprocess.run(["sh", "-n", str(script)]).returncode == 0
+    for part in ("pg_basebackup", " -R ", "-S kvl_standby", "user=kvledger_replication", "passfile=$pass",
+                 "application_name=kvl_standby", "exec postgres -c synchronous_standby_names= "):
+        assert part in text, part
+    assert "PGPASSWORD" not in text and "password=" not in text
