@@ -14,6 +14,7 @@ import os
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import asyncpg
 import nats
@@ -114,6 +115,16 @@ def subjects(services: Services) -> Iterator[Subjects]:
             await nc.drain()
 
     asyncio.run(cleanup())
+
+
+@pytest.fixture
+async def cluster(tmp_path, database_url: str, nats_url: str, subjects: Subjects) -> AsyncIterator[Any]:
+    """Real coordinator and worker processes on this test's database and subject prefix, as the
+    test starts them (:class:`tests.worker.processes.Cluster`); all stopped afterwards."""
+    from tests.worker.processes import running_cluster   # here, not at the top: the unit tests need no torch
+
+    async with running_cluster(tmp_path, database_url, nats_url, subjects) as c:
+        yield c
 
 
 @pytest.fixture

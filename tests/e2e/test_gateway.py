@@ -17,7 +17,7 @@ import pytest
 
 from shared.embedded import free_port
 from shared.tenant_header import SIGNATURE_HEADER, TENANT_HEADER, sign
-from tests.worker.processes import Cluster, Proc
+from tests.worker.processes import Cluster, Proc, running_cluster
 from shared.tenants import key_sha256
 
 KEYS = {"alpha": "sk-alpha-key", "beta": "sk-beta-key", "gamma": "sk-gamma-key"}
@@ -30,15 +30,9 @@ AUTH = {"keys": [{"key_sha256": key_sha256(k), "tenant": t, **LIMITS.get(t, {})}
 
 @pytest.fixture
 async def cluster(tmp_path, database_url, nats_url, subjects):
-    c = Cluster(tmp_path, database_url, nats_url, subjects)
-    base = c.base
-    c.base = lambda: {**base(), "auth": AUTH}    # workers and gateway: the same keys and salt secret
-    await c.connect()
-    try:
+    # workers and gateway: the same keys and salt secret
+    async with running_cluster(tmp_path, database_url, nats_url, subjects, auth=AUTH) as c:
         yield c
-    finally:
-        c.stop_all()
-        await c.close()
 
 
 def start_gateway(cluster: Cluster) -> tuple[Proc, str]:

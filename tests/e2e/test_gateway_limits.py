@@ -24,7 +24,7 @@ import yaml
 from shared.embedded import Services, free_port
 from shared.tenants import key_sha256
 from tests.bad_requests import BAD_CHAT_BODIES, BAD_COMPLETION_BODIES, DEEP_BODIES, MALFORMED_BODIES
-from tests.worker.processes import REPO, Cluster, Proc
+from tests.worker.processes import REPO, Cluster, Proc, running_cluster
 
 KEY = "sk-door-key"
 AUTH = {"required": True, "keys": [{"key_sha256": key_sha256(KEY), "tenant": "door"}],
@@ -222,20 +222,13 @@ async def test_tokenize_and_detokenize_need_a_key(door: Gateway) -> None:
 
 @pytest.fixture
 async def stack(tmp_path, database_url, nats_url, subjects) -> AsyncIterator[tuple[Cluster, Gateway]]:
-    c = Cluster(tmp_path, database_url, nats_url, subjects)
-    base = c.base
-    c.base = lambda: {**base(), "auth": AUTH}
-    await c.connect()
-    try:
+    async with running_cluster(tmp_path, database_url, nats_url, subjects, auth=AUTH) as c:
         c.start_coordinator()
         c.start_worker("w1", worker={"port": 0})
         await c.wait_worker("w1")
         gw = start_gateway(tmp_path, c.base(), c._env())
         c.procs.append(gw.proc)
         yield c, gw
-    finally:
-        c.stop_all()
-        await c.close()
 
 
 async def test_the_workers_bad_input_matrix_through_the_gateway_is_all_4xx(stack) -> None:

@@ -49,17 +49,6 @@ async def reference(model):
     await engine.stop()
 
 
-@pytest.fixture
-async def cluster(tmp_path, database_url, nats_url, subjects):
-    c = Cluster(tmp_path, database_url, nats_url, subjects)
-    await c.connect()
-    try:
-        yield c
-    finally:
-        c.stop_all()
-        await c.close()
-
-
 async def check(cluster: Cluster, reference, wid: str, tokens: list[int], max_tokens: int = 2) -> dict:
     got = await cluster.generate(wid, tokens, max_tokens)
     cold = await reference(tokens, max_tokens)

@@ -15,15 +15,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.serving.conftest import Server, config
-from tests.twin import InProcessCoordinator
+from tests.serving.conftest import Server, config, serving
 
 torch.set_num_threads(1)
 
@@ -92,25 +90,8 @@ def real_config(tmp_path: Path, dtype: str = "float32", **over: Any):
 @pytest.fixture
 def serve(tmp_path):
     """``async with serve(dtype="float32", **over) as server``: SmolLM2 behind a worker's HTTP API."""
-    import aiohttp
 
-    from worker.engine import Engine
-    from worker.http_server import bound_address, start_http
-
-    @contextlib.asynccontextmanager
-    async def make(dtype: str = "float32", **over: Any) -> AsyncIterator[Server]:
-        cfg = real_config(tmp_path, dtype, **over)
-        twin = InProcessCoordinator()
-        engine = Engine(loaded(dtype), cfg, twin)
-        await engine.start()
-        runner = await start_http(engine, cfg)
-        host, port = bound_address(runner)
-        http = aiohttp.ClientSession()
-        try:
-            yield Server(f"http://{host}:{port}", engine, twin, runner, http)
-        finally:
-            await http.close()
-            await runner.cleanup()
-            await engine.stop()
+    def make(dtype: str = "float32", **over: Any) -> contextlib.AbstractAsyncContextManager[Server]:
+        return serving(loaded(dtype), real_config(tmp_path, dtype, **over))
 
     return make

@@ -113,6 +113,24 @@ class Server:
         return len(self.twin.state.leases)
 
 
+@contextlib.asynccontextmanager
+async def serving(model: Any, cfg: Config, tokenizer: Any = None) -> AsyncIterator[Server]:
+    """``model`` on a fresh engine (the coordinator twin) behind the worker's HTTP API on a free
+    port of 127.0.0.1; everything stopped afterwards. What every ``serve`` fixture yields from."""
+    twin = InProcessCoordinator()
+    engine = Engine(model, cfg, twin)
+    await engine.start()
+    runner = await start_http(engine, cfg, tokenizer=tokenizer)
+    host, port = bound_address(runner)
+    http = aiohttp.ClientSession()
+    try:
+        yield Server(f"http://{host}:{port}", engine, twin, runner, http)
+    finally:
+        await http.close()
+        await runner.cleanup()
+        await engine.stop()
+
+
 @pytest.fixture(scope="session")
 def model():
     return build_model(seed=0)
@@ -122,21 +140,8 @@ def model():
 def serve(model, tmp_path):
     """``async with serve(tokenizer=None, **over) as server``: a worker HTTP API on a fresh engine."""
 
-    @contextlib.asynccontextmanager
-    async def make(tokenizer: Any = None, **over: Any) -> AsyncIterator[Server]:
-        cfg = config(tmp_path, **over)
-        twin = InProcessCoordinator()
-        engine = Engine(model, cfg, twin)
-        await engine.start()
-        runner = await start_http(engine, cfg, tokenizer=tokenizer)
-        host, port = bound_address(runner)
-        http = aiohttp.ClientSession()
-        try:
-            yield Server(f"http://{host}:{port}", engine, twin, runner, http)
-        finally:
-            await http.close()
-            await runner.cleanup()
-            await engine.stop()
+    def make(tokenizer: Any = None, **over: Any) -> contextlib.AbstractAsyncContextManager[Server]:
+        return serving(model, config(tmp_path, **over), tokenizer)
 
     return make
 

@@ -8,13 +8,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-import aiohttp
 import openai
 import pytest
 
 from shared.manifest import write_manifest
 from tests.checkpoints import save_hf, save_tokenizer, token_id
-from tests.serving.test_worker_http_process import cluster, http_url  # noqa: F401 - fixture
 
 pytest.importorskip("transformers")
 
@@ -33,12 +31,12 @@ def llama_dir(tmp_path):
     return d
 
 
-async def test_a_llama_checkpoint_directory_serves_with_exact_reuse(cluster, llama_dir) -> None:  # noqa: F811
+async def test_a_llama_checkpoint_directory_serves_with_exact_reuse(cluster, llama_dir) -> None:
     cluster.start_coordinator()
     cluster.start_worker("wl", worker={"port": 0, "model_dir": str(llama_dir), "require_manifest": True})
     await cluster.wait_coordinator()
     await cluster.wait_worker("wl")
-    url = await http_url(cluster, "wl")
+    url = await cluster.http_url("wl")
     c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
     try:
         (served,) = (await c.models.list()).data
@@ -56,16 +54,13 @@ async def test_a_llama_checkpoint_directory_serves_with_exact_reuse(cluster, lla
         assert again.choices[0].message.content == first.choices[0].message.content
         replicas = await cluster.replicas(worker="wl")
         assert replicas and {r["form"] for r in replicas} == {"kv"}
-        async with aiohttp.ClientSession() as http:
-            async with http.post(f"http://127.0.0.1:{cluster.admin_port}/v1/audit",
-                                 json={"replay_from": "empty", "check_workers": True}) as r:
-                report = await r.json()
+        report = await cluster.audit()
         assert report["ok"], report
     finally:
         await c.close()
 
 
-async def test_a_changed_weights_file_refuses_the_start_naming_it(cluster, llama_dir) -> None:  # noqa: F811
+async def test_a_changed_weights_file_refuses_the_start_naming_it(cluster, llama_dir) -> None:
     weights = llama_dir / "model.safetensors"
     raw = bytearray(weights.read_bytes())
     raw[-1] ^= 1

@@ -12,10 +12,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
-from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
@@ -30,10 +28,7 @@ from shared.text.chat_template import load_chat_template
 from shared.text.image_prompt import ImagePrompting
 from shared.text.tokenizer import load_tokenizer
 from tests.checkpoints import add_vision, save_hf, save_tokenizer
-from tests.serving.conftest import Server, config
-from tests.twin import InProcessCoordinator
-from worker.engine import Engine
-from worker.http_server import bound_address, start_http
+from tests.serving.conftest import Server, config, serving
 from worker.model.checkpoint import load_checkpoint
 
 pytest.importorskip("transformers")
@@ -68,21 +63,8 @@ def vlm(vision_dir):
 
 @pytest.fixture
 def serve_vlm(vlm, vision_dir, tmp_path):
-    @contextlib.asynccontextmanager
-    async def make(**over: Any) -> AsyncIterator[Server]:
-        cfg = config(tmp_path, **{"worker.model_dir": str(vision_dir), **over})
-        twin = InProcessCoordinator()
-        engine = Engine(vlm, cfg, twin)
-        await engine.start()
-        runner = await start_http(engine, cfg)
-        host, port = bound_address(runner)
-        http = aiohttp.ClientSession()
-        try:
-            yield Server(f"http://{host}:{port}", engine, twin, runner, http)
-        finally:
-            await http.close()
-            await runner.cleanup()
-            await engine.stop()
+    def make(**over: Any) -> contextlib.AbstractAsyncContextManager[Server]:
+        return serving(vlm, config(tmp_path, **{"worker.model_dir": str(vision_dir), **over}))
 
     return make
 

@@ -18,10 +18,8 @@ import time
 from typing import Any
 
 import aiohttp
-import pytest
 
 from shared.config import ServiceConfig
-from tests.serving.test_worker_http_process import http_url
 from tests.worker.processes import Cluster
 
 CAPS = ServiceConfig()
@@ -29,17 +27,6 @@ CAPS = ServiceConfig()
 MAX_HEALTHZ_S = 1.0
 MAX_SMALL_REQUEST_S = 2.0
 MAX_HEARTBEAT_AGE_S = 2.0
-
-
-@pytest.fixture
-async def cluster(tmp_path, database_url, nats_url, subjects):
-    c = Cluster(tmp_path, database_url, nats_url, subjects)
-    await c.connect()
-    try:
-        yield c
-    finally:
-        c.stop_all()
-        await c.close()
 
 
 def max_choices(seed: int) -> list[str]:
@@ -132,7 +119,7 @@ async def test_maximal_grammars_do_not_stall_the_loop_and_over_cap_ones_are_400s
                          service={"structured_compile_timeout_ms": 60000})
     await cluster.wait_coordinator()
     await cluster.wait_worker("ws")
-    url = await http_url(cluster, "ws")
+    url = await cluster.http_url("ws")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as http:
         status, doc, _ = await post(http, url, {"prompt": "warm", "max_tokens": 2})
         assert status == 200, doc

@@ -3,43 +3,15 @@ driven by the openai client as a user would."""
 
 from __future__ import annotations
 
-import asyncio
-import re
 import signal
-import time
 
 import aiohttp
 import openai
-import pytest
 
 from tests.serving.conftest import MODEL, until
 from tests.worker.processes import Cluster
 
 PROMPT = "Every block state change is an event in the log, replayable. "   # 62 bytes
-
-
-@pytest.fixture
-async def cluster(tmp_path, database_url, nats_url, subjects):
-    c = Cluster(tmp_path, database_url, nats_url, subjects)
-    await c.connect()
-    try:
-        yield c
-    finally:
-        c.stop_all()
-        await c.close()
-
-
-async def http_url(cluster: Cluster, worker_id: str, timeout: float = 60) -> str:
-    """The address the worker printed (``listening on http://…``; it was started with port 0)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        proc = cluster.workers[worker_id]
-        assert proc.alive, cluster.logs()
-        m = re.search(r"^listening on (http://\S+)$", proc.log.read_text(errors="replace"), re.M)
-        if m:
-            return m.group(1)
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{worker_id} printed no HTTP address\n{cluster.logs()}")
 
 
 async def _no_leases(cluster: Cluster, worker_id: str) -> bool:
@@ -51,7 +23,7 @@ async def test_openai_client_against_a_worker_process(cluster) -> None:
     cluster.start_worker("wh", worker={"port": 0, "host": "127.0.0.1"})
     await cluster.wait_coordinator()
     await cluster.wait_worker("wh")
-    url = await http_url(cluster, "wh")
+    url = await cluster.http_url("wh")
     c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
     try:
         cold = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)

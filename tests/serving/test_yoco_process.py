@@ -6,11 +6,9 @@ from the log is clean and the cached forms are YOCO's own."""
 
 from __future__ import annotations
 
-import aiohttp
 import openai
 
 from kvledger.cli import main as kvledger
-from tests.serving.test_worker_http_process import cluster, http_url  # noqa: F401 - fixture
 
 DOC = "The ledger records every block of every form, and a worker validates each before reuse. " * 12
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a term up in the ledger.",
@@ -19,7 +17,7 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Loo
                                                            "properties": {"term": {"enum": ["block", "replica"]}}}}}]
 
 
-async def test_a_yoco_checkpoint_serves_an_agent_conversation_with_exact_reuse(cluster, tmp_path) -> None:  # noqa: F811
+async def test_a_yoco_checkpoint_serves_an_agent_conversation_with_exact_reuse(cluster, tmp_path) -> None:
     d = tmp_path / "yoco"
     assert kvledger(["model", "init", str(d), "--family", "yoco", "--sliding-window", "40"]) == 0
     cluster.start_coordinator()
@@ -27,7 +25,7 @@ async def test_a_yoco_checkpoint_serves_an_agent_conversation_with_exact_reuse(c
                          worker={"port": 0, "model_dir": str(d), "require_manifest": True})
     await cluster.wait_coordinator()
     await cluster.wait_worker("wy")
-    url = await http_url(cluster, "wy")
+    url = await cluster.http_url("wy")
     c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
     try:
         (served,) = (await c.models.list()).data
@@ -53,10 +51,7 @@ async def test_a_yoco_checkpoint_serves_an_agent_conversation_with_exact_reuse(c
         assert turn2.usage.prompt_tokens_details.cached_tokens >= (n - 1) // 16 * 16 - 16
         replicas = await cluster.replicas(worker="wy")
         assert replicas and {r["form"] for r in replicas} == {"global_kv", "swa"}
-        async with aiohttp.ClientSession() as http:
-            async with http.post(f"http://127.0.0.1:{cluster.admin_port}/v1/audit",
-                                 json={"replay_from": "empty", "check_workers": True}) as r:
-                report = await r.json()
+        report = await cluster.audit()
         assert report["ok"], report
     finally:
         await c.close()

@@ -10,12 +10,15 @@ coordinator's admin REST API.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import re
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -224,9 +227,29 @@ class Cluster:
     async def flush(self, worker_id: str, timeout_s: float = 10) -> bool:
         return (await self.debug(worker_id, "flush", {"timeout_s": timeout_s}, timeout=timeout_s + 5))["flushed"]
 
+    async def http_url(self, worker_id: str, timeout: float = 60) -> str:
+        """The address the worker printed (``listening on http://…``; started with ``worker.port`` 0)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            proc = self.workers[worker_id]
+            assert proc.alive, self.logs()
+            m = re.search(r"^listening on (http://\S+)$", proc.log.read_text(errors="replace"), re.M)
+            if m:
+                return m.group(1)
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"{worker_id} printed no HTTP address\n{self.logs()}")
+
     async def admin(self, path: str) -> Any:
         async with aiohttp.ClientSession() as http:
             async with http.get(f"http://127.0.0.1:{self.admin_port}{path}") as r:
+                assert r.status == 200, await r.text()
+                return await r.json()
+
+    async def audit(self) -> dict[str, Any]:
+        """The coordinator's audit report: the log replayed from empty, every worker's inventory checked."""
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"http://127.0.0.1:{self.admin_port}/v1/audit",
+                                 json={"replay_from": "empty", "check_workers": True}) as r:
                 assert r.status == 200, await r.text()
                 return await r.json()
 
@@ -240,3 +263,20 @@ class Cluster:
             cursor = page.get("next_cursor")
             if not cursor:
                 return out
+
+
+@contextlib.asynccontextmanager
+async def running_cluster(tmp: Path, database_url: str, nats_url: str, subjects: Subjects, *,
+                          auth: dict[str, Any] | None = None) -> AsyncIterator[Cluster]:
+    """A connected :class:`Cluster` (``auth``: the section every process's config gets); afterwards
+    every process it started is stopped and its NATS connection drained, whatever the test did."""
+    c = Cluster(tmp, database_url, nats_url, subjects)
+    if auth is not None:
+        base = c.base
+        c.base = lambda: {**base(), "auth": auth}    # type: ignore[method-assign]
+    await c.connect()
+    try:
+        yield c
+    finally:
+        c.stop_all()
+        await c.close()
