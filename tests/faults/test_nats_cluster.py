@@ -37,6 +37,7 @@ async def test_a_killed_nats_node_costs_no_answer_no_epoch_and_no_cache(run: Run
         run.failures.append((DRILL, f"{type(e).__name__}: {e}"))
         await run.abandon()
         raise
+    print(f"{DRILL}: ready {fault.ready_s:.1f} s, recovery {fault.recovery_s:.1f} s, evidence {fault.evidence}")
     assert fault.retained_pct is not None and fault.retained_pct >= RETENTION_GOAL_PCT
     assert fault.evidence["acknowledged_while_down"] > 0
 

@@ -17,6 +17,8 @@ from shared.config import load_config
 ROOT = Path(__file__).resolve().parents[2]
 VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
 SECRET = re.compile(r"PASSWORD|TOKEN|SECRET", re.I)
+#: What every kvledger service is given: the three NATS nodes.
+CLUSTER_URL = "nats://nats:4222,nats://nats-2:4222,nats://nats-3:4222"
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +53,14 @@ def interpolate(value: str, env: dict[str, str]) -> str:
 
 def test_services_and_start_order(compose: dict[str, Any]) -> None:
     s = services(compose)
-    assert set(s) == {"postgres", "postgres-standby", "nats", "migrate", "coordinator", "coordinator-standby", "worker-0", "worker-1",
+    assert set(s) == {"postgres", "postgres-standby", "nats", "nats-2", "nats-3", "migrate", "coordinator", "coordinator-standby", "worker-0", "worker-1",
                       "gateway", "prometheus"}
     dep = {name: {k: v["condition"] for k, v in svc.get("depends_on", {}).items()} for name, svc in s.items()}
     # a synchronous standby streams before the first commit (a migration's) can return
     assert dep["migrate"] == {"postgres": "service_healthy", "postgres-standby": "service_healthy"}
     assert dep["postgres-standby"] == {"postgres": "service_healthy"}
     assert dep["coordinator"] == {"migrate": "service_completed_successfully", "postgres": "service_healthy",
-                                  "nats": "service_healthy"}
+                                  "nats": "service_healthy", "nats-2": "service_healthy", "nats-3": "service_healthy"}
     assert dep["coordinator-standby"] == {"coordinator": "service_healthy"}  # the first one leads
     assert dep["worker-0"] == dep["worker-1"] == {"coordinator": "service_healthy"}
     assert dep["prometheus"] == {"coordinator": "service_healthy"}
@@ -89,7 +91,9 @@ def test_healthchecks(compose: dict[str, Any]) -> None:
         hc = s[name].get("healthcheck")
         assert hc and hc["test"] and hc.get("interval") and hc.get("retries"), name
     assert "pg_isready" in " ".join(s["postgres"]["healthcheck"]["test"])
-    assert any("js-enabled-only=true" in t for t in s["nats"]["healthcheck"]["test"])
+    # a cluster node is healthy once JetStream has a meta leader and its streams are current
+    for name in ("nats", "nats-2", "nats-3"):
+        assert any(t.endswith(":8222/healthz") for t in s[name]["healthcheck"]["test"]), name
     assert any("8321/readyz" in t for t in s["coordinator"]["healthcheck"]["test"])
     # a standby's /readyz is 503 while the other one leads: it is healthy when it is up
     assert any("8321/healthz" in t for t in s["coordinator-standby"]["healthcheck"]["test"])
@@ -99,9 +103,10 @@ def test_healthchecks(compose: dict[str, Any]) -> None:
 
 def test_volumes_and_gpu(compose: dict[str, Any]) -> None:
     s = services(compose)
-    assert set(compose["volumes"]) == {"pgdata", "pgstandby", "natsdata", "offload", "promdata"}
+    assert set(compose["volumes"]) == {"pgdata", "pgstandby", "natsdata", "natsdata-2", "natsdata-3", "offload", "promdata"}
     assert "pgdata:/var/lib/postgresql/data" in s["postgres"]["volumes"]
-    assert "natsdata:/data" in s["nats"]["volumes"]
+    for name, volume in (("nats", "natsdata"), ("nats-2", "natsdata-2"), ("nats-3", "natsdata-3")):
+        assert f"{volume}:/data" in s[name]["volumes"]   # each node its own JetStream store
     for name, gpu in (("worker-0", "0"), ("worker-1", "1")):
         w = s[name]
         # the shared disk tier: the same named volume, where the worker's config says it is
@@ -126,7 +131,8 @@ def test_nats_jetstream_and_one_user_per_service(compose: dict[str, Any]) -> Non
     assert mount["target"] == "/etc/nats" and mount["read_only"] is True
     conf = (ROOT / mount["source"] / "nats.conf").read_text()
     assert re.search(r"^jetstream\s*\{[^}]*store_dir:\s*/data/jetstream", conf, re.M | re.S)
-    assert re.search(r"^include \./auth\.conf$", conf, re.M) and "authorization" not in conf
+    # the users only in auth.conf (the one authorization block in nats.conf is the cluster routes')
+    assert re.search(r"^include \./auth\.conf$", conf, re.M) and not re.search(r"^authorization", conf, re.M)
     assert re.search(r"^http_port:\s*8222", conf, re.M)  # what the healthcheck asks
     workers = sorted(n for n in s if n.startswith("worker-"))
     idents = [*nats_auth.STANDARD, *(nats_auth.worker(w) for w in workers), nats_auth.gateway("gateway")]
@@ -184,7 +190,7 @@ def test_every_variable_is_documented_and_every_setting_valid(compose: dict[str,
         env = {k: interpolate(str(v), example) for k, v in services(compose)[name]["environment"].items()}
         config_path = ROOT / "deploy" / "kvledger" / Path(env.pop("KVL_CONFIG")).name
         cfg = load_config(config_path, env=env)
-        assert cfg.nats.url == "nats://nats:4222"
+        assert cfg.nats.url == CLUSTER_URL
         if name != "migrate":   # the one-shot migration does not use NATS
             assert cfg.nats.user and cfg.nats.password.startswith("change-me-nats-")
         # least privilege: only `migrate` connects as the owner; the rest use the coordinators' role
@@ -210,7 +216,7 @@ def test_the_standby_coordinator_shares_the_log_and_nats_on_its_own_port(compose
         assert standby[key] == leader[key], key
     example = env_example()
     env = {k: interpolate(str(v), example) for k, v in standby["environment"].items()}
-    assert env["KVL_DATABASE_URL"].endswith("@postgres:5432,postgres-standby:5432/kvledger?target_session_attrs=read-write") and env["KVL_NATS_URL"].endswith("//nats:4222")
+    assert env["KVL_DATABASE_URL"].endswith("@postgres:5432,postgres-standby:5432/kvledger?target_session_attrs=read-write") and env["KVL_NATS_URL"] == CLUSTER_URL
     assert leader["ports"] == ["${KVL_BIND:-127.0.0.1}:8321:8321"]
     assert standby["ports"] == ["${KVL_BIND:-127.0.0.1}:8322:8321"]
 
@@ -275,6 +281,38 @@ def test_least_privilege_database_roles(compose: dict[str, Any]) -> None:
     assert env["coordinator"]["KVL_DATABASE_URL"].startswith(app)
     for name in ("coordinator", "coordinator-standby"):
         assert example["POSTGRES_PASSWORD"] not in " ".join(env[name].values()), name
+
+
+def test_the_three_nats_nodes_form_one_cluster_with_authenticated_routes(compose: dict[str, Any]) -> None:
+    """Each node runs the same nats.conf under its own name, routes to all three with the route
+    password, and nats-server accepts that configuration with each node's environment (``-t``)."""
+    import os
+    import subprocess
+
+    s = services(compose)
+    example = env_example()
+    nodes = ("nats", "nats-2", "nats-3")
+    envs = {n: {k: interpolate(str(v), example) for k, v in s[n]["environment"].items()} for n in nodes}
+    assert len({e["NATS_SERVER_NAME"] for e in envs.values()}) == 3
+    routes = [f"nats://route:{example['NATS_ROUTE_PASSWORD']}@{n}:6222" for n in nodes]
+    for n in nodes:
+        assert [envs[n][f"NATS_ROUTE_{i}"] for i in (1, 2, 3)] == routes
+        assert s[n]["command"] == s["nats"]["command"] and s[n]["image"] == s["nats"]["image"]
+        # the users' passwords too: the same identities on every node
+        assert {k: v for k, v in envs[n].items() if k.startswith("NATS_PASSWORD_")} == \
+            {k: v for k, v in envs["nats"].items() if k.startswith("NATS_PASSWORD_")}
+    conf = ROOT / "deploy" / "nats" / "nats.conf"
+    text = conf.read_text()
+    assert re.search(r"^server_name: \$NATS_SERVER_NAME$", text, re.M)
+    assert re.search(r"authorization \{ user: route, password: \$NATS_ROUTE_PASSWORD \}", text)
+    assert "routes: [$NATS_ROUTE_1, $NATS_ROUTE_2, $NATS_ROUTE_3]" in text
+    from shared.embedded import EmbeddedNats
+
+    binary = EmbeddedNats.binary()   # the pip-provided nats-server (a dependency)
+    for n in nodes:
+        r = subprocess.run([binary, "-c", str(conf), "-t"], cwd=conf.parent, capture_output=True, text=True,
+                           env={"PATH": os.environ.get("PATH", ""), **envs[n]}, timeout=30)
+        assert r.returncode == 0 and "is valid" in r.stdout + r.stderr, (n, r.stdout, r.stderr)
 
 
 def test_the_postgres_standby_streams_from_postgres_as_its_own_role(compose: dict[str, Any]) -> None:
