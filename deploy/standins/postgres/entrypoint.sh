@@ -21,6 +21,16 @@ if [ ! -s "$PGDATA/PG_VERSION" ]; then
 CREATE DATABASE "$DB_NAME" OWNER "$USER_NAME";
 SQL
   fi
+  # /docker-entrypoint-initdb.d/*.sh as the official image runs them (compose.yaml's replication
+  # role and slot): once, on a server reachable only through its socket, as the server's user.
+  if ls /docker-entrypoint-initdb.d/*.sh >/dev/null 2>&1; then
+    export POSTGRES_USER="$USER_NAME" POSTGRES_DB="$DB_NAME" PGDATA
+    su postgres -s /bin/sh -c "pg_ctl -D '$PGDATA' -o \"-c listen_addresses=''\" -w start" >/dev/null
+    for f in /docker-entrypoint-initdb.d/*.sh; do
+      su postgres -s /bin/sh -c "sh '$f'"
+    done
+    su postgres -s /bin/sh -c "pg_ctl -D '$PGDATA' -m fast -w stop" >/dev/null
+  fi
 fi
 # setpriv execs the server itself (no su in between): it gets the signals compose sends
 exec setpriv --reuid=postgres --regid=postgres --init-groups postgres -D "$PGDATA"
