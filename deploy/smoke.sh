@@ -13,7 +13,7 @@
 # 3. compose.yaml + deploy/smoke/compose.cpu.yaml (worker-0 on the CPU), a throwaway env file of
 #    random secrets, one service at a time in compose's own order, each waited for until its
 #    healthcheck passes (podman before 4.6 does not wait on `condition: service_healthy`):
-#    postgres, postgres-standby (streaming from it), nats (JetStream, per-service credentials), migrate (must exit 0), coordinator,
+#    postgres, postgres-standby (streaming from it), nats, nats-2, nats-3 (a JetStream cluster, per-service credentials), migrate (must exit 0), coordinator,
 #    worker-0, gateway;
 # 4. completions through the gateway until one reports cached_tokens > 0, the same answer again;
 #    the audit through the admin API; the coordinator container restarted; the worker carries on
@@ -79,7 +79,7 @@ ADMIN_TOKEN=$(secret)
 {
   for v in POSTGRES_PASSWORD KVL_APP_DB_PASSWORD KVL_PG_REPLICATION_PASSWORD NATS_PASSWORD_COORDINATOR NATS_PASSWORD_OPERATOR \
            NATS_PASSWORD_OBSERVER NATS_PASSWORD_WORKER_WORKER_0 NATS_PASSWORD_WORKER_WORKER_1 \
-           NATS_PASSWORD_GATEWAY_GATEWAY KVL_SALT_SECRET KVL_GATEWAY_SECRET; do echo "$v=$(secret)"; done
+           NATS_PASSWORD_GATEWAY_GATEWAY NATS_ROUTE_PASSWORD KVL_SALT_SECRET KVL_GATEWAY_SECRET; do echo "$v=$(secret)"; done
   echo "KVL_ADMIN_TOKEN=$ADMIN_TOKEN"
   echo "KVL_VERSION=$VERSION"
   echo "KVL_GIT_REVISION=$REVISION"
@@ -101,7 +101,7 @@ dc() { $COMPOSE --env-file "$work/smoke.env" -p "$PROJECT" -f compose.yaml -f de
 cleanup() {
   rc=$?
   if [ "$rc" != 0 ]; then
-    for s in postgres postgres-standby nats migrate coordinator worker-0 gateway; do
+    for s in postgres postgres-standby nats nats-2 nats-3 migrate coordinator worker-0 gateway; do
       echo "--- $s (last lines) ---"; dc logs --tail 30 "$s" 2>/dev/null | tail -30 || true
     done
   fi
@@ -126,12 +126,12 @@ healthy() {  # $1 service, $2 seconds
   say "$1 healthy"
 }
 say "compose: project $PROJECT, gateway 127.0.0.1:$GATEWAY_PORT, admin :$ADMIN_PORT, worker :$WORKER_PORT"
-dc up -d --no-build postgres nats >/dev/null
+dc up -d --no-build postgres nats nats-2 nats-3 >/dev/null
 healthy postgres 90
 # the synchronous standby streams before migrate's first commit can return
 dc up -d --no-build --no-deps postgres-standby >/dev/null
 healthy postgres-standby 120
-healthy nats 60
+for n in nats nats-2 nats-3; do healthy "$n" 60; done   # the cluster: each node once JetStream has a leader
 dc up --no-build --no-deps migrate >/dev/null 2>&1 || true
 m=$(container migrate)
 code=$($ENGINE inspect -f '{{.State.ExitCode}}' "$m")
