@@ -13,10 +13,13 @@ chosen (``x-kvl-route``). ``GET /v1/models``, ``/tokenize`` and ``/detokenize`` 
 when one is required) are answered by a worker. ``/healthz`` and ``/health`` (alive),
 ``/readyz`` (the fleet is known and a worker usable), ``/metrics``.
 
-Failover: a worker that refuses the connection, resets it, dies before its answer (or a
-stream's first event) is complete, or answers 429/502/503/504, before any byte reached the
-client, is skipped (and marked down for ``gateway.worker_down_ms``, 429 excepted) for the next
-candidate; once bytes have streamed, an error reaches the client as the worker sent it.
+Retries (:mod:`gateway.retry`): a worker that refuses the connection, resets it or dies before
+its answer (or a stream's first event) is complete, or answers a status in ``gateway.retry_on``
+(503 by default), before any byte reached the client, is marked down for ``gateway.worker_down_ms``
+(429 excepted) and the request goes to the next candidate after a backoff, up to
+``gateway.retry_attempts`` tries in all; once bytes have streamed, an error reaches the client as
+the worker sent it. A client address outside ``gateway.allowed_networks`` gets a 403 before
+anything else (:mod:`shared.address_allowlist`).
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ from prometheus_client import (
     generate_latest,
 )
 
-from gateway import intake
+from gateway import intake, retry
 from gateway.inflight import InFlightPrefixes
 from gateway.limits import Admitted, Refused, TenantLimits
 from gateway.prompt import prompt_tokens
 from gateway.routing import Choice, Worker, choose
 from shared import access_log, tracing
+from shared.address_allowlist import allowlist_middleware, parse_networks
 from shared import messages as m
 from shared.config import Config, nats_servers
 from shared.hashing import chain_hashes
@@ -60,8 +64,6 @@ from shared.text.tokenizer import Tokenizer
 from shared.versions import package_version
 
 log = get_logger("kvl.gateway")
-#: Worker answers that mean "not now, try another" when nothing has been sent yet.
-RETRY_STATUSES = frozenset({429, 502, 503, 504})
 #: Request headers passed to the worker (hop-by-hop and length headers are the proxy's own;
 #: ``Authorization`` only when no gateway secret signs the tenant instead).
 FORWARDED = ("Content-Type", "Accept", "X-Request-Id")
@@ -97,6 +99,8 @@ class GatewayMetrics:
         self.fleet = Gauge(p + "fleet_workers", "Workers in the fleet view, by state (usable, draining, suspended, "
                            "unlisted: gone from the coordinator's answer, kept as a last resort)", ["state"],
                            registry=r)
+        self.address_refused = Counter(p + "address_refused", "Requests refused (403) because the client's address "
+                                       "is outside gateway.allowed_networks", registry=r)
 
 
 def _error(status: int, message: str, type_: str, code: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -363,9 +367,12 @@ class Gateway:
         headers = self._headers(request, method, body, tenant)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.g.connect_timeout_ms / 1000)
         last: web.StreamResponse | None = None
-        for i, choice in enumerate(choices):
+        plan = retry.attempt_order(choices, self.g.retry_attempts)
+        for i, choice in enumerate(plan):
             w = choice.worker
-            more = i + 1 < len(choices)
+            more = i + 1 < len(plan)
+            if i:
+                await asyncio.sleep(retry.backoff_s(i, self.g.retry_backoff_ms, self.g.retry_backoff_max_ms))
             access_log.note(worker=w.worker_id, failovers=i)   # failovers: workers tried before this one
             self.in_flight[w.worker_id] = self.in_flight.get(w.worker_id, 0) + 1
             self.metrics.in_flight.labels(worker=w.worker_id).set(self.in_flight[w.worker_id])
@@ -377,7 +384,7 @@ class Gateway:
                     async with self._http.request(method, w.endpoint + request.path_qs, data=body or None,
                                                   headers=tracing.headers(headers), timeout=timeout) as resp:
                         span.set_attribute("http.response.status_code", resp.status)
-                        if resp.status in RETRY_STATUSES and more:
+                        if more and retry.status_retried(resp.status, self.g.retry_on):
                             self.metrics.failovers.labels(why=f"http {resp.status}").inc()
                             if resp.status != 429:
                                 self.down[w.worker_id] = time.monotonic() + self.g.worker_down_ms / 1000
@@ -391,12 +398,16 @@ class Gateway:
                 # raises no ClientError once it has prepared the response).
                 self.down[w.worker_id] = time.monotonic() + self.g.worker_down_ms / 1000
                 why = "connection refused" if isinstance(e, aiohttp.ClientConnectorError) else type(e).__name__
-                log.warning("worker_failed", worker_id=w.worker_id, error=why)
-                if more:
+                retried = retry.error_retried(e, self.g.retry_on)
+                log.warning("worker_failed", worker_id=w.worker_id, error=why, attempt=i + 1, retried=retried and more)
+                if more and retried:
                     self.metrics.failovers.labels(why=why).inc()
                     continue
-                last = _error(502, f"worker {w.worker_id} failed before answering ({why}) and no other worker is "
-                                   f"available", "server_error", "worker_failed", {"Retry-After": "1"})
+                after = (f"after {i + 1} attempt(s) (gateway.retry_attempts)" if retried else
+                         "and such failures are not retried (gateway.retry_on)")
+                last = _error(502, f"worker {w.worker_id} failed before answering ({why}) {after}",
+                              "server_error", "worker_failed", {"Retry-After": "1"})
+                break
             finally:
                 self.in_flight[w.worker_id] -= 1
                 self.metrics.in_flight.labels(worker=w.worker_id).set(self.in_flight[w.worker_id])
@@ -484,7 +495,12 @@ def create_app(gw: Gateway) -> web.Application:
     # unread body (a request refused before its body was read) is drained for at most the body
     # timeout before its connection closes (shared.http_limits)
     g = gw.g
-    app = web.Application(client_max_size=intake.body_limit(gw.cfg), middlewares=traced,
+    # NOTE: first of all: an address outside gateway.allowed_networks gets a 403 before the key or the body
+    allow = allowlist_middleware("gateway.allowed_networks", parse_networks("gateway.allowed_networks",
+                                                                            g.allowed_networks),
+                                 gw.metrics.address_refused.inc)
+    app = web.Application(client_max_size=intake.body_limit(gw.cfg), middlewares=[*([allow] if allow else []),
+                                                                                   *traced],
                           handler_args=handler_args(g.keepalive_timeout_ms, lingering_ms=g.body_read_timeout_ms))
     access_log.install(app, "gateway", enabled=gw.cfg.logging.access_log)
     app.router.add_get("/healthz", gw.healthz)

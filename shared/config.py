@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from shared.address_allowlist import parse_networks
 from shared.logging import mask_credentials
 from shared.nats_auth import AuthConfigError, Identity
 
@@ -384,6 +385,14 @@ class WorkerConfig(_Section):
     #: While serving: at most one ``cache_over_capacity`` warning per this many seconds, when leases
     #: were refused ``over_capacity`` since the last one (``worker.capacity``).
     capacity_warning_interval_s: Annotated[float, msgspec.Meta(gt=0, le=86_400)] = 60.0
+    #: Client addresses the worker's HTTP API answers, as networks in CIDR form (``10.0.0.0/8``,
+    #: ``192.168.1.7``, ``fd00::/8``); anyone else gets a 403 before the API key is looked at
+    #: (``shared.address_allowlist``: the TCP peer's address; a gateway or proxy in front must be
+    #: listed, forwarded-for headers are not trusted). Empty (the default): every address.
+    allowed_networks: list[str] = []
+
+    def __post_init__(self) -> None:
+        parse_networks("worker.allowed_networks", self.allowed_networks)
 
 
 class ApiKey(_Section):
@@ -441,6 +450,27 @@ class GatewayConfig(_Section):
     #: Time allowed to receive a request body once its headers are in (and the API key checked);
     #: slower is a 408 and the connection is closed. Also the longest an unread body is drained.
     body_read_timeout_ms: PosInt = 10000
+    #: Client addresses the gateway answers (CIDR networks, as ``worker.allowed_networks``); anyone
+    #: else gets a 403 before the API key or the body is read. Empty (the default): every address.
+    allowed_networks: list[str] = []
+    #: Most workers one request is sent to, the first included: a failure named in ``retry_on``
+    #: before any byte reached the client sends it to the next candidate (the same worker again
+    #: when it is the only one) after a backoff; past the last attempt the client gets the error.
+    retry_attempts: Annotated[int, msgspec.Meta(ge=1, le=16)] = 3
+    #: What is retried, only ever before a byte reached the client: ``connect`` (the connection was
+    #: refused, reset or closed before the answer was whole, or connecting timed out) and the worker
+    #: statuses listed (503: shutting down or not ready; 429: its queue is full, another worker's
+    #: may not be; 502, 504). Anything else reaches the client as the worker answered it.
+    retry_on: list[Literal["connect", 429, 502, 503, 504]] = msgspec.field(
+        default_factory=lambda: ["connect", 503])
+    #: Wait before the first retry, doubled before each further one, at most ``retry_backoff_max_ms``
+    #: (0: retry at once).
+    retry_backoff_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] = 50
+    #: The longest wait before one retry, however many came before it.
+    retry_backoff_max_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] = 1000
+
+    def __post_init__(self) -> None:
+        parse_networks("gateway.allowed_networks", self.allowed_networks)
 
 
 class AuthConfig(_Section):

@@ -71,6 +71,8 @@ class WorkerMetrics:
                                "(deleted: past cache.offload_dir_bytes; expired: older than cache.offload_max_age_s; pinned: a "
                                "live lease pins a replica it holds, kept; no_coordinator: deferred)", ["outcome"],
                                registry=r)
+        self.address_refused = Counter(p + "address_refused", "HTTP requests refused (403) because the client's "
+                                       "address is outside worker.allowed_networks", registry=r)
         self.disk_bound = Gauge(p + "disk_bound_bytes", "Bytes this worker's segments may take in the offload "
                                 "directory (cache.offload_dir_bytes, or cache.offload_dir_share of the file "
                                 "system's free space at start)", registry=r)

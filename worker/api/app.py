@@ -9,6 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from shared import access_log, tracing
+from shared.address_allowlist import allowlist_middleware, parse_networks
 from shared.config import Config
 from shared.http_limits import handler_args
 from shared.logging import get_logger
@@ -78,8 +79,13 @@ def create_app(engine: Engine, cfg: Config, tokenizer: Tokenizer, scheduler: Sch
     limit = cfg.service.max_body_bytes
     # NOTE: outermost, so the request's span sees the status error_middleware answered with
     traced = [_tracing_middleware(engine.worker_id)] if tracing.enabled() else []
+    # NOTE: first of all: an address outside worker.allowed_networks gets a 403 before auth or tracing
+    allow = allowlist_middleware("worker.allowed_networks",
+                                 parse_networks("worker.allowed_networks", cfg.worker.allowed_networks),
+                                 engine.metrics.address_refused.inc)
     app = web.Application(client_max_size=limit,
-                          middlewares=[*traced, error_middleware(limit, _count_status), auth_middleware],
+                          middlewares=[*([allow] if allow else []), *traced, error_middleware(limit, _count_status),
+                                       auth_middleware],
                           # NOTE: the keep-alive timer also bounds a client that sends its headers
                           # slowly; the body has its own limit (read_body; shared.http_limits).
                           handler_args=handler_args(cfg.service.keepalive_timeout_ms))
