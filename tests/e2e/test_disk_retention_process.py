@@ -9,23 +9,9 @@ import asyncio
 import json
 import time
 
-import pytest
-
 from tests.segment_files import records, segment_files
 from tests.worker.conftest import prompt
-from tests.worker.processes import Cluster
 from worker.cache.retention import free_bytes
-
-
-@pytest.fixture
-async def cluster(tmp_path, database_url, nats_url, subjects):
-    c = Cluster(tmp_path, database_url, nats_url, subjects)
-    await c.connect()
-    try:
-        yield c
-    finally:
-        c.stop_all()
-        await c.close()
 
 
 def _metric(text: str, name: str) -> float:
