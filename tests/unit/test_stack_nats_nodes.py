@@ -1,0 +1,41 @@
+"""`kvledger up` with a NATS cluster: what a killed supervisor left of its nodes is found and stopped.
+
+A node is listed in ``stack.json`` as ``nats-<i>``; the next ``kvledger up`` with the same state
+dir stops it if its command line names that state dir (as every embedded node's does: its
+configuration file lives there), and leaves alone a process that merely has the pid."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvledger.stack import Console, Stack, StackOptions
+from shared.config import parse_config
+from tests.unit.test_ops_cli import _sleeper
+
+
+def test_leftover_nats_nodes_of_a_killed_supervisor_are_stopped(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    node = _sleeper("-c", str(state / "nats" / "node-2" / "node.conf"))
+    other = _sleeper("-c", "/elsewhere/node.conf")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        time.sleep(0.05)  # the file is newer than the processes it lists
+        (state / "stack.json").write_text(json.dumps({"supervisor_pid": dead.pid, "services": [
+            {"name": "nats-2", "pid": node.pid}, {"name": "nats-3", "pid": other.pid}]}))
+        Stack(parse_config({"state_dir": str(state)}), StackOptions(), console=Console()).clean_stale()
+        node.wait(20)
+        assert other.poll() is None   # not a node of this state dir: left alone
+        assert "was killed and left processes running" in capsys.readouterr().out
+    finally:
+        for p in (node, other):
+            p.kill()
+            p.wait()
