@@ -46,7 +46,7 @@ async def _connect(url: str, **kw: Any) -> Any:
                               **kw)
 
 
-async def test_every_node_knows_the_same_users_and_no_client_logs_in_as_the_route(tmp_path: Path) -> None:
+async def test_every_node_knows_the_same_users_a_reload_adds_one_and_no_client_logs_in_as_the_route(tmp_path: Path) -> None:
     store = CredentialStore(tmp_path / "credentials")
     conf = store.write_server_config([worker("w0")], Subjects("kvl"))
     c = NatsCluster(tmp_path / "nats", 3, config_file=str(conf)).start(60)
@@ -62,6 +62,21 @@ async def test_every_node_knows_the_same_users_and_no_client_logs_in_as_the_rout
             route_pw = (c.data_dir / ROUTE_PASSWORD_FILE).read_text().strip()
             with pytest.raises(Exception, match="(?i)authorization"):
                 await _connect(node.url, user=ROUTE_USER, password=route_pw)
+        # a new identity: the users file rewritten, every node reloaded (each includes the same file)
+        late = worker("w9")
+        store.write_server_config([worker("w0"), late], Subjects("kvl"))
+        c.reload()
+        for node in c.nodes:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    nc = await _connect(node.url, user=late.user, password=store.password(late),
+                                        inbox_prefix=inbox_prefix(late.user))
+                    break
+                except Exception:  # noqa: BLE001 - the reload is asynchronous
+                    assert time.monotonic() < deadline, f"{late.user} not known to {node.url} after a reload"
+                    await asyncio.sleep(0.1)
+            await nc.close()
         assert oct((c.data_dir / ROUTE_PASSWORD_FILE).stat().st_mode & 0o777) == "0o600"
         assert oct((c.nodes[0].data_dir / "node.conf").stat().st_mode & 0o777) == "0o600"
     finally:
