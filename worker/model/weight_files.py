@@ -89,7 +89,7 @@ class _Files:
 
 
 @torch.no_grad()
-def load_weights(model: CausalLM, files: list[Path], target: Callable[[str], tuple[str, Any] | None], *,
+def load_weights(model: torch.nn.Module, files: list[Path], target: Callable[[str], tuple[str, Any] | None], *,
                  ignore: Callable[[str], bool] = lambda k: False, optional: frozenset[str] = frozenset()) -> None:
     """Copy every tensor of ``model`` from the checkpoint, through ``target`` (checkpoint name →
     ``(our name, None)`` or ``(our name, (expert, slot))`` for stacked experts). Every tensor must
