@@ -163,6 +163,33 @@ async def test_the_stream_is_r3_and_a_killed_node_loses_nothing_and_catches_up(
         await nc.close()
 
 
+async def test_a_cluster_restarted_from_its_stores_serves_its_stream_as_soon_as_it_is_started(tmp_path: Path) -> None:
+    """What a second `kvledger up` does (new ports, the same stores): once ``start`` returns, the
+    stream and its consumer answer at once — not only the meta group (``/healthz``) has a leader."""
+    from nats.js.api import ConsumerConfig, StreamConfig
+
+    c = NatsCluster(tmp_path / "nats", 3).start(60)
+    try:
+        nc = await _connect(c.url)
+        js = nc.jetstream(timeout=2)
+        await js.add_stream(StreamConfig(name="KVL_R", subjects=["r.>"], num_replicas=3))
+        await js.add_consumer("KVL_R", ConsumerConfig(durable_name="d"))
+        await js.publish("r.1", b"x")
+        await nc.close()
+    finally:
+        c.stop()
+    for _ in range(2):
+        c = NatsCluster(tmp_path / "nats", 3).start(60)
+        try:
+            nc = await _connect(c.url)
+            js = nc.jetstream(timeout=2)
+            assert (await js.stream_info("KVL_R")).state.messages == 1
+            assert (await js.consumer_info("KVL_R", "d")).config.durable_name == "d"
+            await nc.close()
+        finally:
+            c.stop()
+
+
 async def test_more_replicas_than_the_cluster_has_is_a_readable_error(nats_url: str, subjects: Subjects) -> None:
     """The test NATS is one server: R3 cannot be placed there."""
     cfg = fast_config("postgresql://unused@127.0.0.1/none", nats_url, subjects)
