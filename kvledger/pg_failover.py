@@ -16,6 +16,8 @@ URL that follows a promotion, and, while the stack is up, to watch the primary:
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 from typing import Any
 
 from shared import pg_standby
@@ -103,4 +105,9 @@ class PgFailover:
                  "log": str(s.data_dir / "postgres.log"), "restarts": None}]
 
     def stop(self) -> None:
+        """The standby, after the primary stops naming it synchronous: a later start of the primary
+        alone (``kvledger db upgrade``, ``kvledger services``) must not wait for it on every commit."""
+        if self.primary.proc is not None and self.primary.proc.poll() is None and not self.standby.promoted:
+            with contextlib.suppress(pg_standby.StandbyError, OSError, subprocess.TimeoutExpired):
+                pg_standby.set_synchronous(self.primary, False)
         self.standby.stop()

@@ -5,7 +5,8 @@ Theory of operation — a small process supervisor, threads and ``subprocess``, 
 1. **Services.** PostgreSQL and NATS from the configuration; whichever has no URL is started
    embedded under ``state_dir`` (:mod:`shared.embedded`), owned by this process; NATS as a
    3- or 5-node JetStream cluster with ``--nats-cluster`` (:mod:`shared.nats_cluster`), each
-   node supervised and listed on its own.
+   node supervised and listed on its own; with ``--pg-standby`` a streaming standby of the
+   embedded PostgreSQL, which the coordinators follow when it is promoted (:mod:`kvledger.pg_failover`).
 2. **Migrations.** ``kvledger db upgrade`` in-process, so a schema problem is reported
    before anything else starts (the coordinator would also migrate; this makes the step
    visible and its failure one clear line, like compose's one-shot ``migrate`` service).
@@ -33,7 +34,8 @@ Theory of operation — a small process supervisor, threads and ``subprocess``, 
    ``--max-restarts`` times within ``--restart-window`` seconds is a crash loop, not bad luck:
    **the whole stack stops** (exit 1) and says so. An embedded PostgreSQL or NATS that exits is
    started again on the same port and data directory (the coordinator and workers reconnect;
-   the workers keep their caches), under the same limit.
+   the workers keep their caches), under the same limit — except a PostgreSQL primary that has a
+   standby: that one is promoted instead (``database.failover_after_s``, or ``kvledger db promote``).
 7. **Shutdown** on SIGINT/SIGTERM (a second signal hurries: SIGKILL at once): workers, then
    the coordinators, each by SIGTERM to its process group with a grace period, then SIGKILL;
    then NATS and PostgreSQL. Finally every process this supervisor started, and anything

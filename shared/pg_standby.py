@@ -67,7 +67,12 @@ def _owned_file(path: Path, text: str, owner: EmbeddedPostgres) -> None:
 
 
 def _psql(pg: EmbeddedPostgres, sql: str, timeout_s: float = 30.0) -> str:
-    """Run ``sql`` as the superuser over ``pg``'s socket; its output (tuples only), or a StandbyError."""
+    """Run ``sql`` as the superuser over ``pg``'s socket; its output (tuples only), or a StandbyError.
+
+    NOTE: ``synchronous_commit = local``: these commits (the replication role, the slot) come
+    before the standby streams, and must not wait for it when the data directory still names it
+    synchronous from an earlier run."""
+    sql = "SET synchronous_commit = local;\n" + sql
     r = subprocess.run([str(pg.bin_dir() / "psql"), "-h", str(pg.socket_dir), "-p", str(pg.port), "-U", "postgres",
                         "-d", "postgres", "-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-w"],
                        input=sql, capture_output=True, text=True, timeout=timeout_s,
@@ -179,6 +184,7 @@ class EmbeddedStandby(EmbeddedPostgres):
             raise StandbyError("the primary must run to make its standby")
         password = ensure_replication(primary)
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._traversable()  # pg_basebackup runs as the server's user, before the base class's _prepare
         os.chmod(self.data_dir, 0o700)
         if os.name == "posix" and os.geteuid() == 0:
             import pwd

@@ -158,6 +158,34 @@ def test_an_asynchronous_standby_loses_what_it_had_not_received(pair, tmp_path: 
     assert asyncio.run(_run(standby.url, "SELECT count(*) FROM t")) == 0
 
 
+def test_both_restart_the_primary_on_a_new_port_and_the_standby_streams_again(tmp_path: Path) -> None:
+    """A second `kvledger up`: the primary gets a new port, its data directory still names the
+    standby synchronous (no commit may wait for it before it streams), the standby follows the
+    new address; run later without a standby, the primary must not wait for one either."""
+    from kvledger.pg_failover import PgFailover
+
+    primary = EmbeddedPostgres(tmp_path / "postgres").start()
+    standby = pg_standby.start_standby(primary, tmp_path, synchronous=True)
+    asyncio.run(_run(primary.url, "CREATE TABLE t (x int)"))
+    first_port = primary.port
+    standby.stop()
+    primary.stop()
+    primary = EmbeddedPostgres(tmp_path / "postgres").start()
+    try:
+        assert primary.port != first_port and pg_standby.synchronous_configured(primary)
+        standby = pg_standby.start_standby(primary, tmp_path, synchronous=True, timeout_s=60)
+        assert pg_standby.replication_state(primary)["sync_state"] == "sync"
+        asyncio.run(_insert(primary.url, 1, 10.0))
+        assert asyncio.run(_run(standby.url, "SELECT count(*) FROM t")) == 1
+        standby.stop()
+        PgFailover.without_standby(primary)
+        assert not pg_standby.synchronous_configured(primary)
+        asyncio.run(_insert(primary.url, 2, 10.0))  # no standby runs: the commit must not wait for one
+    finally:
+        standby.stop()
+        primary.stop()
+
+
 def test_only_the_replication_role_may_replicate(pair, tmp_path: Path) -> None:
     primary, _ = pair
     r = subprocess.run([str(primary.bin_dir() / "pg_basebackup"), "-D", str(tmp_path / "copy"), "-h", primary.host,
