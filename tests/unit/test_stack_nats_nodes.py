@@ -7,6 +7,7 @@ configuration file lives there), and leaves alone a process that merely has the 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -39,3 +40,18 @@ def test_leftover_nats_nodes_of_a_killed_supervisor_are_stopped(tmp_path: Path,
         for p in (node, other):
             p.kill()
             p.wait()
+
+
+def test_a_nats_cluster_with_a_configured_nats_url_is_refused(tmp_path: Path) -> None:
+    """`--nats-cluster` runs embedded nodes: with nats.url set there is nothing to run (the
+    operator lists their own cluster's servers in nats.url instead)."""
+    config = tmp_path / "k.yaml"
+    config.write_text(f"state_dir: {tmp_path / 'state'}\nnats: {{url: 'nats://a:4222,nats://b:4222'}}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVL_")}   # the file says everything
+    r = subprocess.run([sys.executable, "-m", "kvledger.cli", "up", "--config", str(config), "--nats-cluster", "3"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode != 0 and "nats.url is set" in r.stderr and "comma-separated" in r.stderr, r.stderr
+    assert not (tmp_path / "state").exists()   # nothing was started
+    r = subprocess.run([sys.executable, "-m", "kvledger.cli", "up", "--config", str(config), "--nats-cluster", "2"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "invalid choice: 2" in r.stderr, r.stderr
