@@ -22,6 +22,9 @@ import time
 from types import ModuleType
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_linear.cpp")
+#: Compiled as one unit, in this order: the product (with the vector ops and the thread pool),
+#: attention (``cpu_attention.cpp``, which uses them), the Python bindings.
+SOURCES = (SOURCE, SOURCE.with_name("cpu_attention.cpp"), SOURCE.with_name("bindings.cpp"))
 #: NOTE: no -ffast-math (it would let the compiler reassociate the reduction), and no contraction
 #: of a multiply and an add into an FMA the source did not write.
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c++17")
@@ -30,6 +33,8 @@ CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c
 #: :func:`kernels.invariant.compute_fingerprint`. Bump it whenever ``cpu_linear.cpp`` computes
 #: other bits, so caches the old arithmetic wrote are never matched.
 ARITHMETIC = 1
+#: The same for :func:`attention`'s per-(row, head) arithmetic (``cpu_attention.cpp``).
+ATTENTION_ARITHMETIC = 1
 
 _module: ModuleType | None = None
 _why_not = ""
@@ -51,7 +56,9 @@ def _cpu_flags() -> str:
 
 def build_name() -> str:
     """The extension's name: the source, the flags and the CPU's features, hashed."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
     h.update(" ".join(CFLAGS).encode())
     h.update(_cpu_flags().encode())
     return f"kvl_cpu_linear_{h.hexdigest()[:16]}"
@@ -81,7 +88,8 @@ def load() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import _get_build_directory, load_inline
         _drop_stale_lock(pathlib.Path(_get_build_directory(build_name(), verbose=False)) / "lock")
-        mod = load_inline(name=build_name(), cpp_sources=[SOURCE.read_text()], extra_cflags=list(CFLAGS),
+        mod = load_inline(name=build_name(), cpp_sources=["\n".join(src.read_text() for src in SOURCES)],
+                          extra_cflags=list(CFLAGS),
                           verbose=False)
     except Exception as e:   # no compiler, no ninja, a failed build: the padded MKL path serves
         _why_not = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:300]

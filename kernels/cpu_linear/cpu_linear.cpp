@@ -19,6 +19,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -378,13 +379,4 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t threads) {
   else
     go(x.data_ptr<bf16>(), w.data_ptr<bf16>(), y.data_ptr<bf16>());
   return y;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "x @ w.T, each element reduced in one fixed order (threads: 1 = the caller only, "
-        "else the pool)", py::arg("x"), py::arg("w"), py::arg("threads") = 0,
-        py::call_guard<py::gil_scoped_release>());
-  m.def("set_threads", &set_threads);
-  m.def("get_threads", &get_threads);
-  m.def("isa", &isa);
 }

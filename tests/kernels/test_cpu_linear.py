@@ -129,7 +129,7 @@ def test_a_kernel_that_is_not_invariant_fails_the_probe_and_calibration_turns_it
         assert inv.calibrate([(64, 32)]) == []          # the padded path passes instead
         assert inv._kernel is None and inv.linear_path() == "padded"
         assert "failed its probe: linear 64->32" in inv.kernel_off_reason
-        assert inv.compute_fingerprint().endswith(":linear-padded")
+        assert ":linear-padded:" in inv.compute_fingerprint()
     finally:
         inv.MIN_ROWS = floor
     monkeypatch.undo()

@@ -1,9 +1,13 @@
 """Greedy parity with transformers on SmolLM2's chat prompts: our worker (its batch-invariant
 kernels, paged K/V, HTTP API) answers with exactly transformers' greedy tokens in float32; in
-bfloat16 (both rounding every product to bf16, in different orders) the answers agree for the
-tokens measured below."""
+bfloat16 (both rounding to bf16, in different orders) each of our tokens is transformers' choice or
+a near-tie of it."""
 
 from __future__ import annotations
+
+import math
+
+import torch
 
 from tests.realmodel.conftest import chat_ids, greedy, oracle
 
@@ -34,13 +38,24 @@ async def test_float32_greedy_tokens_equal_transformers(serve) -> None:
         assert doc["usage"]["prompt_tokens"] == len(chat_ids(CHATS[0]))
 
 
-async def test_bfloat16_greedy_tokens_equal_transformers(serve) -> None:
-    """Measured (24 tokens, three chats): 24, 21 and 24 equal tokens before the first difference —
-    both compute in bf16 but round different sums (our batch-invariant products against oneDNN's);
-    held to the first 12 here."""
+async def test_bfloat16_greedy_tokens_are_transformers_choices(serve) -> None:
+    """In bfloat16 both compute in bf16 but round different sums (our batch-invariant products and
+    float32 attention against oneDNN's bf16 ones), and a logit of ~25 is only resolved to 0.125: a
+    near-tie can fall either way (the first chat's first token: 504 and 60, 25.33 and 25.24 in
+    float32). So each of our greedy tokens, teacher-forced, must be transformers' own choice or
+    within two bf16 steps of its best logit at that position — and most of them its choice."""
+    model, _ = oracle("bfloat16")
+    same = 0
     async with serve("bfloat16") as s:
         for messages in CHATS:
             ids = chat_ids(messages)
-            want = greedy(ids, N, "bfloat16")
             r = await s.engine.generate(ids, max_tokens=N, return_logits=False)
-            assert r.tokens == want, (messages, r.tokens, want)
+            assert len(r.tokens) == N
+            with torch.no_grad():
+                logits = model(torch.tensor([ids + r.tokens[:-1]])).logits[0, len(ids) - 1:].float()
+            for k, (tok, row) in enumerate(zip(r.tokens, logits)):
+                best = float(row.max())
+                two_steps = 2 * 2.0 ** (math.floor(math.log2(abs(best))) - 7)
+                assert float(row[tok]) >= best - two_steps, (messages, k, tok, float(row[tok]), best)
+                same += tok == int(row.argmax())
+    assert same >= 0.9 * N * len(CHATS), same

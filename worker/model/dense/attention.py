@@ -1,4 +1,6 @@
-"""Batch-invariant grouped-query attention over a request's own K/V rows.
+"""Batch-invariant grouped-query attention over a request's own K/V rows: the padded, chunked
+form, for where the compiled kernel does not serve (``kernels.invariant.attention``: not built,
+``KVL_CPU_ATTENTION=0``, float16, CUDA). The dense and YOCO layers call the kernel first.
 
 ``attend`` computes softmax(q·kᵀ·scale + causal/window mask)·v for the queries of ONE request,
 with keys taken from that request's state. Why its layout keeps a row's bits independent of

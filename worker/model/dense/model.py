@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.invariant import KEY_CHUNK, pointwise
+from kernels.invariant import KEY_CHUNK, attention, attention_serves, pointwise
 from worker.model.dense.attention import attend
 from worker.model.dense.config import DenseConfig, rope_inv_freq
 from worker.model.dense.state import DenseState, dense_form_layouts
@@ -77,6 +77,14 @@ class DenseAttention(nn.Module):
         q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
         for seg in batch.segments:
             seg.state.write(self.layer, seg.span.start, k[seg.rows], v[seg.rows])
+        segs = batch.segments
+        los = [max(0, g.span.start - self.window + 1) if self.window else 0 for g in segs]
+        kv = [g.state.keys(self.layer, lo, g.span.end) for g, lo in zip(segs, los)]
+        if attention_serves(q, kv[0][0]):
+            # every request's rows over its own K/V where they lie, in one call (kernels.invariant)
+            bounds = [g.rows.start for g in segs] + [N]
+            o = attention(q, kv, bounds, batch.positions, los, self.window, self.scale)
+            return self.o_proj(o.to(q.dtype).reshape(N, -1))
         # Requests with the same number of rows (every decode token; prefill units of one size)
         # share one attention call, each over its own keys; the others run alone.
         o = q.new_empty(q.shape)

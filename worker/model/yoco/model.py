@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.invariant import KEY_CHUNK
+from kernels.invariant import KEY_CHUNK, attention, attention_serves
 from worker.model.dense.attention import attend
 from worker.model.dense.model import DenseLayer, DenseMLP, RopeTable, rotate_half, seed_weights
 from worker.model.linear import Linear
@@ -65,6 +65,12 @@ class CrossAttention(nn.Module):
         for states, rows, pos in groups:
             S, n = rows.shape
             kv = [st.global_keys(int(p.max()) + 1) for st, p in zip(states, pos)]
+            if attention_serves(q, kv[0][0]):
+                # each request's rows over its own global K/V where they lie (kernels.invariant)
+                flat = rows.reshape(-1)
+                out = attention(q[flat], kv, list(range(0, S * n + 1, n)), pos.reshape(-1), [0] * S, 0, self.scale)
+                o[flat] = out.to(q.dtype)
+                continue
             if S == 1:
                 keys, values = kv[0][0][None], kv[0][1][None]
             else:

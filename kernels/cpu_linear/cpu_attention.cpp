@@ -1,0 +1,181 @@
+// Batch-invariant causal attention on the CPU, reading each request's K/V where they lie.
+// Compiled in one unit after cpu_linear.cpp (its vector ops and thread pool), then the bindings.
+//
+// One query row r (at absolute position t) and one query head h of kv head h / g: the keys it
+// sees are the positions a..t, a = max(0, t - window + 1) (window 0: a = 0), in order. Per key,
+// the score is a dot product over the head dim by the product's own per-element code (16 float
+// lanes, one FMA per 16-wide chunk, a fixed lane tree), times the scale. The softmax: the max
+// (exact in any order), exp by the polynomial below (IEEE +, -, * and exact bit moves only, so a
+// lane of a vector and a scalar tail give the same bits), the denominator in 16 lanes by the
+// key's offset from a, then the lane tree. The output: per head-dim element, the sum over keys
+// in order of p * v (a multiply, then an add), divided by the denominator once. Nothing of it
+// depends on which other rows, requests or keys share the call, how a prompt is cut, or which
+// thread runs the item: a decode step, a prefill unit and a batch give a query the same bits.
+// bfloat16 K/V/q are widened exactly; the result is float32 (the caller rounds once).
+
+namespace {
+
+// Cephes' expf, for x <= 0: x = n ln2 + r, exp(r) by a degree-7 polynomial, times 2^n built
+// from bits. Written without branches or libm: every element takes the same instructions.
+inline float kexp(float x) {
+  x = x < -87.0f ? -87.0f : x;                       // below: 2^-126 scale would be denormal
+  const float magic = 12582912.0f;                   // 1.5 * 2^23: v + magic - magic rounds v to an integer (RNE)
+  float n = (x * 1.44269504088896341f + magic) - magic;
+  float r = x - n * 0.693359375f;                    // Cody-Waite: ln2 = hi + lo, hi exact in few bits
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float y = p * (r * r) + r + 1.0f;
+  int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  return y * scale;
+}
+
+// The fixed 16-lane tree of hsum, on an array.
+inline float tree16(const float* l) {
+  float s8[8], s4[4], s2[2];
+  for (int i = 0; i < 8; ++i) s8[i] = l[i] + l[i + 8];
+  for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+  for (int i = 0; i < 2; ++i) s2[i] = s4[i] + s4[i + 2];
+  return s2[0] + s2[1];
+}
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t D) {
+  V acc = vzero();
+  int64_t c = 0;
+  for (; c + 16 <= D; c += 16) acc = vfma(vload(q + c), vload(k + c), acc);
+  if (c < D) acc = vfma(vload_part(q + c, static_cast<int>(D - c)), vload_part(k + c, static_cast<int>(D - c)), acc);
+  return hsum(acc);
+}
+
+inline float widen(float v) { return v; }
+inline float widen(bf16 v) { return static_cast<float>(v); }
+
+struct Segment {
+  const void* k;
+  const void* v;
+  int64_t stride;   // elements between consecutive positions
+  int64_t lo, len;  // absolute position of row 0, rows held
+};
+
+// One work item: query row r, kv head kh, its g query heads. out: [H, D] of row r.
+template <typename TQ, typename T>
+void attend_item(const TQ* qrow, const Segment& s, int64_t t, int64_t window, int64_t kh, int64_t g,
+                 int64_t D, float scale, float* out) {
+  const int64_t a = window > 0 ? std::max<int64_t>(0, t - window + 1) : 0;
+  const int64_t n = t - a + 1;
+  thread_local std::vector<float> buf;
+  buf.resize(static_cast<size_t>(g * (n + D) + g * D));
+  float* qf = buf.data();                 // [g, D] widened queries
+  float* acc = qf + g * D;                // [g, D]
+  float* sc = acc + g * D;                // [g, n] scores, then p
+  for (int64_t hh = 0; hh < g; ++hh)
+    for (int64_t d = 0; d < D; ++d) qf[hh * D + d] = widen(qrow[(kh * g + hh) * D + d]);
+  const T* K = static_cast<const T*>(s.k) + (a - s.lo) * s.stride + kh * D;
+  const T* Vv = static_cast<const T*>(s.v) + (a - s.lo) * s.stride + kh * D;
+  for (int64_t j = 0; j < n; ++j) {
+    const T* kj = K + j * s.stride;
+    for (int64_t hh = 0; hh < g; ++hh) sc[hh * n + j] = dot(qf + hh * D, kj, D) * scale;
+  }
+  for (int64_t hh = 0; hh < g; ++hh) {
+    float* p = sc + hh * n;
+    float m = p[0];
+    for (int64_t j = 1; j < n; ++j) m = p[j] > m ? p[j] : m;
+    for (int64_t j = 0; j < n; ++j) p[j] = kexp(p[j] - m);
+    float lanes[16] = {};
+    int64_t j0 = 0;
+    for (; j0 + 16 <= n; j0 += 16)
+      for (int l = 0; l < 16; ++l) lanes[l] += p[j0 + l];
+    for (int l = 0; j0 + l < n; ++l) lanes[l] += p[j0 + l];
+    const float denom = tree16(lanes);
+    float* o = acc + hh * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      const T* vj = Vv + j * s.stride;
+      const float pj = p[j];
+      for (int64_t d = 0; d < D; ++d) o[d] = o[d] + pj * widen(vj[d]);
+    }
+    float* dst = out + (kh * g + hh) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = o[d] / denom;
+  }
+}
+
+}  // namespace
+
+// q [N, H, D]; keys[s], values[s] [L_s, kvh, D] holding positions key_lo[s] .. key_lo[s] + L_s - 1;
+// rows[s] .. rows[s + 1] are segment s's query rows, at positions pos [N]. Returns float32 [N, H, D].
+torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
+                        std::vector<int64_t> rows, torch::Tensor pos, std::vector<int64_t> key_lo, int64_t window,
+                        double scale, int64_t threads) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3, "cpu_attention: q [N, H, D] on the CPU");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "cpu_attention: float32 or bfloat16");
+  const int64_t S = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(static_cast<int64_t>(values.size()) == S && static_cast<int64_t>(key_lo.size()) == S &&
+              static_cast<int64_t>(rows.size()) == S + 1, "cpu_attention: one keys/values/key_lo per segment, S+1 row bounds");
+  q = q.contiguous();
+  pos = pos.to(at::kLong).contiguous();
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(pos.numel() == N && rows[0] == 0 && rows[S] == N, "cpu_attention: rows and positions cover q");
+  std::vector<Segment> segs(static_cast<size_t>(S));
+  int64_t kvh = 0;
+  const bool wide = S > 0 && keys[0].scalar_type() == at::kFloat;
+  for (int64_t s = 0; s < S; ++s) {
+    const auto& k = keys[s];
+    const auto& v = values[s];
+    TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.strides() == v.strides() && k.size(2) == D &&
+                k.stride(2) == 1 && k.stride(1) == D && k.device().is_cpu(),
+                "cpu_attention: keys and values [L, kvh, D], rows of kvh * D contiguous elements");
+    TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat) == wide &&
+                (wide || k.scalar_type() == at::kBFloat16), "cpu_attention: K/V all float32 or all bfloat16");
+    kvh = s == 0 ? k.size(1) : kvh;
+    TORCH_CHECK(k.size(1) == kvh && kvh > 0 && H % kvh == 0, "cpu_attention: H a multiple of the kv heads");
+    TORCH_CHECK(rows[s] <= rows[s + 1], "cpu_attention: row bounds in order");
+    segs[s] = {k.data_ptr(), v.data_ptr(), k.stride(0), key_lo[s], k.size(0)};
+  }
+  auto out = torch::empty({N, H, D}, q.options().dtype(at::kFloat));
+  if (N == 0) return out;
+  const int64_t* P = pos.data_ptr<int64_t>();
+  std::vector<int64_t> seg_of(static_cast<size_t>(N));
+  int64_t work = 0;
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t r = rows[s]; r < rows[s + 1]; ++r) {
+      const int64_t t = P[r];
+      const int64_t a = window > 0 ? std::max<int64_t>(0, t - window + 1) : 0;
+      TORCH_CHECK(t >= 0 && a >= segs[s].lo && t < segs[s].lo + segs[s].len,
+                  "cpu_attention: a query's keys (positions ", a, "..", t, ") outside its segment's (", segs[s].lo,
+                  "..", segs[s].lo + segs[s].len - 1, ")");
+      seg_of[r] = s;
+      work += (t - a + 1) * H * D;
+    }
+  const int64_t g = H / kvh;
+  const float sc = static_cast<float>(scale);
+  float* O = out.data_ptr<float>();
+  auto item = [&](int64_t b) {
+    const int64_t r = b / kvh, kh = b % kvh;
+    const Segment& s = segs[seg_of[r]];
+    float* dst = O + r * H * D;
+    if (q.scalar_type() == at::kFloat) {
+      const float* qr = q.data_ptr<float>() + r * H * D;
+      if (wide) attend_item<float, float>(qr, s, P[r], window, kh, g, D, sc, dst);
+      else attend_item<float, bf16>(qr, s, P[r], window, kh, g, D, sc, dst);
+    } else {
+      const bf16* qr = q.data_ptr<bf16>() + r * H * D;
+      if (wide) attend_item<bf16, float>(qr, s, P[r], window, kh, g, D, sc, dst);
+      else attend_item<bf16, bf16>(qr, s, P[r], window, kh, g, D, sc, dst);
+    }
+  };
+  const int64_t items = N * kvh;
+  // like the product: a small call is done before a helper could join
+  if (threads == 1 || work < (int64_t{1} << 17)) {
+    for (int64_t b = 0; b < items; ++b) item(b);
+  } else {
+    pool()->run(items, item);
+  }
+  return out;
+}

@@ -1,0 +1,120 @@
+"""The compiled batch-invariant attention (``kernels/cpu_linear/cpu_attention.cpp``) behind
+``kernels.invariant.attention``.
+
+A query row's bits must not depend on the rows, segments and keys beside it in the call, on how
+its prompt is cut (a decode step, a prefill unit, a resumed prompt), on where its keys start in
+the buffer, or on the thread count; and it must be attention (close to a float64 softmax).
+Odd sizes on purpose: head dims not a multiple of the 16-lane vector, key counts not a multiple
+of the 16-lane denominator, a window.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.invariant as inv
+
+pytestmark = pytest.mark.skipif(inv._attention is None, reason="compiled attention unavailable")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def reference(q, k, v, positions, window, scale):
+    """float64 softmax attention, each row over keys max(0, t - window + 1) .. t of ``k``/``v`` (from 0)."""
+    H, kvh = q.shape[1], k.shape[1]
+    out = []
+    for r, t in enumerate(positions.tolist()):
+        a = max(0, t - window + 1) if window else 0
+        kk = k[a:t + 1].double().repeat_interleave(H // kvh, 1)
+        vv = v[a:t + 1].double().repeat_interleave(H // kvh, 1)
+        p = torch.softmax(torch.einsum("hd,jhd->hj", q[r].double(), kk) * scale, -1)
+        out.append(torch.einsum("hj,jhd->hd", p, vv))
+    return torch.stack(out)
+
+
+def data(L, H, kvh, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(L, n, D, generator=g).to(dtype) for n in (H, kvh, kvh))
+
+
+def run(q, kv, bounds, positions, los, window, scale=0.125):
+    return inv.attention(q, kv, bounds, positions, los, window, scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,kvh,D,window", [(9, 3, 64, 0), (4, 4, 40, 0), (6, 2, 24, 37), (2, 1, 16, 0)])
+def test_it_is_attention(dtype, H, kvh, D, window):
+    L = 90
+    q, k, v = data(L, H, kvh, D, dtype)
+    pos = torch.arange(L)
+    out = run(q, [(k, v)], [0, L], pos, [0], window, D ** -0.5)
+    assert out.dtype == torch.float32 and out.shape == (L, H, D)
+    torch.testing.assert_close(out.double(), reference(q, k, v, pos, window, D ** -0.5), atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 48])
+def test_a_rows_bits_do_not_depend_on_its_company_or_its_cut(dtype, window):
+    L, H, kvh, D = 260, 9, 3, 64
+    q, k, v = data(L, H, kvh, D, dtype, seed=1)
+    pos = torch.arange(L)
+    whole = run(q, [(k, v)], [0, L], pos, [0], window)          # one prefill of the whole prompt
+    lo = lambda start: max(0, start - window + 1) if window else 0   # noqa: E731 - the caller's rule
+    # a decode step: row 200 alone over exactly the keys it may read
+    alone = run(q[200:201], [(k[lo(200):201], v[lo(200):201])], [0, 1], pos[200:201], [lo(200)], window)
+    assert torch.equal(alone[0], whole[200])
+    # the prompt cut into odd units, each a call of its own over the keys so far
+    cuts = [0, 7, 16, 117, 118, 260]
+    pieces = [run(q[a:b], [(k[lo(a):b], v[lo(a):b])], [0, b - a], pos[a:b], [lo(a)], window)
+              for a, b in zip(cuts, cuts[1:])]
+    assert torch.equal(torch.cat(pieces), whole)
+    # in a batch with other requests (other lengths, other keys), in either order
+    q2, k2, v2 = data(50, H, kvh, D, dtype, seed=2)
+    mixed = run(torch.cat([q2[40:50], q[150:260], q[3:4]]),
+                [(k2[lo(40):50], v2[lo(40):50]), (k[lo(150):260], v[lo(150):260]), (k[lo(3):4], v[lo(3):4])],
+                [0, 10, 120, 121], torch.cat([pos[40:50], pos[150:260], pos[3:4]]), [lo(40), lo(150), lo(3)], window)
+    assert torch.equal(mixed[10:120], whole[150:260]) and torch.equal(mixed[120], whole[3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_thread_count_does_not_change_a_bit(dtype):
+    kernel = inv._attention
+    before = kernel.get_threads()
+    L, H, kvh, D = 300, 9, 3, 64
+    q, k, v = data(L, H, kvh, D, dtype, seed=3)
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            kernel.set_threads(threads)
+            outs.append(run(q, [(k, v)], [0, L], torch.arange(L), [0], 0))
+    finally:
+        kernel.set_threads(before)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def test_keys_read_in_place_from_a_strided_buffer():
+    """K/V as a state holds them: a slice of a [layers, capacity, kvh, D] buffer, read where it lies."""
+    H, kvh, D = 6, 2, 32
+    buf_k = torch.randn(3, 128, kvh, D)
+    buf_v = torch.randn(3, 128, kvh, D)
+    q = torch.randn(20, H, D)
+    pos = torch.arange(40, 60)
+    out = run(q, [(buf_k[1, 0:60], buf_v[1, 0:60])], [0, 20], pos, [0], 0)
+    copy = run(q, [(buf_k[1, 0:60].clone(), buf_v[1, 0:60].clone())], [0, 20], pos, [0], 0)
+    assert torch.equal(out, copy)
+    torch.testing.assert_close(out.double(), reference(q, buf_k[1, :60], buf_v[1, :60], pos, 0, 0.125)[:],
+                               atol=2e-6, rtol=2e-5)
+
+
+def test_a_query_outside_its_keys_is_refused():
+    q, k, v = data(8, 4, 2, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="outside its segment"):
+        run(q[7:8], [(k[:4], v[:4])], [0, 1], torch.tensor([7]), [0], 0)      # keys end at 3
+    with pytest.raises(RuntimeError, match="outside its segment"):
+        run(q[7:8], [(k[4:8], v[4:8])], [0, 1], torch.tensor([7]), [4], 0)    # keys 0..3 missing
+
+
+def test_the_fingerprint_names_the_attention_arithmetic():
+    assert f":attention-{inv.attention_path()}" in inv.compute_fingerprint()
+    assert inv.attention_path().startswith("compiled-")
