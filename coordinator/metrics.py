@@ -45,6 +45,12 @@ class CoordinatorMetrics:
                                              "Replicas of the transitions stream that are current: its leader and "
                                              "every follower caught up (below stream_replicas: a NATS node is down "
                                              "or still catching up)", registry=r)
+        self.database_standbys = Gauge("kvl_coordinator_database_standbys",
+                                       "Standbys streaming from the PostgreSQL server the leader writes to "
+                                       "(pg_stat_replication; database.standby_check_interval_s)", registry=r)
+        self.database_synchronous = Gauge("kvl_coordinator_database_synchronous",
+                                          "1 when that server's commits wait for a standby (synchronous_standby_names "
+                                          "set): with no standby streaming, every append stalls", registry=r)
         self.transition_messages = Histogram("kvl_coordinator_transitions_per_message",
                                              "Transitions per JetStream message consumed (a worker's batch; 1 for "
                                              "a lone transition)", buckets=BATCH_BUCKETS, registry=r)

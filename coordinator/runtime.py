@@ -126,7 +126,8 @@ class Coordinator:
                                f"{type(e).__name__}: {e}") from e
         await self._check_database()
         self._tasks = [asyncio.create_task(self._leadership_loop(), name="leadership"),
-                       asyncio.create_task(self._expire_loop(), name="expiry")]
+                       asyncio.create_task(self._expire_loop(), name="expiry"),
+                       asyncio.create_task(self._replication_loop(), name="replication")]
         self.log.info("coordinator_started", holder=self.holder, prefix=self.subjects.prefix,
                       stream=self.subjects.stream_name)
 
@@ -360,6 +361,20 @@ class Coordinator:
                 seen = self.ledger.seen
                 with contextlib.suppress(Unavailable):
                     await self.ledger.execute(lambda s: (None, expire(s, now_ms(), seen, floor)))
+
+    async def _replication_loop(self) -> None:
+        """While serving, every ``database.standby_check_interval_s``: the standbys of the server the
+        log is written to, into ``kvl_coordinator_database_standbys`` / ``_synchronous`` (a
+        synchronous server with none streaming stalls every append; alert KvlDatabaseStandbyMissing)."""
+        every = self.config.database.standby_check_interval_s
+        while every:
+            await asyncio.sleep(every)
+            if not self.ledger.serving:
+                continue
+            with contextlib.suppress(LogError):  # PostgreSQL away: the append path reports it
+                standbys, synchronous = await self.event_log.replication()
+                self.metrics.database_standbys.set(standbys)
+                self.metrics.database_synchronous.set(int(synchronous))
 
     # --- views ---------------------------------------------------------------------------
 

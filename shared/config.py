@@ -235,6 +235,9 @@ class DatabaseConfig(_Section):
     #: ``kvledger up`` promotes the standby once the primary has been dead this many seconds;
     #: 0 = never by itself (``kvledger db promote``).
     failover_after_s: Annotated[float, msgspec.Meta(ge=0)] = 0
+    #: How often the leader counts the standbys streaming from its PostgreSQL and reads whether its
+    #: commits wait for one (``kvl_coordinator_database_standbys`` / ``_synchronous``); 0 = never.
+    standby_check_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 10
 
 
 def nats_servers(url: str) -> list[str]:

@@ -270,6 +270,11 @@ RENEW_LEADERSHIP = ("UPDATE leader_renewal SET renewed_at = now() WHERE id = 1 A
 #: holder, epoch, and whether the leader is stale ($1 = takeover_after_s). The renewal row
 #: counts only for the current epoch; ``leader.renewed_at`` is what a coordinator older
 #: than migration 0002 renews (``greatest`` ignores NULLs).
+#: Standbys streaming from this server and whether commits wait for one. NOTE: any role may count
+#: pg_stat_replication's rows (their details need pg_read_all_stats, which the writer lacks).
+REPLICATION_STATUS = ("SELECT (SELECT count(*) FROM pg_stat_replication)::int, "
+                      "current_setting('synchronous_standby_names') <> ''")
+
 LEADER_STALE = """
 SELECT l.holder, l.leader_epoch, coalesce(now() - greatest(l.renewed_at, r.renewed_at)
                                           > make_interval(secs => $1), true)
@@ -396,6 +401,12 @@ class PostgresEventLog:
                     continue
                 raise translate(e, what) from e
         raise AssertionError("unreachable")
+
+    async def replication(self) -> tuple[int, bool]:
+        """``(standbys streaming from the server appends go to, whether its commits wait for one)``;
+        a read, so it answers also while synchronous commits stall for want of a standby."""
+        row = await self._call("the replication status", "fetchrow", REPLICATION_STATUS)
+        return int(row[0]), bool(row[1])
 
     def _drop_writer(self) -> None:
         conn, self._writer = self._writer, None

@@ -8,7 +8,8 @@ it, must promote the standby after the configured delay, the coordinators must c
 promoted standby (the multi-host URL with ``target_session_attrs=read-write``), requests keep
 being served, and on the promoted server every event the reader saw is there with the same
 chain hash (0 acknowledged events lost), the log goes on past them, the worker's outbox drains
-(every transition it sent is in the log) and `kvledger audit` is clean, hash chain included.
+(every transition it sent is in the log) and `kvledger audit` is clean, hash chain included. The
+leader's gauges say what an operator must know: one synchronous standby before, none after.
 The command path (`kvledger db promote`) is drilled in tests/integration/test_pg_standby.py.
 Part of the fault drills (tests/faults) but with a stack of its own: the drills' shared stack has
 no standby, and this drill ends its primary for good.
@@ -99,6 +100,16 @@ async def read_log(url: str) -> dict[int, bytes]:
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
+def database_gauges(coordinator_url: str) -> tuple[float, float] | None:
+    """``(kvl_coordinator_database_standbys, kvl_coordinator_database_synchronous)`` of a coordinator."""
+    with urllib.request.urlopen(f"{coordinator_url}/metrics", timeout=5) as r:
+        found = dict(line.split() for line in r.read().decode().splitlines()
+                     if line.startswith(("kvl_coordinator_database_standbys ", "kvl_coordinator_database_synchronous ")))
+    if len(found) < 2:
+        return None
+    return float(found["kvl_coordinator_database_standbys"]), float(found["kvl_coordinator_database_synchronous"])
+
+
 def port_of(row: dict[str, Any]) -> int:
     return int(row["url"].rsplit(":", 1)[1].split("/")[0])
 
@@ -106,7 +117,8 @@ def port_of(row: dict[str, Any]) -> int:
 def test_kill_the_primary_under_load_the_standby_is_promoted_and_no_acknowledged_event_is_lost(
         tmp_path: Path, ups: list[UpProcess]) -> None:
     up = UpProcess(tmp_path, {"worker": {"pool_bytes": 4 * 2**20},
-                              "database": {"synchronous_standby": True, "failover_after_s": 2}},
+                              "database": {"synchronous_standby": True, "failover_after_s": 2,
+                                           "standby_check_interval_s": 0.5}},
                    "--quiet", "--workers", "1", "--pg-standby")
     ups.append(up)
     up.wait_for(UP_READY, timeout_s=240)
@@ -118,6 +130,8 @@ def test_kill_the_primary_under_load_the_standby_is_promoted_and_no_acknowledged
     standby_url = f"postgresql://postgres:{password}@127.0.0.1:{port_of(standby)}/postgres"
     curl, wurl = stack["coordinator_url"], stack["worker_urls"][0]
     tree = up.tree()
+    # what an operator sees: one standby streaming, commits waiting for it
+    eventually("the leader reports its synchronous standby", lambda: database_gauges(curl) == (1.0, 1.0))
 
     load, reader = Load(stack["gateway_url"]), LogReader(primary_url)
     load.start()
@@ -144,6 +158,8 @@ def test_kill_the_primary_under_load_the_standby_is_promoted_and_no_acknowledged
     eventually(f"{curl}/readyz 200 on the promoted standby", lambda: readyz_status(curl)[0] == 200, timeout_s=90)
     eventually("requests served after the promotion", lambda: sum(t > promoted_at for t in load.ok) >= 5,
                timeout_s=120)
+    # on the promoted server: no standby, and its commits wait for none
+    eventually("the leader reports the promoted server alone", lambda: database_gauges(curl) == (0.0, 0.0))
     load.stop.set()
     load.join(60)
     wait_outbox_empty(wurl, timeout_s=60)  # every transition the worker sent is in the log
