@@ -77,6 +77,7 @@ class PgFailover:
                     else "promote the standby: kvledger db promote")
             say(f"embedded postgres (primary) exited (code {code}); not restarting it next to its standby; {what}",
                 style="bold red")
+            self.stack.write_state_file()  # stack.json no longer lists its pid
         if self.standby.promoted:
             if not self.promoted_reported:
                 self.promoted_reported = True

@@ -1,16 +1,18 @@
 """The PostgreSQL failover drill (issue 54, item 2), as an operator meets it with `kvledger up`.
 
-`kvledger up --pg-standby` with a synchronous standby and `database.failover_after_s`; a client
+`kvledger up --pg-standby` with a synchronous standby, promoted by the supervisor after
+`database.failover_after_s` or, with 0, by the operator's `kvledger db promote`; a client
 sends completions through the gateway without pause while a reader follows the primary's event
 log (every event it sees there is committed, and so acknowledged to the coordinator that appended
 it). Then every process of the primary is killed with SIGKILL. The supervisor must not restart
-it, must promote the standby after the configured delay, the coordinators must continue on the
+it; the standby is promoted (by the supervisor, or by the command while nothing else happens and
+the supervisor notices); the coordinators must continue on the
 promoted standby (the multi-host URL with ``target_session_attrs=read-write``), requests keep
 being served, and on the promoted server every event the reader saw is there with the same
 chain hash (0 acknowledged events lost), the log goes on past them, the worker's outbox drains
 (every transition it sent is in the log) and `kvledger audit` is clean, hash chain included. The
 leader's gauges say what an operator must know: one synchronous standby before, none after.
-The command path (`kvledger db promote`) is drilled in tests/integration/test_pg_standby.py.
+The command's refusals (primary alive, already promoted): tests/integration/test_pg_standby.py.
 Part of the fault drills (tests/faults) but with a stack of its own: the drills' shared stack has
 no standby, and this drill ends its primary for good.
 """
@@ -114,10 +116,12 @@ def port_of(row: dict[str, Any]) -> int:
     return int(row["url"].rsplit(":", 1)[1].split("/")[0])
 
 
+@pytest.mark.parametrize("promotion", ["automatic", "command"])
 def test_kill_the_primary_under_load_the_standby_is_promoted_and_no_acknowledged_event_is_lost(
-        tmp_path: Path, ups: list[UpProcess]) -> None:
+        tmp_path: Path, ups: list[UpProcess], promotion: str) -> None:
+    after_s = 2 if promotion == "automatic" else 0
     up = UpProcess(tmp_path, {"worker": {"pool_bytes": 4 * 2**20},
-                              "database": {"synchronous_standby": True, "failover_after_s": 2,
+                              "database": {"synchronous_standby": True, "failover_after_s": after_s,
                                            "standby_check_interval_s": 0.5}},
                    "--quiet", "--workers", "1", "--pg-standby")
     ups.append(up)
@@ -149,7 +153,14 @@ def test_kill_the_primary_under_load_the_standby_is_promoted_and_no_acknowledged
     assert reader.error, "the reader should have lost the primary"
     acknowledged = dict(reader.seen)
     up.wait_for("embedded postgres (primary) exited", timeout_s=15)
-    up.wait_for("promoting the standby", timeout_s=30)
+    if promotion == "automatic":
+        up.wait_for("promoting the standby", timeout_s=30)
+    else:  # the operator's turn: nothing happens by itself
+        up.wait_for("promote the standby: kvledger db promote", timeout_s=15)
+        time.sleep(3)
+        assert "the standby was promoted" not in up.output() and service(up, "postgres")["pid"] is None
+        done = kvledger("db", "promote", "--state-dir", str(up.state))
+        assert done.returncode == 0 and "promoted" in done.stdout, done.stdout + done.stderr
     up.wait_for("the standby was promoted", timeout_s=30)
     promoted_at = time.monotonic()
     assert service(up, "postgres")["pid"] is None  # not restarted next to its promoted standby
