@@ -54,6 +54,35 @@ inline float dot(const float* q, const T* k, int64_t D) {
   return hsum(acc);
 }
 
+// out[j] = dot(q, K[j]) * scale for j < n. With AVX-512, 16 keys at a time share one hsum16,
+// which pairs every element's lanes exactly as hsum does: the same bits as the tail's dot.
+template <typename T>
+inline void scores(const float* q, const T* K, int64_t stride, int64_t n, int64_t D, float scale, float* out) {
+  int64_t j = 0;
+#if defined(KVL_HSUM16)
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (; j + 16 <= n; j += 16) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 <= D; c += 16) {
+      const V qc = vload(q + c);
+      for (int i = 0; i < 16; ++i) acc[i] = vfma(qc, vload(K + (j + i) * stride + c), V{acc[i]}).v;
+    }
+    if (c < D) {
+      const int rest = static_cast<int>(D - c);
+      const V qc = vload_part(q + c, rest);
+      for (int i = 0; i < 16; ++i) acc[i] = vfma(qc, vload_part(K + (j + i) * stride + c, rest), V{acc[i]}).v;
+    }
+    alignas(64) float r[16];
+    _mm512_store_ps(r, _mm512_mul_ps(hsum16(acc), vs));
+    for (int l = 0; l < 4; ++l)
+      for (int qd = 0; qd < 4; ++qd) out[j + 4 * qd + l] = r[4 * l + qd];   // hsum16's order: out[4l + q] <- a[4q + l]
+  }
+#endif
+  for (; j < n; ++j) out[j] = dot(q, K + j * stride, D) * scale;
+}
+
 inline float widen(float v) { return v; }
 inline float widen(bf16 v) { return static_cast<float>(v); }
 
@@ -79,10 +108,7 @@ void attend_item(const TQ* qrow, const Segment& s, int64_t t, int64_t window, in
     for (int64_t d = 0; d < D; ++d) qf[hh * D + d] = widen(qrow[(kh * g + hh) * D + d]);
   const T* K = static_cast<const T*>(s.k) + (a - s.lo) * s.stride + kh * D;
   const T* Vv = static_cast<const T*>(s.v) + (a - s.lo) * s.stride + kh * D;
-  for (int64_t j = 0; j < n; ++j) {
-    const T* kj = K + j * s.stride;
-    for (int64_t hh = 0; hh < g; ++hh) sc[hh * n + j] = dot(qf + hh * D, kj, D) * scale;
-  }
+  for (int64_t hh = 0; hh < g; ++hh) scores(qf + hh * D, K, s.stride, n, D, scale, sc + hh * n);
   for (int64_t hh = 0; hh < g; ++hh) {
     float* p = sc + hh * n;
     float m = p[0];
