@@ -140,6 +140,9 @@ def test_promote_after_the_primary_is_killed_keeps_every_committed_row(pair, tmp
     asyncio.run(check())
     again = promote(tmp_path)
     assert again.returncode == 1 and "promoted already" in again.stderr
+    # the next `kvledger up --pg-standby` beside it refuses: the operator chooses which is the ledger
+    with pytest.raises(pg_standby.StandbyError, match="was promoted"):
+        pg_standby.start_standby(primary, tmp_path, synchronous=True)
 
 
 def test_an_asynchronous_standby_loses_what_it_had_not_received(pair, tmp_path: Path) -> None:
