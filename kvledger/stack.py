@@ -106,6 +106,8 @@ class StackOptions:
     gateway: bool = True
     #: None = the config's gateway.port; 0 = any free port.
     gateway_port: int | None = None
+    #: Gateway replicas (None = the config's gateway.replicas).
+    gateways: int | None = None
     #: Embedded nats-servers, clustered when 3 or 5 (None = the config's nats.cluster_size).
     nats_cluster: int | None = None
     config_path: str | None = None
@@ -440,7 +442,8 @@ class Stack:
         self._start_coordinators(host, cports)
         self._start_workers(wports)
         if self.opts.gateway:
-            self._start_gateway()
+            for i, gid in enumerate(self.gateway_ids):
+                self._start_gateway(i, gid)
 
     def _coordinator_ports(self, host: str) -> list[int]:
         """The admin ports: coordinator.port (or --coordinator-port) and the next ones for the
@@ -476,7 +479,7 @@ class Stack:
             self.credentials = CredentialStore(self.state_dir / "nats" / "credentials")
             workers = [nats_auth.worker(wid) for wid in self.worker_ids]
             if self.opts.gateway:
-                workers.append(nats_auth.gateway(cfg.gateway.gateway_id))
+                workers += [nats_auth.gateway(gid) for gid in self.gateway_ids]
             nats_config = str(self.credentials.write_server_config(workers, Subjects(cfg.nats.subject_prefix)))
         size = cfg.nats.cluster_size if self.opts.nats_cluster is None else self.opts.nats_cluster
         # NOTE: a NATS cluster (shared.nats_cluster) starts first and is handed over as the NATS URL
@@ -672,19 +675,28 @@ class Stack:
             # a restart keeps the address that clients and the table know, also one that port 0 chose
             w.env["KVL_WORKER__PORT"] = str(w.url).rsplit(":", 1)[1]
 
-    def _start_gateway(self) -> None:
-        """The gateway, until its ``/readyz`` is 200 (it knows the fleet and a worker is usable;
-        with no workers, until it answers at all)."""
+    @property
+    def gateway_ids(self) -> list[str]:
+        """Each gateway replica's id (and NATS identity): ``gateway_id``, then ``<gateway_id>-<i>``."""
+        n = self.cfg.gateway.replicas if self.opts.gateways is None else self.opts.gateways
+        gid = self.cfg.gateway.gateway_id
+        return [gid if i == 0 else f"{gid}-{i}" for i in range(n)]
+
+    def _start_gateway(self, i: int = 0, gid: str = "") -> None:
+        """Gateway replica ``i``, until its ``/readyz`` is 200 (it knows the fleet and a worker is
+        usable; with no workers, until it answers at all)."""
         from shared.embedded import free_port
 
         g = self.cfg.gateway
+        gid = gid or g.gateway_id
         port = g.port if self.opts.gateway_port is None else self.opts.gateway_port
-        port = free_port(g.host) if port == 0 else port
+        port = free_port(g.host) if port == 0 else port + i
         if not port_free(g.host, port):
             raise StackError(f"port {port} on {g.host} is in use; choose another with --gateway-port "
                              f"(0 = any free port) or run without it (--no-gateway)")
-        env = self._child_env(KVL_GATEWAY__PORT=str(port), **self._identity_env(nats_auth.gateway(g.gateway_id)))
-        gw = self._spawn("gateway", [self.python, "-m", "gateway"], env, _COLOURS[0])
+        env = self._child_env(KVL_GATEWAY__PORT=str(port), KVL_GATEWAY__GATEWAY_ID=gid,
+                              **self._identity_env(nats_auth.gateway(gid)))
+        gw = self._spawn(gid, [self.python, "-m", "gateway"], env, _COLOURS[0])
         gw.url = f"{http_scheme(self.cfg.tls)}://{g.host}:{port}"
         self.gateways.append(gw)
         self.write_state_file(ready=False)
@@ -873,6 +885,7 @@ class Stack:
                "coordinator_url": self.coordinator_url, "coordinator_urls": [c.url for c in self.coordinators],
                "worker_urls": [w.url for w in self.workers],
                "gateway_url": self.gateways[0].url if self.gateways else None,
+               "gateway_urls": [g.url for g in self.gateways],
                # the operator commands that find this file read this configuration too (kvledger.discovery)
                "config": str(Path(self.opts.config_path).resolve()) if self.opts.config_path else None,
                "services": [{**r, "url": _redact_url(r["url"] or "")} for r in self.rows()]}
@@ -988,7 +1001,7 @@ def _looks_like(p: Any, name: str, state_dir: Path) -> bool:
         return str(state_dir) in cmd
     if name == "coordinator" or name.startswith("coordinator-"):
         return "-m coordinator" in cmd
-    return "-m worker" in cmd
+    return "-m worker" in cmd or "-m gateway" in cmd   # workers and gateways carry their ids as names
 
 
 def descendants(pids: set[int]) -> list[Any]:
@@ -1058,6 +1071,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--nats-cluster", type=int, choices=(1, 3, 5), default=None, metavar="N",
                    help="embedded NATS as a cluster of N JetStream servers, 1, 3 or 5 (default: nats.cluster_size, 1); "
                         "the transitions stream gets N replicas and every client the N servers")
+    p.add_argument("--gateways", type=int, default=None, metavar="N",
+                   help="gateway replicas, 1 to 16 (default: gateway.replicas, 1), each routing by the ledger's "
+                        "block locations; replica i on the gateway's port + i")
     p.add_argument("--no-gateway", action="store_true",
                    help="run no gateway: clients choose a worker themselves")
     p.add_argument("--start-timeout", type=float, default=180.0, metavar="SECONDS",
@@ -1086,12 +1102,14 @@ def cmd_up(args: Any) -> int:
     if not args.restart_window > 0:
         raise SystemExit("kvledger up: --restart-window must be > 0 seconds")
     cfg = load_config(getattr(args, "config", None))
+    if args.gateways is not None and not 1 <= args.gateways <= 16:
+        raise SystemExit("kvledger up: --gateways must be 1 to 16 (or --no-gateway for none)")
     if (args.nats_cluster or 1) > 1 and cfg.nats.url:
         raise SystemExit("kvledger up: --nats-cluster runs an embedded NATS cluster, but nats.url is set: list your "
                          "cluster's servers there instead (comma-separated nats:// URLs)")
     opts = StackOptions(workers=args.workers, coordinators=args.coordinators, coordinator_port=args.coordinator_port,
                         worker_base_port=args.worker_base_port, config_path=getattr(args, "config", None),
-                        gateway=not args.no_gateway, gateway_port=args.gateway_port,
+                        gateway=not args.no_gateway, gateway_port=args.gateway_port, gateways=args.gateways,
                         start_timeout_s=args.start_timeout, echo_logs=not args.quiet,
                         max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                         nats_cluster=args.nats_cluster,

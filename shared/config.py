@@ -419,6 +419,10 @@ class GatewayConfig(_Section):
     """The gateway (``python -m gateway``): one OpenAI endpoint in front of the workers."""
     #: Its NATS identity is ``gateway.<gateway_id>``; several gateways need distinct ids.
     gateway_id: str = "gateway"
+    #: Gateways ``kvledger up`` runs (``--gateways``), each routing by the same view (the ledger's
+    #: block locations, asked of the coordinator), so a prefix goes to the same worker whichever
+    #: takes it: the first is ``gateway_id`` on ``port``, replica i ``<gateway_id>-<i>`` on ``port + i``.
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
     #: Address the gateway's OpenAI endpoint listens on (0 = any free port).
     host: str = "127.0.0.1"
     #: Port of that endpoint; ``kvledger up`` prints it as the stack's endpoint.
