@@ -23,10 +23,15 @@ alternating: ``burst_prefix_computes_kv`` / ``_round_robin`` is how many request
 computed the prefix (found less of it cached than its whole blocks), on average; ``burst_wall_ms_*``
 a burst's wall time (median) and ``burst_wall_ratio_vs_round_robin`` kv ÷ round robin;
 ``burst_ttft_p50_ms_*`` its requests' time to first token. ``--no-inflight-routing`` runs the
-stack with ``gateway.route_inflight_prefixes: false`` (the A/B of that setting).
+stack with ``gateway.route_inflight_prefixes: false`` (the A/B of that setting). ``--replicas 2``
+runs two gateways (``gateway.replicas``) and sends the ``kv`` requests, the overhead pairs and each
+burst's requests to them in turn: every key above then measures the replicated gateway, which
+routes by the ledger's view whichever replica takes a request (a burst's in-flight prefix is known
+only to the replica that sent it).
 
     python -m bench.gateway            # 24 conversations × 4 turns per mode
     python -m bench.gateway --quick    # 9 × 3, within ~90 s
+    python -m bench.gateway --quick --replicas 2
 
 The last line printed is one JSON object.
 """
@@ -64,8 +69,8 @@ BURST, BURST_PREFIX_WORDS = 6, 36
 BLOCK = CacheConfig().block_size
 
 
-def start_stack(d: Path, inflight_routing: bool = True) -> tuple[subprocess.Popen, dict]:
-    gateway = "" if inflight_routing else "gateway:\n  route_inflight_prefixes: false\n"
+def start_stack(d: Path, inflight_routing: bool = True, replicas: int = 1) -> tuple[subprocess.Popen, dict]:
+    gateway = f"gateway:\n  replicas: {replicas}\n" + ("" if inflight_routing else "  route_inflight_prefixes: false\n")
     (d / "kvledger.yaml").write_text("state_dir: state\nworker:\n  pool_bytes: 33554432\n" + gateway)
     return launch_up(d, 3)
 
@@ -124,7 +129,7 @@ async def prompt_blocks(http: aiohttp.ClientSession, worker: str, prompt: str) -
         return (int((await r.json())["count"]) - 1) // BLOCK
 
 
-async def bursts(http: aiohttp.ClientSession, gateway: str, workers: list[str], rounds: int) -> dict:
+async def bursts(http: aiohttp.ClientSession, gateways: list[str], workers: list[str], rounds: int) -> dict:
     """``rounds`` bursts per mode, alternating kv and round robin, each with a prefix of its own."""
     rng = random.Random("bench-gateway-bursts")
     got: dict[str, dict[str, list[float]]] = {m: {"computes": [], "wall": [], "ttft": []} for m in ("kv", "rr")}
@@ -132,7 +137,8 @@ async def bursts(http: aiohttp.ClientSession, gateway: str, workers: list[str], 
         for mode in (("kv", "rr") if r % 2 == 0 else ("rr", "kv")):
             shared = f"[burst {mode} {r}] " + user_text(rng, BURST_PREFIX_WORDS)
             whole = BLOCK * await prompt_blocks(http, workers[0], shared)
-            urls = [gateway] * BURST if mode == "kv" else [workers[i % len(workers)] for i in range(BURST)]
+            urls = [(gateways if mode == "kv" else workers)[i % len(gateways if mode == "kv" else workers)]
+                    for i in range(BURST)]
             t0 = time.perf_counter()
             res = await asyncio.gather(*(turn(http, u, shared + user_text(rng, 6)) for u in urls))
             got[mode]["wall"].append(time.perf_counter() - t0)
@@ -154,10 +160,16 @@ async def route_seconds(http: aiohttp.ClientSession, gateway: str) -> tuple[floa
     return got.get("kvl_gateway_route_seconds_sum", 0.0), got.get("kvl_gateway_route_seconds_count", 0.0)
 
 
+async def route_seconds_all(http: aiohttp.ClientSession, gateways: list[str]) -> tuple[float, float]:
+    got = [await route_seconds(http, g) for g in gateways]
+    return sum(s for s, _ in got), sum(n for _, n in got)
+
+
 async def measure(stack: dict, conversations: int, turns: int, reps: int, burst_rounds: int) -> dict:
     gateway, workers = stack["gateway_url"], stack["worker_urls"]
+    gateways = stack.get("gateway_urls") or [gateway]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
-        out = {"kv": await run_mode(http, lambda i: gateway, "kv", conversations, turns, 8),
+        out = {"kv": await run_mode(http, lambda i: gateways[i % len(gateways)], "kv", conversations, turns, 8),
                "round_robin": await run_mode(http, lambda i: workers[i % len(workers)], "round_robin",
                                              conversations, turns, 8),
                "single": await run_mode(http, lambda i: workers[0], "single", conversations, turns, 8)}
@@ -167,15 +179,15 @@ async def measure(stack: dict, conversations: int, turns: int, reps: int, burst_
             await r.read()
             direct = next(u for u, w in zip(workers, ("worker-0", "worker-1", "worker-2"))
                           if w == r.headers["x-kvl-worker"])
-        route0 = await route_seconds(http, gateway)
+        route0 = await route_seconds_all(http, gateways)
         via, straight = [], []
-        for _ in range(reps):
-            for url, sink in ((gateway, via), (direct, straight)):
+        for i in range(reps):
+            for url, sink in ((gateways[i % len(gateways)], via), (direct, straight)):
                 t0 = time.perf_counter()
                 async with http.post(url + "/v1/completions", json=body) as r:
                     await r.read()
                 sink.append(time.perf_counter() - t0)
-        route1 = await route_seconds(http, gateway)
+        route1 = await route_seconds_all(http, gateways)
         # the bare proxy hop: GET /v1/models (no prompt, no route query), interleaved the same way
         hop_via, hop_direct = [], []
         for _ in range(reps):
@@ -191,7 +203,7 @@ async def measure(stack: dict, conversations: int, turns: int, reps: int, burst_
                            "diff_ms_p50": statistics.median(a - b for a, b in zip(via, straight)) * 1000,
                            "hop_ms_p50": statistics.median(a - b for a, b in zip(hop_via, hop_direct)) * 1000,
                            "route_ms_mean": (route1[0] - route0[0]) / max(1, route1[1] - route0[1]) * 1000}
-        out["bursts"] = await bursts(http, gateway, workers, burst_rounds)
+        out["bursts"] = await bursts(http, gateways, workers, burst_rounds)
     return out
 
 
@@ -200,12 +212,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="9 conversations × 3 turns per mode, 4 bursts")
     ap.add_argument("--no-inflight-routing", action="store_true",
                     help="gateway.route_inflight_prefixes: false (the A/B of the burst keys)")
+    ap.add_argument("--replicas", type=int, choices=(1, 2, 3, 4), default=1,
+                    help="gateway replicas (gateway.replicas); the gateway's requests go to them in turn")
     args = ap.parse_args(argv)
     conversations, turns, reps, burst_rounds = (9, 3, 30, 4) if args.quick else (24, 4, 100, 12)
     d = Path(tempfile.mkdtemp(prefix="kvl-bench-gateway-"))
     p = None
     try:
-        p, stack = start_stack(d, inflight_routing=not args.no_inflight_routing)
+        p, stack = start_stack(d, inflight_routing=not args.no_inflight_routing, replicas=args.replicas)
         r = asyncio.run(measure(stack, conversations, turns, reps, burst_rounds))
     finally:
         if p is not None:
@@ -215,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
         shutil.rmtree(d, ignore_errors=True)
     kv, rr, single, b = r["kv"], r["round_robin"], r["single"], r["bursts"]
     result = {
-        "workers": 3, "conversations": conversations, "turns": turns,
+        "workers": 3, "gateway_replicas": args.replicas, "conversations": conversations, "turns": turns,
         "reuse_kv": round(kv["reuse"], 3), "reuse_round_robin": round(rr["reuse"], 3),
         "reuse_single": round(single["reuse"], 3),
         "reuse_ratio_vs_single": round(kv["reuse"] / single["reuse"], 3) if single["reuse"] else None,
