@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from coordinator.app import run
 
-    return run(cfg, host=args.host, port=args.port)
+    return run(cfg, host=args.host, port=args.port, config_path=args.config)
 
 
 if __name__ == "__main__":

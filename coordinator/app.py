@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from coordinator.admin import ADMIN, LOGGER, AdminContext, add_routes, auth_middleware, error_middleware
+from coordinator.admin import ADMIN, LOGGER, AdminContext, add_routes, auth_middleware, error_middleware, rotate_token
 from coordinator.log.leader import make_holder_id
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.nats_service import StartupError
@@ -28,6 +28,7 @@ from shared import tracing
 from shared.event_loop import loop_factory
 from shared.config import Config, ConfigError
 from shared.embedded import EmbeddedServiceError, Services, start_services
+from shared.key_rotation import KeyReloader, config_loader
 from shared.logging import configure_logging, get_logger
 from shared.tls import http_scheme, server_context
 
@@ -110,8 +111,10 @@ def admin_site(runner: web.AppRunner, config: Config, host: str, port: int) -> w
     return web.TCPSite(runner, host, port, ssl_context=server_context(config.tls))
 
 
-async def serve(config: Config, *, host: str | None = None, port: int | None = None) -> int:
-    """Run until SIGTERM/SIGINT (exit 0) or until the coordinator cannot continue (exit 1)."""
+async def serve(config: Config, *, host: str | None = None, port: int | None = None,
+                config_path: str | None = None) -> int:
+    """Run until SIGTERM/SIGINT (exit 0) or until the coordinator cannot continue (exit 1).
+    SIGHUP (or a change of ``config_path``) reloads the admin token (``shared.key_rotation``)."""
     log = get_logger("coordinator")
     holder = make_holder_id()
     tracing.setup(config.tracing, "coordinator", instance=holder)
@@ -121,6 +124,12 @@ async def serve(config: Config, *, host: str | None = None, port: int | None = N
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # SIGHUP or a changed file: the admin token is read again (the old one kept for auth.rotation_grace_s)
+    load = config_loader(config_path)
+    reloader = KeyReloader(load, config, log, path=config_path or os.environ.get("KVL_CONFIG"),
+                           on_token=lambda token, grace: rotate_token(app[ADMIN], token, grace)) if load else None
+    if reloader is not None:
+        reloader.start()
     try:
         await runner.setup()
     except StartupError as e:
@@ -154,12 +163,14 @@ async def serve(config: Config, *, host: str | None = None, port: int | None = N
         print(f"kvledger coordinator: {coord.fatal.result()}", file=sys.stderr, flush=True)
         code = 1
     log.info("coordinator_stopping", reason="fatal error" if code else "signal")
+    if reloader is not None:
+        await reloader.stop()
     await runner.cleanup()
     tracing.shutdown()      # the last spans flushed
     return code
 
 
-def run(config: Config, *, host: str | None = None, port: int | None = None) -> int:
+def run(config: Config, *, host: str | None = None, port: int | None = None, config_path: str | None = None) -> int:
     configure_logging(config.logging.format, config.logging.level)
     try:
         factory = loop_factory(config.coordinator.event_loop, "coordinator.event_loop")
@@ -167,5 +178,5 @@ def run(config: Config, *, host: str | None = None, port: int | None = None) -> 
         print(f"kvledger coordinator: {e}", file=sys.stderr, flush=True)
         return 2
     with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(serve(config, host=host, port=port))
+        return runner.run(serve(config, host=host, port=port, config_path=config_path))
     return 130

@@ -46,7 +46,8 @@ def register(sub: Any) -> None:
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from coordinator.app import run
 
-    return run(load_config(getattr(args, "config", None)), host=args.host, port=args.port)
+    path = getattr(args, "config", None)
+    return run(load_config(path), host=args.host, port=args.port, config_path=path)
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:

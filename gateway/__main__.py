@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 
@@ -21,6 +22,7 @@ from shared.config import ConfigError, load_config
 from shared.event_loop import loop_factory
 from shared.logging import configure_logging, get_logger
 from shared.images import image_spec_of
+from shared.key_rotation import KeyReloader, config_loader
 from shared.text.chat_template import load_chat_template
 from shared.text.image_prompt import ImagePrompting
 from shared.text.checkpoint_files import CheckpointFileError
@@ -30,7 +32,7 @@ from shared.tls import client_context, http_scheme, server_context
 log = get_logger("kvl.gateway.main")
 
 
-async def serve(cfg) -> int:
+async def serve(cfg, config_path: str | None = None) -> int:
     if not cfg.nats.url:
         print("kvledger gateway: config key nats.url is required (the coordinator's NATS server)", file=sys.stderr)
         return 2
@@ -65,12 +67,20 @@ async def serve(cfg) -> int:
     host, port = runner.addresses[0][:2]
     url = f"{http_scheme(cfg.tls)}://{host}:{port}"
     log.info("gateway_listening", url=url, gateway_id=cfg.gateway.gateway_id, workers=len(gw.fleet))
+    # SIGHUP or a changed file: the API keys are read again (old ones kept for auth.rotation_grace_s)
+    load = config_loader(config_path)
+    reloader = KeyReloader(load, cfg, log, path=config_path or os.environ.get("KVL_CONFIG"),
+                           directories=(gw.tenants,)) if load else None
+    if reloader is not None:
+        reloader.start()
     print(f"listening on {url}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if reloader is not None:
+        await reloader.stop()
     await runner.cleanup()
     await gw.stop()
     tracing.shutdown()      # the last spans flushed
@@ -93,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvledger gateway: {e}", file=sys.stderr)
         return 2
     with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(serve(cfg))
+        return runner.run(serve(cfg, config_path=args.config))
 
 
 if __name__ == "__main__":

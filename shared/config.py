@@ -494,6 +494,12 @@ class AuthConfig(_Section):
     gateway_secret: str = ""
     #: How old (either way, for clock skew) a gateway's tenant signature may be.
     gateway_signature_max_age_ms: PosInt = 30_000
+    #: Key rotation (``shared.key_rotation``): after a reload (SIGHUP, or a changed config file or
+    #: ``keys_file``), an API key or admin token the reload removed is still accepted this long.
+    rotation_grace_s: Annotated[float, msgspec.Meta(ge=0, le=30 * 86_400)] = 300.0
+    #: How often workers, gateways and the coordinator look at their config file and ``keys_file``
+    #: for a change, which reloads ``keys`` and ``coordinator.admin_token`` (0 = on SIGHUP only).
+    reload_check_s: Annotated[float, msgspec.Meta(ge=0, le=86_400)] = 5.0
 
 
 class LoggingConfig(_Section):

@@ -33,6 +33,7 @@ import hashlib
 import os
 import re
 import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,6 +116,21 @@ class TenantDirectory:
                                   f"of a tenant the same limits")
             self._by_hash[k.key_sha256] = t
         self._tenants.update(from_keys)
+        #: Keys a reload removed: hash -> (tenant, monotonic deadline); see :meth:`replace`.
+        self._retired: dict[str, tuple[Tenant, float]] = {}
+
+    def replace(self, new: TenantDirectory, grace_s: float, now: float | None = None) -> int:
+        """Take ``new``'s keys and limits in place (every holder of this object sees them); a key
+        that ``new`` no longer lists keeps authenticating for ``grace_s`` more seconds, as its
+        tenant under ``new``'s limits. Returns how many retired keys are within their grace."""
+        now = time.monotonic() if now is None else now
+        retired = {h: v for h, v in self._retired.items() if v[1] > now and h not in new._by_hash}
+        for h, t in self._by_hash.items():
+            if h not in new._by_hash and grace_s > 0:
+                retired[h] = (new._tenants.get(t.id, t), now + grace_s)
+        self._by_hash, self._tenants, self.required, self._retired = (
+            new._by_hash, new._tenants, new.required, retired)
+        return len(retired)
 
     @classmethod
     def from_config(cls, auth: AuthConfig) -> TenantDirectory:
@@ -125,7 +141,7 @@ class TenantDirectory:
 
     @property
     def has_keys(self) -> bool:
-        return bool(self._by_hash)
+        return bool(self._by_hash) or bool(self._retired)
 
     def tenant(self, tenant_id: str) -> Tenant:
         return self._tenants.get(tenant_id) or Tenant(tenant_id)
@@ -150,7 +166,10 @@ class TenantDirectory:
             raise AuthError("malformed Authorization header: the key is not valid UTF-8") from None
         tenant = self._by_hash.get(digest)
         if tenant is None:
-            raise AuthError("invalid API key")
+            retired = self._retired.get(digest)
+            if retired is None or retired[1] <= time.monotonic():
+                raise AuthError("invalid API key")
+            tenant = retired[0]
         return tenant
 
 

@@ -30,12 +30,14 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from shared import nats_auth, tracing
 from shared.config import Config, ConfigError, load_config, nats_servers
+from shared.key_rotation import KeyReloader, config_loader
 from shared.logging import configure_logging, get_logger, mask_credentials
 from shared.manifest import ManifestError
 from shared.subjects import Subjects
@@ -46,6 +48,7 @@ from worker.client.nats_adapter import NatsCoordinatorClient
 from worker.engine import Engine
 from worker.generation import SamplingParams
 from shared.text.generation_config import load_generation_config
+from worker.api.keys import TENANTS
 from worker.http_server import bound_address, start_http
 from worker.model import CausalLM, build_model
 from worker.model.checkpoint import DTYPES, CheckpointError, load_checkpoint
@@ -184,7 +187,7 @@ class DebugService:
                 await asyncio.wait_for(self._nc.drain(), 2)
 
 
-async def serve(cfg: Config) -> int:
+async def serve(cfg: Config, reload: Callable[[], Config] | None = None, config_path: str | None = None) -> int:
     if not cfg.nats.url:
         print("kvledger worker: config key nats.url is required (the coordinator's NATS server)", file=sys.stderr)
         return 2
@@ -252,11 +255,18 @@ async def serve(cfg: Config) -> int:
         return 2
     retention = DiskRetention(engine, cfg.cache.offload_max_age_s, cfg.cache.offload_age_check_s, log)
     retention.start()
+    # SIGHUP or a changed file: the API keys are read again (old ones kept for auth.rotation_grace_s)
+    reloader = KeyReloader(reload, cfg, log, path=config_path or os.environ.get("KVL_CONFIG"),
+                           directories=(http.app[TENANTS], *((debug.tenants,) if debug else ()))) if reload else None
+    if reloader is not None:
+        reloader.start()
     log.info("worker_started", worker_id=engine.worker_id, namespace=engine.namespace, pools=engine.slots,
              device=str(engine.device))
     print(f"kvledger worker {engine.worker_id} running", flush=True)
     await stop.wait()
     log.info("worker_stopping")
+    if reloader is not None:
+        await reloader.stop()
     await http.cleanup()
     if debug is not None:
         await debug.stop()
@@ -272,9 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-id", help="worker id (default: worker.worker_id, else <host>-<pid>)")
     args = p.parse_args(argv)
     try:
-        cfg = load_config(args.config, overrides={"worker.worker_id": args.worker_id} if args.worker_id else None)
+        overrides = {"worker.worker_id": args.worker_id} if args.worker_id else None
+        cfg = load_config(args.config, overrides=overrides)
         configure_logging(cfg.logging.format, cfg.logging.level)
-        return asyncio.run(serve(cfg))
+        return asyncio.run(serve(cfg, config_loader(args.config, overrides), args.config))
     except ConfigError as e:
         print(f"kvledger: configuration error: {e}", file=sys.stderr)
         return 2
