@@ -49,9 +49,10 @@ class PgFailover:
         return cls(stack, primary, standby)
 
     @staticmethod
-    def without_standby(primary: EmbeddedPostgres) -> None:
-        """A primary that had a synchronous standby in an earlier run waits for it on every commit:
-        run without one, it must not."""
+    def without_standby(primary: EmbeddedPostgres, state_dir: Any) -> None:
+        """Refuse a primary whose standby was promoted (it is behind the ledger); and a primary that
+        had a synchronous standby in an earlier run waits for it on every commit: alone, it must not."""
+        pg_standby.refuse_superseded(primary, state_dir)
         if pg_standby.synchronous_configured(primary):
             pg_standby.set_synchronous(primary, False)
 

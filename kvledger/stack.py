@@ -525,7 +525,7 @@ class Stack:
                 self.pg_failover = PgFailover.start(self)
                 self.console.say(self.pg_failover.describe())
             elif primary is not None:
-                PgFailover.without_standby(primary)
+                PgFailover.without_standby(primary, self.state_dir)
         except EmbeddedServiceError as e:
             raise StackError(f"PostgreSQL standby: {e}") from None
 

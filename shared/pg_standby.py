@@ -228,12 +228,8 @@ def start_standby(primary: EmbeddedPostgres, state_dir: Path, *, synchronous: bo
     """Make (first time) and start the standby of the running ``primary``, wait until it streams,
     then set whether commits wait for it. A standby that was promoted earlier is refused: its
     data has moved on from the primary's, and only an operator may choose which one is the ledger."""
+    refuse_superseded(primary, state_dir)
     standby = EmbeddedStandby(Path(state_dir) / STANDBY_DIR, primary=primary)
-    if standby.promoted:
-        raise StandbyError(
-            f"the standby in {standby.data_dir} was promoted: it, not {primary.data_dir}, holds the ledger now. "
-            f"Stop, move {primary.data_dir} aside, rename {standby.data_dir} to {primary.data_dir} and start "
-            f"again (docs/operations.md, \"PostgreSQL standby and failover\")")
     ensure_replication(primary)
     standby.start(timeout_s)
     try:
@@ -243,6 +239,18 @@ def start_standby(primary: EmbeddedPostgres, state_dir: Path, *, synchronous: bo
         standby.stop()
         raise
     return standby
+
+
+def refuse_superseded(primary: EmbeddedPostgres, state_dir: str | os.PathLike[str]) -> None:
+    """A StandbyError when the standby beside ``primary`` was promoted: the primary's data is then
+    behind the ledger (everything appended after the failover is on the standby), and starting
+    it, with or without a standby, would serve an older log."""
+    standby = EmbeddedStandby(Path(state_dir) / STANDBY_DIR)
+    if standby.promoted:
+        raise StandbyError(
+            f"the standby in {standby.data_dir} was promoted: it, not {primary.data_dir}, holds the ledger now. "
+            f"Stop, move {primary.data_dir} aside, rename {standby.data_dir} to {primary.data_dir} and start "
+            f"again (docs/operations.md, \"PostgreSQL standby and failover\")")
 
 
 def failover_url(url: str, *hosts: tuple[str, int]) -> str:

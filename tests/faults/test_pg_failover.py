@@ -22,10 +22,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,18 @@ import pytest
 
 from tests.e2e.test_stack_supervision import eventually, readyz_status, service
 from tests.e2e.test_stack_up import UP_READY, UpProcess, kvledger, still_running, ups, wait_outbox_empty  # noqa: F401
+
+
+@pytest.fixture
+def tmp_path() -> Iterator[Path]:
+    """A directory outside pytest's base temp dir. NOTE: as root the servers run as an unprivileged
+    user that must traverse the path, and every pytest session that starts resets its base
+    directory (``/tmp/pytest-of-<user>``) to 0700: another session starting meanwhile made
+    initdb and pg_basebackup fail with "Permission denied" here."""
+    d = Path(tempfile.mkdtemp(prefix="kvl-pg-standby-"))
+    d.chmod(0o711)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 class Load(threading.Thread):

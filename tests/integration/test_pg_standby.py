@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +29,18 @@ import pytest
 from shared import pg_standby
 from shared.embedded import EmbeddedPostgres
 from tests.e2e.coordinator_processes import REPO, clean_env
+
+
+@pytest.fixture
+def tmp_path() -> Iterator[Path]:
+    """A directory outside pytest's base temp dir. NOTE: as root the servers run as an unprivileged
+    user that must traverse the path, and every pytest session that starts resets its base
+    directory (``/tmp/pytest-of-<user>``) to 0700: another session starting meanwhile made
+    initdb and pg_basebackup fail with "Permission denied" here."""
+    d = Path(tempfile.mkdtemp(prefix="kvl-pg-standby-"))
+    d.chmod(0o711)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
@@ -140,9 +154,13 @@ def test_promote_after_the_primary_is_killed_keeps_every_committed_row(pair, tmp
     asyncio.run(check())
     again = promote(tmp_path)
     assert again.returncode == 1 and "promoted already" in again.stderr
-    # the next `kvledger up --pg-standby` beside it refuses: the operator chooses which is the ledger
+    # the next `kvledger up` beside it refuses, with a standby or without: the old primary is behind
+    from kvledger.pg_failover import PgFailover
+
     with pytest.raises(pg_standby.StandbyError, match="was promoted"):
         pg_standby.start_standby(primary, tmp_path, synchronous=True)
+    with pytest.raises(pg_standby.StandbyError, match="was promoted"):
+        PgFailover.without_standby(primary, tmp_path)
 
 
 def test_an_asynchronous_standby_loses_what_it_had_not_received(pair, tmp_path: Path) -> None:
@@ -181,7 +199,7 @@ def test_both_restart_the_primary_on_a_new_port_and_the_standby_streams_again(tm
         asyncio.run(_insert(primary.url, 1, 10.0))
         assert asyncio.run(_run(standby.url, "SELECT count(*) FROM t")) == 1
         standby.stop()
-        PgFailover.without_standby(primary)
+        PgFailover.without_standby(primary, tmp_path)
         assert not pg_standby.synchronous_configured(primary)
         asyncio.run(_insert(primary.url, 2, 10.0))  # no standby runs: the commit must not wait for one
     finally:
