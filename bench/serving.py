@@ -451,7 +451,7 @@ _COUNTERS = {"evictions": ('kvl_worker_transitions_total', {"kind": "evict"}),
              "fallbacks_grid": ("kvl_worker_fallbacks_total", {"reason": "grid"}),
              "fallbacks_validation": ("kvl_worker_fallbacks_total", {"reason": "validation"}),
              "fallbacks_degraded": ("kvl_worker_fallbacks_total", {"reason": "degraded"}),
-             "fallbacks_lease": ("kvl_worker_fallbacks_total", {"reason": "lease"}),
+             "fallbacks_lease": ("kvl_worker_fallbacks_total", {"reason": "lease:over_capacity"}),
              "forwards": ("kvl_worker_step_batch_tokens_count", {}),
              "lane_forwards": ("kvl_worker_lane_forwards_total", {}),
              # a request's close (reply committed, watermark awaited, leases released): its mean below

@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from coordinator.audit import run_audit
 from coordinator.controls import send_controls
 from coordinator.core import (
-    CoreError, UnknownReplica, UnknownWorker, drain_worker, drop_controls, invalidate, switch_cache,
+    CoreError, LedgerState, UnknownReplica, UnknownWorker, drain_worker, drop_controls, invalidate, switch_cache,
 )
 from coordinator.core.events import replica_stream
 from coordinator.ledger import Ledger, Unavailable
@@ -73,6 +73,8 @@ class AdminContext:
     ledger: Ledger | None = None
     #: Tokens a reload replaced (``shared.key_rotation``): token -> monotonic deadline.
     retired_tokens: dict[str, float] = field(default_factory=dict)
+    #: Usage shares from which the status page draws a pool amber and red.
+    ui_thresholds: dict[str, float] = field(default_factory=lambda: {"warn": 0.8, "critical": 0.95})
     #: ``inventory(worker_id, timeout_s)`` and ``control(worker_id, Control)`` over NATS.
     inventory: Callable[..., Awaitable[Any]] | None = None
     control: Callable[..., Awaitable[str]] | None = None
@@ -269,6 +271,7 @@ async def list_workers(request: web.Request) -> web.Response:
                 "endpoint": w.endpoint, "node": w.node, "registered_at_ms": w.registered_at_ms,
                 # soft state: heartbeats are not logged; registration and resume times are
                 "last_heartbeat_ms": max(w.last_heartbeat_ms, ledger.seen.get((w.worker_id, w.epoch), 0)),
+                **_serving(ledger, w.worker_id, w.epoch),
                 "pool_slots": dict(w.pool_slots),
                 "gpu_replicas": sum(s.pool_used(w.worker_id, f) for f in w.catalogue.names) if w.alive else 0,
                 "leases": len(w.leases),
@@ -360,6 +363,28 @@ async def list_leases(request: web.Request) -> web.Response:
     return web.json_response({"leases": out, "next_cursor": cursor})
 
 
+def _serving(ledger: Ledger, worker_id: str, epoch: int) -> dict[str, str | None]:
+    """Device and dtypes from the epoch's heartbeats (soft state; None until one arrived)."""
+    e, device, dtype, cache_dtype = ledger.devices.get(worker_id, (0, None, None, None))
+    if e != epoch:
+        return {"device": None, "dtype": None, "cache_dtype": None}
+    return {"device": device, "dtype": dtype or None, "cache_dtype": cache_dtype or None}
+
+
+def _tiers(s: LedgerState) -> dict[str, dict[str, int]]:
+    """Live replicas per tier and place: ``device`` (each worker's pools), ``host`` (each node's
+    host memory), ``disk`` (the shared offload directory)."""
+    out: dict[str, dict[str, int]] = {"device": {}, "host": {}, "disk": {}}
+    for r in s.replicas.values():
+        if r.state is not ReplicaState.READY:
+            continue
+        tier, _, place = r.location.partition(":")
+        bucket = out["device" if tier == "gpu" else tier] if tier in ("gpu", "host", "disk") else None
+        if bucket is not None:
+            bucket[place or r.location] = bucket.get(place or r.location, 0) + 1
+    return out
+
+
 async def list_pools(request: web.Request) -> web.Response:
     s = (await _serving_ledger(request)).state
     pools = []
@@ -374,7 +399,7 @@ async def list_pools(request: web.Request) -> web.Response:
                            "usage": round(used / limit, 4) if limit else None}
         pools.append({"worker_id": wid, "epoch": w.epoch, "draining": w.draining, "forms": forms})
     tenants = dict(sorted(s.tenant_used.items()))
-    return web.json_response({"pools": pools, "tenant_replicas": tenants,
+    return web.json_response({"pools": pools, "tiers": _tiers(s), "tenant_replicas": tenants,
                               "tenant_quota": s.params.tenant_quota_replicas or None})
 
 
@@ -386,7 +411,10 @@ async def summary(request: web.Request) -> web.Response:
     s = ledger.state
     return web.json_response({"now_ms": now_ms(), "leader_epoch": ledger.epoch, "position": ledger.position,
                               "archived_upto": ledger.archived_upto,
-                              "reuse": cache_status(s)["reuse"], "cache": cache_summary(s, ledger.cache_counters)})
+                              "reuse": cache_status(s)["reuse"], "cache": cache_summary(s, ledger.cache_counters),
+                              "thresholds": _ctx(request).ui_thresholds,
+                              "gateways": [{"gateway_id": g, "last_route_ms": t}
+                                           for g, t in sorted(ledger.gateways.items())]})
 
 
 async def list_events(request: web.Request) -> web.Response:

@@ -50,7 +50,9 @@ def create_app(config: Config, *, database_url: str | None = None, nats_url: str
     app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=1 << 20)
     app[CONFIG] = config
     app[LOGGER] = log
-    app[ADMIN] = AdminContext(metrics=CoordinatorMetrics(), admin_token=admin_token(config))
+    app[ADMIN] = AdminContext(metrics=CoordinatorMetrics(), admin_token=admin_token(config),
+                              ui_thresholds={"warn": config.coordinator.ui_warn_usage,
+                                             "critical": config.coordinator.ui_critical_usage})
     db = database_url if database_url is not None else config.database.url
     nats_ = nats_url if nats_url is not None else config.nats.url
     app.cleanup_ctx.append(_services_ctx(db, nats_))

@@ -57,6 +57,8 @@ from shared.messages import (
 )
 
 R = TypeVar("R")
+#: Most gateways the status page lists (route queries come only from authorised gateway identities).
+MAX_GATEWAYS_SHOWN = 256
 Decision = Callable[[LedgerState], tuple[R, list[Any]]]
 #: After a commit: ``{(worker_id, epoch): committed contiguous seq}``, and
 #: ``{(worker_id, epoch): [seq, …]}`` of the copies to a host tier among them that the ledger
@@ -130,6 +132,10 @@ class Ledger:
         #: worker → (epoch, prefix-cache counters) of its last heartbeat that carried them (soft
         #: state for the status page; one entry per worker id, so it stays bounded).
         self.cache_counters: dict[str, tuple[int, CacheCounters]] = {}
+        #: worker -> (epoch, device, dtype, cache dtype) from its heartbeats (the status page's).
+        self.devices: dict[str, tuple[int, str, str, str]] = {}
+        #: gateway -> when its latest route query arrived (ms): the gateways the status page lists.
+        self.gateways: dict[str, int] = {}
         #: When this process took the lead (``seen`` starts empty then).
         self.took_over_ms = 0
         #: True while :attr:`state` is the log folded up to :attr:`position` (a standby following it).
@@ -156,6 +162,8 @@ class Ledger:
         self.seen.clear()
         self.load.clear()
         self.cache_counters.clear()
+        self.devices.clear()
+        self.gateways.clear()
         self.took_over_ms = now_ms()
         self.committer = GroupCommitter(self.log, batch_ms=self.batch_ms, batch_max=self.batch_max,
                                         leader_epoch=epoch, on_commit=self._on_commit,
@@ -268,6 +276,8 @@ class Ledger:
         self.load[msg.worker_id] = (msg.running, msg.queued)
         if msg.cache is not None:
             self.cache_counters[msg.worker_id] = (msg.epoch, msg.cache)
+        if msg.device:
+            self.devices[msg.worker_id] = (msg.epoch, msg.device, msg.dtype, msg.cache_dtype)
         return HeartbeatReply(committed_seq=self.durable.get(key, 0))
 
     def route(self, query: RouteQuery) -> RouteReply:
@@ -275,6 +285,9 @@ class Ledger:
         no event, no wait. Workers count only while their current epoch heartbeats."""
         self.check_serving()
         now = now_ms()
+        # NOTE: bounded: only identities NATS lets ask on their own route subject get here
+        if query.gateway_id in self.gateways or len(self.gateways) < MAX_GATEWAYS_SHOWN:
+            self.gateways[query.gateway_id] = now
         horizon = self.state.params.heartbeat_timeout_ms
         fresh = {w for (w, epoch), t in self.seen.items()
                  if now - t <= horizon and (r := self.state.workers.get(w)) is not None and r.epoch == epoch}

@@ -289,6 +289,11 @@ class CoordinatorConfig(_Section):
     port: Port = 8321
     #: Bearer token for the admin REST API; empty = read KVL_ADMIN_TOKEN, else no auth on loopback only.
     admin_token: str = ""
+    #: The status page draws a pool's usage amber from this share of its slots (``coordinator.ui``).
+    ui_warn_usage: Fraction = 0.8
+    #: The status page draws a pool's usage red from this share (a pool this full refuses leases:
+    #: ``over_capacity`` fallbacks).
+    ui_critical_usage: Fraction = 0.95
     lease_ttl_ms: PosInt = 30000
     heartbeat_interval_ms: PosInt = 1000
     #: Heartbeats missed before a worker's epoch is suspended (then fenced after ``resume_grace_ms``).

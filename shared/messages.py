@@ -208,6 +208,11 @@ class Heartbeat(_Msg, tag="worker.heartbeat", kw_only=True):
     #: Its prefix-cache counters (soft state like the load: kept in memory for the status
     #: page, never logged); None from a worker that does not send them.
     cache: CacheCounters | None = None
+    #: What it computes on and in (``cpu``, ``cuda:0``; ``float32``, ``bfloat16``) and the dtype
+    #: its cache stores: soft state for the status page, like ``cache``.
+    device: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    dtype: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    cache_dtype: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class HeartbeatReply(_Msg, tag="worker.heartbeat.ok", kw_only=True):

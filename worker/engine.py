@@ -653,7 +653,9 @@ class Engine:
             running, queued = self.load_probe()
             reply = await self.call("heartbeat", self.client.heartbeat(Heartbeat(
                 worker_id=self.worker_id, epoch=self.epoch, ready=self.store.ready_counts(),
-                running=running, queued=queued, cache=self.metrics.cache_counters())))
+                running=running, queued=queued, cache=self.metrics.cache_counters(),
+                device=str(self.device), dtype=str(getattr(self.model, "dtype", "")).removeprefix("torch."),
+                cache_dtype=self.cache_dtype)))
         except (CoordinatorUnavailable, CoordinatorRefused):
             return
         self.publisher.ack(self.epoch, reply.committed_seq)

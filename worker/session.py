@@ -310,7 +310,8 @@ class Session:
 
     def fallback(self, reason: str) -> None:
         self.fallbacks.append(reason)
-        self.engine.metrics.fallbacks.labels(reason=reason.split(":", 1)[0]).inc()
+        # the whole reason (``lease:over_capacity``, not ``lease``): the codes are a small fixed set
+        self.engine.metrics.fallbacks.labels(reason=reason).inc()
 
     async def _lease_and_restore(self) -> None:
         e = self.engine

@@ -32,6 +32,7 @@ from aiohttp import web
 from coordinator.app import create_app
 from shared.config import parse_config
 from shared.hashing import chain_hashes
+from shared.messages import RouteQuery, RouteReply, decode, encode
 from shared.subjects import Subjects
 from tests.integration.coordinator_kit import Worker, block, fast_config, running_coordinator, wait_ready
 from worker.client.nats_adapter import NatsCoordinatorClient
@@ -134,7 +135,8 @@ async def stack(database_url: str, nats_url: str, subjects: Subjects, tmp_path: 
                 monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[dict[str, Any]]:
     """A coordinator with a token; worker ``w1`` (the engine) served three requests — a miss, a
     full hit, and a hit whose block 3 failed validation (a fallback) — and worker ``w2`` (the
-    protocol alone) holds two READY blocks and was drained with a hostile reason."""
+    protocol alone) holds two READY blocks in its two slots (100 %) and was drained with a hostile
+    reason; gateway ``gw-a`` asked for a route once."""
     monkeypatch.delenv("KVL_ADMIN_TOKEN", raising=False)
     torch.set_num_threads(1)
     # heartbeats every 200 ms; w2 sends none after registering, and must stay live meanwhile
@@ -150,10 +152,13 @@ async def stack(database_url: str, nats_url: str, subjects: Subjects, tmp_path: 
         http = aiohttp.ClientSession(headers=AUTH)
         try:
             await engine.start()
-            w2 = Worker(nc, subjects, worker_id="w2", slots=8)
+            w2 = Worker(nc, subjects, worker_id="w2", slots=2)     # full: its pool is drawn red
             await w2.register()
             await w2.watch_watermarks()
             await w2.release((await w2.fill([block(0), block(1)])).lease_id)
+            # a gateway asks for the fleet once: the page lists it
+            reply = decode((await nc.request(subjects.route("gw-a"), encode(RouteQuery(gateway_id="gw-a")), timeout=5)).data)
+            assert isinstance(reply, RouteReply), reply
 
             toks = prompt(100, seed=7)                      # 6 whole blocks
             assert (await engine.generate(toks, max_tokens=1)).cached_tokens == 0
@@ -199,9 +204,10 @@ async def api(s: dict[str, Any]) -> dict[str, Any]:
             assert r.status == 200, await r.text()
             return await r.json()
     summary = await get("/v1/summary")
+    pools = await get("/v1/pools")
     return {"summary": summary, "workers": (await get("/v1/workers"))["workers"],
-            "pools": (await get("/v1/pools"))["pools"],
-            "events": (await get(f"/v1/events?after={max(0, summary['position'] - 20)}&limit=20"))["events"]}
+            "pools": pools["pools"], "tiers": pools["tiers"],
+            "events": (await get(f"/v1/events?after={max(0, summary['position'] - 200)}&limit=200"))["events"]}
 
 
 async def test_the_page_shows_what_the_api_returns(stack: dict[str, Any], tmp_path: Path) -> None:
@@ -248,6 +254,11 @@ async def test_the_page_shows_what_the_api_returns(stack: dict[str, Any], tmp_pa
         assert (row["epoch"], row["state"], row["draining"], row["leases"], row["endpoint"]) == (
             str(w["epoch"]), "live", "yes" if w["draining"] else "no", str(w["leases"]), w["endpoint"])
         assert re.fullmatch(r"\d+\.\d s ago", row["liveness"]), row["liveness"]
+        assert (row["model"], row["device"], row["dtype"], row["cache_dtype"]) == (
+            w["model_id"], w["device"] or "–", w["dtype"] or "–", w["cache_dtype"] or "–")
+    engine = stack["engine"]
+    assert workers["w1"]["device"] == "cpu" == str(engine.device) and workers["w1"]["dtype"] == "float32"
+    assert workers["w1"]["model"] == engine.catalogue.model_id and workers["w2"]["device"] == "–"
     assert workers["w2"]["draining"] == "yes" and workers["w1"]["draining"] == "no"
     assert dom.ids["worker_counts"] == "2 live, 0 suspended, 0 lost, 1 draining"
 
@@ -255,23 +266,48 @@ async def test_the_page_shows_what_the_api_returns(stack: dict[str, Any], tmp_pa
     pools: dict[tuple[str, str], dict[str, str]] = {}
     for c in dom.cells:
         if "pool" in c:
-            pools.setdefault((c["pool"], c["form"]), {})[c["k"]] = c["text"]
+            pools.setdefault((c["pool"], c["form"]), {"severity": c["severity"]})[c["k"]] = c["text"]
     assert set(pools) == {(p["worker_id"], form) for p in want["pools"] for form in p["forms"]}
     assert len(pools) > 1
     for p in want["pools"]:
         for form, f in p["forms"].items():
             row = pools[(p["worker_id"], form)]
             assert (row["used"], row["limit"], row["usage"]) == (str(f["used"]), str(f["limit"]), pct(f["usage"]))
+            t = want["summary"]["thresholds"]
+            assert row["severity"] == ("sev-crit" if f["usage"] >= t["critical"] else
+                                       "sev-warn" if f["usage"] >= t["warn"] else "sev-ok"), (p["worker_id"], form)
     assert any(f["used"] for p in want["pools"] for f in p["forms"].values())
+    assert pools[("w2", "compressed")]["severity"] == "sev-crit" and pools[("w2", "compressed")]["usage"] == "100.0 %"
+    assert {r["severity"] for r in pools.values()} >= {"sev-crit", "sev-ok"}
+    assert pools[("w1", next(iter(want["pools"][0]["forms"])))]["worker_id"] == "device:w1 (cpu)"
 
-    # the latest events, newest first, the hostile drain reason among them as text
-    events = dom.rows("position")
-    assert list(events) == [str(e["position"]) for e in reversed(want["events"])] and len(events) == 20
+    # every tier the ledger holds replicas in, named by the worker's device, and the gateway
+    tiers = {(c["tier"], c["place"]): c["text"] for c in dom.cells if c["k"] == "replicas"}
+    assert tiers == {(tier, place): str(n) for tier, places in want["tiers"].items()
+                     for place, n in (places or {"": 0}).items()}
+    assert {tier for tier, _ in tiers} == {"device", "host", "disk"} and tiers[("host", "")] == "0"
+    assert tiers[("device", "w2")] == "2" and ("device", "w1") in tiers
+    gateways = dom.rows("gateway")
+    assert set(gateways) == {"gw-a"} and re.fullmatch(r"\d+\.\d s ago", gateways["gw-a"]["last_route"])
+
+    # the latest events grouped by stream (one request's commits are one row), newest first; the
+    # hostile drain reason among them as text; replicas named by tier, never "gpu:" on a CPU worker
+    streams: dict[str, list[dict[str, Any]]] = {}
     for e in want["events"]:
-        row = events[str(e["position"])]
-        assert (row["type"], row["stream"]) == (e["type"], e["stream_id"])
-    drained = next(row for row in events.values() if row["type"] == "worker.draining")
+        src = {**(e["event"].get("transition") or {}), **e["event"]}
+        streams.setdefault(f"lease:{src['lease_id']}" if src.get("lease_id") else e["stream_id"], []).append(e)
+    order = sorted(streams, key=lambda k: -streams[k][-1]["position"])[:20]
+    groups = dom.rows("stream")
+    assert list(groups) == order and len(want["events"]) > len(groups)
+    for sid in order:
+        assert (groups[sid]["count"], groups[sid]["position"]) == (str(len(streams[sid])), str(streams[sid][-1]["position"]))
+        assert groups[sid]["types"] == ", ".join(sorted({e["type"] for e in streams[sid]}))
+    assert max(int(g["count"]) for g in groups.values()) > 1
+    drained = next(row for row in groups.values() if "worker.draining" in row["types"].split(", "))
     assert drained["detail"] == f"worker_id=w2 epoch={workers['w2']['epoch']} reason={HOSTILE[:120]}"
+    assert not any("gpu:" in g["detail"] or "gpu:" in g["stream"] for g in groups.values())
+    assert max(int(g["count"]) for g in groups.values()) >= 6     # a request's commits: one row
+    assert any("location=device:w1 (cpu)" in g["detail"] for g in groups.values())
     assert "img" not in dom.tags and dom.tags.count("script") == 1 and dom.ids["title"] == "kvledger status"
 
 
@@ -340,3 +376,47 @@ async def test_without_a_token_only_loopback_clients_get_the_page(database_url: 
                 assert r.content_type == "text/html" and "default-src 'none'" in csp and "connect-src 'self'" in csp
     finally:
         await runner.cleanup()
+
+
+#: The page's severity colours (``coordinator.ui._STYLE``): what an operator sees first.
+CRIT, OK = (0xd5, 0x00, 0x00), (0xc8, 0xe6, 0xc9)
+
+
+async def screenshot(url: str, profile: Path, out: Path, budget_ms: int = 2500) -> None:
+    assert CHROMIUM, "chromium is not installed (apt-get install chromium)"
+    proc = await asyncio.create_subprocess_exec(
+        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
+        "--disable-extensions", "--force-color-profile=srgb", "--window-size=1400,2200",
+        f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}", f"--screenshot={out}", url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise AssertionError("chromium did not finish within 60 s") from None
+    assert proc.returncode == 0 and out.exists(), err.decode(errors="replace")[-2000:]
+
+
+async def test_a_full_pool_is_drawn_red_and_a_quiet_one_green(stack: dict[str, Any], tmp_path: Path) -> None:
+    """The screenshot an operator's browser would show: w2's pool at 100 % in the red of
+    ``sev-crit``, w1's few used slots in the green of ``sev-ok``; and the DOM says which is which."""
+    from PIL import Image
+
+    url = f"{stack['base']}/ui#token={TOKEN}"
+    html = await render(url, tmp_path / "profile-dom")
+    classes = re.findall(r'<td data-k="usage" data-pool="([^"]+)" data-form="[^"]+" data-severity="[^"]+" '
+                         r'class="n (sev-\w+)"', html)
+    assert ("w2", "sev-crit") in classes and ("w1", "sev-ok") in classes, classes
+    png = tmp_path / "status.png"
+    await screenshot(url, tmp_path / "profile-shot", png)
+    img = Image.open(png).convert("RGB")
+    assert img.size == (1400, 2200)
+    raw = img.tobytes()
+    pixels = [tuple(raw[i:i + 3]) for i in range(0, len(raw), 3)]
+    counts = {name: sum(1 for p in pixels if max(abs(a - b) for a, b in zip(p, rgb)) <= 8)
+              for name, rgb in (("crit", CRIT), ("ok", OK))}
+    # a cell's background is some hundreds of pixels; a page that never rendered has none
+    assert counts["crit"] > 300 and counts["ok"] > 300, counts
+    assert len(set(pixels[::7])) > 50, "a blank or single-colour screenshot"

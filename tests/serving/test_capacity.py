@@ -35,7 +35,7 @@ async def test_small_pool_warns_at_start_and_while_serving(serve) -> None:
             assert "lower service.max_concurrency to 1" in start["message"]
 
             before = over_capacity_refusals(s.engine.metrics)
-            fb_before = s.engine.metrics.value("kvl_worker_fallbacks_total", {"reason": "lease"})
+            fb_before = s.engine.metrics.value("kvl_worker_fallbacks_total", {"reason": "lease:over_capacity"})
             replies = await asyncio.gather(*(
                 s.post("/v1/completions", {"model": MODEL, "prompt": _prompt(i), "max_tokens": 8,
                                            "temperature": 0})
@@ -45,7 +45,7 @@ async def test_small_pool_warns_at_start_and_while_serving(serve) -> None:
             assert "lease:over_capacity" in fallbacks, fallbacks      # served, uncached
             refused = over_capacity_refusals(s.engine.metrics) - before
             assert refused == fallbacks.count("lease:over_capacity")
-            assert s.engine.metrics.value("kvl_worker_fallbacks_total", {"reason": "lease"}) - fb_before >= refused
+            assert s.engine.metrics.value("kvl_worker_fallbacks_total", {"reason": "lease:over_capacity"}) - fb_before >= refused
             # where an operator looks: the scrape, and one warning naming the fix
             status, text = await s.get("/metrics")
             assert status == 200
