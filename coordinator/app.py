@@ -129,7 +129,8 @@ async def serve(config: Config, *, host: str | None = None, port: int | None = N
     # SIGHUP or a changed file: the admin token is read again (the old one kept for auth.rotation_grace_s)
     load = config_loader(config_path)
     reloader = KeyReloader(load, config, log, path=config_path or os.environ.get("KVL_CONFIG"),
-                           on_token=lambda token, grace: rotate_token(app[ADMIN], token, grace)) if load else None
+                           on_token=lambda token, grace: rotate_token(app[ADMIN], token, grace),
+                           counter=app[ADMIN].metrics.auth_reloads) if load else None
     if reloader is not None:
         reloader.start()
     try:

@@ -21,6 +21,8 @@ class CoordinatorMetrics:
         r = self.registry
         self.requests = Counter("kvl_coordinator_requests", "Request/reply calls by operation and outcome",
                                 ["op", "outcome"], registry=r)
+        self.auth_reloads = Counter("kvl_coordinator_auth_reloads", "Reloads of the admin token (SIGHUP or a changed "
+                                    "config file; shared.key_rotation), by outcome (ok, failed)", ["outcome"], registry=r)
         self.request_latency = Histogram("kvl_coordinator_request_latency_seconds",
                                          "Request/reply latency (decision to durable reply) by operation and outcome",
                                          ["op", "outcome"], buckets=LATENCY_BUCKETS, registry=r)

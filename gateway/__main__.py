@@ -70,7 +70,7 @@ async def serve(cfg, config_path: str | None = None) -> int:
     # SIGHUP or a changed file: the API keys are read again (old ones kept for auth.rotation_grace_s)
     load = config_loader(config_path)
     reloader = KeyReloader(load, cfg, log, path=config_path or os.environ.get("KVL_CONFIG"),
-                           directories=(gw.tenants,)) if load else None
+                           directories=(gw.tenants,), counter=gw.metrics.auth_reloads) if load else None
     if reloader is not None:
         reloader.start()
     print(f"listening on {url}", flush=True)

@@ -78,6 +78,8 @@ class GatewayMetrics:
         r = self.registry = CollectorRegistry()
         p = "kvl_gateway_"
         self.requests = Counter(p + "requests", "Requests answered, by path and status", ["path", "status"], registry=r)
+        self.auth_reloads = Counter(p + "auth_reloads", "Reloads of the API keys (SIGHUP or a changed config or keys "
+                                    "file; shared.key_rotation), by outcome (ok, failed)", ["outcome"], registry=r)
         self.decisions = Counter(p + "route_decisions", "Route decisions by reason (cache, inflight: a prefix being "
                                  "computed there, load, affinity, no_hint: prompt unreadable or route query failed)",
                                  ["reason"], registry=r)

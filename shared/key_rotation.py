@@ -48,12 +48,13 @@ class KeyReloader:
     """Reloads ``auth.keys`` (+ ``auth.keys_file``) and ``coordinator.admin_token`` from ``path``.
 
     ``load`` reads the config (``shared.config.load_config`` with the process's own overrides);
-    ``on_token(token, grace_s)`` receives the admin token the reloaded config names."""
+    ``on_token(token, grace_s)`` receives the admin token the reloaded config names; ``counter``
+    (a Prometheus counter with an ``outcome`` label) counts reloads, ``ok`` or ``failed``."""
 
     def __init__(self, load: Callable[[], Config], cfg: Config, log: Any, *, path: str | None = None,
                  directories: tuple[TenantDirectory, ...] = (),
-                 on_token: Callable[[str, float], None] | None = None) -> None:
-        self.load, self.log, self.path = load, log, path
+                 on_token: Callable[[str, float], None] | None = None, counter: Any = None) -> None:
+        self.load, self.log, self.path, self.counter = load, log, path, counter
         self.directories, self.on_token = directories, on_token
         self.check_s = cfg.auth.reload_check_s
         self.keys_file = cfg.auth.keys_file
@@ -72,6 +73,8 @@ class KeyReloader:
             new = TenantDirectory.from_config(cfg.auth)
         except ConfigError as e:
             self.failures += 1
+            if self.counter is not None:
+                self.counter.labels(outcome="failed").inc()
             self.log.error("auth_reload_failed", error=str(e), note="the keys and tokens in use are kept")
             return False
         grace = cfg.auth.rotation_grace_s
@@ -83,6 +86,8 @@ class KeyReloader:
         self.keys_file = cfg.auth.keys_file
         self._stamps = self._files_stamps()
         self.reloads += 1
+        if self.counter is not None:
+            self.counter.labels(outcome="ok").inc()
         self.log.info("auth_reloaded", keys=len(new._by_hash), retired_keys_in_grace=retired,  # noqa: SLF001
                       rotation_grace_s=grace)
         return True
@@ -104,10 +109,15 @@ class KeyReloader:
             self._task = None
 
     async def _watch(self) -> None:
+        # NOTE: a change is acted on once the files looked the same at two checks in a row, so a
+        # file caught half-written (empty: the defaults, no keys) is not what gets loaded
+        seen = self._stamps
         while True:
             await asyncio.sleep(self.check_s)
-            if self._files_stamps() != self._stamps:
+            now = self._files_stamps()
+            if now != self._stamps and now == seen:
                 self.reload()
+            seen = now
 
 
 __all__ = ["KeyReloader", "config_loader"]

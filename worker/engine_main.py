@@ -257,7 +257,8 @@ async def serve(cfg: Config, reload: Callable[[], Config] | None = None, config_
     retention.start()
     # SIGHUP or a changed file: the API keys are read again (old ones kept for auth.rotation_grace_s)
     reloader = KeyReloader(reload, cfg, log, path=config_path or os.environ.get("KVL_CONFIG"),
-                           directories=(http.app[TENANTS], *((debug.tenants,) if debug else ()))) if reload else None
+                           directories=(http.app[TENANTS], *((debug.tenants,) if debug else ())),
+                           counter=engine.metrics.auth_reloads) if reload else None
     if reloader is not None:
         reloader.start()
     log.info("worker_started", worker_id=engine.worker_id, namespace=engine.namespace, pools=engine.slots,

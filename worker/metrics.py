@@ -41,6 +41,8 @@ class WorkerMetrics:
                                    ["layer", "outcome"], registry=r)
         self.invalid = Counter(p + "hit_invalid", "Replicas with a hash hit that failed validation",
                                ["layer", "form"], registry=r)
+        self.auth_reloads = Counter(p + "auth_reloads", "Reloads of the API keys (SIGHUP or a changed config or keys "
+                                    "file; shared.key_rotation), by outcome (ok, failed)", ["outcome"], registry=r)
         self.fallbacks = Counter(p + "fallbacks", "Requests that recomputed more than the cache offered, by reason",
                                  ["reason"], registry=r)
         self.pool_used = Gauge(p + "pool_used_slots", "Pool slots in use per form", ["form"], registry=r)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -106,6 +107,14 @@ async def test_keys_and_admin_token_rotate_on_reload(database_url: str, nats_url
             for url, old, new in ((admin, TOKEN_OLD, TOKEN_NEW), (w_url, OLD, NEW), (g_url, OLD, NEW)):
                 assert await status(http, url, old) == 401, f"{url}: the old key after its grace"
                 assert await status(http, url, new) != 401, url
+            # where an operator looks: each process counts its reloads, the failed one too
+            for base_url, name, failed in ((f"http://127.0.0.1:{c.admin_port}", "kvl_coordinator", 0),
+                                           (w_url.removesuffix("/v1/models"), "kvl_worker", 1),
+                                           (gw.url, "kvl_gateway", 0)):
+                async with http.get(base_url + "/metrics", headers={"Authorization": f"Bearer {NEW}"}) as r:
+                    text = await r.text()
+                got = {m[0]: float(m[1]) for m in re.findall(name + r'_auth_reloads_total\{outcome="(\w+)"\} (\S+)', text)}
+                assert got.get("ok", 0) >= 1 and got.get("failed", 0) == failed, (name, got)
         assert worker.alive and coord.alive and gw.proc.alive
         assert "auth_reload_failed" in worker.log.read_text()
         gw.proc.stop()
