@@ -75,6 +75,8 @@ class AdminContext:
     retired_tokens: dict[str, float] = field(default_factory=dict)
     #: Usage shares from which the status page draws a pool amber and red.
     ui_thresholds: dict[str, float] = field(default_factory=lambda: {"warn": 0.8, "critical": 0.95})
+    #: ``(monotonic time, counts)`` of the last tier count (see :data:`TIERS_MAX_AGE_S`).
+    tiers_memo: tuple[float, dict[str, dict[str, int]]] | None = None
     #: ``inventory(worker_id, timeout_s)`` and ``control(worker_id, Control)`` over NATS.
     inventory: Callable[..., Awaitable[Any]] | None = None
     control: Callable[..., Awaitable[str]] | None = None
@@ -371,17 +373,28 @@ def _serving(ledger: Ledger, worker_id: str, epoch: int) -> dict[str, str | None
     return {"device": device, "dtype": dtype or None, "cache_dtype": cache_dtype or None}
 
 
-def _tiers(s: LedgerState) -> dict[str, dict[str, int]]:
-    """Live replicas per tier and place: ``device`` (each worker's pools), ``host`` (each node's
-    host memory), ``disk`` (the shared offload directory)."""
+#: How long ``/v1/pools``' tier counts are reused: the host and disk counts walk every offloaded
+#: replica (a million on a big disk tier is ~0.1 s of the event loop), the page asks every 2 s.
+TIERS_MAX_AGE_S = 5.0
+
+
+def _tiers(ctx: AdminContext, s: LedgerState) -> dict[str, dict[str, int]]:
+    """Live replicas of the live workers per tier and place: ``device`` (each worker's pools),
+    ``host`` (each node's host memory), ``disk`` (the shared offload directory)."""
+    now = time.monotonic()
+    if ctx.tiers_memo is not None and now - ctx.tiers_memo[0] < TIERS_MAX_AGE_S:
+        return ctx.tiers_memo[1]
     out: dict[str, dict[str, int]] = {"device": {}, "host": {}, "disk": {}}
-    for r in s.replicas.values():
-        if r.state is not ReplicaState.READY:
+    for wid, w in s.workers.items():
+        if not w.alive:
             continue
-        tier, _, place = r.location.partition(":")
-        bucket = out["device" if tier == "gpu" else tier] if tier in ("gpu", "host", "disk") else None
-        if bucket is not None:
-            bucket[place or r.location] = bucket.get(place or r.location, 0) + 1
+        if n := sum(s.pool_used(wid, f) for f in w.catalogue.names):
+            out["device"][wid] = n
+        for key in w.offloaded:
+            tier, _, place = key[2].partition(":")
+            if tier in ("host", "disk"):
+                out[tier][place or tier] = out[tier].get(place or tier, 0) + 1
+    ctx.tiers_memo = (now, out)
     return out
 
 
@@ -399,7 +412,7 @@ async def list_pools(request: web.Request) -> web.Response:
                            "usage": round(used / limit, 4) if limit else None}
         pools.append({"worker_id": wid, "epoch": w.epoch, "draining": w.draining, "forms": forms})
     tenants = dict(sorted(s.tenant_used.items()))
-    return web.json_response({"pools": pools, "tiers": _tiers(s), "tenant_replicas": tenants,
+    return web.json_response({"pools": pools, "tiers": _tiers(_ctx(request), s), "tenant_replicas": tenants,
                               "tenant_quota": s.params.tenant_quota_replicas or None})
 
 

@@ -364,7 +364,7 @@ _BODY = """
   <h2>Device pools per worker and form <span id="thresholds" class="muted"></span></h2>
   <table><thead><tr><th>device pool</th><th>form</th><th class="n">used slots</th><th class="n">total slots</th>
     <th class="n">usage</th><th></th></tr></thead><tbody id="pools"></tbody></table>
-  <h2>Ready replicas per tier (device pools, host memory, disk)</h2>
+  <h2>Live replicas per tier (device pools, host memory, disk; counted every 5 s at most)</h2>
   <table><thead><tr><th>tier</th><th>where</th><th class="n">replicas</th></tr></thead><tbody id="tiers"></tbody></table>
   <h2>Latest events by request <label class="muted">type <select id="event_type"></select></label></h2>
   <table><thead><tr><th>request (lease) or stream</th><th class="n">events</th><th>types</th><th class="n">last position</th>
