@@ -409,6 +409,10 @@ async def test_a_full_pool_is_drawn_red_and_a_quiet_one_green(stack: dict[str, A
     classes = re.findall(r'<td data-k="usage" data-pool="([^"]+)" data-form="[^"]+" data-severity="[^"]+" '
                          r'class="n (sev-\w+)"', html)
     assert ("w2", "sev-crit") in classes and ("w1", "sev-ok") in classes, classes
+    # the event filter offers every type the window holds (and "every type", selected)
+    want = await api(stack)
+    options = re.findall(r'<option value="([^"]*)"[^>]*>', html)
+    assert options == ["", *sorted({e["type"] for e in want["events"]})], options
     png = tmp_path / "status.png"
     await screenshot(url, tmp_path / "profile-shot", png)
     img = Image.open(png).convert("RGB")
