@@ -88,6 +88,7 @@ from worker.selfcheck import SelfCheck, self_check
 from worker.publisher import OutboxFull, TransitionPublisher
 from worker.session import CacheValidationError, Result, Session
 from worker.settings import size_pools, worker_id
+from worker.startup_checks import check_memory, measure
 from worker.stepper import Stepper, largest_forward, resolve_lanes
 
 T = TypeVar("T")
@@ -189,6 +190,10 @@ class Engine:
                 "pools_sized", **self.sizing.log_fields(self.catalogue.forms))
             self.metrics.pool_bytes.set(self.sizing.pool_bytes)
             self.metrics.pool_max_context_requests.set(self.sizing.admitted)
+        if self.sizing is not None:   # before allocating: pools past free memory are refused, with the key
+            for warning in check_memory(self.sizing.pool_bytes, self.sizing.how, cfg.cache.host_tier_bytes,
+                                        measure(self.device)):
+                self.log.warning("host_tier_exceeds_memory", fix=warning)
         # NOTE: static topology — the pools are allocated here, once, and never again.
         self.store = CacheStore(self.catalogue, self.slots, self.device) if self.cache_enabled else None
         self.tiers = Tiers(cfg.cache.host_tier_bytes if self.cache_enabled else 0,

@@ -57,6 +57,14 @@ def offload_bound(cfg: Config, writer: str, statvfs: Callable[[str], Any] = os.s
                    f" + {size(own)} of this worker's segments)")
 
 
+def room_for(cfg: Config, writer: str, statvfs: Callable[[str], Any] = os.statvfs) -> int:
+    """Bytes this worker's segments could take in ``cache.offload_dir``: the file system's free
+    space plus what its segments there take already."""
+    root = Path(cfg.cache.offload_dir)
+    own = sum(n for _, n in SegmentWriter(root, writer, cfg.cache.offload_segment_bytes).segments()) if writer else 0
+    return free_bytes(root, statvfs) + own
+
+
 def with_offload_bound(cfg: Config, writer: str, statvfs: Callable[[str], Any] = os.statvfs) -> tuple[Config, str]:
     """``cfg`` with ``cache.offload_dir_bytes`` resolved to the bound (unchanged without a disk
     tier or with an explicit bound), and how it was reached."""
@@ -82,6 +90,17 @@ def resolve_at_start(cfg: Config, writer: str, log: Any) -> Config:
         return cfg
     c = resolved.cache
     log.info("offload_bounded", bound_bytes=c.offload_dir_bytes, how=how, max_age_s=c.offload_max_age_s)
+    room = None
+    if cfg.cache.offload_dir_bytes:   # an explicit bound: does the file system have that much room?
+        with contextlib.suppress(OSError):   # unreadable: the self-check reports the tier down
+            room = room_for(cfg, writer)
+    if room is not None and c.offload_dir_bytes > room:
+        # NOTE: a warning, not a refusal: the tier runs until the disk is full, then its writes fail
+        # (kvl_worker_offload_failures_total{tier="disk"}) and the blocks are recomputed instead
+        log.warning("offload_disk_short", bound_bytes=c.offload_dir_bytes, room_bytes=room,
+                    fix=f"cache.offload_dir_bytes {c.offload_dir_bytes:,} is more than {c.offload_dir}'s file system "
+                        f"has room for ({size(room)} free + this worker's segments): lower cache.offload_dir_bytes "
+                        f"to at most {room:,}, or free space there")
     if c.offload_dir_bytes < 2 * c.offload_segment_bytes:
         log.warning("offload_disk_small", bound_bytes=c.offload_dir_bytes, how=how,
                     fix=f"free space on {c.offload_dir}'s file system, raise cache.offload_dir_share, or set "
