@@ -70,7 +70,8 @@ lock: $(RUN_STAMP)
 	$(PY) deploy/lock.py write
 
 lock-check:
-	$(PYTHON) deploy/lock.py check
+	@# the venv's Python when there is one (it has packaging); else the system's (pip's vendored copy)
+	@if [ -x $(PY) ]; then $(PY) deploy/lock.py check; else $(PYTHON) deploy/lock.py check; fi
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .kvl-state
