@@ -36,6 +36,39 @@ inline float kexp(float x) {
   return y * scale;
 }
 
+#if defined(KVL_HSUM16)
+// kexp on 16 lanes: the same operations in the same order, so a lane's bits are kexp's.
+// (max(-87, x) keeps a NaN x as the scalar's comparison does.)
+inline __m512 kexp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+#endif
+
+struct V4 { V v[4]; };
+#if defined(__AVX512F__)
+inline V vbroadcast(float x) { return {_mm512_set1_ps(x)}; }
+inline void vstore(float* p, V a) { _mm512_store_ps(p, a.v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+inline V vbroadcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline void vstore(float* p, V a) { _mm256_store_ps(p, a.lo); _mm256_store_ps(p + 8, a.hi); }
+#else
+inline V vbroadcast(float x) { V r; for (int i = 0; i < 16; ++i) r.l[i] = x; return r; }
+inline void vstore(float* p, V a) { for (int i = 0; i < 16; ++i) p[i] = a.l[i]; }
+#endif
+
 // The fixed 16-lane tree of hsum, on an array.
 inline float tree16(const float* l) {
   float s8[8], s4[4], s2[2];
@@ -83,6 +116,54 @@ inline void scores(const float* q, const T* K, int64_t stride, int64_t n, int64_
   for (; j < n; ++j) out[j] = dot(q, K + j * stride, D) * scale;
 }
 
+// p[j] <- exp(p[j] - max p) in place; returns their sum (16 lanes by j, then the lane tree).
+inline float softmax(float* p, int64_t n) {
+  float m = p[0];
+  for (int64_t j = 1; j < n; ++j) m = p[j] > m ? p[j] : m;   // the max of a set: any order
+  float lanes[16] = {};
+  int64_t j = 0;
+#if defined(KVL_HSUM16)
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 vl = _mm512_setzero_ps();
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = kexp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), vm));
+    _mm512_storeu_ps(p + j, e);
+    vl = _mm512_add_ps(vl, e);
+  }
+  _mm512_storeu_ps(lanes, vl);
+#endif
+  for (int64_t j0 = j; j < n; ++j) {
+    p[j] = kexp(p[j] - m);
+    lanes[(j - j0) & 15] += p[j];     // j0 is a multiple of 16 from 0 (or 0): lane = j mod 16
+  }
+  return tree16(lanes);
+}
+
+// acc[d] = sum over j in order of p[j] * vals[j][d] (one multiply-add per element and key: FMA with
+// AVX-512/AVX2, a multiply then an add otherwise — the same for every element of a machine).
+template <typename T>
+inline void weighted_sum(const float* p, const T* vals, int64_t stride, int64_t n, int64_t D, float* acc) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const int chunks = static_cast<int>(std::min<int64_t>(4, (D - d0 + 15) / 16));
+    V4 a;
+    for (int c = 0; c < 4; ++c) a.v[c] = vzero();
+    for (int64_t j = 0; j < n; ++j) {
+      const T* vj = vals + j * stride + d0;
+      const V pj = vbroadcast(p[j]);
+      for (int c = 0; c < chunks; ++c) {
+        const int64_t left = D - d0 - 16 * c;
+        a.v[c] = vfma(pj, left >= 16 ? vload(vj + 16 * c) : vload_part(vj + 16 * c, static_cast<int>(left)), a.v[c]);
+      }
+    }
+    for (int c = 0; c < chunks; ++c) {
+      alignas(64) float tmp[16];
+      vstore(tmp, a.v[c]);
+      const int64_t left = std::min<int64_t>(16, D - d0 - 16 * c);
+      for (int64_t l = 0; l < left; ++l) acc[d0 + 16 * c + l] = tmp[l];
+    }
+  }
+}
+
 inline float widen(float v) { return v; }
 inline float widen(bf16 v) { return static_cast<float>(v); }
 
@@ -111,24 +192,10 @@ void attend_item(const TQ* qrow, const Segment& s, int64_t t, int64_t window, in
   for (int64_t hh = 0; hh < g; ++hh) scores(qf + hh * D, K, s.stride, n, D, scale, sc + hh * n);
   for (int64_t hh = 0; hh < g; ++hh) {
     float* p = sc + hh * n;
-    float m = p[0];
-    for (int64_t j = 1; j < n; ++j) m = p[j] > m ? p[j] : m;
-    for (int64_t j = 0; j < n; ++j) p[j] = kexp(p[j] - m);
-    float lanes[16] = {};
-    int64_t j0 = 0;
-    for (; j0 + 16 <= n; j0 += 16)
-      for (int l = 0; l < 16; ++l) lanes[l] += p[j0 + l];
-    for (int l = 0; j0 + l < n; ++l) lanes[l] += p[j0 + l];
-    const float denom = tree16(lanes);
-    float* o = acc + hh * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
-    for (int64_t j = 0; j < n; ++j) {
-      const T* vj = Vv + j * s.stride;
-      const float pj = p[j];
-      for (int64_t d = 0; d < D; ++d) o[d] = o[d] + pj * widen(vj[d]);
-    }
+    const float denom = softmax(p, n);
     float* dst = out + (kh * g + hh) * D;
-    for (int64_t d = 0; d < D; ++d) dst[d] = o[d] / denom;
+    weighted_sum(p, Vv, s.stride, n, D, acc);
+    for (int64_t d = 0; d < D; ++d) dst[d] = acc[d] / denom;
   }
 }
 
