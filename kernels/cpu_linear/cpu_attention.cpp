@@ -199,6 +199,106 @@ void attend_item(const TQ* qrow, const Segment& s, int64_t t, int64_t window, in
   }
 }
 
+#if defined(KVL_HSUM16)
+// Up to 4 query rows of one segment and one kv head at once: the same per-(row, head) arithmetic
+// as attend_item (scores by dot's lane code: 4 keys x 4 rows share one hsum16, which pairs lanes
+// as hsum does; each row's softmax over its own keys, anchored at its first; p * v summed over its
+// keys in order), with each key's K and V chunks loaded once for all the rows. A row's keys
+// a_i .. t_i are walked as [a_i, A), then [A, T] with the others (A, T: the latest first key and
+// the earliest last key of the tile), then (T, t_i]: its own order, whichever rows share a tile.
+template <typename TQ, typename T>
+void attend_tile(const TQ* const* qrows, int R, const Segment& s, const int64_t* t, int64_t window, int64_t kh,
+                 int64_t g, int64_t D, float scale, float* const* outs) {
+  int64_t a[4], lo = INT64_MAX, hi = -1, A = -1, Tm = INT64_MAX;
+  for (int i = 0; i < R; ++i) {
+    a[i] = window > 0 ? std::max<int64_t>(0, t[i] - window + 1) : 0;
+    lo = std::min(lo, a[i]);
+    hi = std::max(hi, t[i]);
+    A = std::max(A, a[i]);
+    Tm = std::min(Tm, t[i]);
+  }
+  const int64_t n = hi - lo + 1;
+  thread_local std::vector<float> buf;
+  buf.resize(static_cast<size_t>(4 * g * (n + D) + 16));
+  float* qf = buf.data();               // [4][g][D]
+  float* sc = qf + 4 * g * D;           // [4][g][n] scores over lo .. hi
+  for (int i = 0; i < 4; ++i)           // rows past R repeat row 0 (computed, never read)
+    for (int64_t hh = 0; hh < g; ++hh)
+      for (int64_t d = 0; d < D; ++d) qf[(i * g + hh) * D + d] = widen(qrows[i < R ? i : 0][(kh * g + hh) * D + d]);
+  const T* K = static_cast<const T*>(s.k) + (lo - s.lo) * s.stride + kh * D;
+  const T* Vv = static_cast<const T*>(s.v) + (lo - s.lo) * s.stride + kh * D;
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int64_t hh = 0; hh < g; ++hh) {
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+      __m512 acc[16];
+      for (int e = 0; e < 16; ++e) acc[e] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < D; c += 16) {
+        const int rest = static_cast<int>(std::min<int64_t>(16, D - c));
+        V kc[4];
+        for (int key = 0; key < 4; ++key)
+          kc[key] = rest == 16 ? vload(K + (j + key) * s.stride + c) : vload_part(K + (j + key) * s.stride + c, rest);
+        for (int i = 0; i < 4; ++i) {
+          const float* qi = qf + (i * g + hh) * D + c;
+          const V qc = rest == 16 ? vload(qi) : vload_part(qi, rest);
+          for (int key = 0; key < 4; ++key) acc[4 * i + key] = vfma(qc, kc[key], V{acc[4 * i + key]}).v;
+        }
+      }
+      alignas(64) float r[16];
+      _mm512_store_ps(r, _mm512_mul_ps(hsum16(acc), vs));
+      for (int i = 0; i < R; ++i)
+        for (int key = 0; key < 4; ++key) sc[(i * g + hh) * n + j + key] = r[4 * key + i];   // out[4l + q] <- a[4q + l]
+    }
+    for (; j < n; ++j)
+      for (int i = 0; i < R; ++i) sc[(i * g + hh) * n + j] = dot(qf + (i * g + hh) * D, K + j * s.stride, D) * scale;
+    float denom[4];
+    for (int i = 0; i < R; ++i) denom[i] = softmax(sc + (i * g + hh) * n + (a[i] - lo), t[i] - a[i] + 1);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int chunks = static_cast<int>(std::min<int64_t>(4, (D - d0 + 15) / 16));
+      V acc[4][4];
+      for (int i = 0; i < 4; ++i)
+        for (int c = 0; c < 4; ++c) acc[i][c] = vzero();
+      auto one = [&](int i, int64_t j0, int64_t j1) {      // row i alone, keys j0 .. j1 - 1 (absolute)
+        for (int64_t j = j0; j < j1; ++j) {
+          const T* vj = Vv + (j - lo) * s.stride + d0;
+          const V pj = vbroadcast(sc[(i * g + hh) * n + (j - lo)]);
+          for (int c = 0; c < chunks; ++c) {
+            const int64_t left = D - d0 - 16 * c;
+            acc[i][c] = vfma(pj, left >= 16 ? vload(vj + 16 * c) : vload_part(vj + 16 * c, static_cast<int>(left)), acc[i][c]);
+          }
+        }
+      };
+      const bool common = A <= Tm;
+      for (int i = 0; i < R; ++i) one(i, a[i], common ? A : t[i] + 1);
+      if (common) {
+        for (int64_t j = A; j <= Tm; ++j) {
+          const T* vj = Vv + (j - lo) * s.stride + d0;
+          V vc[4];
+          for (int c = 0; c < chunks; ++c) {
+            const int64_t left = D - d0 - 16 * c;
+            vc[c] = left >= 16 ? vload(vj + 16 * c) : vload_part(vj + 16 * c, static_cast<int>(left));
+          }
+          for (int i = 0; i < R; ++i) {
+            const V pj = vbroadcast(sc[(i * g + hh) * n + (j - lo)]);
+            for (int c = 0; c < chunks; ++c) acc[i][c] = vfma(pj, vc[c], acc[i][c]);
+          }
+        }
+        for (int i = 0; i < R; ++i) one(i, Tm + 1, t[i] + 1);
+      }
+      for (int i = 0; i < R; ++i) {
+        float* dst = outs[i] + (kh * g + hh) * D;
+        for (int c = 0; c < chunks; ++c) {
+          alignas(64) float tmp[16];
+          vstore(tmp, acc[i][c]);
+          const int64_t left = std::min<int64_t>(16, D - d0 - 16 * c);
+          for (int64_t l = 0; l < left; ++l) dst[d0 + 16 * c + l] = tmp[l] / denom[i];
+        }
+      }
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 // q [N, H, D]; keys[s], values[s] [L_s, kvh, D] holding positions key_lo[s] .. key_lo[s] + L_s - 1;
@@ -249,6 +349,33 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> keys, std::v
   const int64_t g = H / kvh;
   const float sc = static_cast<float>(scale);
   float* O = out.data_ptr<float>();
+#if defined(KVL_HSUM16)
+  // an item: up to 4 consecutive rows of one segment (a prompt's rows share K/V loads), one kv head
+  std::vector<int64_t> first;             // each tile's first row
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t r = rows[s]; r < rows[s + 1]; r += 4) first.push_back(r);
+  first.push_back(N);
+  auto item = [&](int64_t b) {
+    const int64_t tile = b / kvh, kh = b % kvh;
+    const int64_t r0 = first[tile];
+    const int R = static_cast<int>(std::min<int64_t>(4, rows[seg_of[r0] + 1] - r0));
+    const Segment& s = segs[seg_of[r0]];
+    float* outs[4];
+    for (int i = 0; i < R; ++i) outs[i] = O + (r0 + i) * H * D;
+    if (q.scalar_type() == at::kFloat) {
+      const float* qs[4];
+      for (int i = 0; i < R; ++i) qs[i] = q.data_ptr<float>() + (r0 + i) * H * D;
+      if (wide) attend_tile<float, float>(qs, R, s, P + r0, window, kh, g, D, sc, outs);
+      else attend_tile<float, bf16>(qs, R, s, P + r0, window, kh, g, D, sc, outs);
+    } else {
+      const bf16* qs[4];
+      for (int i = 0; i < R; ++i) qs[i] = q.data_ptr<bf16>() + (r0 + i) * H * D;
+      if (wide) attend_tile<bf16, float>(qs, R, s, P + r0, window, kh, g, D, sc, outs);
+      else attend_tile<bf16, bf16>(qs, R, s, P + r0, window, kh, g, D, sc, outs);
+    }
+  };
+  const int64_t items = static_cast<int64_t>(first.size() - 1) * kvh;
+#else
   auto item = [&](int64_t b) {
     const int64_t r = b / kvh, kh = b % kvh;
     const Segment& s = segs[seg_of[r]];
@@ -264,6 +391,7 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> keys, std::v
     }
   };
   const int64_t items = N * kvh;
+#endif
   // like the product: a small call is done before a helper could join
   if (threads == 1 || work < (int64_t{1} << 17)) {
     for (int64_t b = 0; b < items; ++b) item(b);

@@ -295,7 +295,10 @@ class Pool {
         if (++spins % 256 == 0 && std::chrono::steady_clock::now() > until) break;
       }
       std::unique_lock<std::mutex> g(m_);
-      cv_.wait(g, [&] { return gen_.load() != seen; });
+      // NOTE: stop_ in the predicate: a helper that starts after the destructor's notify (a pool
+      // built and dropped at once, a set_threads right after another) read the final gen as its
+      // first and would wait for ever, its join with it (a test hung in pool() so)
+      cv_.wait(g, [&] { return stop_ || gen_.load() != seen; });
       seen = gen_.load();
       if (stop_) return;
       if (!open_) continue;
