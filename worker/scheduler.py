@@ -22,9 +22,7 @@ an idle worker (nothing running, more slots free than requests waiting) a reques
 at once.
 
 *Goodput under overload.* Admission also bounds the prefill backlog: the prompt tokens of
-admitted requests not yet prefilled — of a request not yet open, its prompt less the leading
-blocks this worker's pool holds or a request ahead of it computes first (it waits for that
-commit and restores: :meth:`Scheduler._prompt_work`). The stepper prefills prompts in (priority, arrival) order
+admitted requests not yet prefilled. The stepper prefills prompts in (priority, arrival) order
 with the whole budget, but every admitted request's decode tokens ride in every forward — so
 once more prompts are admitted than the worker can prefill before their deadline, the early
 ones stream one token per (large) prompt forward and every request misses the deadline
@@ -64,7 +62,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from shared import tracing
 from shared.config import ServiceConfig
-from shared.hashing import chain_hashes
 from shared.images import PromptImage
 from shared.logging import get_logger
 from worker.generation import Sampler, SamplingParams, TokenLogprobs, generate
@@ -245,8 +242,6 @@ class Job:
         self.admitted_at = 0.0
         self.admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.outcome: Outcome | None = None
-        #: The prompt's block hashes, for the admission's backlog (:meth:`Scheduler._prompt_work`).
-        self.hashes: list[str] | None = None
         self.stopped = False
         self.task: asyncio.Task[None] | None = None
         # What the cache did for the prompt (known once the session is open; for ``usage``).
@@ -387,11 +382,11 @@ class Scheduler:
             retry = self._retry_after()
             self.metrics.rejected.labels(reason="queue_full").inc()
             raise QueueFull(len(self._waiting), retry)
-        job = Job(req, next(self._seq), time.perf_counter())
-        refusal = self._unreachable(job, self.cfg.request_timeout_ms / 1000)
+        refusal = self._unreachable(len(req.tokens), self._queued_prompt_tokens(req.priority), self.cfg.request_timeout_ms / 1000)
         if refusal is not None:
             self.metrics.rejected.labels(reason="overloaded").inc()
             raise refusal
+        job = Job(req, next(self._seq), time.perf_counter())
         job.deadline = job.arrival + self.cfg.request_timeout_ms / 1000
         if fork_of is not None and fork_of._forks is not None:
             job.fork_from = asyncio.get_running_loop().create_future()
@@ -432,57 +427,28 @@ class Scheduler:
 
     # --- the prefill backlog (see "Goodput under overload" in the module docstring) ---------------
 
-    def _prefill_backlog(self, seen: set[str] | None = None) -> int:
-        """Prompt tokens of running requests not yet prefilled (before its session opens: its
-        :meth:`_prompt_work`). ``seen`` collects the blocks they will have computed."""
+    def _prefill_backlog(self) -> int:
+        """Prompt tokens of running requests not yet prefilled (a whole prompt before its session opens)."""
         n = 0
         for j in self._running:
             s = j.session
             if s is not None:
                 n += max(0, len(s.tokens) - s.prefill_pos)
-                if seen is not None:
-                    seen.update(s.hashes or ())
-            else:
-                n += self._prompt_work(j, seen)
+            elif j.fork_from is None:
+                n += len(j.req.tokens)
         return n
 
-    def _prompt_work(self, job: Job, seen: set[str] | None) -> int:
-        """The prompt tokens ``job`` will prefill here: its prompt less the leading whole blocks this
-        worker's pool holds or a request ahead of it in the backlog computes first (``seen``: it
-        waits for that commit, ``cache.prefix_wait_ms``, and restores). A fork runs no prompt.
-        Counting whole prompts refused half of a c = 32 chat burst whose ~720-token prompts
-        shared a 512-token system prefix (bench.peers): they prefill ~210 tokens each."""
-        if job.fork_from is not None:
-            return 0
-        n = len(job.req.tokens)
-        e = self.engine
-        if seen is None or not job.req.reuse or job.req.images or not e.cache_enabled or e.store is None:
-            return n
-        if job.hashes is None:
-            job.hashes = chain_hashes(job.req.tokens, e.block_size, e.namespace, e.salt(job.req.tenant.id))
-        form = next(iter(e.slots), None)
-        skip = 0
-        for h in job.hashes:
-            if h not in seen and (form is None or e.store.lookup(form, h) is None):
-                break          # the chain's first block to compute: every later one computes too
-            skip += 1
-        seen.update(job.hashes[skip:])
-        return n - skip * e.block_size
+    def _queued_prompt_tokens(self, priority: int) -> int:
+        """Prompt tokens of queued requests a new request of ``priority`` would wait behind."""
+        return sum(len(j.req.tokens) for j in self._waiting if j.req.priority <= priority)
 
-    def _queued_prompt_tokens(self, priority: int, seen: set[str]) -> int:
-        """Prompt tokens queued requests a new request of ``priority`` would wait behind will prefill."""
-        return sum(self._prompt_work(j, seen) for j in sorted(self._waiting, key=lambda j: (j.req.priority, j.seq))
-                   if j.req.priority <= priority)
-
-    def _unreachable(self, job: Job, time_left_s: float) -> Overloaded | None:
-        """An :class:`Overloaded` when ``job``'s prompt work behind the running backlog and the queued
-        requests ahead of it could not be prefilled within ``time_left_s`` at the measured rate."""
+    def _unreachable(self, own: int, ahead: int, time_left_s: float) -> Overloaded | None:
+        """An :class:`Overloaded` when ``own`` prompt tokens behind the running backlog and ``ahead``
+        queued ones could not be prefilled within ``time_left_s`` at the measured rate; else None."""
         rate = self.engine.stepper.prefill_tok_s
         if not self.cfg.admission_prefill_share or not rate:
             return None
-        seen: set[str] = set()
-        before = self._prefill_backlog(seen) + self._queued_prompt_tokens(job.req.priority, seen)
-        own = self._prompt_work(job, seen)
+        before = self._prefill_backlog() + ahead
         if not before or (before + own) / rate <= time_left_s:
             return None
         return self._overloaded(before + own, rate)
@@ -526,8 +492,7 @@ class Scheduler:
         now = time.perf_counter()
         share = self.cfg.admission_prefill_share
         rate = self.engine.stepper.prefill_tok_s
-        seen: set[str] = set()
-        backlog = self._prefill_backlog(seen) if share else 0
+        backlog = self._prefill_backlog() if share else 0
         blocked = False                       # a request ahead waits: the rest only hear if they cannot make it
         for job in sorted(self._waiting, key=lambda j: (j.req.priority, j.seq)):
             if not blocked and len(self._running) >= self.cfg.max_concurrency:
@@ -537,7 +502,7 @@ class Scheduler:
                 continue                      # this tenant waits; others may go ahead
             if job.admitted.done():
                 continue                      # cancelled while queued (its task removes it)
-            own = self._prompt_work(job, seen if share else None)
+            own = 0 if job.fork_from is not None else len(job.req.tokens)   # a fork runs no prompt
             if share and rate and backlog:
                 left = job.deadline - now
                 need = (backlog + own) / rate         # its prompt done after all ahead of it

@@ -22,8 +22,7 @@ from worker.scheduler import GenRequest, Overloaded, QueueTimeout, RequestTimeou
 PROMPT, MAX_TOKENS, REQUESTS = 1024, 64, 16
 
 
-async def _overload(model, tmp_path, share: float, shared_prefix: int = 0,
-                    ) -> tuple[float, float, list[tuple[str, float]], list, list]:
+async def _overload(model, tmp_path, share: float) -> tuple[float, float, list[tuple[str, float]], list, list]:
     """One request alone (its time ``t1``), then ``REQUESTS`` at once under a timeout of 3 × t1: the
     outcome and end time of each, what each returned, and request 0's tokens alone (cold).
 
@@ -31,8 +30,6 @@ async def _overload(model, tmp_path, share: float, shared_prefix: int = 0,
     prompt forward until all were prefilled, and all of them missed the deadline."""
     rng = random.Random(3)
     prompts = [[rng.randrange(1, 250) for _ in range(PROMPT)] for _ in range(REQUESTS + 1)]
-    if shared_prefix:   # the burst's prompts (not the first, timed one) begin alike: a system prompt
-        prompts[:REQUESTS] = [prompts[0][:shared_prefix] + p[shared_prefix:] for p in prompts[:REQUESTS]]
 
     def req(i: int) -> GenRequest:
         return GenRequest(tokens=prompts[i], max_tokens=MAX_TOKENS, tenant=Tenant(id="t"),
@@ -90,24 +87,3 @@ async def test_without_the_backlog_bound_every_request_times_out_together(model,
     torch.set_num_threads(1)
     t1, timeout_s, ends, _, _ = await _overload(model, tmp_path, 0.0)
     assert [k for k, _ in ends].count("ok") <= 1, (t1, timeout_s, ends)
-
-
-async def test_a_burst_sharing_its_prefix_is_counted_by_what_it_will_prefill(model, tmp_path) -> None:
-    """Sixteen prompts that share 15/16 of their tokens (one system prompt): one computes it, the
-    others wait for its commit and prefill their last 64 tokens — about twice one prompt's work,
-    which fits the deadline. Counted as whole prompts (before) the backlog looked like sixteen
-    prompts' work and most were refused (bench.peers at c = 32: half of a chat burst refused)."""
-    torch.set_num_threads(1)
-    t1, timeout_s, ends, outs, alone = await _overload(model, tmp_path, 0.5, shared_prefix=PROMPT - 64)
-    kinds = [k for k, _ in ends]
-    assert "Overloaded" not in kinds, (t1, timeout_s, ends)
-    assert kinds.count("ok") >= REQUESTS - REQUESTS // 4, ends
-    assert outs[0] == alone
-
-
-async def test_counting_whole_prompts_refuses_that_burst(model, tmp_path, monkeypatch) -> None:
-    """The same burst with the backlog counted by whole prompts: refusals (what the test above guards)."""
-    torch.set_num_threads(1)
-    monkeypatch.setattr(Scheduler, "_prompt_work", lambda self, job, seen: 0 if job.fork_from else len(job.req.tokens))
-    _, _, ends, _, _ = await _overload(model, tmp_path, 0.5, shared_prefix=PROMPT - 64)
-    assert [k for k, _ in ends].count("Overloaded") >= REQUESTS // 4, ends
