@@ -360,6 +360,19 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> keys, std::v
     const int64_t r0 = first[tile];
     const int R = static_cast<int>(std::min<int64_t>(4, rows[seg_of[r0] + 1] - r0));
     const Segment& s = segs[seg_of[r0]];
+    if (R == 1) {       // a decode row: no company to share loads with (a tile would score it 4 times)
+      float* dst = O + r0 * H * D;
+      if (q.scalar_type() == at::kFloat) {
+        const float* qr = q.data_ptr<float>() + r0 * H * D;
+        if (wide) attend_item<float, float>(qr, s, P[r0], window, kh, g, D, sc, dst);
+        else attend_item<float, bf16>(qr, s, P[r0], window, kh, g, D, sc, dst);
+      } else {
+        const bf16* qr = q.data_ptr<bf16>() + r0 * H * D;
+        if (wide) attend_item<bf16, float>(qr, s, P[r0], window, kh, g, D, sc, dst);
+        else attend_item<bf16, bf16>(qr, s, P[r0], window, kh, g, D, sc, dst);
+      }
+      return;
+    }
     float* outs[4];
     for (int i = 0; i < R; ++i) outs[i] = O + (r0 + i) * H * D;
     if (q.scalar_type() == at::kFloat) {
