@@ -161,7 +161,7 @@ def _group_alive(pgid: int) -> bool:
 
 class Kvledger(Server):
     """``kvledger up`` (embedded PostgreSQL and NATS in a fresh state dir, one worker, the gateway):
-    its defaults, only the model dir, dtype and pool bytes (vLLM's KV space) set, every port picked free."""
+    its defaults, only the model dir and dtype set, every port picked free."""
 
     name = "kvledger"
 
@@ -174,13 +174,8 @@ class Kvledger(Server):
         return self.gateway_url
 
     def command(self) -> list[str]:
-        # The same KV space as vLLM's (VLLM_CPU_KVCACHE_SPACE, 4 GiB): kvledger's own default caps a
-        # CPU worker's pools at 1 GiB (worker.cpu_pool_max_bytes), ~14.7k SmolLM2 tokens in float32,
-        # less than 32 conversations' histories.
-        gib = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
         (self.work / "kvledger.yaml").write_text(
-            f"state_dir: state\nworker:\n  model_dir: {self.model_dir}\n  dtype: {self.dtype}\n"
-            f"  pool_bytes: {gib * 2**30}\n")
+            f"state_dir: state\nworker:\n  model_dir: {self.model_dir}\n  dtype: {self.dtype}\n")
         return [sys.executable, "-m", "kvledger.cli", "up", "--config", "kvledger.yaml", "--coordinator-port", "0",
                 "--worker-base-port", "0", "--gateway-port", "0", "--quiet"]
 

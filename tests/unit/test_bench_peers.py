@@ -126,16 +126,3 @@ def test_weight_bytes_come_from_the_safetensors_headers(tmp_path: Path) -> None:
     save_file({"a": torch.zeros(10, 3), "b": torch.zeros(7, dtype=torch.bfloat16)}, str(tmp_path / "m.safetensors"))
     assert floor.weight_bytes(tmp_path) == 10 * 3 * 4 + 7 * 2
     assert floor.floor_ms(2_000_000_000, 10.0) == pytest.approx(200.0)
-
-
-def test_kvledger_gets_the_kv_space_vllm_gets(tmp_path, monkeypatch) -> None:
-    """The stack's config: the model, the dtype, and the same pool bytes as vLLM's KV space."""
-    from bench.peers.servers import Kvledger
-    from shared.config import load_config
-
-    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    server = Kvledger(tmp_path, tmp_path / "model", "bfloat16")
-    server.command()
-    cfg = load_config(tmp_path / "kvledger.yaml", env={})
-    assert cfg.worker.pool_bytes == 4 * 2**30 and cfg.worker.dtype == "bfloat16"
-    assert cfg.worker.model_dir == str(tmp_path / "model")
