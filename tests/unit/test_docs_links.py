@@ -13,13 +13,18 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
+_HTML_ANCHOR = re.compile(r"""<a\s+(?:id|name)=["']([^"']+)["']""")
+
+
 def _anchors(md: Path) -> set[str]:
-    """GitHub's anchors for a file's headings: lowercase, punctuation dropped, spaces → '-'."""
+    """GitHub's anchors for a file's headings (lowercase, punctuation dropped, spaces → '-') and
+    its explicit ``<a id="...">`` anchors (BENCHMARKS.md's tables and run log use them)."""
     out = set()
     for line in md.read_text().splitlines():
         if line.startswith("#"):
             title = line.lstrip("#").strip().lower()
             out.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+        out.update(_HTML_ANCHOR.findall(line))
     return out
 
 
