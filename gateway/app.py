@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter as Counter_
+import dataclasses
 import json
+import random
 import time
 from typing import Any
 
@@ -81,7 +84,8 @@ class GatewayMetrics:
         self.auth_reloads = Counter(p + "auth_reloads", "Reloads of the API keys (SIGHUP or a changed config or keys "
                                     "file; shared.key_rotation), by outcome (ok, failed)", ["outcome"], registry=r)
         self.decisions = Counter(p + "route_decisions", "Route decisions by reason (cache, inflight: a prefix being "
-                                 "computed there, load, affinity, no_hint: prompt unreadable or route query failed)",
+                                 "computed there, load, affinity, version: drawn by gateway.version_weights, "
+                                 "no_hint: prompt unreadable or route query failed)",
                                  ["reason"], registry=r)
         self.expected = Counter(p + "expected_cached_tokens", "Prompt tokens the route expected cached", registry=r)
         self.realized = Counter(p + "realized_cached_tokens", "Prompt tokens the worker reported cached "
@@ -103,6 +107,9 @@ class GatewayMetrics:
                            registry=r)
         self.address_refused = Counter(p + "address_refused", "Requests refused (403) because the client's address "
                                        "is outside gateway.allowed_networks", registry=r)
+        self.version_requests = Counter(p + "version_requests", "Requests answered by a worker, by the worker's "
+                                        "version (its GET /version: worker.version; unknown until asked) — the "
+                                        "rollout's share (gateway.version_weights)", ["version"], registry=r)
 
 
 def _error(status: int, message: str, type_: str, code: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -136,6 +143,10 @@ class Gateway:
         self._nc: Any = None
         self._http: aiohttp.ClientSession | None = None
         self._refresher: asyncio.Task[None] | None = None
+        #: worker → (the endpoint asked, its GET /version answer): gateway.version_weights route by it
+        self.versions: dict[str, tuple[str, str]] = {}
+        self._version_asks: dict[str, asyncio.Task[None]] = {}
+        self._versions_at = 0.0                  # monotonic time every worker was last asked
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -149,10 +160,10 @@ class Gateway:
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
 
     async def stop(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
+        for task in [*self._version_asks.values(), *([self._refresher] if self._refresher is not None else [])]:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+                await task
         if self._http is not None:
             await self._http.close()
         if self._nc is not None:
@@ -177,7 +188,8 @@ class Gateway:
             return False
         now = time.monotonic()
         listed = [Worker(c.worker_id, c.endpoint, c.namespace, c.block_size, c.draining, c.suspended,
-                         c.running + c.queued) for c in reply.workers if c.endpoint]
+                         c.running + c.queued, self._version(c.worker_id, c.endpoint))
+                  for c in reply.workers if c.endpoint]
         for w in listed:
             self._listed_at[w.worker_id] = (w, now)
             self.metrics.reported_load.labels(worker=w.worker_id).set(w.reported_load)
@@ -194,15 +206,52 @@ class Gateway:
                 with contextlib.suppress(KeyError):
                     self.metrics.reported_load.remove(wid)
             elif not w.draining:
-                listed.append(Worker(w.worker_id, w.endpoint, w.namespace, w.block_size, suspended=True))
+                listed.append(Worker(w.worker_id, w.endpoint, w.namespace, w.block_size, suspended=True,
+                                     version=self._version(w.worker_id, w.endpoint)))
         self.fleet = listed
         self.fleet_at = now
+        every = now - self._versions_at >= self.g.version_refresh_ms / 1000
+        if every:
+            self._versions_at = now
+        for w in listed:
+            if every or self.versions.get(w.worker_id, ("", ""))[0] != w.endpoint:
+                self._ask_version(w)
         for state, n in (("usable", sum(1 for w in self.fleet if not (w.draining or w.suspended))),
                          ("draining", sum(1 for w in self.fleet if w.draining)),
                          ("suspended", sum(1 for w in self.fleet if w.suspended and w.worker_id in names)),
                          ("unlisted", len(self.fleet) - len(names))):
             self.metrics.fleet.labels(state=state).set(n)
         return True
+
+    def _version(self, worker_id: str, endpoint: str) -> str:
+        """The version ``worker_id`` answered at ``endpoint`` ("" when not yet asked there)."""
+        at, version = self.versions.get(worker_id, ("", ""))
+        return version if at == endpoint else ""
+
+    def _ask_version(self, w: Worker) -> None:
+        """Ask ``w`` its ``GET /version`` in the background (one question per worker at a time)."""
+        if w.worker_id in self._version_asks or self._http is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._fetch_version(w))
+        self._version_asks[w.worker_id] = task
+        task.add_done_callback(lambda _: self._version_asks.pop(w.worker_id, None))
+
+    async def _fetch_version(self, w: Worker) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.g.connect_timeout_ms / 1000)
+        try:
+            async with self._http.get(w.endpoint + "/version", timeout=timeout) as resp:
+                doc = await resp.json() if resp.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            log.debug("worker_version_unknown", worker_id=w.worker_id, error=type(e).__name__)
+            return
+        version = doc.get("version") if isinstance(doc, dict) else None
+        if not isinstance(version, str) or len(version) > 64:
+            log.warning("worker_version_unreadable", worker_id=w.worker_id, status=resp.status)
+            return
+        self.versions[w.worker_id] = (w.endpoint, version)
+        # at once, not at the next fleet refresh
+        self.fleet = [dataclasses.replace(x, version=version) if x.worker_id == w.worker_id and x.endpoint == w.endpoint
+                      else x for x in self.fleet]
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -253,7 +302,8 @@ class Gateway:
         # burst's next request, routed after this one, sees it
         return choose(self.fleet, usable, self.in_flight, affinity=affinity,
                       load_penalty_tokens=self.g.load_penalty_tokens, down=down,
-                      inflight_blocks=self.inflight.leading(hashes_of)), hashes_of
+                      inflight_blocks=self.inflight.leading(hashes_of), version_weights=self.g.version_weights,
+                      version_prefix_tokens=self.g.version_prefix_tokens, draw=random.random()), hashes_of
 
     # --- HTTP ---------------------------------------------------------------------------------
 
@@ -264,7 +314,9 @@ class Gateway:
         body = {"status": "ready" if self.ready else "not ready", "workers": len(self.fleet),
                 "usable": sum(1 for w in self.fleet if not (w.draining or w.suspended)),
                 "suspended": sum(1 for w in self.fleet if w.suspended and not w.draining),
-                "fleet_age_s": round(time.monotonic() - self.fleet_at, 3) if self.fleet_at else None}
+                "fleet_age_s": round(time.monotonic() - self.fleet_at, 3) if self.fleet_at else None,
+                # usable workers per version (GET /version; "" = not asked yet): the rollout's view
+                "versions": dict(Counter_(w.version for w in self.fleet if not (w.draining or w.suspended)))}
         return web.json_response(body, status=200 if self.ready else 503)
 
     async def metrics_page(self, request: web.Request) -> web.Response:
@@ -399,6 +451,7 @@ class Gateway:
                 # NOTE: only failures before anything reached the client land here (_relay
                 # raises no ClientError once it has prepared the response).
                 self.down[w.worker_id] = time.monotonic() + self.g.worker_down_ms / 1000
+                self.versions.pop(w.worker_id, None)    # asked again when it is back: it may be a new build
                 why = "connection refused" if isinstance(e, aiohttp.ClientConnectorError) else type(e).__name__
                 retried = retry.error_retried(e, self.g.retry_on)
                 log.warning("worker_failed", worker_id=w.worker_id, error=why, attempt=i + 1, retried=retried and more)
@@ -424,6 +477,7 @@ class Gateway:
         out_headers = {k: v for k, v in resp.headers.items()
                        if k.lower() in ("content-type", "cache-control", "retry-after", "x-request-id")}
         out_headers["x-kvl-worker"] = choice.worker.worker_id
+        self.metrics.version_requests.labels(version=choice.worker.version or "unknown").inc()
         out_headers["x-kvl-route"] = f"{choice.reason}; expected_cached_tokens={choice.cached_tokens}"
         if not _is_stream(resp):
             data = await resp.read()

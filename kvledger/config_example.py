@@ -59,6 +59,8 @@ def _scalar(v: Any) -> str:
                                                                         "on", "off", "y", "n", "~") else json.dumps(v)
     if isinstance(v, list):
         return "[" + ", ".join(_scalar(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_scalar(str(k))}: {_scalar(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"no YAML form for default {v!r}")
 
 

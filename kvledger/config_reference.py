@@ -155,6 +155,8 @@ def _fmt_default(v: Any) -> str:
         return f"`{str(v).lower()}`"
     if isinstance(v, list):
         return f"`[{', '.join(map(str, v))}]`" if v else "`[]`"
+    if isinstance(v, dict) and not v:
+        return "`{}`"
     return f"`{v}`"
 
 

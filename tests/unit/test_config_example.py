@@ -22,7 +22,7 @@ REGENERATE = "run: python -m kvledger.config_example --write kvledger.example.ya
 def _leaves(doc: dict[str, Any], path: tuple[str, ...] = ()) -> set[str]:
     out: set[str] = set()
     for k, v in doc.items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and v:      # a section (an empty mapping is a key's value: version_weights)
             out |= _leaves(v, (*path, k))
         else:
             out.add(".".join((*path, k)))

@@ -549,7 +549,9 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 async def version(request: web.Request) -> web.Response:
-    return json_response({"version": package_version()})
+    """``worker.version`` (the installed package's version when unset): what the gateway's
+    ``gateway.version_weights`` route by."""
+    return json_response({"version": request.app[CONFIG].worker.version or package_version()})
 
 
 async def healthz(request: web.Request) -> web.Response:
