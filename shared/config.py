@@ -398,6 +398,9 @@ class WorkerConfig(_Section):
     #: (``shared.address_allowlist``: the TCP peer's address; a gateway or proxy in front must be
     #: listed, forwarded-for headers are not trusted). Empty (the default): every address.
     allowed_networks: list[str] = []
+    #: The version this worker reports (``GET /version``), which the gateways' ``gateway.version_weights``
+    #: route by during a gradual rollout; empty: the installed kvledger package's version.
+    version: Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[A-Za-z0-9._+\-]*\Z")] = ""
 
     def __post_init__(self) -> None:
         parse_networks("worker.allowed_networks", self.allowed_networks)
@@ -418,9 +421,6 @@ class ApiKey(_Section):
     #: This tenant's scheduling priority (lower runs first); a request's ``priority`` may only
     #: lower it (a larger number), never raise it (``shared.tenants``).
     priority: Annotated[int, msgspec.Meta(ge=-1_000_000, le=1_000_000)] = 0
-    #: The version this worker reports (``GET /version``), which the gateways' ``gateway.version_weights``
-    #: route by during a gradual rollout; empty: the installed kvledger package's version.
-    version: Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[A-Za-z0-9._+\-]*\Z")] = ""
 
 
 class GatewayConfig(_Section):
@@ -483,6 +483,20 @@ class GatewayConfig(_Section):
     retry_backoff_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] = 50
     #: The longest wait before one retry, however many came before it.
     retry_backoff_max_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] = 1000
+    #: Gradual rollout: a share of traffic per worker version (``worker.version``, as each worker's
+    #: ``GET /version`` says), e.g. ``{"1.4": 90, "1.5": 10}``. A request whose best worker holds at
+    #: least ``version_prefix_tokens`` of its prompt cached (or being computed) still goes there,
+    #: whatever its version; any other request goes to a version drawn by these weights (among the
+    #: versions with a usable worker; a version not listed gets none of that traffic, only cache hits
+    #: and failovers). Empty (the default): versions play no part in routing.
+    version_weights: dict[Annotated[str, msgspec.Meta(max_length=64)],
+                          Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]] = {}
+    #: The fewest prompt tokens cached on the best worker for its prefix to win over the version
+    #: draw (``version_weights``); 1: any cached block does.
+    version_prefix_tokens: PosInt = 1
+    #: How often the gateway asks each worker its version again (a worker restarted under the same
+    #: id with new code is seen within this).
+    version_refresh_ms: PosInt = 5000
 
     def __post_init__(self) -> None:
         parse_networks("gateway.allowed_networks", self.allowed_networks)
@@ -503,20 +517,6 @@ class AuthConfig(_Section):
     #: How old (either way, for clock skew) a gateway's tenant signature may be.
     gateway_signature_max_age_ms: PosInt = 30_000
     #: Key rotation (``shared.key_rotation``): after a reload (SIGHUP, or a changed config file or
-    #: Gradual rollout: a share of traffic per worker version (``worker.version``, as each worker's
-    #: ``GET /version`` says), e.g. ``{"1.4": 90, "1.5": 10}``. A request whose best worker holds at
-    #: least ``version_prefix_tokens`` of its prompt cached (or being computed) still goes there,
-    #: whatever its version; any other request goes to a version drawn by these weights (among the
-    #: versions with a usable worker; a version not listed gets none of that traffic, only cache hits
-    #: and failovers). Empty (the default): versions play no part in routing.
-    version_weights: dict[Annotated[str, msgspec.Meta(max_length=64)],
-                          Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]] = {}
-    #: The fewest prompt tokens cached on the best worker for its prefix to win over the version
-    #: draw (``version_weights``); 1: any cached block does.
-    version_prefix_tokens: PosInt = 1
-    #: How often the gateway asks each worker its version again (a worker restarted under the same
-    #: id with new code is seen within this).
-    version_refresh_ms: PosInt = 5000
     #: ``keys_file``), an API key or admin token the reload removed is still accepted this long.
     rotation_grace_s: Annotated[float, msgspec.Meta(ge=0, le=30 * 86_400)] = 300.0
     #: How often workers, gateways and the coordinator look at their config file and ``keys_file``
