@@ -57,6 +57,14 @@ class WorkerMetrics:
                                          buckets=_FAST, registry=r)
         self.reload_seconds = Histogram(p + "reload_seconds", "Time to reload (and verify) a request's blocks "
                                         "from a tier", ["tier"], buckets=_FAST, registry=r)
+        self.validation_seconds = Histogram(
+            p + "validation_seconds", "Time one request spent validating its reused replicas of a form, by layer "
+            "group: metadata (presence, abi, intersection: the record against the lease and the request) or "
+            "integrity (the checksum of the bytes; only where it ran)", ["form", "layers"], buckets=_FAST,
+            registry=r)
+        self.restore_seconds = Histogram(
+            p + "restore_seconds", "Time one request's state took to take in a form's validated blocks at its "
+            "resume point (on a GPU: to issue the copies)", ["form"], buckets=_FAST, registry=r)
         self.offload_failures = Counter(p + "offload_failures", "Offload writes that failed", ["tier", "reason"],
                                         registry=r)
         self.reload_failures = Counter(p + "reload_failures", "Reloads that failed or failed verification",

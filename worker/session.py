@@ -87,6 +87,7 @@ from worker.cache.planner import (
     resume_cap,
     validate,
 )
+from worker.cache.cost import FormTimer, ValidationCost
 from worker.cache.store import Reservation, SlotRead, as_bytes
 from worker.client import CoordinatorRefused, CoordinatorUnavailable
 from worker.inflight import wait_for
@@ -429,7 +430,9 @@ class Session:
         def work():
             state = e.model.new_state(bs, cap, cache_dtype=e.cache_dtype)
             if blocks is not None:
-                state.restore(blocks, spec.p)
+                timer = FormTimer()
+                state.restore(blocks, spec.p, timer=timer)
+                timer.observe(e.metrics.restore_seconds)
             return state
 
         self._speculated = spec is not None
@@ -514,9 +517,11 @@ class Session:
         for need in want:
             by_form.setdefault(need[1], []).append(need)
         full = e.switches.layers == frozenset(LAYERS)
+        cost = ValidationCost()
         for form, items in by_form.items():
             seen = e.store.observe_in_place(form, [self.hashes[i] for i, _ in items])
             for need, (obs, data, slot) in zip(items, seen):
+                t1, obs = time.perf_counter(), cost.wrap(obs, form)
                 meta = local[need]
                 ref = ReplicaRef(block_hash=meta.block_hash, form=form, location=e.gpu, generation=meta.generation,
                                  checksum=meta.checksum)
@@ -528,10 +533,12 @@ class Session:
                         self._spent("speculate", t0)
                         return None     # let the grant-driven path find, invalidate and count it
                     verdict = v.outcomes
+                cost.add(form, time.perf_counter() - t1)
                 for layer, outcome in verdict:
                     key = (layer.value, outcome)
                     outcomes[key] = outcomes.get(key, 0) + 1
                 found[need] = _Found(data, ref, slot)
+        cost.observe(e.metrics.validation_seconds)
         self._spent("speculate", t0)
         return _Speculation(p, want, found, outcomes)
 
@@ -591,6 +598,7 @@ class Session:
         expect = Expect(namespace=e.namespace, tenant=self.tenant, block_hashes=self.hashes, block_size=self.bs,
                         specs=e.specs, digests=e.spec_digests, stored_as=e.stored_as)
         failed = 0
+        cost = ValidationCost()     # kvl_worker_validation_seconds (worker.cache.cost)
         disk: list[tuple[Need, ReplicaRef]] = []
         gpu: dict[str, list[tuple[Need, ReplicaRef]]] = {}
         # forms whose reloads may take the all-layers shortcut (the same rule as the GPU's below)
@@ -605,11 +613,13 @@ class Session:
             elif ref.location == e.host_location:
                 t0 = time.perf_counter()
                 obs, data, raw = e.tiers.host_read(ref.block_hash, ref.form)
+                t1, obs = time.perf_counter(), cost.wrap(obs, ref.form)
                 if fast_reload.get(ref.form) and all_pass(ref, need[0], obs, expect, reload=True):
                     self.found[need] = _Found(data, ref, raw=raw)
                     shortcut += 1
                 else:
                     failed += not self._judge(need, ref, obs, data, expect, reload=True)
+                cost.add(ref.form, time.perf_counter() - t1)
                 e.metrics.reload_seconds.labels(tier="host").observe(time.perf_counter() - t0)
             elif ref.location == "disk":
                 disk.append((need, ref))
@@ -620,11 +630,13 @@ class Session:
             seen = e.store.observe_in_place(form, [ref.block_hash for _, ref in items])
             fast = full and form in e.switches.forms
             for (need, ref), (obs, data, slot) in zip(items, seen):
+                t1, obs = time.perf_counter(), cost.wrap(obs, form)
                 if fast and all_pass(ref, need[0], obs, expect):
                     self.found[need] = _Found(data, ref, slot)
                     shortcut += 1
                 else:
                     failed += not self._judge(need, ref, obs, data, expect, reload=False, slot=slot)
+                cost.add(form, time.perf_counter() - t1)
         if disk:
             if not e.tiers.disk_available():
                 e.metrics.tier_unavailable.labels(tier="disk").inc()
@@ -648,12 +660,14 @@ class Session:
                         self.fallback("disk_unavailable")
                         continue
                     slot = self._reserved.get(need)
-                    if fast_reload.get(ref.form) and all_pass(ref, need[0], r.observed, expect, reload=True):
+                    t1, obs = time.perf_counter(), cost.wrap(r.observed, ref.form)
+                    if fast_reload.get(ref.form) and all_pass(ref, need[0], obs, expect, reload=True):
                         self.found[need] = _Found(r.data, ref, slot)
                         shortcut += 1
-                    elif not self._judge(need, ref, r.observed, r.data, expect, reload=True, slot=slot):
+                    elif not self._judge(need, ref, obs, r.data, expect, reload=True, slot=slot):
                         failed += 1
                         self._unreserve(need)
+                    cost.add(ref.form, time.perf_counter() - t1)
                 for need, _ in disk:
                     if need not in self.found:
                         self._unreserve(need)
@@ -663,6 +677,7 @@ class Session:
                 self._outcomes[key] = self._outcomes.get(key, 0) + shortcut
         for (layer, outcome), n in self._outcomes.items():
             e.metrics.validations.labels(layer=layer, outcome=outcome).inc(n)
+        cost.observe(e.metrics.validation_seconds)
         self._spent("validate", t_start)
         return failed
 
@@ -735,7 +750,9 @@ class Session:
         fresh = await self._take_state()
 
         def work():
-            fresh.restore(blocks, p)
+            timer = FormTimer()
+            fresh.restore(blocks, p, timer=timer)
+            timer.observe(e.metrics.restore_seconds)
             return fresh
 
         try:

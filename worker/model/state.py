@@ -34,9 +34,11 @@ caching it could make a resumed request differ in bits from a cold one).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,6 +59,11 @@ class BlockPayload(dict):
     def __init__(self, tensors: Mapping[str, torch.Tensor], specs: Mapping[str, FormSpec]) -> None:
         super().__init__(tensors)
         self.specs: dict[str, FormSpec] = dict(specs)
+
+
+def timed(timer: Any, form: str) -> Any:
+    """``timer.form(form)`` (a :class:`worker.cache.cost.FormTimer`), or nothing when ``timer`` is None."""
+    return contextlib.nullcontext() if timer is None else timer.form(form)
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,8 +342,9 @@ class RequestState(CacheState):
         return self._payload_out({name: self.layouts[name].encode(t) for name, t in out.items()})
 
     def restore(self, blocks: Sequence[Mapping[str, torch.Tensor]], n_blocks: int, *,
-                specs: Mapping[str, FormSpec] | None = None) -> None:
-        """Reset, then build the state at ``P = n_blocks * block_size`` from cached payloads.
+                specs: Mapping[str, FormSpec] | None = None, timer: Any = None) -> None:
+        """Reset, then build the state at ``P = n_blocks * block_size`` from cached payloads
+        (``timer``: a :class:`worker.cache.cost.FormTimer` the time per form is added to).
 
         ``blocks[i]`` (``i < n_blocks``) must hold ``compressed`` and ``indexer``; the blocks
         overlapping ``[P - W + 1, P)`` must hold ``swa``; block ``n_blocks - 1`` must hold
@@ -350,35 +358,39 @@ class RequestState(CacheState):
             return
         P = n_blocks * bs
         if COMPRESSED in self.layouts:
-            hist = torch.stack([self._payload(blocks, i, COMPRESSED, specs) for i in range(n_blocks)])
-            row = 0
-            for layer in cfg.compressed_layers:
-                k = bs // cfg.compress_ratios[layer]
-                self._slots[(layer, MAIN)].write_entries(0, hist[:, row:row + k].reshape(-1, cfg.head_dim),
-                                                         stored=True)
-                row += k
+            with timed(timer, COMPRESSED):
+                hist = torch.stack([self._payload(blocks, i, COMPRESSED, specs) for i in range(n_blocks)])
+                row = 0
+                for layer in cfg.compressed_layers:
+                    k = bs // cfg.compress_ratios[layer]
+                    self._slots[(layer, MAIN)].write_entries(0, hist[:, row:row + k].reshape(-1, cfg.head_dim),
+                                                             stored=True)
+                    row += k
         if INDEXER in self.layouts:
-            hist = torch.stack([self._payload(blocks, i, INDEXER, specs) for i in range(n_blocks)])
-            k = bs // cfg.csa_ratio
-            for c, layer in enumerate(cfg.csa_layers):
-                self._slots[(layer, IDX)].write_entries(
-                    0, hist[:, c * k:(c + 1) * k].reshape(-1, cfg.index_head_dim), stored=True)
+            with timed(timer, INDEXER):
+                hist = torch.stack([self._payload(blocks, i, INDEXER, specs) for i in range(n_blocks)])
+                k = bs // cfg.csa_ratio
+                for c, layer in enumerate(cfg.csa_layers):
+                    self._slots[(layer, IDX)].write_entries(
+                        0, hist[:, c * k:(c + 1) * k].reshape(-1, cfg.index_head_dim), stored=True)
         first = max(0, P - self.layouts[SWA].spec.window_tokens) // bs
-        for i in range(first, n_blocks):
-            self._swa[:, i * bs:(i + 1) * bs] = self._payload(blocks, i, SWA, specs)
+        with timed(timer, SWA):
+            for i in range(first, n_blocks):
+                self._swa[:, i * bs:(i + 1) * bs] = self._payload(blocks, i, SWA, specs)
         self._swa_lo = first * bs
         if TAIL in self.layouts:
-            halo = self._payload(blocks, n_blocks - 1, TAIL, specs)
-            self._halos[n_blocks - 1] = halo
-            m, D = cfg.csa_ratio, cfg.head_dim
-            slots = torch.arange(P - m, P, device=self.device) % (2 * m)
-            for c, layer in enumerate(cfg.csa_layers):
-                for kind, cols in ((MAIN, slice(0, D)), (IDX, slice(D, D + cfg.index_head_dim))):
-                    slot = self._slots[(layer, kind)]
-                    w = slot.width
-                    # NOTE: only the a-halves of the last closed window are read after P; the
-                    # b-halves and older rows keep the (0, -inf) sentinel and are never gathered.
-                    slot.ring_kv[slots, :w] = halo[c, 0, :, cols]
-                    slot.ring_score[slots, :w] = halo[c, 1, :, cols]
+            with timed(timer, TAIL):
+                halo = self._payload(blocks, n_blocks - 1, TAIL, specs)
+                self._halos[n_blocks - 1] = halo
+                m, D = cfg.csa_ratio, cfg.head_dim
+                slots = torch.arange(P - m, P, device=self.device) % (2 * m)
+                for c, layer in enumerate(cfg.csa_layers):
+                    for kind, cols in ((MAIN, slice(0, D)), (IDX, slice(D, D + cfg.index_head_dim))):
+                        slot = self._slots[(layer, kind)]
+                        w = slot.width
+                        # NOTE: only the a-halves of the last closed window are read after P; the
+                        # b-halves and older rows keep the (0, -inf) sentinel and are never gathered.
+                        slot.ring_kv[slots, :w] = halo[c, 0, :, cols]
+                        slot.ring_score[slots, :w] = halo[c, 1, :, cols]
         self.pos = P
         self._export_from = n_blocks

@@ -13,13 +13,14 @@ forward writes its rows in place and attention reads a contiguous prefix of them
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from shared.forms import FormScope, FormSpec
 from worker.model.dense.config import DenseConfig
 from worker.model.forms import FormLayout
-from worker.model.state import BlockPayload, CacheState
+from worker.model.state import BlockPayload, CacheState, timed
 from worker.model.storage import resolve
 
 #: Byte layout version of the ``kv`` form; bump with any layout change.
@@ -95,14 +96,16 @@ class DenseState(CacheState):
         return self._payload_out({KV: self._layout.encode(torch.stack([self._k[:, rows], self._v[:, rows]], 1))})
 
     def restore(self, blocks: Sequence[Mapping[str, torch.Tensor]], n_blocks: int, *,
-                specs: Mapping[str, FormSpec] | None = None) -> None:
-        """Reset, then hold positions ``[0, n_blocks * block_size)`` from cached ``kv`` payloads."""
+                specs: Mapping[str, FormSpec] | None = None, timer: Any = None) -> None:
+        """Reset, then hold positions ``[0, n_blocks * block_size)`` from cached ``kv`` payloads
+        (``timer``: as :meth:`worker.model.state.RequestState.restore`)."""
         self._check_restore(blocks, n_blocks)
         self.reset()
         bs = self.block_size
-        for i in range(n_blocks):
-            kv = self._payload(blocks, i, KV, specs)
-            self._k[:, i * bs:(i + 1) * bs] = kv[:, 0]
-            self._v[:, i * bs:(i + 1) * bs] = kv[:, 1]
+        with timed(timer, KV):
+            for i in range(n_blocks):
+                kv = self._payload(blocks, i, KV, specs)
+                self._k[:, i * bs:(i + 1) * bs] = kv[:, 0]
+                self._v[:, i * bs:(i + 1) * bs] = kv[:, 1]
         self.pos = n_blocks * bs
         self._export_from = n_blocks

@@ -25,12 +25,13 @@ same values.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from shared.forms import FormScope, FormSpec
 from worker.model.forms import FormLayout
-from worker.model.state import BlockPayload, CacheState
+from worker.model.state import BlockPayload, CacheState, timed
 from worker.model.storage import resolve
 from worker.model.yoco.config import YocoConfig
 
@@ -136,23 +137,26 @@ class YocoState(CacheState):
         })
 
     def restore(self, blocks: Sequence[Mapping[str, torch.Tensor]], n_blocks: int, *,
-                specs: Mapping[str, FormSpec] | None = None) -> None:
+                specs: Mapping[str, FormSpec] | None = None, timer: Any = None) -> None:
         """Reset, then build the state at ``P = n_blocks * block_size``: ``global_kv`` of every
-        block before ``P``, ``swa`` of the blocks overlapping ``[P - W + 1, P)``."""
+        block before ``P``, ``swa`` of the blocks overlapping ``[P - W + 1, P)`` (``timer``: as
+        :meth:`worker.model.state.RequestState.restore`)."""
         self._check_restore(blocks, n_blocks)
         self.reset()
         if n_blocks == 0:
             return
         bs, P = self.block_size, n_blocks * self.block_size
-        for i in range(n_blocks):
-            kv = self._payload(blocks, i, GLOBAL_KV, specs)
-            self._gk[i * bs:(i + 1) * bs] = kv[0]
-            self._gv[i * bs:(i + 1) * bs] = kv[1]
+        with timed(timer, GLOBAL_KV):
+            for i in range(n_blocks):
+                kv = self._payload(blocks, i, GLOBAL_KV, specs)
+                self._gk[i * bs:(i + 1) * bs] = kv[0]
+                self._gv[i * bs:(i + 1) * bs] = kv[1]
         first = max(0, P - self.layouts[SWA].spec.window_tokens) // bs
-        for i in range(first, n_blocks):
-            kv = self._payload(blocks, i, SWA, specs)
-            self._sk[:, i * bs:(i + 1) * bs] = kv[:, 0]
-            self._sv[:, i * bs:(i + 1) * bs] = kv[:, 1]
+        with timed(timer, SWA):
+            for i in range(first, n_blocks):
+                kv = self._payload(blocks, i, SWA, specs)
+                self._sk[:, i * bs:(i + 1) * bs] = kv[:, 0]
+                self._sv[:, i * bs:(i + 1) * bs] = kv[:, 1]
         self._self_lo = first * bs
         self.pos = P
         self._export_from = n_blocks
