@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                                               "that reads the passwords from the environment")
     na.set_defaults(func=cmd_nats_auth)
 
-    from kvledger.stack import add_arguments, cmd_up
+    from kvledger.stack.command import add_arguments, cmd_up
 
     up = sub.add_parser("up", help="run the whole stack on this machine (services, coordinator, workers) "
                                    "until Ctrl-C or SIGTERM")

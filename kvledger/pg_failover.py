@@ -1,7 +1,7 @@
 """``kvledger up --pg-standby``: the supervisor's side of the PostgreSQL standby.
 
 The standby itself (clone, streaming, synchronous commit, promotion) is :mod:`shared.pg_standby`;
-this module is what :class:`kvledger.stack.Stack` calls to start it, to give the coordinators a
+this module is what :class:`kvledger.stack.supervisor.Stack` calls to start it, to give the coordinators a
 URL that follows a promotion, and, while the stack is up, to watch the primary:
 
 * A primary that exits is **not restarted** while it has a standby: once the standby may have
@@ -25,7 +25,7 @@ from shared.embedded import EmbeddedPostgres
 
 
 class PgFailover:
-    """``stack`` is the :class:`kvledger.stack.Stack` (its console, state file, pids and service
+    """``stack`` is the :class:`kvledger.stack.supervisor.Stack` (its console, state file, pids and service
     restart); typed ``Any`` so that neither module imports the other at import time."""
 
     def __init__(self, stack: Any, primary: EmbeddedPostgres, standby: pg_standby.EmbeddedStandby) -> None:

@@ -46,7 +46,7 @@ import nats.errors
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvledger.stack import http_json
+from kvledger.stack.probes import http_json
 from shared import nats_auth
 from shared.forms import FormCatalogue
 from shared.messages import (CommitWatermark, Control, ErrorCode, ErrorReply, Heartbeat, HeartbeatReply,

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvledger.stack import http_json
+from kvledger.stack.probes import http_json
 from shared.subjects import Subjects
 from tests.e2e.test_stack_up import UP_READY, UpProcess, kvledger, still_running, ups  # noqa: F401 - fixture
 

@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from kvledger.stack import Child, Console
+from kvledger.stack.child import Child
+from kvledger.stack.console import Console
 from shared.config import parse_config
 from shared.logging import MAX_OUTPUT_CHARS, JsonLinesFile, as_json_line
 

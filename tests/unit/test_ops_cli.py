@@ -19,7 +19,10 @@ import pytest
 
 import kvledger.admin_cli as admin_cli
 from kvledger.cli import main
-from kvledger.stack import Console, Stack, StackOptions, _redact_url, render_log_line
+from kvledger.stack.console import Console, render_log_line
+from kvledger.stack.options import StackOptions
+from kvledger.stack.report import redact_url
+from kvledger.stack.supervisor import Stack
 from shared.config import parse_config
 from shared.embedded import free_port
 
@@ -191,8 +194,8 @@ def test_log_lines_are_rendered_readably() -> None:
     assert level == "info" and text == '10:11:12 info    registered  worker_id=w0 pools={"swa":3}'
     assert render_log_line("listening on http://127.0.0.1:8400") == ("info", "listening on http://127.0.0.1:8400")
     assert render_log_line("Traceback (most recent call last):")[0] == "error"
-    assert _redact_url("postgresql://kvl:hunter2@db:5432/kvl") == "postgresql://kvl:***@db:5432/kvl"
-    assert _redact_url("nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"
+    assert redact_url("postgresql://kvl:hunter2@db:5432/kvl") == "postgresql://kvl:***@db:5432/kvl"
+    assert redact_url("nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"
 
 
 def test_a_busy_port_is_refused_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.stack import Console, Stack, StackOptions
+from kvledger.stack.console import Console
+from kvledger.stack.options import StackOptions
+from kvledger.stack.supervisor import Stack
 from shared.config import parse_config
 from tests.unit.test_ops_cli import _sleeper
 
