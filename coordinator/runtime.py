@@ -38,7 +38,7 @@ from shared import nats_auth
 from shared.logging import mask_credentials
 from shared.config import Config, nats_servers
 from shared.messages import now_ms
-from shared.subjects import Subjects
+from shared.shards import shard_subjects
 from shared.tls import nats_tls_kwargs
 
 
@@ -59,7 +59,7 @@ class Coordinator:
         self.metrics = metrics or CoordinatorMetrics()
         self.holder = holder or make_holder_id()
         c = config.coordinator
-        self.subjects = Subjects(config.nats.subject_prefix)
+        self.subjects = shard_subjects(config.nats.subject_prefix, c.shard)
         self.pg = PgSettings.from_config(database_url, config.database, application_name=self.holder, tls=config.tls)
         self.event_log = PostgresEventLog.connect(self.pg)
         self.election = LeaderElection(
@@ -129,7 +129,8 @@ class Coordinator:
                        asyncio.create_task(self._expire_loop(), name="expiry"),
                        asyncio.create_task(self._replication_loop(), name="replication")]
         self.log.info("coordinator_started", holder=self.holder, prefix=self.subjects.prefix,
-                      stream=self.subjects.stream_name)
+                      stream=self.subjects.stream_name, shard=self.config.coordinator.shard,
+                      shards=self.config.coordinator.shards)
 
     async def _check_database(self) -> None:
         """Fail fast on a database that can never work (bad credentials, no such database);

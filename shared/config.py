@@ -340,6 +340,25 @@ class CoordinatorConfig(_Section):
     #: lease run's p99 (BENCHMARKS.md, Coordinator). Higher: rarer full collections; cyclic
     #: garbage that survived two collections waits longer to be freed.
     gc_full_threshold: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 100
+    #: Coordinator shards the ledger's key space is split between (docs/architecture.md, "The ledger
+    #: sharded"): each shard is a leader with its standbys, its own log (its own ``database.url``)
+    #: and its own subjects. 1 = one ledger, exactly as unsharded.
+    shards: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    #: Which shard this coordinator leads or stands by for (0 to ``shards`` − 1). Shard 0 uses
+    #: ``nats.subject_prefix`` itself, shard k ``<prefix>.s<k>``.
+    shard: Annotated[int, msgspec.Meta(ge=0)] = 0
+    #: Partitions of the key space (a chain's namespace and first block pick one); the shard map
+    #: gives each to a shard, partition p to shard p mod ``shards`` until one is moved. The same on
+    #: every coordinator, worker and gateway of a deployment, and fixed for its life.
+    shard_partitions: Annotated[int, msgspec.Meta(ge=1, le=65_536)] = 256
+
+    def __post_init__(self) -> None:
+        if self.shard >= self.shards:
+            raise ValueError(f"coordinator.shard is {self.shard}, but shards are numbered 0 to "
+                             f"{self.shards - 1} (coordinator.shards: {self.shards})")
+        if self.shard_partitions < self.shards:
+            raise ValueError(f"coordinator.shard_partitions ({self.shard_partitions}) must be at least "
+                             f"coordinator.shards ({self.shards})")
 
 
 class WorkerConfig(_Section):

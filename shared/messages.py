@@ -93,6 +93,7 @@ class ErrorCode(enum.StrEnum):
     NOT_LEADER = "not_leader"          # this coordinator is a standby
     SUSPENDED = "suspended"            # the caller's epoch is suspended: resume with an inventory first
     FORBIDDEN = "forbidden"            # the message speaks for another identity than the one it came from
+    WRONG_SHARD = "wrong_shard"        # another coordinator shard owns this chain (or it is moving): ask by the current shard map
 
 
 class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type", kw_only=True):

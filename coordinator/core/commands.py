@@ -34,6 +34,7 @@ from coordinator.core.rejections import rejection_kind
 from coordinator.core.state import Lease, LedgerState, Replica, ReplicaKey, WorkerRecord
 from shared import messages as m
 from shared.hashing import replica_digests, split_digests
+from shared.shards import ShardMap
 
 Events = list[Any]
 
@@ -67,6 +68,21 @@ OFFLOAD_SOURCES = (READY, EVICTED)
 
 def _error(code: m.ErrorCode, message: str, retry_after_ms: int = 0) -> m.ErrorReply:
     return m.ErrorReply(code=code, message=message, retry_after_ms=retry_after_ms)
+
+
+def _not_this_shard(shard_map: ShardMap, shard: int, namespace: str, root: str) -> m.ErrorReply | None:
+    """``WRONG_SHARD`` when the map does not let this shard decide the chain rooted at ``root``:
+    another shard owns it, or it is frozen on its way between shards (docs/architecture.md,
+    "The ledger sharded"). A lease never spans shards, so its first hash decides for all."""
+    part = shard_map.partition(namespace, root)
+    owner = shard_map.owners[part]
+    if shard_map.frozen(part):
+        return _error(m.ErrorCode.WRONG_SHARD, f"partition {part} is moving between shards (shard map version "
+                      f"{shard_map.version})", retry_after_ms=1000)
+    if owner != shard:
+        return _error(m.ErrorCode.WRONG_SHARD, f"partition {part} belongs to shard {owner}, not {shard} "
+                      f"(shard map version {shard_map.version})")
+    return None
 
 
 def readable_locations(w: WorkerRecord) -> tuple[str, ...]:
@@ -490,6 +506,10 @@ def acquire_lease(state: LedgerState, msg: m.LeaseAcquire, now_ms: int,
     p = state.params
     hashes = msg.block_hashes
     n = len(hashes)
+    if p.shard_map is not None and n:
+        wrong = _not_this_shard(p.shard_map, p.shard, msg.namespace, hashes[0])
+        if wrong is not None:
+            return wrong, []
 
     usable, pin_keys, rejected = 0, [], []
     if msg.reuse and n:

@@ -43,6 +43,7 @@ from coordinator.core.lifecycle import (
 from shared.forms import FormCatalogue
 from shared.ids import ROOT_HASH
 from shared.messages import ReplicaState
+from shared.shards import ShardMap
 
 #: ``(block_hash, form, location)``.
 ReplicaKey = tuple[str, str, str]
@@ -72,6 +73,10 @@ class CoreParams:
     tenant_quota_replicas: int = 0
     #: Longest list of rejected boundaries a grant reports (the rest are summarised).
     max_rejected_reasons: int = 16
+    #: The shard this ledger is, and the map it owns its chains by (``shared.shards``); ``None``:
+    #: unsharded, every chain its own. A lease on a chain the map gives elsewhere is refused.
+    shard: int = 0
+    shard_map: ShardMap | None = None
 
     @property
     def heartbeat_timeout_ms(self) -> int:
@@ -84,7 +89,10 @@ class CoreParams:
                    heartbeat_interval_ms=coordinator.heartbeat_interval_ms,
                    missed_heartbeats=coordinator.missed_heartbeats,
                    resume_grace_ms=coordinator.resume_grace_ms,
-                   tenant_quota_replicas=coordinator.tenant_quota_replicas)
+                   tenant_quota_replicas=coordinator.tenant_quota_replicas,
+                   shard=coordinator.shard,
+                   shard_map=(ShardMap.uniform(coordinator.shards, coordinator.shard_partitions)
+                              if coordinator.shards > 1 else None))
 
 
 class Replica(msgspec.Struct, gc=False, eq=False):
