@@ -85,10 +85,11 @@ class CacheConfig(_Section):
     tier_retry_ms: Annotated[int, msgspec.Meta(ge=10, le=600_000)] = 5000
     hit_validation: HitValidation = msgspec.field(default_factory=HitValidation)
     on_invalid: Literal["refill", "error"] = "refill"
-    #: How long a request waits, before its lease, for prompt blocks another request on this
-    #: worker is computing now and will commit (``worker.inflight``: a burst of requests sharing a
-    #: prefix nobody has cached, such as a system prompt), so that it reads them once instead of
-    #: computing them again; past it, it computes them itself. 0: never waits. Watch
+    #: How long a request waits, before its lease, with no prompt computed on this worker, for
+    #: prompt blocks another request here is computing and will commit (``worker.inflight``: a
+    #: burst of requests sharing a prefix nobody has cached, such as a system prompt), so that it
+    #: reads them once instead of computing them again; while prompts are computed it waits on
+    #: (its claimant runs first anyway), and past the bound it computes them itself. 0: never waits. Watch
     #: ``kvl_worker_prefix_waits_total`` and ``kvl_worker_prefix_wait_seconds``.
     prefix_wait_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] = 1000
     #: Precision cached state is stored in — pools, host and disk tiers (``worker.model.storage``):

@@ -4,14 +4,14 @@ A burst of requests that share a prefix nobody has cached yet (an agent framewor
 prompt, the first turn of every conversation) would each compute it: their leases are decided
 before any of them commits, so the coordinator gives the first the writes and the others a
 miss. A request that opens while another request on this worker holds a claim on some of its
-blocks waits (bounded: ``cache.prefix_wait_ms``) until those blocks are committed — their
+blocks waits (while the worker prefills; ``cache.prefix_wait_ms`` without progress at most) until those blocks are committed — their
 commit transitions covered by the watermark, so the ledger lists them READY — and then leases:
 it reads them like any cached block, validated and restored. The blocks are computed once.
 
 Block hashes are chained and tenant-salted, so a claim is only ever seen by a request of the
 same tenant and namespace with the same prefix. Nothing here decides what a request reads: its
 lease and validation do, as for any hit, so exactness does not depend on it. A wait that runs
-out (a slow or stuck writer) costs only the time waited; the request then computes the blocks
+out (a stuck writer) costs only the time waited; the request then computes the blocks
 itself, as it would have.
 
 A claim is made before the claimant's lease (requests arriving together must see each other),
@@ -22,7 +22,7 @@ as their commits are covered, and dropped whole when the claimant closes.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 class InFlightBlocks:
@@ -34,6 +34,10 @@ class InFlightBlocks:
 
     def __len__(self) -> int:
         return len(self._claims)
+
+    def claimed(self, block_hash: str) -> bool:
+        """Whether a request here will commit ``block_hash`` (the admission's estimate, ``worker.backlog``)."""
+        return block_hash in self._claims
 
     def others(self, hashes: Sequence[str], owner: object) -> list[asyncio.Future[bool]]:
         """The claims of other owners on any of ``hashes`` (a resolved claim leaves the table)."""
@@ -76,16 +80,33 @@ class InFlightBlocks:
                     c[1].set_result(committed)
 
 
-async def wait_for(futures: Sequence[asyncio.Future[bool]], timeout_s: float) -> str:
+async def wait_for(futures: Sequence[asyncio.Future[bool]], stall_s: float,
+                   busy: Callable[[], bool] | None = None) -> str:
     """Wait for every one of ``futures`` (shared with other waiters: none is cancelled):
     ``committed`` (every block), ``abandoned`` (a claimant will not commit one: it closed, or
-    its grant did not let it write the block) or ``timeout`` (``timeout_s`` ran out first)."""
+    its grant did not let it write the block) or ``timeout`` (``stall_s`` passed without the
+    worker being ``busy`` computing prompts at any look; without ``busy``, ``stall_s`` in all).
+
+    NOTE: a claimant is ahead of its waiters in the forwards' prompt order, so while the worker
+    prefills the wait costs a waiter nothing it would not have waited anyway; a fixed bound
+    (the first design) made waiters behind a backlog give up and compute the same blocks again."""
     if not futures:
         return "committed"
-    _, pending = await asyncio.wait(futures, timeout=timeout_s)
-    if pending:
-        return "timeout"
+    loop = asyncio.get_running_loop()
+    since = loop.time()
+    pending: set = set(futures)
+    while pending:
+        left = stall_s - (loop.time() - since)
+        if left <= 0:
+            return "timeout"
+        _, pending = await asyncio.wait(pending, timeout=min(left, STALL_POLL_S) if busy else left)
+        if busy is not None and busy():
+            since = loop.time()
     return "committed" if all(f.result() for f in futures) else "abandoned"
+
+
+#: How often a waiter looks at the progress count (seconds).
+STALL_POLL_S = 0.05
 
 
 __all__ = ["InFlightBlocks", "wait_for"]

@@ -64,6 +64,7 @@ from shared import tracing
 from shared.config import ServiceConfig
 from shared.images import PromptImage
 from shared.logging import get_logger
+from worker.backlog import PromptWork
 from worker.generation import Sampler, SamplingParams, TokenLogprobs, generate
 from worker.stepper import FusedMismatch
 from shared.tenants import Tenant
@@ -240,6 +241,8 @@ class Job:
         #: Tokens generated so far.
         self.generated = 0
         self.admitted_at = 0.0
+        #: Prompt tokens it was estimated to compute when admitted (:mod:`worker.backlog`).
+        self.work: int | None = None
         self.admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.outcome: Outcome | None = None
         self.stopped = False
@@ -321,6 +324,8 @@ class Scheduler:
         self._running: set[Job] = set()
         self._tenant_running: _Counter[str] = _Counter()
         self._jobs: set[Job] = set()
+        #: Prompt tokens queued requests will compute, for the prefill backlog (``worker.backlog``).
+        self._work = PromptWork(engine, engine.inflight.claimed)
         self._window: asyncio.TimerHandle | None = None
         self._closed = False
         #: Moving average of admitted requests' running time (for Retry-After); None until one ended.
@@ -382,11 +387,15 @@ class Scheduler:
             retry = self._retry_after()
             self.metrics.rejected.labels(reason="queue_full").inc()
             raise QueueFull(len(self._waiting), retry)
-        refusal = self._unreachable(len(req.tokens), self._queued_prompt_tokens(req.priority), self.cfg.request_timeout_ms / 1000)
+        job = Job(req, next(self._seq), time.perf_counter())
+        ahead = self._ahead_of_queue()
+        queued = self._queued_prompt_tokens(req.priority, ahead)
+        own = self._estimate(job, ahead) if fork_of is None else 0
+        refusal = self._unreachable(own, queued, self.cfg.request_timeout_ms / 1000)
         if refusal is not None:
+            self._work.forget(job.seq)
             self.metrics.rejected.labels(reason="overloaded").inc()
             raise refusal
-        job = Job(req, next(self._seq), time.perf_counter())
         job.deadline = job.arrival + self.cfg.request_timeout_ms / 1000
         if fork_of is not None and fork_of._forks is not None:
             job.fork_from = asyncio.get_running_loop().create_future()
@@ -428,19 +437,38 @@ class Scheduler:
     # --- the prefill backlog (see "Goodput under overload" in the module docstring) ---------------
 
     def _prefill_backlog(self) -> int:
-        """Prompt tokens of running requests not yet prefilled (a whole prompt before its session opens)."""
+        """Prompt tokens running requests have still to compute: what is left of an open session's
+        prompt; before it opened, its estimate at admission (:mod:`worker.backlog`)."""
         n = 0
         for j in self._running:
             s = j.session
             if s is not None:
                 n += max(0, len(s.tokens) - s.prefill_pos)
             elif j.fork_from is None:
-                n += len(j.req.tokens)
+                n += len(j.req.tokens) if j.work is None else j.work
         return n
 
-    def _queued_prompt_tokens(self, priority: int) -> int:
-        """Prompt tokens of queued requests a new request of ``priority`` would wait behind."""
-        return sum(len(j.req.tokens) for j in self._waiting if j.req.priority <= priority)
+    def _estimate(self, job: Job, ahead: set[str] | None) -> int:
+        """Prompt tokens ``job`` will compute, were it admitted behind ``ahead`` (:mod:`worker.backlog`)."""
+        req = job.req
+        # NOTE: without prefix waits, requests sharing a new prefix each compute it
+        shared = ahead if self.engine.prefix_wait_s > 0 else None
+        return self._work.estimate(job.seq, req.tokens, req.tenant.id, reuse=req.reuse,
+                                   has_images=bool(req.images), ahead=shared, claims=shared is not None)
+
+    def _ahead_of_queue(self) -> set[str]:
+        """The block hashes of running requests whose sessions have not opened yet (they will
+        compute or claim them before any queued request runs)."""
+        ahead: set[str] = set()
+        for j in self._running:
+            if j.session is None and j.fork_from is None:
+                self._estimate(j, ahead)
+        return ahead
+
+    def _queued_prompt_tokens(self, priority: int, ahead: set[str]) -> int:
+        """Prompt tokens queued requests a new request of ``priority`` would wait behind will compute."""
+        return sum(self._estimate(j, ahead) for j in sorted(self._waiting, key=lambda j: (j.req.priority, j.seq))
+                   if j.req.priority <= priority and j.fork_from is None)
 
     def _unreachable(self, own: int, ahead: int, time_left_s: float) -> Overloaded | None:
         """An :class:`Overloaded` when ``own`` prompt tokens behind the running backlog and ``ahead``
@@ -493,6 +521,7 @@ class Scheduler:
         share = self.cfg.admission_prefill_share
         rate = self.engine.stepper.prefill_tok_s
         backlog = self._prefill_backlog() if share else 0
+        ahead = self._ahead_of_queue() if share else None
         blocked = False                       # a request ahead waits: the rest only hear if they cannot make it
         for job in sorted(self._waiting, key=lambda j: (j.req.priority, j.seq)):
             if not blocked and len(self._running) >= self.cfg.max_concurrency:
@@ -502,7 +531,7 @@ class Scheduler:
                 continue                      # this tenant waits; others may go ahead
             if job.admitted.done():
                 continue                      # cancelled while queued (its task removes it)
-            own = 0 if job.fork_from is not None else len(job.req.tokens)   # a fork runs no prompt
+            own = 0 if job.fork_from is not None else (self._estimate(job, ahead) if share else len(job.req.tokens))
             if share and rate and backlog:
                 left = job.deadline - now
                 need = (backlog + own) / rate         # its prompt done after all ahead of it
@@ -522,6 +551,7 @@ class Scheduler:
             self._running.add(job)
             self._tenant_running[t.id] += 1
             job.admitted_at = now
+            job.work = own
             job.admitted.set_result(None)
         self._gauges()
 
@@ -536,6 +566,7 @@ class Scheduler:
             run_s = time.perf_counter() - job.admitted_at
             self._avg_run_s = run_s if self._avg_run_s is None else 0.8 * self._avg_run_s + 0.2 * run_s
         self._jobs.discard(job)
+        self._work.forget(job.seq)
         self._gauges()
         self._admit()
 

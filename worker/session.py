@@ -401,8 +401,8 @@ class Session:
                                    "kvl.reloaded_disk": self.reloaded.get("disk", 0)})
 
     async def _wait_for_shared(self) -> None:
-        """Wait (``cache.prefix_wait_ms`` at most) for this prompt's blocks that other requests
-        here claim (:mod:`worker.inflight`), so the lease that follows finds them committed."""
+        """Wait (while the worker prefills; ``cache.prefix_wait_ms`` without progress at most) for
+        this prompt's blocks that other requests here claim (:mod:`worker.inflight`), so the lease that follows finds them committed."""
         e = self.engine
         futures = e.inflight.others(self.hashes, self)
         if not futures:
@@ -413,8 +413,7 @@ class Session:
             # same prefix may have claimed the next blocks of it first
             outcome = ""
             while futures and outcome != "timeout":
-                left = e.prefix_wait_s - (time.perf_counter() - t0)
-                outcome = await wait_for(futures, left) if left > 0 else "timeout"
+                outcome = await wait_for(futures, e.prefix_wait_s, e.stepper.computing_prompt)
                 futures = e.inflight.others(self.hashes, self)
             sp.set_attribute("kvl.outcome", outcome)
         e.metrics.prefix_waits.labels(outcome=outcome).inc()

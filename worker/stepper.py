@@ -52,6 +52,7 @@ epoch: what it made fused is not reused).
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -69,6 +70,10 @@ log = get_logger("kvl.worker.stepper")
 #: Event-loop turns the stepper yields before forming a batch, so requests woken by the last
 #: forward can hand in their next step first (each needs one or two turns to sample and submit).
 GATHER_TURNS = 1
+
+#: After a prompt forward ends, how long the worker still counts as computing prompts (the gap to
+#: the next forward: sampling, exports, the event loop's turn; see :meth:`Stepper.computing_prompt`).
+PROMPT_GAP_S = 0.02
 
 
 def largest_forward(max_batch_tokens: int, block_size: int) -> int:
@@ -191,12 +196,20 @@ class Stepper:
         self.forwards = 0
         self.rows = 0
         self.segments = 0
+        #: When the forward running now started, if it carries prompt rows; when the last such ended.
+        self._prompt_since: float | None = None
+        self._prompt_ended = -math.inf
 
     @property
     def prefill_tok_s(self) -> float | None:
         """The measured prefill rate (prompt tokens per second); None until a prompt ran. The
         scheduler's admission sizes the prefill backlog by it (``worker.scheduler``)."""
         return self._prefill_rows / self._prefill_time if self._prefill_time > 0 else None
+
+    def computing_prompt(self) -> bool:
+        """Whether a forward carrying prompt rows runs now, or one ended within the last
+        :data:`PROMPT_GAP_S` (prefix waits: ``worker.inflight.wait_for``)."""
+        return self._prompt_since is not None or time.perf_counter() - self._prompt_ended < PROMPT_GAP_S
 
     @property
     def fused(self) -> bool:
@@ -260,6 +273,9 @@ class Stepper:
                 self.decode_row_s = row if self.decode_row_s is None else 0.7 * self.decode_row_s + 0.3 * row
             self._decode_only_at = t0 if all(s.decode for s in batch) else None
             self._decode_only_rows = len(batch)
+            prompts = self._decode_only_at is None      # the forward carries prompt rows
+            if prompts:
+                self._prompt_since = t0
             try:
                 results = await loop.run_in_executor(self.executor, self._run, batch)
             except BaseException as e:  # noqa: BLE001 - every request of the batch hears of it
@@ -271,6 +287,9 @@ class Stepper:
                 if isinstance(e, FusedMismatch) and self.on_mismatch is not None:
                     self.on_mismatch(str(e))
                 continue
+            finally:
+                if prompts:
+                    self._prompt_since, self._prompt_ended = None, time.perf_counter()
             dt = time.perf_counter() - t0
             if self.metrics is not None:
                 self.metrics.observe_step(len(batch), sum(r.tokens for r in results if isinstance(r, StepResult)), dt)

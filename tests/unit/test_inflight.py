@@ -42,3 +42,27 @@ async def test_wait_for_reports_committed_abandoned_or_timeout() -> None:
     assert not any(x.cancelled() for x in futures)      # shared with other waiters: never cancelled
     asyncio.get_running_loop().call_later(0.01, f.committed, a, ["h1", "h2"])
     assert await wait_for(futures, 5.0) == "committed"
+
+
+async def test_a_wait_runs_out_only_after_its_bound_passes_with_the_worker_idle() -> None:
+    f, a, b = InFlightBlocks(), object(), object()
+    f.claim(a, ["h1"])
+    [fut] = f.others(["h1"], b)
+    busy = [True]
+
+    async def worker_prefills_then_commits() -> None:
+        await asyncio.sleep(0.25)           # prompts computed for 3 × the bound
+        busy[0] = False
+        await asyncio.sleep(0.03)           # then idle, under the bound, until the commit
+        f.committed(a, ["h1"])
+
+    task = asyncio.create_task(worker_prefills_then_commits())
+    assert await wait_for([fut], 0.08, lambda: busy[0]) == "committed"
+    await task
+    # with nothing computed the same bound runs out
+    f.claim(a, ["h2"])
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    assert await wait_for(f.others(["h2"], b), 0.08, lambda: busy[0]) == "timeout"
+    assert 0.08 <= loop.time() - t0 < 1.0
+    assert await wait_for(f.others(["h2"], b), 0.05) == "timeout"     # no busy probe: the bound in all

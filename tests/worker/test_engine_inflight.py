@@ -99,3 +99,23 @@ async def test_requests_that_waited_together_share_what_each_claims_next(make_en
         ref = reference()
         for r, p in zip(got, prompts):
             assert same(r, await ref.generate(p, max_tokens=2))
+
+
+async def test_a_waiter_behind_a_long_prompt_waits_while_the_worker_computes_it(make_engine, reference) -> None:
+    # the claimant's prompt takes many forwards (a small token budget): far longer than the bound,
+    # which only counts time with no prompt computed on the worker (before, the waiter gave up)
+    base = prompt(SHARED, seed=100)
+    first, second = base + prompt(600, seed=101), base + prompt(20, seed=102)
+    async with make_engine(InProcessCoordinator(), **{"cache.prefix_wait_ms": 60,
+                                                      "service.max_batch_tokens": 16}) as e:
+        a = asyncio.create_task(e.generate(first, max_tokens=2))
+        while not len(e.inflight):
+            await asyncio.sleep(0)
+        rb = await e.generate(second, max_tokens=2)
+        ra = await a
+        outcomes = {k: waits(e, k) for k in ("committed", "abandoned", "timeout")}
+        assert outcomes == {"committed": 1, "abandoned": 0, "timeout": 0}, (outcomes, rb.fallbacks, ra.fallbacks)
+        assert rb.cached_tokens == SHARED and rb.timings["prefix_wait"] > 0.06, rb.timings
+        ref = reference()
+        assert same(ra, await ref.generate(first, max_tokens=2))
+        assert same(rb, await ref.generate(second, max_tokens=2))
