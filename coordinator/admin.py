@@ -270,6 +270,7 @@ async def list_workers(request: web.Request) -> web.Response:
     workers = [{"worker_id": w.worker_id, "epoch": w.epoch, "alive": w.alive, "draining": w.draining,
                 "suspended": w.suspended, "suspended_at_ms": w.suspended_at_ms or None,
                 "namespace": w.namespace, "model_id": w.catalogue.model_id, "forms": list(w.catalogue.names),
+                "block_size": w.catalogue.block_size,
                 "endpoint": w.endpoint, "node": w.node, "registered_at_ms": w.registered_at_ms,
                 # soft state: heartbeats are not logged; registration and resume times are
                 "last_heartbeat_ms": max(w.last_heartbeat_ms, ledger.seen.get((w.worker_id, w.epoch), 0)),
