@@ -26,6 +26,9 @@
    disk replicas (a random sample when there are more): the file exists, its header names
    the block, form and namespace, and its bytes match the checksum recorded at commit.
    Missing or damaged files still READY in the ledger on a second look are reported.
+5. A shard of a sharded ledger (``coordinator.shards`` > 1) also checks that every live block
+   belongs to a chain its shard map gives it (:mod:`coordinator.shard_audit`; the ``shard``
+   entry, which lists the live blocks for the fleet-wide check of ``kvledger audit --shard-url``).
 
 Nothing is appended; the audit never changes the state it checks.
 """
@@ -45,6 +48,7 @@ from coordinator.core.state import LedgerState
 from coordinator.ledger import Ledger
 from coordinator.log.chain import ChainCheck
 from coordinator.replay import LogCorrupt, load_state
+from coordinator.shard_audit import shard_report
 from shared.hashing import replica_digests, split_digests
 from shared.messages import DiskRef, InventoryReply, ReplicaState
 
@@ -160,6 +164,9 @@ async def run_audit(ledger: Ledger, inventory: Any = None, *, from_snapshot: boo
         position = ledger.position
         live_hash = state_hash(live)
         live_violations = check_invariants(live)
+        shard_map = ledger.params.shard_map
+        live_blocks = ({key[0] for key, r in live.replicas.items() if r.state in LIVE}
+                       if shard_map is not None else set())
     report: dict[str, Any] = {"position": position, "live_hash": live_hash,
                               "replay_from": "snapshot" if from_snapshot else "empty"}
     try:
@@ -183,6 +190,8 @@ async def run_audit(ledger: Ledger, inventory: Any = None, *, from_snapshot: boo
     if not chain["ok"]:
         brk = chain["first_break"]
         report["log_errors"].append(f"hash chain broken at position {brk['position']}: {brk['what']}")
+    if shard_map is not None:
+        report["shard"] = await shard_report(ledger.log, position, shard_map, ledger.params.shard, live_blocks)
     report["invariant_violations"] = live_violations
     report["replay_invariant_violations"] = check_invariants(result.state) if result is not None else []
     if check_workers and inventory is not None:
@@ -194,7 +203,8 @@ async def run_audit(ledger: Ledger, inventory: Any = None, *, from_snapshot: boo
     disk = report.get("disk")
     disk_bad = bool(disk and (disk.get("missing", {}).get("count") or disk.get("damaged", {}).get("count")))
     report["ok"] = bool(report.get("hash_match")) and not report["log_errors"] and not live_violations \
-        and not report["replay_invariant_violations"] and not drift and not disk_bad
+        and not report["replay_invariant_violations"] and not drift and not disk_bad \
+        and report.get("shard", {}).get("ok", True)
     report["duration_ms"] = round((time.perf_counter() - t0) * 1000, 1)
     return report
 

@@ -276,6 +276,9 @@ def register(sub: Any) -> None:
     p.add_argument("--worker-timeout-ms", type=int, default=2000, help="how long each worker may take to answer")
     p.add_argument("--disk-checks", type=disk_checks, metavar="N", default=None,
                    help="disk-tier files one worker verifies (a random sample; 0 = none; default: the server's, 64)")
+    p.add_argument("--shard-url", action="append", default=[], metavar="URL",
+                   help="a sharded ledger: audit the coordinator of every shard (one --shard-url each), then the "
+                        "fleet: each shard the one it should be, one map version, no block live on two shards")
 
     add("snapshot", cmd_snapshot, "save a snapshot of the live state now (replay after a restart starts there)")
 

@@ -13,6 +13,8 @@ from shared.config import load_config
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
+    if args.shard_url:
+        return _audit_fleet(args)
     client = client_for(args)
     total = None
     status_doc: Any = None
@@ -22,9 +24,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         pass  # the audit call below reports the reason
     if isinstance(status_doc, dict):
         total = status_doc.get("position")
-    body = {"replay_from": args.replay_from, "check_workers": not args.no_workers, "timeout_ms": args.worker_timeout_ms}
-    if args.disk_checks is not None:
-        body["disk_checks"] = args.disk_checks
+    body = _audit_body(args)
     what = f"auditing: replaying {total:,} events" if total else "auditing"
     with progress(what, None, not args.json):
         report = client.call("POST", "/v1/audit", body=body, timeout_s=max(args.timeout, 600.0))
@@ -33,6 +33,46 @@ def cmd_audit(args: argparse.Namespace) -> int:
     else:
         print_audit(report)
     return 0 if report.get("ok") else EXIT_FOUND_PROBLEMS
+
+
+def _audit_body(args: argparse.Namespace) -> dict[str, Any]:
+    body = {"replay_from": args.replay_from, "check_workers": not args.no_workers, "timeout_ms": args.worker_timeout_ms}
+    if args.disk_checks is not None:
+        body["disk_checks"] = args.disk_checks
+    return body
+
+
+def _audit_fleet(args: argparse.Namespace) -> int:
+    """Each shard's audit (its coordinator, by ``--shard-url``), then the fleet's (``coordinator.shard_audit``)."""
+    from coordinator.shard_audit import fleet_report
+
+    base = client_for(argparse.Namespace(**{**vars(args), "coordinator_url": args.shard_url[0]}))
+    reports: dict[str, Any] = {}
+    for url in args.shard_url:
+        client = type(base)(url.rstrip("/"), base.token, base.timeout_s, base.context)
+        with progress(f"auditing {url}", None, not args.json):
+            reports[url] = client.call("POST", "/v1/audit", body=_audit_body(args), timeout_s=max(args.timeout, 600.0))
+    fleet = fleet_report(reports)
+    if args.json:
+        print_json({"ok": fleet["ok"], "fleet": fleet,
+                    "shards": {u: {k: v for k, v in r.items() if k != "shard"} | {"shard": _shard_summary(r)}
+                               for u, r in reports.items()}})
+    else:
+        for url, r in reports.items():
+            console().print(f"[bold]{url}[/bold] (shard {_shard_summary(r).get('shard', '?')})")
+            print_audit(r)
+        con = console()
+        con.print(("[green]FLEET CLEAN[/green]" if fleet["ok"] else "[red]FLEET PROBLEMS FOUND[/red]")
+                  + f": {len(fleet['shards'])} shards, {fleet['live_blocks']} live blocks")
+        for line in fleet["problems"]:
+            con.print(f"  {line}")
+    return 0 if fleet["ok"] else EXIT_FOUND_PROBLEMS
+
+
+def _shard_summary(r: dict[str, Any]) -> dict[str, Any]:
+    """A report's ``shard`` entry without its list of every live block."""
+    s = r.get("shard")
+    return {k: v for k, v in s.items() if k != "keys"} if isinstance(s, dict) else {}
 
 
 def print_audit(r: dict[str, Any]) -> None:
@@ -56,6 +96,7 @@ def print_audit(r: dict[str, Any]) -> None:
         ["tiers (ledger READY / held)", _tiers(r.get("inventory") or {}) or "-"],
         ["drift", ", ".join(r.get("drift", {})) or "none"],
         ["disk", _disk(r.get("disk"))],
+        ["shard", _shard(r.get("shard"))],
         ["took", f"{r.get('duration_ms')} ms"],
     ]
     from rich.table import Table
@@ -78,10 +119,21 @@ def print_audit(r: dict[str, Any]) -> None:
                 continue
             count = detail.get("count") if isinstance(detail, dict) and "count" in detail else detail
             con.print(f"  drift on {wid}: {kind}: {count}")
+    for block in ((r.get("shard") or {}).get("foreign") or {}).get("listed", [])[:20]:
+        con.print(f"  shard: block {block} is of a chain another shard owns")
     disk = r.get("disk") or {}
     for kind in ("missing", "damaged"):
         for ref in (disk.get(kind) or {}).get("replicas", [])[:20]:
             con.print(f"  disk {kind}: {' '.join(map(str, ref))}")
+
+
+def _shard(s: Any) -> str:
+    if not isinstance(s, dict):
+        return "-"
+    return (f"{s.get('shard')} of {s.get('shards')} (map version {s.get('map_version')}, "
+            f"{s.get('owned_partitions')}/{s.get('partitions')} partitions): {s.get('live_blocks')} live blocks, "
+            f"{(s.get('foreign') or {}).get('count', 0)} of another shard's chains, "
+            f"{s.get('unattributed', 0)} not attributable (grant archived)")
 
 
 def _chain(c: dict[str, Any] | None) -> str:

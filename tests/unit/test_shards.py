@@ -150,3 +150,33 @@ def test_a_frozen_partition_is_leased_by_no_shard_until_its_move_opens() -> None
     d = Driver(CoreParams(shard=1, shard_map=frozen.open(part)))
     d.run(register_worker, register("w1"), 0)
     assert isinstance(d.run(acquire_lease, acquire("w1", 1, [root]), 1, "L"), LeaseGrant)
+
+
+def _shard_audit(shard: int, keys: list[str], *, ok: bool = True, version: int = 1, shards: int = 2) -> dict:
+    return {"ok": ok, "shard": {"shard": shard, "shards": shards, "map_version": version, "partitions": 16,
+                                "ok": ok, "keys": keys}}
+
+
+def test_the_fleet_audit_wants_every_shard_once_clean_on_one_map_and_each_key_on_one_shard() -> None:
+    from coordinator.shard_audit import fleet_report
+
+    clean = fleet_report({"a": _shard_audit(0, [h(1), h(2)]), "b": _shard_audit(1, [h(3)])})
+    assert clean["ok"] and clean["problems"] == [] and clean["live_blocks"] == 3
+    assert clean["shards"] == {"0": "a", "1": "b"}
+
+    def problems(reports: dict) -> list[str]:
+        r = fleet_report(reports)
+        assert not r["ok"]
+        return r["problems"]
+
+    assert problems({"a": _shard_audit(0, [h(1)], ok=False), "b": _shard_audit(1, [])}) == [
+        "a: its own audit found problems"]
+    assert problems({"a": _shard_audit(0, [h(1)]), "b": _shard_audit(0, [h(2)])}) == [
+        "b and a are both shard 0", "shards audited [0], the map has 2"]
+    assert problems({"a": _shard_audit(0, [h(1)])}) == ["shards audited [0], the map has 2"]
+    both = fleet_report({"a": _shard_audit(0, [h(1), h(2)]), "b": _shard_audit(1, [h(2)])})
+    assert both["problems"] == ["1 blocks are live on more than one shard"]
+    assert both["on_several_shards"] == {"count": 1, "listed": {h(2): [0, 1]}}
+    assert "disagree on the map" in problems({"a": _shard_audit(0, []), "b": _shard_audit(1, [], version=2)})[0]
+    assert problems({"a": {"ok": True}, "b": _shard_audit(1, [])})[0] == (
+        "a: not a sharded coordinator (no shard section in its audit)")

@@ -5,7 +5,12 @@ logs together hold every chain once (docs/architecture.md, "The ledger sharded")
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
+import os
+import subprocess
+import sys
 
 import aiohttp
 import asyncpg
@@ -25,6 +30,16 @@ async def _audit(base: str) -> dict:
         async with http.post(f"{base}/v1/audit", json={"check_workers": False}) as r:
             assert r.status == 200, await r.text()
             return await r.json()
+
+
+async def _fleet_audit(bases: list[str]) -> tuple[int, str]:
+    """``kvledger audit --shard-url … --json`` (the CLI, a process of its own)."""
+    args = [sys.executable, "-m", "kvledger", "audit", "--no-workers", "--json"]
+    for b in bases:
+        args += ["--shard-url", b]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVL_")}
+    proc = await asyncio.to_thread(subprocess.run, args, capture_output=True, text=True, env=env, timeout=120)
+    return proc.returncode, proc.stdout + proc.stderr
 
 
 def _chains(shard_map: ShardMap, per_shard: int) -> dict[int, list[list[str]]]:
@@ -79,10 +94,19 @@ async def test_two_shards_lease_only_their_own_chains_each_in_its_own_log_and_st
                 assert info.config.subjects == [per_shard[k].events_wildcard]
                 assert info.state.last_seq == 9      # 3 chains × 3 commits (purged or not once acknowledged)
 
-            # per shard: today's audit, clean
-            for base in bases:
+            # per shard: today's audit, clean, and every live block of a chain the shard owns
+            for k, base in enumerate(bases):
                 report = await _audit(base)
                 assert report["ok"], report
+                s = report["shard"]
+                assert (s["shard"], s["shards"], s["map_version"], s["owned_partitions"]) == (k, 2, 1, PARTITIONS // 2)
+                assert (s["live_blocks"], s["attributed"], s["foreign"]["count"]) == (9, 9, 0), s
+            # fleet-wide, as an operator runs it: each shard once, one map, no block on two shards
+            code, out = await _fleet_audit(bases)
+            assert code == 0, out
+            fleet = json.loads(out)
+            assert fleet["ok"] and fleet["fleet"]["shards"] == {"0": bases[0], "1": bases[1]}, fleet["fleet"]
+            assert fleet["fleet"]["live_blocks"] == 18 and "keys" not in fleet["shards"][bases[0]]["shard"]
     finally:
         with contextlib.suppress(Exception):
             await nc.jetstream().delete_stream(per_shard[1].stream_name)
@@ -103,3 +127,37 @@ async def test_two_shards_lease_only_their_own_chains_each_in_its_own_log_and_st
         assert {shard_map.owner(NS, roots[b]) for b in keys} == {k}
         ready.append(keys)
     assert not ready[0] & ready[1]
+
+
+async def test_a_ledger_resharded_without_moving_its_chains_fails_its_shard_audit(
+        database_url: str, other_database_url: str, nats_url: str, subjects: Subjects) -> None:
+    """One shard's log, then run as shard 0 of 2 with nothing moved: the chains the map now gives
+    shard 1 are still live on shard 0 — the shard audit names them, and the fleet audit fails."""
+    shard_map = ShardMap.uniform(2, PARTITIONS)
+    chains = _chains(shard_map, 2)
+    nc = await nats.connect(nats_url)
+    try:
+        async with running_coordinator(fast_config(database_url, nats_url, subjects)):
+            w = Worker(nc, subjects, "w1", slots=64)
+            await w.register()
+            await w.watch_watermarks()
+            for chain in chains[0] + chains[1]:
+                await w.release((await w.fill(chain)).lease_id)
+        sharded = [fast_config(u, nats_url, subjects, shards=2, shard=k, shard_partitions=PARTITIONS)
+                   for k, u in enumerate((database_url, other_database_url))]
+        async with contextlib.AsyncExitStack() as stack:
+            bases = [(await stack.enter_async_context(running_coordinator(c)))[1] for c in sharded]
+            report = await _audit(bases[0])
+            assert not report["ok"] and report["hash_match"] and not report["log_errors"], report
+            foreign = {b for chain in chains[1] for b in chain}
+            s = report["shard"]
+            assert (s["live_blocks"], s["attributed"], s["foreign"]["count"]) == (12, 12, 6), s
+            assert set(s["foreign"]["listed"]) == foreign
+            assert (await _audit(bases[1]))["ok"]
+            code, out = await _fleet_audit(bases)
+            assert code == 3, out
+            assert json.loads(out)["fleet"]["problems"] == [f"{bases[0]}: its own audit found problems"]
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.jetstream().delete_stream(shard_subjects(subjects.prefix, 1).stream_name)
+        await nc.drain()
