@@ -95,9 +95,10 @@ class Coordinator:
     async def start(self) -> None:
         timeout = max(self.config.nats.request_timeout_ms / 1000, 2.0)
         user = self.config.nats.user
-        if user and nats_auth.Identity.parse(user).role != "coordinator":
-            raise StartupError(f"config key nats.user: the coordinator connects as 'coordinator', not {user!r} "
-                               "(each identity may act only on its own subjects)")
+        own = nats_auth.coordinator(self.config.coordinator.shard).user
+        if user and nats_auth.Identity.parse(user).user != own:
+            raise StartupError(f"config key nats.user: the coordinator of shard {self.config.coordinator.shard} connects "
+                               f"as {own!r}, not {user!r} (each identity may act only on its own subjects)")
         nc = NatsClient()
         try:
             # NOTE: with unlimited reconnects nats-py retries the *first* connection forever too;

@@ -73,6 +73,13 @@ def cmd_services(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shard_count(text: str) -> int:
+    n = int(text) if text.isdigit() else 0
+    if not 1 <= n <= 1024:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of shards from 1 to 1024")
+    return n
+
+
 def cmd_nats_auth(args: argparse.Namespace) -> int:
     """The NATS users of a deployment and their permissions (``shared.nats_auth``)."""
     from shared import nats_auth
@@ -85,10 +92,11 @@ def cmd_nats_auth(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvledger nats-auth: {e}", file=sys.stderr)
         return 2
-    idents = list(dict.fromkeys([*nats_auth.STANDARD, *workers]))
+    shards = args.shards or cfg.coordinator.shards
+    idents = list(dict.fromkeys([*nats_auth.STANDARD, *(nats_auth.coordinator(k) for k in range(1, shards)), *workers]))
     if args.dir:
         store = nats_auth.CredentialStore(args.dir)
-        conf = store.write_server_config(workers, subjects)
+        conf = store.write_server_config(workers, subjects, shards)
         print(f"wrote {conf} (include it in the nats-server configuration; reload with `nats-server --signal "
               f"reload`)\npasswords (0600), one per user:")
         for i in idents:
@@ -99,7 +107,7 @@ def cmd_nats_auth(args: argparse.Namespace) -> int:
           + "`; do not edit by hand.\n"
           "# Passwords come from the nats-server's environment; each kvledger service gets its own\n"
           "# (KVL_NATS__USER / KVL_NATS__PASSWORD): see docs/operations.md, \"Identity on the bus\".")
-    print(nats_auth.server_config({i: nats_auth.password_env(i) for i in idents}, subjects), end="")
+    print(nats_auth.server_config({i: nats_auth.password_env(i) for i in idents}, subjects, shards), end="")
     return 0
 
 
@@ -131,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     na.add_argument("--gateway", action="append", default=[], metavar="ID",
                     help="a gateway id that gets its own user gateway.<ID> (repeat for each gateway)")
     na.add_argument("--prefix", default="", help="subject prefix (default: nats.subject_prefix)")
+    na.add_argument("--shards", type=_shard_count, default=0, metavar="N",
+                    help="coordinator shards: a coordinator.s<k> user for each shard k ≥ 1, and every other user's "
+                         "grant under each shard's prefix (default: coordinator.shards)")
     na.add_argument("--dir", default="", help="generate passwords into this directory (0700, one 0600 file per "
                                               "user) and write auth.conf there; default: print a configuration "
                                               "that reads the passwords from the environment")

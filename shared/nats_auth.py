@@ -14,6 +14,10 @@ user                    may
                         only (no other identity may join it), and answer them;
                         publish watermarks, inventory and control to workers; use JetStream's
                         API and acknowledge its transitions. Never publish a transition.
+``coordinator.s<k>``    the same, as shard k ≥ 1 of a sharded ledger, under that shard's prefix
+                        ``<p>.s<k>`` only (``shared.shards``); ``coordinator`` is shard 0, under
+                        ``<p>`` only. The other identities get their grants under every shard's
+                        prefix (``shards`` in :func:`permissions`).
 ``worker.<id>``         request only ``<p>.req.<id>.*``; publish only ``<p>.events.<id>``;
                         receive only ``<p>.worker.<id>.>`` and answer what it receives.
 ``gateway.<id>``        ask only ``<p>.route.<id>`` (which workers hold a prefix: read-only);
@@ -48,12 +52,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.shards import shard_subjects
 from shared.subjects import COORDINATOR_QUEUE, Subjects
 
 ROLES = ("coordinator", "worker", "gateway", "operator", "observer")
 #: Roles whose identity carries a name (one user per worker, per gateway).
 NAMED = ("worker", "gateway")
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+\Z")
+#: The name of shard k ≥ 1's coordinator identity (``coordinator.s<k>``; shard 0's has none).
+_SHARD_NAME = re.compile(r"^s[1-9][0-9]*\Z")
 
 
 class AuthConfigError(ValueError):
@@ -69,13 +76,22 @@ class Identity:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"unknown role {self.role!r}; one of {', '.join(ROLES)}")
+        if self.role == "coordinator" and self.name:
+            if not _SHARD_NAME.match(self.name):
+                raise ValueError("a coordinator identity is 'coordinator' (shard 0) or 'coordinator.s<k>' (shard k ≥ 1)")
+            return
         if (self.role in NAMED) != bool(self.name) or (self.name and not _TOKEN.match(self.name)):
             raise ValueError("a worker or gateway identity needs an id of letters, digits, '_' or '-' "
                              "(and only they have one)")
 
     @property
+    def shard(self) -> int:
+        """The shard a coordinator identity speaks for (0 for every other identity)."""
+        return int(self.name[1:]) if self.role == "coordinator" and self.name else 0
+
+    @property
     def user(self) -> str:
-        return f"{self.role}.{self.name}" if self.role in NAMED else self.role
+        return f"{self.role}.{self.name}" if self.name else self.role
 
     @classmethod
     def parse(cls, user: str) -> "Identity":
@@ -83,8 +99,13 @@ class Identity:
         try:
             return cls(role, name)
         except ValueError as e:
-            raise AuthConfigError(f"NATS user {user!r} is not a kvledger identity (coordinator, operator, observer, "
-                                  f"worker.<worker id> or gateway.<gateway id>): {e}") from None
+            raise AuthConfigError(f"NATS user {user!r} is not a kvledger identity (coordinator, coordinator.s<shard>, "
+                                  f"operator, observer, worker.<worker id> or gateway.<gateway id>): {e}") from None
+
+
+def coordinator(shard: int = 0) -> Identity:
+    """Shard ``shard``'s coordinator identity: ``coordinator`` for shard 0, ``coordinator.s<k>`` for k ≥ 1."""
+    return Identity("coordinator", f"s{shard}" if shard else "")
 
 
 def inbox_prefix(user: str) -> str:
@@ -118,14 +139,32 @@ def queue_entry(subject: str, queue: str) -> str:
     return f"{subject} {queue}"
 
 
-def permissions(identity: Identity, subjects: Subjects) -> dict[str, Any]:
-    """The NATS permissions block of ``identity`` (see the table in the module docstring).
+def permissions(identity: Identity, subjects: Subjects, shards: int = 1) -> dict[str, Any]:
+    """The NATS permissions block of ``identity`` (see the table in the module docstring), in a
+    ledger of ``shards`` shards whose shard 0 is ``subjects``: a coordinator's under its own shard's
+    subjects only, every other identity's under each shard's.
 
     Only the coordinator subscribes in a queue group (:data:`COORDINATOR_QUEUE`, on request and
     route subjects, and nowhere else); every other identity subscribes plainly, never in a queue
     group, and nobody but the coordinator subscribes to a request subject (a plain subscriber
     there would hide the coordinator's absence: requests would time out instead of failing fast
     with "no responders")."""
+    if identity.role == "coordinator":
+        return _permissions(identity, shard_subjects(subjects.prefix, identity.shard))
+    merged: dict[str, Any] = {}
+    for k in range(shards):
+        for direction, grant in _permissions(identity, shard_subjects(subjects.prefix, k)).items():
+            if not isinstance(grant, dict):
+                merged[direction] = grant
+                continue
+            into = merged.setdefault(direction, {})
+            for kind, entries in grant.items():
+                into[kind] = list(dict.fromkeys([*into.get(kind, []), *entries]))
+    return merged
+
+
+def _permissions(identity: Identity, subjects: Subjects) -> dict[str, Any]:
+    """One shard's grant (``subjects``: that shard's)."""
     p, stream, inbox = subjects.prefix, subjects.stream_name, inbox_prefix(identity.user) + ".>"
     js_info = [*_JS_INFO, f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.CONSUMER.INFO.{stream}.*"]
     if identity.role == "coordinator":
@@ -178,11 +217,11 @@ def password_env(ident: Identity) -> EnvRef:
     return EnvRef("NATS_PASSWORD_" + re.sub(r"[^A-Z0-9]", "_", ident.user.upper()))
 
 
-def server_config(passwords: Mapping[Identity, str | EnvRef], subjects: Subjects) -> str:
+def server_config(passwords: Mapping[Identity, str | EnvRef], subjects: Subjects, shards: int = 1) -> str:
     """The ``authorization`` block for these users (nats-server configuration syntax)."""
     lines = ["authorization {", "  users = ["]
     for ident, password in passwords.items():
-        user = {"user": ident.user, "password": password, "permissions": permissions(ident, subjects)}
+        user = {"user": ident.user, "password": password, "permissions": permissions(ident, subjects, shards)}
         lines.append(f"    {_value(user)}")
     lines += ["  ]", "}"]
     return "\n".join(lines) + "\n"
@@ -218,12 +257,13 @@ class CredentialStore:
         _write_private(path, pw + "\n")
         return pw
 
-    def write_server_config(self, identities: Iterable[Identity], subjects: Subjects) -> Path:
-        """``<dir>/auth.conf`` for nats-server ``-c`` (0600: it holds the passwords)."""
-        idents = list(dict.fromkeys([*STANDARD, *identities]))
+    def write_server_config(self, identities: Iterable[Identity], subjects: Subjects, shards: int = 1) -> Path:
+        """``<dir>/auth.conf`` for nats-server ``-c`` (0600: it holds the passwords); with ``shards``,
+        a coordinator identity for each shard too."""
+        idents = list(dict.fromkeys([*STANDARD, *(coordinator(k) for k in range(1, shards)), *identities]))
         conf = self.dir / "auth.conf"
         text = ("# Generated by kvledger (shared/nats_auth.py); regenerated at each start.\n"
-                + server_config({i: self.password(i) for i in idents}, subjects))
+                + server_config({i: self.password(i) for i in idents}, subjects, shards))
         _write_private(conf, text)
         return conf
 
