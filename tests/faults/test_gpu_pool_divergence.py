@@ -88,7 +88,7 @@ async def test_a_gpu_block_pinned_by_a_grant_the_worker_has_not_heard_of_keeps_i
         while engine.metrics.value("kvl_worker_pool_divergences_total", {"form": "swa"}) < 1 and seed < 6:
             await engine.generate(prompt(48, seed=seed), max_tokens=1)
             seed += 1
-            await until(lambda: not engine._making_room)
+            await until(lambda: not engine.replicas.making_room)
         assert engine.metrics.value("kvl_worker_pool_divergences_total", {"form": "swa"}) >= 1
         assert cold in gpu_ready(engine, twin, "swa")[0], "a block the ledger pins lost its bytes"
         assert engine.store.lookup("swa", cold) is not None
@@ -96,7 +96,7 @@ async def test_a_gpu_block_pinned_by_a_grant_the_worker_has_not_heard_of_keeps_i
         while phantom in gpu_ready(engine, twin, "swa")[0] and seed < 10:
             await engine.generate(prompt(48, seed=seed), max_tokens=1)
             seed += 1
-            await until(lambda: not engine._making_room)
+            await until(lambda: not engine.replicas.making_room)
         assert phantom not in gpu_ready(engine, twin, "swa")[0], "the slot the ledger does not count was never freed"
         assert cold in gpu_ready(engine, twin, "swa")[0]
         assert await engine.flush()

@@ -381,11 +381,11 @@ async def test_a_host_copy_the_ledger_refuses_is_dropped(make_engine) -> None:
         (_, _, good), (_, _, other) = list(a.store.items())[:2]
         unknown = msgspec.structs.replace(other, checksum="0" * len(other.checksum))   # no such source
         for meta in (good, unknown):
-            a._offload_copy(meta, torch.zeros(8))
+            a.replicas.offload_copy(meta, torch.zeros(8))
             assert a.tiers.holds(meta)
         assert await a.flush(timeout=10)
         assert [(e.block_hash, e.form) for e, _ in twin.rejected if e.location.startswith("host:")] == [
             (unknown.block_hash, unknown.form)]
         assert not a.tiers.holds(unknown) and a.tiers.holds(good)
         assert a.metrics.value("kvl_worker_refused_copies_total") == 1
-        assert not a._offers                             # both settled
+        assert not a.replicas.offers                             # both settled

@@ -186,7 +186,7 @@ class Tiers:
         NOTE: the host LRU skips pinned entries when it picks victims; this is the second place
         a host replica's bytes go, and a pinned replica stays READY in the ledger, so dropping
         it here would leave a READY host replica that exists nowhere. (Pins of grants this worker
-        has not heard of yet are the coordinator's to see: ``Engine._evict_host``.)"""
+        has not heard of yet are the coordinator's to see: ``Supervisor._evict_host``.)"""
         key = (meta.block_hash, meta.form)
         item = self._spills.get(key)
         if item is None or not item[2] or self.host is None or self.host.pinned is None \
@@ -229,7 +229,7 @@ class Tiers:
         their checksums. Raises OffloadUnavailable (none of them is written then)."""
         assert self.disk_root is not None and self._writer is not None
         # NOTE: the metas name the records as they are (a BlockMeta has every key field): the
-        # engine checked each key before queueing it (``Engine._spill_batch``), and a BlockKey
+        # engine checked each key before queueing it (``Supervisor._spill_batch``), and a BlockKey
         # per record here, each field re-checked by a regex, was 40 % of a batch's CPU time.
         # (``is_cpu``: ``device.type`` builds a device object, 0.28 against 0.06 us a record)
         batch = [(meta, memoryview((data if data.is_cpu else data.cpu()).contiguous().numpy()))

@@ -1,0 +1,389 @@
+"""Every replica state change this worker decides, and the moves of bytes between its tiers.
+
+:class:`ReplicaWriter` is the one place a worker tells the ledger about its replicas — commits
+(ALLOCATED→READY), aborts, invalidations, offloads to the host and disk tiers, evictions — so
+the list of what a worker may say is one screen long. Each transition goes to the outbox
+(``worker.publisher``) under the current epoch (``worker.contact``); none is queued while the
+worker is unregistered, and a full outbox degrades the worker instead of dropping anything.
+
+It also moves the bytes those transitions describe: a committed block into its pool slot, a
+block leaving the GPU down to the host tier (or the disk writer's queue), the coldest replicas
+copied down ahead of time above ``cache.offload_threshold``, and room made in a pool whose view
+diverged from the ledger's (the coordinator decides which replicas go). Live leases pin what
+they read: a pinned replica is never the writer's to drop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
+
+import torch
+
+from shared.hashing import replica_digests
+from shared.messages import (
+    MAX_HOST_EVICT_BLOCKS,
+    CommitWatermark,
+    DiskBlock,
+    HostEvict,
+    LeaseGrant,
+    ReplicaRef,
+    ReplicaState,
+    TransitionEvent,
+    now_ms,
+)
+from worker.cache.planner import BlockMeta
+from worker.cache.pools import PoolExhausted
+from worker.cache.store import CacheStore, Reservation
+from worker.cache.tiers import Tiers
+from worker.client import CoordinatorClient, CoordinatorRefused, CoordinatorUnavailable
+from worker.contact import Contact
+from worker.metrics import WorkerMetrics
+from worker.publisher import OutboxFull, TransitionPublisher
+
+R = ReplicaState
+
+
+class ReplicaWriter:
+    """Transitions and tier moves (see the module's docstring)."""
+
+    def __init__(self, *, contact: Contact, client: CoordinatorClient | None, publisher: TransitionPublisher | None,
+                 store: CacheStore | None, tiers: Tiers, metrics: WorkerMetrics, log, worker_id: str,
+                 block_size: int, model_id: str, slots: dict[str, int], offload_threshold: float,
+                 leases: Callable[[], Iterable[LeaseGrant]],
+                 background: Callable[[Coroutine[Any, Any, None]], None],
+                 running: Callable[[], bool]) -> None:
+        self.contact = contact
+        self.client = client
+        self.publisher = publisher
+        self.store = store
+        self.tiers = tiers
+        self.metrics = metrics
+        self.log = log
+        self.worker_id = worker_id
+        self.gpu = f"gpu:{worker_id}"
+        self.host_location = f"host:{worker_id}"
+        self.block_size = block_size
+        self.model_id = model_id
+        self.slots = slots
+        self.offload_threshold = offload_threshold
+        #: The grants of this worker's live leases (sessions releasing in the background included).
+        self._leases = leases
+        self._background = background
+        #: Whether the engine runs (a retry scheduled before stop() must not start work after it).
+        self._running = running
+        #: Set when the spill queue has blocks for the disk writer (``worker.supervisor``).
+        self.spill_due = asyncio.Event()
+        #: GPU replicas (block, form, generation) the threshold copied down a tier already.
+        self.backed: dict[tuple[str, str, int], None] = {}
+        #: Copies to the host tier not yet settled by a watermark: seq → (block, form), the
+        #: newest seq of each (block, form), and the epoch they belong to (see on_watermark).
+        self.offers: dict[int, tuple[str, str]] = {}
+        self.offer_of: dict[tuple[str, str], int] = {}
+        self.offers_epoch = 0
+        #: Forms whose full pool refused granted writes, and how many, while make_room runs.
+        self.making_room: dict[str, int] = {}
+
+    # --- transitions ----------------------------------------------------------------------
+
+    def emit(self, meta: BlockMeta, location: str, frm: ReplicaState | None, to: ReplicaState, generation: int,
+             *, kind: str, lease_id: str = "", reason: str = "", checksum: str | None = None) -> int:
+        """Queue one transition for the ledger; returns its seq (0 if none could be queued)."""
+        if not self.contact.registered or self.publisher is None:
+            return 0
+        epoch, wid = self.contact.epoch, self.worker_id
+
+        def make(seq: int) -> TransitionEvent:
+            return TransitionEvent(
+                worker_id=wid, epoch=epoch, seq=seq, namespace=meta.namespace, tenant=meta.tenant,
+                block_hash=meta.block_hash, parent_hash=meta.parent_hash, token_start=meta.token_start,
+                token_end=meta.token_end, form=meta.form, location=location, from_state=frm, to_state=to,
+                generation=generation, checksum=meta.checksum if checksum is None else checksum,
+                lease_id=lease_id, reason=reason, block_size=self.block_size, model_name=self.model_id,
+                ts_ms=now_ms())
+
+        try:
+            ev = self.publisher.emit(make)
+        except OutboxFull:
+            self.contact.outbox_overflow()
+            return 0
+        self.metrics.count_transition(kind)
+        return ev.seq
+
+    def commit(self, meta: BlockMeta, data: torch.Tensor | memoryview | Reservation, *, lease_id: str) -> int:
+        """Fill a granted GPU slot with ``data`` and commit it (ALLOCATED→READY); ``data`` may be
+        a slot reserved earlier that already holds the bytes (a disk reload read into it), or a
+        host-tier entry's memoryview."""
+        assert self.store is not None
+        if self.publisher is not None and self.publisher.full:
+            # NOTE: no slot without its commit event: the ledger must hear of every READY slot.
+            self.contact.outbox_overflow()
+            if isinstance(data, Reservation):
+                self.store.release(data)
+            return 0
+        if isinstance(data, Reservation):
+            full = self.store.install_reserved(meta, data)
+            if full is None:
+                # the slot was freed since (a new epoch, or the same block installed by another
+                # request): what it holds now is not ours to commit
+                return self.emit(meta, self.gpu, R.ALLOCATED, R.EVICTED, 0, kind="abort", lease_id=lease_id,
+                                 reason="reserved slot lost")
+            return self.emit(full, self.gpu, R.ALLOCATED, R.READY, full.generation, kind="commit", lease_id=lease_id)
+        try:
+            full = self._install(meta, data)
+        except PoolExhausted as e:
+            self.log.warning("no free slot for a granted write; aborting it", form=meta.form, error=str(e))
+            return self.emit(meta, self.gpu, R.ALLOCATED, R.EVICTED, 0, kind="abort", lease_id=lease_id,
+                             reason="pool exhausted")
+        return self.emit(full, self.gpu, R.ALLOCATED, R.READY, full.generation, kind="commit", lease_id=lease_id)
+
+    def committed(self) -> None:
+        """After a session's commits: pool gauges, and the threshold's copies down a tier."""
+        self.update_pool_metrics()
+        self.pre_offload()
+
+    def invalidate(self, meta: BlockMeta, ref: ReplicaRef, *, damaged: bool, reason: str) -> int:
+        """A replica failed validation: drop our copy, mark it INVALID in the ledger."""
+        if ref.location == self.gpu and self.store is not None:
+            self.store.drop(ref.form, ref.block_hash, ref.generation)
+            self.update_pool_metrics()
+        elif ref.location == self.host_location:
+            self.tiers.host_drop(ref.block_hash, ref.form)
+        elif ref.location == "disk" and damaged:
+            self.tiers.disk_drop(meta)
+        return self.emit(meta, ref.location, R.READY, R.INVALID, ref.generation, kind="invalidate",
+                         reason=reason, checksum=ref.checksum)
+
+    def apply_evictions(self, grant: LeaseGrant) -> None:
+        """Drop the LRU victims a grant names (already EVICTED in the log), copying them down a tier first."""
+        if self.store is None or not grant.evict:
+            return
+        for ref in grant.evict:
+            if ref.location != self.gpu:
+                continue
+            dropped = self.store.drop(ref.form, ref.block_hash, ref.generation)
+            if dropped is not None:
+                self.offload(*dropped)
+        self.update_pool_metrics()
+
+    # --- what this worker holds -----------------------------------------------------------
+
+    def update_pool_metrics(self) -> None:
+        if self.store is None:
+            return
+        for form, (used, _) in self.store.usage().items():
+            self.metrics.pool_used.labels(form=form).set(used)
+
+    def holds_block(self, block_hash: str, forms: Iterable[str]) -> bool:
+        """Whether this worker's pools hold a READY replica of ``block_hash`` in any of ``forms``."""
+        store = self.store
+        return store is not None and any(store.lookup(f, block_hash) is not None for f in forms)
+
+    def inventory_digests(self) -> dict[bytes, tuple[str, str, str, int]]:
+        """What this worker holds on its GPU and host tier, by :func:`replica_digest`:
+        ``digest → (location, form, block_hash, generation)``."""
+        rows: list[tuple[str, str, str, int, str]] = []
+        if self.store is not None:
+            rows.extend((m.block_hash, f, self.gpu, m.generation, m.checksum) for f, _, m in self.store.items())
+        # host copies are offloaded as generation 0 (see offload)
+        rows.extend((m.block_hash, m.form, self.host_location, 0, m.checksum) for m in self.tiers.host_items())
+        return {d: (loc, f, h, gen) for d, (h, f, loc, gen, _) in zip(replica_digests(rows), rows)}
+
+    def drop_block(self, block_hash: str, gens: dict[str, int] | None) -> int:
+        """Drop an invalidated block's bytes here: of its GPU replicas only the incarnations the
+        decision named (``gens``: form → generation; None = every form's; one written since is
+        listed READY), and its host-tier copies, queued for the disk writer too."""
+        affected = 0
+        for form in self.slots:
+            if self.store is not None and (gens is None or form in gens):
+                affected += self.store.drop(form, block_hash, None if gens is None else gens[form]) is not None
+            affected += self.tiers.host_drop(block_hash, form)
+        return affected
+
+    def _pins_at(self, location: str) -> list[ReplicaRef]:
+        """The replicas at ``location`` that this worker's live leases pin."""
+        return [r for grant in self._leases() for r in grant.read if r.location == location]
+
+    def local_gpu_pins(self) -> set[str]:
+        """Blocks whose GPU replicas live leases pin."""
+        return {r.block_hash for r in self._pins_at(self.gpu)}
+
+    def host_pins(self) -> set[tuple[str, str]]:
+        """(block, form) of this worker's host-tier replicas that live leases pin (sessions
+        releasing in the background still hold theirs): the host tier's LRU never drops them."""
+        return {(r.block_hash, r.form) for r in self._pins_at(self.host_location)}
+
+    # --- a pool the ledger sees otherwise -------------------------------------------------
+
+    def _install(self, meta: BlockMeta, data: torch.Tensor | memoryview) -> BlockMeta:
+        assert self.store is not None
+        try:
+            return self.store.install(meta, data)
+        except PoolExhausted:
+            # The ledger thought a slot was free: our view diverged (e.g. a commit the ledger
+            # rejected left a slot it does not count). The write is aborted (commit's caller) and
+            # the coordinator decides which of our coldest replicas go (make_room): evicting one
+            # here and reporting it after the fact could drop bytes a grant already in flight pins.
+            self.metrics.pool_divergences.labels(form=meta.form).inc()
+            if self.client is None:
+                self._evict_local_lru(meta.form)      # no ledger to ask (an engine without a coordinator)
+                return self.store.install(meta, data)
+            self.want_room(meta.form, 1)
+            raise
+
+    def want_room(self, form: str, n: int) -> None:
+        """``n`` more slots of ``form`` wanted: one request at a time per form asks for all of them."""
+        if not self._running():                       # stopped (a retry scheduled before stop() fires after it)
+            return
+        need = self.making_room.get(form)
+        self.making_room[form] = (need or 0) + n
+        if need is None:
+            self._background(self.make_room(form))
+
+    def _evict_local_lru(self, form: str) -> None:
+        assert self.store is not None
+        victim = self.store.lru_victim(form, self.local_gpu_pins())
+        if victim is None:
+            return
+        dropped = self.store.drop(victim.form, victim.block_hash, victim.generation)
+        if dropped is not None:
+            self.offload(*dropped)
+            self.emit(victim, self.gpu, R.READY, R.EVICTED, victim.generation, kind="evict", reason="local lru")
+        self.update_pool_metrics()
+
+    async def make_room(self, form: str) -> None:
+        """Ask the coordinator to evict this form's coldest GPU replicas, one per write the full
+        pool refused (``HostEvict``, tier ``gpu``), and drop the bytes of those it evicted or does
+        not list as READY — the latter is how a slot the ledger does not count is found and freed.
+        Pinned ones stay, and the next coldest are asked about in their place (a slot the ledger
+        does not count may sit behind them)."""
+        try:
+            assert self.store is not None and self.client is not None
+            keep = self.local_gpu_pins()
+            need = min(self.making_room.get(form, 1), MAX_HOST_EVICT_BLOCKS)
+            while need > 0:
+                victims = self.store.coldest_metas(form, need, lambda m: m.block_hash not in keep)
+                if not victims:
+                    break
+                try:
+                    reply = await self.contact.call("host_evict", self.client.host_evict(HostEvict(
+                        worker_id=self.worker_id, epoch=max(1, self.contact.epoch), tier="gpu",
+                        blocks=[DiskBlock(block_hash=v.block_hash, form=v.form) for v in victims])))
+                except (CoordinatorRefused, CoordinatorUnavailable) as e:
+                    # asked again later (or by the next refused write): a lost answer may have evicted
+                    # them in the ledger, and until the worker asks again it holds what the ledger does not list
+                    self.metrics.pool_room.labels(outcome="deferred").inc(len(victims))
+                    self.log.warning("no room made in a diverged GPU pool: the coordinator did not decide",
+                                     form=form, error=type(e).__name__, retry_s=self.tiers.retry_s)
+                    asyncio.get_running_loop().call_later(self.tiers.retry_s, self.want_room, form, need)
+                    return
+                pinned = {b.block_hash for b in reply.pinned}
+                for v in victims:
+                    if v.block_hash in pinned:
+                        self.metrics.pool_room.labels(outcome="pinned").inc()
+                        keep.add(v.block_hash)
+                        continue
+                    need -= 1
+                    # (the ledger's decision holds for the replica it knew; a slot recycled since then
+                    # holds another generation, which drop() leaves alone)
+                    dropped = self.store.drop(v.form, v.block_hash, v.generation)
+                    if dropped is not None:
+                        self.offload(*dropped)
+                        self.metrics.pool_room.labels(outcome="evicted").inc()
+            self.update_pool_metrics()
+        finally:
+            self.making_room.pop(form, None)
+
+    # --- down a tier ----------------------------------------------------------------------
+
+    def offload(self, meta: BlockMeta, data: torch.Tensor) -> None:
+        """Copy a block leaving the GPU to the host tier, or queue it for disk (no host tier, or
+        one that cannot take it: too large, or full of replicas live leases pin). A block a lower
+        tier already holds (the threshold copied it down: :meth:`pre_offload`) is not copied again."""
+        self.backed.pop((meta.block_hash, meta.form, meta.generation), None)
+        if not self.tiers.holds(meta):
+            self.offload_copy(meta, data)
+
+    def offload_copy(self, meta: BlockMeta, data: torch.Tensor) -> None:
+        to_disk = self.tiers.disk_root is not None
+        if self.tiers.host is not None:
+            t0 = time.perf_counter()
+            if self.tiers.put_host(meta, data):
+                self.metrics.offload_seconds.labels(tier="host").observe(time.perf_counter() - t0)
+                self.metrics.offloaded_bytes.labels(tier="host").inc(data.numel())
+                seq = self.emit(meta, self.host_location, None, R.READY, 0, kind="offload")
+                if seq:
+                    self._host_offer(seq, (meta.block_hash, meta.form))
+                to_disk = False
+            else:
+                reason = "too_large" if data.numel() > self.tiers.host.capacity_bytes else "pinned"
+                self.metrics.offload_failures.labels(tier="host", reason=reason).inc()
+        if to_disk:
+            self.tiers.spill_direct(meta, data)
+        if self.tiers.spill_depth:
+            self.spill_due.set()
+
+    def pre_offload(self) -> None:
+        """Above ``cache.offload_threshold`` of a form's slots, copy its coldest replicas down a
+        tier now (the GPU copy stays READY), so the eviction that comes when the pool runs out
+        loses nothing and copies nothing: the lower tier already holds them."""
+        th = self.offload_threshold
+        if self.store is None or th >= 1.0 or (self.tiers.host is None and self.tiers.disk_root is None):
+            return
+        for form, (used, slots) in self.store.usage().items():
+            over = used - int(th * slots)
+            if over <= 0:
+                continue
+            def unbacked(meta: BlockMeta) -> bool:
+                key = (meta.block_hash, meta.form, meta.generation)
+                if key in self.backed:
+                    return False
+                self.backed[key] = None
+                return not self.tiers.holds(meta)
+            # NOTE: only the ones not yet below are copied out of the pool (this runs after commits)
+            for meta, data in self.store.coldest(form, over, unbacked):
+                self.offload_copy(meta, data)
+                self.metrics.pre_offloaded.labels(form=form).inc()
+        if len(self.backed) > sum(self.slots.values()):
+            # forget backings of slots that left the pool some other way (invalidated, fenced):
+            # rarely, once there are more of them than slots
+            live = {(m.block_hash, f, m.generation) for f, _, m in self.store.items()}
+            for key in [k for k in self.backed if k not in live]:
+                del self.backed[key]
+
+    def _host_offer(self, seq: int, key: tuple[str, str]) -> None:
+        """A copy to the host tier went out as transition ``seq``; kept until a watermark settles it."""
+        if self.offers_epoch != self.contact.epoch:
+            self.offers.clear()
+            self.offer_of.clear()
+            self.offers_epoch = self.contact.epoch
+        self.offers[seq] = key
+        self.offer_of[key] = seq
+
+    def on_watermark(self, wm: CommitWatermark) -> None:
+        """The ledger's commit watermark: the outbox drops what it covers, and a copy to the host
+        tier that the ledger refused goes too (its source was no longer known, or invalidated:
+        the ledger does not list these bytes), unless the tier holds a later copy by now."""
+        assert self.publisher is not None
+        self.publisher.on_watermark(wm)
+        if wm.epoch != self.offers_epoch:
+            return
+        offers, offer_of = self.offers, self.offer_of
+        for seq in wm.refused:
+            key = offers.pop(seq, None)
+            if key is not None and offer_of.get(key) == seq:
+                del offer_of[key]
+                if self.tiers.host_drop(*key):
+                    self.metrics.refused_copies.inc()
+        while offers:                                  # settled (seqs increase): forget them
+            seq = next(iter(offers))
+            if seq > wm.seq:
+                break
+            key = offers.pop(seq)
+            if offer_of.get(key) == seq:
+                del offer_of[key]
+
+
+__all__ = ["ReplicaWriter"]
