@@ -133,6 +133,10 @@ def cmd_init(args: argparse.Namespace) -> int:
         doc = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(model.cfg).items()}
         (d / "config.json").write_text(json.dumps(doc, indent=2) + "\n")
     (d / "chat_template.jinja").write_text((Path(__file__).parent / "templates" / "chatml_tools.jinja").read_text())
+    # NOTE: safetensors writes the weights 0600 whatever the umask; the directory is meant to be
+    # served, often by another user (the images' kvledger user): the weights get the config's mode
+    for weights in d.glob("*.safetensors"):
+        weights.chmod((d / "config.json").stat().st_mode & 0o777)
     manifest = write_manifest(d)
     params = sum(p.numel() for p in model.parameters())
     print(f"wrote {d}: {args.family} ({model.cfg.model_id}), {params:,} parameters in {args.dtype}, seed {args.seed}\n"

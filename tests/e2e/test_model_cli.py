@@ -76,3 +76,15 @@ def test_no_such_directory_and_no_subcommand(tmp_path: Path) -> None:
     assert usage.returncode == 2 and "manifest" in usage.stdout and "verify" in usage.stdout
     missing_dir = kvledger("model", "verify")
     assert missing_dir.returncode == 2 and "the following arguments are required: DIR" in missing_dir.stderr
+
+
+@pytest.mark.parametrize("family", ["yoco", "deepseek_v4"])
+def test_model_init_writes_weights_another_user_can_read(tmp_path: Path, family: str) -> None:
+    """The weights get the other files' mode: safetensors writes them 0600, and a worker running as
+    another user (the images' `kvledger`) could not read them (found by deploy/smoke.sh)."""
+    d = tmp_path / family
+    r = kvledger("model", "init", str(d), "--family", family)
+    assert r.returncode == 0, r.stderr
+    weights = d / "model.safetensors"
+    assert weights.stat().st_mode & 0o777 == (d / "config.json").stat().st_mode & 0o777
+    assert weights.stat().st_mode & 0o004   # readable by others (the default umask, 022)
