@@ -67,10 +67,12 @@ async def serve(cfg, config_path: str | None = None) -> int:
     host, port = runner.addresses[0][:2]
     url = f"{http_scheme(cfg.tls)}://{host}:{port}"
     log.info("gateway_listening", url=url, gateway_id=cfg.gateway.gateway_id, workers=len(gw.fleet))
-    # SIGHUP or a changed file: the API keys are read again (old ones kept for auth.rotation_grace_s)
+    # SIGHUP or a changed file: the API keys are read again (old ones kept for auth.rotation_grace_s),
+    # and the rollout's gateway.version_weights / version_prefix_tokens
     load = config_loader(config_path)
     reloader = KeyReloader(load, cfg, log, path=config_path or os.environ.get("KVL_CONFIG"),
-                           directories=(gw.tenants,), counter=gw.metrics.auth_reloads) if load else None
+                           directories=(gw.tenants,), counter=gw.metrics.auth_reloads,
+                           on_config=gw.reload_rollout) if load else None
     if reloader is not None:
         reloader.start()
     print(f"listening on {url}", flush=True)

@@ -147,6 +147,9 @@ class Gateway:
         self.versions: dict[str, tuple[str, str]] = {}
         self._version_asks: dict[str, asyncio.Task[None]] = {}
         self._versions_at = 0.0                  # monotonic time every worker was last asked
+        #: the rollout: gateway.version_weights and version_prefix_tokens, read again on a reload
+        self.version_weights: dict[str, int] = dict(self.g.version_weights)
+        self.version_prefix_tokens = self.g.version_prefix_tokens
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -222,6 +225,14 @@ class Gateway:
                          ("unlisted", len(self.fleet) - len(names))):
             self.metrics.fleet.labels(state=state).set(n)
         return True
+
+    def reload_rollout(self, cfg: Config) -> None:
+        """The rollout's keys from a reloaded config (SIGHUP or a changed file: shared.key_rotation),
+        so a rollout's next step needs no restart."""
+        weights, prefix = dict(cfg.gateway.version_weights), cfg.gateway.version_prefix_tokens
+        if (weights, prefix) != (self.version_weights, self.version_prefix_tokens):
+            log.info("rollout_reloaded", version_weights=weights, version_prefix_tokens=prefix)
+        self.version_weights, self.version_prefix_tokens = weights, prefix
 
     def _version(self, worker_id: str, endpoint: str) -> str:
         """The version ``worker_id`` answered at ``endpoint`` ("" when not yet asked there)."""
@@ -302,8 +313,8 @@ class Gateway:
         # burst's next request, routed after this one, sees it
         return choose(self.fleet, usable, self.in_flight, affinity=affinity,
                       load_penalty_tokens=self.g.load_penalty_tokens, down=down,
-                      inflight_blocks=self.inflight.leading(hashes_of), version_weights=self.g.version_weights,
-                      version_prefix_tokens=self.g.version_prefix_tokens, draw=random.random()), hashes_of
+                      inflight_blocks=self.inflight.leading(hashes_of), version_weights=self.version_weights,
+                      version_prefix_tokens=self.version_prefix_tokens, draw=random.random()), hashes_of
 
     # --- HTTP ---------------------------------------------------------------------------------
 

@@ -508,7 +508,8 @@ class GatewayConfig(_Section):
     #: least ``version_prefix_tokens`` of its prompt cached (or being computed) still goes there,
     #: whatever its version; any other request goes to a version drawn by these weights (among the
     #: versions with a usable worker; a version not listed gets none of that traffic, only cache hits
-    #: and failovers). Empty (the default): versions play no part in routing.
+    #: and failovers). Empty (the default): versions play no part in routing. Read again, with
+    #: ``version_prefix_tokens``, on SIGHUP or a change of the config file (``shared.key_rotation``).
     version_weights: dict[Annotated[str, msgspec.Meta(max_length=64)],
                           Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]] = {}
     #: The fewest prompt tokens cached on the best worker for its prefix to win over the version

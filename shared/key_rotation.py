@@ -8,8 +8,10 @@ directory in place (:meth:`TenantDirectory.replace`) and the new admin token to 
 What the reload removed stays valid for ``auth.rotation_grace_s`` (read from the *new* config),
 so clients can move to the new key while the old one still works; after that it is refused.
 
-Only the keys and the admin token change: every other key of the file is read by its
-component at start, as before (a reload does not resize pools or move ports). A file that does
+Only the keys and the admin token change, and what a process's ``on_config`` takes of the new
+config (the gateway: ``gateway.version_weights`` and ``version_prefix_tokens``, the steps of a
+rollout); every other key of the file is read by its component at start, as before (a reload does
+not resize pools or move ports). A file that does
 not parse leaves everything as it was and says why in the log (``auth_reload_failed``): a typo
 must not lock every client out.
 """
@@ -48,14 +50,16 @@ class KeyReloader:
     """Reloads ``auth.keys`` (+ ``auth.keys_file``) and ``coordinator.admin_token`` from ``path``.
 
     ``load`` reads the config (``shared.config.load_config`` with the process's own overrides);
-    ``on_token(token, grace_s)`` receives the admin token the reloaded config names; ``counter``
+    ``on_token(token, grace_s)`` receives the admin token the reloaded config names; ``on_config``
+    the reloaded config itself (for the few other keys a process takes again); ``counter``
     (a Prometheus counter with an ``outcome`` label) counts reloads, ``ok`` or ``failed``."""
 
     def __init__(self, load: Callable[[], Config], cfg: Config, log: Any, *, path: str | None = None,
                  directories: tuple[TenantDirectory, ...] = (),
-                 on_token: Callable[[str, float], None] | None = None, counter: Any = None) -> None:
+                 on_token: Callable[[str, float], None] | None = None, counter: Any = None,
+                 on_config: Callable[[Config], None] | None = None) -> None:
         self.load, self.log, self.path, self.counter = load, log, path, counter
-        self.directories, self.on_token = directories, on_token
+        self.directories, self.on_token, self.on_config = directories, on_token, on_config
         self.check_s = cfg.auth.reload_check_s
         self.keys_file = cfg.auth.keys_file
         self.reloads = self.failures = 0
@@ -83,6 +87,8 @@ class KeyReloader:
             retired = d.replace(new, grace)
         if self.on_token is not None:
             self.on_token(cfg.coordinator.admin_token or os.environ.get("KVL_ADMIN_TOKEN", ""), grace)
+        if self.on_config is not None:
+            self.on_config(cfg)
         self.keys_file = cfg.auth.keys_file
         self._stamps = self._files_stamps()
         self.reloads += 1

@@ -1,12 +1,14 @@
 """Gradual rollout through a real gateway in front of two real workers of different versions
 (``worker.version``), a real coordinator, PostgreSQL and NATS: requests without a cached prefix
 go to the versions by ``gateway.version_weights``, a request whose prefix one worker holds still
-goes to it whatever its version, and ``kvl_gateway_version_requests_total`` counts each version."""
+goes to it whatever its version, ``kvl_gateway_version_requests_total`` counts each version, and
+the next step of the rollout is a reload of the gateway's config (SIGHUP), not a restart."""
 
 from __future__ import annotations
 
 import asyncio
 import re
+import signal
 import sys
 import time
 
@@ -26,11 +28,15 @@ async def cluster(tmp_path, database_url, nats_url, subjects):
         yield c
 
 
-def start_gateway(cluster: Cluster, name: str, weights: dict[str, int]) -> tuple[Proc, str]:
-    port = free_port()
+def gateway_config(cluster: Cluster, name: str, port: int, weights: dict[str, int]):
     doc = cluster.base()
     doc["gateway"] = {"gateway_id": name, "port": port, "fleet_refresh_ms": 200, "version_weights": weights}
-    p = Proc(name, [sys.executable, "-m", "gateway", "--config", str(cluster._write(name, doc))],
+    return cluster._write(name, doc)
+
+
+def start_gateway(cluster: Cluster, name: str, weights: dict[str, int]) -> tuple[Proc, str]:
+    port = free_port()
+    p = Proc(name, [sys.executable, "-m", "gateway", "--config", str(gateway_config(cluster, name, port, weights))],
              cluster.tmp / f"{name}.log", cluster._env())
     cluster.procs.append(p)
     return p, f"http://127.0.0.1:{port}"
@@ -48,11 +54,14 @@ async def wait_versions(http: aiohttp.ClientSession, url: str, want: dict[str, i
     raise AssertionError(f"the gateway never learned the versions {want}: {body}")
 
 
-async def version_counts(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+async def metric(http: aiohttp.ClientSession, url: str, name: str, label: str) -> dict[str, float]:
     async with http.get(url + "/metrics") as r:
         text = await r.text()
-    return {v: float(n) for v, n in re.findall(r'^kvl_gateway_version_requests_total\{version="([^"]*)"\} (\S+)$',
-                                               text, re.M)}
+    return {v: float(n) for v, n in re.findall(rf'^{name}\{{{label}="([^"]*)"\}} (\S+)$', text, re.M)}
+
+
+async def version_counts(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    return await metric(http, url, "kvl_gateway_version_requests_total", "version")
 
 
 async def test_version_weights_share_new_prompts_and_never_move_a_cached_prefix(cluster) -> None:
@@ -82,12 +91,14 @@ async def test_version_weights_share_new_prompts_and_never_move_a_cached_prefix(
         assert await version_counts(http, url) == {OLD: 6.0, NEW: 2.0}
         async with http.get(new_url + "/version") as r:
             assert (await r.json())["version"] == NEW
-    # the last step: another gateway sends every new prompt to the new version
-    gw2, url2 = start_gateway(cluster, "gw-b", {OLD: 0, NEW: 1})
-    async with aiohttp.ClientSession() as http:
-        await wait_ready(http, url2, gw2, usable=2)
-        await wait_versions(http, url2, {OLD: 1, NEW: 1})
+        # the last step, by a reload (SIGHUP) of the same gateway: every new prompt to the new version
+        gateway_config(cluster, "gw-a", int(url.rsplit(":", 1)[1]), {OLD: 0, NEW: 1})
+        gw.signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while (await metric(http, url, "kvl_gateway_auth_reloads_total", "outcome")).get("ok") != 1.0:
+            assert time.monotonic() < deadline and gw.alive, gw.tail()
+            await asyncio.sleep(0.1)
         for i in range(4):
-            worker, route, _, _ = await complete(http, url2, "alpha", turns(f"later {i}", 2)[-1])
+            worker, route, _, _ = await complete(http, url, "alpha", turns(f"later {i}", 2)[-1])
             assert (worker, route.split(";")[0]) == ("new", "version"), route
-        assert await version_counts(http, url2) == {NEW: 4.0}
+        assert await version_counts(http, url) == {OLD: 6.0, NEW: 6.0}
