@@ -57,6 +57,7 @@ from shared.hashing import chain_hashes
 from shared.http_limits import handler_args
 from shared.images import ImageLimits, PromptImage, image_block_keys
 from shared.logging import get_logger
+from shared.shards import ShardMap, shard_subjects
 from shared.subjects import Subjects
 from shared.tenant_header import SIGNATURE_HEADER, TENANT_HEADER, sign
 from shared.tenants import Tenant, TenantDirectory, salt_secret, tenant_salt
@@ -126,6 +127,12 @@ class Gateway:
         #: How the workers' model takes images (None: it takes none); limits as the workers'.
         self.images, self.image_limits = images, ImageLimits.of(cfg.service)
         self.subjects = Subjects(cfg.nats.subject_prefix)
+        #: A sharded ledger (docs/architecture.md, "The ledger sharded"): a prefix's route query goes
+        #: to the shard that owns its chain; the fleet view comes from shard 0 (every worker is a
+        #: member of every shard).
+        c = cfg.coordinator
+        self.shard_map = ShardMap.uniform(c.shards, c.shard_partitions) if c.shards > 1 else None
+        self.shard_subjects = [shard_subjects(cfg.nats.subject_prefix, k) for k in range(c.shards)]
         self.tenants = TenantDirectory.from_config(cfg.auth)
         self.metrics = GatewayMetrics()
         self.limits = TenantLimits()
@@ -175,10 +182,10 @@ class Gateway:
 
     # --- the coordinator ----------------------------------------------------------------------
 
-    async def _ask(self, query: m.RouteQuery, timeout_s: float) -> m.RouteReply | None:
+    async def _ask(self, query: m.RouteQuery, timeout_s: float, shard: int = 0) -> m.RouteReply | None:
         try:
-            msg = await self._nc.request(self.subjects.route(self.g.gateway_id), m.encode(query), timeout=timeout_s,
-                                         headers=tracing.headers())
+            msg = await self._nc.request(self.shard_subjects[shard].route(self.g.gateway_id), m.encode(query),
+                                         timeout=timeout_s, headers=tracing.headers())
             reply = m.decode(msg.data)
         except Exception as e:  # noqa: BLE001 - timeout, no responders, disconnected: route without a hint
             log.debug("route_query_failed", error=type(e).__name__)
@@ -302,8 +309,9 @@ class Gateway:
                     affinity = hashes[0]
                     if self.g.route_inflight_prefixes:
                         hashes_of.update((w.worker_id, hashes) for w in ws)
+                    shard = self.shard_map.owner(ns, hashes[0]) if self.shard_map is not None else 0
                     asks.append(self._ask(m.RouteQuery(gateway_id=self.g.gateway_id, namespace=ns,
-                                                       block_hashes=hashes), self.g.route_timeout_ms / 1000))
+                                                       block_hashes=hashes), self.g.route_timeout_ms / 1000, shard))
             # one fleet, one model: await the one query itself (no task for a gather of one)
             replies = [await asks[0]] if len(asks) == 1 else await asyncio.gather(*asks)
             for reply in replies:

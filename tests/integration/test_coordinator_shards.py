@@ -161,3 +161,54 @@ async def test_a_ledger_resharded_without_moving_its_chains_fails_its_shard_audi
         with contextlib.suppress(Exception):
             await nc.jetstream().delete_stream(shard_subjects(subjects.prefix, 1).stream_name)
         await nc.drain()
+
+
+async def test_the_gateway_asks_the_shard_that_owns_a_prompts_chain(
+        database_url: str, other_database_url: str, nats_url: str, subjects: Subjects) -> None:
+    """A gateway of a two-shard deployment: its fleet view from shard 0, and each prompt's route
+    query sent to the shard its chain belongs to — so a prefix cached on either shard is found."""
+    from gateway.app import Gateway
+    from shared.config import parse_config
+    from shared.hashing import chain_hashes
+    from shared.messages import RegisterReply, WorkerRegister
+    from tests.integration.coordinator_kit import CATALOGUE
+
+    shard_map = ShardMap.uniform(2, PARTITIONS)
+    configs = [fast_config(u, nats_url, subjects, shards=2, shard=k, shard_partitions=PARTITIONS)
+               for k, u in enumerate((database_url, other_database_url))]
+    per_shard = [shard_subjects(subjects.prefix, k) for k in (0, 1)]
+    gw = Gateway(parse_config({"nats": {"url": nats_url, "subject_prefix": subjects.prefix},
+                               "coordinator": {"shards": 2, "shard_partitions": PARTITIONS}}), None, None)  # type: ignore[arg-type]
+    nc = await nats.connect(nats_url)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            for c in configs:
+                await stack.enter_async_context(running_coordinator(c))
+            workers = [Worker(nc, per_shard[k], "w1", slots=64) for k in (0, 1)]
+            for w in workers:       # registered with both shards, serving at one endpoint
+                reply = await w.request(w.subjects.request("register", "w1"), WorkerRegister(
+                    worker_id="w1", namespace=NS, catalogue=CATALOGUE, pool_slots={"compressed": 64},
+                    endpoint="http://127.0.0.1:9"))
+                assert isinstance(reply, RegisterReply), reply
+                w.epoch = reply.epoch
+                await w.watch_watermarks()
+            await gw.start()
+            assert [x.worker_id for x in gw.fleet] == ["w1"]
+            prompts: dict[int, list[int]] = {}
+            for first in range(1000):
+                tokens = [first] * 16 + list(range(32))
+                hashes = chain_hashes(tokens, CATALOGUE.block_size, NS, gw.salt("default"))
+                prompts.setdefault(shard_map.owner(NS, hashes[0]), tokens)
+                if len(prompts) == 2:
+                    break
+            for k, tokens in prompts.items():
+                hashes = chain_hashes(tokens, CATALOGUE.block_size, NS, gw.salt("default"))
+                await workers[k].release((await workers[k].fill(hashes)).lease_id)
+            for k, tokens in prompts.items():
+                choices, _ = await gw.route(tokens, "default")
+                assert (choices[0].worker.worker_id, choices[0].reason, choices[0].cached_tokens) == ("w1", "cache", 48), k
+    finally:
+        await gw.stop()
+        with contextlib.suppress(Exception):
+            await nc.jetstream().delete_stream(per_shard[1].stream_name)
+        await nc.drain()
