@@ -16,10 +16,6 @@
 ARG PYTHON_IMAGE=python:3.11-slim
 
 FROM ${PYTHON_IMAGE} AS base
-ARG VERSION=0.1.0
-ARG GIT_REVISION=unknown
-LABEL org.opencontainers.image.title="kvledger" org.opencontainers.image.version="${VERSION}" \
-      org.opencontainers.image.revision="${GIT_REVISION}" org.opencontainers.image.licenses="Apache-2.0"
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/kvledger --create-home \
         --shell /usr/sbin/nologin kvledger
@@ -46,6 +42,12 @@ COPY worker ./worker
 COPY kernels ./kernels
 COPY bench ./bench
 RUN pip install --no-deps . && rm -rf /src
+# NOTE: the labels last: a new commit changes GIT_REVISION, and a label above the dependencies'
+# layers would make every commit install them again
+ARG VERSION=0.1.0
+ARG GIT_REVISION=unknown
+LABEL org.opencontainers.image.title="kvledger" org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${GIT_REVISION}" org.opencontainers.image.licenses="Apache-2.0"
 USER kvledger
 WORKDIR /var/lib/kvledger
 EXPOSE 8321
@@ -76,6 +78,12 @@ COPY worker ./worker
 COPY kernels ./kernels
 COPY bench ./bench
 RUN pip install --no-deps . && rm -rf /src
+# NOTE: the labels last: a new commit changes GIT_REVISION, and a label above the dependencies'
+# layers would make every commit install them again
+ARG VERSION=0.1.0
+ARG GIT_REVISION=unknown
+LABEL org.opencontainers.image.title="kvledger" org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${GIT_REVISION}" org.opencontainers.image.licenses="Apache-2.0"
 USER kvledger
 # state_dir (.kvl-state) and Triton's kernel cache land in the user's home.
 WORKDIR /var/lib/kvledger

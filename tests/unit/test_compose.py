@@ -54,7 +54,7 @@ def interpolate(value: str, env: dict[str, str]) -> str:
 def test_services_and_start_order(compose: dict[str, Any]) -> None:
     s = services(compose)
     assert set(s) == {"postgres", "postgres-standby", "nats", "nats-2", "nats-3", "migrate", "coordinator", "coordinator-standby", "worker-0", "worker-1",
-                      "gateway", "prometheus"}
+                      "gateway", "prometheus", "alertmanager"}
     dep = {name: {k: v["condition"] for k, v in svc.get("depends_on", {}).items()} for name, svc in s.items()}
     # a synchronous standby streams before the first commit (a migration's) can return
     assert dep["migrate"] == {"postgres": "service_healthy", "postgres-standby": "service_healthy"}
@@ -70,7 +70,8 @@ def test_services_and_start_order(compose: dict[str, Any]) -> None:
     assert s["migrate"]["restart"] == "no"
     assert s["coordinator"]["command"][:2] == ["kvledger", "coordinator"]
     # optional parts are behind profiles; the default `docker compose up` runs one GPU worker
-    assert s["worker-1"]["profiles"] == ["multi-gpu"] and s["prometheus"]["profiles"] == ["monitoring"]
+    assert s["worker-1"]["profiles"] == ["multi-gpu"]
+    assert s["prometheus"]["profiles"] == s["alertmanager"]["profiles"] == ["monitoring"]
     assert all("profiles" not in s[n] for n in ("postgres", "nats", "migrate", "coordinator", "coordinator-standby",
                                                 "worker-0", "gateway"))
 
@@ -87,7 +88,7 @@ def test_workers_advertise_their_service_name(compose: dict[str, Any]) -> None:
 def test_healthchecks(compose: dict[str, Any]) -> None:
     s = services(compose)
     for name in ("postgres", "nats", "coordinator", "coordinator-standby", "worker-0", "worker-1", "gateway",
-                 "prometheus"):
+                 "prometheus", "alertmanager"):
         hc = s[name].get("healthcheck")
         assert hc and hc["test"] and hc.get("interval") and hc.get("retries"), name
     assert "pg_isready" in " ".join(s["postgres"]["healthcheck"]["test"])
@@ -103,7 +104,8 @@ def test_healthchecks(compose: dict[str, Any]) -> None:
 
 def test_volumes_and_gpu(compose: dict[str, Any]) -> None:
     s = services(compose)
-    assert set(compose["volumes"]) == {"pgdata", "pgstandby", "natsdata", "natsdata-2", "natsdata-3", "offload", "promdata"}
+    assert set(compose["volumes"]) == {"pgdata", "pgstandby", "natsdata", "natsdata-2", "natsdata-3", "offload", "promdata",
+                                      "alertdata"}
     assert "pgdata:/var/lib/postgresql/data" in s["postgres"]["volumes"]
     for name, volume in (("nats", "natsdata"), ("nats-2", "natsdata-2"), ("nats-3", "natsdata-3")):
         assert f"{volume}:/data" in s[name]["volumes"]   # each node its own JetStream store
@@ -232,6 +234,14 @@ def test_prometheus_scrapes_both_and_alerts_use_real_metrics(compose: dict[str, 
                                                                             "coordinator-standby:8321"]
     assert jobs["kvledger-worker"]["dns_sd_configs"][0]["names"] == ["worker-0", "worker-1"]
     assert prom["rule_files"] == ["/etc/prometheus/alerts.yml"]
+    # the alerts that fire go to compose's Alertmanager, which has a receiver for every route
+    assert prom["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["alertmanager:9093"]
+    assert services(compose)["alertmanager"]["command"][0] == "--config.file=/etc/alertmanager/alertmanager.yml"
+    am = yaml.safe_load((ROOT / "deploy" / "alertmanager" / "alertmanager.yml").read_text())
+    receivers = {r["name"]: r for r in am["receivers"]}
+    assert am["route"]["receiver"] in receivers
+    assert all(receivers[r.get("receiver", am["route"]["receiver"])] for r in am["route"].get("routes", []))
+    assert receivers[am["route"]["receiver"]]["webhook_configs"][0]["url"].startswith("http")
 
     known = {"up"}
     cm = CoordinatorMetrics()
