@@ -164,6 +164,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return _linear(x, w, bias, 0)
 
 
+def compiled_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether :func:`linear` computes ``x @ w.T`` by the compiled product, whose every element is
+    reduced by one code whatever ``w``'s row count: products over one input may then be fused into
+    one (``worker.model.linear.Fused``) without changing a bit."""
+    return (not _plain and _kernel is not None and x.dtype in KERNEL_DTYPES and w.dtype == x.dtype
+            and x.device.type == "cpu" and w.device.type == "cpu")
+
+
 def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, threads: int) -> torch.Tensor:
     """:func:`linear`; ``threads`` for the compiled product: 1 = the calling thread alone, 0 = its pool."""
     if _plain:

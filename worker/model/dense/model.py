@@ -22,7 +22,7 @@ from kernels.invariant import KEY_CHUNK, attention, attention_serves, pointwise
 from worker.model.dense.attention import attend
 from worker.model.dense.config import DenseConfig, rope_inv_freq
 from worker.model.dense.state import DenseState, dense_form_layouts
-from worker.model.linear import Linear
+from worker.model.linear import Fused, Linear
 from worker.model.lm import CausalLM
 from worker.model.norms import CastRMSNorm as RMSNorm
 from worker.model.seeding import tensor_generator
@@ -66,12 +66,14 @@ class DenseAttention(nn.Module):
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = D ** -0.5
+        self.qkv = Fused(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         N = x.shape[0]
-        q = self.q_proj(x).view(N, self.heads, self.head_dim)
-        k = self.k_proj(x).view(N, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(N, self.kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)
+        q = q.view(N, self.heads, self.head_dim)
+        k = k.view(N, self.kv_heads, self.head_dim)
+        v = v.view(N, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
@@ -122,9 +124,11 @@ class DenseMLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up = Fused(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(pointwise(F.silu, self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(pointwise(F.silu, gate) * up)
 
 
 class DenseLayer(nn.Module):
