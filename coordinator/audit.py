@@ -167,6 +167,8 @@ async def run_audit(ledger: Ledger, inventory: Any = None, *, from_snapshot: boo
         shard_map = ledger.params.shard_map
         live_blocks = ({key[0] for key, r in live.replicas.items() if r.state in LIVE}
                        if shard_map is not None else set())
+        lease_roots = ([(lease.namespace, lease.block_hashes[0]) for lease in live.leases.values() if lease.block_hashes]
+                       if shard_map is not None else [])
     report: dict[str, Any] = {"position": position, "live_hash": live_hash,
                               "replay_from": "snapshot" if from_snapshot else "empty"}
     try:
@@ -191,7 +193,8 @@ async def run_audit(ledger: Ledger, inventory: Any = None, *, from_snapshot: boo
         brk = chain["first_break"]
         report["log_errors"].append(f"hash chain broken at position {brk['position']}: {brk['what']}")
     if shard_map is not None:
-        report["shard"] = await shard_report(ledger.log, position, shard_map, ledger.params.shard, live_blocks)
+        report["shard"] = await shard_report(ledger.log, position, shard_map, ledger.params.shard, live_blocks,
+                                             lease_roots)
     report["invariant_violations"] = live_violations
     report["replay_invariant_violations"] = check_invariants(result.state) if result is not None else []
     if check_workers and inventory is not None:

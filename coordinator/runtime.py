@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import time
 from typing import Any
@@ -89,6 +90,8 @@ class Coordinator:
         self._follower: asyncio.Task[None] | None = None
         self._follow_stop = asyncio.Event()
         self._reclaim: asyncio.Task[None] | None = None
+        #: The shard map's store, when sharded (its versions are followed: ``_follow_shard_map``).
+        self.shard_store: Any = None
 
     # --- start / stop ----------------------------------------------------------------------
 
@@ -126,12 +129,70 @@ class Coordinator:
             raise StartupError(f"cannot set up the JetStream stream {self.subjects.stream_name}: "
                                f"{type(e).__name__}: {e}") from e
         await self._check_database()
+        if self.ledger.params.shard_map is not None:
+            await self._load_shard_map()
         self._tasks = [asyncio.create_task(self._leadership_loop(), name="leadership"),
                        asyncio.create_task(self._expire_loop(), name="expiry"),
                        asyncio.create_task(self._replication_loop(), name="replication")]
+        if self.shard_store is not None:
+            self._tasks.append(asyncio.create_task(self._follow_shard_map(), name="shard-map"))
         self.log.info("coordinator_started", holder=self.holder, prefix=self.subjects.prefix,
                       stream=self.subjects.stream_name, shard=self.config.coordinator.shard,
                       shards=self.config.coordinator.shards)
+
+    # --- the shard map (a sharded ledger: docs/architecture.md, "The ledger sharded") ----------
+
+    async def _load_shard_map(self) -> None:
+        """The deployment's map before anything is decided: the config's static map is only the
+        first version, and a moved partition must never be leased by its old owner."""
+        assert self.nc is not None
+        from shared.shard_store import ShardMapStore
+
+        self.shard_store = ShardMapStore(self.nc.jetstream(), self.config.nats.subject_prefix,
+                                         replicas=self.config.nats.stream_replicas or len(nats_servers(self.nats_url)))
+        try:
+            stored, _ = await self.shard_store.load(self.ledger.params.shard_map)
+        except Exception as e:  # noqa: BLE001 - one readable line for the operator
+            raise StartupError(f"cannot read the shard map ({self.shard_store.bucket}): {type(e).__name__}: {e}") from e
+        if (why := self._take_shard_map(stored, initial=True)):
+            raise StartupError(f"the shard map in {self.shard_store.bucket} does not fit this coordinator: {why}")
+
+    def _take_shard_map(self, new: Any, *, initial: bool = False) -> str:
+        """Decide by ``new`` from now on, if it is this deployment's and newer; why not otherwise."""
+        from shared.shard_store import accepts
+
+        c = self.config.coordinator
+        held = self.ledger.params.shard_map
+        why = accepts(None if initial else held, new, c.shards, c.shard_partitions)
+        if why:
+            return why
+        params = dataclasses.replace(self.ledger.params, shard_map=new)
+        # NOTE: both, in one step of the loop: the live state decides by its params, and a rebuild
+        # (takeover, failed append) starts from the ledger's
+        self.ledger.params = params
+        self.ledger.state.params = params
+        self.log.info("shard_map", version=new.version, owned=len(new.owned_by(c.shard)),
+                      moving=[mv.partition for mv in new.moving])
+        return ""
+
+    async def _follow_shard_map(self) -> None:
+        assert self.shard_store is not None
+
+        def take(new: Any) -> None:
+            held = self.ledger.params.shard_map
+            if held is not None and new.version <= held.version:
+                return          # the one held, seen again (each watch starts with the current version)
+            if (why := self._take_shard_map(new)):
+                self.log.error("shard_map_refused", version=new.version, why=why)
+
+        while True:
+            try:
+                await self.shard_store.follow(take, lambda why: self.log.error("shard_map_unreadable", why=why))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - NATS away: watch again once it is back
+                self.log.warning("shard_map_watch_failed", error=f"{type(e).__name__}: {e}")
+                await asyncio.sleep(1.0)
 
     async def _check_database(self) -> None:
         """Fail fast on a database that can never work (bad credentials, no such database);

@@ -57,16 +57,29 @@ async def _roots(log: Any, upto: int, wanted: set[str]) -> dict[str, tuple[str, 
     return found
 
 
-async def shard_report(log: Any, upto: int, shard_map: ShardMap, shard: int, blocks: Iterable[str]) -> dict[str, Any]:
+async def shard_report(log: Any, upto: int, shard_map: ShardMap, shard: int, blocks: Iterable[str],
+                       lease_roots: Iterable[tuple[str, str]] = ()) -> dict[str, Any]:
     """This shard's check: every live block (``blocks``) whose grant the log holds has a root the
-    map gives this shard; ``keys`` lists the live blocks for the fleet's disjointness check."""
+    map gives this shard; ``keys`` lists the live blocks for the fleet's disjointness check.
+
+    ``moving_out``: for each partition frozen on its way from this shard, the leases on it still
+    live (``lease_roots``: each live lease's namespace and first hash) and its live blocks — what a
+    cold move waits for (the leases to end) and then invalidates (the blocks) before it opens."""
     live = set(blocks)
     roots = await _roots(log, upto, live)
     foreign = sorted(b for b, (ns, root) in roots.items() if shard_map.owner(ns, root) != shard)
+    leaving = {mv.partition: mv.target for mv in shard_map.moving if mv.source == shard}
+    moving_out: dict[str, Any] = {}
+    if leaving:
+        leases = [shard_map.partition(ns, root) for ns, root in lease_roots]
+        for p, target in sorted(leaving.items()):
+            mine = sorted(b for b, (ns, root) in roots.items() if shard_map.partition(ns, root) == p)
+            moving_out[str(p)] = {"to": target, "live_leases": leases.count(p), "live_blocks": mine[:MAX_LISTED],
+                                  "live_block_count": len(mine)}
     return {"shard": shard, "shards": shard_map.shards, "map_version": shard_map.version,
             "partitions": shard_map.partitions, "owned_partitions": len(shard_map.owned_by(shard)),
             "live_blocks": len(live), "attributed": len(roots), "unattributed": len(live) - len(roots),
-            "foreign": {"count": len(foreign), "listed": foreign[:MAX_LISTED]},
+            "foreign": {"count": len(foreign), "listed": foreign[:MAX_LISTED]}, "moving_out": moving_out,
             "ok": not foreign, "keys": sorted(live)}
 
 

@@ -164,7 +164,7 @@ def _extensions() -> list[Callable[[argparse._SubParsersAction], None]]:  # type
     """Subcommands contributed by other modules (coordinator, worker), if present."""
     found = []
     for mod_name in ("coordinator.commands", "worker.commands", "kvledger.admin_cli", "kvledger.model_cli",
-                     "kvledger.log_cli", "kvledger.warm"):
+                     "kvledger.log_cli", "kvledger.warm", "kvledger.shard_cli"):
         try:
             mod = __import__(mod_name, fromlist=["register"])
         except ModuleNotFoundError as e:

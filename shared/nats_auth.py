@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.shards import shard_subjects
+from shared.shards import map_bucket, shard_subjects
 from shared.subjects import COORDINATOR_QUEUE, Subjects
 
 ROLES = ("coordinator", "worker", "gateway", "operator", "observer")
@@ -150,7 +150,10 @@ def permissions(identity: Identity, subjects: Subjects, shards: int = 1) -> dict
     there would hide the coordinator's absence: requests would time out instead of failing fast
     with "no responders")."""
     if identity.role == "coordinator":
-        return _permissions(identity, shard_subjects(subjects.prefix, identity.shard))
+        grant = _permissions(identity, shard_subjects(subjects.prefix, identity.shard))
+        if shards > 1:      # the first coordinator to start stores the config's map (shared.shard_store)
+            grant["publish"]["allow"].append(f"$KV.{map_bucket(subjects.prefix)}.map")
+        return grant
     merged: dict[str, Any] = {}
     for k in range(shards):
         for direction, grant in _permissions(identity, shard_subjects(subjects.prefix, k)).items():
@@ -160,6 +163,11 @@ def permissions(identity: Identity, subjects: Subjects, shards: int = 1) -> dict
             into = merged.setdefault(direction, {})
             for kind, entries in grant.items():
                 into[kind] = list(dict.fromkeys([*into.get(kind, []), *entries]))
+    if shards > 1 and identity.role == "operator":
+        # `kvledger shard`: read the map and write its next version (compare-and-set)
+        b = map_bucket(subjects.prefix)
+        merged["publish"]["allow"] += [f"$KV.{b}.map", f"$JS.API.STREAM.INFO.KV_{b}", f"$JS.API.DIRECT.GET.KV_{b}.>",
+                                       f"$JS.API.STREAM.MSG.GET.KV_{b}"]
     return merged
 
 

@@ -15,6 +15,7 @@ Pure (no I/O). docs/architecture.md, "The ledger sharded", argues the choices:
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Annotated
 
 import msgspec
@@ -119,6 +120,12 @@ class ShardMap(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
                                        moving=[m for m in self.moving if m.partition != partition])
 
 
+def map_bucket(prefix: str) -> str:
+    """The NATS KV bucket of a deployment's shard map: ``KVL_SHARDS`` for the prefix ``kvl``
+    (beside its stream ``KVL_EVENTS``; ``shared.shard_store``)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", prefix).upper() + "_SHARDS"
+
+
 def shard_subjects(prefix: str, shard: int) -> Subjects:
     """Shard ``shard``'s subjects: shard 0 under ``prefix`` itself (today's), shard k under ``<prefix>.s<k>``."""
     if shard < 0:
@@ -126,5 +133,5 @@ def shard_subjects(prefix: str, shard: int) -> Subjects:
     return Subjects(prefix if shard == 0 else f"{prefix}.s{shard}")
 
 
-__all__ = ["DEFAULT_PARTITIONS", "MAX_PARTITIONS", "MAX_SHARDS", "Move", "ShardMap", "ShardMapError", "partition_of",
-           "shard_subjects"]
+__all__ = ["DEFAULT_PARTITIONS", "MAX_PARTITIONS", "MAX_SHARDS", "Move", "ShardMap", "ShardMapError", "map_bucket",
+           "partition_of", "shard_subjects"]

@@ -12,17 +12,30 @@ import os
 import subprocess
 import sys
 
+from typing import Any
+
 import aiohttp
 import asyncpg
 import nats
 
 from coordinator.core import CoreParams, decode_event, replay
 from shared.messages import ErrorCode, ErrorReply, LeaseGrant, ReplicaState
-from shared.shards import ShardMap, shard_subjects
+from shared.shards import ShardMap, map_bucket, shard_subjects
 from shared.subjects import Subjects
 from tests.integration.coordinator_kit import NS, Worker, fast_config, running_coordinator
 
 PARTITIONS = 16
+
+
+async def _drop_shards(nc: Any, subjects: Subjects) -> None:
+    """What a two-shard test leaves on the NATS beyond shard 0's stream (the fixture drops that one):
+    shard 1's stream and the shard map's bucket; then the connection is drained."""
+    js = nc.jetstream()
+    with contextlib.suppress(Exception):
+        await js.delete_stream(shard_subjects(subjects.prefix, 1).stream_name)
+    with contextlib.suppress(Exception):
+        await js.delete_key_value(map_bucket(subjects.prefix))
+    await nc.drain()
 
 
 async def _audit(base: str) -> dict:
@@ -108,9 +121,7 @@ async def test_two_shards_lease_only_their_own_chains_each_in_its_own_log_and_st
             assert fleet["ok"] and fleet["fleet"]["shards"] == {"0": bases[0], "1": bases[1]}, fleet["fleet"]
             assert fleet["fleet"]["live_blocks"] == 18 and "keys" not in fleet["shards"][bases[0]]["shard"]
     finally:
-        with contextlib.suppress(Exception):
-            await nc.jetstream().delete_stream(per_shard[1].stream_name)
-        await nc.drain()
+        await _drop_shards(nc, subjects)
 
     # fleet-wide: the two logs hold disjoint keys, each only chains its shard owns
     roots = {b: chain[0] for k in (0, 1) for chain in chains[k] for b in chain}
@@ -158,9 +169,7 @@ async def test_a_ledger_resharded_without_moving_its_chains_fails_its_shard_audi
             assert code == 3, out
             assert json.loads(out)["fleet"]["problems"] == [f"{bases[0]}: its own audit found problems"]
     finally:
-        with contextlib.suppress(Exception):
-            await nc.jetstream().delete_stream(shard_subjects(subjects.prefix, 1).stream_name)
-        await nc.drain()
+        await _drop_shards(nc, subjects)
 
 
 async def test_the_gateway_asks_the_shard_that_owns_a_prompts_chain(
@@ -209,6 +218,101 @@ async def test_the_gateway_asks_the_shard_that_owns_a_prompts_chain(
                 assert (choices[0].worker.worker_id, choices[0].reason, choices[0].cached_tokens) == ("w1", "cache", 48), k
     finally:
         await gw.stop()
-        with contextlib.suppress(Exception):
-            await nc.jetstream().delete_stream(per_shard[1].stream_name)
-        await nc.drain()
+        await _drop_shards(nc, subjects)
+
+
+async def _shard_cli(config: Any, *args: str) -> dict:
+    """``kvledger shard … --json`` with this deployment's config (the CLI, a process of its own)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVL_")}
+    proc = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "kvledger", "shard", *args, "--json",
+                                                    "--config", str(config)],
+                                   capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout)
+
+
+async def _until(what: Any, timeout_s: float = 10) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not what():
+        assert asyncio.get_running_loop().time() < deadline, "not within the time"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_cold_move_of_a_partition_between_shards_by_the_versioned_map(
+        tmp_path: Any, database_url: str, other_database_url: str, nats_url: str, subjects: Subjects) -> None:
+    """The drill of a move that carries no replicas: freeze (no shard leases the partition), the old
+    owner's leases on it ended and its replicas of it invalidated (the bytes dropped by the workers:
+    the cache is recomputed, no event moves), open (the new owner leases it). Both shards follow each
+    map version from NATS KV; each step reruns harmlessly; both audits and the fleet's stay clean."""
+    import yaml
+
+    from coordinator.app import COORDINATOR
+
+    shard_map = ShardMap.uniform(2, PARTITIONS)
+    chain = _chains(shard_map, 1)[0][0]
+    part = shard_map.partition(NS, chain[0])
+    # a chain of the same shard in another partition: not affected by the move
+    same_shard = next(c for c in _chains(shard_map, 8)[0] if shard_map.partition(NS, c[0]) != part)
+    configs = [fast_config(u, nats_url, subjects, shards=2, shard=k, shard_partitions=PARTITIONS)
+               for k, u in enumerate((database_url, other_database_url))]
+    cli_config = tmp_path / "kvledger.yaml"
+    cli_config.write_text(yaml.safe_dump({"nats": {"url": nats_url, "subject_prefix": subjects.prefix},
+                                          "coordinator": {"shards": 2, "shard_partitions": PARTITIONS}}))
+    per_shard = [shard_subjects(subjects.prefix, k) for k in (0, 1)]
+    nc = await nats.connect(nats_url)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            apps = [await stack.enter_async_context(running_coordinator(c)) for c in configs]
+            bases = [base for _, base in apps]
+
+            def version(k: int) -> int:
+                return apps[k][0][COORDINATOR].ledger.params.shard_map.version
+
+            workers = [Worker(nc, per_shard[k], "w1", slots=64) for k in (0, 1)]
+            for w in workers:
+                await w.register()
+                await w.watch_watermarks()
+            held = await workers[0].fill(chain)
+            await workers[0].fill(same_shard)
+            assert (await _shard_cli(cli_config, "show"))["map"]["version"] == 1
+
+            # 1. freeze: no shard leases the partition (retry later); the shard's other partitions go on
+            frozen = await _shard_cli(cli_config, "freeze", str(part), "--to", "1")
+            assert frozen["changed"] and frozen["map"]["moving"] == [{"partition": part, "from": 0, "to": 1}]
+            await _until(lambda: version(0) == version(1) == 2)
+            for w in workers:
+                r = await w.acquire(chain)
+                assert isinstance(r, ErrorReply) and r.code is ErrorCode.WRONG_SHARD and r.retry_after_ms, r
+            assert isinstance(await workers[0].acquire(same_shard), LeaseGrant)
+            assert not (await _shard_cli(cli_config, "freeze", str(part), "--to", "1"))["changed"]   # a rerun
+
+            # 2. drain: the old owner's leases on the partition end (here released; at worst they expire)
+            out = (await _audit(bases[0]))["shard"]["moving_out"]
+            assert out == {str(part): {"to": 1, "live_leases": 1, "live_blocks": sorted(chain), "live_block_count": 3}}
+            await workers[0].release(held.lease_id)
+            assert (await _audit(bases[0]))["shard"]["moving_out"][str(part)]["live_leases"] == 0
+            # 3. release: the old owner invalidates its replicas of the partition (the workers drop them)
+            async with aiohttp.ClientSession() as http:
+                for b in chain:
+                    async with http.post(f"{bases[0]}/v1/invalidate", json={
+                            "scope": "block", "value": b, "reason": f"partition {part} moves to shard 1"}) as r:
+                        assert r.status == 200 and (await r.json())["affected"] == 1, await r.text()
+
+            assert (await _audit(bases[0]))["shard"]["moving_out"][str(part)]["live_block_count"] == 0
+            # 4. open: the new owner leases the chain (cold: it computes and writes it), the old refuses
+            opened = await _shard_cli(cli_config, "open", str(part))
+            assert opened["changed"] and opened["map"]["version"] == 3 and opened["map"]["owned"] == {"0": 7, "1": 9}
+            await _until(lambda: version(0) == version(1) == 3)
+            grant = await workers[1].fill(chain)
+            assert grant.usable_blocks == 0 and sorted(grant.write["compressed"]) == [0, 1, 2]
+            r = await workers[0].acquire(chain)
+            assert isinstance(r, ErrorReply) and r.code is ErrorCode.WRONG_SHARD and "belongs to shard 1" in r.message
+            assert not (await _shard_cli(cli_config, "open", str(part)))["changed"]                  # a rerun
+
+            for base in bases:
+                report = await _audit(base)
+                assert report["ok"] and report["shard"]["map_version"] == 3, report
+            code, out = await _fleet_audit(bases)
+            assert code == 0, out
+    finally:
+        await _drop_shards(nc, subjects)

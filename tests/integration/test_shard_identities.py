@@ -5,12 +5,18 @@ coordinator refuses to start as another shard's identity, and the right one serv
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 import nats
 import pytest
+import yaml
 
 from coordinator.nats_service import StartupError
 from coordinator.runtime import Coordinator
@@ -20,7 +26,7 @@ from shared.embedded import EmbeddedNats
 from shared.logging import get_logger
 from shared.messages import RegisterReply
 from shared.nats_auth import CredentialStore, Identity
-from shared.shards import shard_subjects
+from shared.shards import map_bucket, shard_subjects
 from shared.subjects import COORDINATOR_QUEUE, Subjects
 from tests.integration.coordinator_kit import Worker, fast_config, running_coordinator
 from tests.integration.test_nats_permissions import connect, settle
@@ -99,8 +105,12 @@ def _as(config: Any, ident: Identity, store: CredentialStore) -> Any:
     return parse_config({**doc, "nats": {**doc["nats"], "user": ident.user, "password_file": str(store.path(ident))}})
 
 
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVL_")}
+
+
 async def test_shard_one_starts_only_as_its_own_identity_and_then_serves_its_shard(
-        secured: tuple[EmbeddedNats, CredentialStore], database_url: str) -> None:
+        secured: tuple[EmbeddedNats, CredentialStore], database_url: str, tmp_path: Any) -> None:
     srv, store = secured
     cfg = fast_config(database_url, srv.url, SUBJECTS, shards=2, shard=1)
     wrong = Coordinator(_as(cfg, Identity("coordinator"), store), database_url=database_url, nats_url=srv.url,
@@ -118,15 +128,29 @@ async def test_shard_one_starts_only_as_its_own_identity_and_then_serves_its_sha
             assert isinstance(reply, RegisterReply) and reply.epoch == 1
         finally:
             await nc.drain()
+        # the coordinator stored the config's map; the operator reads it and writes its next version
+        op = Identity("operator")
+        conf = tmp_path / "operator.yaml"
+        conf.write_text(yaml.safe_dump({"nats": {"url": srv.url, "subject_prefix": SUBJECTS.prefix, "user": op.user,
+                                                 "password_file": str(store.path(op))},
+                                        "coordinator": {"shards": 2, "shard_partitions": 16}}))
+        for args, version in ((["show"], 1), (["freeze", "3", "--to", "0"], 2), (["open", "3"], 3)):
+            out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "kvledger", "shard", *args, "--json",
+                                                           "--config", str(conf)], capture_output=True, text=True,
+                                          env=_env(), timeout=60)
+            assert out.returncode == 0, out.stdout + out.stderr
+            assert json.loads(out.stdout)["map"]["version"] == version
+    js = (await nats.connect(srv.url, user="coordinator", password=store.password(Identity("coordinator")),
+                             inbox_prefix=nats_auth.inbox_prefix("coordinator")))
+    try:
+        await js.jetstream().delete_key_value(map_bucket(SUBJECTS.prefix))
+    finally:
+        await js.drain()
 
 
 def test_nats_auth_cli_writes_every_shards_users() -> None:
     """``kvledger nats-auth --shards 2``: the same grants as ``server_config`` with a coordinator per shard."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVL_")}
+    env = _env()
     out = subprocess.run([sys.executable, "-m", "kvledger", "nats-auth", "--shards", "2", "--worker", "w0",
                           "--prefix", SUBJECTS.prefix], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr

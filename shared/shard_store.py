@@ -1,0 +1,93 @@
+"""Where a sharded deployment keeps its shard map: one key of a NATS KV bucket (JetStream), written
+by compare-and-set on its revision and watched by every coordinator and gateway
+(docs/architecture.md, "The ledger sharded").
+
+The first reader of an empty bucket stores the static map of the config (version 1); from then on
+only a move changes it (``kvledger shard freeze`` / ``open``), each change a new version. A
+follower takes a map only if it is the deployment's shape (shards and partitions as configured)
+and newer than the one it holds, so a map never goes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import nats.js.errors
+
+from shared.shards import ShardMap, map_bucket
+
+#: The map's key in the bucket.
+KEY = "map"
+
+
+class ShardMapConflict(Exception):
+    """The map changed since it was read (another writer): read it again and decide again."""
+
+
+class ShardMapStore:
+    def __init__(self, js: Any, prefix: str, *, replicas: int = 1) -> None:
+        self.js = js
+        self.bucket = map_bucket(prefix)
+        self.replicas = replicas
+        self._kv: Any = None
+
+    async def _bucket(self) -> Any:
+        if self._kv is None:
+            try:
+                self._kv = await self.js.key_value(self.bucket)
+            except nats.js.errors.BucketNotFoundError:
+                self._kv = await self.js.create_key_value(bucket=self.bucket, history=16, replicas=self.replicas)
+        return self._kv
+
+    async def load(self, initial: ShardMap) -> tuple[ShardMap, int]:
+        """The stored map and its revision; ``initial`` is stored first when there is none."""
+        kv = await self._bucket()
+        try:
+            entry = await kv.get(KEY)
+        except nats.js.errors.KeyNotFoundError:
+            with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):   # another reader stored it first
+                return initial, await kv.create(KEY, msgspec.json.encode(initial))
+            entry = await kv.get(KEY)
+        return msgspec.json.decode(entry.value, type=ShardMap), entry.revision
+
+    async def replace(self, new: ShardMap, revision: int) -> int:
+        """Store ``new`` if the map is still at ``revision``; its new revision, else :class:`ShardMapConflict`."""
+        kv = await self._bucket()
+        try:
+            return await kv.update(KEY, msgspec.json.encode(new), last=revision)
+        except nats.js.errors.KeyWrongLastSequenceError as e:
+            raise ShardMapConflict(f"the shard map changed since revision {revision}") from e
+
+    async def follow(self, on_map: Callable[[ShardMap], None], on_error: Callable[[str], None]) -> None:
+        """Call ``on_map`` with every version stored from now on (the current one first); runs
+        until cancelled. A value that is not a map is reported to ``on_error`` and skipped."""
+        kv = await self._bucket()
+        watcher = await kv.watch(KEY)
+        try:
+            async for entry in watcher:
+                if entry is None or entry.value is None:
+                    continue
+                try:
+                    on_map(msgspec.json.decode(entry.value, type=ShardMap))
+                except (msgspec.ValidationError, msgspec.DecodeError) as e:
+                    on_error(f"revision {entry.revision}: {e}")
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(watcher.stop(), 2)
+
+
+def accepts(held: ShardMap | None, new: ShardMap, shards: int, partitions: int) -> str:
+    """Why a follower holding ``held`` must not take ``new`` ("" when it may)."""
+    if (new.shards, new.partitions) != (shards, partitions):
+        return (f"the map has {new.shards} shards and {new.partitions} partitions, the config "
+                f"{shards} and {partitions} (coordinator.shards, coordinator.shard_partitions)")
+    if held is not None and new.version <= held.version:
+        return f"version {new.version} is not newer than the one held ({held.version})"
+    return ""
+
+
+__all__ = ["KEY", "ShardMapConflict", "ShardMapStore", "accepts"]
