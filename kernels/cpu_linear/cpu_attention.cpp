@@ -349,6 +349,23 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> keys, std::v
   const int64_t g = H / kvh;
   const float sc = static_cast<float>(scale);
   float* O = out.data_ptr<float>();
+  const bool qwide = q.scalar_type() == at::kFloat;
+  // f(q's element type, K/V's element type): the four dtype pairs in one place
+  auto typed = [&](auto f) {
+    if (qwide) {
+      if (wide) f(float{}, float{}); else f(float{}, bf16{});
+    } else {
+      if (wide) f(bf16{}, float{}); else f(bf16{}, bf16{});
+    }
+  };
+  auto one_row = [&](int64_t r, int64_t kh) {
+    const Segment& s = segs[seg_of[r]];
+    typed([&](auto tq, auto tk) {
+      using TQ = decltype(tq);
+      using T = decltype(tk);
+      attend_item<TQ, T>(q.data_ptr<TQ>() + r * H * D, s, P[r], window, kh, g, D, sc, O + r * H * D);
+    });
+  };
 #if defined(KVL_HSUM16)
   // an item: up to 4 consecutive rows of one segment (a prompt's rows share K/V loads), one kv head
   std::vector<int64_t> first;             // each tile's first row
@@ -359,50 +376,21 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> keys, std::v
     const int64_t tile = b / kvh, kh = b % kvh;
     const int64_t r0 = first[tile];
     const int R = static_cast<int>(std::min<int64_t>(4, rows[seg_of[r0] + 1] - r0));
+    if (R == 1) return one_row(r0, kh);   // a decode row: no company to share loads with (a tile would score it 4 times)
     const Segment& s = segs[seg_of[r0]];
-    if (R == 1) {       // a decode row: no company to share loads with (a tile would score it 4 times)
-      float* dst = O + r0 * H * D;
-      if (q.scalar_type() == at::kFloat) {
-        const float* qr = q.data_ptr<float>() + r0 * H * D;
-        if (wide) attend_item<float, float>(qr, s, P[r0], window, kh, g, D, sc, dst);
-        else attend_item<float, bf16>(qr, s, P[r0], window, kh, g, D, sc, dst);
-      } else {
-        const bf16* qr = q.data_ptr<bf16>() + r0 * H * D;
-        if (wide) attend_item<bf16, float>(qr, s, P[r0], window, kh, g, D, sc, dst);
-        else attend_item<bf16, bf16>(qr, s, P[r0], window, kh, g, D, sc, dst);
-      }
-      return;
-    }
     float* outs[4];
     for (int i = 0; i < R; ++i) outs[i] = O + (r0 + i) * H * D;
-    if (q.scalar_type() == at::kFloat) {
-      const float* qs[4];
-      for (int i = 0; i < R; ++i) qs[i] = q.data_ptr<float>() + (r0 + i) * H * D;
-      if (wide) attend_tile<float, float>(qs, R, s, P + r0, window, kh, g, D, sc, outs);
-      else attend_tile<float, bf16>(qs, R, s, P + r0, window, kh, g, D, sc, outs);
-    } else {
-      const bf16* qs[4];
-      for (int i = 0; i < R; ++i) qs[i] = q.data_ptr<bf16>() + (r0 + i) * H * D;
-      if (wide) attend_tile<bf16, float>(qs, R, s, P + r0, window, kh, g, D, sc, outs);
-      else attend_tile<bf16, bf16>(qs, R, s, P + r0, window, kh, g, D, sc, outs);
-    }
+    typed([&](auto tq, auto tk) {
+      using TQ = decltype(tq);
+      using T = decltype(tk);
+      const TQ* qs[4];
+      for (int i = 0; i < R; ++i) qs[i] = q.data_ptr<TQ>() + (r0 + i) * H * D;
+      attend_tile<TQ, T>(qs, R, s, P + r0, window, kh, g, D, sc, outs);
+    });
   };
   const int64_t items = static_cast<int64_t>(first.size() - 1) * kvh;
 #else
-  auto item = [&](int64_t b) {
-    const int64_t r = b / kvh, kh = b % kvh;
-    const Segment& s = segs[seg_of[r]];
-    float* dst = O + r * H * D;
-    if (q.scalar_type() == at::kFloat) {
-      const float* qr = q.data_ptr<float>() + r * H * D;
-      if (wide) attend_item<float, float>(qr, s, P[r], window, kh, g, D, sc, dst);
-      else attend_item<float, bf16>(qr, s, P[r], window, kh, g, D, sc, dst);
-    } else {
-      const bf16* qr = q.data_ptr<bf16>() + r * H * D;
-      if (wide) attend_item<bf16, float>(qr, s, P[r], window, kh, g, D, sc, dst);
-      else attend_item<bf16, bf16>(qr, s, P[r], window, kh, g, D, sc, dst);
-    }
-  };
+  auto item = [&](int64_t b) { one_row(b / kvh, b % kvh); };
   const int64_t items = N * kvh;
 #endif
   // like the product: a small call is done before a helper could join
