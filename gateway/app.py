@@ -57,6 +57,7 @@ from shared.hashing import chain_hashes
 from shared.http_limits import handler_args
 from shared.images import ImageLimits, PromptImage, image_block_keys
 from shared.logging import get_logger
+from shared.shard_store import ShardMapReader
 from shared.shards import ShardMap, shard_subjects
 from shared.subjects import Subjects
 from shared.tenant_header import SIGNATURE_HEADER, TENANT_HEADER, sign
@@ -128,11 +129,12 @@ class Gateway:
         self.images, self.image_limits = images, ImageLimits.of(cfg.service)
         self.subjects = Subjects(cfg.nats.subject_prefix)
         #: A sharded ledger (docs/architecture.md, "The ledger sharded"): a prefix's route query goes
-        #: to the shard that owns its chain; the fleet view comes from shard 0 (every worker is a
-        #: member of every shard).
+        #: to the shard that owns its chain by the stored map (read at each fleet refresh); the fleet
+        #: view comes from shard 0 (every worker is a member of every shard).
         c = cfg.coordinator
         self.shard_map = ShardMap.uniform(c.shards, c.shard_partitions) if c.shards > 1 else None
         self.shard_subjects = [shard_subjects(cfg.nats.subject_prefix, k) for k in range(c.shards)]
+        self._shard_reader: ShardMapReader | None = None
         self.tenants = TenantDirectory.from_config(cfg.auth)
         self.metrics = GatewayMetrics()
         self.limits = TenantLimits()
@@ -193,6 +195,9 @@ class Gateway:
         return reply if isinstance(reply, m.RouteReply) else None
 
     async def refresh_fleet(self) -> bool:
+        if self.shard_map is not None:     # a newer stored map, if any (a stale one costs route hints only)
+            self._shard_reader = self._shard_reader or ShardMapReader(self._nc.jetstream(), self.cfg, log)
+            self.shard_map = await self._shard_reader.newer(self.shard_map)
         reply = await self._ask(m.RouteQuery(gateway_id=self.g.gateway_id), self.g.fleet_refresh_ms / 1000 * 2)
         if reply is None:
             return False

@@ -163,11 +163,12 @@ def permissions(identity: Identity, subjects: Subjects, shards: int = 1) -> dict
             into = merged.setdefault(direction, {})
             for kind, entries in grant.items():
                 into[kind] = list(dict.fromkeys([*into.get(kind, []), *entries]))
-    if shards > 1 and identity.role == "operator":
-        # `kvledger shard`: read the map and write its next version (compare-and-set)
+    if shards > 1 and identity.role in ("operator", "gateway"):
+        # read the shard map (a gateway routes by it); `kvledger shard` (the operator) also writes
+        # its next version, by compare-and-set
         b = map_bucket(subjects.prefix)
-        merged["publish"]["allow"] += [f"$KV.{b}.map", f"$JS.API.STREAM.INFO.KV_{b}", f"$JS.API.DIRECT.GET.KV_{b}.>",
-                                       f"$JS.API.STREAM.MSG.GET.KV_{b}"]
+        merged["publish"]["allow"] += ([f"$KV.{b}.map"] if identity.role == "operator" else []) + [
+            f"$JS.API.STREAM.INFO.KV_{b}", f"$JS.API.DIRECT.GET.KV_{b}.>", f"$JS.API.STREAM.MSG.GET.KV_{b}"]
     return merged
 
 

@@ -35,13 +35,23 @@ class ShardMapStore:
         self.replicas = replicas
         self._kv: Any = None
 
-    async def _bucket(self) -> Any:
+    async def _bucket(self, create: bool = True) -> Any:
         if self._kv is None:
             try:
                 self._kv = await self.js.key_value(self.bucket)
             except nats.js.errors.BucketNotFoundError:
+                if not create:
+                    raise
                 self._kv = await self.js.create_key_value(bucket=self.bucket, history=16, replicas=self.replicas)
         return self._kv
+
+    async def get(self) -> ShardMap | None:
+        """The stored map (None when none is stored yet), for a reader that may not write (a gateway)."""
+        try:
+            entry = await (await self._bucket(create=False)).get(KEY)
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.KeyNotFoundError):
+            return None
+        return msgspec.json.decode(entry.value, type=ShardMap)
 
     async def load(self, initial: ShardMap) -> tuple[ShardMap, int]:
         """The stored map and its revision; ``initial`` is stored first when there is none."""
@@ -80,6 +90,30 @@ class ShardMapStore:
                 await asyncio.wait_for(watcher.stop(), 2)
 
 
+class ShardMapReader:
+    """A reader's view of the stored map (a gateway's, at each fleet refresh): the stored one when
+    it is of this deployment's shape and newer than the one held, else the one held."""
+
+    def __init__(self, js: Any, config: Any, logger: Any) -> None:
+        self.store = ShardMapStore(js, config.nats.subject_prefix)
+        self.shards, self.partitions = config.coordinator.shards, config.coordinator.shard_partitions
+        self.log = logger
+
+    async def newer(self, held: ShardMap) -> ShardMap:
+        try:
+            stored = await self.store.get()
+        except Exception as e:  # noqa: BLE001 - NATS away, or no grant to read it: keep the map held
+            self.log.debug("shard_map_unreadable", error=type(e).__name__)
+            return held
+        if stored is None or stored.version <= held.version:
+            return held
+        if (why := accepts(held, stored, self.shards, self.partitions)):
+            self.log.warning("shard_map_refused", version=stored.version, why=why)
+            return held
+        self.log.info("shard_map", version=stored.version)
+        return stored
+
+
 def accepts(held: ShardMap | None, new: ShardMap, shards: int, partitions: int) -> str:
     """Why a follower holding ``held`` must not take ``new`` ("" when it may)."""
     if (new.shards, new.partitions) != (shards, partitions):
@@ -90,4 +124,4 @@ def accepts(held: ShardMap | None, new: ShardMap, shards: int, partitions: int) 
     return ""
 
 
-__all__ = ["KEY", "ShardMapConflict", "ShardMapStore", "accepts"]
+__all__ = ["KEY", "ShardMapConflict", "ShardMapReader", "ShardMapStore", "accepts"]

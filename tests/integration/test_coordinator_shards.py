@@ -173,9 +173,13 @@ async def test_a_ledger_resharded_without_moving_its_chains_fails_its_shard_audi
 
 
 async def test_the_gateway_asks_the_shard_that_owns_a_prompts_chain(
-        database_url: str, other_database_url: str, nats_url: str, subjects: Subjects) -> None:
+        tmp_path: Any, database_url: str, other_database_url: str, nats_url: str, subjects: Subjects) -> None:
     """A gateway of a two-shard deployment: its fleet view from shard 0, and each prompt's route
-    query sent to the shard its chain belongs to — so a prefix cached on either shard is found."""
+    query sent to the shard its chain belongs to by the stored map — so a prefix cached on either
+    shard is found, and after a move where it moved."""
+    import yaml
+
+    from coordinator.app import COORDINATOR
     from gateway.app import Gateway
     from shared.config import parse_config
     from shared.hashing import chain_hashes
@@ -191,8 +195,8 @@ async def test_the_gateway_asks_the_shard_that_owns_a_prompts_chain(
     nc = await nats.connect(nats_url)
     try:
         async with contextlib.AsyncExitStack() as stack:
-            for c in configs:
-                await stack.enter_async_context(running_coordinator(c))
+            apps = [await stack.enter_async_context(running_coordinator(c)) for c in configs]
+            bases = [base for _, base in apps]
             workers = [Worker(nc, per_shard[k], "w1", slots=64) for k in (0, 1)]
             for w in workers:       # registered with both shards, serving at one endpoint
                 reply = await w.request(w.subjects.request("register", "w1"), WorkerRegister(
@@ -216,6 +220,26 @@ async def test_the_gateway_asks_the_shard_that_owns_a_prompts_chain(
             for k, tokens in prompts.items():
                 choices, _ = await gw.route(tokens, "default")
                 assert (choices[0].worker.worker_id, choices[0].reason, choices[0].cached_tokens) == ("w1", "cache", 48), k
+
+            # shard 1's prompt's partition moves to shard 0 (cold) and is cached there: the gateway
+            # finds it once it has read the new map, at its next fleet refresh
+            hashes = chain_hashes(prompts[1], CATALOGUE.block_size, NS, gw.salt("default"))
+            part = shard_map.partition(NS, hashes[0])
+            cli_config = tmp_path / "kvledger.yaml"
+            cli_config.write_text(yaml.safe_dump({"nats": {"url": nats_url, "subject_prefix": subjects.prefix},
+                                                  "coordinator": {"shards": 2, "shard_partitions": PARTITIONS}}))
+            await _shard_cli(cli_config, "freeze", str(part), "--to", "0")
+            async with aiohttp.ClientSession() as http:
+                for b in hashes:
+                    async with http.post(f"{bases[1]}/v1/invalidate", json={"scope": "block", "value": b}) as r:
+                        assert r.status == 200, await r.text()
+            assert (await _shard_cli(cli_config, "open", str(part)))["map"]["version"] == 3
+            await _until(lambda: all(a[COORDINATOR].ledger.params.shard_map.version == 3 for a, _ in apps))
+            await workers[0].release((await workers[0].fill(hashes)).lease_id)
+            # (by the map of the config, version 1, it would ask shard 1, which holds nothing of it now)
+            assert await gw.refresh_fleet() and gw.shard_map.version == 3
+            choices, _ = await gw.route(prompts[1], "default")
+            assert (choices[0].reason, choices[0].cached_tokens) == ("cache", 48)
     finally:
         await gw.stop()
         await _drop_shards(nc, subjects)
