@@ -55,4 +55,59 @@ def cpu_spent(a: dict[str, dict[int, float]], b: dict[str, dict[int, float]]) ->
     return {role: sum(t - a.get(role, {}).get(pid, 0.0) for pid, t in procs.items()) for role, procs in b.items()}
 
 
-__all__ = ["SERVERS", "cpu_spent", "process_cpu", "stack_cpu"]
+#: A process of a server's tree, by a word of its command line (the first that matches), else its command name.
+ROLES = (("worker", "worker"), ("coordinator", "coordinator"), ("gateway", "gateway"),
+         ("EngineCore", "engine"), ("vllm", "api"))
+
+
+def _role(pid: str, comm: str) -> str:
+    if comm in SERVERS:
+        return SERVERS[comm]
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return comm
+    return next((role for word, role in ROLES if word in cmd or word in comm), comm)
+
+
+def tree_cpu(root: int) -> dict[str, float]:
+    """CPU seconds so far of ``root`` and every process below it, summed by role (``worker``,
+    ``coordinator``, ``gateway``, ``postgres``, ``nats``; vLLM's ``api`` and ``engine``; else the
+    command name): a server's whole cost, however many processes it runs."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, str, float]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        stats[int(d)] = (int(fields[1]), comm, (int(fields[11]) + int(fields[12])) / tick)
+    below = {root}
+    grew = True
+    while grew:
+        grew = False
+        for pid, (ppid, _, _) in stats.items():
+            if ppid in below and pid not in below:
+                below.add(pid)
+                grew = True
+    out: dict[str, float] = {}
+    for pid in below:
+        if pid in stats:
+            role = _role(str(pid), stats[pid][1])
+            out[role] = out.get(role, 0.0) + stats[pid][2]
+    return out
+
+
+def tree_spent(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """CPU seconds by role between two :func:`tree_cpu` readings (a process that ended in between
+    takes its seconds with it: a server's tree keeps its processes for the whole run)."""
+    return {role: round(t - a.get(role, 0.0), 2) for role, t in b.items() if t - a.get(role, 0.0) > 0.005}
+
+
+__all__ = ["ROLES", "SERVERS", "cpu_spent", "process_cpu", "stack_cpu", "tree_cpu", "tree_spent"]

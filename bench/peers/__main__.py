@@ -15,7 +15,8 @@ from typing import Any
 
 from bench.peers import floor
 from bench.peers.load import requests_at, run_level
-from bench.peers.report import ABSENT, Failed, Levels, results_keys
+from bench.peers.report import ABSENT, Failed, Levels, cpu_keys, results_keys
+from bench.proc_cpu import tree_cpu, tree_spent
 from bench.peers.servers import PEERS, SERVERS, Server, ServerFailed, installed
 
 DTYPES = ("float32", "bfloat16")
@@ -52,9 +53,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def measure_server(name: str, work: Path, model_dir: Path, dtype: str, args: argparse.Namespace,
-                   guidellm: Path, running: list[Server]) -> Levels | str:
+                   guidellm: Path, running: list[Server], cpu: dict[int, dict[str, float]] | None = None) -> Levels | str:
     """Start ``name`` alone, run every level, stop it; its levels (a level guidellm could not run is
-    :class:`Failed`), or why the server failed (a string)."""
+    :class:`Failed`), or why the server failed (a string). ``cpu`` gets each level's CPU seconds by
+    process role of the server's whole tree (``bench.proc_cpu.tree_cpu``)."""
     server = SERVERS[name](work / f"{name}-{dtype}", model_dir, dtype)
     running.append(server)
     t0 = time.monotonic()
@@ -71,6 +73,7 @@ def measure_server(name: str, work: Path, model_dir: Path, dtype: str, args: arg
     levels: Levels = []
     try:
         for c in args.concurrency:
+            before = tree_cpu(server.proc.pid) if server.proc is not None else {}
             try:
                 levels.append(run_level(guidellm, server.url, server.model_name(), model_dir, c,
                                         requests_at(c, args.quick), args.max_seconds, server.work,
@@ -78,6 +81,8 @@ def measure_server(name: str, work: Path, model_dir: Path, dtype: str, args: arg
             except (RuntimeError, ValueError, OSError, subprocess.TimeoutExpired) as e:
                 log(f"{name} ({dtype}) c={c} failed: {e}")
                 levels.append(Failed(c, str(e).strip().splitlines()[-1][:200]))
+            if cpu is not None and server.proc is not None:
+                cpu[c] = tree_spent(before, tree_cpu(server.proc.pid))
             server.check_alive()
     except ServerFailed as e:
         log(str(e))
@@ -113,16 +118,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for dtype in args.dtypes:
             model_dir = smollm2_dir(dtype, say=log)
             results: dict[str, Levels | str] = {}
+            cpu: dict[str, dict[int, dict[str, float]]] = {}
             if not args.no_kvledger:
-                results["kvledger"] = measure_server("kvledger", work, model_dir, dtype, args, guidellm, running)
+                cpu["kvledger"] = {}
+                results["kvledger"] = measure_server("kvledger", work, model_dir, dtype, args, guidellm, running,
+                                                     cpu["kvledger"])
             for peer in args.peers:
                 if installed(peer) is None:
                     log(f"{peer}: absent (bench/peers/setup.sh --only {peer} installs it)")
                     results[peer] = ABSENT
                     continue
-                results[peer] = measure_server(peer, work, model_dir, dtype, args, guidellm, running)
+                cpu[peer] = {}
+                results[peer] = measure_server(peer, work, model_dir, dtype, args, guidellm, running, cpu[peer])
             wbytes = floor.weight_bytes(model_dir)
             keys.update(results_keys(dtype, args.dtypes, results, floor.floor_ms(wbytes, gbs)))
+            keys.update(cpu_keys(dtype, args.dtypes, cpu))
             keys[f"weight_bytes{'' if len(args.dtypes) == 1 else '_' + dtype}"] = wbytes
     finally:
         for server in list(running):

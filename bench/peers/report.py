@@ -183,3 +183,19 @@ def results_keys(dtype: str, dtypes: list[str], results: dict[str, Levels | str]
             keys.update(ratio_keys(name, ours, res, sfx))
     keys.update(floor_keys(floor_ms, ran, sfx))
     return keys
+
+
+def cpu_keys(dtype: str, dtypes: list[str], cpu: dict[str, dict[int, dict[str, float]]]) -> dict[str, Any]:
+    """Each server's CPU seconds per level: ``<name>_cpu_s_c<N>`` (its whole process tree) and, for
+    a server of several processes, ``<name>_cpu_s_<role>_c<N>`` — where the machine's two cores
+    went (kvledger's coordinator, gateway, PostgreSQL and NATS take them from its forwards)."""
+    sfx = dtype_suffix(dtype, dtypes)
+    keys: dict[str, Any] = {}
+    for name, levels in cpu.items():
+        label = name if name == "kvledger" else f"peer_{name}"
+        for c, roles in levels.items():
+            keys[f"{label}_cpu_s_c{c}{sfx}"] = round(sum(roles.values()), 1)
+            if len(roles) > 1:
+                keys.update({f"{label}_cpu_s_{role}_c{c}{sfx}": round(s, 1) for role, s in sorted(roles.items())})
+    return keys
+

@@ -126,3 +126,31 @@ def test_weight_bytes_come_from_the_safetensors_headers(tmp_path: Path) -> None:
     save_file({"a": torch.zeros(10, 3), "b": torch.zeros(7, dtype=torch.bfloat16)}, str(tmp_path / "m.safetensors"))
     assert floor.weight_bytes(tmp_path) == 10 * 3 * 4 + 7 * 2
     assert floor.floor_ms(2_000_000_000, 10.0) == pytest.approx(200.0)
+
+
+def test_a_servers_cpu_is_counted_over_its_whole_tree_by_role() -> None:
+    import subprocess
+    import sys
+    import time
+
+    from bench.proc_cpu import tree_cpu, tree_spent
+    from bench.peers.report import cpu_keys
+
+    # a parent whose child burns CPU: the child's seconds count under the parent's tree
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)"
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time\n"
+                               f"subprocess.Popen([sys.executable, '-c', {spin!r}])\ntime.sleep(30)"])
+    try:
+        before = tree_cpu(parent.pid)
+        time.sleep(1.5)
+        spent = tree_spent(before, tree_cpu(parent.pid))
+        assert sum(spent.values()) >= 0.25, spent
+    finally:
+        for line in subprocess.run(["pgrep", "-P", str(parent.pid)], capture_output=True, text=True).stdout.split():
+            subprocess.run(["kill", line])
+        parent.kill()
+        parent.wait()
+    keys = cpu_keys("float32", ["float32"], {"kvledger": {8: {"worker": 40.0, "coordinator": 3.04}},
+                                             "vllm": {8: {"engine": 50.0}}})
+    assert keys == {"kvledger_cpu_s_c8": 43.0, "kvledger_cpu_s_coordinator_c8": 3.0, "kvledger_cpu_s_worker_c8": 40.0,
+                    "peer_vllm_cpu_s_c8": 50.0}
