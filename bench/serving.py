@@ -48,6 +48,12 @@ from them (the model thread is the bottleneck; its CPU time barely depends on ot
     python -m bench.serving --quick    # 2 turns, prompts ~180 → ~240 tokens; about a minute on an idle machine
     python -m bench.serving --long-agent [--quick] [--cache-dtype float8_e4m3fn]
 
+``--model-dir DIR`` (``--dtype``) serves a checkpoint directory (``worker.model_dir``,
+``worker.dtype``) instead of the tiny random model, e.g. ``--model-dir "$(kvledger model smollm2)"``:
+its prompts are then real text (``bench.realtext``: passages of this repository's docs) and its
+sampled API-phase requests ``ignore_eos`` where a pair must generate the same tokens; the
+overload phase (the tiny model in this process) does not run, nor may ``--long-agent``.
+
 ``--long-agent`` runs seed 003's workload instead (``LongAgent``): one agent at a time reads a
 long document (3,072 tokens; quick 768), makes a forced tool call, gets the result, answers in a
 few tokens and asks follow-ups — on the built-in hybrid model and on a YOCO checkpoint
@@ -116,6 +122,10 @@ class Workload:
     max_tokens: int
     #: Agents at concurrency 1 (run one after the other); at c > 1, c agents.
     serial_agents: int
+    #: The served model's id, as requests name it.
+    model: str = "kvledger/dsv4-tiny"
+    #: Real text (``bench.realtext``) instead of random letters: for a real checkpoint.
+    real_text: bool = False
 
     def agents(self, c: int) -> int:
         return c if c > 1 else self.serial_agents
@@ -202,9 +212,10 @@ class Run:
 KEYS = {"on": "bench-serving-reuse-on", "off": "bench-serving-reuse-off"}
 
 
-async def chat(http: Any, url: str, messages: list[dict[str, str]], max_tokens: int, reuse: bool) -> Turn:
+async def chat(http: Any, url: str, messages: list[dict[str, str]], max_tokens: int, reuse: bool,
+               model: str = "kvledger/dsv4-tiny") -> Turn:
     """One streaming chat completion; TTFT = until the first chunk (the role chunk, sent with token 1)."""
-    body = {"model": "kvledger/dsv4-tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "cache_reuse": reuse}
     t0 = time.perf_counter()
     ttft = None
@@ -249,15 +260,21 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 6}}}}
 
 
-async def structured_phase(url: str, requests: int) -> dict[str, Any]:
+async def structured_phase(url: str, requests: int, w: Workload = QUICK) -> dict[str, Any]:
     """The API features' costs. ``n8_time_ratio_vs_8_requests``: one request with ``n`` = 8
     against 8 concurrent requests of the same (uncached) prompt, median of 3 pairs on fresh
     prompts. Then output tokens per second of sampled chat completions with a ``json_schema`` and without,
     the same prompt, in pairs (one request at a time; the prefix cached after the first pair):
     each unconstrained request generates as many tokens as its constrained twin did, so both
     spread the same per-request costs over the same output. ``json_schema_overhead_pct`` = how
-    much slower per output token the constrained ones are."""
+    much slower per output token the constrained ones are. On a real checkpoint (``w.real_text``)
+    the requests that must generate a given count (n = 8 and its 8; the unconstrained twin)
+    ``ignore_eos``, and the n = 8 prompts are real text."""
     import aiohttp
+
+    from bench.realtext import Passages
+
+    real = {"ignore_eos": True} if w.real_text else {}
 
     messages = [{"role": "user", "content": "Describe a person as JSON with a name, an age and tags."}]
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
@@ -268,8 +285,8 @@ async def structured_phase(url: str, requests: int) -> dict[str, Any]:
         for i in range(requests + 1):
             n = 200
             for kind in ("schema", "plain"):
-                body = {"model": "kvledger/dsv4-tiny", "messages": messages, "max_tokens": n, "temperature": 1.0,
-                        "seed": i, **({"response_format": fmt} if kind == "schema" else {})}
+                body = {"model": w.model, "messages": messages, "max_tokens": n, "temperature": 1.0,
+                        "seed": i, **({"response_format": fmt} if kind == "schema" else real)}
                 t0 = time.perf_counter()
                 async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
                     doc = await r.json()
@@ -291,8 +308,8 @@ async def structured_phase(url: str, requests: int) -> dict[str, Any]:
         # n = 8 against 8 separate requests of one prompt, each pair on fresh prompts (cold)
         ratios = []
         for rep in range(3):
-            words = " ".join(f"w{rep}x{j}" for j in range(60))
-            base = {"model": "kvledger/dsv4-tiny", "max_tokens": 8, "temperature": 1.0}
+            words = Passages(rep).text(360) if w.real_text else " ".join(f"w{rep}x{j}" for j in range(60))
+            base = {"model": w.model, "max_tokens": 8, "temperature": 1.0, **real}
             t0 = time.perf_counter()
             async with http.post(url + "/v1/completions", headers=headers,
                                  json={**base, "prompt": f"[n8 {rep}] {words}", "n": 8, "seed": rep}) as r:
@@ -537,10 +554,18 @@ async def run_level(url: str, w: Workload, c: int, reuse: bool, seed: int,
     import aiohttp
 
     rng = random.Random(seed)
-    system = _text(rng, w.system_chars)
+    if w.real_text:
+        from bench.realtext import Passages
+        passages = Passages(seed)
+
+        def text(_: random.Random, chars: int) -> str:
+            return passages.text(chars)
+    else:
+        text = _text
+    system = text(rng, w.system_chars)
     n = w.agents(c)
-    tasks = [_text(rng, w.task_chars) for _ in range(n)]
-    observations = [[_text(rng, w.observation_chars) for _ in range(w.turns - 1)] for _ in range(n)]
+    tasks = [text(rng, w.task_chars) for _ in range(n)]
+    observations = [[text(rng, w.observation_chars) for _ in range(w.turns - 1)] for _ in range(n)]
     run = Run()
     sem = asyncio.Semaphore(c)
 
@@ -551,7 +576,7 @@ async def run_level(url: str, w: Workload, c: int, reuse: bool, seed: int,
             prev: Turn | None = None
             for k in range(w.turns):
                 try:
-                    turn = await chat(http, url, messages, w.max_tokens, reuse)
+                    turn = await chat(http, url, messages, w.max_tokens, reuse, w.model)
                 except Exception as e:  # noqa: BLE001 - counted and reported
                     run.errors.append(repr(e))
                     return
@@ -585,10 +610,11 @@ class Cluster:
 
     def __init__(self, tmp: Path, db_url: str, nats_url: str, pool_mb: int, model_dir: str = "",
                  cache_dtype: str = "auto", service: dict[str, int] | None = None,
-                 cache: dict[str, int] | None = None) -> None:
+                 cache: dict[str, int] | None = None, dtype: str = "auto") -> None:
         from shared.embedded import free_port
 
         self.model_dir = model_dir
+        self.dtype = dtype
         self.cache_dtype = cache_dtype
         self.cache = cache or {}
         #: ``service.*`` settings of the worker that differ from the config's defaults.
@@ -626,7 +652,7 @@ class Cluster:
             **base, "state_dir": str(self.tmp / "w"),
             "cache": {"host_tier_bytes": 0, "offload_dir": "", "dtype": self.cache_dtype, **self.cache},
             "worker": {"worker_id": "bench-serving", "port": 0, "pool_bytes": self.pool_mb * 2**20,
-                       "model_dir": self.model_dir},
+                       "model_dir": self.model_dir, "dtype": self.dtype},
             "service": {"request_timeout_ms": 600_000, "queue_timeout_ms": 600_000, **self.service},
             "auth": {"keys": [{"key_sha256": hashlib.sha256(k.encode()).hexdigest(), "tenant": f"bench-{mode}"}
                               for mode, k in KEYS.items()]}})
@@ -676,7 +702,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     w = QUICK if args.quick else FULL
     if args.max_tokens:
         w = dataclasses.replace(w, max_tokens=args.max_tokens)
-    overload = {} if args.long_agent else await overload_phase(args.quick)
+    overload = {} if args.long_agent or args.model_dir else await overload_phase(args.quick)
     if args.overload:
         return {"bench": "serving", "mode": "quick" if args.quick else "full", "workload": "overload", **overload,
                 "load_average_1m": round(os.getloadavg()[0], 2)}
@@ -704,16 +730,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.to_thread(services.stop)
     bench_db, db_name = await _create_db(db_url)
     cluster = Cluster(tmp, db_url, nats_url, args.pool_mb, cache_dtype=args.cache_dtype, service=_service(args),
-                      cache={"prefix_wait_ms": args.prefix_wait_ms} if args.prefix_wait_ms >= 0 else None)
+                      cache={"prefix_wait_ms": args.prefix_wait_ms} if args.prefix_wait_ms >= 0 else None,
+                      model_dir=args.model_dir, dtype=args.dtype)
     try:
         cluster.start(bench_db)
         url = await cluster.wait_ready()
         _log(f"worker ready at {url} after {time.perf_counter() - t_start:.1f} s")
-        await run_level(url, Workload(32, 16, 16, 1, 2, 1), 1, True, seed=0)     # warm-up (first-call costs)
+        if args.model_dir:
+            w = dataclasses.replace(w, model=await served_model(url), real_text=True)
+        # warm-up (first-call costs)
+        await run_level(url, dataclasses.replace(w, system_chars=32, task_chars=16, observation_chars=16, turns=1,
+                                                 max_tokens=2, serial_agents=1), 1, True, seed=0)
         result: dict[str, Any] = {"bench": "serving", "mode": "quick" if args.quick else "full",
                                   "workload": {**w.__dict__, "levels": list(args.levels)},
-                                  **_service_settings(args), **overload}
-        result.update(await structured_phase(url, 8 if args.quick else 24))
+                                  **_service_settings(args), **overload,
+                                  **({"model_dir": args.model_dir, "dtype": args.dtype} if args.model_dir else {})}
+        result.update(await structured_phase(url, 8 if args.quick else 24, w))
         _log(f"structured output: {result['json_schema_overhead_pct']} % slower per output token with a schema")
         if args.api_only:
             result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
@@ -778,6 +810,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.to_thread(services.stop)
 
 
+async def served_model(url: str) -> str:
+    """The id the worker serves (``/v1/models``), as requests must name it."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http, \
+            http.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEYS['on']}"}) as r:
+        return (await r.json())["data"][0]["id"]
+
+
 def _service(args: argparse.Namespace) -> dict[str, int]:
     """The worker's ``service.*`` settings this run asks for (the rest keep the config's defaults)."""
     out = {"max_batch_tokens": args.max_batch_tokens} if args.max_batch_tokens else {}
@@ -830,9 +871,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--model-lanes", type=int, default=-1,
                     help="the worker's service.model_lanes (1: one forward at a time; 0: automatic; default: the "
                          "config's)")
+    ap.add_argument("--model-dir", default="",
+                    help="serve a checkpoint directory (worker.model_dir) instead of the tiny random model; "
+                         "prompts are then real text")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                    help="the worker's worker.dtype (default auto: the checkpoint's own)")
     ap.add_argument("--database-url", default=os.environ.get("KVL_DATABASE_URL", ""))
     ap.add_argument("--nats-url", default=os.environ.get("KVL_NATS_URL", ""))
     args = ap.parse_args(argv)
+    if args.model_dir and not Path(args.model_dir).is_dir():
+        ap.error(f"--model-dir: {args.model_dir} is not a directory")
+    if args.model_dir and (args.long_agent or args.overload):
+        ap.error("--model-dir: not with --long-agent or --overload (they run the tiny model and a YOCO checkpoint)")
     args.levels = tuple(int(x) for x in args.levels.split(","))
     from shared.config import MAX_BATCH_TOKENS
     if not 0 <= args.max_batch_tokens <= MAX_BATCH_TOKENS:

@@ -174,7 +174,11 @@ def for_serving(result: dict[str, Any], quick: bool) -> dict[str, Any]:
     shapes = {1: _shape(c1), **{n: _shape(result[f"c{n}"]["on"]) for n in levels}}
     _log("request shapes (uncached prompt rows + decode tokens, over cached rows): "
          + ", ".join(f"c{n} {r}+{d}/{k}" for n, (r, d, k, _) in shapes.items()) + " ...")
-    model = build_model(seed=0)
+    if result.get("model_dir"):     # bench.serving --model-dir: the checkpoint its worker served
+        from worker.model.checkpoint import load_checkpoint
+        model = load_checkpoint(result["model_dir"], dtype=result.get("dtype", "auto")).model
+    else:
+        model = build_model(seed=0)
     reps = 3 if quick else 5
     lanes, floor = result["model_lanes_resolved"], result["lane_min_rows"]
     sizes = {n: sh[:3] for n, sh in shapes.items()}

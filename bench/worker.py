@@ -29,6 +29,11 @@ the checksum, install into a pool slot) and compared with a raw read of the same
 
     python -m bench.worker            # 2048-token prompts, 1888 cached; ~3 min here
     python -m bench.worker --quick    # 1024-token prompts, 896 cached; within 60 s
+    python -m bench.worker --quick --model-dir "$(kvledger model smollm2)" [--dtype bfloat16]
+
+``--model-dir`` runs a checkpoint directory (as ``worker.model_dir``; ``--dtype`` as
+``worker.dtype``) instead of the tiny random model, its prompts real text through its own
+tokenizer (``bench.realtext``: consecutive passages of this repository's docs) instead of random ids.
 
 Services: ``--database-url``/``--nats-url`` (default ``$KVL_DATABASE_URL``/``$KVL_NATS_URL``),
 else embedded PostgreSQL and NATS are started. The last line printed is one JSON object.
@@ -347,7 +352,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from shared.subjects import Subjects
     from worker.client.nats_adapter import NatsCoordinatorClient
     from worker.engine import Engine
-    from worker.model import build_model
 
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="kvl-bench-worker-"))
@@ -380,15 +384,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         cfg = parse_config({**base, "cache": {"block_size": bs, "chunk_blocks": 1, "host_tier_bytes": 0,
                                               "offload_dir": ""},
                             "worker": {"worker_id": "bench", "pool_bytes": args.pool_mb * 2**20}})
-        model = build_model(seed=0)
+        model = _model(args)
         client = NatsCoordinatorClient(nats_url, subjects, timeout_s=cfg.nats.request_timeout_ms / 1000)
         engine = Engine(model, cfg, client)
         await engine.start(wait_s=30)
         assert engine.registered, "the engine did not register with the coordinator"
         N, P = args.prompt, (args.cached // bs) * bs
         gen = torch.Generator().manual_seed(1)
+        text = None
+        if args.model_dir:
+            from bench.realtext import TokenStream
+            from shared.text.tokenizer import load_tokenizer
+            text = TokenStream(load_tokenizer(args.model_dir, model.cfg.vocab_size), seed=1)
 
         def fresh(n: int) -> list[int]:
+            if text is not None:
+                return text.take(n)
             return torch.randint(0, 256, (n,), generator=gen).tolist()
 
         prefix = fresh(P)
@@ -461,6 +472,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         keys = ("hash", "lease", "speculate", "evict", "validate", "restore", "forward", "export", "handoff",
                 "commit")
         result: dict[str, Any] = {
+            "model": model.cfg.model_id, "dtype": str(model.dtype).removeprefix("torch."),
             "prompt_tokens": N, "cached_tokens": P, "block_size": bs, "threads": args.threads,
             "bare_unit_tokens": unit * bs,
             "ttft_cold_e2e_ms": round(c_e * 1000, 2), "ttft_warm_e2e_ms": round(w_e * 1000, 2),
@@ -501,6 +513,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.to_thread(services.stop)
 
 
+def _model(args: argparse.Namespace) -> Any:
+    """``--model-dir`` loaded in ``--dtype`` (as the worker loads ``worker.model_dir``), else the
+    tiny seeded model (in ``--dtype`` when one is given)."""
+    from worker.model import build_model
+    from worker.model.checkpoint import DTYPES, load_checkpoint
+
+    if args.model_dir:
+        return load_checkpoint(args.model_dir, dtype=args.dtype).model
+    return build_model(seed=0) if args.dtype == "auto" else build_model(seed=0).to(dtype=DTYPES[args.dtype])
+
+
 def _hashes(engine: Any, tokens: list[int]) -> list[str]:
     from shared.hashing import chain_hashes
     return chain_hashes(tokens, engine.block_size, engine.namespace, engine.salt("default"))
@@ -513,9 +536,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--cached", type=int, help="cached prefix tokens (default 1900, quick 900)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--pool-mb", type=int, default=512, help="worker.pool_bytes in MiB (default 512)")
+    ap.add_argument("--model-dir", default="",
+                    help="a checkpoint directory (as worker.model_dir) instead of the tiny random model; its "
+                         "prompts real text through its tokenizer")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                    help="the compute dtype, as worker.dtype (default auto: the checkpoint's own, float32 tiny)")
     ap.add_argument("--database-url", default=os.environ.get("KVL_DATABASE_URL", ""))
     ap.add_argument("--nats-url", default=os.environ.get("KVL_NATS_URL", ""))
     args = ap.parse_args(argv)
+    if args.model_dir and not Path(args.model_dir).is_dir():
+        ap.error(f"--model-dir: {args.model_dir} is not a directory")
     args.prompt = args.prompt or (1024 if args.quick else 2048)
     args.cached = args.cached or (900 if args.quick else 1900)
     from bench.cli import run_and_print
