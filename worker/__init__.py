@@ -8,8 +8,13 @@ Map of the cache engine:
 * :mod:`worker.cache.tiers`    — host memory and the shared offload directory;
 * :mod:`worker.client`         — the coordinator port: NATS adapter, in-process twin for unit tests;
 * :mod:`worker.publisher`      — the transition outbox and the task that drains it into JetStream;
-* :mod:`worker.session`        — one request: lease, validate, restore, prefill, commit, release;
-* :mod:`worker.engine`         — the composition root: ``Engine.generate`` / ``Engine.open``,
-  registration, heartbeats, degraded mode, inventory and control;
+* :mod:`worker.cache.replicas` — every transition the worker emits, and the moves between tiers;
+* :mod:`worker.cache.ports`    — the narrow ports a request's cache manager is given;
+* :mod:`worker.cache.manager`  — one request (``Session``): lease, validate, restore, prefill,
+  commit, release (with :mod:`worker.cache.hits` and :mod:`worker.cache.leases`);
+* :mod:`worker.contact`        — the epoch, degraded mode, accounted coordinator calls;
+* :mod:`worker.supervisor`     — registration, heartbeats, resume, spill, disk GC, inventory and control;
+* :mod:`worker.engine`         — the composition root: builds and wires the above,
+  ``Engine.generate`` / ``Engine.open``;
 * :mod:`worker.engine_main`    — the process (``python -m worker``) and its NATS debug subjects.
 """

@@ -14,7 +14,7 @@
   registers, heartbeats, resumes, spills and collects the disk tier
   (:class:`worker.supervisor.Supervisor`), which it starts and stops.
 
-Requests run as :class:`worker.session.Session` objects (see there for the life of one).
+Requests run as :class:`worker.cache.manager.Session` objects (see there for the life of one).
 An engine built without a client is *cache-disabled*: the same schedule of prefill units,
 no cache at all — the reference a warm run is compared with, bit for bit.
 """
@@ -38,6 +38,7 @@ from shared.logging import get_logger
 from shared.messages import Control, ControlAck, InventoryReply, InventoryRequest, LeaseGrant, ReplicaRef
 from shared.tenants import salt_secret, tenant_salt
 from worker.cache.planner import BlockMeta, Switches
+from worker.cache.ports import CacheContext, CacheKnobs, CachePorts, ModelPort
 from worker.cache.replicas import ReplicaWriter
 from worker.cache.store import CacheStore, Reservation
 from worker.cache.tiers import Tiers
@@ -53,7 +54,7 @@ from kernels.invariant import compute_fingerprint
 from worker import failpoints
 from worker.selfcheck import SelfCheck, self_check
 from worker.publisher import TransitionPublisher
-from worker.session import CacheValidationError, Result, Session
+from worker.cache.manager import CacheValidationError, Result, Session
 from worker.settings import size_pools, worker_id
 from worker.startup_checks import check_memory, measure
 from worker.stepper import Stepper, largest_forward, resolve_lanes
@@ -127,15 +128,12 @@ class Engine:
         self.client = client
         self.cache_enabled = client is not None
         self.switches = Switches.from_config(cfg.cache.hit_validation, self.catalogue)
-        self.settle_timeout_s = 2.0
         #: What the start-up self-check found (``worker.selfcheck``; None before start).
         self.checked: SelfCheck | None = None
-        #: Validate and restore from the worker's own pools while the lease is in flight.
-        self.speculate = True
-        #: Prompt blocks live requests will commit, and how long another waits for them
-        #: (``worker.inflight``, ``cache.prefix_wait_ms``).
+        #: speculate, settle_timeout_s, prefix_wait_s (``cache.prefix_wait_ms``): read at each use.
+        self.knobs = CacheKnobs(prefix_wait_s=cfg.cache.prefix_wait_ms / 1000)
+        #: Prompt blocks live requests will commit (``worker.inflight``).
         self.inflight = InFlightBlocks()
-        self.prefix_wait_s = cfg.cache.prefix_wait_ms / 1000
         #: The pools' size and what it holds (``worker.settings.size_pools``; None without a cache).
         self.sizing = size_pools(self.catalogue, cfg, self.device, self.max_context) if self.cache_enabled else None
         self.slots = dict(self.sizing.slots) if self.sizing is not None else {}
@@ -151,7 +149,8 @@ class Engine:
         # NOTE: static topology — the pools are allocated here, once, and never again.
         self.store = CacheStore(self.catalogue, self.slots, self.device) if self.cache_enabled else None
         self.tiers = Tiers(cfg.cache.host_tier_bytes if self.cache_enabled else 0,
-                           cfg.cache.offload_dir if self.cache_enabled else None, host_pins=lambda: self.replicas.host_pins(),
+                           cfg.cache.offload_dir if self.cache_enabled else None,
+                           host_pins=lambda: self.replicas.host_pins(),
                            writer=self.worker_id, segment_bytes=cfg.cache.offload_segment_bytes,
                            retry_s=cfg.cache.tier_retry_ms / 1000)
         self.metrics.disk_skipped.set_function(lambda: self.tiers.disk_index_skipped)
@@ -182,7 +181,8 @@ class Engine:
                                block_size=self.block_size,
                                max_prompt_tokens_with_decodes=cfg.service.max_prompt_tokens_with_decodes,
                                metrics=self.metrics,
-                               check_every=cfg.service.fused_check_every, on_mismatch=lambda reason: self.supervisor.fused_mismatch(reason),
+                               check_every=cfg.service.fused_check_every,
+                               on_mismatch=lambda reason: self.supervisor.fused_mismatch(reason),
                                lanes=resolve_lanes(cfg.service.model_lanes, str(self.device)),
                                lane_min_rows=cfg.service.lane_min_rows)
         self.metrics.model_lanes.set(self.stepper.lanes)
@@ -211,6 +211,17 @@ class Engine:
             device=str(self.device), dtype=str(getattr(model, "dtype", "")).removeprefix("torch."),
             cache_dtype=self.cache_dtype, io=self.io, active_sessions=lambda: len(self.sessions))
         self.supervisor.endpoint = endpoint
+        self.ports = CachePorts(
+            ctx=CacheContext(cache_enabled=self.cache_enabled, namespace=self.namespace, block_size=self.block_size,
+                             chunk_blocks=self.chunk_blocks, cache_dtype=self.cache_dtype,
+                             max_context=self.max_context, catalogue=self.catalogue, layouts=self.layouts,
+                             specs=self.specs, spec_digests=self.spec_digests, stored_as=self.stored_as,
+                             switches=self.switches, on_invalid=cfg.cache.on_invalid, worker_id=self.worker_id,
+                             gpu=self.gpu, host_location=self.host_location),
+            knobs=self.knobs, runner=ModelPort(model, self.stepper, self._compute, self.compute, self.io),
+            contact=self.contact_state, leases=client, outbox=self.publisher, replicas=self.replicas,
+            store=self.store, tiers=self.tiers, inflight=self.inflight, metrics=self.metrics, log=self.log,
+            salt=self.salt, background=self.background, releasing=self.releasing)
 
     # --- life cycle -----------------------------------------------------------------------
 
@@ -306,9 +317,15 @@ class Engine:
 
     @property
     def resume_grid(self) -> int:
-        """Blocks a resume point must be a multiple of: any block when the ops are batch-invariant
-        (every prefill cut gives the same bits), else the ``cache.chunk_blocks`` grid."""
-        return 1 if self.stepper.fused else self.chunk_blocks
+        return self.ports.resume_grid
+
+    # Settings requests read at each use (``worker.cache.ports.CacheKnobs``).
+    speculate = property(lambda self: self.knobs.speculate,
+                         lambda self, v: setattr(self.knobs, "speculate", v))
+    settle_timeout_s = property(lambda self: self.knobs.settle_timeout_s,
+                                lambda self, v: setattr(self.knobs, "settle_timeout_s", v))
+    prefix_wait_s = property(lambda self: self.knobs.prefix_wait_s,
+                             lambda self, v: setattr(self.knobs, "prefix_wait_s", v))
 
     # The coordinator contact's state, as the engine's (``worker.contact``).
     epoch = property(lambda self: self.contact_state.epoch,
@@ -399,7 +416,7 @@ class Engine:
                    max_new_tokens: int = 1, images: Sequence[PromptImage] = ()) -> Session:
         """Lease, validate and restore for ``tokens`` (holding ``images``); the session is ready for
         :meth:`Session.prefill_step`."""
-        s = Session(self, tokens, tenant=tenant, reuse=reuse, max_new_tokens=max_new_tokens, images=images)
+        s = Session(self.ports, tokens, tenant=tenant, reuse=reuse, max_new_tokens=max_new_tokens, images=images)
         self.sessions.add(s)
         try:
             await s.open()

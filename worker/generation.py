@@ -18,7 +18,7 @@ import torch
 from shared import tracing
 
 if TYPE_CHECKING:
-    from worker.session import Session
+    from worker.cache.manager import Session
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,7 +71,7 @@ from shared.tenants import Tenant
 
 if TYPE_CHECKING:
     from worker.engine import Engine
-    from worker.session import Session
+    from worker.cache.manager import Session
 
 log = get_logger("kvl.worker.scheduler")
 

@@ -23,10 +23,11 @@ import os
 import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from worker.engine import Engine
+    from worker.cache.tiers import Tiers
+    from worker.stepper import Stepper
 
 #: Bytes of the probe file: enough to cross a page, small enough to cost nothing.
 PROBE_BYTES = 8192
@@ -91,7 +92,21 @@ def check_offload_dir(root: Path, name: str) -> str:
     return ""
 
 
-def self_check(engine: Engine) -> SelfCheck:
+class Checked(Protocol):
+    """What the self-check reads of a worker (``worker.engine.Engine`` has it)."""
+
+    tiers: Tiers
+    store: object
+    stepper: Stepper
+    worker_id: str
+    cache_enabled: bool
+    slots: dict[str, int]
+    namespace: str
+    fingerprint: str
+    arithmetic: str
+
+
+def self_check(engine: Checked) -> SelfCheck:
     """Run every check once (blocking: file I/O); marks the disk tier down when its probe fails."""
     import kernels.invariant as inv
 
@@ -108,4 +123,4 @@ def self_check(engine: Engine) -> SelfCheck:
                      arithmetic=engine.arithmetic)
 
 
-__all__ = ["PROBE_BYTES", "SelfCheck", "check_offload_dir", "self_check"]
+__all__ = ["PROBE_BYTES", "Checked", "SelfCheck", "check_offload_dir", "self_check"]

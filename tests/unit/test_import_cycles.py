@@ -25,13 +25,7 @@ PACKAGES = ("coordinator", "worker", "gateway", "kvledger", "kernels", "shared",
 #: Cycles accepted for now, each the exact set of modules of one strongly connected component of
 #: the graph *with* ``TYPE_CHECKING`` imports. A new cycle fails the test, and so does an entry
 #: here that no longer is one (remove it when it is broken, or correct it when it changes).
-ACCEPTED_TYPE_ONLY_CYCLES: list[frozenset[str]] = [
-    # The request path as it stands: the engine imports its session, generation and self-check,
-    # which name Engine / Session in their annotations and read their attributes. Being taken
-    # apart into a scheduler, a cache manager and a model runner with typed hand-offs (issue 53,
-    # items 2, 3 and 8); until then this is the one cycle left.
-    frozenset({"worker.engine", "worker.generation", "worker.selfcheck", "worker.session"}),
-]
+ACCEPTED_TYPE_ONLY_CYCLES: list[frozenset[str]] = []
 
 
 def modules(root: Path, packages: Iterable[str]) -> dict[str, Path]:

@@ -99,7 +99,7 @@ def test_tracing_off_makes_no_span_and_sends_no_header() -> None:
 
 
 def test_with_tracing_off_the_services_never_load_the_sdk() -> None:
-    code = ("import sys, gateway.app, worker.api.app, worker.session, coordinator.nats_service, coordinator.app;"
+    code = ("import sys, gateway.app, worker.api.app, worker.cache.manager, coordinator.nats_service, coordinator.app;"
             "print(sorted(m for m in sys.modules if m.startswith(('opentelemetry.sdk', 'opentelemetry.exporter'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -4,6 +4,7 @@ coordinator twin, two engines sharing one ledger and one directory."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import Counter
 
@@ -106,14 +107,16 @@ async def test_a_reload_slot_recycled_during_the_restore_means_recompute(make_en
     twin = InProcessCoordinator()
     await _fill_disk(make_engine, twin, [p1])
     async with make_engine(twin, worker_id="wb", **SMALL) as b:
-        compute = b.compute
+        ports, cleared = b.ports, []
 
         async def clear_first(fn):
-            b.compute = compute
-            b.store.clear()             # what a new epoch does to every slot, reserved ones too
-            return await compute(fn)
+            if not cleared:             # the first model call after the disk read: the restore
+                cleared.append(True)
+                b.store.clear()         # what a new epoch does to every slot, reserved ones too
+            return await ports.runner.compute(fn)
 
-        b.compute = clear_first
+        # the request's model port: its first compute (the restore) clears the pools first
+        b.ports = dataclasses.replace(ports, runner=dataclasses.replace(ports.runner, compute=clear_first))
         r = await b.generate(p1, max_tokens=2)
         assert "slot_recycled" in r.fallbacks and r.cached_tokens == 0
         assert same(r, await reference().generate(p1, max_tokens=2))

@@ -11,7 +11,7 @@ import torch
 from shared.messages import ReplicaState
 from tests.twin import InProcessCoordinator
 from tests.worker.conftest import BS, prompt
-from worker.session import CacheValidationError
+from worker.cache.manager import CacheValidationError
 
 
 def same(a, b) -> bool:
