@@ -176,23 +176,30 @@ class Coordinator:
         return ""
 
     async def _follow_shard_map(self) -> None:
+        """Read the stored map every heartbeat interval and take a newer one. NOTE: a read, not a
+        KV watch: a watch's consumer lost with a NATS server would stop the updates without a
+        word, and a freeze missed is a partition still leased by the shard it is leaving (the move
+        waits for each shard's ``map_version``, but this keeps the wait short)."""
         assert self.shard_store is not None
-
-        def take(new: Any) -> None:
-            held = self.ledger.params.shard_map
-            if held is not None and new.version <= held.version:
-                return          # the one held, seen again (each watch starts with the current version)
-            if (why := self._take_shard_map(new)):
-                self.log.error("shard_map_refused", version=new.version, why=why)
-
+        interval = self.config.coordinator.heartbeat_interval_ms / 1000
+        failing = False
         while True:
+            await asyncio.sleep(interval)
             try:
-                await self.shard_store.follow(take, lambda why: self.log.error("shard_map_unreadable", why=why))
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - NATS away: watch again once it is back
-                self.log.warning("shard_map_watch_failed", error=f"{type(e).__name__}: {e}")
-                await asyncio.sleep(1.0)
+                stored = await self.shard_store.get()
+            except Exception as e:  # noqa: BLE001 - NATS away: read again at the next interval
+                if not failing:
+                    self.log.warning("shard_map_unreadable", error=f"{type(e).__name__}: {e}")
+                failing = True
+                continue
+            if failing:
+                self.log.info("shard_map_readable")
+            failing = False
+            held = self.ledger.params.shard_map
+            if stored is None or held is None or stored.version <= held.version:
+                continue
+            if (why := self._take_shard_map(stored)):
+                self.log.error("shard_map_refused", version=stored.version, why=why)
 
     async def _check_database(self) -> None:
         """Fail fast on a database that can never work (bad credentials, no such database);

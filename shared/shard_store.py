@@ -1,6 +1,6 @@
 """Where a sharded deployment keeps its shard map: one key of a NATS KV bucket (JetStream), written
-by compare-and-set on its revision and watched by every coordinator and gateway
-(docs/architecture.md, "The ledger sharded").
+by compare-and-set on its revision and read again every few moments by every coordinator and
+gateway (docs/architecture.md, "The ledger sharded").
 
 The first reader of an empty bucket stores the static map of the config (version 1); from then on
 only a move changes it (``kvledger shard freeze`` / ``open``), each change a new version. A
@@ -10,9 +10,7 @@ and newer than the one it holds, so a map never goes back.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -71,23 +69,6 @@ class ShardMapStore:
             return await kv.update(KEY, msgspec.json.encode(new), last=revision)
         except nats.js.errors.KeyWrongLastSequenceError as e:
             raise ShardMapConflict(f"the shard map changed since revision {revision}") from e
-
-    async def follow(self, on_map: Callable[[ShardMap], None], on_error: Callable[[str], None]) -> None:
-        """Call ``on_map`` with every version stored from now on (the current one first); runs
-        until cancelled. A value that is not a map is reported to ``on_error`` and skipped."""
-        kv = await self._bucket()
-        watcher = await kv.watch(KEY)
-        try:
-            async for entry in watcher:
-                if entry is None or entry.value is None:
-                    continue
-                try:
-                    on_map(msgspec.json.decode(entry.value, type=ShardMap))
-                except (msgspec.ValidationError, msgspec.DecodeError) as e:
-                    on_error(f"revision {entry.revision}: {e}")
-        finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(watcher.stop(), 2)
 
 
 class ShardMapReader:

@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import asyncpg
 import nats
+import pytest
 
 from coordinator.core import CoreParams, decode_event, replay
 from shared.messages import ErrorCode, ErrorReply, LeaseGrant, ReplicaState
@@ -25,6 +26,9 @@ from shared.subjects import Subjects
 from tests.integration.coordinator_kit import NS, Worker, fast_config, running_coordinator
 
 PARTITIONS = 16
+#: The protocol-level workers here send no heartbeats: a worker is suspended only after 200 ms × 600
+#: (fast_config's 200 ms interval), far past a test's CLI calls on a loaded machine.
+QUIET = {"missed_heartbeats": 600}
 
 
 async def _drop_shards(nc: Any, subjects: Subjects) -> None:
@@ -73,7 +77,7 @@ async def test_two_shards_lease_only_their_own_chains_each_in_its_own_log_and_st
     urls = [database_url, other_database_url]
     shard_map = ShardMap.uniform(2, PARTITIONS)
     chains = _chains(shard_map, 3)
-    configs = [fast_config(urls[k], nats_url, subjects, shards=2, shard=k, shard_partitions=PARTITIONS)
+    configs = [fast_config(urls[k], nats_url, subjects, shards=2, shard=k, shard_partitions=PARTITIONS, **QUIET)
                for k in (0, 1)]
     per_shard = [shard_subjects(subjects.prefix, k) for k in (0, 1)]
     assert per_shard[0] == subjects and per_shard[1].prefix == f"{subjects.prefix}.s1"
@@ -148,13 +152,13 @@ async def test_a_ledger_resharded_without_moving_its_chains_fails_its_shard_audi
     chains = _chains(shard_map, 2)
     nc = await nats.connect(nats_url)
     try:
-        async with running_coordinator(fast_config(database_url, nats_url, subjects)):
+        async with running_coordinator(fast_config(database_url, nats_url, subjects, **QUIET)):
             w = Worker(nc, subjects, "w1", slots=64)
             await w.register()
             await w.watch_watermarks()
             for chain in chains[0] + chains[1]:
                 await w.release((await w.fill(chain)).lease_id)
-        sharded = [fast_config(u, nats_url, subjects, shards=2, shard=k, shard_partitions=PARTITIONS)
+        sharded = [fast_config(u, nats_url, subjects, shards=2, shard=k, shard_partitions=PARTITIONS, **QUIET)
                    for k, u in enumerate((database_url, other_database_url))]
         async with contextlib.AsyncExitStack() as stack:
             bases = [(await stack.enter_async_context(running_coordinator(c)))[1] for c in sharded]
@@ -187,7 +191,7 @@ async def test_the_gateway_asks_the_shard_that_owns_a_prompts_chain(
     from tests.integration.coordinator_kit import CATALOGUE
 
     shard_map = ShardMap.uniform(2, PARTITIONS)
-    configs = [fast_config(u, nats_url, subjects, shards=2, shard=k, shard_partitions=PARTITIONS)
+    configs = [fast_config(u, nats_url, subjects, shards=2, shard=k, shard_partitions=PARTITIONS, **QUIET)
                for k, u in enumerate((database_url, other_database_url))]
     per_shard = [shard_subjects(subjects.prefix, k) for k in (0, 1)]
     gw = Gateway(parse_config({"nats": {"url": nats_url, "subject_prefix": subjects.prefix},
@@ -277,7 +281,7 @@ async def test_a_cold_move_of_a_partition_between_shards_by_the_versioned_map(
     part = shard_map.partition(NS, chain[0])
     # a chain of the same shard in another partition: not affected by the move
     same_shard = next(c for c in _chains(shard_map, 8)[0] if shard_map.partition(NS, c[0]) != part)
-    configs = [fast_config(u, nats_url, subjects, shards=2, shard=k, shard_partitions=PARTITIONS)
+    configs = [fast_config(u, nats_url, subjects, shards=2, shard=k, shard_partitions=PARTITIONS, **QUIET)
                for k, u in enumerate((database_url, other_database_url))]
     cli_config = tmp_path / "kvledger.yaml"
     cli_config.write_text(yaml.safe_dump({"nats": {"url": nats_url, "subject_prefix": subjects.prefix},
@@ -338,5 +342,29 @@ async def test_a_cold_move_of_a_partition_between_shards_by_the_versioned_map(
                 assert report["ok"] and report["shard"]["map_version"] == 3, report
             code, out = await _fleet_audit(bases)
             assert code == 0, out
+    finally:
+        await _drop_shards(nc, subjects)
+
+
+async def test_a_coordinator_refuses_to_start_on_a_stored_map_of_another_shape(
+        database_url: str, nats_url: str, subjects: Subjects) -> None:
+    """The stored map says 3 shards, this coordinator's config 2: it does not decide by either."""
+    import msgspec
+
+    from coordinator.nats_service import StartupError
+    from coordinator.runtime import Coordinator
+    from shared.logging import get_logger
+
+    nc = await nats.connect(nats_url)
+    try:
+        kv = await nc.jetstream().create_key_value(bucket=map_bucket(subjects.prefix), history=16)
+        await kv.create("map", msgspec.json.encode(ShardMap.uniform(3, PARTITIONS)))
+        cfg = fast_config(database_url, nats_url, subjects, shards=2, shard=1, shard_partitions=PARTITIONS, **QUIET)
+        coord = Coordinator(cfg, database_url=database_url, nats_url=nats_url, logger=get_logger("test"))
+        try:
+            with pytest.raises(StartupError, match="does not fit this coordinator: the map has 3 shards"):
+                await coord.start()
+        finally:
+            await coord.stop()
     finally:
         await _drop_shards(nc, subjects)

@@ -180,3 +180,14 @@ def test_the_fleet_audit_wants_every_shard_once_clean_on_one_map_and_each_key_on
     assert "disagree on the map" in problems({"a": _shard_audit(0, []), "b": _shard_audit(1, [], version=2)})[0]
     assert problems({"a": {"ok": True}, "b": _shard_audit(1, [])})[0] == (
         "a: not a sharded coordinator (no shard section in its audit)")
+
+
+def test_a_follower_takes_only_a_newer_map_of_its_deployments_shape() -> None:
+    from shared.shard_store import accepts
+
+    held = ShardMap.uniform(2, 16)
+    assert accepts(None, held, 2, 16) == ""
+    assert accepts(held, held.freeze(3, 0), 2, 16) == ""
+    assert accepts(held.freeze(3, 0), held, 2, 16) == "version 1 is not newer than the one held (2)"
+    assert accepts(held, ShardMap.uniform(3, 16), 2, 16).startswith("the map has 3 shards and 16 partitions, the config 2")
+    assert "coordinator.shard_partitions" in accepts(None, ShardMap.uniform(2, 32), 2, 16)
