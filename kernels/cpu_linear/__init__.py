@@ -34,7 +34,7 @@ CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c
 #: other bits, so caches the old arithmetic wrote are never matched.
 ARITHMETIC = 1
 #: The same for :func:`attention`'s per-(row, head) arithmetic (``cpu_attention.cpp``).
-ATTENTION_ARITHMETIC = 1
+ATTENTION_ARITHMETIC = 2
 
 _module: ModuleType | None = None
 _why_not = ""

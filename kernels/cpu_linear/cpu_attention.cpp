@@ -118,10 +118,21 @@ inline void scores(const float* q, const T* K, int64_t stride, int64_t n, int64_
 
 // p[j] <- exp(p[j] - max p) in place; returns their sum (16 lanes by j, then the lane tree).
 inline float softmax(float* p, int64_t n) {
+  // the max of a set, in any order (16 lanes, then across them): the same value as one by one,
+  // but for the sign of a zero max, which no p[j] - m can show (x - 0 and x + 0 agree but for
+  // x = -0, whose exp is 1 either way). A NaN score makes the whole row NaN either way.
   float m = p[0];
-  for (int64_t j = 1; j < n; ++j) m = p[j] > m ? p[j] : m;   // the max of a set: any order
+  int64_t j = 1;
+#if defined(KVL_HSUM16)
+  if (n >= 16) {
+    __m512 vmax = _mm512_loadu_ps(p);
+    for (j = 16; j + 16 <= n; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(p + j));
+    m = _mm512_reduce_max_ps(vmax);
+  }
+#endif
+  for (; j < n; ++j) m = p[j] > m ? p[j] : m;
   float lanes[16] = {};
-  int64_t j = 0;
+  j = 0;
 #if defined(KVL_HSUM16)
   const __m512 vm = _mm512_set1_ps(m);
   __m512 vl = _mm512_setzero_ps();
