@@ -40,7 +40,7 @@ from aiohttp import web
 from shared.logging import get_logger
 from shared.images import ImageError
 from shared.text.chat_template import ChatTemplateError
-from worker.scheduler import (
+from worker.request import (
     ContextTooLong, InternalError, InvalidRequest, QueueFull, QueueTimeout, RequestTimeout, SchedulerError, ShuttingDown,
 )
 from shared.tenants import AuthError

@@ -11,7 +11,8 @@ from shared.text.chat_template import ChatTemplate
 from worker.engine import Engine
 from shared.text.generation_config import SamplingDefaults
 from worker.structured import StructuredOutput
-from worker.scheduler import Scheduler, ServingMetrics
+from worker.request import ServingMetrics
+from worker.scheduler import Scheduler
 from shared.tenants import Tenant, TenantDirectory
 from shared.text.tokenizer import Tokenizer
 
