@@ -30,7 +30,7 @@ import contextlib
 import time
 import uuid
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -50,13 +50,14 @@ from worker.api.logprobs import LogprobsShape
 from worker.api.schemas import (
     BaseRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, decode,
 )
-from worker.api.text import TextStream
+from worker.api.output import Ending, Output
 from shared.images import PromptImage
 from shared.text.chat_template import ChatMessage, message
 from worker.api import tools as tools_api
 from worker.api.images import chat_images
 from worker.api.tools import ToolPlan
-from worker.scheduler import GenRequest, Job, SamplingParams
+from worker.generation import SamplingParams
+from worker.request import GenRequest, Job
 from worker.structured import GrammarError
 
 
@@ -149,17 +150,27 @@ class _Shape:
         choice = {"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}
         return {**self.head("chat.completion.chunk"), "choices": [choice]}
 
-    def choice(self, text: str, finish: str, logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+    def choice(self, end: Ending, logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+        """A whole output's choice (:meth:`Output.whole`)."""
         if self.chat:
-            msg: dict[str, Any] = {"role": "assistant", "content": text}
-            if self.tools is not None:
-                msg, finish = self.tools.message(text, finish)
-            return {"index": index, "message": msg, "logprobs": logprobs, "finish_reason": finish}
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            msg = end.message or {"role": "assistant", "content": end.text}
+            return {"index": index, "message": msg, "logprobs": logprobs, "finish_reason": end.finish}
+        return {"index": index, "text": end.text, "logprobs": logprobs, "finish_reason": end.finish}
 
-    def full(self, text: str, finish: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    def full(self, end: Ending, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         return {**self.head("chat.completion" if self.chat else "text_completion"),
-                "choices": [self.choice(text, finish, logprobs)]}
+                "choices": [self.choice(end, logprobs)]}
+
+    def last_chunks(self, end: Ending, logprobs: dict[str, Any] | None, index: int = 0) -> list[dict[str, Any]]:
+        """A streamed output's last chunks: text still held, the tool calls, the ``finish_reason``."""
+        out, tail = [], end.text
+        if end.tool_calls:
+            if tail:
+                out.append(self.chunk(tail, index=index))
+                tail = ""
+            out.append(self.tool_chunk(end.tool_calls, index=index))
+        out.append(self.chunk(tail if tail else (None if self.chat else ""), end.finish, logprobs=logprobs, index=index))
+        return out
 
 
 def usage(job: Job, completion_tokens: int) -> dict[str, Any]:
@@ -184,7 +195,6 @@ async def _generate(request: web.Request, body: BaseRequest, shape: _Shape, toke
     sched = request.app[SCHEDULER]
     # NOTE: everything that can refuse the request happens before submit: a request answered
     # 400 must never be left running in the scheduler (it would hold a slot to max_tokens).
-    text = TextStream(request.app[TOKENIZER].detokenizer(), body.stops())
     req = await gen_request(request, body, tokens, max_tokens, images, shape.tools)
     lps = (LogprobsShape(request.app[TOKENIZER], chat=shape.chat, top=req.sampling.logprobs)
            if req.sampling.logprobs is not None else None)
@@ -196,22 +206,15 @@ async def _generate(request: web.Request, body: BaseRequest, shape: _Shape, toke
                 lps.prompt_entries(tokens, await request.app[ENGINE].prompt_logits(tokens, images)) if lps else None)
     job = sched.submit(req)
     try:
+        out = Output(job, request.app[TOKENIZER].detokenizer(), body.stops(), lps=lps, tools=shape.tools,
+                     stream=body.stream)
         if body.stream:
-            return await _stream(request, body, shape, job, text, lps, echo)
-        parts: list[str] = []
-        async for tok in job:
-            parts.append(text.push(tok))
-            if text.stopped:
-                job.stop()
-                break
-        parts.append(text.finish())
-        await job.aclose()
-        finish = "stop" if text.stopped else job.finish_reason
-        out = shape.full((echo[0] if echo else "") + "".join(parts), finish,
-                         _joined(echo[1] if echo else None, lps.entries(job.logprobs[:text.tokens]) if lps else None))
-        out["usage"] = usage(job, text.tokens)
-        out["kvl"] = kvl_info(job)
-        return json_response(out)
+            return await _stream(request, body, shape, out, echo)
+        end = await out.whole(echo[0] if echo else "")
+        resp = shape.full(end, _joined(echo[1] if echo else None, out.all_logprobs()))
+        resp["usage"] = usage(job, out.tokens)
+        resp["kvl"] = kvl_info(job)
+        return json_response(resp)
     finally:
         # NOTE: whatever happened (client gone, error, stop string), the job ends here and
         # the engine releases its leases before the handler returns.
@@ -235,21 +238,11 @@ def _joined(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[s
     return {k: first[k] + then[k] for k in then}
 
 
-async def _stream(request: web.Request, body: BaseRequest, shape: _Shape, job: Job,
-                  text: TextStream, lps: LogprobsShape | None,
+async def _stream(request: web.Request, body: BaseRequest, shape: _Shape, out: Output,
                   echo: tuple[str, dict[str, Any] | None] | None = None) -> web.StreamResponse:
     resp: web.StreamResponse | None = None
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    sent_lp = 0                    # tokens whose logprobs went out with a chunk
-    calls = shape.tools.stream() if shape.tools is not None else None
-
-    def logprobs_upto(n: int) -> dict[str, Any] | None:
-        nonlocal sent_lp
-        if lps is None:
-            return None
-        out = lps.entries(job.logprobs[sent_lp:n])
-        sent_lp = max(sent_lp, n)
-        return out
+    job = out.job
 
     async def send(obj: Any) -> None:
         assert resp is not None
@@ -266,20 +259,14 @@ async def _stream(request: web.Request, body: BaseRequest, shape: _Shape, job: J
             await send(shape.chunk(echo[0], logprobs=echo[1]))
 
     try:
-        async for tok in job:
+        async for piece in out.pieces():
             first = resp is None
             if first:
                 await start()
-            piece = text.push(tok)
-            if calls is not None:
-                piece = calls.push(piece)      # text that may begin a tool call is held
             if piece or (first and not shape.chat):
                 # NOTE: the first token always makes a chunk (chat: the role chunk), even when its
                 # text is still held back (a partial UTF-8 sequence), so clients see time to first token.
-                await send(shape.chunk(piece, logprobs=logprobs_upto(text.tokens)))
-            if text.stopped:
-                job.stop()
-                break
+                await send(shape.chunk(piece, logprobs=out.new_logprobs()))
     except ConnectionResetError:
         # the client went away between two chunks (the finally in _generate ends the job)
         raise asyncio.CancelledError() from None
@@ -289,24 +276,15 @@ async def _stream(request: web.Request, body: BaseRequest, shape: _Shape, job: J
         return await _end_with_error(resp, send, e)
     if resp is None:
         await start()
-    tail = text.finish()
-    await job.aclose()
-    finish = "stop" if text.stopped else job.finish_reason
-    if calls is not None:
-        tail, deltas, finish = calls.end(tail, finish)
-        if deltas:
-            if tail:
-                await send(shape.chunk(tail))
-                tail = ""
-            await send(shape.tool_chunk(deltas))
-    last = shape.chunk(tail if tail else (None if shape.chat else ""), finish,
-                       logprobs=logprobs_upto(text.tokens) if lps is not None and sent_lp < text.tokens else None)
+    *before, last = shape.last_chunks(await out.end(), out.new_logprobs() if out.logprobs_pending else None)
+    for chunk in before:
+        await send(chunk)
     last["kvl"] = kvl_info(job)
     if include_usage:
         await send(last)
-        await send({**shape.head(last["object"]), "choices": [], "usage": usage(job, text.tokens)})
+        await send({**shape.head(last["object"]), "choices": [], "usage": usage(job, out.tokens)})
     else:
-        last["usage"] = usage(job, text.tokens)
+        last["usage"] = usage(job, out.tokens)
         await send(last)
     await send(b"[DONE]")
     await resp.write_eof()
@@ -314,21 +292,6 @@ async def _stream(request: web.Request, body: BaseRequest, shape: _Shape, job: J
 
 
 # --- n > 1 and best_of ----------------------------------------------------------------------------
-
-@dataclass(slots=True)
-class _Sample:
-    """One of a request's samples: its job, text and logprobs as they come."""
-
-    job: Job
-    text: TextStream
-    lps: LogprobsShape | None
-    parts: list[str] = field(default_factory=list)
-    finish: str = ""
-
-    @property
-    def total_logprob(self) -> float:
-        return sum(lp.logprob for lp in self.job.logprobs[:self.text.tokens])
-
 
 async def _generate_samples(request: web.Request, body: BaseRequest, shape: _Shape, tokens: list[int],
                             max_tokens: int | None, images: tuple[PromptImage, ...] = ()) -> web.StreamResponse:
@@ -342,63 +305,49 @@ async def _generate_samples(request: web.Request, body: BaseRequest, shape: _Sha
     k, n = body.samples, body.n
     want_lp = base.sampling.logprobs
 
-    def sample(i: int, fork_of: Job | None = None) -> _Sample:
+    jobs: list[Job] = []
+
+    def submit(i: int) -> Job:
         sp = base.sampling
         seed = None if sp.seed is None else (sp.seed + i) % (1 << 63)
         lp = want_lp if want_lp is not None else (0 if k > n else None)   # best_of ranks by logprob
-        job = sched.submit(dataclasses.replace(base, sampling=dataclasses.replace(sp, seed=seed, logprobs=lp)),
-                           fork_of=fork_of)
-        return _Sample(job, TextStream(request.app[TOKENIZER].detokenizer(), body.stops()),
-                       LogprobsShape(request.app[TOKENIZER], chat=shape.chat, top=want_lp)
-                       if want_lp is not None else None)
+        jobs.append(sched.submit(dataclasses.replace(base, sampling=dataclasses.replace(sp, seed=seed, logprobs=lp)),
+                                 fork_of=jobs[0] if jobs else None))
+        return jobs[-1]
 
-    samples = [sample(0)]
+    def output(i: int, job: Job, prefetched: tuple[int, ...]) -> Output:
+        lps = LogprobsShape(request.app[TOKENIZER], chat=shape.chat, top=want_lp) if want_lp is not None else None
+        return Output(job, request.app[TOKENIZER].detokenizer(), body.stops(), lps=lps, tools=shape.tools,
+                      stream=body.stream, prefetched=prefetched)
+
     try:
-        samples += [sample(i, fork_of=samples[0].job) for i in range(1, k)]
-        first = await anext(samples[0].job, None)
+        for i in range(k):
+            submit(i)
+        first = await anext(jobs[0], None)
+        samples = [output(i, job, (first,) if i == 0 and first is not None else ()) for i, job in enumerate(jobs)]
         if body.stream:
-            return await _stream_samples(request, body, shape, samples, first)
-
-        async def run(i: int, s: _Sample) -> None:
-            pending = [first] if i == 0 and first is not None else []
-            async def tokens_of():
-                for t in pending:
-                    yield t
-                if i != 0 or first is not None:
-                    async for t in s.job:
-                        yield t
-            async for tok in tokens_of():
-                s.parts.append(s.text.push(tok))
-                if s.text.stopped:
-                    s.job.stop()
-                    break
-            s.parts.append(s.text.finish())
-            await s.job.aclose()
-            s.finish = "stop" if s.text.stopped else s.job.finish_reason
-
-        await asyncio.gather(*(run(i, s) for i, s in enumerate(samples)))
-        chosen = sorted(samples, key=lambda s: -s.total_logprob)[:n] if k > n else samples
+            return await _stream_samples(request, body, shape, samples)
+        ends = await asyncio.gather(*(s.whole() for s in samples))
+        ranked = sorted(range(k), key=lambda i: -samples[i].total_logprob)[:n] if k > n else range(k)
         out = {**shape.head("chat.completion" if shape.chat else "text_completion"),
-               "choices": [shape.choice("".join(s.parts), s.finish,
-                                        s.lps.entries(s.job.logprobs[:s.text.tokens]) if s.lps else None, i)
-                           for i, s in enumerate(chosen)]}
+               "choices": [shape.choice(ends[j], samples[j].all_logprobs(), i) for i, j in enumerate(ranked)]}
         out["usage"] = _samples_usage(samples)
-        out["kvl"] = {**kvl_info(samples[0].job), "samples_cached_tokens": [s.job.cached_tokens for s in samples],
-                      "samples_forked": [s.job.forked for s in samples]}
+        out["kvl"] = {**kvl_info(jobs[0]), "samples_cached_tokens": [j.cached_tokens for j in jobs],
+                      "samples_forked": [j.forked for j in jobs]}
         return json_response(out)
     finally:
-        for s in samples:
-            await s.job.aclose()
+        for job in jobs:
+            await job.aclose()
 
 
-def _samples_usage(samples: list[_Sample]) -> dict[str, Any]:
+def _samples_usage(samples: list[Output]) -> dict[str, Any]:
     """The prompt once (its first run's cache figure), the completions of every sample."""
-    completion = sum(s.text.tokens for s in samples)
+    completion = sum(s.tokens for s in samples)
     return access_log.note_usage({**usage(samples[0].job, completion), "completion_tokens": completion})
 
 
-async def _stream_samples(request: web.Request, body: BaseRequest, shape: _Shape, samples: list[_Sample],
-                          first: int | None) -> web.StreamResponse:
+async def _stream_samples(request: web.Request, body: BaseRequest, shape: _Shape,
+                          samples: list[Output]) -> web.StreamResponse:
     """Each sample's chunks carry its ``index``; they interleave as the samples advance."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
@@ -410,49 +359,14 @@ async def _stream_samples(request: web.Request, body: BaseRequest, shape: _Shape
         async with lock:
             await resp.write(b"data: " + (obj if isinstance(obj, bytes) else msgspec.json.encode(obj)) + b"\n\n")
 
-    async def run(i: int, s: _Sample) -> None:
-        sent = 0
-        calls = shape.tools.stream() if shape.tools is not None else None
+    async def run(i: int, s: Output) -> None:
         if shape.chat:
             await send(shape.chunk("", role=True, index=i))
-
-        def lp_upto() -> dict[str, Any] | None:
-            nonlocal sent
-            if s.lps is None:
-                return None
-            out = s.lps.entries(s.job.logprobs[sent:s.text.tokens])
-            sent = s.text.tokens
-            return out
-
-        async def tokens_of():
-            if i == 0:
-                if first is None:
-                    return
-                yield first
-            async for t in s.job:
-                yield t
-
-        async for tok in tokens_of():
-            piece = s.text.push(tok)
-            if calls is not None:
-                piece = calls.push(piece)
+        async for piece in s.pieces():
             if piece:
-                await send(shape.chunk(piece, logprobs=lp_upto(), index=i))
-            if s.text.stopped:
-                s.job.stop()
-                break
-        tail = s.text.finish()
-        await s.job.aclose()
-        finish = "stop" if s.text.stopped else s.job.finish_reason
-        if calls is not None:
-            tail, deltas, finish = calls.end(tail, finish)
-            if deltas:
-                if tail:
-                    await send(shape.chunk(tail, index=i))
-                    tail = ""
-                await send(shape.tool_chunk(deltas, index=i))
-        await send(shape.chunk(tail if tail else (None if shape.chat else ""), finish,
-                               logprobs=lp_upto() if sent < s.text.tokens else None, index=i))
+                await send(shape.chunk(piece, logprobs=s.new_logprobs(), index=i))
+        for chunk in shape.last_chunks(await s.end(), s.new_logprobs() if s.logprobs_pending else None, i):
+            await send(chunk)
 
     try:
         await asyncio.gather(*(run(i, s) for i, s in enumerate(samples)))
