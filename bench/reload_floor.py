@@ -2,7 +2,7 @@
 ``disk_reload_ratio_vs_raw`` at the tiny model's block sizes.
 
 Writes the tiny model's four forms (2.5–24 KiB a record) for ``--blocks`` blocks through the
-real :class:`worker.cache.segments.SegmentWriter` (real headers, alignment and padding), then
+real :class:`worker.cache.segment_writer.SegmentWriter` (real headers, alignment and padding), then
 times, alternating, ``--reps`` times:
 
 * **floor**: the least a reload that validates can do per record, with no bookkeeping at all —
@@ -58,7 +58,7 @@ def tiny_forms() -> dict[str, tuple[int, str]]:
 def write_segment(root: Path, blocks: int, forms: dict[str, tuple[int, str]]) -> tuple[Path, list[Any]]:
     """One segment of ``blocks`` × ``forms`` (random bytes); its path and records."""
     from worker.cache.offload_key import BlockKey
-    from worker.cache.segments import SegmentWriter
+    from worker.cache.segment_writer import SegmentWriter
 
     w = SegmentWriter(root, "bench", segment_bytes=1 << 40)
     items = [(BlockKey("ab" * 16, "default", f"{b + 1:032x}", form, digest), memoryview(os.urandom(size)))

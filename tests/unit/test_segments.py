@@ -15,7 +15,8 @@ from shared.hashing import checksum
 from tests.segment_files import cut_inside, flip_header, flip_payload, records, segment_files
 from worker.cache import segments as sg
 from worker.cache.offload_key import BlockKey, OffloadUnavailable
-from worker.cache.segments import ALIGN, SegmentIndex, SegmentWriter
+from worker.cache.segment_writer import SegmentWriter
+from worker.cache.segments import ALIGN, SegmentIndex
 
 NS = "ab" * 16
 

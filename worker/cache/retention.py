@@ -27,7 +27,7 @@ import msgspec
 from shared.config import Config
 from shared.messages import MAX_DISK_GC_BLOCKS, DiskBlock, DiskGc
 from worker.cache import offload_key as of
-from worker.cache.segments import SegmentWriter
+from worker.cache.segment_writer import SegmentWriter
 from worker.client import CoordinatorRefused, CoordinatorUnavailable
 from worker.settings import size
 

@@ -32,7 +32,8 @@ from shared.versions import SEGMENT_FORMAT_VERSION
 from worker.cache import offload_key as of
 from worker.cache.host_tier import HostTier
 from worker.cache.planner import BlockMeta, Observed
-from worker.cache.segments import ALIGN, Destination, Found, Record, SegmentIndex, SegmentWriter, key_of
+from worker.cache.segment_writer import SegmentWriter
+from worker.cache.segments import ALIGN, Destination, Found, Record, SegmentIndex, key_of
 
 Key = tuple[str, str]  # (block_hash, form)
 
