@@ -35,7 +35,7 @@ from shared.config import Config
 from shared.hashing import namespace_hash
 from shared.images import PromptImage, check_placement
 from shared.logging import get_logger
-from shared.messages import Control, ControlAck, InventoryReply, InventoryRequest, LeaseGrant, ReplicaRef
+from shared.messages import Control, ControlAck
 from shared.tenants import salt_secret, tenant_salt
 from worker.cache.planner import BlockMeta, Switches
 from worker.cache.ports import CacheContext, CacheKnobs, CachePorts, ModelPort
@@ -336,8 +336,6 @@ class Engine:
                         lambda self, v: setattr(self.contact_state, "draining", v))
     lease_ttl_ms = property(lambda self: self.contact_state.lease_ttl_ms,
                             lambda self, v: setattr(self.contact_state, "lease_ttl_ms", v))
-    heartbeat_interval_ms = property(lambda self: self.contact_state.heartbeat_interval_ms)
-    resume_grace_ms = property(lambda self: self.contact_state.resume_grace_ms)
     # What the supervisor sends the coordinator: where gateways reach us, and our load.
     endpoint = property(lambda self: self.supervisor.endpoint,
                         lambda self, v: setattr(self.supervisor, "endpoint", v))
@@ -376,16 +374,6 @@ class Engine:
         """A coordinator round trip with latency and error accounting (:meth:`Contact.call`)."""
         return await self.contact_state.call(op, coro)
 
-    async def wait_resumed(self, timeout_s: float) -> bool:
-        """Wait (at most ``timeout_s``) until the coordinator answers for our epoch again; True if it does."""
-        return await self.contact_state.wait_resumed(timeout_s)
-
-    def inventory_digests(self) -> dict[bytes, tuple[str, str, str, int]]:
-        return self.replicas.inventory_digests()
-
-    async def on_inventory(self, req: InventoryRequest) -> InventoryReply:
-        return await self.supervisor.on_inventory(req)
-
     async def on_control(self, msg: Control) -> ControlAck:
         return await self.supervisor.on_control(msg)
 
@@ -394,17 +382,8 @@ class Engine:
     def commit(self, meta: BlockMeta, data: torch.Tensor | memoryview | Reservation, *, lease_id: str) -> int:
         return self.replicas.commit(meta, data, lease_id=lease_id)
 
-    def committed(self) -> None:
-        self.replicas.committed()
-
     def pool_metrics(self) -> None:
         self.replicas.update_pool_metrics()
-
-    def invalidate(self, meta: BlockMeta, ref: ReplicaRef, *, damaged: bool, reason: str) -> int:
-        return self.replicas.invalidate(meta, ref, damaged=damaged, reason=reason)
-
-    def apply_evictions(self, grant: LeaseGrant) -> None:
-        self.replicas.apply_evictions(grant)
 
     # --- requests -------------------------------------------------------------------------
 
