@@ -49,7 +49,7 @@ from coordinator.log.port import EventLog, LogError, NewEvent, NotLeader, Snapsh
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.replay import LogCorrupt, load_state
 from coordinator.snapshot_child import ForkedSnapshot, SnapshotChildFailed, can_fork, fork_snapshot
-from coordinator.core.rejections import coalesce_rejections
+from coordinator.core.rejections import coalesce_rejections, strands_bytes
 from coordinator.rejection_hold import RejectionHold
 from coordinator.core.route import route
 from shared.messages import (
@@ -61,8 +61,9 @@ R = TypeVar("R")
 MAX_GATEWAYS_SHOWN = 256
 Decision = Callable[[LedgerState], tuple[R, list[Any]]]
 #: After a commit: ``{(worker_id, epoch): committed contiguous seq}``, and
-#: ``{(worker_id, epoch): [seq, …]}`` of the copies to a host tier among them that the ledger
-#: refused (the worker holds bytes the ledger does not list: it drops them).
+#: ``{(worker_id, epoch): [seq, …]}`` of the copies to a host tier and the GPU commits among them
+#: that the ledger refused (the worker holds bytes the ledger does not list: it drops them;
+#: ``core.rejections.strands_bytes``).
 WatermarkHook = Callable[[dict[tuple[str, int], int], dict[tuple[str, int], list[int]]], None]
 
 
@@ -450,7 +451,7 @@ class Ledger:
     def _watermarks_after(self, events: Sequence[Any]) -> tuple[dict[tuple[str, int], int],
                                                                  dict[tuple[str, int], list[int]]] | None:
         """The commit context: each worker epoch's watermark after ``events``, and its refused
-        copies to a host tier (see :data:`WatermarkHook`)."""
+        copies to a host tier and GPU commits (see :data:`WatermarkHook`)."""
         marks: dict[tuple[str, int], int] | None = None
         refused: dict[tuple[str, int], list[int]] = {}
         for e in events:
@@ -459,7 +460,7 @@ class Ledger:
                 k = (t.worker_id, t.epoch)
                 marks = marks or {}
                 marks[k] = self.state.committed_seq(t.worker_id, t.epoch)
-                if isinstance(e, TransitionRejected) and t.from_state is None and t.location.startswith("host:"):
+                if isinstance(e, TransitionRejected) and strands_bytes(t):
                     refused.setdefault(k, []).append(t.seq)
         return None if marks is None else (marks, refused)
 

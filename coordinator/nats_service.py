@@ -104,7 +104,8 @@ _OPS = {
 _OPS["resume"] = _Op("resume", WorkerResume, lambda req: lambda s: resume_worker(s, req, now_ms()))
 #: Parts of one resume, and resumes assembling at once, at most.
 MAX_RESUME_PARTS = 1024
-#: Refused host-tier copies one watermark names at most (the newest; see CommitWatermark.refused).
+#: Refused host-tier copies and GPU commits one watermark names at most (the newest; see
+#: CommitWatermark.refused).
 MAX_REFUSED = 4096
 MAX_PENDING_RESUMES = 1024
 #: Answered inline by :meth:`Ledger.heartbeat` (nothing to decide or commit).

@@ -521,9 +521,10 @@ class TransitionBatch(_Msg, tag="transitions", kw_only=True):
 class CommitWatermark(_Msg, tag="watermark", kw_only=True):
     """Published by the coordinator after each commit: seqs ≤ ``seq`` of this epoch are durable.
 
-    ``refused``: seqs among them that copied a block to the worker's host tier and that the
-    ledger refused (the source it named is no longer known, or was invalidated): the worker
-    holds bytes the ledger does not list, and drops them."""
+    ``refused``: seqs among them that the ledger refused and that left the worker holding bytes
+    the ledger does not list, which it drops: a copy to its host tier (the source it named is no
+    longer known, or was invalidated), or a commit of a GPU slot it filled (the lease had ended
+    first, aborting the write)."""
 
     worker_id: Name
     epoch: Pos

@@ -21,6 +21,7 @@ from coordinator.core import (
     CoreParams, Invalidated, LedgerState, acquire_lease, apply, collect_disk, drop_controls, evict_host, expire,
     heartbeat, ingest_transition, register_worker, release_lease, renew_lease, resume, resume_worker,
 )
+from coordinator.core.rejections import strands_bytes
 from shared import messages as m
 from worker.client import (
     CoordinatorRefused, CoordinatorUnavailable, OnControl, OnInventory, OnWatermark, PublishFailed,
@@ -44,7 +45,7 @@ class InProcessCoordinator:
         self._ids = itertools.count(1)
         self._listeners: dict[str, tuple[OnWatermark, OnInventory, OnControl]] = {}
         self._announced: dict[tuple[str, int], int] = {}
-        self._refused: dict[tuple[str, int], list[int]] = {}   # host-tier copies refused, not yet told
+        self._refused: dict[tuple[str, int], list[int]] = {}   # refusals that strand bytes, not yet told
         #: Soft liveness, as the real coordinator keeps it (heartbeats are not events).
         self.seen: dict[tuple[str, int], int] = {}
 
@@ -140,7 +141,7 @@ class InProcessCoordinator:
                 reason = getattr(e, "reason", None)
                 if reason is not None and type(e).__name__ == "TransitionRejected":
                     self.rejected.append((event, reason))
-                    if event.from_state is None and event.location.startswith("host:"):
+                    if strands_bytes(event):
                         self._refused.setdefault((worker_id, epoch), []).append(event.seq)
                 apply(self.state, e)
         if not self.hold_watermark:

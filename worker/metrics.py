@@ -160,6 +160,9 @@ class WorkerMetrics:
         self.refused_copies = Counter(p + "refused_copies", "Copies to the host tier that the ledger refused "
                                       "(the source they named was no longer known, or invalidated), dropped "
                                       "when the commit watermark said so", registry=r)
+        self.refused_commits = Counter(p + "refused_commits", "GPU commits the ledger refused (their lease "
+                                       "had ended first, its write aborted), their slots freed when the commit "
+                                       "watermark said so", registry=r)
 
     def count_transition(self, kind: str) -> None:
         """One transition emitted. NOTE: the labelled child is kept per kind: ``labels()`` costs

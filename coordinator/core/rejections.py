@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from coordinator.core.events import TransitionRejected
+from shared.messages import ReplicaState
 
 #: (needle in the reason, kind), first match wins; the reasons are ``commands._judge``'s.
 _KINDS = (
@@ -56,6 +57,15 @@ def rejection_kind(reason: str) -> str:
         if needle in reason:
             return kind
     return "illegal_transition"
+
+
+def strands_bytes(t: Any) -> bool:
+    """Whether refusing transition ``t`` leaves the worker holding bytes the ledger does not list:
+    a copy to its host tier, or a commit of a GPU slot it filled (the lease had ended first).
+    The commit watermark names such seqs (``CommitWatermark.refused``) and the worker drops them."""
+    return t.to_state is ReplicaState.READY and (
+        t.from_state is None and t.location.startswith("host:")
+        or t.from_state is ReplicaState.ALLOCATED and t.location.startswith("gpu:"))
 
 
 def _ranges(seqs: list[int]) -> list[tuple[int, int]]:

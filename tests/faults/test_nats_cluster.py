@@ -44,18 +44,12 @@ async def test_a_killed_nats_node_costs_no_answer_no_epoch_and_no_cache(run: Run
 
 async def test_no_acknowledged_transition_is_lost_and_the_audit_is_clean(run: Run) -> None:
     report, audit = await final_check(run)
-    # NOTE: one CI run (of six runs here) found 4 device replicas of one worker unknown to the
-    # ledger right after every outbox had drained, not explained yet. The audit is taken again
-    # after a second drain: a drift that is still there fails; one that went is reported.
-    first = audit_findings(run, audit)
-    if first:
-        for w in run.stack.specs:
-            assert await run.stack.flush(w, 30), f"{w}: outbox not drained within 30s"
-        audit = run.audit = await run.stack.admin_post("/v1/audit", {"replay_from": "empty", "check_workers": True,
-                                                                     "timeout_ms": 10_000})
-        print(f"nats-cluster drill: the first audit found {first}; the second: {audit_findings(run, audit) or 'clean'}")
+    # NOTE: a commit refused because its lease was released first (the stream electing a leader
+    # for longer than the session's settle wait) once left its GPU slot on the worker, unknown to
+    # the ledger; the watermark names such commits now and the worker frees their slots
+    # (tests/worker/test_refused_commits.py). No second drain: drift is a finding.
     publish(run, "NATS cluster: kill -9 of one of three nodes (the stream's leader)",
             "make test (tests/faults/test_nats_cluster.py)")
     assert report.ok, f"history check: {report.problems()}"
     assert report.acknowledged > 0 and report.logged >= report.acknowledged
-    assert not audit_findings(run, audit), f"audit: {audit_findings(run, audit)}\nfirst: {first}\n{audit}"
+    assert not audit_findings(run, audit), f"audit: {audit_findings(run, audit)}\n{audit}"

@@ -95,7 +95,7 @@ class Worker:
         self.epoch = 0
         self.seq = 0
         self.watermark = 0
-        self.refused: list[int] = []   # seqs the watermarks said the ledger refused (copies to the host tier)
+        self.refused: list[int] = []   # seqs the watermarks said the ledger refused (host copies, GPU commits)
         self._wm_sub: Any = None
         #: Replica digests of what this worker committed (what it "holds"), for a resume.
         self.held: dict[str, bytes] = {}

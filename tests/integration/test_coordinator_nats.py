@@ -237,6 +237,33 @@ async def test_the_watermark_names_a_refused_copy_to_the_host_tier(
             await nc.drain()
 
 
+async def test_the_watermark_names_a_gpu_commit_refused_after_its_lease_ended(
+        database_url: str, nats_url: str, subjects: Subjects) -> None:
+    """Over real NATS and PostgreSQL: w1 commits one of a lease's two writes, releases the lease
+    (a release after the worker's settle wait, the log out of reach meanwhile: the NATS-cluster
+    drill) and then publishes the other commit: the release aborted that write, the commit is
+    refused as stale, and the watermark names it (the worker frees the slot it filled), and only it."""
+    cfg = fast_config(database_url, nats_url, subjects)
+    async with running_coordinator(cfg) as (app, base):
+        nc = await nats.connect(nats_url)
+        try:
+            w1 = Worker(nc, subjects, "w1")
+            await w1.register()
+            await w1.watch_watermarks()
+            hashes = [block(i) for i in range(2)]
+            grant = await w1.acquire(hashes)
+            kept = w1.commit(hashes, 0, grant.lease_id)
+            await w1.publish(kept)
+            await w1.wait_watermark(kept.seq)
+            await w1.release(grant.lease_id)
+            late = w1.commit(hashes, 1, grant.lease_id)
+            await w1.publish(late)
+            await w1.wait_watermark(late.seq)
+            assert w1.refused == [late.seq]
+        finally:
+            await nc.drain()
+
+
 async def test_a_worker_that_disowns_its_replicas_takes_its_disk_copies_out_of_reuse(
         database_url: str, nats_url: str, subjects: Subjects) -> None:
     """Over real NATS and PostgreSQL: w1 copies its blocks to the shared disk and w2 reloads two

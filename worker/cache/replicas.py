@@ -83,6 +83,8 @@ class ReplicaWriter:
         self.offers: dict[int, tuple[str, str]] = {}
         self.offer_of: dict[tuple[str, str], int] = {}
         self.offers_epoch = 0
+        #: GPU commits not yet settled by a watermark (same epoch): seq → (form, block, generation).
+        self.commits: dict[int, tuple[str, str, int]] = {}
         #: Forms whose full pool refused granted writes, and how many, while make_room runs.
         self.making_room: dict[str, int] = {}
 
@@ -130,14 +132,22 @@ class ReplicaWriter:
                 # request): what it holds now is not ours to commit
                 return self.emit(meta, self.gpu, R.ALLOCATED, R.EVICTED, 0, kind="abort", lease_id=lease_id,
                                  reason="reserved slot lost")
-            return self.emit(full, self.gpu, R.ALLOCATED, R.READY, full.generation, kind="commit", lease_id=lease_id)
+            return self._commit_emit(full, lease_id)
         try:
             full = self._install(meta, data)
         except PoolExhausted as e:
             self.log.warning("no free slot for a granted write; aborting it", form=meta.form, error=str(e))
             return self.emit(meta, self.gpu, R.ALLOCATED, R.EVICTED, 0, kind="abort", lease_id=lease_id,
                              reason="pool exhausted")
-        return self.emit(full, self.gpu, R.ALLOCATED, R.READY, full.generation, kind="commit", lease_id=lease_id)
+        return self._commit_emit(full, lease_id)
+
+    def _commit_emit(self, full: BlockMeta, lease_id: str) -> int:
+        """The commit of a slot just filled, kept until a watermark settles it (see on_watermark)."""
+        seq = self.emit(full, self.gpu, R.ALLOCATED, R.READY, full.generation, kind="commit", lease_id=lease_id)
+        if seq:
+            self._unsettled()
+            self.commits[seq] = (full.form, full.block_hash, full.generation)
+        return seq
 
     def committed(self) -> None:
         """After a session's commits: pool gauges, and the threshold's copies down a tier."""
@@ -353,30 +363,52 @@ class ReplicaWriter:
             for key in [k for k in self.backed if k not in live]:
                 del self.backed[key]
 
-    def _host_offer(self, seq: int, key: tuple[str, str]) -> None:
-        """A copy to the host tier went out as transition ``seq``; kept until a watermark settles it."""
+    def _unsettled(self) -> None:
+        """Before keeping a transition until a watermark settles it: what an older epoch kept
+        is forgotten (its watermarks no longer come)."""
         if self.offers_epoch != self.contact.epoch:
             self.offers.clear()
             self.offer_of.clear()
+            self.commits.clear()
             self.offers_epoch = self.contact.epoch
+
+    def _host_offer(self, seq: int, key: tuple[str, str]) -> None:
+        """A copy to the host tier went out as transition ``seq``; kept until a watermark settles it."""
+        self._unsettled()
         self.offers[seq] = key
         self.offer_of[key] = seq
 
     def on_watermark(self, wm: CommitWatermark) -> None:
-        """The ledger's commit watermark: the outbox drops what it covers, and a copy to the host
-        tier that the ledger refused goes too (its source was no longer known, or invalidated:
-        the ledger does not list these bytes), unless the tier holds a later copy by now."""
+        """The ledger's commit watermark: the outbox drops what it covers, and bytes whose
+        transition the ledger refused go too, for the ledger does not list them:
+
+        * a copy to the host tier (its source was no longer known, or invalidated), unless the
+          tier holds a later copy by now;
+        * a GPU commit (its lease had ended first: released after ``settle_timeout_s`` and the
+          background wait while the log was out of reach, or expired, and the release aborted the
+          write), unless the slot holds another generation by now.
+
+        NOTE: a refused commit's slot is one the ledger counts free; kept, it was bytes no grant
+        would ever pin (never read) but that the audit reports as ``unknown_to_ledger``, and a
+        pool fuller than the ledger thinks (``make_room`` found it only once the pool ran out)."""
         assert self.publisher is not None
         self.publisher.on_watermark(wm)
         if wm.epoch != self.offers_epoch:
             return
-        offers, offer_of = self.offers, self.offer_of
+        offers, offer_of, commits = self.offers, self.offer_of, self.commits
+        dropped = 0
         for seq in wm.refused:
             key = offers.pop(seq, None)
             if key is not None and offer_of.get(key) == seq:
                 del offer_of[key]
                 if self.tiers.host_drop(*key):
                     self.metrics.refused_copies.inc()
+            slot = commits.pop(seq, None)
+            if slot is not None and self.store is not None and self.store.drop(*slot) is not None:
+                self.metrics.refused_commits.inc()
+                dropped += 1
+        if dropped:
+            self.update_pool_metrics()
         while offers:                                  # settled (seqs increase): forget them
             seq = next(iter(offers))
             if seq > wm.seq:
@@ -384,6 +416,11 @@ class ReplicaWriter:
             key = offers.pop(seq)
             if offer_of.get(key) == seq:
                 del offer_of[key]
+        while commits:
+            seq = next(iter(commits))
+            if seq > wm.seq:
+                break
+            del commits[seq]
 
 
 __all__ = ["ReplicaWriter"]
