@@ -54,6 +54,9 @@ def cmd_up(args: Any) -> int:
     if not args.restart_window > 0:
         raise SystemExit("kvledger up: --restart-window must be > 0 seconds")
     cfg = load_config(getattr(args, "config", None))
+    if cfg.coordinator.shards > 1:
+        raise SystemExit(f"kvledger up runs one ledger shard, and coordinator.shards is {cfg.coordinator.shards}: "
+                         "run each shard's coordinators yourself (docs/operations.md, \"A sharded ledger\")")
     if args.gateways is not None and not 1 <= args.gateways <= 16:
         raise SystemExit("kvledger up: --gateways must be 1 to 16 (or --no-gateway for none)")
     if (args.nats_cluster or 1) > 1 and cfg.nats.url:
