@@ -150,11 +150,57 @@ inline float softmax(float* p, int64_t n) {
   return tree16(lanes);
 }
 
+// p * v over keys [j0, j1) for one row, 64 output elements (4 whole chunks) at vals: the
+// accumulators stay in registers (with a run-time chunk count the compiler kept them on the
+// stack, and every FMA waited for a store and a load). The same operations, in the same order,
+// as the general loop of attend_tile.
+template <typename T>
+inline void pv_row64(const float* p, const T* vals, int64_t stride, int64_t j0, int64_t j1, V* acc) {
+  V a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3];
+  for (int64_t j = j0; j < j1; ++j) {
+    const T* vj = vals + j * stride;
+    const V pj = vbroadcast(p[j]);
+    a0 = vfma(pj, vload(vj), a0);
+    a1 = vfma(pj, vload(vj + 16), a1);
+    a2 = vfma(pj, vload(vj + 32), a2);
+    a3 = vfma(pj, vload(vj + 48), a3);
+  }
+  acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3;
+}
+
+// The keys [j0, j1) every one of R rows reads: each key's 4 chunks loaded once for all of them.
+template <typename T, int R>
+inline void pv_rows64(const float* const* p, const T* vals, int64_t stride, int64_t j0, int64_t j1, V (*acc)[4]) {
+  V a[R][4];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < 4; ++c) a[i][c] = acc[i][c];
+  for (int64_t j = j0; j < j1; ++j) {
+    const T* vj = vals + j * stride;
+    V vc[4];
+    for (int c = 0; c < 4; ++c) vc[c] = vload(vj + 16 * c);
+    for (int i = 0; i < R; ++i) {
+      const V pj = vbroadcast(p[i][j]);
+      for (int c = 0; c < 4; ++c) a[i][c] = vfma(pj, vc[c], a[i][c]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < 4; ++c) acc[i][c] = a[i][c];
+}
 // acc[d] = sum over j in order of p[j] * vals[j][d] (one multiply-add per element and key: FMA with
 // AVX-512/AVX2, a multiply then an add otherwise — the same for every element of a machine).
 template <typename T>
 inline void weighted_sum(const float* p, const T* vals, int64_t stride, int64_t n, int64_t D, float* acc) {
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    if (D - d0 >= 64) {                 // 4 whole chunks: in registers (pv_row64)
+      V r[4] = {vzero(), vzero(), vzero(), vzero()};
+      pv_row64(p, vals + d0, stride, 0, n, r);
+      for (int c = 0; c < 4; ++c) {
+        alignas(64) float tmp[16];
+        vstore(tmp, r[c]);
+        for (int l = 0; l < 16; ++l) acc[d0 + 16 * c + l] = tmp[l];
+      }
+      continue;
+    }
     const int chunks = static_cast<int>(std::min<int64_t>(4, (D - d0 + 15) / 16));
     V4 a;
     for (int c = 0; c < 4; ++c) a.v[c] = vzero();
@@ -280,6 +326,22 @@ void attend_tile(const TQ* const* qrows, int R, const Segment& s, const int64_t*
         }
       };
       const bool common = A <= Tm;
+      if (chunks == 4 && D - d0 >= 64) {   // whole chunks (D = 64, 128, ...): registers, see pv_row64
+        // keys by their offset from lo: key j's chunk at vals + (j - lo) * stride, its p at p[i][j - lo]
+        const T* vals = Vv + d0;
+        const float* p[4];
+        for (int i = 0; i < R; ++i) p[i] = sc + (i * g + hh) * n;
+        for (int i = 0; i < R; ++i) pv_row64(p[i], vals, s.stride, a[i] - lo, (common ? A : t[i] + 1) - lo, acc[i]);
+        if (common) {
+          switch (R) {
+            case 1: pv_rows64<T, 1>(p, vals, s.stride, A - lo, Tm + 1 - lo, acc); break;
+            case 2: pv_rows64<T, 2>(p, vals, s.stride, A - lo, Tm + 1 - lo, acc); break;
+            case 3: pv_rows64<T, 3>(p, vals, s.stride, A - lo, Tm + 1 - lo, acc); break;
+            default: pv_rows64<T, 4>(p, vals, s.stride, A - lo, Tm + 1 - lo, acc); break;
+          }
+          for (int i = 0; i < R; ++i) pv_row64(p[i], vals, s.stride, Tm + 1 - lo, t[i] + 1 - lo, acc[i]);
+        }
+      } else {
       for (int i = 0; i < R; ++i) one(i, a[i], common ? A : t[i] + 1);
       if (common) {
         for (int64_t j = A; j <= Tm; ++j) {
@@ -295,6 +357,7 @@ void attend_tile(const TQ* const* qrows, int R, const Segment& s, const int64_t*
           }
         }
         for (int i = 0; i < R; ++i) one(i, Tm + 1, t[i] + 1);
+      }
       }
       for (int i = 0; i < R; ++i) {
         float* dst = outs[i] + (kh * g + hh) * D;
