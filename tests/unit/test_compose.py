@@ -233,6 +233,8 @@ def test_prometheus_scrapes_both_and_alerts_use_real_metrics(compose: dict[str, 
     assert jobs["kvledger-coordinator"]["static_configs"][0]["targets"] == ["coordinator:8321",
                                                                             "coordinator-standby:8321"]
     assert jobs["kvledger-worker"]["dns_sd_configs"][0]["names"] == ["worker-0", "worker-1"]
+    gateway_port = services(compose)["gateway"]["environment"]["KVL_GATEWAY__PORT"]
+    assert jobs["kvledger-gateway"]["static_configs"][0]["targets"] == [f"gateway:{gateway_port}"]
     assert prom["rule_files"] == ["/etc/prometheus/alerts.yml"]
     # the alerts that fire go to compose's Alertmanager, which has a receiver for every route
     assert prom["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["alertmanager:9093"]
@@ -250,7 +252,8 @@ def test_prometheus_scrapes_both_and_alerts_use_real_metrics(compose: dict[str, 
     wm = WorkerMetrics()
     ServingMetrics.of(wm.registry)
     wm.watch_gpu("cuda:0", 0, read=lambda _: GpuMemory(0, 0, 0, 0))  # a CUDA worker's (absent on CPU)
-    for registry in (cm.registry, wm.registry):
+    from gateway.app import GatewayMetrics
+    for registry in (cm.registry, wm.registry, GatewayMetrics().registry):
         for fam in registry.collect():
             known.add(fam.name)
     alerts = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
