@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 #: Server processes counted by their command name (every one on the machine: other work on the
 #: same servers counts too).
@@ -25,27 +25,32 @@ def process_cpu(pid: int) -> float:
         return 0.0
 
 
-def stack_cpu(named: Mapping[str, int]) -> dict[str, dict[int, float]]:
-    """CPU seconds so far, per process, by role: each ``role: pid`` of ``named``, every
-    ``postgres`` and ``nats-server`` process on the machine, and this process (``bench``)."""
+def _processes() -> Iterator[tuple[int, int, str, float]]:
+    """Every process's (pid, parent pid, command name, CPU seconds so far), from ``/proc``."""
     tick = os.sysconf("SC_CLK_TCK")
-    by_pid = {pid: role for role, pid in named.items()}
-    out: dict[str, dict[int, float]] = {role: {} for role in named}
-    out.update({role: {} for role in SERVERS.values()})
-    out["bench"] = {os.getpid(): time.process_time()}
     for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == os.getpid():
+        if not d.isdigit():
             continue
         try:
             with open(f"/proc/{d}/stat") as f:
                 stat = f.read()
         except OSError:
             continue
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        role = by_pid.get(int(d)) or SERVERS.get(comm)
-        if role is not None:
-            fields = stat[stat.rindex(")") + 2:].split()
-            out[role][int(d)] = (int(fields[11]) + int(fields[12])) / tick
+        fields = stat[stat.rindex(")") + 2:].split()
+        yield int(d), int(fields[1]), stat[stat.index("(") + 1:stat.rindex(")")], (int(fields[11]) + int(fields[12])) / tick
+
+
+def stack_cpu(named: Mapping[str, int]) -> dict[str, dict[int, float]]:
+    """CPU seconds so far, per process, by role: each ``role: pid`` of ``named``, every
+    ``postgres`` and ``nats-server`` process on the machine, and this process (``bench``)."""
+    by_pid = {pid: role for role, pid in named.items()}
+    out: dict[str, dict[int, float]] = {role: {} for role in named}
+    out.update({role: {} for role in SERVERS.values()})
+    out["bench"] = {os.getpid(): time.process_time()}
+    for pid, _, comm, cpu in _processes():
+        role = by_pid.get(pid) or SERVERS.get(comm)
+        if role is not None and pid != os.getpid():
+            out[role][pid] = cpu
     return out
 
 
@@ -75,19 +80,7 @@ def tree_cpu(root: int) -> dict[str, float]:
     """CPU seconds so far of ``root`` and every process below it, summed by role (``worker``,
     ``coordinator``, ``gateway``, ``postgres``, ``nats``; vLLM's ``api`` and ``engine``; else the
     command name): a server's whole cost, however many processes it runs."""
-    tick = os.sysconf("SC_CLK_TCK")
-    stats: dict[int, tuple[int, str, float]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        stats[int(d)] = (int(fields[1]), comm, (int(fields[11]) + int(fields[12])) / tick)
+    stats = {pid: (ppid, comm, cpu) for pid, ppid, comm, cpu in _processes()}
     below = {root}
     grew = True
     while grew:
