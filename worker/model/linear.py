@@ -44,10 +44,9 @@ class Fused:
             return [p(x) for p in self.parts]
         if self._key != self._state():
             self._join()
-        y = linear(x, self._w, self._b)
-        # NOTE: contiguous parts, as the separate products gave: a later reduction (a q/k norm)
-        # over a strided view might take another path through torch's kernels
-        return [t.contiguous() for t in y.split(self.sizes, -1)]
+        # NOTE: views into one product's rows (strided): elementwise ops give the same bits on them;
+        # a caller that reduces over one (a q/k norm) makes it contiguous first
+        return list(linear(x, self._w, self._b).split(self.sizes, -1))
 
     def _state(self) -> tuple:
         return tuple((t.data_ptr(), t._version, t.dtype, t.device)

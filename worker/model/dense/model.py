@@ -75,7 +75,8 @@ class DenseAttention(nn.Module):
         k = k.view(N, self.kv_heads, self.head_dim)
         v = v.view(N, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            # contiguous first: a reduction over a strided view may take another path through torch
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
         for seg in batch.segments:
             seg.state.write(self.layer, seg.span.start, k[seg.rows], v[seg.rows])
