@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from typing import Annotated
 
 import msgspec
@@ -120,6 +121,18 @@ class ShardMap(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
                                        moving=[m for m in self.moving if m.partition != partition])
 
 
+def shard_of(shard_map: ShardMap | None, namespace: str, block_hashes: Sequence[str]) -> int | None:
+    """The shard to ask for a lease on ``block_hashes`` (a worker's or a gateway's routing rule):
+    the owner of its chain's partition by ``shard_map`` — the map the caller holds; a stale one is
+    refused ``wrong_shard`` by the shard it names, never served by it. ``None`` for a request with no
+    whole block, which pins and writes nothing: any shard may answer it. No map: one shard, 0."""
+    if not block_hashes:
+        return None
+    if shard_map is None:
+        return 0
+    return shard_map.owner(namespace, block_hashes[0])
+
+
 def map_bucket(prefix: str) -> str:
     """The NATS KV bucket of a deployment's shard map: ``KVL_SHARDS`` for the prefix ``kvl``
     (beside its stream ``KVL_EVENTS``; ``shared.shard_store``)."""
@@ -134,4 +147,4 @@ def shard_subjects(prefix: str, shard: int) -> Subjects:
 
 
 __all__ = ["DEFAULT_PARTITIONS", "MAX_PARTITIONS", "MAX_SHARDS", "Move", "ShardMap", "ShardMapError", "map_bucket",
-           "partition_of", "shard_subjects"]
+           "partition_of", "shard_of", "shard_subjects"]

@@ -11,7 +11,7 @@ import pytest
 from coordinator.core import CoreParams, acquire_lease, register_worker
 from shared.config import CoordinatorConfig
 from shared.messages import ErrorCode, ErrorReply, LeaseGrant
-from shared.shards import Move, ShardMap, ShardMapError, partition_of, shard_subjects
+from shared.shards import Move, ShardMap, ShardMapError, partition_of, shard_of, shard_subjects
 from shared.subjects import REQUEST_OPS, Subjects
 
 from tests.unit.core.support import NS, Driver, acquire, h, register
@@ -134,6 +134,33 @@ def test_a_shard_leases_only_chains_its_map_gives_it() -> None:
         assert len(d.log) == before          # a refusal decides nothing
         # a request with no whole block pins and writes nothing: any shard answers it
         assert not isinstance(d.run(acquire_lease, acquire("w1", 1, []), 1, "L3"), ErrorReply)
+
+
+def test_shard_of_routes_each_lease_to_the_shard_whose_fence_grants_it() -> None:
+    """The routing rule workers and the bench follow agrees with the fence every shard keeps: the
+    shard it names grants the lease, every other shard refuses it ``wrong_shard``."""
+    m = ShardMap.uniform(3, 16)
+    drivers = []
+    for shard in range(3):
+        d = Driver(CoreParams(shard=shard, shard_map=m))
+        d.run(register_worker, register("w1", slots=256), 0)
+        drivers.append(d)
+    for i in range(24):
+        chain = [h(100 * i + k) for k in range(3)]
+        target = shard_of(m, NS, chain)
+        assert target == m.owner(NS, chain[0]) == shard_of(m, NS, chain[:1])   # the root decides, not the tail
+        for shard, d in enumerate(drivers):
+            r = d.run(acquire_lease, acquire("w1", 1, chain), 1, f"L{i}")
+            if shard == target:
+                assert isinstance(r, LeaseGrant), r
+            else:
+                assert isinstance(r, ErrorReply) and r.code is ErrorCode.WRONG_SHARD, r
+    assert shard_of(m, NS, []) is None                        # no whole block: any shard may answer
+    assert shard_of(None, NS, [h(1)]) == 0                    # no map: one ledger
+    # after a move the new map routes the partition's chains to their new owner
+    root = next(h(i) for i in range(100) if m.owner(NS, h(i)) == 0)
+    moved = m.freeze(m.partition(NS, root), 2).open(m.partition(NS, root))
+    assert (shard_of(m, NS, [root]), shard_of(moved, NS, [root])) == (0, 2)
 
 
 def test_a_frozen_partition_is_leased_by_no_shard_until_its_move_opens() -> None:
