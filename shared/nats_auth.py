@@ -163,8 +163,8 @@ def permissions(identity: Identity, subjects: Subjects, shards: int = 1) -> dict
             into = merged.setdefault(direction, {})
             for kind, entries in grant.items():
                 into[kind] = list(dict.fromkeys([*into.get(kind, []), *entries]))
-    if shards > 1 and identity.role in ("operator", "gateway"):
-        # read the shard map (a gateway routes by it); `kvledger shard` (the operator) also writes
+    if shards > 1 and identity.role in ("operator", "gateway", "worker"):
+        # read the shard map (a gateway and a worker route by it); `kvledger shard` (the operator) also writes
         # its next version, by compare-and-set
         b = map_bucket(subjects.prefix)
         merged["publish"]["allow"] += ([f"$KV.{b}.map"] if identity.role == "operator" else []) + [

@@ -36,6 +36,7 @@ from shared.hashing import namespace_hash
 from shared.images import PromptImage, check_placement
 from shared.logging import get_logger
 from shared.messages import Control, ControlAck
+from shared.shards import ShardMap
 from shared.tenants import salt_secret, tenant_salt
 from worker.cache.planner import BlockMeta, Switches
 from worker.cache.ports import CacheContext, CacheKnobs, CachePorts, ModelPort
@@ -54,6 +55,7 @@ from kernels.invariant import compute_fingerprint
 from worker import failpoints
 from worker.selfcheck import SelfCheck, self_check
 from worker.publisher import TransitionPublisher
+from worker.shard_links import ShardLink, ShardLinks
 from worker.cache.manager import CacheValidationError, Result, Session
 from worker.settings import size_pools, worker_id
 from worker.startup_checks import check_memory, measure
@@ -92,7 +94,10 @@ class Health:
 
 class Engine:
     def __init__(self, model: CausalLM, cfg: Config, client: CoordinatorClient | None = None, *,
-                 worker_id_: str | None = None, metrics: WorkerMetrics | None = None, endpoint: str = "") -> None:
+                 worker_id_: str | None = None, metrics: WorkerMetrics | None = None, endpoint: str = "",
+                 shard_clients: Sequence[CoordinatorClient] = ()) -> None:
+        """``client``: the coordinator's (shard 0's, where the ledger is sharded); ``shard_clients``:
+        shards 1 … N-1's, one each (``coordinator.shards`` = N; ``worker.shard_links``)."""
         self.cfg = cfg
         self.model = model
         self.log = get_logger("kvl.worker")
@@ -198,18 +203,20 @@ class Engine:
         self.contact_state = Contact(client, self.publisher, self.metrics, self.log,
                                      heartbeat_interval_ms=co.heartbeat_interval_ms, lease_ttl_ms=co.lease_ttl_ms,
                                      resume_grace_ms=co.resume_grace_ms)
+        #: Every shard's client, outbox and contact (one: the three above).
+        self.links = self._shard_links(client, shard_clients) if client is not None else None
         self.replicas = ReplicaWriter(
             contact=self.contact_state, client=client, publisher=self.publisher, store=self.store, tiers=self.tiers,
             metrics=self.metrics, log=self.log, worker_id=self.worker_id, block_size=self.block_size,
             model_id=model.cfg.model_id, slots=self.slots, offload_threshold=cfg.cache.offload_threshold,
             leases=lambda: (lease.grant for s in self.sessions | self.releasing for lease in s.leases),
-            background=self.background, running=lambda: bool(self._tasks))
+            background=self.background, running=lambda: bool(self._tasks), links=self.links)
         self.supervisor = Supervisor(
             cfg=cfg, contact=self.contact_state, replicas=self.replicas, client=client, publisher=self.publisher,
             store=self.store, tiers=self.tiers, metrics=self.metrics, log=self.log, worker_id=self.worker_id,
             namespace=self.namespace, catalogue=self.catalogue, slots=self.slots, spec_digests=self.spec_digests,
             device=str(self.device), dtype=str(getattr(model, "dtype", "")).removeprefix("torch."),
-            cache_dtype=self.cache_dtype, io=self.io, active_sessions=lambda: len(self.sessions))
+            cache_dtype=self.cache_dtype, io=self.io, active_sessions=lambda: len(self.sessions), links=self.links)
         self.supervisor.endpoint = endpoint
         self.ports = CachePorts(
             ctx=CacheContext(cache_enabled=self.cache_enabled, namespace=self.namespace, block_size=self.block_size,
@@ -221,7 +228,30 @@ class Engine:
             knobs=self.knobs, runner=ModelPort(model, self.stepper, self._compute, self.compute, self.io),
             contact=self.contact_state, leases=client, outbox=self.publisher, replicas=self.replicas,
             store=self.store, tiers=self.tiers, inflight=self.inflight, metrics=self.metrics, log=self.log,
-            salt=self.salt, background=self.background, releasing=self.releasing)
+            salt=self.salt, background=self.background, releasing=self.releasing,
+            shards=self.links if self.links is not None and self.links.sharded else None)
+
+    def _shard_links(self, client: CoordinatorClient, others: Sequence[CoordinatorClient]) -> ShardLinks:
+        """Shard 0's link (the engine's client, outbox and contact), and one per other shard."""
+        cfg, co = self.cfg, self.cfg.coordinator
+        assert self.publisher is not None
+        links = [ShardLink(0, client, self.publisher, self.contact_state)]
+        for k, other in enumerate(others, 1):
+            pub = TransitionPublisher(other, capacity=cfg.worker.outbox_max, resend_ms=cfg.worker.outbox_resend_ms,
+                                      metrics=self.metrics, batch=cfg.worker.publish_batch)
+            links.append(ShardLink(k, other, pub, Contact(
+                other, pub, self.metrics, self.log, heartbeat_interval_ms=co.heartbeat_interval_ms,
+                lease_ttl_ms=co.lease_ttl_ms, resume_grace_ms=co.resume_grace_ms)))
+        shard_map = ShardMap.uniform(co.shards, co.shard_partitions) if others else None
+        return ShardLinks(links, self.namespace, shard_map, held=self._held_blocks,
+                          roots_limit=4 * sum(self.slots.values()))
+
+    def _held_blocks(self) -> set[str]:
+        """Blocks whose chains the worker must still know: held in a tier, or named by a live request."""
+        held = self.replicas.held_blocks()
+        for s in self.sessions | self.releasing:
+            held.update(s.hashes)
+        return held
 
     # --- life cycle -----------------------------------------------------------------------
 
@@ -236,7 +266,8 @@ class Engine:
             "self_check", offload=c.offload, pools_allocated=c.pools_allocated, pool_slots=c.pool_slots,
             namespace=c.namespace[:16], batch_invariant=c.batch_invariant, row_floor=c.row_floor, compute=c.compute,
             **({"failpoints": sorted(failpoints.active())} if failpoints.active() else {}))
-        self.publisher.start()
+        for link in self.links or ():
+            link.publisher.start()
         self.supervisor.start()
         self._tasks = list(self.supervisor.tasks)
         if wait_s <= 0:
@@ -266,10 +297,9 @@ class Engine:
                 await t
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
                 pass
-        if self.publisher is not None:
-            await self.publisher.stop()
-        if self.client is not None:
-            await self.client.close()
+        for link in self.links or ():
+            await link.publisher.stop()
+            await link.client.close()
         self._compute.shutdown(wait=True)
         self.stepper.close()
         self._io.shutdown(wait=True)
@@ -280,9 +310,10 @@ class Engine:
         while self.tiers.spill_depth and time.monotonic() < deadline:
             self.replicas.spill_due.set()
             await asyncio.sleep(0.01)
-        if self.publisher is None:
+        if self.links is None:
             return True
-        return await self.publisher.wait_empty(max(0.0, deadline - time.monotonic()))
+        results = [await link.publisher.wait_empty(max(0.0, deadline - time.monotonic())) for link in self.links]
+        return all(results)
 
     # --- executors ------------------------------------------------------------------------
 

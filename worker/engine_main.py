@@ -40,6 +40,7 @@ from shared.config import Config, ConfigError, load_config, nats_servers
 from shared.key_rotation import KeyReloader, config_loader
 from shared.logging import configure_logging, get_logger, mask_credentials
 from shared.manifest import ManifestError
+from shared.shards import shard_subjects
 from shared.subjects import Subjects
 from shared.tls import client_context
 from shared.text.chat_template import load_chat_template
@@ -210,10 +211,14 @@ async def serve(cfg: Config, reload: Callable[[], Config] | None = None, config_
         return 2
     client = NatsCoordinatorClient(cfg.nats.url, subjects, timeout_s=cfg.nats.request_timeout_ms / 1000,
                                    tls=client_context(cfg.tls), auth=auth)
+    # a sharded ledger: one client per other shard, on its subjects (worker.shard_links)
+    shard_clients = [NatsCoordinatorClient(cfg.nats.url, shard_subjects(cfg.nats.subject_prefix, k),
+                                           timeout_s=cfg.nats.request_timeout_ms / 1000, tls=client_context(cfg.tls),
+                                           auth=auth) for k in range(1, cfg.coordinator.shards)]
     # the disk tier's bound: cache.offload_dir_bytes, else a share of the file system's free space
     cfg = resolve_at_start(cfg, worker_id(cfg), log)
     try:
-        engine = Engine(model, cfg, client)
+        engine = Engine(model, cfg, client, shard_clients=shard_clients)
     except StorageError as e:   # cache.dtype this model's forms cannot be stored in
         print(f"kvledger worker: config key cache.dtype: {e}", file=sys.stderr, flush=True)
         return 2
@@ -226,6 +231,8 @@ async def serve(cfg: Config, reload: Callable[[], Config] | None = None, config_
               "only on its own subjects)", file=sys.stderr)
         return 2
     client.name = f"kvl-worker-{engine.worker_id}"
+    for k, other in enumerate(shard_clients, 1):
+        other.name = f"kvl-worker-{engine.worker_id}-s{k}"
     tracing.setup(cfg.tracing, "worker", instance=engine.worker_id)     # before the app: its middleware
     debug = DebugService(engine, cfg.nats.url, subjects, TenantDirectory.from_config(cfg.auth),
                          client_context(cfg.tls), auth) if cfg.worker.debug_subjects else None

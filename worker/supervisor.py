@@ -17,12 +17,18 @@
 It also answers what the coordinator asks of the worker (:meth:`on_inventory`,
 :meth:`on_control`). Transitions it causes go through the replica writer
 (``worker.cache.replicas``); it never touches a request.
+
+With a sharded ledger (``worker.shard_links``) the contact task runs once per shard, each with
+its own epoch, outbox and standing: a takeover on one shard suspends and resumes that shard's
+epoch only, a fence there drops only that shard's blocks, and what the worker tells or asks a
+shard (its inventory, an eviction, a disk GC) is of that shard's chains.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,14 +41,11 @@ from shared.config import Config
 from shared.forms import FormCatalogue
 from shared.hashing import split_digests
 from shared.messages import (
-    MAX_DISK_GC_BLOCKS,
     MAX_HOST_EVICT_BLOCKS,
     Control,
     ControlAck,
     DiskBlock,
-    DiskGc,
     Heartbeat,
-    HostEvict,
     InventoryItem,
     InventoryReply,
     InventoryRequest,
@@ -59,6 +62,7 @@ from worker.client import CoordinatorClient, CoordinatorRefused, CoordinatorUnav
 from worker.contact import Contact
 from worker.metrics import WorkerMetrics
 from worker.publisher import TransitionPublisher
+from worker.shard_links import ShardLink, ShardLinks
 
 R = ReplicaState
 #: Blocks written to the disk tier per batch (one fsync each).
@@ -73,12 +77,16 @@ class Supervisor:
                  store: CacheStore | None, tiers: Tiers, metrics: WorkerMetrics, log, worker_id: str,
                  namespace: str, catalogue: FormCatalogue, slots: dict[str, int], spec_digests: dict[str, str],
                  device: str, dtype: str, cache_dtype: str, io: Callable[[Callable[[], Any]], Any],
-                 active_sessions: Callable[[], int]) -> None:
+                 active_sessions: Callable[[], int], links: ShardLinks | None = None) -> None:
         self.cfg = cfg
         self.contact = contact
         self.replicas = replicas
         self.client = client
         self.publisher = publisher
+        #: Every shard's link (one: this coordinator's client, outbox and contact).
+        self.links = links if links is not None else (
+            ShardLinks([ShardLink(0, client, publisher, contact)], namespace) if client is not None
+            and publisher is not None else None)
         self.store = store
         self.tiers = tiers
         self.metrics = metrics
@@ -105,13 +113,20 @@ class Supervisor:
         #: stops first (a crash, an operator's restart while the coordinator was away) still does.
         self.disown_marker = Path(cfg.state_dir) / f"disown-{worker_id}"
         self.disown = self.disown_marker.exists()
+        #: Shards still to be told to disown (every shard's registration carries it once).
+        self._disown_pending: set[int] = set(range(len(self.links))) if self.disown and self.links else set()
         self.registered_once = asyncio.Event()
         self.tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self.tasks = [loop.create_task(self._supervise(), name="kvl-supervisor"),
-                      loop.create_task(self._spill_loop(), name="kvl-spill")]
+        assert self.links is not None
+        self.tasks = [loop.create_task(self._supervise(link), name="kvl-supervisor" + (f"-s{link.shard}" if link.shard
+                                                                                     else ""))
+                      for link in self.links]
+        self.tasks.append(loop.create_task(self._spill_loop(), name="kvl-spill"))
+        if self.links.sharded:
+            self.tasks.append(loop.create_task(self.links.follow(self.client, self.cfg, self.log), name="kvl-shard-map"))
 
     def take_tasks(self) -> list[asyncio.Task]:
         """The running tasks, for the engine to cancel at stop (the supervisor no longer runs)."""
@@ -129,37 +144,39 @@ class Supervisor:
                        reason=reason[:300])
         self.metrics.batch_invariant.set(0)
         self.disown = True
+        self._disown_pending = set(range(len(self.links))) if self.links else set()
         try:
             self.disown_marker.parent.mkdir(parents=True, exist_ok=True)
             self.disown_marker.write_text(f"{reason[:300]}\n")
         except OSError as e:
             self.log.warning("cannot keep the disown marker: a restart before registering would not disown",
                              path=str(self.disown_marker), error=str(e))
-        if self.contact.registered:
-            self.contact.registration_lost(f"batch invariance failed at run time: {reason}"[:300])
+        for link in self.links or ():
+            if link.contact.registered:
+                link.contact.registration_lost(f"batch invariance failed at run time: {reason}"[:300])
 
     # --- contact --------------------------------------------------------------------------
 
-    async def _supervise(self) -> None:
-        c = self.contact
+    async def _supervise(self, link: ShardLink) -> None:
+        c = link.contact
         backoff = 0.1
         while True:
             if c.registered and c.away_since and c.away_too_long():
                 c.registration_lost(f"out of contact for more than the resume grace period "
                                     f"({c.resume_grace_ms} ms): the epoch is fenced by now")
             if not c.registered:
-                ok = await self._register()
+                ok = await self._register(link)
             elif c.suspended:
-                ok = await self._resume()
+                ok = await self._resume(link)
             else:
                 ok = True
             if not ok:
-                await self._sleep(backoff)
+                await self._sleep(c, backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
             if c.registered and not c.suspended:
                 if c.away_since:
-                    await self._sleep(backoff)
+                    await self._sleep(c, backoff)
                     backoff = min(backoff * 2, 2.0)
                     if c.away_too_long():
                         # NOTE: the grace may have passed while we slept: re-register (the loop's
@@ -167,36 +184,46 @@ class Supervisor:
                         continue
                 elif not c.suspect:
                     backoff = 0.1
-                    await self._sleep(c.heartbeat_interval_ms / 1000)
-                await self._heartbeat()
+                    await self._sleep(c, c.heartbeat_interval_ms / 1000)
+                await self._heartbeat(link)
 
-    async def _sleep(self, seconds: float) -> None:
+    async def _sleep(self, contact: Contact, seconds: float) -> None:
         try:
-            await asyncio.wait_for(self.contact.wake.wait(), seconds)
+            await asyncio.wait_for(contact.wake.wait(), seconds)
         except asyncio.TimeoutError:
             pass
-        self.contact.wake.clear()
+        contact.wake.clear()
 
-    async def _settle_outbox(self, timeout_s: float = 1.0) -> None:
-        assert self.publisher is not None
-        if self.publisher.depth:
-            await self.publisher.publish_due()
-            await self.publisher.wait_empty(timeout=timeout_s)
+    @staticmethod
+    async def _settle_outbox(publisher: TransitionPublisher, timeout_s: float = 1.0) -> None:
+        if publisher.depth:
+            await publisher.publish_due()
+            await publisher.wait_empty(timeout=timeout_s)
 
-    async def _listen(self) -> None:
-        assert self.client is not None
-        await self.client.listen(self.worker_id, self.replicas.on_watermark, self.on_inventory, self.on_control)
+    async def _listen(self, link: ShardLink) -> None:
+        if link.shard == 0 and self.links is not None and not self.links.sharded:
+            await link.client.listen(self.worker_id, self.replicas.on_watermark, self.on_inventory, self.on_control)
+            return
+        k = link.shard
+        await link.client.listen(self.worker_id, functools.partial(self.replicas.on_watermark, shard=k),
+                                 functools.partial(self.on_inventory, shard=k),
+                                 functools.partial(self.on_control, shard=k))
 
-    async def _register(self) -> bool:
-        assert self.client is not None and self.publisher is not None and self.store is not None
-        c = self.contact
+    def _pool_slots(self, link: ShardLink) -> dict[str, int]:
+        assert self.links is not None
+        return self.links.share(self.slots, link.shard)
+
+    async def _register(self, link: ShardLink) -> bool:
+        assert self.store is not None
+        c, client, publisher = link.contact, link.client, link.publisher
+        disown = link.shard in self._disown_pending
         try:
-            await self.client.connect()
-            await self._settle_outbox()   # what the old epoch still owes the ledger, before fencing it
-            reply = await c.call("register", self.client.register(WorkerRegister(
+            await client.connect()
+            await self._settle_outbox(publisher)   # what the old epoch still owes the ledger, before fencing it
+            reply = await c.call("register", client.register(WorkerRegister(
                 worker_id=self.worker_id, namespace=self.namespace, catalogue=self.catalogue,
-                pool_slots=dict(self.slots), endpoint=self.endpoint, disown_replicas=self.disown)))
-            await self._listen()
+                pool_slots=self._pool_slots(link), endpoint=self.endpoint, disown_replicas=disown)))
+            await self._listen(link)
         except CoordinatorUnavailable as e:
             c.reason = c.reason or f"coordinator unreachable: {e}"
             self.metrics.degraded.set(1)
@@ -205,40 +232,48 @@ class Supervisor:
             c.reason = f"registration refused: {e}"
             self.metrics.degraded.set(1)
             return False
-        dropped_gpu = self.store.clear()
-        dropped_host = self.tiers.host_clear()
-        dropped_events = self.publisher.new_epoch(self.worker_id, reply.epoch)
+        dropped_gpu, dropped_host = self.replicas.drop_shard(link.shard)
+        dropped_events = publisher.new_epoch(self.worker_id, reply.epoch)
         c.epoch = reply.epoch
         c.timing(reply)
         c.registered = True
         c.outbox_full = False
         c.in_contact()
-        self.metrics.epoch.set(c.epoch)
+        if link.shard == 0:
+            self.metrics.epoch.set(c.epoch)
         self.replicas.update_pool_metrics()
         self.log.info("registered", worker_id=self.worker_id, epoch=c.epoch, dropped_gpu=dropped_gpu,
-                      dropped_host=dropped_host, dropped_events=dropped_events, disowned=reply.disowned)
-        if self.disown:
-            self.disown = False
+                      dropped_host=dropped_host, dropped_events=dropped_events, disowned=reply.disowned,
+                      **({"shard": link.shard} if self.links is not None and self.links.sharded else {}))
+        if disown:
+            self._disown_pending.discard(link.shard)
             self.metrics.disowned_replicas.inc(reply.disowned)
+        if self.disown and not self._disown_pending:
+            self.disown = False
             with contextlib.suppress(FileNotFoundError):
                 self.disown_marker.unlink()
-        self.registered_once.set()
+        assert self.links is not None
+        if all(other.contact.registered for other in self.links):
+            self.registered_once.set()
         return True
 
-    async def _resume(self) -> bool:
-        """Keep our epoch and cache: settle the outbox, send our inventory, drop what the ledger disowns."""
-        assert self.client is not None and self.publisher is not None and self.store is not None
-        c = self.contact
+    async def _resume(self, link: ShardLink) -> bool:
+        """Keep our epoch and cache: settle the outbox, send our inventory (of this shard's
+        chains), drop what the ledger disowns."""
+        assert self.store is not None
+        c, client, publisher = link.contact, link.client, link.publisher
+        sharded = self.links is not None and self.links.sharded
         try:
-            await self.client.connect()
-            await self._settle_outbox()   # the coordinator reconciles once the log holds all we emitted
-            held = self.replicas.inventory_digests()
-            emitted = self.publisher.outbox.next_seq - 1 if self.publisher.outbox is not None else 0
+            await client.connect()
+            await self._settle_outbox(publisher)   # the coordinator reconciles once the log holds all we emitted
+            held = self.replicas.inventory_digests(link.shard if sharded else None)
+            emitted = publisher.outbox.next_seq - 1 if publisher.outbox is not None else 0
             t0 = time.perf_counter()
-            reply = await c.call("resume", self.client.resume(WorkerResume(
+            reply = await c.call("resume", client.resume(WorkerResume(
                 worker_id=self.worker_id, epoch=c.epoch, namespace=self.namespace, catalogue=self.catalogue,
-                pool_slots=dict(self.slots), endpoint=self.endpoint, emitted_seq=emitted, held=b"".join(held))))
-            await self._listen()
+                pool_slots=self._pool_slots(link), endpoint=self.endpoint, emitted_seq=emitted,
+                held=b"".join(held))))
+            await self._listen(link)
         except (CoordinatorUnavailable, CoordinatorRefused) as e:
             self.log.info("resume not accepted yet", epoch=c.epoch, reason=str(e)[:200])
             return False
@@ -254,40 +289,51 @@ class Supervisor:
                 dropped += self.tiers.host_drop(block_hash, form)
         self.replicas.update_pool_metrics()
         c.timing(reply)
-        self.publisher.ack(c.epoch, reply.committed_seq)
+        publisher.ack(c.epoch, reply.committed_seq)
         c.in_contact()
         self.metrics.resumes.inc()
         self.log.info("resumed", worker_id=self.worker_id, epoch=c.epoch, kept=reply.kept, dropped=dropped,
-                      held=len(held), seconds=round(time.perf_counter() - t0, 3))
+                      held=len(held), seconds=round(time.perf_counter() - t0, 3),
+                      **({"shard": link.shard} if sharded else {}))
         return True
 
-    async def _heartbeat(self) -> None:
-        assert self.client is not None and self.publisher is not None and self.store is not None
-        c = self.contact
+    async def _heartbeat(self, link: ShardLink) -> None:
+        assert self.store is not None
+        c, client, publisher = link.contact, link.client, link.publisher
         try:
             running, queued = self.load_probe()
-            reply = await c.call("heartbeat", self.client.heartbeat(Heartbeat(
+            reply = await c.call("heartbeat", client.heartbeat(Heartbeat(
                 worker_id=self.worker_id, epoch=c.epoch, ready=self.store.ready_counts(),
                 running=running, queued=queued, cache=self.metrics.cache_counters(),
                 device=self.device, dtype=self.dtype, cache_dtype=self.cache_dtype)))
         except (CoordinatorUnavailable, CoordinatorRefused):
             return
-        self.publisher.ack(c.epoch, reply.committed_seq)
+        publisher.ack(c.epoch, reply.committed_seq)
         if c.suspect or c.away_since:
             # NOTE: the coordinator answers for this epoch and never suspended it: it was slow or
             # briefly unreachable, not gone; our replicas are still its replicas.
             self.log.info("coordinator answers again; same epoch", epoch=c.epoch, after=c.suspect or c.reason)
             c.in_contact()
-        if c.outbox_full and self.publisher.depth <= self.publisher.capacity // 2:
+        if c.outbox_full and publisher.depth <= publisher.capacity // 2:
             c.outbox_drained()
             self.log.info("outbox drained; reuse resumes", epoch=c.epoch)
 
     # --- coordinator → worker -------------------------------------------------------------
 
-    async def on_inventory(self, req: InventoryRequest) -> InventoryReply:
+    def _link(self, shard: int) -> tuple[Contact, TransitionPublisher | None, int | None]:
+        """Shard ``shard``'s contact and outbox, and the shard whose blocks it hears of (None: all)."""
+        if self.links is None or not self.links.sharded:
+            return self.contact, self.publisher, None
+        link = self.links.links[shard]
+        return link.contact, link.publisher, shard
+
+    async def on_inventory(self, req: InventoryRequest, shard: int = 0) -> InventoryReply:
         """What we hold (items, or with ``req.digests`` every replica digest grouped by location,
-        whole: the transport pages it), or, for a disk check, the verdicts on ``req.disk``."""
-        epoch = max(1, self.contact.epoch)
+        whole: the transport pages it), or, for a disk check, the verdicts on ``req.disk``; of the
+        asking shard's chains where the ledger is sharded."""
+        contact, publisher, of_shard = self._link(shard)
+        mine = self.replicas.mine(of_shard)
+        epoch = max(1, contact.epoch)
         if req.disk:
             root = self.tiers.disk_root
             if root is None or not self.tiers.disk_available():
@@ -318,10 +364,9 @@ class Supervisor:
                 return InventoryReply(worker_id=self.worker_id, epoch=epoch, disk_tier=False)
             return InventoryReply(worker_id=self.worker_id, epoch=epoch, disk_tier=True, disk_checked=checked,
                                   disk_missing=missing, disk_damaged=damaged)
-        emitted = self.publisher.outbox.next_seq - 1 \
-            if self.publisher is not None and self.publisher.outbox is not None else 0
+        emitted = publisher.outbox.next_seq - 1 if publisher is not None and publisher.outbox is not None else 0
         if req.digests:
-            held = sorted((loc, d) for d, (loc, *_) in self.replicas.inventory_digests().items())
+            held = sorted((loc, d) for d, (loc, *_) in self.replicas.inventory_digests(of_shard).items())
             counts: dict[str, int] = {}
             for loc, _ in held:
                 counts[loc] = counts.get(loc, 0) + 1
@@ -330,19 +375,24 @@ class Supervisor:
         items: list[InventoryItem] = []
         if self.store is not None:
             items += [InventoryItem(block_hash=m.block_hash, form=f, location=self.gpu, generation=m.generation,
-                                    state=R.READY, checksum=m.checksum) for f, _, m in self.store.items()]
+                                    state=R.READY, checksum=m.checksum) for f, _, m in self.store.items()
+                      if mine(m.block_hash)]
         items += [InventoryItem(block_hash=m.block_hash, form=m.form, location=self.host_location, generation=0,
-                                state=R.READY, checksum=m.checksum) for m in self.tiers.host_items()]
+                                state=R.READY, checksum=m.checksum) for m in self.tiers.host_items()
+                  if mine(m.block_hash)]
         return InventoryReply(worker_id=self.worker_id, epoch=epoch, items=items, emitted_seq=emitted)
 
-    async def on_control(self, msg: Control) -> ControlAck:
+    async def on_control(self, msg: Control, shard: int = 0) -> ControlAck:
         """Apply a coordinator decision locally (the ledger already records it: no transitions).
 
         An invalidation drops the block's bytes wherever this worker holds them, blocks queued for
         the disk writer included; a copy of them whose transition is already on its way is refused
         by the ledger (the invalidation retired its EVICTED source), so neither side keeps it."""
         affected = 0
+        mine = self.replicas.mine(self._link(shard)[2])
         if msg.action == "drain":
+            for link in self.links or ():
+                link.contact.draining = True
             self.contact.draining = True
             affected = self._active_sessions()
         elif msg.action == "invalidate_blocks":
@@ -355,6 +405,8 @@ class Supervisor:
             self.replicas.update_pool_metrics()
         elif msg.action in ("evict", "invalidate_block", "invalidate_namespace"):
             def hit(m: BlockMeta) -> bool:
+                if not mine(m.block_hash):
+                    return False        # another shard's: it decides its own blocks
                 if msg.action == "invalidate_namespace":
                     return m.namespace == msg.namespace
                 return not msg.block_hash or m.block_hash == msg.block_hash
@@ -476,18 +528,16 @@ class Supervisor:
         # while a copy it can come from is known (here, the host replica), and until the disk
         # replica is READY the host one is what a reader has.
         timeout_s = self.cfg.nats.request_timeout_ms / 1000
-        if blocks and self.publisher is not None and not await self.publisher.wait_empty(timeout_s):
+        if blocks and not await self.links.outboxes_empty(timeout_s):
             self._defer_host_evictions(len(blocks), "the victims' offloads are not committed yet")
             blocks = []
         for i in range(0, len(blocks), MAX_HOST_EVICT_BLOCKS):
             chunk = blocks[i:i + MAX_HOST_EVICT_BLOCKS]
             try:
-                reply = await self.contact.call("host_evict", self.client.host_evict(HostEvict(
-                    worker_id=self.worker_id, epoch=max(1, self.contact.epoch), blocks=chunk)))
+                pinned = await self.replicas.ask_evict(chunk)
             except (CoordinatorRefused, CoordinatorUnavailable) as e:
                 self._defer_host_evictions(len(blocks) - i, type(e).__name__)
                 break
-            pinned = {(b.block_hash, b.form) for b in reply.pinned}
             for b in chunk:
                 meta = by_key[(b.block_hash, b.form)]
                 if (b.block_hash, b.form) in pinned:
@@ -531,14 +581,8 @@ class Supervisor:
                 break
             blocks = list(dict.fromkeys(DiskBlock(block_hash=m.block_hash, form=m.form) for m in metas))
             try:
-                pinned = False
-                for i in range(0, len(blocks), MAX_DISK_GC_BLOCKS):
-                    reply = await self.contact.call("disk_gc", self.client.disk_gc(DiskGc(
-                        worker_id=self.worker_id, epoch=max(1, self.contact.epoch),
-                        blocks=blocks[i:i + MAX_DISK_GC_BLOCKS])))
-                    if reply.pinned:
-                        pinned = True
-                        break
+                assert self.links is not None
+                pinned = await self.links.disk_pinned(self.worker_id, blocks)
             except (CoordinatorRefused, CoordinatorUnavailable) as e:
                 self.metrics.disk_gc.labels(outcome="no_coordinator").inc()
                 self.log.warning("disk gc deferred: the coordinator did not decide", error=type(e).__name__)

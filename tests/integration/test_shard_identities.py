@@ -56,8 +56,12 @@ def test_shard_coordinator_identities() -> None:
     for ident in (Identity("coordinator"), nats_auth.worker("w0"), nats_auth.gateway("g0"), Identity("observer")):
         assert nats_auth.permissions(ident, SUBJECTS, 1) == nats_auth.permissions(ident, SUBJECTS)
     two = nats_auth.permissions(nats_auth.worker("w0"), SUBJECTS, 2)
+    b = map_bucket(SUBJECTS.prefix)
+    # each shard's subjects, and reading the shard map (a worker routes its leases by it), not writing it
     assert two["publish"]["allow"] == [f"{SUBJECTS.prefix}.req.w0.*", f"{SUBJECTS.prefix}.events.w0",
-                                       f"{S1.prefix}.req.w0.*", f"{S1.prefix}.events.w0"]
+                                       f"{S1.prefix}.req.w0.*", f"{S1.prefix}.events.w0",
+                                       f"$JS.API.STREAM.INFO.KV_{b}", f"$JS.API.DIRECT.GET.KV_{b}.>",
+                                       f"$JS.API.STREAM.MSG.GET.KV_{b}"]
 
 
 async def _tries(srv: EmbeddedNats, store: CredentialStore, ident: Identity, *, pub: list[str] = (),

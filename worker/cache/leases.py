@@ -17,6 +17,8 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+import msgspec
+
 from shared import tracing
 from shared.messages import ErrorCode, LeaseAcquire, LeaseGrant, LeaseRelease, LeaseRenew
 from worker.client import CoordinatorRefused, CoordinatorUnavailable
@@ -56,8 +58,25 @@ class LeaseHolder:
         ports.metrics.prefix_wait_seconds.observe(time.perf_counter() - t0)
         self._spent("prefix_wait", t0)
 
+    async def _rerouted(self, hashes: list[str]) -> bool:
+        """After a ``wrong_shard`` refusal (the shard map moved under this worker): read the map
+        again and take the ports of the chain's shard by it. True if that is another shard whose
+        epoch may lease now (the lease is asked once more, there). A session holding a lease stays
+        on its shard: its commits and their watermark are that shard's."""
+        ports = self.ports
+        if ports.shards is None or self.leases:
+            return False
+        await ports.shards.refresh()
+        moved = ports.for_chain(hashes)
+        if moved.contact is ports.contact or moved.contact.degraded:
+            return False
+        self.ports, self.epoch = moved, moved.contact.epoch
+        return True
+
     async def _acquire(self, hashes: list[str], *, write: bool, reuse: bool) -> LeaseGrant | None:
         ports = self.ports
+        if ports.shards is not None:
+            ports.shards.note(hashes)           # the root of every block a commit may name
         msg = LeaseAcquire(worker_id=ports.ctx.worker_id, epoch=self.epoch, request_id=f"r{id(self) & 0xffffff:x}",
                            namespace=ports.ctx.namespace, tenant=self.tenant, block_hashes=hashes,
                            write_forms=list(ports.ctx.catalogue.names) if write else [], reuse=reuse,
@@ -70,9 +89,12 @@ class LeaseHolder:
                 try:
                     grant = await ports.contact.call("acquire", ports.leases.acquire(msg))
                 except CoordinatorRefused as err:
+                    if err.code is ErrorCode.WRONG_SHARD and await self._rerouted(hashes):
+                        ports = self.ports
+                        msg = msgspec.structs.replace(msg, epoch=self.epoch, ttl_ms=ports.contact.lease_ttl_ms)
                     # NOTE: suspended = a coordinator took over and has not heard from us yet; the
                     # engine resumes at once (milliseconds), far cheaper than recomputing the prompt.
-                    if err.code is not ErrorCode.SUSPENDED or not await ports.contact.wait_resumed(RESUME_WAIT_S):
+                    elif err.code is not ErrorCode.SUSPENDED or not await ports.contact.wait_resumed(RESUME_WAIT_S):
                         raise
                     grant = await ports.contact.call("acquire", ports.leases.acquire(msg))
             except CoordinatorRefused as err:

@@ -271,6 +271,7 @@ class Session(HitFinder, LeaseHolder):
         ports = self.ports
         if not self.hashes:
             return  # shorter than a block: nothing to reuse or cache
+        self.ports = ports = ports.for_chain(self.hashes)     # its shard's, where the ledger is sharded
         if ports.contact.degraded:
             self.degraded = True
             self.fallback("degraded")
@@ -509,12 +510,11 @@ class Session(HitFinder, LeaseHolder):
         if (not ports.ctx.cache_enabled or state is None or ports.contact.degraded or ports.contact.draining
                 or not ports.runner.stepper.fused):
             return
-        if not self._leased_prompt:
+        first_lease = not self._leased_prompt
+        if first_lease:
             if self.hashes or self.degraded:
-                return                  # the opening lease was refused or never asked: leave it
-            self.epoch = ports.contact.epoch        # a prompt shorter than a block: this is its first lease
-        if self.epoch != ports.contact.epoch:
-            return
+                return              # the opening lease was refused or never asked: leave it
+            self.epoch = ports.contact.epoch
         first, full = len(self.tokens) // self.bs, state.completed_blocks
         if full <= first:
             return
@@ -522,6 +522,13 @@ class Session(HitFinder, LeaseHolder):
         tokens = (self.tokens + self.fed)[:full * self.bs]
         hashes = chain_hashes(tokens, self.bs, ports.ctx.namespace, ports.salt(self.tenant), self._image_keys)
         assert hashes[:len(self.hashes)] == self.hashes
+        if first_lease:             # a prompt shorter than a block: this is its first lease, on its shard
+            self.ports = ports = ports.for_chain(hashes)
+            if ports.contact.degraded or ports.contact.draining:
+                return
+            self.epoch = ports.contact.epoch
+        if self.epoch != ports.contact.epoch:
+            return
         grant = await self._acquire(hashes, write=True, reuse=False)
         if grant is None:
             return

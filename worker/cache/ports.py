@@ -11,14 +11,17 @@
   outbox (``worker.cache.replicas``, ``worker.publisher``), the store and tiers, the prefix
   claims (``worker.inflight``), metrics and the log.
 
-The engine builds one :class:`CachePorts` and hands it to every request.
+The engine builds one :class:`CachePorts` and hands it to every request. Where the ledger is
+sharded (``worker.shard_links``), a request takes the ports of its chain's shard
+(:meth:`CachePorts.for_chain`: that shard's lease client, standing and outbox) once it knows its
+chain; unsharded, those are the engine's own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from shared.forms import FormCatalogue
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
     from worker.metrics import WorkerMetrics
     from worker.model import CausalLM
     from worker.publisher import TransitionPublisher
+    from worker.shard_links import ShardLinks
     from worker.stepper import Stepper
 
 T = TypeVar("T")
@@ -114,6 +118,19 @@ class CachePorts:
     background: Callable[[Coroutine[Any, Any, None]], None]
     #: Closed requests whose leases are released in the background (their leases still pin).
     releasing: set
+    #: Every shard's link where the ledger is sharded (None: one coordinator, the ports' own).
+    shards: ShardLinks | None = None
+
+    def for_chain(self, hashes: list[str]) -> CachePorts:
+        """The ports a request on this chain uses: its shard's lease client, standing and outbox
+        (these very ports unless the ledger is sharded)."""
+        shards = self.shards
+        if shards is None or not shards.sharded or not hashes:
+            return self
+        link = shards.for_chain(hashes)
+        if link.contact is self.contact:
+            return self
+        return replace(self, contact=link.contact, leases=link.client, outbox=link.publisher)
 
     @property
     def resume_grid(self) -> int:

@@ -42,8 +42,23 @@ from worker.client import CoordinatorClient, CoordinatorRefused, CoordinatorUnav
 from worker.contact import Contact
 from worker.metrics import WorkerMetrics
 from worker.publisher import OutboxFull, TransitionPublisher
+from worker.shard_links import ShardLinks
 
 R = ReplicaState
+
+
+class _Unsettled:
+    """One shard's transitions kept until its watermark settles them (see on_watermark): copies to
+    the host tier (seq → (block, form), and the newest seq of each) and GPU commits (seq → (form,
+    block, generation)), all of one epoch."""
+
+    __slots__ = ("commits", "epoch", "offer_of", "offers")
+
+    def __init__(self) -> None:
+        self.offers: dict[int, tuple[str, str]] = {}
+        self.offer_of: dict[tuple[str, str], int] = {}
+        self.commits: dict[int, tuple[str, str, int]] = {}
+        self.epoch = 0
 
 
 class ReplicaWriter:
@@ -54,10 +69,12 @@ class ReplicaWriter:
                  block_size: int, model_id: str, slots: dict[str, int], offload_threshold: float,
                  leases: Callable[[], Iterable[LeaseGrant]],
                  background: Callable[[Coroutine[Any, Any, None]], None],
-                 running: Callable[[], bool]) -> None:
+                 running: Callable[[], bool], links: ShardLinks | None = None) -> None:
         self.contact = contact
         self.client = client
         self.publisher = publisher
+        #: Every shard's link where the ledger is sharded (None or one link: this one coordinator).
+        self.links = links if links is not None and links.sharded else None
         self.store = store
         self.tiers = tiers
         self.metrics = metrics
@@ -78,24 +95,41 @@ class ReplicaWriter:
         self.spill_due = asyncio.Event()
         #: GPU replicas (block, form, generation) the threshold copied down a tier already.
         self.backed: dict[tuple[str, str, int], None] = {}
-        #: Copies to the host tier not yet settled by a watermark: seq → (block, form), the
-        #: newest seq of each (block, form), and the epoch they belong to (see on_watermark).
-        self.offers: dict[int, tuple[str, str]] = {}
-        self.offer_of: dict[tuple[str, str], int] = {}
-        self.offers_epoch = 0
-        #: GPU commits not yet settled by a watermark (same epoch): seq → (form, block, generation).
-        self.commits: dict[int, tuple[str, str, int]] = {}
+        #: Per shard: copies to the host tier and GPU commits not yet settled by a watermark.
+        self.unsettled: dict[int, _Unsettled] = {}
         #: Forms whose full pool refused granted writes, and how many, while make_room runs.
         self.making_room: dict[str, int] = {}
 
     # --- transitions ----------------------------------------------------------------------
 
+    @property
+    def commits(self) -> list[tuple[str, str, int]]:
+        """GPU commits not yet settled by a watermark, every shard's: (form, block, generation)."""
+        return [c for u in self.unsettled.values() for c in u.commits.values()]
+
+    @property
+    def offers(self) -> list[tuple[str, str]]:
+        """Copies to the host tier not yet settled by a watermark, every shard's: (block, form)."""
+        return [key for u in self.unsettled.values() for key in u.offers.values()]
+
+    def _route(self, block_hash: str) -> tuple[Contact, TransitionPublisher | None, int] | None:
+        """The contact and outbox a transition on ``block_hash`` goes through, and their shard
+        (None: sharded, and the block's chain is not known here: nothing can be said of it)."""
+        if self.links is None:
+            return self.contact, self.publisher, 0
+        link = self.links.for_block(block_hash)
+        return None if link is None else (link.contact, link.publisher, link.shard)
+
     def emit(self, meta: BlockMeta, location: str, frm: ReplicaState | None, to: ReplicaState, generation: int,
              *, kind: str, lease_id: str = "", reason: str = "", checksum: str | None = None) -> int:
         """Queue one transition for the ledger; returns its seq (0 if none could be queued)."""
-        if not self.contact.registered or self.publisher is None:
+        route = self._route(meta.block_hash)
+        if route is None:
             return 0
-        epoch, wid = self.contact.epoch, self.worker_id
+        contact, publisher, _ = route
+        if not contact.registered or publisher is None:
+            return 0
+        epoch, wid = contact.epoch, self.worker_id
 
         def make(seq: int) -> TransitionEvent:
             return TransitionEvent(
@@ -107,9 +141,9 @@ class ReplicaWriter:
                 ts_ms=now_ms())
 
         try:
-            ev = self.publisher.emit(make)
+            ev = publisher.emit(make)
         except OutboxFull:
-            self.contact.outbox_overflow()
+            contact.outbox_overflow()
             return 0
         self.metrics.count_transition(kind)
         return ev.seq
@@ -119,9 +153,10 @@ class ReplicaWriter:
         a slot reserved earlier that already holds the bytes (a disk reload read into it), or a
         host-tier entry's memoryview."""
         assert self.store is not None
-        if self.publisher is not None and self.publisher.full:
+        route = self._route(meta.block_hash)
+        if route is not None and route[1] is not None and route[1].full:
             # NOTE: no slot without its commit event: the ledger must hear of every READY slot.
-            self.contact.outbox_overflow()
+            route[0].outbox_overflow()
             if isinstance(data, Reservation):
                 self.store.release(data)
             return 0
@@ -145,8 +180,7 @@ class ReplicaWriter:
         """The commit of a slot just filled, kept until a watermark settles it (see on_watermark)."""
         seq = self.emit(full, self.gpu, R.ALLOCATED, R.READY, full.generation, kind="commit", lease_id=lease_id)
         if seq:
-            self._unsettled()
-            self.commits[seq] = (full.form, full.block_hash, full.generation)
+            self._unsettled(full.block_hash).commits[seq] = (full.form, full.block_hash, full.generation)
         return seq
 
     def committed(self) -> None:
@@ -191,14 +225,46 @@ class ReplicaWriter:
         store = self.store
         return store is not None and any(store.lookup(f, block_hash) is not None for f in forms)
 
-    def inventory_digests(self) -> dict[bytes, tuple[str, str, str, int]]:
-        """What this worker holds on its GPU and host tier, by :func:`replica_digest`:
-        ``digest → (location, form, block_hash, generation)``."""
+    def mine(self, shard: int | None) -> Callable[[str], bool]:
+        """Whether a block is shard ``shard``'s to hear of (every block: ``None``, or one shard).
+        A block whose chain is not known here is every shard's: none may list it unseen."""
+        if shard is None or self.links is None:
+            return lambda _: True
+        links = self.links
+        return lambda block_hash: links.shard_of_block(block_hash) in (shard, None)
+
+    def held_blocks(self) -> set[str]:
+        """Every block this worker holds bytes of, on its GPU or host tier."""
+        out = {m.block_hash for _, _, m in self.store.items()} if self.store is not None else set()
+        out.update(m.block_hash for m in self.tiers.host_items())
+        return out
+
+    def drop_shard(self, shard: int) -> tuple[int, int]:
+        """Drop the GPU and host copies of shard ``shard``'s blocks (its epoch was fenced): how
+        many of each. Unsharded, every copy."""
+        if self.links is None:
+            return (self.store.clear() if self.store is not None else 0), self.tiers.host_clear()
+        mine = self.mine(shard)
+        gpu = 0
+        if self.store is not None:
+            for form, _, m in list(self.store.items()):
+                if mine(m.block_hash):
+                    gpu += self.store.drop(form, m.block_hash, m.generation) is not None
+        host = sum(self.tiers.host_drop(m.block_hash, m.form) for m in list(self.tiers.host_items())
+                   if mine(m.block_hash))
+        return gpu, host
+
+    def inventory_digests(self, shard: int | None = None) -> dict[bytes, tuple[str, str, str, int]]:
+        """What this worker holds on its GPU and host tier (of shard ``shard``'s chains, if given),
+        by :func:`replica_digest`: ``digest → (location, form, block_hash, generation)``."""
+        mine = self.mine(shard)
         rows: list[tuple[str, str, str, int, str]] = []
         if self.store is not None:
-            rows.extend((m.block_hash, f, self.gpu, m.generation, m.checksum) for f, _, m in self.store.items())
+            rows.extend((m.block_hash, f, self.gpu, m.generation, m.checksum) for f, _, m in self.store.items()
+                        if mine(m.block_hash))
         # host copies are offloaded as generation 0 (see offload)
-        rows.extend((m.block_hash, m.form, self.host_location, 0, m.checksum) for m in self.tiers.host_items())
+        rows.extend((m.block_hash, m.form, self.host_location, 0, m.checksum) for m in self.tiers.host_items()
+                    if mine(m.block_hash))
         return {d: (loc, f, h, gen) for d, (h, f, loc, gen, _) in zip(replica_digests(rows), rows)}
 
     def drop_block(self, block_hash: str, gens: dict[str, int] | None) -> int:
@@ -278,9 +344,8 @@ class ReplicaWriter:
                 if not victims:
                     break
                 try:
-                    reply = await self.contact.call("host_evict", self.client.host_evict(HostEvict(
-                        worker_id=self.worker_id, epoch=max(1, self.contact.epoch), tier="gpu",
-                        blocks=[DiskBlock(block_hash=v.block_hash, form=v.form) for v in victims])))
+                    pinned_keys = await self.ask_evict(
+                        [DiskBlock(block_hash=v.block_hash, form=v.form) for v in victims], tier="gpu")
                 except (CoordinatorRefused, CoordinatorUnavailable) as e:
                     # asked again later (or by the next refused write): a lost answer may have evicted
                     # them in the ledger, and until the worker asks again it holds what the ledger does not list
@@ -289,7 +354,7 @@ class ReplicaWriter:
                                      form=form, error=type(e).__name__, retry_s=self.tiers.retry_s)
                     asyncio.get_running_loop().call_later(self.tiers.retry_s, self.want_room, form, need)
                     return
-                pinned = {b.block_hash for b in reply.pinned}
+                pinned = {h for h, _ in pinned_keys}
                 for v in victims:
                     if v.block_hash in pinned:
                         self.metrics.pool_room.labels(outcome="pinned").inc()
@@ -305,6 +370,18 @@ class ReplicaWriter:
             self.update_pool_metrics()
         finally:
             self.making_room.pop(form, None)
+
+    async def ask_evict(self, blocks: list[DiskBlock], **how: Any) -> set[tuple[str, str]]:
+        """Ask the ledger to evict these replicas of this worker (``HostEvict``; ``how``: its tier),
+        each of the shard deciding its block; the (block, form) of those a live lease pins. Raises
+        :class:`CoordinatorRefused` / :class:`CoordinatorUnavailable` (nothing decided is lost:
+        a repeated question about an evicted replica is answered "not pinned")."""
+        assert self.client is not None
+        if self.links is None:
+            reply = await self.contact.call("host_evict", self.client.host_evict(HostEvict(
+                worker_id=self.worker_id, epoch=max(1, self.contact.epoch), blocks=blocks, **how)))
+            return {(b.block_hash, b.form) for b in reply.pinned}
+        return await self.links.ask_evict(self.worker_id, blocks, **how)
 
     # --- down a tier ----------------------------------------------------------------------
 
@@ -363,22 +440,30 @@ class ReplicaWriter:
             for key in [k for k in self.backed if k not in live]:
                 del self.backed[key]
 
-    def _unsettled(self) -> None:
-        """Before keeping a transition until a watermark settles it: what an older epoch kept
-        is forgotten (its watermarks no longer come)."""
-        if self.offers_epoch != self.contact.epoch:
-            self.offers.clear()
-            self.offer_of.clear()
-            self.commits.clear()
-            self.offers_epoch = self.contact.epoch
+    def _unsettled(self, block_hash: str) -> _Unsettled:
+        """What the shard of ``block_hash`` keeps until a watermark settles it (a transition on it
+        was just queued, so its route is known); what an older epoch kept is forgotten (its
+        watermarks no longer come)."""
+        route = self._route(block_hash)
+        assert route is not None
+        contact, _, shard = route
+        u = self.unsettled.get(shard)
+        if u is None:
+            u = self.unsettled[shard] = _Unsettled()
+        if u.epoch != contact.epoch:
+            u.offers.clear()
+            u.offer_of.clear()
+            u.commits.clear()
+            u.epoch = contact.epoch
+        return u
 
     def _host_offer(self, seq: int, key: tuple[str, str]) -> None:
         """A copy to the host tier went out as transition ``seq``; kept until a watermark settles it."""
-        self._unsettled()
-        self.offers[seq] = key
-        self.offer_of[key] = seq
+        u = self._unsettled(key[0])
+        u.offers[seq] = key
+        u.offer_of[key] = seq
 
-    def on_watermark(self, wm: CommitWatermark) -> None:
+    def on_watermark(self, wm: CommitWatermark, shard: int = 0) -> None:
         """The ledger's commit watermark: the outbox drops what it covers, and bytes whose
         transition the ledger refused go too, for the ledger does not list them:
 
@@ -391,11 +476,13 @@ class ReplicaWriter:
         NOTE: a refused commit's slot is one the ledger counts free; kept, it was bytes no grant
         would ever pin (never read) but that the audit reports as ``unknown_to_ledger``, and a
         pool fuller than the ledger thinks (``make_room`` found it only once the pool ran out)."""
-        assert self.publisher is not None
-        self.publisher.on_watermark(wm)
-        if wm.epoch != self.offers_epoch:
+        publisher = self.publisher if self.links is None else self.links.links[shard].publisher
+        assert publisher is not None
+        publisher.on_watermark(wm)
+        u = self.unsettled.get(shard)
+        if u is None or wm.epoch != u.epoch:
             return
-        offers, offer_of, commits = self.offers, self.offer_of, self.commits
+        offers, offer_of, commits = u.offers, u.offer_of, u.commits
         dropped = 0
         for seq in wm.refused:
             key = offers.pop(seq, None)
