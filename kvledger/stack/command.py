@@ -11,8 +11,11 @@ from kvledger.stack.supervisor import Stack
 def add_arguments(p: Any) -> None:
     p.add_argument("--workers", "-n", type=int, default=1, help="number of workers (default 1)")
     p.add_argument("--coordinators", type=int, default=1, metavar="N",
-                   help="coordinator processes, 1 to 3 (default 1): the first leads, the others are hot "
-                        "standbys on the next admin ports")
+                   help="coordinator processes per ledger shard, 1 to 3 (default 1): the first leads, the others "
+                        "are hot standbys on the next admin ports")
+    p.add_argument("--shards", type=int, default=None, metavar="N",
+                   help="ledger shards, 1 to 16 (default: coordinator.shards, 1): each its own coordinators, "
+                        "database and stream, the first start storing the shard map (embedded PostgreSQL only)")
     p.add_argument("--coordinator-port", type=int, default=None,
                    help="admin API port (default: coordinator.port, 8321; 0 = any free port)")
     p.add_argument("--worker-base-port", type=int, default=None,
@@ -54,9 +57,13 @@ def cmd_up(args: Any) -> int:
     if not args.restart_window > 0:
         raise SystemExit("kvledger up: --restart-window must be > 0 seconds")
     cfg = load_config(getattr(args, "config", None))
-    if cfg.coordinator.shards > 1:
-        raise SystemExit(f"kvledger up runs one ledger shard, and coordinator.shards is {cfg.coordinator.shards}: "
-                         "run each shard's coordinators yourself (docs/operations.md, \"A sharded ledger\")")
+    shards = cfg.coordinator.shards if getattr(args, "shards", None) is None else args.shards
+    if not 1 <= shards <= 16:
+        raise SystemExit("kvledger up: --shards must be 1 to 16")
+    if shards > 1 and (cfg.database.url or args.pg_standby or cfg.database.standby):
+        raise SystemExit(f"kvledger up runs {shards} ledger shards on the embedded PostgreSQL (a database each), "
+                         "without a standby; with database.url or a standby, run each shard's coordinators yourself "
+                         "(docs/operations.md, \"A sharded ledger\")")
     if args.gateways is not None and not 1 <= args.gateways <= 16:
         raise SystemExit("kvledger up: --gateways must be 1 to 16 (or --no-gateway for none)")
     if (args.nats_cluster or 1) > 1 and cfg.nats.url:
@@ -68,5 +75,5 @@ def cmd_up(args: Any) -> int:
                         start_timeout_s=args.start_timeout, echo_logs=not args.quiet,
                         max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                         nats_cluster=args.nats_cluster,
-                        pg_standby=args.pg_standby or cfg.database.standby)
+                        pg_standby=args.pg_standby or cfg.database.standby, shards=shards)
     return Stack(cfg, opts).run()

@@ -44,3 +44,5 @@ class StackOptions:
     restart_backoff_max_s: float = 10.0
     #: A streaming standby of the embedded PostgreSQL (``kvledger.pg_failover``).
     pg_standby: bool = False
+    #: Ledger shards (``coordinator.shards``): each runs ``coordinators`` processes on a database of its own.
+    shards: int = 1

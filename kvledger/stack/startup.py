@@ -75,12 +75,12 @@ class StartupSteps:
 
     def _coordinator_ports(self, host: str) -> list[int]:
         """The admin ports: coordinator.port (or --coordinator-port) and the next ones for the
-        standbys; with 0, distinct free ports."""
+        standbys, then each further shard's; with 0, distinct free ports."""
         from shared.embedded import free_port
 
         first = self.cfg.coordinator.port if self.opts.coordinator_port is None else self.opts.coordinator_port
         ports: list[int] = []
-        for i in range(self.opts.coordinators):
+        for i in range(self.opts.coordinators * self.opts.shards):
             port = free_port(host) if first == 0 else first + i
             while first == 0 and port in ports:
                 port = free_port(host)
@@ -108,7 +108,8 @@ class StartupSteps:
             workers = [nats_auth.worker(wid) for wid in self.worker_ids]
             if self.opts.gateway:
                 workers += [nats_auth.gateway(gid) for gid in self.gateway_ids]
-            nats_config = str(self.credentials.write_server_config(workers, Subjects(cfg.nats.subject_prefix)))
+            nats_config = str(self.credentials.write_server_config(workers, Subjects(cfg.nats.subject_prefix),
+                                                                   shards=self.opts.shards))
         size = cfg.nats.cluster_size if self.opts.nats_cluster is None else self.opts.nats_cluster
         # NOTE: a NATS cluster (shared.nats_cluster) starts first and is handed over as the NATS URL
         cluster = NatsCluster(self.state_dir / "nats", size, config_file=nats_config) \
@@ -167,24 +168,35 @@ class StartupSteps:
         from coordinator.log.migrate import upgrade
         from coordinator.log.postgres import PgSettings, create_engine, describe
         from coordinator.log.roles import RoleError, ensure_login_role, with_credentials
+        from kvledger.stack.shard_databases import ensure_database, shard_database, with_database
 
         owner_url = self.cfg.database.owner_url or self.services.database_url
         embedded = not self.cfg.database.url
 
-        async def go() -> str:
-            engine = create_engine(PgSettings.from_config(owner_url, self.cfg.database,
+        async def migrate(url: str) -> str:
+            engine = create_engine(PgSettings.from_config(url, self.cfg.database,
                                                           application_name="kvledger-up-migrate",
                                                           tls=None if embedded else self.cfg.tls))
             try:
-                rev = await upgrade(engine, "head")
+                return await upgrade(engine, "head")
             finally:
                 await engine.dispose()
+
+        async def go() -> str:
+            rev = await migrate(owner_url)
             if embedded:
                 password = self._coordinator_password()
                 await ensure_login_role(owner_url, self.COORDINATOR_ROLE, password)
                 # with a standby: both servers, the one accepting writes is used (kvledger.pg_failover)
                 url = self.pg_failover.url(self.services.database_url) if self.pg_failover else self.services.database_url
                 self._coordinator_database_url = with_credentials(url, self.COORDINATOR_ROLE, password)
+                # shard k ≥ 1: a database of its own on the same server, migrated likewise
+                self._shard_database_urls = [self._coordinator_database_url]
+                for k in range(1, self.opts.shards):
+                    shard_owner_url = await ensure_database(owner_url, shard_database(owner_url, k))
+                    await migrate(shard_owner_url)
+                    self._shard_database_urls.append(with_credentials(
+                        with_database(url, shard_database(url, k)), self.COORDINATOR_ROLE, password))
             return rev
 
         try:
@@ -213,6 +225,8 @@ class StartupSteps:
         # The coordinators' own role where `_migrate` made one (embedded PostgreSQL), else the configured URL.
         env["KVL_DATABASE_URL"] = getattr(self, "_coordinator_database_url", "") or self.services.database_url
         env["KVL_NATS_URL"] = self.services.nats_url
+        if self.opts.shards > 1:
+            env["KVL_COORDINATOR__SHARDS"] = str(self.opts.shards)
         if self.services.postgres is not None and self.cfg.tls.ca_file:
             # the embedded PostgreSQL (pgserver's build) speaks no TLS; it listens on loopback only
             env["KVL_DATABASE__TLS"] = "false"
@@ -247,10 +261,15 @@ class StartupSteps:
         """The first until its ``/readyz`` is 200: it takes the leader lock, so that the stack comes
         up with a known leader. Then the standbys, each until its ``/healthz`` answers (their
         ``/readyz`` stays 503 ``standby`` while the first leads)."""
-        for i, port in enumerate(ports):
-            name = "coordinator" if i == 0 else f"coordinator-{i + 1}"
+        per_shard = self.opts.coordinators
+        for n, port in enumerate(ports):
+            k, i = divmod(n, per_shard)
+            base = "coordinator" if k == 0 else f"coordinator-s{k}"
+            name = base if i == 0 else f"{base}-{i + 1}"
             argv = [self.python, "-m", "coordinator", "--host", host, "--port", str(port)]
-            c = self._spawn(name, argv, self._child_env(**self._identity_env(nats_auth.Identity("coordinator"))),
+            # shard k: its identity (its subjects only) and its own database; shard 0 as unsharded
+            shard = {"KVL_COORDINATOR__SHARD": str(k), "KVL_DATABASE_URL": self._shard_database_urls[k]} if k else {}
+            c = self._spawn(name, argv, self._child_env(**self._identity_env(nats_auth.coordinator(k)), **shard),
                             COLOURS[0])
             c.url = f"{http_scheme(self.cfg.tls)}://{host}:{port}"
             self.coordinators.append(c)

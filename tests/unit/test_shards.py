@@ -220,18 +220,19 @@ def test_a_follower_takes_only_a_newer_map_of_its_deployments_shape() -> None:
     assert "coordinator.shard_partitions" in accepts(None, ShardMap.uniform(2, 32), 2, 16)
 
 
-def test_kvledger_up_refuses_a_sharded_config_in_one_line(tmp_path) -> None:
-    """`kvledger up` starts one shard's coordinators only: with coordinator.shards > 1 it would leave
-    the other shards' chains unleased, so it says so and starts nothing."""
+def test_kvledger_up_refuses_a_sharded_config_on_a_configured_database_in_one_line(tmp_path) -> None:
+    """`kvledger up --shards N` gives each shard a database of its own on the embedded PostgreSQL;
+    with database.url configured it cannot, so it says so and starts nothing."""
     import subprocess
     import sys
 
     import yaml
 
     conf = tmp_path / "kvledger.yaml"
-    conf.write_text(yaml.safe_dump({"coordinator": {"shards": 2}, "state_dir": str(tmp_path / "state")}))
+    conf.write_text(yaml.safe_dump({"coordinator": {"shards": 2}, "state_dir": str(tmp_path / "state"),
+                                    "database": {"url": "postgresql://kvl@127.0.0.1:1/kvl"}}))
     out = subprocess.run([sys.executable, "-m", "kvledger", "--config", str(conf), "up", "--no-gateway"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
-    assert "kvledger up runs one ledger shard, and coordinator.shards is 2" in out.stderr
+    assert "kvledger up runs 2 ledger shards on the embedded PostgreSQL" in out.stderr
     assert not (tmp_path / "state").exists()
