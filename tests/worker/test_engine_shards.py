@@ -10,6 +10,7 @@ chain's shard, a takeover or fence on one shard handled there only, each shard's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -135,5 +136,38 @@ async def test_a_fence_on_one_shard_drops_only_that_shards_blocks(sharded) -> No
         r0 = await e.generate(by_shard[0][0], max_tokens=1)
         assert r0.cached_tokens == 3 * BS, "shard 0's blocks stay"
         assert await e.flush(timeout=10)
+        for twin in twins:
+            await assert_clean(twin)
+
+
+class StoredMap:
+    """The stored shard map as the worker reads it (``shared.shard_store.ShardMapReader.newer``)."""
+
+    def __init__(self, stored: ShardMap) -> None:
+        self.stored = stored
+
+    async def newer(self, held: ShardMap) -> ShardMap:
+        return self.stored if self.stored.version > held.version else held
+
+
+async def test_a_lease_refused_wrong_shard_rereads_the_map_and_asks_the_new_owner(sharded) -> None:
+    async with sharded() as (e, twins):
+        for t in e.supervisor.tasks:        # the map is not followed meanwhile: only the refusal makes it read
+            if t.get_name() == "kvl-shard-map":
+                t.cancel()
+        p = prompts_by_shard(e, per_shard=1)[1][0]
+        hashes = chain_hashes(p, BS, e.namespace, e.salt("default"))
+        part = MAP.partition(e.namespace, hashes[0])
+        moved = MAP.freeze(part, 0).open(part)          # a cold move of its (empty) partition to shard 0
+        for twin in twins:
+            twin.state.params = dataclasses.replace(twin.state.params, shard_map=moved)
+        e.links.reader = StoredMap(moved)
+        r = await e.generate(p, max_tokens=1)
+        assert not r.fallbacks and e.links.map.version == 3
+        assert e.metrics.value("kvl_worker_lease_errors_total", {"op": "acquire", "code": "wrong_shard"}) == 1
+        assert await e.flush(timeout=10)
+        assert set(hashes) <= ready_blocks(twins[0]) and not ready_blocks(twins[1])
+        again = await e.generate(p, max_tokens=1)
+        assert again.cached_tokens == 3 * BS
         for twin in twins:
             await assert_clean(twin)
