@@ -58,7 +58,7 @@ from shared.http_limits import handler_args
 from shared.images import ImageLimits, PromptImage, image_block_keys
 from shared.logging import get_logger
 from shared.shard_store import ShardMapReader
-from shared.shards import ShardMap, shard_subjects
+from shared.shards import ShardMap, shard_of, shard_subjects
 from shared.subjects import Subjects
 from shared.tenant_header import SIGNATURE_HEADER, TENANT_HEADER, sign
 from shared.tenants import Tenant, TenantDirectory, salt_secret, tenant_salt
@@ -314,7 +314,7 @@ class Gateway:
                     affinity = hashes[0]
                     if self.g.route_inflight_prefixes:
                         hashes_of.update((w.worker_id, hashes) for w in ws)
-                    shard = self.shard_map.owner(ns, hashes[0]) if self.shard_map is not None else 0
+                    shard = shard_of(self.shard_map, ns, hashes) or 0    # the workers' rule
                     asks.append(self._ask(m.RouteQuery(gateway_id=self.g.gateway_id, namespace=ns,
                                                        block_hashes=hashes), self.g.route_timeout_ms / 1000, shard))
             # one fleet, one model: await the one query itself (no task for a gather of one)
