@@ -54,16 +54,20 @@ class ShardedCluster(Cluster):
 
     def start_shards(self) -> None:
         for k in (0, 1):
-            doc = self.base()
-            doc["database"]["url"] = self.urls[k]
-            doc["coordinator"].update(shard=k, port=self.ports[k])
-            doc["state_dir"] = str(self.tmp / f"shard{k}-state")
-            cfg = self._write(f"shard{k}", doc)
-            p = Proc(f"shard{k}", [sys.executable, "-m", "coordinator", "--config", str(cfg)],
-                     self.tmp / f"shard{k}.log", self._env())
-            self.procs.append(p)
-            self.shard_procs.append(p)
+            self.shard_procs.append(self.start_shard(k))
         self.coordinator = self.shard_procs[0]
+
+    def start_shard(self, k: int) -> Proc:
+        """Shard ``k``'s coordinator (again, after it died: same config, port and log)."""
+        doc = self.base()
+        doc["database"]["url"] = self.urls[k]
+        doc["coordinator"].update(shard=k, port=self.ports[k])
+        doc["state_dir"] = str(self.tmp / f"shard{k}-state")
+        cfg = self._write(f"shard{k}", doc)
+        p = Proc(f"shard{k}", [sys.executable, "-m", "coordinator", "--config", str(cfg)],
+                 self.tmp / f"shard{k}.log", self._env())
+        self.procs.append(p)
+        return p
 
     async def wait_shards(self, timeout: float = 60) -> None:
         for k, port in enumerate(self.ports):
@@ -95,6 +99,21 @@ async def sharded(tmp_path, database_url, other_database_url, nats_url, subjects
         await c.close()
 
 
+def prompts_by_shard(namespace: str, per_shard: int) -> dict[int, list[list[int]]]:
+    """``per_shard`` prompts of three whole blocks whose chains each shard owns (by the static map)."""
+    salt = tenant_salt(DEFAULT_TENANT_SECRET, "default")
+    shard_map = ShardMap.uniform(2, PARTITIONS)
+    by_shard: dict[int, list[list[int]]] = {0: [], 1: []}
+    seed = 500
+    while min(len(v) for v in by_shard.values()) < per_shard:
+        p = prompt(3 * BS + 7, seed)
+        seed += 1
+        k = shard_of(shard_map, namespace, chain_hashes(p, BS, namespace, salt))
+        if len(by_shard[k]) < per_shard:
+            by_shard[k].append(p)
+    return by_shard
+
+
 async def _fleet_audit(bases: list[str]) -> tuple[int, str]:
     """``kvledger audit --shard-url …`` (the CLI, a process of its own; the workers' inventories checked)."""
     args = [sys.executable, "-m", "kvledger", "audit", "--json"]
@@ -121,15 +140,7 @@ async def test_a_worker_serves_chains_of_both_shards_and_reuses_each_on_its_own(
     assert w0["pool_slots"] == w1["pool_slots"] == half
     ns = w0["namespace"]
     salt = tenant_salt(DEFAULT_TENANT_SECRET, "default")
-    shard_map = ShardMap.uniform(2, PARTITIONS)
-    by_shard: dict[int, list[list[int]]] = {0: [], 1: []}
-    seed = 500
-    while min(len(v) for v in by_shard.values()) < 2:
-        p = prompt(3 * BS + 7, seed)
-        seed += 1
-        k = shard_of(shard_map, ns, chain_hashes(p, BS, ns, salt))
-        if len(by_shard[k]) < 2:
-            by_shard[k].append(p)
+    by_shard = prompts_by_shard(ns, 2)
 
     first: dict[tuple[int, ...], dict[str, Any]] = {}
     for ps in by_shard.values():
@@ -155,3 +166,39 @@ async def test_a_worker_serves_chains_of_both_shards_and_reuses_each_on_its_own(
         assert report["shard"]["foreign"]["count"] == 0
     code, out = await _fleet_audit([f"http://127.0.0.1:{p}" for p in c.ports])
     assert code == 0, out
+
+
+async def test_a_shard_coordinator_restarted_suspends_and_resumes_only_that_shards_epoch(
+        sharded: ShardedCluster) -> None:
+    c = sharded
+    c.start_shards()
+    c.start_worker("wa", cache={"host_tier_bytes": 0, "offload_dir": ""}, worker={"pool_bytes": 16 * 2**20})
+    await c.wait_shards()
+    await c.wait_worker("wa")
+    (w0,) = (await c.on(0, "GET", "/v1/workers"))["workers"]
+    by_shard = prompts_by_shard(w0["namespace"], 1)
+    for k in (0, 1):
+        assert (await c.generate("wa", by_shard[k][0], max_tokens=1))["cached_tokens"] == 0
+    assert await c.flush("wa")
+    # shard 1's only coordinator killed and started again: its new leader replays the log and
+    # suspends every epoch it finds; shard 0 sees nothing of it
+    c.shard_procs[1].kill()
+    c.shard_procs[1] = c.start_shard(1)
+    await c.wait_shards()
+    for _ in range(100):    # the worker resumes shard 1's epoch (its inventory of shard 1's chains)
+        (w1,) = (await c.on(1, "GET", "/v1/workers"))["workers"]
+        if not w1["suspended"]:
+            break
+        await asyncio.sleep(0.1)
+    assert (w1["epoch"], w1["suspended"]) == (1, False), w1
+    (w0,) = (await c.on(0, "GET", "/v1/workers"))["workers"]
+    assert (w0["epoch"], w0["suspended"]) == (1, False), w0
+    for k in (0, 1):        # both shards' chains still served from the cache, on the same epochs
+        r = await c.generate("wa", by_shard[k][0], max_tokens=1)
+        assert r["cached_tokens"] == 3 * BS and r["epoch"] == 1, (k, r["fallbacks"])
+    assert await c.flush("wa")
+    metrics = await c.debug("wa", "metrics")
+    assert next(x for x in metrics.splitlines() if x.startswith("kvl_worker_resumes_total")).split()[-1] == "1.0"
+    for k in (0, 1):
+        report = await c.on(k, "POST", "/v1/audit", {"replay_from": "empty", "check_workers": True})
+        assert report["ok"] and not report["drift"], report
