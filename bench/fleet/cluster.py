@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -28,7 +29,6 @@ from shared.shards import ShardMap, map_bucket, shard_subjects
 
 
 def log(msg: str) -> None:
-    import time
     print(f"[bench.fleet {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
@@ -95,10 +95,19 @@ class DriverProc:
         return self.popen.pid
 
     async def _readline(self, timeout_s: float) -> str:
+        """The driver's next line; an error naming its exit status if it ends first (its stdout
+        pipe may be held open by no one else, but a reader blocked on it is not told why)."""
         assert self.popen.stdout is not None
-        line = await asyncio.wait_for(asyncio.to_thread(self.popen.stdout.readline), timeout_s)
+        pending = asyncio.ensure_future(asyncio.to_thread(self.popen.stdout.readline))
+        deadline = time.monotonic() + timeout_s
+        while not pending.done():
+            await asyncio.wait([pending], timeout=0.5)
+            if not pending.done() and (self.popen.poll() is not None or time.monotonic() > deadline):
+                pending.cancel()
+                raise RuntimeError(f"driver {self.pid}: no answer (exit status {self.popen.poll()}):\n{self.tail()}")
+        line = pending.result()
         if not line:
-            raise RuntimeError(f"driver {self.pid} exited ({self.popen.poll()}):\n{self.tail()}")
+            raise RuntimeError(f"driver {self.pid} exited ({self.popen.wait(5)}):\n{self.tail()}")
         return line.decode().strip()
 
     async def expect(self, word: str, timeout_s: float) -> None:

@@ -70,6 +70,7 @@ async def drive(spec: dict[str, Any]) -> None:
     print("ready", flush=True)
     start = copy.deepcopy(tally)
     while (cmd := await _line()) != "exit":
+        print(f"driver {spec['first']}: {cmd or 'end of input'}", file=sys.stderr, flush=True)
         if cmd == "go":
             start = copy.deepcopy(tally)
         elif cmd == "mark":
@@ -91,7 +92,10 @@ async def drive(spec: dict[str, Any]) -> None:
 
 
 def main(spec_json: str) -> None:
+    import faulthandler
+
     from shared.logging import configure_logging
+    faulthandler.enable()       # a crash says where, in the driver's log
     configure_logging("json", "warning")
     asyncio.run(drive(json.loads(spec_json)))
 
