@@ -58,6 +58,7 @@ fuzz: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.model --quick
 	$(PY) -m bench.coordinator --quick
+	$(PY) -m bench.fleet --quick
 
 # The CUDA path (kernels compiled for the GPU, bench.kernels, bench.model on cuda): one JSON line.
 gpu-check: $(STAMP)

@@ -31,13 +31,21 @@ counts too) and this process. Keys, per N:
 * ``scaling_efficiency_shards<N>`` — leases per CPU-second at N over at one shard (goal ≥ 0.9:
   adding shards costs no CPU per lease, so on more cores the fleet scales; on a 2-core machine
   leases/s cannot grow with N, CPU per lease is the honest measure);
+* ``…_ledger_shards<N>``: the same of the coordinators', PostgreSQL's and NATS's CPU only (what a
+  deployment's ledger machines pay; the workers' share runs on the GPU hosts);
+* ``idle_cpu_ms_per_s_shards<N>`` — the joined fleet's CPU per second before any turn (counted
+  for ``--idle`` s: heartbeats, workers × shards a second, and the coordinators' timers), and
+  ``…_beyond_idle_shards<N>``: CPU per lease and efficiency without it;
+* ``append_txs_per_lease_shards<N>``, ``append_events_per_tx_shards<N>`` — the coordinators'
+  group commits (their ``/metrics``): how much a shard's smaller share of the load batches less;
 * ``wrong_shard_shards<N>`` (must be 0: a refusal means the routing is wrong), ``errors_shards<N>``,
   ``hottest_shard_share_shards<N>`` (the busiest shard's leases over an even share: hot roots),
   ``reuse_share_shards<N>`` (blocks read from cache over blocks read or written).
   ``run_wrong_shard`` and ``run_errors`` count the whole run, warm-up and wind-down included.
 
-    python -m bench.fleet            # 1, 2, 4 shards; 200 workers; 10 s warm-up + 30 s each (~3 min)
-    python -m bench.fleet --quick    # 16 workers, 1 driver; 2 s + 4 s each
+    python -m bench.fleet            # 1, 2, 4 shards; 200 workers; 5 s idle, 10 s warm-up, 30 s counted each (~2.5 min)
+    python -m bench.fleet --quick    # 16 workers, 1 driver; 2 s + 2 s + 4 s each (~10 s a round)
+    python -m bench.fleet --workers-per-shard 100   # the fleet grows with the shards (100, 200, 400)
 
 Services: ``--database-url``/``--nats-url`` (default ``$KVL_DATABASE_URL``/``$KVL_NATS_URL``), else
 embedded PostgreSQL and NATS. Progress and a table go to stderr; the last line on stdout is one

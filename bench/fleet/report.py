@@ -7,6 +7,8 @@ from typing import Any
 #: Roles whose CPU is counted, in the table's order (``bench.proc_cpu.stack_cpu`` roles, the
 #: coordinators and drivers summed over their processes).
 ROLES = ("coordinators", "drivers", "postgres", "nats", "bench")
+#: The ledger's own machines' share (what a deployment sizes): not the workers' (the drivers here).
+LEDGER = ("coordinators", "postgres", "nats")
 
 
 def round_keys(r: dict[str, Any]) -> dict[str, Any]:
@@ -24,6 +26,8 @@ def round_keys(r: dict[str, Any]) -> dict[str, Any]:
         f"leases_per_cpu_s_shards{n}": round(leases / cpu, 1) if cpu else None,
         **{f"cpu_us_per_lease_shards{n}_{role}": round(1e6 * r["cpu_s"].get(role, 0.0) / leases, 1) if leases else None
            for role in ROLES},
+        f"cpu_us_per_lease_ledger_shards{n}": round(1e6 * sum(r["cpu_s"].get(k, 0.0) for k in LEDGER) / leases, 1)
+        if leases else None,
         f"idle_cpu_ms_per_s_shards{n}": round(1000 * idle, 1),
         f"idle_cpu_ms_per_s_by_role_shards{n}": {k: round(1000 * v, 1) for k, v in r["idle_cpu_s_per_s"].items()},
         f"cpu_us_per_lease_beyond_idle_shards{n}": round(1e6 * marginal / leases, 1) if leases else None,
@@ -46,7 +50,8 @@ def round_keys(r: dict[str, Any]) -> dict[str, Any]:
 def fleet_keys(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Every round's keys, and ``scaling_efficiency_shards<N>``: leases per CPU-second at N shards
     over the same at one shard (needs a one-shard round; 1.0 for it); ``…_beyond_idle``: the same
-    of the CPU beyond the idle fleet's (heartbeats and timers, paid per second, not per lease)."""
+    of the CPU beyond the idle fleet's (heartbeats and timers, paid per second, not per lease);
+    ``…_ledger``: of the coordinators', PostgreSQL's and NATS's CPU only (not the workers')."""
     out: dict[str, Any] = {}
     for r in rounds:
         out.update(round_keys(r))
@@ -59,6 +64,9 @@ def fleet_keys(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         one, this = out.get("cpu_us_per_lease_beyond_idle_shards1"), out.get(f"cpu_us_per_lease_beyond_idle_shards{n}")
         if one and this and this > 0:
             out[f"scaling_efficiency_beyond_idle_shards{n}"] = round(one / this, 3)
+        one, this = out.get("cpu_us_per_lease_ledger_shards1"), out.get(f"cpu_us_per_lease_ledger_shards{n}")
+        if one and this:
+            out[f"scaling_efficiency_ledger_shards{n}"] = round(one / this, 3)
     return out
 
 

@@ -30,7 +30,8 @@ def test_bench_fleet_quick_drives_one_and_two_shards_routing_every_lease_to_its_
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for n in (1, 2):
         for key in ("leases_per_s", "cpu_us_per_lease", "scaling_efficiency", "leases_per_cpu_s",
-                    "cpu_us_per_lease_beyond_idle", "idle_cpu_ms_per_s", "append_txs_per_lease"):
+                    "cpu_us_per_lease_beyond_idle", "idle_cpu_ms_per_s", "append_txs_per_lease",
+                    "cpu_us_per_lease_ledger", "scaling_efficiency_ledger"):
             assert isinstance(result[f"{key}_shards{n}"], (int, float)) and result[f"{key}_shards{n}"] > 0, key
         for role in ("coordinators", "drivers", "postgres", "nats"):
             assert result[f"cpu_us_per_lease_shards{n}_{role}"] > 0, role

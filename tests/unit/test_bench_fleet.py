@@ -69,6 +69,8 @@ def test_scaling_efficiency_is_leases_per_cpu_second_against_one_shard() -> None
     assert keys["cpu_us_per_lease_shards2"] == 1250 and keys["scaling_efficiency_shards2"] == 0.8
     assert keys["scaling_efficiency_shards4"] == pytest.approx(6000 / 12 / 1000, abs=1e-3)
     assert keys["cpu_us_per_lease_shards1_coordinators"] == 500
+    # the ledger's share: coordinators, postgres and nats (3/4 of the CPU here), not the drivers
+    assert keys["cpu_us_per_lease_ledger_shards1"] == 750 and keys["scaling_efficiency_ledger_shards2"] == 0.8
     # beyond idle: (10 − 0.05 × 10) / 10,000 at one shard, (10 − 0.1 × 10) / 8,000 at two
     assert keys["cpu_us_per_lease_beyond_idle_shards1"] == 950 and keys["cpu_us_per_lease_beyond_idle_shards2"] == 1125
     assert keys["scaling_efficiency_beyond_idle_shards2"] == round(950 / 1125, 3)
