@@ -23,8 +23,10 @@ from types import ModuleType
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_linear.cpp")
 #: Compiled as one unit, in this order: the product (with the vector ops and the thread pool),
-#: attention (``cpu_attention.cpp``, which uses them), the Python bindings.
-SOURCES = (SOURCE, SOURCE.with_name("cpu_attention.cpp"), SOURCE.with_name("bindings.cpp"))
+#: attention (``cpu_attention.cpp``, which uses them), a layer's small ops (``cpu_layer.cpp``,
+#: :mod:`kernels.layer_ops`), the Python bindings.
+SOURCES = (SOURCE, SOURCE.with_name("cpu_attention.cpp"), SOURCE.with_name("cpu_layer.cpp"),
+           SOURCE.with_name("bindings.cpp"))
 #: NOTE: no -ffast-math (it would let the compiler reassociate the reduction), and no contraction
 #: of a multiply and an add into an FMA the source did not write.
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c++17")

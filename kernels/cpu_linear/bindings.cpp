@@ -6,6 +6,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "in one fixed order (cpu_attention.cpp)", py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("rows"),
         py::arg("pos"), py::arg("key_lo"), py::arg("window"), py::arg("scale"), py::arg("threads") = 0,
         py::call_guard<py::gil_scoped_release>());
+  m.def("attention_cached", &attention_cached, "attention() over per-request K/V buffers, the new rows written "
+        "into them first (cpu_attention.cpp)", py::arg("q"), py::arg("k"), py::arg("v"), py::arg("kbufs"),
+        py::arg("vbufs"), py::arg("layer"), py::arg("start"), py::arg("rows"), py::arg("pos"), py::arg("key_lo"),
+        py::arg("window"), py::arg("scale"), py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>());
+  m.def("cast_rms_norm", &cast_rms_norm, "CastRMSNorm with torch's bits (cpu_layer.cpp); lanes: ATen's float vector width",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("lanes"), py::call_guard<py::gil_scoped_release>());
+  m.def("rope", &rope, "x*cos + rotate_half(x)*sin with torch's bits (cpu_layer.cpp)", py::arg("x"), py::arg("cos"),
+        py::arg("sin"), py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up, ATen's silu on the vector path", py::arg("gate"), py::arg("up"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("set_threads", &set_threads);
   m.def("get_threads", &get_threads);
   m.def("isa", &isa);

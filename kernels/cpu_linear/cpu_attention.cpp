@@ -375,36 +375,15 @@ void attend_tile(const TQ* const* qrows, int R, const Segment& s, const int64_t*
 
 }  // namespace
 
-// q [N, H, D]; keys[s], values[s] [L_s, kvh, D] holding positions key_lo[s] .. key_lo[s] + L_s - 1;
-// rows[s] .. rows[s + 1] are segment s's query rows, at positions pos [N]. Returns float32 [N, H, D].
-torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
-                        std::vector<int64_t> rows, torch::Tensor pos, std::vector<int64_t> key_lo, int64_t window,
-                        double scale, int64_t threads) {
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3, "cpu_attention: q [N, H, D] on the CPU");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "cpu_attention: float32 or bfloat16");
-  const int64_t S = static_cast<int64_t>(keys.size());
-  TORCH_CHECK(static_cast<int64_t>(values.size()) == S && static_cast<int64_t>(key_lo.size()) == S &&
-              static_cast<int64_t>(rows.size()) == S + 1, "cpu_attention: one keys/values/key_lo per segment, S+1 row bounds");
-  q = q.contiguous();
-  pos = pos.to(at::kLong).contiguous();
+namespace {
+
+// attention's arithmetic over segments already resolved to where their K/V lie (q contiguous,
+// pos contiguous int64; every query's keys checked to lie in its segment by the caller).
+torch::Tensor attend_segments(const torch::Tensor& q, const std::vector<Segment>& segs, int64_t kvh, bool wide,
+                              const std::vector<int64_t>& rows, const torch::Tensor& pos, int64_t window,
+                              double scale, int64_t threads) {
+  const int64_t S = static_cast<int64_t>(segs.size());
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
-  TORCH_CHECK(pos.numel() == N && rows[0] == 0 && rows[S] == N, "cpu_attention: rows and positions cover q");
-  std::vector<Segment> segs(static_cast<size_t>(S));
-  int64_t kvh = 0;
-  const bool wide = S > 0 && keys[0].scalar_type() == at::kFloat;
-  for (int64_t s = 0; s < S; ++s) {
-    const auto& k = keys[s];
-    const auto& v = values[s];
-    TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.strides() == v.strides() && k.size(2) == D &&
-                k.stride(2) == 1 && k.stride(1) == D && k.device().is_cpu(),
-                "cpu_attention: keys and values [L, kvh, D], rows of kvh * D contiguous elements");
-    TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat) == wide &&
-                (wide || k.scalar_type() == at::kBFloat16), "cpu_attention: K/V all float32 or all bfloat16");
-    kvh = s == 0 ? k.size(1) : kvh;
-    TORCH_CHECK(k.size(1) == kvh && kvh > 0 && H % kvh == 0, "cpu_attention: H a multiple of the kv heads");
-    TORCH_CHECK(rows[s] <= rows[s + 1], "cpu_attention: row bounds in order");
-    segs[s] = {k.data_ptr(), v.data_ptr(), k.stride(0), key_lo[s], k.size(0)};
-  }
   auto out = torch::empty({N, H, D}, q.options().dtype(at::kFloat));
   if (N == 0) return out;
   const int64_t* P = pos.data_ptr<int64_t>();
@@ -474,4 +453,94 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> keys, std::v
     pool()->run(items, item);
   }
   return out;
+}
+
+}  // namespace
+
+// q [N, H, D]; keys[s], values[s] [L_s, kvh, D] holding positions key_lo[s] .. key_lo[s] + L_s - 1;
+// rows[s] .. rows[s + 1] are segment s's query rows, at positions pos [N]. Returns float32 [N, H, D].
+torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
+                        std::vector<int64_t> rows, torch::Tensor pos, std::vector<int64_t> key_lo, int64_t window,
+                        double scale, int64_t threads) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3, "cpu_attention: q [N, H, D] on the CPU");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "cpu_attention: float32 or bfloat16");
+  const int64_t S = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(static_cast<int64_t>(values.size()) == S && static_cast<int64_t>(key_lo.size()) == S &&
+              static_cast<int64_t>(rows.size()) == S + 1, "cpu_attention: one keys/values/key_lo per segment, S+1 row bounds");
+  q = q.contiguous();
+  pos = pos.to(at::kLong).contiguous();
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(pos.numel() == N && rows[0] == 0 && rows[S] == N, "cpu_attention: rows and positions cover q");
+  std::vector<Segment> segs(static_cast<size_t>(S));
+  int64_t kvh = 0;
+  const bool wide = S > 0 && keys[0].scalar_type() == at::kFloat;
+  for (int64_t s = 0; s < S; ++s) {
+    const auto& k = keys[s];
+    const auto& v = values[s];
+    TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.strides() == v.strides() && k.size(2) == D &&
+                k.stride(2) == 1 && k.stride(1) == D && k.device().is_cpu(),
+                "cpu_attention: keys and values [L, kvh, D], rows of kvh * D contiguous elements");
+    TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat) == wide &&
+                (wide || k.scalar_type() == at::kBFloat16), "cpu_attention: K/V all float32 or all bfloat16");
+    kvh = s == 0 ? k.size(1) : kvh;
+    TORCH_CHECK(k.size(1) == kvh && kvh > 0 && H % kvh == 0, "cpu_attention: H a multiple of the kv heads");
+    TORCH_CHECK(rows[s] <= rows[s + 1], "cpu_attention: row bounds in order");
+    segs[s] = {k.data_ptr(), v.data_ptr(), k.stride(0), key_lo[s], k.size(0)};
+  }
+  return attend_segments(q, segs, S > 0 ? kvh : 1, wide, rows, pos, window, scale, threads);
+}
+
+// attention() for segments whose K/V live in per-request buffers [layers, capacity, kvh, D]
+// (worker.model.dense.state.DenseState): first segment s's new rows k/v [rows[s], rows[s + 1])
+// are copied into its buffers at layer `layer`, positions start[s] on (what DenseState.write
+// does), then its queries read that layer's positions key_lo[s] .. start[s] + its row count - 1
+// in place. One call per layer for the whole batch, where a Python loop over the segments cost
+// ~30 us each per layer; the arithmetic is attention()'s own.
+torch::Tensor attention_cached(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> kbufs,
+                               std::vector<torch::Tensor> vbufs, int64_t layer, std::vector<int64_t> start,
+                               std::vector<int64_t> rows, torch::Tensor pos, std::vector<int64_t> key_lo,
+                               int64_t window, double scale, int64_t threads) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3, "cpu_attention: q [N, H, D] on the CPU");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "cpu_attention: float32 or bfloat16");
+  const int64_t S = static_cast<int64_t>(kbufs.size());
+  TORCH_CHECK(static_cast<int64_t>(vbufs.size()) == S && static_cast<int64_t>(start.size()) == S &&
+              static_cast<int64_t>(key_lo.size()) == S && static_cast<int64_t>(rows.size()) == S + 1,
+              "cpu_attention: one buffer pair, start and key_lo per segment, S+1 row bounds");
+  q = q.contiguous();
+  pos = pos.to(at::kLong).contiguous();
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(pos.numel() == N && rows[0] == 0 && rows[S] == N, "cpu_attention: rows and positions cover q");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == N && k.size(2) == D,
+              "cpu_attention: new k and v [N, kvh, D]");
+  const int64_t kvh = k.size(1);
+  TORCH_CHECK(kvh > 0 && H % kvh == 0, "cpu_attention: H a multiple of the kv heads");
+  // each new row's kvh * D elements contiguous (rows may be strided: views of a fused product)
+  if (!(k.stride(2) == 1 && k.stride(1) == D)) k = k.contiguous();
+  if (!(v.stride(2) == 1 && v.stride(1) == D)) v = v.contiguous();
+  const auto dt = k.scalar_type();
+  TORCH_CHECK(v.scalar_type() == dt && (dt == at::kFloat || dt == at::kBFloat16), "cpu_attention: K/V float32 or bfloat16");
+  const int64_t row = kvh * D, esize = k.element_size();
+  std::vector<Segment> segs(static_cast<size_t>(S));
+  for (int64_t s = 0; s < S; ++s) {
+    const auto& kb = kbufs[s];
+    const auto& vb = vbufs[s];
+    TORCH_CHECK(kb.dim() == 4 && vb.sizes() == kb.sizes() && kb.is_contiguous() && vb.is_contiguous() &&
+                kb.scalar_type() == dt && vb.scalar_type() == dt && kb.size(2) == kvh && kb.size(3) == D &&
+                kb.device().is_cpu() && vb.device().is_cpu(),
+                "cpu_attention: buffers [layers, capacity, kvh, D], contiguous, of the new rows' dtype");
+    const int64_t n = rows[s + 1] - rows[s];
+    TORCH_CHECK(rows[s] <= rows[s + 1] && layer >= 0 && layer < kb.size(0) && start[s] >= 0 &&
+                start[s] + n <= kb.size(1) && key_lo[s] >= 0 && key_lo[s] <= start[s],
+                "cpu_attention: a segment's rows outside its buffers");
+    char* kl = static_cast<char*>(kb.data_ptr()) + (layer * kb.size(1)) * row * esize;
+    char* vl = static_cast<char*>(vb.data_ptr()) + (layer * vb.size(1)) * row * esize;
+    const char* ks = static_cast<const char*>(k.data_ptr());
+    const char* vs = static_cast<const char*>(v.data_ptr());
+    for (int64_t i = 0; i < n; ++i) {
+      std::memcpy(kl + (start[s] + i) * row * esize, ks + (rows[s] + i) * k.stride(0) * esize, row * esize);
+      std::memcpy(vl + (start[s] + i) * row * esize, vs + (rows[s] + i) * v.stride(0) * esize, row * esize);
+    }
+    segs[s] = {kl + key_lo[s] * row * esize, vl + key_lo[s] * row * esize, row, key_lo[s], start[s] + n - key_lo[s]};
+  }
+  return attend_segments(q, segs, kvh, dt == at::kFloat, rows, pos, window, scale, threads);
 }

@@ -118,3 +118,40 @@ def test_a_query_outside_its_keys_is_refused():
 def test_the_fingerprint_names_the_attention_arithmetic():
     assert f":attention-{inv.attention_path()}" in inv.compute_fingerprint()
     assert inv.attention_path().startswith("compiled-")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 20])
+def test_attention_over_buffers_writes_the_rows_and_gives_the_same_bits_as_a_write_then_attention(dtype, window):
+    """``attention_cached``: each segment's new rows land in its buffers (a decode row, a prompt
+    piece, strided new rows as a fused product gives them), and the output equals writing them
+    then calling :func:`attention` on the buffers' rows (the dense family's two paths)."""
+    layers, cap, H, kvh, D = 3, 96, 6, 2, 24
+    g = torch.Generator().manual_seed(4)
+    lengths = [40, 61, 7]              # rows each request held before this forward
+    news = [1, 5, 1]                   # rows each adds now
+    bufs = [tuple(torch.randn(layers, cap, kvh, D, generator=g).to(dtype) for _ in range(2)) for _ in lengths]
+    before = [(k.clone(), v.clone()) for k, v in bufs]
+    N = sum(news)
+    q = torch.randn(N, H, D, generator=g).to(dtype)
+    wide = torch.randn(N, 3 * kvh * D, generator=g).to(dtype)
+    k_new, v_new = wide[:, :kvh * D].view(N, kvh, D), wide[:, kvh * D:2 * kvh * D].view(N, kvh, D)
+    bounds = [0, *torch.tensor(news).cumsum(0).tolist()]
+    positions = torch.cat([torch.arange(n0, n0 + n) for n0, n in zip(lengths, news)])
+    los = [max(0, n0 - window + 1) if window else 0 for n0 in lengths]
+    layer = 1
+    out = inv.attention_cached(q, k_new, v_new, bufs, layer, lengths, bounds, positions, los, window, 0.2)
+    kv = []
+    for s, ((k0, v0), n0, n) in enumerate(zip(before, lengths, news)):
+        k0[layer, n0:n0 + n] = k_new[bounds[s]:bounds[s + 1]]
+        v0[layer, n0:n0 + n] = v_new[bounds[s]:bounds[s + 1]]
+        assert torch.equal(bufs[s][0], k0) and torch.equal(bufs[s][1], v0)   # only the new rows changed
+        kv.append((k0[layer, los[s]:n0 + n], v0[layer, los[s]:n0 + n]))
+    assert torch.equal(out, inv.attention(q, kv, bounds, positions, los, window, 0.2))
+
+
+def test_attention_over_buffers_refuses_rows_past_a_buffer():
+    k, v = torch.zeros(2, 16, 1, 8), torch.zeros(2, 16, 1, 8)
+    q, new = torch.zeros(1, 1, 8), torch.zeros(1, 1, 8)
+    with pytest.raises(RuntimeError, match="outside its buffers"):
+        inv.attention_cached(q, new, new, [(k, v)], 0, [16], [0, 1], torch.tensor([16]), [0], 0, 1.0)

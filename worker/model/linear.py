@@ -39,14 +39,14 @@ class Fused:
         self._w: torch.Tensor | None = None
         self._b: torch.Tensor | None = None
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | list[torch.Tensor]:
         if not (self.fusable and compiled_serves(x, self.parts[0].weight)):
             return [p(x) for p in self.parts]
         if self._key != self._state():
             self._join()
         # NOTE: views into one product's rows (strided): elementwise ops give the same bits on them;
         # a caller that reduces over one (a q/k norm) makes it contiguous first
-        return list(linear(x, self._w, self._b).split(self.sizes, -1))
+        return linear(x, self._w, self._b).split_with_sizes(self.sizes, -1)
 
     def _state(self) -> tuple:
         return tuple((t.data_ptr(), t._version, t.dtype, t.device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.invariant import pointwise
+from kernels.layer_ops import cast_rms_norm
 
 
 def as_float32(x: torch.Tensor) -> torch.Tensor:
@@ -62,8 +62,8 @@ class RMSNorm(nn.Module):
 class CastRMSNorm(nn.Module):
     """transformers' ``LlamaRMSNorm``: normalise in float32, cast back to the input's dtype, then
     the weight (in the weight's dtype) — the dense and YOCO families' norm and the vision
-    encoder's; ``rsqrt`` through ``kernels.invariant.pointwise`` (a row's bits do not depend on
-    how many rows are normalised together)."""
+    encoder's (``kernels.layer_ops.cast_rms_norm``: one compiled call with the torch expression's
+    bits, whose row's bits do not depend on how many rows are normalised together)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -71,6 +71,4 @@ class CastRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * pointwise(torch.rsqrt, xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return cast_rms_norm(x, self.weight, self.eps)

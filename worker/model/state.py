@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -105,6 +105,9 @@ class Batch:
 
     segments: tuple[Segment, ...]
     positions: torch.Tensor  # int64 [rows], every segment's positions in order
+    #: What a family computes once per forward and reads in every layer (e.g. the dense family's
+    #: K/V buffers and row bounds for ``kernels.invariant.attention_cached``).
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def rows(self) -> int:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels.invariant import KEY_CHUNK, attention, attention_serves, pointwise
+from kernels.invariant import KEY_CHUNK, attention, attention_cached, attention_serves
+from kernels.layer_ops import rope, silu_mul
 from worker.model.dense.attention import attend
 from worker.model.dense.config import DenseConfig, rope_inv_freq
 from worker.model.dense.state import DenseState, dense_form_layouts
@@ -32,10 +32,24 @@ from worker.model.vision import VisionEncoder
 
 def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Non-interleaved RoPE (transformers' ``rotate_half``): ``x·cos + [−x₂, x₁]·sin``;
-    ``x`` ``[N, heads, D]``, cos/sin ``[N, D]``."""
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * cos.unsqueeze(1) + rot * sin.unsqueeze(1)
+    ``x`` ``[N, heads, D]``, cos/sin ``[N, D]`` (``kernels.layer_ops.rope``: one compiled call
+    with the torch expression's bits)."""
+    return rope(x, cos, sin)
+
+
+def _in_place(batch: Batch, dtype: torch.dtype) -> tuple[list, list[int], list[int]] | None:
+    """The batch's K/V buffers, span starts and row bounds, where every request's state keeps
+    its rows in ``dtype`` in place (``DenseState.buffers_for``); else None. Once per forward."""
+    key = ("dense_in_place", dtype)
+    if key not in batch.memo:
+        bufs = [getattr(g.state, "buffers_for", _none)(dtype) for g in batch.segments]
+        batch.memo[key] = None if any(b is None for b in bufs) else (
+            bufs, [g.span.start for g in batch.segments], [g.rows.start for g in batch.segments] + [batch.rows])
+    return batch.memo[key]
+
+
+def _none(_dtype: torch.dtype) -> None:
+    return None
 
 
 class RopeTable:
@@ -78,10 +92,17 @@ class DenseAttention(nn.Module):
             # contiguous first: a reduction over a strided view may take another path through torch
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
-        for seg in batch.segments:
-            seg.state.write(self.layer, seg.span.start, k[seg.rows], v[seg.rows])
         segs = batch.segments
         los = [max(0, g.span.start - self.window + 1) if self.window else 0 for g in segs]
+        if attention_serves(q, k):
+            plan = _in_place(batch, k.dtype)
+            if plan is not None:
+                # every request's new rows written into its buffers and attended there, in one call
+                o = attention_cached(q, k, v, plan[0], self.layer, plan[1], plan[2], batch.positions, los,
+                                     self.window, self.scale)
+                return self.o_proj(o.to(q.dtype).reshape(N, -1))
+        for seg in segs:
+            seg.state.write(self.layer, seg.span.start, k[seg.rows], v[seg.rows])
         kv = [g.state.keys(self.layer, lo, g.span.end) for g, lo in zip(segs, los)]
         if attention_serves(q, kv[0][0]):
             # every request's rows over its own K/V where they lie, in one call (kernels.invariant)
@@ -129,7 +150,7 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        return self.down_proj(pointwise(F.silu, gate) * up)
+        return self.down_proj(silu_mul(gate, up))
 
 
 class DenseLayer(nn.Module):

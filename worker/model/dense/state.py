@@ -81,6 +81,13 @@ class DenseState(CacheState):
         self._k[layer, start:start + k.shape[0]] = k
         self._v[layer, start:start + v.shape[0]] = v
 
+    def buffers_for(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The K and V buffers, where a kernel may write rows of ``dtype`` into them and read them in
+        place with no other step (:meth:`write` rounds nothing and :meth:`keys` casts nothing); else None."""
+        if self._round is None and self.buffer_dtype == self.compute_dtype == dtype:
+            return self._k, self._v
+        return None
+
     def keys(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V rows of positions ``[lo, hi)`` in the compute dtype (views when kept in it)."""
         k, v = self._k[layer, lo:hi], self._v[layer, lo:hi]
