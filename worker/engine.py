@@ -92,6 +92,10 @@ class Health:
         return self.pools_allocated or not self.cache_enabled
 
 
+#: A contact's states, worst first (a sharded worker reports its worst shard's).
+_STANDING = ("unregistered", "unreachable", "suspended", "reachable", "disabled")
+
+
 class Engine:
     def __init__(self, model: CausalLM, cfg: Config, client: CoordinatorClient | None = None, *,
                  worker_id_: str | None = None, metrics: WorkerMetrics | None = None, endpoint: str = "",
@@ -205,6 +209,8 @@ class Engine:
                                      resume_grace_ms=co.resume_grace_ms)
         #: Every shard's client, outbox and contact (one: the three above).
         self.links = self._shard_links(client, shard_clients) if client is not None else None
+        if self.links is not None and self.links.sharded:     # each shard's contact sets it: report them all
+            self.metrics.degraded.set_function(lambda: float(self.degraded))
         self.replicas = ReplicaWriter(
             contact=self.contact_state, client=client, publisher=self.publisher, store=self.store, tiers=self.tiers,
             metrics=self.metrics, log=self.log, worker_id=self.worker_id, block_size=self.block_size,
@@ -373,13 +379,27 @@ class Engine:
     load_probe = property(lambda self: self.supervisor.load_probe,
                           lambda self, v: setattr(self.supervisor, "load_probe", v))
 
+    def _shard_contacts(self) -> list[tuple[int, Contact]]:
+        """Every shard's contact where the ledger is sharded (else the one)."""
+        if self.links is None or not self.links.sharded:
+            return [(0, self.contact_state)]
+        return [(link.shard, link.contact) for link in self.links]
+
     @property
     def degraded(self) -> bool:
-        return self.contact_state.degraded
+        """Degraded with any shard: some requests are served by recomputation only."""
+        return any(c.degraded for _, c in self._shard_contacts())
 
     @property
     def contact(self) -> str:
-        return self.contact_state.state
+        """The worst standing of any shard's (one shard: the coordinator's)."""
+        return min((c.state for _, c in self._shard_contacts()), key=_STANDING.index)
+
+    @property
+    def degraded_reason(self) -> str:
+        sharded = self.links is not None and self.links.sharded
+        return next((f"shard {k}: {c.reason}" if sharded else c.reason
+                     for k, c in self._shard_contacts() if c.degraded), "")
 
     def salt(self, tenant: str) -> bytes:
         s = self._salts.get(tenant)
@@ -391,7 +411,7 @@ class Engine:
         usage = self.store.usage() if self.store is not None else {}
         disk = "off" if self.tiers.disk_root is None else ("up" if self.tiers.disk_available() else "down")
         return Health(worker_id=self.worker_id, cache_enabled=self.cache_enabled, registered=self.registered,
-                      degraded=self.degraded, reason=self.contact_state.reason if self.degraded else "",
+                      degraded=self.degraded, reason=self.degraded_reason,
                       epoch=self.epoch, pools_allocated=self.store is not None, pool_slots=dict(self.slots),
                       pool_used={f: u for f, (u, _) in usage.items()},
                       outbox_depth=self.publisher.depth if self.publisher else 0, draining=self.draining,

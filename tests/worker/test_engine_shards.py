@@ -9,6 +9,7 @@ chain's shard, a takeover or fence on one shard handled there only, each shard's
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
@@ -171,3 +172,32 @@ async def test_a_lease_refused_wrong_shard_rereads_the_map_and_asks_the_new_owne
         assert again.cached_tokens == 3 * BS
         for twin in twins:
             await assert_clean(twin)
+
+
+async def _until(check, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "not within the time allowed"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_shard_out_of_reach_degrades_only_its_own_chains(sharded) -> None:
+    async with sharded() as (e, twins):
+        by_shard = prompts_by_shard(e, per_shard=1)
+        for ps in by_shard.values():
+            await e.generate(ps[0], max_tokens=1)
+        assert await e.flush(timeout=10)
+        twins[1].down = True
+        await _until(lambda: e.health().degraded)          # its next heartbeat goes unanswered
+        h = e.health()
+        assert h.contact == "unreachable" and h.reason.startswith("shard 1: ") and h.epoch == 1
+        assert e.metrics.value("kvl_worker_degraded") == 1
+        r0 = await e.generate(by_shard[0][0], max_tokens=1)       # shard 0 answers: its cache serves
+        assert r0.cached_tokens == 3 * BS and not r0.degraded
+        r1 = await e.generate(by_shard[1][0], max_tokens=1)       # shard 1's chain: recomputed
+        assert r1.cached_tokens == 0 and r1.degraded
+        twins[1].down = False
+        await _until(lambda: not e.health().degraded)
+        assert e.health().contact == "reachable" and e.metrics.value("kvl_worker_degraded") == 0
+        again = await e.generate(by_shard[1][0], max_tokens=1)    # same epoch, cache kept
+        assert again.cached_tokens == 3 * BS and [link.contact.epoch for link in e.links] == [1, 1]
