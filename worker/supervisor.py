@@ -121,9 +121,8 @@ class Supervisor:
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         assert self.links is not None
-        self.tasks = [loop.create_task(self._supervise(link), name="kvl-supervisor" + (f"-s{link.shard}" if link.shard
-                                                                                     else ""))
-                      for link in self.links]
+        self.tasks = [loop.create_task(self._supervise(link), name=f"kvl-supervisor-s{link.shard}" if link.shard
+                                       else "kvl-supervisor") for link in self.links]
         self.tasks.append(loop.create_task(self._spill_loop(), name="kvl-spill"))
         if self.links.sharded:
             self.tasks.append(loop.create_task(self.links.follow(self.client, self.cfg, self.log), name="kvl-shard-map"))
