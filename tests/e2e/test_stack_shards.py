@@ -1,7 +1,7 @@
 """`kvledger up --shards 2`: two ledger shards on the embedded PostgreSQL (a database each) and
-NATS, each shard's coordinator under its own identity, and a worker that is a member of both.
-Prompts land on both shards' chains; each is served again from the cache; each shard's audit and
-the fleet audit are clean; SIGTERM stops everything."""
+NATS, each shard's coordinator under its own identity, a worker that is a member of both, and the
+gateway. Prompts sent through the gateway land on both shards' chains; each is served again from
+the cache; each shard's audit and the fleet audit are clean; SIGTERM stops everything."""
 
 from __future__ import annotations
 
@@ -26,16 +26,17 @@ def _ready_blocks(coordinator_url: str) -> int:
 
 def test_up_with_two_shards_serves_and_reuses_chains_of_both(tmp_path: Path, ups: list[UpProcess]) -> None:
     up = UpProcess(tmp_path, {"worker": {"pool_bytes": 16 * 2**20}, "cache": {"chunk_blocks": 1}},
-                   "--shards", "2", "--no-gateway")
+                   "--shards", "2")
     ups.append(up)
     up.wait_for(UP_READY, timeout_s=240)
     stack = up.stack()
     names = [s["name"] for s in stack["services"]]
-    assert names == ["postgres", "nats", "coordinator", "coordinator-s1", "worker-0"], names
+    assert names == ["postgres", "nats", "coordinator", "coordinator-s1", "worker-0", "gateway"], names
     shard_urls = stack["coordinator_urls"]
     assert len(shard_urls) == 2
     (worker_url,) = stack["worker_urls"]
-    client = openai.OpenAI(base_url=f"{worker_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    # through the gateway, which asks each prompt's route of the shard owning its chain
+    client = openai.OpenAI(base_url=f"{stack['gateway_url']}/v1", api_key="unused", max_retries=0, timeout=60)
     first = {}
     for p in PROMPTS:
         r = client.completions.create(model="kvledger/dsv4-tiny", prompt=p, max_tokens=2, temperature=0)
