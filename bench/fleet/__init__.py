@@ -41,7 +41,8 @@ counts too) and this process. Keys, per N:
 * ``wrong_shard_shards<N>`` (must be 0: a refusal means the routing is wrong), ``errors_shards<N>``,
   ``hottest_shard_share_shards<N>`` (the busiest shard's leases over an even share: hot roots),
   ``reuse_share_shards<N>`` (blocks read from cache over blocks read or written).
-  ``run_wrong_shard`` and ``run_errors`` count the whole run, warm-up and wind-down included.
+  ``run_wrong_shard`` and ``run_errors`` count the whole run, warm-up and wind-down included;
+  ``goals`` says which of efficiency ≥ 0.9 (per N), 0 ``wrong_shard`` and 0 errors were met.
 
     python -m bench.fleet            # 1, 2, 4 shards; 200 workers; 5 s idle, 10 s warm-up, 30 s counted each (~2.5 min)
     python -m bench.fleet --quick    # 16 workers, 1 driver; 2 s + 2 s + 4 s each (~10 s a round)

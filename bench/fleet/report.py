@@ -70,6 +70,20 @@ def fleet_keys(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+#: Issue 54's goal for the efficiency at every shard count.
+EFFICIENCY_GOAL = 0.9
+
+
+def goals(keys: dict[str, Any], shards: list[int], run_wrong_shard: int, run_errors: int) -> dict[str, bool]:
+    """``{"<figure> <op> <bound>": met}``: the efficiency goal per shard count above one, and the
+    checks that every lease went to its owner (0 ``wrong_shard``) and nothing failed, over the whole run."""
+    out = {f"scaling_efficiency_shards{n} >= {EFFICIENCY_GOAL}": keys.get(f"scaling_efficiency_shards{n}", 0) >= EFFICIENCY_GOAL
+           for n in shards if n > 1}
+    out["wrong_shard == 0"] = run_wrong_shard == 0 and all(keys.get(f"wrong_shard_shards{n}") == 0 for n in shards)
+    out["errors == 0"] = run_errors == 0 and all(keys.get(f"errors_shards{n}") == 0 for n in shards)
+    return out
+
+
 def table(keys: dict[str, Any], shards: list[int]) -> str:
     """A readable table of the main keys, one row per shard count."""
     head = ["shards", "leases/s", "CPU us/lease", "leases/CPU-s", "efficiency", "coord", "drivers", "postgres",
@@ -89,4 +103,4 @@ def table(keys: dict[str, Any], shards: list[int]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
 
 
-__all__ = ["ROLES", "fleet_keys", "round_keys", "table"]
+__all__ = ["EFFICIENCY_GOAL", "LEDGER", "ROLES", "fleet_keys", "goals", "round_keys", "table"]

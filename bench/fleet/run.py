@@ -17,7 +17,7 @@ from typing import Any
 import bench.fleet
 from bench.fleet.cluster import DriverProc, log, shards
 from bench.fleet.mix import MixParams
-from bench.fleet.report import ROLES, fleet_keys, table
+from bench.fleet.report import ROLES, fleet_keys, goals, table
 from bench.proc_cpu import cpu_spent, stack_cpu
 
 
@@ -155,6 +155,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                        "the driver processes, every postgres and nats-server process on the machine "
                        "(bench.proc_cpu.stack_cpu, as bench.serving), and this process",
         "made_and_removed": made,
+        "goals": goals(keys, args.shards, sum(r["run_wrong_shard"] for r in rounds),
+                       sum(sum(r["run_errors"].values()) for r in rounds)),
         "wall_s": round(time.perf_counter() - t_start, 1), "load_avg_start": [round(x, 2) for x in load0],
         "load_avg_end": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
     }

@@ -42,6 +42,8 @@ def test_bench_fleet_quick_drives_one_and_two_shards_routing_every_lease_to_its_
         assert result["run_errors"][f"shards{n}"] == {}
         assert 0 < result[f"reuse_share_shards{n}"] < 1          # turns read cached prefixes and write new blocks
     assert result["scaling_efficiency_shards1"] == 1.0 and result["run_wrong_shard"] == 0
+    assert result["goals"]["wrong_shard == 0"] and result["goals"]["errors == 0"]
+    assert "scaling_efficiency_shards2 >= 0.9" in result["goals"]
     table = proc.stderr[proc.stderr.index("shards  leases/s"):].splitlines()
     assert [row.split()[0] for row in table[1:3]] == ["1", "2"]     # the readable table, a row per shard count
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.fleet.mix import PROMPT_BLOCKS, MixParams, WorkerMix, chained, namespace, system_prompt
-from bench.fleet.report import fleet_keys, table
+from bench.fleet.report import fleet_keys, goals, table
 from shared.shards import ShardMap, shard_of
 
 
@@ -78,5 +78,9 @@ def test_scaling_efficiency_is_leases_per_cpu_second_against_one_shard() -> None
     assert keys["append_txs_per_lease_shards2"] == 0.013 and keys["append_events_per_tx_shards2"] == 15
     text = table(keys, [1, 2, 4])
     assert len(text.splitlines()) == 4 and "0.8" in text.splitlines()[2]
+    assert goals(keys, [1, 2, 4], 0, 0) == {"scaling_efficiency_shards2 >= 0.9": False,
+                                            "scaling_efficiency_shards4 >= 0.9": False,
+                                            "wrong_shard == 0": True, "errors == 0": True}
+    assert not goals(keys, [1, 2, 4], 1, 0)["wrong_shard == 0"] and not goals(keys, [1, 2], 0, 3)["errors == 0"]
     # no one-shard round: nothing to compare with
     assert "scaling_efficiency_shards2" not in fleet_keys([_round(2, [1, 1], 1.0, 0.0)])
