@@ -92,6 +92,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return reference_silu_mul(gate, up)
 
 
+def compiled_for(x: torch.Tensor, *others: torch.Tensor):
+    """The compiled module and ATen's sum width, where the compiled ops serve ``x`` and ``others``
+    (CPU, one dtype, no autograd); else None — for a caller fusing several of them into one call
+    (``worker.model.dense.model.DenseLayer``)."""
+    return (_ops, _lanes) if _serves(x, *others) else None
+
+
 @torch.inference_mode()
 def probe() -> str:
     """Compare the compiled ops with their references here (seeded inputs, both dtypes, the sizes

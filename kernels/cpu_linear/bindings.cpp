@@ -10,6 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "into them first (cpu_attention.cpp)", py::arg("q"), py::arg("k"), py::arg("v"), py::arg("kbufs"),
         py::arg("vbufs"), py::arg("layer"), py::arg("start"), py::arg("rows"), py::arg("pos"), py::arg("key_lo"),
         py::arg("window"), py::arg("scale"), py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>());
+  m.def("dense_layer", &dense_layer, "one dense decoder layer on the in-place attention path, the Python "
+        "modules' ops in their order (cpu_layer.cpp)", py::call_guard<py::gil_scoped_release>());
   m.def("cast_rms_norm", &cast_rms_norm, "CastRMSNorm with torch's bits (cpu_layer.cpp); lanes: ATen's float vector width",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("lanes"), py::call_guard<py::gil_scoped_release>());
   m.def("rope", &rope, "x*cos + rotate_half(x)*sin with torch's bits (cpu_layer.cpp)", py::arg("x"), py::arg("cos"),

@@ -163,3 +163,55 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
   auto y = at::silu(gate.contiguous());
   return y.mul_(up);
 }
+
+namespace {
+
+// A product as kernels.invariant._linear computes it: the compiled kernel over the rows, then
+// the bias added (an ordinary add, as `y = y + bias`).
+torch::Tensor product(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& b) {
+  auto y = linear(x.reshape({-1, x.size(-1)}), w, 0);
+  if (b.has_value()) y = y + *b;
+  return y;
+}
+
+torch::Tensor silu_mul_any(const torch::Tensor& gate, const torch::Tensor& up) {
+  TORCH_CHECK(gate.numel() % 64 == 0, "dense_layer: the gate's element count a multiple of 64");
+  return silu_mul(gate, up);
+}
+
+}  // namespace
+
+// One dense decoder layer (worker.model.dense.model.DenseLayer on the in-place attention path) as
+// ONE call: the same functions in the same order as the Python modules run them — norm, fused
+// q/k/v product (+ bias), optional q/k norms, rope, the in-place attention, o product, residual
+// add, norm, fused gate/up product, silu * up, down product, residual add — so the same bits,
+// without ~25 Python calls per layer.
+torch::Tensor dense_layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor ln2, double eps, int64_t lanes,
+                          torch::Tensor w_qkv, std::optional<torch::Tensor> b_qkv,
+                          std::optional<torch::Tensor> q_norm, std::optional<torch::Tensor> k_norm, double qk_eps,
+                          torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                          torch::Tensor w_o, std::optional<torch::Tensor> b_o, torch::Tensor w_gate_up,
+                          std::optional<torch::Tensor> b_gate_up, torch::Tensor w_down,
+                          std::optional<torch::Tensor> b_down, std::vector<torch::Tensor> kbufs,
+                          std::vector<torch::Tensor> vbufs, int64_t layer, std::vector<int64_t> starts,
+                          std::vector<int64_t> rows, torch::Tensor pos, std::vector<int64_t> key_lo, int64_t window,
+                          double scale) {
+  const int64_t N = x.size(0), H = heads, kvh = kv_heads, D = head_dim;
+  TORCH_CHECK(x.dim() == 2 && w_qkv.size(0) == (H + 2 * kvh) * D, "dense_layer: x [N, hidden], w_qkv [(H + 2 kvh) D, hidden]");
+  auto h = cast_rms_norm(x, ln1, eps, lanes);
+  auto qkv = product(h, w_qkv, b_qkv);
+  auto parts = qkv.split_with_sizes({H * D, kvh * D, kvh * D}, -1);
+  auto q = parts[0].view({N, H, D}), k = parts[1].view({N, kvh, D}), v = parts[2].view({N, kvh, D});
+  if (q_norm.has_value()) {
+    q = cast_rms_norm(q.contiguous(), *q_norm, qk_eps, lanes);
+    k = cast_rms_norm(k.contiguous(), *k_norm, qk_eps, lanes);
+  }
+  q = rope(q, cos, sin);
+  k = rope(k, cos, sin);
+  auto o = attention_cached(q, k, v, kbufs, vbufs, layer, starts, rows, pos, key_lo, window, scale, 0);
+  x = x + product(o.to(q.scalar_type()).reshape({N, -1}), w_o, b_o);
+  auto gu = product(cast_rms_norm(x, ln2, eps, lanes), w_gate_up, b_gate_up);
+  const int64_t I = w_down.size(1);
+  auto gup = gu.split_with_sizes({I, I}, -1);
+  return x + product(silu_mul_any(gup[0], gup[1]), w_down, b_down);
+}

@@ -40,13 +40,20 @@ class Fused:
         self._b: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | list[torch.Tensor]:
-        if not (self.fusable and compiled_serves(x, self.parts[0].weight)):
+        joined = self.joined(x)
+        if joined is None:
             return [p(x) for p in self.parts]
-        if self._key != self._state():
-            self._join()
         # NOTE: views into one product's rows (strided): elementwise ops give the same bits on them;
         # a caller that reduces over one (a q/k norm) makes it contiguous first
-        return linear(x, self._w, self._b).split_with_sizes(self.sizes, -1)
+        return linear(x, *joined).split_with_sizes(self.sizes, -1)
+
+    def joined(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The concatenated weight and bias, current, where the compiled product serves ``x``; else None."""
+        if not (self.fusable and compiled_serves(x, self.parts[0].weight)):
+            return None
+        if self._key != self._state():
+            self._join()
+        return self._w, self._b
 
     def _state(self) -> tuple:
         return tuple((t.data_ptr(), t._version, t.dtype, t.device)

@@ -17,8 +17,8 @@ import math
 import torch
 from torch import nn
 
-from kernels.invariant import KEY_CHUNK, attention, attention_cached, attention_serves
-from kernels.layer_ops import rope, silu_mul
+from kernels.invariant import VECTOR_PAD, KEY_CHUNK, attention, attention_cached, attention_serves, compiled_serves
+from kernels.layer_ops import compiled_for, rope, silu_mul
 from worker.model.dense.attention import attend
 from worker.model.dense.config import DenseConfig, rope_inv_freq
 from worker.model.dense.state import DenseState, dense_form_layouts
@@ -162,8 +162,44 @@ class DenseLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, batch, cos, sin):
+        one = self._one_call(x, batch, cos, sin)
+        if one is not None:
+            return one
         x = x + self.self_attn(self.input_layernorm(x), batch, cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _one_call(self, x: torch.Tensor, batch: Batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """The whole layer as one compiled call (``cpu_layer.cpp``'s ``dense_layer``: the modules' own
+        ops in their order, the same bits) where every op of it would take its compiled path anyway
+        and the attention reads the requests' buffers in place; else None (the modules run)."""
+        attn, mlp = self.self_attn, self.mlp
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        if x.dim() != 2 or mlp.down_proj.in_features % VECTOR_PAD or ln1.eps != ln2.eps:
+            return None
+        compiled = compiled_for(x, ln1.weight, ln2.weight, cos, sin)
+        if compiled is None or not attention_serves(x, x) or x.shape[-1] % compiled[1]:
+            return None
+        if attn.q_norm is not None and (attn.head_dim % compiled[1] or attn.q_norm.weight.dtype != x.dtype
+                                        or attn.k_norm.weight.dtype != x.dtype or attn.q_norm.eps != attn.k_norm.eps):
+            return None
+        qkv, gate_up = attn.qkv.joined(x), mlp.gate_up.joined(x)
+        if (qkv is None or gate_up is None or not compiled_serves(x, attn.o_proj.weight)
+                or not compiled_serves(x, mlp.down_proj.weight)):
+            return None
+        plan = _in_place(batch, x.dtype)
+        if plan is None:
+            return None
+        segs = batch.segments
+        los = [max(0, g.span.start - attn.window + 1) if attn.window else 0 for g in segs]
+        ops, lanes = compiled
+        qn = attn.q_norm
+        return ops.dense_layer(
+            x, ln1.weight, ln2.weight, ln1.eps, lanes, qkv[0], qkv[1],
+            None if qn is None else qn.weight, None if qn is None else attn.k_norm.weight,
+            qn.eps if qn is not None else 0.0, cos, sin, attn.heads, attn.kv_heads, attn.head_dim,
+            attn.o_proj.weight, attn.o_proj.bias, gate_up[0], gate_up[1], mlp.down_proj.weight, mlp.down_proj.bias,
+            [b[0] for b in plan[0]], [b[1] for b in plan[0]], attn.layer, plan[1], plan[2], batch.positions, los,
+            attn.window, attn.scale)
 
 
 class DenseBackbone(nn.Module):
