@@ -13,7 +13,9 @@ Map of the cache engine:
 * :mod:`worker.cache.manager`  — one request (``Session``): lease, validate, restore, prefill,
   commit, release (with :mod:`worker.cache.hits` and :mod:`worker.cache.leases`);
 * :mod:`worker.contact`        — the epoch, degraded mode, accounted coordinator calls;
-* :mod:`worker.supervisor`     — registration, heartbeats, resume, spill, disk GC, inventory and control;
+* :mod:`worker.supervisor`     — the background duties, composed of :mod:`worker.membership` (registration,
+  heartbeats, resume), :mod:`worker.spill` (the disk writer), :mod:`worker.disk_gc` (segments' bound
+  and age) and :mod:`worker.answers` (inventory and control);
 * :mod:`worker.engine`         — the composition root: builds and wires the above,
   ``Engine.generate`` / ``Engine.open``;
 * :mod:`worker.engine_main`    — the process (``python -m worker``) and its NATS debug subjects.

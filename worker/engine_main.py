@@ -56,7 +56,7 @@ from worker.model.checkpoint import DTYPES, CheckpointError, load_checkpoint
 from worker.model.storage import StorageError
 from worker.model.weights import WeightsError
 from worker.settings import PoolSizeError, worker_id
-from worker.cache.retention import DiskRetention, resolve_at_start
+from worker.cache.retention import resolve_at_start
 from shared.tenants import AuthError, TenantDirectory
 from shared.text.tokenizer import load_tokenizer
 
@@ -260,8 +260,6 @@ async def serve(cfg: Config, reload: Callable[[], Config] | None = None, config_
         await http.cleanup()
         await engine.stop()
         return 2
-    retention = DiskRetention(engine, cfg.cache.offload_max_age_s, cfg.cache.offload_age_check_s, log)
-    retention.start()
     # SIGHUP or a changed file: the API keys are read again (old ones kept for auth.rotation_grace_s)
     reloader = KeyReloader(reload, cfg, log, path=config_path or os.environ.get("KVL_CONFIG"),
                            directories=(http.app[TENANTS], *((debug.tenants,) if debug else ())),
@@ -278,7 +276,6 @@ async def serve(cfg: Config, reload: Callable[[], Config] | None = None, config_
     await http.cleanup()
     if debug is not None:
         await debug.stop()
-    await retention.stop()
     await engine.stop()
     tracing.shutdown()      # the last spans flushed
     return 0

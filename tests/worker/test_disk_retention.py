@@ -1,4 +1,4 @@
-"""The disk tier bounded by default and cleaned by age (``worker.cache.retention``), and its write
+"""The disk tier bounded by default and cleaned by age (``worker.cache.retention``, ``worker.disk_gc``), and its write
 failures counted where an alert reads them (issue 55, item 8).
 
 Engines run on the coordinator twin with a real offload directory on this machine's file
@@ -18,7 +18,8 @@ from shared.messages import ReplicaState
 from tests.segment_files import records, segment_files
 from tests.twin import InProcessCoordinator
 from tests.worker.conftest import config, prompt
-from worker.cache.retention import DiskRetention, free_bytes, resolve_at_start, with_offload_bound
+from worker.cache.retention import free_bytes, resolve_at_start, with_offload_bound
+from worker.disk_gc import DiskRetention
 from shared.logging import get_logger
 
 ROOT = Path(__file__).parents[2]
@@ -94,7 +95,7 @@ async def test_segments_past_their_age_are_deleted_once_evicted(make_engine, tmp
         assert await e.flush(timeout=10)
         files = segment_files(root)
         assert len(files) >= 3 and ready_on_disk()
-        retention = DiskRetention(e, e.cfg.cache.offload_max_age_s, 60, LOG)
+        retention = DiskRetention(e.supervisor.disk, e.cfg.cache.offload_max_age_s, 60, LOG)
         assert await retention.collect_once() == 0                   # young: nothing goes
         current = e.tiers._writer.current                            # noqa: SLF001 - the one still appended to
         _age(files, 7200)
@@ -126,7 +127,7 @@ async def test_no_age_limit_and_no_coordinator_delete_nothing(make_engine, tmp_p
         assert await e.flush(timeout=10)
         files = segment_files(tmp_path / "offload")
         _age(files, 10 * 86400)
-        assert await DiskRetention(e, 0, 60, LOG).collect_once() == 0
+        assert await DiskRetention(e.supervisor.disk, 0, 60, LOG).collect_once() == 0
         assert segment_files(tmp_path / "offload") == files
 
 

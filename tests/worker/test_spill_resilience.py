@@ -1,4 +1,4 @@
-"""The disk writer (``Supervisor.spill_once``) survives a block whose write fails on its own:
+"""The disk writer (``worker.spill.SpillWriter.spill_once``) survives a block whose write fails on its own:
 that block is counted, logged without content and dropped; the others are still written."""
 
 from __future__ import annotations

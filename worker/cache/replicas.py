@@ -91,7 +91,7 @@ class ReplicaWriter:
         self._background = background
         #: Whether the engine runs (a retry scheduled before stop() must not start work after it).
         self._running = running
-        #: Set when the spill queue has blocks for the disk writer (``worker.supervisor``).
+        #: Set when the spill queue has blocks for the disk writer (``worker.spill``).
         self.spill_due = asyncio.Event()
         #: GPU replicas (block, form, generation) the threshold copied down a tier already.
         self.backed: dict[tuple[str, str, int], None] = {}

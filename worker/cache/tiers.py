@@ -8,9 +8,9 @@
   (:mod:`worker.cache.segments`; one fsync per batch), and reads any worker's records, every
   header field and the checksum checked by :func:`worker.cache.planner.validate`. A write that
   fails for lack of space or permission marks the tier down for ``retry_s``; the worker keeps
-  serving without it. This worker's segments are bounded in bytes by the engine's garbage
-  collector (:meth:`disk_collectable`, :meth:`disk_delete`) and in age by
-  :class:`worker.cache.retention.DiskRetention` (:meth:`disk_expired`), which delete a segment
+  serving without it. This worker's segments are bounded in bytes (:meth:`disk_collectable`,
+  :meth:`disk_delete`) and in age (:meth:`disk_expired`) by the supervisor's disk GC
+  (:mod:`worker.disk_gc`), which deletes a segment
   only once the ledger has evicted every replica it holds.
 
 Disk methods block (file I/O): the engine runs them in its I/O thread, one at a time, so
@@ -187,7 +187,7 @@ class Tiers:
         NOTE: the host LRU skips pinned entries when it picks victims; this is the second place
         a host replica's bytes go, and a pinned replica stays READY in the ledger, so dropping
         it here would leave a READY host replica that exists nowhere. (Pins of grants this worker
-        has not heard of yet are the coordinator's to see: ``Supervisor._evict_host``.)"""
+        has not heard of yet are the coordinator's to see: ``SpillWriter._evict_host``.)"""
         key = (meta.block_hash, meta.form)
         item = self._spills.get(key)
         if item is None or not item[2] or self.host is None or self.host.pinned is None \
@@ -230,7 +230,7 @@ class Tiers:
         their checksums. Raises OffloadUnavailable (none of them is written then)."""
         assert self.disk_root is not None and self._writer is not None
         # NOTE: the metas name the records as they are (a BlockMeta has every key field): the
-        # engine checked each key before queueing it (``Supervisor._spill_batch``), and a BlockKey
+        # engine checked each key before queueing it (``SpillWriter._spill_batch``), and a BlockKey
         # per record here, each field re-checked by a regex, was 40 % of a batch's CPU time.
         # (``is_cpu``: ``device.type`` builds a device object, 0.28 against 0.06 us a record)
         batch = [(meta, memoryview((data if data.is_cpu else data.cpu()).contiguous().numpy()))
