@@ -12,6 +12,7 @@ import contextlib
 import os
 import secrets
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -277,19 +278,7 @@ class StartupSteps:
             path = "/readyz" if i == 0 else "/healthz"
             self.console.say(f"{name} starting (pid {c.pid}){' as a standby' if i else ''}, "
                              f"waiting for {c.url}{path}")
-            deadline = time.monotonic() + self.opts.start_timeout_s
-            last: Any = None
-            while time.monotonic() < deadline:
-                for other in self.coordinators:
-                    self._died_while_starting(other)
-                status, body = http_json(f"{c.url}{path}", context=self.tls_context)
-                if status == 200:
-                    break
-                last = body or status
-                self._sleep(0.2)
-            else:
-                raise StackError(f"{name} not ready within {self.opts.start_timeout_s:.0f}s (last {path}: {last}); "
-                                 f"see {c.log_path}")
+            self._wait_ready(c, path, watch=self.coordinators, label=name)
 
     @property
     def worker_ids(self) -> list[str]:
@@ -342,18 +331,24 @@ class StartupSteps:
         gw.url = f"{http_scheme(self.cfg.tls)}://{g.host}:{port}"
         self.gateways.append(gw)
         self.write_state_file(ready=False)
-        path = "/readyz" if self.workers else "/healthz"
+        self._wait_ready(gw, "/readyz" if self.workers else "/healthz", watch=(gw,), label="gateway")
+
+    def _wait_ready(self, child: Child, path: str, *, watch: Sequence[Child], label: str) -> None:
+        """Poll ``child``'s ``path`` until it answers 200, for up to ``--start-timeout``; a child of
+        ``watch`` that exits meanwhile (or a stop) ends the start at once. ``label`` names ``child``
+        in the error."""
         deadline = time.monotonic() + self.opts.start_timeout_s
         last: Any = None
         while time.monotonic() < deadline:
-            self._died_while_starting(gw)
-            status, body = http_json(f"{gw.url}{path}", context=self.tls_context)
+            for other in watch:
+                self._died_while_starting(other)
+            status, body = http_json(f"{child.url}{path}", context=self.tls_context)
             if status == 200:
                 return
             last = body or status
             self._sleep(0.2)
-        raise StackError(f"gateway not ready within {self.opts.start_timeout_s:.0f}s (last {path}: {last}); "
-                         f"see {gw.log_path}")
+        raise StackError(f"{label} not ready within {self.opts.start_timeout_s:.0f}s (last {path}: {last}); "
+                         f"see {child.log_path}")
 
     def _wait_worker(self, w: Child, deadline: float) -> None:
         last: Any = None
