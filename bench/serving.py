@@ -102,7 +102,7 @@ from bench.proc_cpu import cpu_spent, stack_cpu
 
 # the workload, helpers and processes, and the extra phases, live in modules of their own (names kept here)
 from bench.serving_common import (
-    BLOCK, FULL, KEYS, LEVELS, QUICK, Cluster, Workload, _log, _text, percentile,
+    BLOCK, FULL, KEYS, LEVELS, QUICK, Cluster, Workload, _log, _text, percentile, stop_and_drop,
 )
 from bench.serving_phases import LONG_FULL, LONG_QUICK, long_agent_phase, overload_phase, structured_phase
 
@@ -292,7 +292,7 @@ async def run_level(url: str, w: Workload, c: int, reuse: bool, seed: int,
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.worker import _create_db, _drop_db
+    from bench.worker import _create_db
     from shared.embedded import start_services
 
     w = QUICK if args.quick else FULL
@@ -397,11 +397,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
         return result
     finally:
-        cluster.stop()
-        try:
-            await _drop_db(db_url, db_name)
-        except Exception as e:  # noqa: BLE001 - best effort
-            _log(f"could not drop {db_name}: {e}")
+        await stop_and_drop(cluster, db_url, db_name)
         if services is not None:
             await asyncio.to_thread(services.stop)
 

@@ -159,4 +159,16 @@ class Cluster:
             log.close()
 
 
-__all__ = ["BLOCK", "FULL", "KEYS", "LEVELS", "QUICK", "REPO", "Cluster", "Workload", "percentile"]
+async def stop_and_drop(cluster: Cluster, db_url: str, db_name: str) -> None:
+    """A run's teardown: stop its processes, then drop the database it made (best effort: a
+    database left behind is reported, not raised, so the run's own error stays the one seen)."""
+    from bench.worker import _drop_db
+
+    cluster.stop()
+    try:
+        await _drop_db(db_url, db_name)
+    except Exception as e:  # noqa: BLE001 - best effort
+        _log(f"could not drop {db_name}: {e}")
+
+
+__all__ = ["BLOCK", "FULL", "KEYS", "LEVELS", "QUICK", "REPO", "Cluster", "Workload", "percentile", "stop_and_drop"]

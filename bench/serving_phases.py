@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.proc_cpu import process_cpu
-from bench.serving_common import KEYS, QUICK, Cluster, Workload, _log, _text, percentile
+from bench.serving_common import KEYS, QUICK, Cluster, Workload, _log, _text, percentile, stop_and_drop
 
 
 #: The structured-output phase's schema: bounded fields, so every document ends well within max_tokens.
@@ -187,7 +187,7 @@ async def long_agent_run(url: str, model: str, w: LongAgent, reuse: bool, seed: 
 async def long_agent_phase(args: argparse.Namespace, family: str, db_url: str, nats_url: str, tmp: Path,
                            w: LongAgent) -> dict[str, Any]:
     """The long-context agent workload on one family (its own worker), reuse on and off."""
-    from bench.worker import _create_db, _drop_db
+    from bench.worker import _create_db
 
     model_dir = ""
     if family == "yoco":
@@ -223,11 +223,7 @@ async def long_agent_phase(args: argparse.Namespace, family: str, db_url: str, n
                 p + "tool_calls_parsed_fraction": round(on["tool_calls_parsed_fraction"], 3),
                 p + "outputs_identical": on["replies"] == off["replies"]}
     finally:
-        cluster.stop()
-        try:
-            await _drop_db(db_url, db_name)
-        except Exception as e:  # noqa: BLE001 - best effort
-            _log(f"could not drop {db_name}: {e}")
+        await stop_and_drop(cluster, db_url, db_name)
 
 
 async def overload_phase(quick: bool) -> dict[str, Any]:
