@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 #include <unistd.h>
 
@@ -216,9 +217,22 @@ void tile_cols(int nr, const T* x, int64_t ldx, const T* w, int64_t ldw, T* y, i
 // Output columns [n0, n1) for every row: row tiles of 4 (4 x 4 elements: 16 accumulators),
 // the last 1-3 rows in one tile of that height (x 8 columns: more independent chains when a
 // product has one row, as a decode step's does).
+// A few rows (a fused decode step): each row alone in 1 x 8 tiles over the block, the block's
+// weights from cache after the first row. Faster than 4 x 4 tiles there (measured on an AVX-512
+// Xeon, SmolLM2's products: bfloat16 4 rows 0.69x, 8 rows 0.76x; float32 4-8 rows 0.91-0.96x),
+// and the same bits: every tile shape runs the same per-element code.
+template <typename T> constexpr int64_t kRowwiseMin = std::is_same<T, bf16>::value ? 2 : 4;
+constexpr int64_t kRowwiseMax = 8;
+
 template <typename T>
 void column_block(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   int64_t m = 0;
+  if (M >= kRowwiseMin<T> && M <= kRowwiseMax) {
+    for (; m < M; ++m)
+      for (int64_t n = n0; n < n1; n += 8)
+        tile_cols<T, 1>(static_cast<int>(std::min<int64_t>(8, n1 - n)), x + m * K, K, w + n * K, K, y + m * N + n, N, K);
+    return;
+  }
   for (; m + 4 <= M; m += 4)
     for (int64_t n = n0; n < n1; n += 4)
       tile_cols<T, 4>(static_cast<int>(std::min<int64_t>(4, n1 - n)), x + m * K, K, w + n * K, K, y + m * N + n, N, K);
