@@ -103,9 +103,11 @@ async def test_requests_that_waited_together_share_what_each_claims_next(make_en
 
 
 async def test_a_waiter_behind_a_long_prompt_waits_while_the_worker_computes_it(make_engine, reference) -> None:
-    # the claimant's prompt takes ~44 forwards of >= 10 ms (a small token budget, each forward
-    # slowed): ~3x the bound, which only counts time with no prompt computed on the worker
-    # (before, the waiter gave up after the bound and computed the prefix again)
+    # the claimant's prompt runs in many forwards of >= 30 ms each (a small token budget, each
+    # forward slowed) before its shared blocks are committed: well past the bound, which only
+    # counts time with no prompt computed on the worker (before, the waiter gave up after the
+    # bound and computed the prefix again). NOTE: 10 ms per forward left the wait at ~0.147 s
+    # once the forwards themselves got faster, under the 0.15 s the test must exceed
     base = prompt(SHARED, seed=100)
     first, second = base + prompt(600, seed=101), base + prompt(20, seed=102)
     async with make_engine(InProcessCoordinator(), **{"cache.prefix_wait_ms": 150,
@@ -113,7 +115,7 @@ async def test_a_waiter_behind_a_long_prompt_waits_while_the_worker_computes_it(
         run = e.stepper._run
 
         def slow(batch):
-            time.sleep(0.01)
+            time.sleep(0.03)
             return run(batch)
 
         e.stepper._run = slow
