@@ -92,6 +92,14 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return reference_silu_mul(gate, up)
 
 
+def path() -> str:
+    """What serves the layer's small ops here, for the worker's self-check: ``compiled, <n> lanes``
+    or ``reference: <why>`` (probes first if nothing has yet)."""
+    if not _probed:
+        probe()
+    return f"compiled, {_lanes} lanes" if _lanes else f"reference: {off_reason}"
+
+
 def compiled_for(x: torch.Tensor, *others: torch.Tensor):
     """The compiled module and ATen's sum width, where the compiled ops serve ``x`` and ``others``
     (CPU, one dtype, no autograd); else None — for a caller fusing several of them into one call

@@ -11,6 +11,8 @@
   ``CausalLM.arithmetic_digest``): what every replica this worker writes is keyed by.
 * **batch invariance** — whether requests share forwards here (``kernels.invariant``), and
   the row floor calibrated on this machine.
+* **layer ops** — whether the layer's small ops run compiled (``kernels.layer_ops``: the same
+  bits either way, only the speed differs) and why not where they do not.
 
 :func:`check_offload_dir` is a pure function of the directory (tests call it directly); the
 engine runs :func:`self_check` once at start, logs it as one ``self_check`` line and keeps it
@@ -47,6 +49,8 @@ class SelfCheck:
     #: ``CausalLM.arithmetic_digest`` of this model here; "" when two identical runs differed
     #: (the namespace is then this process's own).
     arithmetic: str = ""
+    #: ``kernels.layer_ops.path()``: ``compiled, <n> lanes`` or ``reference: <why>``.
+    layer_ops: str = ""
 
     @property
     def ok(self) -> bool:
@@ -109,6 +113,7 @@ class Checked(Protocol):
 def self_check(engine: Checked) -> SelfCheck:
     """Run every check once (blocking: file I/O); marks the disk tier down when its probe fails."""
     import kernels.invariant as inv
+    import kernels.layer_ops as layer_ops
 
     offload = "off"
     root = engine.tiers.disk_root
@@ -120,7 +125,7 @@ def self_check(engine: Checked) -> SelfCheck:
     return SelfCheck(offload=offload, pools_allocated=engine.store is not None or not engine.cache_enabled,
                      pool_slots=dict(engine.slots), namespace=engine.namespace,
                      batch_invariant=engine.stepper.fused, row_floor=inv.MIN_ROWS, compute=engine.fingerprint,
-                     arithmetic=engine.arithmetic)
+                     arithmetic=engine.arithmetic, layer_ops=layer_ops.path())
 
 
 __all__ = ["PROBE_BYTES", "Checked", "SelfCheck", "check_offload_dir", "self_check"]

@@ -28,6 +28,7 @@ async def test_readyz_reports_the_self_check_and_a_bad_offload_dir_only_degrades
         status, body = await s.get("/readyz")
         assert status == 200 and body["self_check"]["offload"] == "ok" and body["disk_tier"] == "up"
         assert body["self_check"]["pools_allocated"] and body["self_check"]["namespace"] == s.engine.namespace
+        assert body["self_check"]["layer_ops"].startswith(("compiled, ", "reference: "))
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     async with serve(**{"cache.offload_dir": str(blocker / "off")}) as s:
