@@ -47,6 +47,26 @@ class SegmentGc:
         blocks = list(dict.fromkeys(DiskBlock(block_hash=m.block_hash, form=m.form) for m in metas))
         return await self.links.disk_pinned(self.worker_id, blocks)
 
+    async def _delete(self, path: Any, metas: list[BlockMeta], deferred: str) -> bool | None:
+        """Delete one segment unless a live lease pins a replica in it: True deleted, False kept
+        (pinned), None when this pass must stop (the coordinator did not decide, logged as
+        ``deferred``; or the disk went down)."""
+        try:
+            pinned = await self._pinned(metas)
+        except (CoordinatorRefused, CoordinatorUnavailable) as e:
+            self.metrics.disk_gc.labels(outcome="no_coordinator").inc()
+            self.log.warning(deferred, error=type(e).__name__)
+            return None
+        if pinned:
+            self.metrics.disk_gc.labels(outcome="pinned").inc()
+            return False
+        try:
+            await self.io(lambda: self.tiers.disk_delete(path))
+        except of.OffloadUnavailable as e:
+            self.tiers.mark_disk_down(str(e))
+            return None
+        return True
+
     async def to_bound(self, bound: int) -> None:
         """Delete the oldest segments while this worker's exceed ``bound`` bytes (0: unbounded)."""
         if not bound or self.links is None or not self.tiers.disk_available():
@@ -62,20 +82,11 @@ class SegmentGc:
         for path, size, metas in candidates:
             if usage <= bound:
                 break
-            try:
-                pinned = await self._pinned(metas)
-            except (CoordinatorRefused, CoordinatorUnavailable) as e:
-                self.metrics.disk_gc.labels(outcome="no_coordinator").inc()
-                self.log.warning("disk gc deferred: the coordinator did not decide", error=type(e).__name__)
+            done = await self._delete(path, metas, "disk gc deferred: the coordinator did not decide")
+            if done is None:
                 return
-            if pinned:
-                self.metrics.disk_gc.labels(outcome="pinned").inc()
+            if not done:
                 continue
-            try:
-                await self.io(lambda p=path: self.tiers.disk_delete(p))
-            except of.OffloadUnavailable as e:
-                self.tiers.mark_disk_down(str(e))
-                return
             usage -= size
             self.metrics.disk_gc.labels(outcome="deleted").inc()
             self.metrics.disk_gc_bytes.inc(size)
@@ -92,20 +103,11 @@ class SegmentGc:
             return 0
         deleted = 0
         for path, size, metas in old:
-            try:
-                pinned = await self._pinned(metas)
-            except (CoordinatorRefused, CoordinatorUnavailable) as e:
-                self.metrics.disk_gc.labels(outcome="no_coordinator").inc()
-                self.log.warning("disk age cleanup deferred: the coordinator did not decide", error=type(e).__name__)
+            done = await self._delete(path, metas, "disk age cleanup deferred: the coordinator did not decide")
+            if done is None:
                 return deleted
-            if pinned:
-                self.metrics.disk_gc.labels(outcome="pinned").inc()
+            if not done:
                 continue
-            try:
-                await self.io(lambda p=path: self.tiers.disk_delete(p))
-            except of.OffloadUnavailable as e:
-                self.tiers.mark_disk_down(str(e))
-                return deleted
             deleted += 1
             self.metrics.disk_gc.labels(outcome="expired").inc()
             self.metrics.disk_gc_bytes.inc(size)
