@@ -51,13 +51,13 @@ async def test_a_wait_runs_out_only_after_its_bound_passes_with_the_worker_idle(
     busy = [True]
 
     async def worker_prefills_then_commits() -> None:
-        await asyncio.sleep(0.25)           # prompts computed for 3 × the bound
+        await asyncio.sleep(0.75)           # prompts computed for 3 × the bound
         busy[0] = False
-        await asyncio.sleep(0.03)           # then idle, under the bound, until the commit
-        f.committed(a, ["h1"])
+        await asyncio.sleep(0)              # then idle, far under the bound, until the commit
+        f.committed(a, ["h1"])              # (a loaded CI machine stretched a 30 ms idle past 80 ms)
 
     task = asyncio.create_task(worker_prefills_then_commits())
-    assert await wait_for([fut], 0.08, lambda: busy[0]) == "committed"
+    assert await wait_for([fut], 0.25, lambda: busy[0]) == "committed"
     await task
     # with nothing computed the same bound runs out
     f.claim(a, ["h2"])
