@@ -441,11 +441,23 @@ def build_plan(args: argparse.Namespace, cfg: Any) -> Plan:
     reserve = cfg.service.cache_reserve_ratio if args.reserve is None else args.reserve
     if not 0 < reserve <= 1:
         raise PlanError(f"--reserve {reserve}: a share in (0, 1]")
+    cache_dtype = getattr(args, "cache_dtype", None) or (
+        cfg.cache.dtype if cfg.cache.dtype != "auto" and not args.dtype else None)
+    if cache_dtype:
+        compute = model_dtype(preset, model_dir) or "float32"
+        forms = worker_form_plans(model, block_size, compute, cache_dtype)
+        dtype = forms[0].dtype if len({f.dtype for f in forms}) == 1 else cache_dtype
+    else:
+        forms = form_plans(model, block_size, dtype, args.state_dtype)
+    max_pos = model.max_position_embeddings
     if args.memory is None and cfg.worker.pool_bytes is not None:
         pool, source = float(cfg.worker.pool_bytes), "worker.pool_bytes"
         note = f"worker.pool_bytes {fmt_bytes(pool)} × reserve {reserve}"
     elif args.memory is None:
-        pool, note = memory_pool(cfg, preset, model_dir)
+        from worker.settings import concurrency_floor
+
+        floor = concurrency_floor(forms, cfg, block_size, min(cfg.service.max_context_length, max_pos))
+        pool, note = memory_pool(cfg, preset, model_dir, floor)
         source, note = "memory", f"{note} × reserve {reserve}"
     else:
         source = "--memory"
@@ -461,15 +473,6 @@ def build_plan(args: argparse.Namespace, cfg: Any) -> Plan:
         if pool <= 0:
             raise PlanError(f"--memory {args.memory:g} GiB leaves nothing after the weights ({fmt_bytes(weights)})")
         note = f"(memory {args.memory:g} GiB − weights {fmt_bytes(weights)}) × reserve {reserve}"
-    cache_dtype = getattr(args, "cache_dtype", None) or (
-        cfg.cache.dtype if cfg.cache.dtype != "auto" and not args.dtype else None)
-    if cache_dtype:
-        compute = model_dtype(preset, model_dir) or "float32"
-        forms = worker_form_plans(model, block_size, compute, cache_dtype)
-        dtype = forms[0].dtype if len({f.dtype for f in forms}) == 1 else cache_dtype
-    else:
-        forms = form_plans(model, block_size, dtype, args.state_dtype)
-    max_pos = model.max_position_embeddings
     contexts = sorted(set(args.context)) if args.context else \
         [c for c in DEFAULT_CONTEXTS if block_size <= c <= max_pos]
     limits = {"compressed": cfg.cache.compressed_pool_limit, "swa": cfg.cache.swa_pool_limit,
@@ -481,10 +484,12 @@ def build_plan(args: argparse.Namespace, cfg: Any) -> Plan:
                 min(cfg.service.max_context_length, max_pos))
 
 
-def memory_pool(cfg: Any, preset: str | None, model_dir: str | None) -> tuple[float, str]:
+def memory_pool(cfg: Any, preset: str | None, model_dir: str | None,
+                floor: tuple[int, str] = (0, "")) -> tuple[float, str]:
     """The pool a worker without ``worker.pool_bytes`` would size on this machine now: the memory
     available (less the weights it has yet to load) × ``worker.cache_memory_fraction``, capped on
-    a CPU (:func:`worker.settings.memory_pool_bytes`, what the worker itself calls)."""
+    a CPU but never below ``floor`` (:func:`worker.settings.memory_pool_bytes`, what the worker
+    itself calls)."""
     from worker.settings import available_memory, memory_pool_bytes
 
     try:
@@ -494,7 +499,7 @@ def memory_pool(cfg: Any, preset: str | None, model_dir: str | None) -> tuple[fl
                         f"give --memory GiB or set worker.pool_bytes") from None
     weights = weights_bytes(preset, model_dir)
     counted = f"weights {fmt_bytes(weights)}" if weights is not None else "weights not counted: give --memory/--weights"
-    pool, how = memory_pool_bytes(cfg, cfg.worker.device, max(0, free - (weights or 0)))
+    pool, how = memory_pool_bytes(cfg, cfg.worker.device, max(0, free - (weights or 0)), floor)
     return float(pool), f"memory-sized: ({fmt_bytes(free)} {where} − {counted}) × " + how.split(" × ", 1)[1]
 
 

@@ -392,8 +392,11 @@ class WorkerConfig(_Section):
     #: (as vLLM's gpu_memory_utilization, but of what is free once the weights are loaded; the
     #: rest is for activations and everything else). Several workers on one GPU: set pool_bytes.
     cache_memory_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.8
-    #: When ``pool_bytes`` is unset and the device is the CPU: the most the pools take. RAM is
-    #: shared with every other process (other workers, the test suite's many workers); 0 = no cap.
+    #: When ``pool_bytes`` is unset and the device is the CPU: the most the pools take, unless
+    #: twice ``service.max_concurrency`` requests of ``capacity_check_tokens`` need more (then that:
+    #: a real model's cache holds the requests the worker admits and what they leave for their
+    #: next turns). RAM is shared with every other
+    #: process (other workers, the test suite's many workers); 0 = no cap.
     cpu_pool_max_bytes: Annotated[int, msgspec.Meta(ge=0)] = 2**30
     outbox_max: PosInt = 100_000
     outbox_resend_ms: PosInt = 2000

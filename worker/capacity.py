@@ -22,7 +22,7 @@ from typing import Any
 
 from shared.config import Config
 from shared.forms import FormCatalogue
-from worker.settings import PoolSizing, blocks_per_request, pool_slots, requests_admitted, size
+from worker.settings import PoolSizing, blocks_per_request, bytes_to_hold, requests_admitted, size
 
 
 @dataclass(frozen=True)
@@ -44,21 +44,6 @@ class Shortfall:
                 f"leases (over_capacity) and recompute their prompts uncached. {self.fix}")
 
 
-def _needed_bytes(catalogue: FormCatalogue, cfg: Config, tokens: int, wanted: int, start: int) -> int:
-    """The smallest pool that holds ``wanted`` requests of ``tokens``: slots grow with the pool
-    (floored per form), so bisect between ``start`` and a doubling that suffices."""
-    def holds(pool: int) -> bool:
-        slots = pool_slots(catalogue, cfg, pool)
-        return requests_admitted(catalogue.forms, slots, cfg.cache.block_size, tokens)[0] >= wanted
-    lo, hi = max(1, start), max(2, start * 2)
-    while not holds(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if holds(mid) else (mid, hi)
-    return hi
-
-
 def capacity_shortfall(catalogue: FormCatalogue, cfg: Config, sizing: PoolSizing) -> Shortfall | None:
     """What the pools lack for ``service.max_concurrency`` requests of ``worker.capacity_check_tokens``
     (at most the maximum context) at once; None when they hold them, or the check is off (0)."""
@@ -69,7 +54,7 @@ def capacity_shortfall(catalogue: FormCatalogue, cfg: Config, sizing: PoolSizing
     held, limited_by = requests_admitted(catalogue.forms, sizing.slots, sizing.block_size, tokens)
     if held >= wanted:
         return None
-    need = _needed_bytes(catalogue, cfg, tokens, wanted, sizing.pool_bytes)
+    need = bytes_to_hold(catalogue.forms, cfg, sizing.block_size, tokens, wanted, sizing.pool_bytes)
     w = cfg.worker
     if sizing.source == "worker.pool_bytes":
         raise_key = f"raise worker.pool_bytes to at least {need:,}"
@@ -78,7 +63,7 @@ def capacity_shortfall(catalogue: FormCatalogue, cfg: Config, sizing: PoolSizing
     else:
         share = min(1.0, w.cache_memory_fraction * need / max(1, sizing.pool_bytes))
         raise_key = (f"raise worker.cache_memory_fraction to about {share:.2f}" if share < 1.0 else
-                     "free device memory") + f" or set worker.pool_bytes to at least {need:,}"
+                     "free memory") + f" or set worker.pool_bytes to at least {need:,}"
     f = next(f for f in catalogue.forms if f.name == limited_by)
     per_request = blocks_per_request(f.scope, f.window_tokens, sizing.block_size, tokens)
     fix = (f"Fix: {raise_key} (one such request needs {per_request:,} blocks of {limited_by}), or lower "
@@ -152,7 +137,7 @@ def capacity_ctx(engine: Any, cfg: Config, log: Any) -> Any:
         shortfall = capacity_shortfall(engine.catalogue, cfg, sizing)
         if shortfall is not None:
             log.warning("pool_capacity_low", requests_held=shortfall.held, max_concurrency=shortfall.wanted,
-                        tokens=shortfall.tokens, limited_by=shortfall.limited_by,
+                        check_tokens=shortfall.tokens, limited_by=shortfall.limited_by,
                         pool_bytes=sizing.pool_bytes, needed_pool_bytes=shortfall.needed_bytes,
                         message=shortfall.message(sizing))
         watch = OverCapacityWatch(engine.metrics, serving_fix(shortfall, sizing),

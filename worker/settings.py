@@ -3,7 +3,8 @@
 Pool sizing (operations.md, "Cache sizing"): ``worker.pool_bytes`` when set; otherwise the memory
 left after the weights — free device memory on a GPU (``torch.cuda.mem_get_info``), ``MemAvailable``
 of ``/proc/meminfo`` on a CPU — × ``worker.cache_memory_fraction``, at most
-``worker.cpu_pool_max_bytes`` on a CPU. :func:`size_pools` returns the slots per form with what
+``worker.cpu_pool_max_bytes`` on a CPU, or what holds twice ``service.max_concurrency`` requests
+of ``worker.capacity_check_tokens`` where that is more (:func:`concurrency_floor`). :func:`size_pools` returns the slots per form with what
 they hold (blocks, tokens, requests of the maximum context); ``kvledger plan`` uses the same
 functions, so it says before a start what the worker will log at it.
 """
@@ -42,14 +43,17 @@ def pool_slots(catalogue: FormCatalogue, cfg: Config, pool_bytes: int | None = N
     a model does not declare go to those it does, in proportion (a dense model's one full-history
     form gets all three).
     """
-    c = cfg.cache
     pool = cfg.worker.pool_bytes if pool_bytes is None else pool_bytes
     if pool is None:
         raise ConfigError("worker.pool_bytes is unset: size the pools with size_pools() (from memory)")
-    budget = pool * cfg.service.cache_reserve_ratio
-    return scope_slots(catalogue.forms, budget, {
-        FormScope.FULL_HISTORY: c.compressed_pool_limit, FormScope.WINDOW: c.swa_pool_limit,
-        FormScope.RESUME_POINT: c.tail_pool_limit})
+    return scope_slots(catalogue.forms, pool * cfg.service.cache_reserve_ratio, pool_limits(cfg))
+
+
+def pool_limits(cfg: Config) -> dict:
+    """Each scope's share of the cached forms' budget (``cache.<scope>_pool_limit``)."""
+    c = cfg.cache
+    return {FormScope.FULL_HISTORY: c.compressed_pool_limit, FormScope.WINDOW: c.swa_pool_limit,
+            FormScope.RESUME_POINT: c.tail_pool_limit}
 
 
 def scope_slots(forms, budget: float, limits: dict) -> dict[str, int]:
@@ -103,6 +107,38 @@ def requests_admitted(forms, slots: dict[str, int], block_size: int, context: in
     return best or (0, "")
 
 
+def bytes_to_hold(forms, cfg: Config, block_size: int, tokens: int, wanted: int, start: int = MiB) -> int:
+    """The smallest pool that holds ``wanted`` requests of ``tokens`` at once (``forms`` as for
+    :func:`scope_slots`): slots grow with the pool (floored per form), so bisect between ``start``
+    and a doubling that suffices."""
+    limits, reserve = pool_limits(cfg), cfg.service.cache_reserve_ratio
+
+    def holds(pool: int) -> bool:
+        return requests_admitted(forms, scope_slots(forms, pool * reserve, limits), block_size, tokens)[0] >= wanted
+    lo, hi = max(1, start), max(2, start * 2)
+    while not holds(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if holds(mid) else (mid, hi)
+    return hi
+
+
+def concurrency_floor(forms, cfg: Config, block_size: int, max_context: int) -> tuple[int, str]:
+    """The pool that holds twice ``service.max_concurrency`` requests of
+    ``worker.capacity_check_tokens`` tokens (at most ``max_context``) at once — those running and
+    as much again kept for their next turns — and what it holds, for people; ``(0, "")`` when the
+    check is off or there are no forms. A CPU's cap (``worker.cpu_pool_max_bytes``) never goes
+    below it. NOTE: a real model's cache must fit the concurrency the worker admits: under the
+    1 GiB cap SmolLM2 in float32 held 14 requests of 1,024 tokens, and a c = 32 chat load evicted
+    its own conversations between turns and recomputed them (a 0.61 hit rate of ~0.8 possible)."""
+    tokens, running = min(cfg.worker.capacity_check_tokens, max_context), cfg.service.max_concurrency
+    if tokens <= 0 or not forms:
+        return 0, ""
+    return (bytes_to_hold(forms, cfg, block_size, tokens, 2 * running),
+            f"2 × service.max_concurrency {running} requests of {tokens:,} tokens (worker.capacity_check_tokens)")
+
+
 def available_memory(device: Any) -> tuple[int, str]:
     """Bytes free for the pools now (the weights are loaded), and where the number comes from."""
     import torch
@@ -121,16 +157,23 @@ def available_memory(device: Any) -> tuple[int, str]:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free RAM (sysconf)"
 
 
-def memory_pool_bytes(cfg: Config, device: Any, available: int) -> tuple[int, str]:
-    """The pool a worker without ``worker.pool_bytes`` takes out of ``available`` bytes, and how."""
+def memory_pool_bytes(cfg: Config, device: Any, available: int,
+                      floor: tuple[int, str] = (0, "")) -> tuple[int, str]:
+    """The pool a worker without ``worker.pool_bytes`` takes out of ``available`` bytes, and how;
+    on a CPU at most ``worker.cpu_pool_max_bytes``, or ``floor`` (:func:`concurrency_floor`) where
+    that is larger."""
     import torch
 
     w = cfg.worker
     pool = int(available * w.cache_memory_fraction)
     how = f"{size(available)} available × worker.cache_memory_fraction {w.cache_memory_fraction:g}"
     if torch.device(device).type == "cpu" and w.cpu_pool_max_bytes and pool > w.cpu_pool_max_bytes:
-        pool = w.cpu_pool_max_bytes
-        how += f", capped at worker.cpu_pool_max_bytes {size(pool)}"
+        cap, held = max(w.cpu_pool_max_bytes, floor[0]), floor[1]
+        if cap > w.cpu_pool_max_bytes and pool > cap:
+            how += f", capped at {size(cap)} to hold {held} (above worker.cpu_pool_max_bytes {size(w.cpu_pool_max_bytes)})"
+        elif cap == w.cpu_pool_max_bytes:
+            how += f", capped at worker.cpu_pool_max_bytes {size(cap)}"
+        pool = min(pool, cap)
     return pool, how
 
 
@@ -169,7 +212,7 @@ def size_pools(catalogue: FormCatalogue, cfg: Config, device: Any, max_context: 
         pool, source, how = cfg.worker.pool_bytes, "worker.pool_bytes", f"worker.pool_bytes {cfg.worker.pool_bytes:,}"
     else:
         free, where = available or available_memory(device)
-        pool, how = memory_pool_bytes(cfg, device, free)
+        pool, how = memory_pool_bytes(cfg, device, free, concurrency_floor(catalogue.forms, cfg, block, max_context))
         source, how = "memory", how.replace("available", where, 1)
     slots = pool_slots(catalogue, cfg, pool)
     admitted, limited_by = requests_admitted(catalogue.forms, slots, block, max_context)

@@ -70,14 +70,16 @@ async def test_pool_that_holds_the_concurrency_says_nothing(serve) -> None:
     assert not [e for e in logs if e["event"] in ("pool_capacity_low", "cache_over_capacity")]
 
 
-async def test_check_off_and_memory_sized_fix(serve) -> None:
-    """0 turns the start-up check off; a pool sized from memory names the cap, not pool_bytes."""
+async def test_check_off_and_a_memory_sized_cap_raised_to_hold_the_concurrency(serve) -> None:
+    """0 turns the start-up check off; a pool sized from memory is not held under the
+    concurrency by the CPU cap: the cap rises to what holds it (and says so), so nothing warns."""
     with capture_logs() as logs:
         async with serve(**{**SMALL, "worker.capacity_check_tokens": 0}):
             pass
     assert not [e for e in logs if e["event"] == "pool_capacity_low"]
     with capture_logs() as logs:
-        async with serve(**{**SMALL, "worker.pool_bytes": None, "worker.cpu_pool_max_bytes": 2048 * KiB}):
-            pass
-    (start,) = [e for e in logs if e["event"] == "pool_capacity_low"]
-    assert "raise worker.cpu_pool_max_bytes to at least" in start["message"]
+        async with serve(**{**SMALL, "worker.pool_bytes": None, "worker.cpu_pool_max_bytes": 2048 * KiB}) as s:
+            assert s.engine.sizing.pool_bytes > 2048 * KiB
+    assert not [e for e in logs if e["event"] == "pool_capacity_low"]
+    (sized,) = [e for e in logs if e["event"] == "pools_sized"]
+    assert "to hold 2 × service.max_concurrency 4 requests of 64 tokens" in sized["how"]

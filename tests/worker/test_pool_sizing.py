@@ -30,7 +30,8 @@ def sized(logs: list[dict]) -> dict:
 async def test_sized_from_memory_logs_what_it_holds(model, tmp_path) -> None:
     """Capped on a CPU: exactly worker.cpu_pool_max_bytes, and the log line says per form how many
     blocks and tokens that is and how many requests of the maximum context it holds."""
-    cfg = config(tmp_path, **{"worker.pool_bytes": None, "worker.cpu_pool_max_bytes": 8 * MiB})
+    cfg = config(tmp_path, **{"worker.pool_bytes": None, "worker.cpu_pool_max_bytes": 8 * MiB,
+                              "worker.capacity_check_tokens": 0})     # no concurrency floor: the cap binds
     with capture_logs() as logs:
         e = Engine(model, cfg, InProcessCoordinator())
     try:
@@ -98,7 +99,8 @@ async def test_explicit_pool_too_small_warns_and_serves(model, tmp_path) -> None
 
 
 def test_memory_sized_pool_too_small_refuses_with_numbers(model, tmp_path) -> None:
-    cfg = config(tmp_path, **{"worker.pool_bytes": None, "worker.cpu_pool_max_bytes": 200_000})
+    cfg = config(tmp_path, **{"worker.pool_bytes": None, "worker.cpu_pool_max_bytes": 200_000,
+                              "worker.capacity_check_tokens": 0})
     with pytest.raises(PoolSizeError) as err:
         Engine(model, cfg, InProcessCoordinator())
     msg = str(err.value)
@@ -109,7 +111,7 @@ def test_memory_sized_pool_too_small_refuses_with_numbers(model, tmp_path) -> No
 def test_worker_process_refuses_with_the_numbers(tmp_path) -> None:
     """The real worker process: exit 2 and one line on stderr, no stack trace."""
     conf = tmp_path / "kvledger.yaml"
-    conf.write_text("worker:\n  worker_id: w1\n  cpu_pool_max_bytes: 200000\n"
+    conf.write_text("worker:\n  worker_id: w1\n  cpu_pool_max_bytes: 200000\n  capacity_check_tokens: 0\n"
                     f"nats:\n  url: nats://127.0.0.1:1\nstate_dir: {tmp_path / 'state'}\n")
     out = subprocess.run([sys.executable, "-m", "worker", "--config", str(conf)], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
@@ -123,12 +125,12 @@ async def test_plan_says_what_the_worker_sizes(model, tmp_path, capsys) -> None:
     context as the engine logs (the cap binds, so MemAvailable's drift cannot part them)."""
     from kvledger.cli import main
 
-    over = {"worker.pool_bytes": None, "worker.cpu_pool_max_bytes": 6 * MiB}
+    over = {"worker.pool_bytes": None, "worker.cpu_pool_max_bytes": 6 * MiB, "worker.capacity_check_tokens": 0}
     e = Engine(model, config(tmp_path, **over), InProcessCoordinator())
     await e.stop()
     capsys.readouterr()     # the engine's own log lines
     conf = tmp_path / "kvledger.yaml"
-    conf.write_text("worker:\n  cpu_pool_max_bytes: 6291456\n")
+    conf.write_text("worker:\n  cpu_pool_max_bytes: 6291456\n  capacity_check_tokens: 0\n")
     assert main(["--config", str(conf), "plan", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["pool_source"] == "memory" and doc["pool_bytes"] == 6 * MiB
@@ -136,3 +138,29 @@ async def test_plan_says_what_the_worker_sizes(model, tmp_path, capsys) -> None:
     assert {f["name"]: f["slots"] for f in doc["forms"]} == e.slots
     assert doc["max_context"] == e.max_context
     assert doc["requests_at_max_context"] == e.sizing.admitted > 0
+
+
+async def test_the_cpu_cap_rises_to_hold_twice_the_concurrency(model, tmp_path) -> None:
+    """A cap under what ``service.max_concurrency`` requests of ``worker.capacity_check_tokens`` need
+    (twice: those running and what they leave for their next turns) is raised to exactly that, and
+    says so; with memory too short for it the start-up check names the memory fraction, not the cap."""
+    from worker.capacity import capacity_shortfall
+    from worker.settings import bytes_to_hold, requests_admitted, size_pools
+
+    cfg = config(tmp_path, **{"worker.pool_bytes": None, "worker.cpu_pool_max_bytes": 1 * MiB,
+                              "service.max_concurrency": 6, "worker.capacity_check_tokens": 512})
+    e = Engine(model, cfg, InProcessCoordinator())
+    try:
+        need = bytes_to_hold(e.catalogue.forms, cfg, 16, 512, 12)
+        assert e.sizing.pool_bytes == need > 1 * MiB
+        assert "to hold 2 × service.max_concurrency 6 requests of 512 tokens" in e.sizing.how
+        assert requests_admitted(e.catalogue.forms, e.slots, 16, 512)[0] >= 12
+        assert requests_admitted(e.catalogue.forms, pool_slots(e.catalogue, cfg, need - 1), 16, 512)[0] < 12
+        assert capacity_shortfall(e.catalogue, cfg, e.sizing) is None
+        # memory too short for even the running requests: the fix is memory or pool_bytes, not the cap
+        short = size_pools(e.catalogue, cfg, "cpu", e.max_context, available=(need // 4, "MemAvailable"))
+        gap = capacity_shortfall(e.catalogue, cfg, short)
+        assert gap is not None and gap.held < 6 and "set worker.pool_bytes to at least" in gap.fix
+        assert "cpu_pool_max_bytes" not in gap.fix
+    finally:
+        await e.stop()
