@@ -25,6 +25,7 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import signal
@@ -266,6 +267,12 @@ async def serve(cfg: Config, reload: Callable[[], Config] | None = None, config_
                            counter=engine.metrics.auth_reloads) if reload else None
     if reloader is not None:
         reloader.start()
+    # NOTE: what exists now — the model's modules and parameters, torch's and every library's
+    # modules, the engine — lives until exit: the cyclic collector need not walk it again. Left
+    # in, its collections were ~2 % of a prefill's samples (gc_collect_main) on SmolLM2. Frozen
+    # objects are still freed by reference counting.
+    gc.collect()
+    gc.freeze()
     log.info("worker_started", worker_id=engine.worker_id, namespace=engine.namespace, pools=engine.slots,
              device=str(engine.device))
     print(f"kvledger worker {engine.worker_id} running", flush=True)

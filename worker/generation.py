@@ -154,13 +154,53 @@ class Sampler:
         if p.min_p > 0:
             probs = torch.where(probs < p.min_p * probs.max(), torch.zeros_like(probs), probs)
         if p.top_p < 1.0:
-            sorted_p, idx = torch.sort(probs, descending=True, stable=True)
-            # keep the smallest head whose mass reaches top_p (the first token always stays)
-            # (of what min_p left: its mass is below 1 then)
-            mass = float(sorted_p.sum()) if p.min_p > 0 else 1.0
-            keep = (torch.cumsum(sorted_p, 0) - sorted_p) < p.top_p * mass
-            probs = torch.zeros_like(probs).scatter(0, idx, sorted_p * keep)
-        return int(torch.multinomial(probs, 1, generator=self.gen))
+            # of what min_p left: its mass is below 1 then
+            probs = nucleus(probs, p.top_p, float(probs.sum(dtype=torch.float64)) if p.min_p > 0 else 1.0)
+        return draw(probs, self.gen)
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """One token from ``probs`` (≥ 0, any positive total) by the inverse of its cumulative sum:
+    one uniform from the request's own generator, then the first token whose running total
+    exceeds it — so never a token of probability 0, and the same token for the same generator
+    state, alone or beside other requests.
+
+    NOTE: ``torch.multinomial`` took 1.17 ms per draw over SmolLM2's 49,152 tokens on this CPU
+    (a c = 32 profile had sampling at 5 % of the worker); this takes ~0.06 ms."""
+    cdf = torch.cumsum(probs.reshape(-1), 0, dtype=torch.float64)
+    total = float(cdf[-1])
+    if not (0.0 < total < float("inf")) or bool(torch.isnan(cdf[-1])):
+        raise ValueError(f"cannot sample: the probabilities sum to {total} (inf, nan or nothing left)")
+    u = float(torch.rand((), dtype=torch.float64, generator=gen)) * total     # < total: u < 1
+    i = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True))
+    return min(i, cdf.numel() - 1)
+
+
+def nucleus(probs: torch.Tensor, top_p: float, mass: float) -> torch.Tensor:
+    """``probs`` with only the smallest head kept — in descending order, ties by token id (a
+    stable sort's order) — whose exclusive running mass stays under ``top_p × mass`` (the first
+    token always stays); every other token 0.
+
+    Exactly the tokens and values a stable sort of the whole vocabulary keeps, from top-k of a
+    growing head: the values come out in the same order (tied values are equal, so their order
+    cannot change a running sum), and among tokens tied with the last kept value the lowest ids
+    are the ones a stable sort puts first. NOTE: the whole sort took 4.4 ms per token for 49,152
+    tokens here; the head is usually a few hundred tokens."""
+    n = probs.numel()
+    k = min(n, 256)
+    while True:
+        # past an eighth of the vocabulary a top-k costs more than the sort (a flat distribution)
+        vals = torch.topk(probs, k, sorted=True).values if 8 * k <= n else torch.sort(probs, descending=True).values
+        kept = int(((torch.cumsum(vals, 0) - vals) < top_p * mass).sum())   # a prefix: sums only grow
+        if kept < vals.numel() or vals.numel() == n:
+            break
+        k = 4 * k
+    last = vals[kept - 1]
+    above = probs > last
+    ties = torch.nonzero(probs == last).reshape(-1)[:kept - int(above.sum())]
+    out = torch.where(above, probs, torch.zeros_like(probs))
+    out[ties] = last
+    return out
 
 
 @dataclass(slots=True)
@@ -208,4 +248,4 @@ async def generate(s: Session, sampling: SamplingParams, *, max_tokens: int,
     return Generated(out, finish, torch.stack(kept) if kept else None, first_at)
 
 
-__all__ = ["Generated", "Sampler", "SamplingParams", "TokenLogprobs", "generate"]
+__all__ = ["Generated", "Sampler", "SamplingParams", "TokenLogprobs", "draw", "generate", "nucleus"]

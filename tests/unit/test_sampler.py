@@ -71,3 +71,52 @@ def test_the_repetition_penalty_covers_the_prompt_and_every_output_token_so_far(
         assert torch.equal(s.process(x), want)
         out.append(s.pick(x))
     assert len(set(out) - set(prompt)) > 0        # tokens outside the prompt joined on the way
+
+
+def _stable_sort_nucleus(probs: torch.Tensor, top_p: float, mass: float) -> torch.Tensor:
+    """The nucleus as the sampler first computed it: a stable sort of the whole vocabulary."""
+    sorted_p, idx = torch.sort(probs, descending=True, stable=True)
+    keep = (torch.cumsum(sorted_p, 0) - sorted_p) < top_p * mass
+    return torch.zeros_like(probs).scatter(0, idx, sorted_p * keep)
+
+
+def test_the_nucleus_keeps_exactly_what_a_stable_sort_keeps() -> None:
+    """Ties (rounded logits), zeros (min_p, masked tokens), flat and peaked distributions, heads
+    past the first top-k and past an eighth of the vocabulary: the same tokens, the same values."""
+    from worker.generation import nucleus
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        n = int(torch.randint(1, 5000, (1,), generator=g))
+        x = torch.randn(n, generator=g) * float(torch.rand(1, generator=g) * 8)
+        if trial % 3 == 0:
+            x = torch.round(x)
+        if trial % 5 == 0:
+            x[torch.rand(n, generator=g) < 0.5] = float("-inf")
+            x[0] = 0.0
+        probs = torch.softmax(x, -1)
+        if trial % 4 == 0:
+            probs = torch.where(probs < 0.3 * probs.max(), torch.zeros_like(probs), probs)
+        mass = float(probs.sum())
+        for top_p in (0.01, 0.3, 0.9, 0.999, 1.0 - 1e-9):
+            assert torch.equal(nucleus(probs, top_p, mass), _stable_sort_nucleus(probs, top_p, mass)), (trial, top_p)
+
+
+def test_a_draw_follows_the_probabilities_never_picks_a_zero_and_repeats_with_its_generator() -> None:
+    import pytest
+
+    from worker.generation import draw
+
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0])
+    g = torch.Generator().manual_seed(7)
+    counts = torch.zeros(5)
+    for _ in range(20_000):
+        counts[draw(probs, g)] += 1
+    assert counts[1] == counts[4] == 0
+    assert torch.allclose(counts / 20_000, probs, atol=0.015)
+    # the same generator state, the same token; unnormalised weights draw the same as normalised
+    a = [draw(probs * 3, torch.Generator().manual_seed(k)) for k in range(50)]
+    assert a == [draw(probs, torch.Generator().manual_seed(k)) for k in range(50)]
+    for bad in (torch.zeros(4), torch.tensor([0.5, float("nan")]), torch.tensor([float("inf"), 1.0])):
+        with pytest.raises(ValueError, match="cannot sample"):
+            draw(bad, g)
