@@ -12,6 +12,8 @@
 // * rope: x*cos + rotate_half(x)*sin, each product and the sum rounded to the dtype as torch does.
 // Compiled with -ffp-contract=off: no multiply and add fused that the source keeps apart.
 
+#include <ATen/ThreadLocalState.h>
+
 namespace {
 
 inline int64_t aten_ceil_log2(int64_t x) {   // c10's CeilLog2 as SumKernel.cpp uses it
@@ -106,6 +108,27 @@ void rope_rows(const T* x, int64_t ldx, int64_t heads, int64_t D, const T* cos, 
 
 bool norm_lanes_ok(int64_t lanes) { return lanes == 8 || lanes == 16; }
 
+// fn(r0, r1) over [0, rows) in blocks of rows on the product's pool: a row's values never depend
+// on which block or thread computes it (these ops are row by row), so the bits do not change.
+// A call of under ~64K elements is done before a helper could join.
+template <typename F>
+void for_rows(int64_t rows, int64_t row_elems, const F& fn) {
+  const int64_t T = get_threads();
+  if (T < 2 || rows < 2 || rows * row_elems < (int64_t{1} << 16)) {
+    fn(int64_t{0}, rows);
+    return;
+  }
+  const int64_t per = std::max<int64_t>(1, (rows + 4 * T - 1) / (4 * T));   // ~4 blocks per thread
+  const int64_t blocks = (rows + per - 1) / per;
+  // the caller's thread-local state (grad and inference mode) for ATen calls on the helpers, as
+  // at::parallel_for passes it: an inference tensor may only be written in inference mode
+  const at::ThreadLocalState tls;
+  pool()->run(blocks, [&](int64_t b) {
+    at::ThreadLocalStateGuard guard(tls);
+    fn(b * per, std::min(rows, (b + 1) * per));
+  });
+}
+
 }  // namespace
 
 torch::Tensor cast_rms_norm(torch::Tensor x, torch::Tensor w, double eps, int64_t lanes) {
@@ -123,8 +146,11 @@ torch::Tensor cast_rms_norm(torch::Tensor x, torch::Tensor w, double eps, int64_
   const float e = static_cast<float>(eps);
   auto go = [&](auto* xp, auto* wp, auto* yp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
-    if (lanes == 16) cast_rms_norm_rows<T, 16>(xp, x2.stride(0), wp, yp, rows, n, e);
-    else cast_rms_norm_rows<T, 8>(xp, x2.stride(0), wp, yp, rows, n, e);
+    const int64_t ld = x2.stride(0);
+    for_rows(rows, n, [&](int64_t r0, int64_t r1) {
+      if (lanes == 16) cast_rms_norm_rows<T, 16>(xp + r0 * ld, ld, wp, yp + r0 * n, r1 - r0, n, e);
+      else cast_rms_norm_rows<T, 8>(xp + r0 * ld, ld, wp, yp + r0 * n, r1 - r0, n, e);
+    });
   };
   if (x.scalar_type() == at::kFloat) go(x2.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>());
   else go(x2.data_ptr<bf16>(), wc.data_ptr<bf16>(), y.data_ptr<bf16>());
@@ -146,23 +172,59 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
     s = sin.contiguous();
   }
   auto y = torch::empty({N, H, D}, x.options());
+  auto go = [&](auto* xp, auto* cp, auto* sp, auto* yp) {
+    const int64_t lx = x.stride(0), lc = c.stride(0);
+    for_rows(N, H * D, [&](int64_t r0, int64_t r1) {
+      rope_rows(xp + r0 * lx, lx, H, D, cp + r0 * lc, sp + r0 * lc, lc, yp + r0 * H * D, r1 - r0);
+    });
+  };
   if (x.scalar_type() == at::kFloat)
-    rope_rows(x.data_ptr<float>(), x.stride(0), H, D, c.data_ptr<float>(), s.data_ptr<float>(), c.stride(0),
-              y.data_ptr<float>(), N);
+    go(x.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), y.data_ptr<float>());
   else
-    rope_rows(x.data_ptr<bf16>(), x.stride(0), H, D, c.data_ptr<bf16>(), s.data_ptr<bf16>(), c.stride(0),
-              y.data_ptr<bf16>(), N);
+    go(x.data_ptr<bf16>(), c.data_ptr<bf16>(), s.data_ptr<bf16>(), y.data_ptr<bf16>());
   return y;
 }
 
 // silu(gate) * up as kernels.invariant.pointwise(F.silu, gate) * up computes it, for a gate whose
 // element count is a whole number of ATen's vectors (the caller checks): ATen's own silu over the
 // gate made contiguous (every element on the vector path, as pointwise arranges), then the product.
+// Rows of a 2-D gate may go to the pool in blocks: each block is a whole number of rows, so of
+// ATen's vectors when a row is (the layer's intermediate size, a multiple of 64), and an
+// element's bits do not depend on the block it is computed in.
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
   TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type(), "silu_mul: gate and up alike");
-  auto y = at::silu(gate.contiguous());
-  return y.mul_(up);
+  const int64_t row = gate.dim() == 2 ? gate.size(1) : 0;
+  if (row == 0 || row % 64) {
+    auto y = at::silu(gate.contiguous());
+    return y.mul_(up);
+  }
+  auto g = gate.contiguous();
+  auto y = torch::empty_like(g);
+  for_rows(g.size(0), row, [&](int64_t r0, int64_t r1) {
+    auto yb = y.narrow(0, r0, r1 - r0);
+    at::silu_out(yb, g.narrow(0, r0, r1 - r0));
+    yb.mul_(up.narrow(0, r0, r1 - r0));
+  });
+  return y;
 }
+
+namespace {
+
+// a + b (an ordinary add, as the modules' residual `x + y`) with blocks of rows on the pool: an
+// add is exact per element, whatever the block.
+torch::Tensor add_rows(const torch::Tensor& a, const torch::Tensor& b) {
+  if (a.dim() != 2 || a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type() || !a.is_contiguous() ||
+      !b.is_contiguous())
+    return a + b;
+  auto y = torch::empty_like(a);
+  for_rows(a.size(0), a.size(1), [&](int64_t r0, int64_t r1) {
+    auto yb = y.narrow(0, r0, r1 - r0);
+    at::add_out(yb, a.narrow(0, r0, r1 - r0), b.narrow(0, r0, r1 - r0));
+  });
+  return y;
+}
+
+}  // namespace
 
 namespace {
 
@@ -209,9 +271,9 @@ torch::Tensor dense_layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor ln2,
   q = rope(q, cos, sin);
   k = rope(k, cos, sin);
   auto o = attention_cached(q, k, v, kbufs, vbufs, layer, starts, rows, pos, key_lo, window, scale, 0);
-  x = x + product(o.to(q.scalar_type()).reshape({N, -1}), w_o, b_o);
+  x = add_rows(x, product(o.to(q.scalar_type()).reshape({N, -1}), w_o, b_o));
   auto gu = product(cast_rms_norm(x, ln2, eps, lanes), w_gate_up, b_gate_up);
   const int64_t I = w_down.size(1);
   auto gup = gu.split_with_sizes({I, I}, -1);
-  return x + product(silu_mul_any(gup[0], gup[1]), w_down, b_down);
+  return add_rows(x, product(silu_mul_any(gup[0], gup[1]), w_down, b_down));
 }

@@ -42,6 +42,28 @@ def test_rope_and_silu_mul_have_the_reference_bits(dtype):
     assert torch.equal(lo.silu_mul(gate, up), lo.reference_silu_mul(gate, up))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_split_over_the_pool_have_the_reference_bits(dtype):
+    """Prefill-sized calls (past ~64K elements) go to the product's pool in blocks of rows: the
+    same bits as the expressions, with strided inputs (views of a fused product) as the layer has."""
+    import kernels.cpu_linear as cl
+
+    assert cl.load().get_threads() >= 1
+    g = torch.Generator().manual_seed(9)
+    rows, hidden, heads, d, inter = 301, 576, 9, 64, 1536
+    w = (torch.randn(hidden, generator=g) + 1).to(dtype)
+    x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
+    assert torch.equal(lo.cast_rms_norm(x, w, 1e-5), lo.reference_cast_rms_norm(x, w, 1e-5))
+    qkv = torch.randn(rows, (heads + 2 * 3) * d, generator=g).to(dtype)
+    q = qkv[:, :heads * d].view(rows, heads, d)                 # strided rows
+    ang = torch.arange(rows)[:, None].float() * torch.rand(d // 2, generator=g)
+    cos, sin = torch.cat([ang, ang], -1).cos().to(dtype), torch.cat([ang, ang], -1).sin().to(dtype)
+    assert torch.equal(lo.rope(q, cos, sin), lo.reference_rope(q, cos, sin))
+    gu = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
+    gate, up = gu.split([inter, inter], -1)
+    assert torch.equal(lo.silu_mul(gate, up), lo.reference_silu_mul(gate, up))
+
+
 def test_what_the_compiled_ops_do_not_take_runs_the_reference():
     """float16, a row length that is not a whole number of lanes, autograd: the expression runs
     (here for the norm module, whose result must then carry a gradient)."""

@@ -69,3 +69,21 @@ def test_fp8_cache_storage_takes_the_module_path(monkeypatch):
     monkeypatch.setattr(dm.DenseLayer, "_one_call", lambda self, *a: seen.append(real(self, *a)) or seen[-1])
     model.prefill(torch.arange(40), st)
     assert seen and all(s is None for s in seen)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prefill_sized_unit_split_over_the_pool_gives_the_modules_bits(family, dtype, monkeypatch):
+    """A unit of 1,100 rows: the layer's row-by-row ops (norms, rope, silu·up, residual adds) go to
+    the product's pool in blocks of rows (past ~64K elements) and still give the modules' bits."""
+    torch.set_num_threads(1)
+    model = dm.build_dense(dense_tiny(family), seed=2, dtype=dtype)
+    prompt = torch.randint(0, 200, (1100,), generator=torch.Generator().manual_seed(4))
+
+    def run(one_call: bool) -> torch.Tensor:
+        with monkeypatch.context() as m:
+            if not one_call:
+                m.setattr(dm.DenseLayer, "_one_call", lambda self, *a: None)
+            return model.prefill(prompt, model.new_state(16, 1200), chunk_blocks=128, logits="all")
+
+    assert torch.equal(run(True), run(False))
