@@ -177,7 +177,10 @@ inline void pv_rows64(const float* const* p, const T* vals, int64_t stride, int6
   for (int64_t j = j0; j < j1; ++j) {
     const T* vj = vals + j * stride;
     V vc[4];
-    for (int c = 0; c < 4; ++c) vc[c] = vload(vj + 16 * c);
+    for (int c = 0; c < 4; ++c) {
+      vc[c] = vload(vj + 16 * c);
+      if constexpr (R > 1) pin(vc[c]);   // loaded once, not folded into each row's FMA (see pin)
+    }
     for (int i = 0; i < R; ++i) {
       const V pj = vbroadcast(p[i][j]);
       for (int c = 0; c < 4; ++c) a[i][c] = vfma(pj, vc[c], a[i][c]);
@@ -293,11 +296,14 @@ void attend_tile(const TQ* const* qrows, int R, const Segment& s, const int64_t*
       for (int64_t c = 0; c < D; c += 16) {
         const int rest = static_cast<int>(std::min<int64_t>(16, D - c));
         V kc[4];
-        for (int key = 0; key < 4; ++key)
+        for (int key = 0; key < 4; ++key) {
           kc[key] = rest == 16 ? vload(K + (j + key) * s.stride + c) : vload_part(K + (j + key) * s.stride + c, rest);
+          pin(kc[key]);                  // each key's chunk loaded once for the 4 rows (see pin)
+        }
         for (int i = 0; i < 4; ++i) {
           const float* qi = qf + (i * g + hh) * D + c;
-          const V qc = rest == 16 ? vload(qi) : vload_part(qi, rest);
+          V qc = rest == 16 ? vload(qi) : vload_part(qi, rest);
+          pin(qc);
           for (int key = 0; key < 4; ++key) acc[4 * i + key] = vfma(qc, kc[key], V{acc[4 * i + key]}).v;
         }
       }
