@@ -176,11 +176,16 @@ inline void pv_rows64(const float* const* p, const T* vals, int64_t stride, int6
     for (int c = 0; c < 4; ++c) a[i][c] = acc[i][c];
   for (int64_t j = j0; j < j1; ++j) {
     const T* vj = vals + j * stride;
-    V vc[4];
-    for (int c = 0; c < 4; ++c) {
-      vc[c] = vload(vj + 16 * c);
-      if constexpr (R > 1) pin(vc[c]);   // loaded once, not folded into each row's FMA (see pin)
+    // loaded once, not folded into each row's FMA (see pin); scalars, not an array, or GCC
+    // stores the array to the stack for the asm every key
+    V v0 = vload(vj), v1 = vload(vj + 16), v2 = vload(vj + 32), v3 = vload(vj + 48);
+    if constexpr (R > 1) {
+      pin(v0);
+      pin(v1);
+      pin(v2);
+      pin(v3);
     }
+    const V vc[4] = {v0, v1, v2, v3};
     for (int i = 0; i < R; ++i) {
       const V pj = vbroadcast(p[i][j]);
       for (int c = 0; c < 4; ++c) a[i][c] = vfma(pj, vc[c], a[i][c]);
