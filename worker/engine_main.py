@@ -250,6 +250,15 @@ async def serve(cfg: Config, reload: Callable[[], Config] | None = None, config_
               flush=True)
         return 2
     engine.endpoint = advertised_endpoint(cfg.worker, *bound_address(http))
+    # SIGHUP or a changed file: the API keys are read again (old ones kept for auth.rotation_grace_s).
+    # NOTE: installed before the first await after "listening on": the API answers from then on,
+    # and a SIGHUP that came during registration was lost (ignored under nohup, else it killed
+    # the worker), so a key rotated then was never picked up (a CI failure of test_key_rotation)
+    reloader = KeyReloader(reload, cfg, log, path=config_path or os.environ.get("KVL_CONFIG"),
+                           directories=(http.app[TENANTS], *((debug.tenants,) if debug else ())),
+                           counter=engine.metrics.auth_reloads) if reload else None
+    if reloader is not None:
+        reloader.start()
     await engine.start(wait_s=0)
     try:
         if debug is not None:
@@ -258,15 +267,11 @@ async def serve(cfg: Config, reload: Callable[[], Config] | None = None, config_
                         note="anyone who may publish there can run requests (API keys still apply)")
     except Exception as e:  # noqa: BLE001 - NATS unreachable at start
         print(f"kvledger worker: cannot reach NATS at {mask_credentials(cfg.nats.url)}: {e}", file=sys.stderr, flush=True)
+        if reloader is not None:
+            await reloader.stop()
         await http.cleanup()
         await engine.stop()
         return 2
-    # SIGHUP or a changed file: the API keys are read again (old ones kept for auth.rotation_grace_s)
-    reloader = KeyReloader(reload, cfg, log, path=config_path or os.environ.get("KVL_CONFIG"),
-                           directories=(http.app[TENANTS], *((debug.tenants,) if debug else ())),
-                           counter=engine.metrics.auth_reloads) if reload else None
-    if reloader is not None:
-        reloader.start()
     # NOTE: what exists now — the model's modules and parameters, torch's and every library's
     # modules, the engine — lives until exit: the cyclic collector need not walk it again. Left
     # in, its collections were ~2 % of a prefill's samples (gc_collect_main) on SmolLM2. Frozen
