@@ -155,6 +155,7 @@ inline void pin(V&) {}
 inline void store(float* p, float v) { *p = v; }
 inline void store(bf16* p, float v) { *p = bf16(v); }  // round to nearest even, once
 
+#if defined(__AVX512F__) || !(defined(__AVX2__) && defined(__FMA__))
 // The one per-element code path: MR x NR elements at a time, each reduced the same way.
 template <typename T, int MR, int NR>
 void tile(const T* x, int64_t ldx, const T* w, int64_t ldw, T* y, int64_t ldy, int64_t K) {
@@ -200,6 +201,58 @@ void tile(const T* x, int64_t ldx, const T* w, int64_t ldw, T* y, int64_t ldy, i
     for (int j = 0; j < NR; ++j) store(y + i * ldy + j, hsum(acc[i][j]));
 }
 
+#else
+// AVX2: 16 ymm registers, and an element's 16 lanes take two of them, so a 4 x 4 tile's 32
+// accumulators spilled at every FMA (prefill at 0.55x of MKL on a Zen 3). But an element's low
+// and high 8 lanes never meet before its lane sum: a tile runs them as two passes over K (the
+// second from cache), each lane taking the same FMAs in the same order as in one pass. Same
+// bits, half the registers.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) { return widen8(p); }
+inline void pin8(__m256& v) { asm("" : "+x"(v)); }
+
+template <typename T, int MR, int NR>
+void tile(const T* x, int64_t ldx, const T* w, int64_t ldw, T* y, int64_t ldy, int64_t K) {
+  alignas(32) float lanes[2][MR][NR][8];
+  const int64_t whole = K / 16 * 16;
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k = 8 * h; k < whole; k += 16) {
+      __m256 xv[MR];
+      for (int i = 0; i < MR; ++i) {
+        xv[i] = load8(x + i * ldx + k);
+        if constexpr (NR > 1) pin8(xv[i]);
+      }
+      for (int j = 0; j < NR; ++j) {
+        __m256 wv = load8(w + j * ldw + k);
+        if constexpr (MR > 1) pin8(wv);
+        for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+      }
+    }
+    if (whole < K) {   // the last partial chunk, zero-filled, as vload_part gives it
+      const int rest = static_cast<int>(K - whole);
+      __m256 xv[MR];
+      for (int i = 0; i < MR; ++i) {
+        V p = vload_part(x + i * ldx + whole, rest);
+        xv[i] = h ? p.hi : p.lo;
+      }
+      for (int j = 0; j < NR; ++j) {
+        V p = vload_part(w + j * ldw + whole, rest);
+        for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], h ? p.hi : p.lo, acc[i][j]);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) _mm256_store_ps(lanes[h][i][j], acc[i][j]);
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j)
+      store(y + i * ldy + j, hsum(V{_mm256_load_ps(lanes[0][i][j]), _mm256_load_ps(lanes[1][i][j])}));
+}
+#define KVL_HALVES 1
+#endif
+
 template <typename T, int MR>
 void tile_cols(int nr, const T* x, int64_t ldx, const T* w, int64_t ldw, T* y, int64_t ldy, int64_t K) {
   switch (nr) {
@@ -214,14 +267,23 @@ void tile_cols(int nr, const T* x, int64_t ldx, const T* w, int64_t ldw, T* y, i
   }
 }
 
-// Output columns [n0, n1) for every row: row tiles of 4 (4 x 4 elements: 16 accumulators),
-// the last 1-3 rows in one tile of that height (x 8 columns: more independent chains when a
-// product has one row, as a decode step's does).
-// A few rows (a fused decode step): each row alone in 1 x 8 tiles over the block, the block's
-// weights from cache after the first row. Faster than 4 x 4 tiles there (measured on an AVX-512
-// Xeon, SmolLM2's products: bfloat16 4 rows 0.69x, 8 rows 0.76x; float32 4-8 rows 0.91-0.96x),
-// and the same bits: every tile shape runs the same per-element code.
+// Output columns [n0, n1) for every row: row tiles of kMR rows x kNR columns, the last rows in
+// one tile of that height, kRestNR(rows) columns wide (more independent chains when a product has
+// one row, as a decode step's does).
+// A few rows (a fused decode step), with AVX-512: each row alone in 1 x 8 tiles over the block,
+// the block's weights from cache after the first row. Faster than 4 x 4 tiles there (measured on
+// an AVX-512 Xeon, SmolLM2's products: bfloat16 4 rows 0.69x, 8 rows 0.76x; float32 4-8 rows
+// 0.91-0.96x). With AVX2 the 3 x 4 tiles win at 2-8 rows too (Zen 3: 0.72-0.90x), so rows stay
+// together. The same bits either way: every tile shape runs the same per-element code.
+#if defined(KVL_HALVES)
+constexpr int kMR = 3, kNR = 4;   // 12 accumulators + 3 rows + 1 weight vector: 16 ymm
+constexpr int kRestNR(int64_t rows) { return rows == 1 ? 8 : 6; }
+template <typename T> constexpr int64_t kRowwiseMin = 1 << 30;   // never
+#else
+constexpr int kMR = 4, kNR = 4;
+constexpr int kRestNR(int64_t) { return 8; }
 template <typename T> constexpr int64_t kRowwiseMin = std::is_same<T, bf16>::value ? 2 : 4;
+#endif
 constexpr int64_t kRowwiseMax = 8;
 
 template <typename T>
@@ -233,13 +295,14 @@ void column_block(const T* x, const T* w, T* y, int64_t M, int64_t K, int64_t N,
         tile_cols<T, 1>(static_cast<int>(std::min<int64_t>(8, n1 - n)), x + m * K, K, w + n * K, K, y + m * N + n, N, K);
     return;
   }
-  for (; m + 4 <= M; m += 4)
-    for (int64_t n = n0; n < n1; n += 4)
-      tile_cols<T, 4>(static_cast<int>(std::min<int64_t>(4, n1 - n)), x + m * K, K, w + n * K, K, y + m * N + n, N, K);
+  for (; m + kMR <= M; m += kMR)
+    for (int64_t n = n0; n < n1; n += kNR)
+      tile_cols<T, kMR>(static_cast<int>(std::min<int64_t>(kNR, n1 - n)), x + m * K, K, w + n * K, K, y + m * N + n, N, K);
   const int64_t rest = M - m;
   if (rest == 0) return;
-  for (int64_t n = n0; n < n1; n += 8) {
-    const int nr = static_cast<int>(std::min<int64_t>(8, n1 - n));
+  const int64_t nr_max = kRestNR(rest);
+  for (int64_t n = n0; n < n1; n += nr_max) {
+    const int nr = static_cast<int>(std::min<int64_t>(nr_max, n1 - n));
     const T* xm = x + m * K;
     T* ym = y + m * N + n;
     if (rest == 1) tile_cols<T, 1>(nr, xm, K, w + n * K, K, ym, N, K);
