@@ -55,6 +55,39 @@ inline __m512 kexp16(__m512 x) {
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
+#elif defined(KVL_HALVES)
+// kexp on 8 lanes (AVX2): the same operations in the same order, so a lane's bits are kexp's.
+inline __m256 kexp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), magic), magic);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// hsum of 8 elements' lanes at once (AVX2): s[e] = lo + hi of element e (hsum's first step);
+// returns hsum(element e) in lane kHsum8Lane[e]. Each addition pairs the same two partial sums
+// as hsum's tree (lanes i and i+4, i and i+2, 0 and 1); the shuffles only line them up.
+constexpr int kHsum8Lane[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+inline __m256 hsum8(const __m256* s) {
+  __m256 u[4], v[2];
+  for (int k = 0; k < 4; ++k)   // 8 -> 4: [t(2k), t(2k+1)]
+    u[k] = _mm256_add_ps(_mm256_permute2f128_ps(s[2 * k], s[2 * k + 1], 0x20),
+                         _mm256_permute2f128_ps(s[2 * k], s[2 * k + 1], 0x31));
+  for (int k = 0; k < 2; ++k)   // 4 -> 2, within each 128-bit half: [e 4k, e 4k+2 | e 4k+1, e 4k+3], 2 lanes each
+    v[k] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * k], u[2 * k + 1], 0x44), _mm256_shuffle_ps(u[2 * k], u[2 * k + 1], 0xEE));
+  // 2 -> 1: [e0, e2, e4, e6 | e1, e3, e5, e7]
+  return _mm256_add_ps(_mm256_shuffle_ps(v[0], v[1], 0x88), _mm256_shuffle_ps(v[0], v[1], 0xDD));
+}
 #endif
 
 struct V4 { V v[4]; };
@@ -112,6 +145,36 @@ inline void scores(const float* q, const T* K, int64_t stride, int64_t n, int64_
     for (int l = 0; l < 4; ++l)
       for (int qd = 0; qd < 4; ++qd) out[j + 4 * qd + l] = r[4 * l + qd];   // hsum16's order: out[4l + q] <- a[4q + l]
   }
+#elif defined(KVL_HALVES)
+  // 8 keys at a time, their low then high 8 lanes as two passes (the product's halves), one hsum8
+  const __m256 vs = _mm256_set1_ps(scale);
+  for (; j + 8 <= n; j += 8) {
+    alignas(32) float lo[8][8];
+    __m256 acc[8];
+    for (int h = 0; h < 2; ++h) {
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+      int64_t c = 0;
+      for (; c + 16 <= D; c += 16) {
+        __m256 qc = load8(q + c + 8 * h);
+        pin8(qc);
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qc, load8(K + (j + i) * stride + c + 8 * h), acc[i]);
+      }
+      if (c < D) {
+        const int rest = static_cast<int>(D - c);
+        const V qp = vload_part(q + c, rest);
+        for (int i = 0; i < 8; ++i) {
+          const V kp = vload_part(K + (j + i) * stride + c, rest);
+          acc[i] = _mm256_fmadd_ps(h ? qp.hi : qp.lo, h ? kp.hi : kp.lo, acc[i]);
+        }
+      }
+      if (h == 0)
+        for (int i = 0; i < 8; ++i) _mm256_store_ps(lo[i], acc[i]);
+    }
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_add_ps(_mm256_load_ps(lo[i]), acc[i]);
+    alignas(32) float r[8];
+    _mm256_store_ps(r, _mm256_mul_ps(hsum8(acc), vs));
+    for (int i = 0; i < 8; ++i) out[j + i] = r[kHsum8Lane[i]];
+  }
 #endif
   for (; j < n; ++j) out[j] = dot(q, K + j * stride, D) * scale;
 }
@@ -129,6 +192,15 @@ inline float softmax(float* p, int64_t n) {
     for (j = 16; j + 16 <= n; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(p + j));
     m = _mm512_reduce_max_ps(vmax);
   }
+#elif defined(KVL_HALVES)
+  if (n >= 8) {
+    __m256 vmax = _mm256_loadu_ps(p);
+    for (j = 8; j + 8 <= n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(p + j));
+    alignas(32) float l8[8];
+    _mm256_store_ps(l8, vmax);
+    m = l8[0];
+    for (int i = 1; i < 8; ++i) m = l8[i] > m ? l8[i] : m;
+  }
 #endif
   for (; j < n; ++j) m = p[j] > m ? p[j] : m;
   float lanes[16] = {};
@@ -142,6 +214,19 @@ inline float softmax(float* p, int64_t n) {
     vl = _mm512_add_ps(vl, e);
   }
   _mm512_storeu_ps(lanes, vl);
+#elif defined(KVL_HALVES)
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 vlo = _mm256_setzero_ps(), vhi = _mm256_setzero_ps();
+  for (; j + 16 <= n; j += 16) {
+    const __m256 e0 = kexp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), vm));
+    const __m256 e1 = kexp8(_mm256_sub_ps(_mm256_loadu_ps(p + j + 8), vm));
+    _mm256_storeu_ps(p + j, e0);
+    _mm256_storeu_ps(p + j + 8, e1);
+    vlo = _mm256_add_ps(vlo, e0);
+    vhi = _mm256_add_ps(vhi, e1);
+  }
+  _mm256_storeu_ps(lanes, vlo);
+  _mm256_storeu_ps(lanes + 8, vhi);
 #endif
   for (int64_t j0 = j; j < n; ++j) {
     p[j] = kexp(p[j] - m);
