@@ -76,15 +76,17 @@ class PgFailover:
             self.primary_down_since = now
             what = (f"the standby is promoted in {self.after_s:g}s" if self.after_s and not self.standby.promoted
                     else "promote the standby: kvledger db promote")
+            self.stack.write_state_file()  # stack.json no longer lists its pid (before the line: see below)
             say(f"embedded postgres (primary) exited (code {code}); not restarting it next to its standby; {what}",
                 style="bold red")
-            self.stack.write_state_file()  # stack.json no longer lists its pid
         if self.standby.promoted:
             if not self.promoted_reported:
                 self.promoted_reported = True
+                # NOTE: stack.json first: whoever reads the line (an operator's script, a drill)
+                # then finds the standby's new role there, not the old one
+                self.stack.write_state_file()
                 say(f"the standby was promoted: PostgreSQL on {self.standby.host}:{self.standby.port} is the "
                     f"primary now (no standby left)", style="bold yellow")
-                self.stack.write_state_file()
         elif self.primary_down_since is not None and self.after_s and now - self.primary_down_since >= self.after_s:
             say(f"the primary has been dead {now - self.primary_down_since:.1f}s: promoting the standby",
                 style="bold yellow")
