@@ -177,6 +177,7 @@ class NatsCluster:
             deadline = time.monotonic() + timeout_s
             for i in range(self.size):
                 self.wait_healthy(i, max(1.0, deadline - time.monotonic()))
+            self.wait_settled(max(1.0, deadline - time.monotonic()))
         except BaseException:
             self.stop()
             raise
@@ -226,6 +227,40 @@ class NatsCluster:
         out += [f"{'consumer' if c else 'stream'} {s}{'/' + c if c else ''} (not loaded yet)"
                 for s, c in sorted(self.stored(i) - listed)]
         return out
+
+    def leaders(self) -> dict[tuple[str, str], set[str]]:
+        """Per (stream, "") and (stream, consumer): the leaders the nodes holding it name ("" for none)."""
+        seen: dict[tuple[str, str], set[str]] = {}
+        for i in range(self.size):
+            for account in self.jetstream(i, consumers=True).get("account_details") or []:
+                for stream in account.get("stream_detail") or []:
+                    name = stream.get("name")
+                    seen.setdefault((name, ""), set()).add((stream.get("cluster") or {}).get("leader") or "")
+                    for c in stream.get("consumer_detail") or []:
+                        seen.setdefault((name, c.get("name")), set()).add((c.get("cluster") or {}).get("leader") or "")
+        return seen
+
+    def wait_settled(self, timeout_s: float) -> None:
+        """Wait until every node names the same leader for each stream and consumer, twice in a row.
+
+        NOTE: each node having *a* leader is not enough: after a restart from the stores a group
+        can elect while its third member still recovers and then elect again, and a request in
+        between waits out the election (a CI run: the stream's first `stream_info` timed out right
+        after `start` returned, on a loaded machine)."""
+        deadline = time.monotonic() + timeout_s
+        last: dict[tuple[str, str], set[str]] = {}
+        stable = 0
+        while time.monotonic() < deadline:
+            now = self.leaders()
+            agreed = all(len(v) == 1 and "" not in v for v in now.values())
+            stable = stable + 1 if agreed and now == last else (1 if agreed else 0)
+            if stable >= 2:
+                return
+            last = now
+            time.sleep(0.25)
+        split = {f"{s}{'/' + c if c else ''}": sorted(v) for (s, c), v in last.items() if len(v) != 1 or "" in v}
+        raise EmbeddedServiceError(f"NATS cluster: the nodes did not agree on their streams' leaders within "
+                                   f"{timeout_s:.0f}s ({split or 'leaders kept changing'})")
 
     def stored(self, i: int) -> set[tuple[str, str]]:
         """The (stream, "") and (stream, consumer) pairs node ``i``'s store holds on disk (every
