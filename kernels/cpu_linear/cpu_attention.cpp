@@ -145,36 +145,6 @@ inline void scores(const float* q, const T* K, int64_t stride, int64_t n, int64_
     for (int l = 0; l < 4; ++l)
       for (int qd = 0; qd < 4; ++qd) out[j + 4 * qd + l] = r[4 * l + qd];   // hsum16's order: out[4l + q] <- a[4q + l]
   }
-#elif defined(KVL_HALVES)
-  // 8 keys at a time, their low then high 8 lanes as two passes (the product's halves), one hsum8
-  const __m256 vs = _mm256_set1_ps(scale);
-  for (; j + 8 <= n; j += 8) {
-    alignas(32) float lo[8][8];
-    __m256 acc[8];
-    for (int h = 0; h < 2; ++h) {
-      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-      int64_t c = 0;
-      for (; c + 16 <= D; c += 16) {
-        __m256 qc = load8(q + c + 8 * h);
-        pin8(qc);
-        for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qc, load8(K + (j + i) * stride + c + 8 * h), acc[i]);
-      }
-      if (c < D) {
-        const int rest = static_cast<int>(D - c);
-        const V qp = vload_part(q + c, rest);
-        for (int i = 0; i < 8; ++i) {
-          const V kp = vload_part(K + (j + i) * stride + c, rest);
-          acc[i] = _mm256_fmadd_ps(h ? qp.hi : qp.lo, h ? kp.hi : kp.lo, acc[i]);
-        }
-      }
-      if (h == 0)
-        for (int i = 0; i < 8; ++i) _mm256_store_ps(lo[i], acc[i]);
-    }
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_add_ps(_mm256_load_ps(lo[i]), acc[i]);
-    alignas(32) float r[8];
-    _mm256_store_ps(r, _mm256_mul_ps(hsum8(acc), vs));
-    for (int i = 0; i < 8; ++i) out[j + i] = r[kHsum8Lane[i]];
-  }
 #endif
   for (; j < n; ++j) out[j] = dot(q, K + j * stride, D) * scale;
 }
@@ -342,7 +312,8 @@ inline void pv_heads32(const float* p, int64_t n, const T* vals, int64_t stride,
 
 #if defined(KVL_HALVES)
 // AVX2: G (<= 3) heads of one kv head score 4 keys at once: each key's chunk loaded once for the
-// G heads, 12 chains. Every element by scores' lane code (two half passes, hsum8's pairing). The
+// G heads, 12 chains. Every element by dot's lane code (the product's two half passes, then
+// hsum8, which pairs lanes as hsum does). The
 // K rows 8 keys ahead are prefetched: a decode row's keys come from memory (32 rows at 800 keys,
 // Zen 3: 2.4 -> 2.0 ms per layer float32, 1.5 -> 1.2 bfloat16).
 template <typename T, int G>
