@@ -83,7 +83,14 @@ async def test_overload_finishes_the_first_admitted_and_refuses_the_rest_early(m
 
 
 async def test_without_the_backlog_bound_every_request_times_out_together(model, tmp_path) -> None:
-    """The failure this guards against, reproduced with ``admission_prefill_share: 0``."""
+    """The failure this guards against, reproduced with ``admission_prefill_share: 0``: every
+    request advances together, so none is served early and most miss the deadline together.
+
+    Not "none finishes": how many of the sixteen squeeze in just before the deadline depends on
+    the machine's prefill speed against its per-step cost (an AVX2 machine finished four of
+    them in the last 0.5 s of 6.1). What does not depend on it is that nothing ends early."""
     torch.set_num_threads(1)
     t1, timeout_s, ends, _, _ = await _overload(model, tmp_path, 0.0)
-    assert [k for k, _ in ends].count("ok") <= 1, (t1, timeout_s, ends)
+    kinds = [k for k, _ in ends]
+    assert kinds.count("RequestTimeout") >= REQUESTS // 2, (t1, timeout_s, ends)
+    assert all(t > 0.85 * timeout_s for k, t in ends if k == "ok"), (t1, timeout_s, ends)
