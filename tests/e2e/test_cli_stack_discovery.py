@@ -102,7 +102,9 @@ def test_a_second_process_finds_the_stack_hints_run_and_logs_are_json_lines(
         assert "transition.applied" in seen and "ALLOCATED → READY" in seen, seen
     finally:
         follow.send_signal(signal.SIGINT)
-        follow.wait(10)
+        # read what is left: with the pipe full, the interrupted print's flush at exit would
+        # block for ever on a reader that stopped reading (seen: wait(10) timed out)
+        follow.communicate(timeout=10)
 
     up.popen.send_signal(signal.SIGTERM)
     assert up.popen.wait(90) == 0, up.output()[-4000:]
