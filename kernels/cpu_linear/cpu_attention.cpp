@@ -120,33 +120,11 @@ inline float dot(const float* q, const T* k, int64_t D) {
   return hsum(acc);
 }
 
-// out[j] = dot(q, K[j]) * scale for j < n. With AVX-512, 16 keys at a time share one hsum16,
-// which pairs every element's lanes exactly as hsum does: the same bits as the tail's dot.
+// out[j] = dot(q, K[j]) * scale for j < n: the builds without AVX-512 or AVX2 (those score
+// several heads and keys at once, scores_heads16 / scores_heads4, with these bits).
 template <typename T>
 inline void scores(const float* q, const T* K, int64_t stride, int64_t n, int64_t D, float scale, float* out) {
-  int64_t j = 0;
-#if defined(KVL_HSUM16)
-  const __m512 vs = _mm512_set1_ps(scale);
-  for (; j + 16 <= n; j += 16) {
-    __m512 acc[16];
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-    int64_t c = 0;
-    for (; c + 16 <= D; c += 16) {
-      const V qc = vload(q + c);
-      for (int i = 0; i < 16; ++i) acc[i] = vfma(qc, vload(K + (j + i) * stride + c), V{acc[i]}).v;
-    }
-    if (c < D) {
-      const int rest = static_cast<int>(D - c);
-      const V qc = vload_part(q + c, rest);
-      for (int i = 0; i < 16; ++i) acc[i] = vfma(qc, vload_part(K + (j + i) * stride + c, rest), V{acc[i]}).v;
-    }
-    alignas(64) float r[16];
-    _mm512_store_ps(r, _mm512_mul_ps(hsum16(acc), vs));
-    for (int l = 0; l < 4; ++l)
-      for (int qd = 0; qd < 4; ++qd) out[j + 4 * qd + l] = r[4 * l + qd];   // hsum16's order: out[4l + q] <- a[4q + l]
-  }
-#endif
-  for (; j < n; ++j) out[j] = dot(q, K + j * stride, D) * scale;
+  for (int64_t j = 0; j < n; ++j) out[j] = dot(q, K + j * stride, D) * scale;
 }
 
 // p[j] <- exp(p[j] - max p) in place; returns their sum (16 lanes by j, then the lane tree).
@@ -372,6 +350,81 @@ inline void scores_heads4(const float* q, const T* K, int64_t stride, int64_t n,
 }
 #endif
 
+#if defined(KVL_HSUM16)
+// AVX-512: G (<= 4) heads of one kv head score 4 keys at once, each key's chunk loaded once for
+// the G heads (4G independent chains), the 4G elements' lanes summed by one hsum16, which pairs
+// them as hsum does: every (key, head) gets scores()'s bits. K rows 8 keys ahead are prefetched:
+// a decode row's keys come from memory.
+template <typename T, int G>
+inline void scores_heads16(const float* q, const T* K, int64_t stride, int64_t n, int64_t D, float scale, float* sc,
+                           int64_t ldsc) {
+  const __m512 vs = _mm512_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    if (j + 12 <= n)
+      for (int key = 8; key < 12; ++key)
+        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(K + (j + key) * stride) + b, _MM_HINT_T0);
+    __m512 acc[16];
+    for (int e = 0; e < 16; ++e) acc[e] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 <= D; c += 16) {
+      V qv[G];
+      for (int h = 0; h < G; ++h) {
+        qv[h] = vload(q + h * D + c);
+        pin(qv[h]);
+      }
+      for (int key = 0; key < 4; ++key) {
+        V kv = vload(K + (j + key) * stride + c);
+        if constexpr (G > 1) pin(kv);
+        for (int h = 0; h < G; ++h) acc[4 * h + key] = vfma(qv[h], kv, V{acc[4 * h + key]}).v;
+      }
+    }
+    if (c < D) {
+      const int rest = static_cast<int>(D - c);
+      for (int key = 0; key < 4; ++key) {
+        const V kp = vload_part(K + (j + key) * stride + c, rest);
+        for (int h = 0; h < G; ++h) acc[4 * h + key] = vfma(vload_part(q + h * D + c, rest), kp, V{acc[4 * h + key]}).v;
+      }
+    }
+    alignas(64) float r[16];
+    _mm512_store_ps(r, _mm512_mul_ps(hsum16(acc), vs));
+    for (int e = 0; e < 4 * G; ++e) sc[(e / 4) * ldsc + j + e % 4] = r[4 * (e % 4) + e / 4];   // out[4l + q] <- a[4q + l]
+  }
+  for (; j < n; ++j)
+    for (int h = 0; h < G; ++h) sc[h * ldsc + j] = dot(q + h * D, K + j * stride, D) * scale;
+}
+
+// AVX-512: G (<= 4) heads of one kv head over 64 elements at once: 4G independent FMA chains (one
+// head alone had 4, each waiting on the one before), each key's V chunks loaded once for the G
+// heads. Per element pv_row64's FMA over the keys in order.
+template <typename T, int G>
+inline void pv_heads64(const float* p, int64_t n, const T* vals, int64_t stride, float* acc, int64_t D) {
+  V a[G][4];
+  for (int h = 0; h < G; ++h)
+    for (int c = 0; c < 4; ++c) a[h][c] = vzero();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vj = vals + j * stride;
+    V v0 = vload(vj), v1 = vload(vj + 16), v2 = vload(vj + 32), v3 = vload(vj + 48);
+    if constexpr (G > 1) {
+      pin(v0);
+      pin(v1);
+      pin(v2);
+      pin(v3);
+    }
+    for (int h = 0; h < G; ++h) {
+      const V pj = vbroadcast(p[h * n + j]);
+      a[h][0] = vfma(pj, v0, a[h][0]);
+      a[h][1] = vfma(pj, v1, a[h][1]);
+      a[h][2] = vfma(pj, v2, a[h][2]);
+      a[h][3] = vfma(pj, v3, a[h][3]);
+    }
+  }
+  for (int h = 0; h < G; ++h)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + h * D + 16 * c, a[h][c].v);
+}
+#endif
+
 // scores for g heads (q [g][D]) over n keys into sc [g][n].
 template <typename T>
 inline void scores_heads(const float* q, int64_t g, const T* K, int64_t stride, int64_t n, int64_t D, float scale,
@@ -382,6 +435,14 @@ inline void scores_heads(const float* q, int64_t g, const T* K, int64_t stride, 
       case 1: scores_heads4<T, 1>(q + h0 * D, K, stride, n, D, scale, sc + h0 * n, n); break;
       case 2: scores_heads4<T, 2>(q + h0 * D, K, stride, n, D, scale, sc + h0 * n, n); break;
       default: scores_heads4<T, 3>(q + h0 * D, K, stride, n, D, scale, sc + h0 * n, n); break;
+    }
+#elif defined(KVL_HSUM16)
+  for (int64_t h0 = 0; h0 < g; h0 += 4)
+    switch (std::min<int64_t>(4, g - h0)) {
+      case 1: scores_heads16<T, 1>(q + h0 * D, K, stride, n, D, scale, sc + h0 * n, n); break;
+      case 2: scores_heads16<T, 2>(q + h0 * D, K, stride, n, D, scale, sc + h0 * n, n); break;
+      case 3: scores_heads16<T, 3>(q + h0 * D, K, stride, n, D, scale, sc + h0 * n, n); break;
+      default: scores_heads16<T, 4>(q + h0 * D, K, stride, n, D, scale, sc + h0 * n, n); break;
     }
 #else
   for (int64_t hh = 0; hh < g; ++hh) scores(q + hh * D, K, stride, n, D, scale, sc + hh * n);
@@ -402,6 +463,19 @@ inline void weighted_sums(const float* p, int64_t g, const T* vals, int64_t stri
         case 1: pv_heads32<T, 1>(ph, n, vals + d0, stride, out, D); break;
         case 2: pv_heads32<T, 2>(ph, n, vals + d0, stride, out, D); break;
         default: pv_heads32<T, 3>(ph, n, vals + d0, stride, out, D); break;
+      }
+    }
+#elif defined(KVL_HSUM16)
+  from = D / 64 * 64;
+  for (int64_t d0 = 0; d0 < from; d0 += 64)
+    for (int64_t h0 = 0; h0 < g; h0 += 4) {
+      const float* ph = p + h0 * n;
+      float* out = acc + h0 * D + d0;
+      switch (std::min<int64_t>(4, g - h0)) {
+        case 1: pv_heads64<T, 1>(ph, n, vals + d0, stride, out, D); break;
+        case 2: pv_heads64<T, 2>(ph, n, vals + d0, stride, out, D); break;
+        case 3: pv_heads64<T, 3>(ph, n, vals + d0, stride, out, D); break;
+        default: pv_heads64<T, 4>(ph, n, vals + d0, stride, out, D); break;
       }
     }
 #endif
