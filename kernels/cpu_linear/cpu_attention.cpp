@@ -395,31 +395,17 @@ inline void scores_heads16(const float* q, const T* K, int64_t stride, int64_t n
     for (int h = 0; h < G; ++h) sc[h * ldsc + j] = dot(q + h * D, K + j * stride, D) * scale;
 }
 
-// AVX-512: G (<= 4) heads of one kv head over 64 elements at once: 4G independent FMA chains (one
-// head alone had 4, each waiting on the one before), each key's V chunks loaded once for the G
-// heads. Per element pv_row64's FMA over the keys in order.
+// AVX-512: G (<= 4) heads of one kv head over 64 elements at once: pv_rows64 with the heads as
+// its rows (each key's V chunks loaded once for the G heads, 4G chains where one head had 4).
 template <typename T, int G>
 inline void pv_heads64(const float* p, int64_t n, const T* vals, int64_t stride, float* acc, int64_t D) {
+  const float* ph[G];
   V a[G][4];
-  for (int h = 0; h < G; ++h)
+  for (int h = 0; h < G; ++h) {
+    ph[h] = p + h * n;
     for (int c = 0; c < 4; ++c) a[h][c] = vzero();
-  for (int64_t j = 0; j < n; ++j) {
-    const T* vj = vals + j * stride;
-    V v0 = vload(vj), v1 = vload(vj + 16), v2 = vload(vj + 32), v3 = vload(vj + 48);
-    if constexpr (G > 1) {
-      pin(v0);
-      pin(v1);
-      pin(v2);
-      pin(v3);
-    }
-    for (int h = 0; h < G; ++h) {
-      const V pj = vbroadcast(p[h * n + j]);
-      a[h][0] = vfma(pj, v0, a[h][0]);
-      a[h][1] = vfma(pj, v1, a[h][1]);
-      a[h][2] = vfma(pj, v2, a[h][2]);
-      a[h][3] = vfma(pj, v3, a[h][3]);
-    }
   }
+  pv_rows64<T, G>(ph, vals, stride, 0, n, a);
   for (int h = 0; h < G; ++h)
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + h * D + 16 * c, a[h][c].v);
 }
