@@ -22,7 +22,8 @@ from kernels import cpu_linear
 
 pytestmark = pytest.mark.skipif(inv._kernel is None, reason=f"compiled product unavailable: {inv.kernel_off_reason}")
 
-SHAPES = [(576, 192), (37, 13), (100, 70), (16, 5), (1536, 9), (3, 33)]
+#: (K, N); (64, 1000): 64-row blocks of weights with a 40-row edge (AMX: 4 and 3 tiles per call).
+SHAPES = [(576, 192), (37, 13), (100, 70), (16, 5), (1536, 9), (3, 33), (64, 1000)]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -80,7 +81,7 @@ def test_linear_takes_the_compiled_product_with_leading_dims_bias_and_strides() 
     b = torch.randn(40, generator=g)
     x = torch.randn(2, 3, 48, generator=g)[..., ::2]                       # not contiguous
     y = inv.linear(x, w, b)
-    assert y.shape == (2, 3, 40) and inv.linear_path() == f"compiled-{cpu_linear.ARITHMETIC}"
+    assert y.shape == (2, 3, 40) and inv.linear_path().startswith(f"compiled-{cpu_linear.ARITHMETIC}")
     assert torch.equal(y, inv._kernel.linear(x.reshape(6, 24).contiguous(), w, 0).reshape(2, 3, 40) + b)
     assert inv.linear(x[:0], w).shape == (0, 3, 40)
     assert torch.equal(inv.linear(x.to(torch.float16), w.to(torch.float16)),   # float16: the padded path
@@ -208,3 +209,18 @@ def test_attention_failing_its_floor_does_not_turn_the_compiled_product_off(monk
         assert inv._kernel is kernel and inv.linear_path().startswith("compiled-")
     finally:
         inv._kernel, inv.MIN_ROWS = kernel, floor
+
+
+@pytest.mark.skipif(not inv.linear_path().endswith("-amx"), reason="no AMX tiles on this CPU (or not granted)")
+def test_amx_bfloat16_is_its_own_arithmetic_and_kvl_cpu_amx_0_turns_it_off() -> None:
+    """Where AMX serves bfloat16, its bits differ from VDPBF16PS's (one chain over K against 16
+    lane sums), so the path is in the fingerprint; ``KVL_CPU_AMX=0`` keeps the vector path."""
+    code = ("import hashlib, torch, kernels.invariant as inv\n"      # rounded to 8 bits, the two differ
+            "g = torch.Generator().manual_seed(1)\n"                    # in ~1 of 6,000 elements: many
+            "w, x = torch.randn(1024, 1536, generator=g).bfloat16(), torch.randn(256, 1536, generator=g).bfloat16()\n"
+            "y = inv._kernel.linear(x, w, 0)\n"
+            "print(inv.linear_path(), inv._kernel.isa().split(', ')[1], hashlib.sha256(y.view(torch.int16).numpy()).hexdigest())")
+    on, off = _run(code).split(), _run(code, KVL_CPU_AMX="0").split()
+    assert on[0].endswith("-amx") and " ".join(on[1:3]) == "bfloat16 amx"
+    assert not off[0].endswith("-amx") and off[1:3] != on[1:3]
+    assert off[3] != on[3]                              # other bits: never the same cache
