@@ -514,6 +514,20 @@ std::vector<uint32_t> amx_pack(const bf16* x, int64_t M, int64_t K, int64_t chun
   return xp;
 }
 
+// Column mm of a C tile (its 16 weight rows, stride 16 floats) as the first rs outputs of one row
+// of y: rounded as c10::BFloat16(float) rounds (to nearest even; NaN -> 0x7FC0), 16 at a time.
+inline void store_column(const float* c, int rs, bf16* y) {
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(16));
+  const __m512 v = _mm512_i32gather_ps(idx, c, 4);
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(y, static_cast<__mmask16>((1u << rs) - 1), _mm512_cvtepi32_epi16(r));
+}
+
 // Weight rows [r0, r1) (r0 a multiple of 16) for every row of x: y[m, n] for n in [r0, r1).
 void amx_rows(const uint32_t* xp, int64_t M, int64_t K, int64_t chunks, int64_t xblocks, const bf16* w,
               int64_t N, bf16* y, int64_t r0, int64_t r1) {
@@ -553,10 +567,8 @@ void amx_rows(const uint32_t* xp, int64_t M, int64_t K, int64_t chunks, int64_t 
         for (int b = 0; b < nbh; ++b) {
           const float* c = out + (a * nbh + b) * 256;   // [weight row r][x row mm]
           const int rs = static_cast<int>(std::min<int64_t>(16, rows - 16 * a));
-          for (int mm = 0; mm < 16 && (mb + b) * 16 + mm < M; ++mm) {
-            bf16* ym = y + ((mb + b) * 16 + mm) * N + g0 + 16 * a;
-            for (int r = 0; r < rs; ++r) store(ym + r, c[r * 16 + mm]);
-          }
+          for (int mm = 0; mm < 16 && (mb + b) * 16 + mm < M; ++mm)
+            store_column(c + mm, rs, y + ((mb + b) * 16 + mm) * N + g0 + 16 * a);
         }
     }
   }
