@@ -146,6 +146,12 @@ class Stack:
         #: flight then can never be answered, and fails at once instead of after its timeout.
         self._gone: dict[str, asyncio.Event] = {}
         self.nats_errors = 0
+        #: Set while the operator's own NATS link is down (a clustered node it was on was killed): a
+        #: debug request in flight then was published through, or waits for a reply routed to, the
+        #: node that died; NATS will not deliver that reply, so it fails at once as "nats
+        #: disconnected" instead of after its 60 s timeout (seen: 48 s of the cluster drill).
+        self._link_down = asyncio.Event()
+        self.link_drops = 0
 
     # --- configuration -----------------------------------------------------------------------
 
@@ -237,9 +243,17 @@ class Stack:
         async def quiet(e: Exception) -> None:
             self.nats_errors += 1
 
+        async def link_down() -> None:
+            self.link_drops += 1
+            self._link_down.set()
+
+        async def link_up() -> None:
+            self._link_down = asyncio.Event()
+
         # the operator: the debug subjects (generate with logits, health, metrics, flush)
         self.nc = await nats.connect(nats_servers(self.nats.url), name="kvl-fault-drills", max_reconnect_attempts=-1,
                                      reconnect_time_wait=0.2, allow_reconnect=True, error_cb=quiet,
+                                     disconnected_cb=link_down, reconnected_cb=link_up,
                                      **self.auth(Identity("operator")))
         self.start_coordinator()
         for wid in self.specs:
@@ -584,7 +598,8 @@ class Stack:
         t0 = time.monotonic()
         request = asyncio.ensure_future(self.nc.request(debug_subject(self.subjects, wid, "generate"),
                                                         json.dumps(payload).encode(), timeout=timeout_s))
-        waits = {request, *(asyncio.ensure_future(self.gone(w).wait()) for w in (wid, "nats"))}
+        link = asyncio.ensure_future(self._link_down.wait())
+        waits = {request, link, *(asyncio.ensure_future(self.gone(w).wait()) for w in (wid, "nats"))}
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -592,6 +607,9 @@ class Stack:
                 w.cancel()
         if not request.done():
             request.cancel()
+            if link.done() and not link.cancelled() and not self.gone("nats").is_set() and not self.gone(wid).is_set():
+                return Reply("debug", wid, False, time.monotonic() - t0, "nats disconnected",
+                             "the drill's own NATS link dropped with this request in flight: its reply is lost")
             what = "NATS" if self.gone("nats").is_set() else wid
             return Reply("debug", wid, False, time.monotonic() - t0, "killed mid-request",
                          f"{what} was killed with this request in flight")

@@ -71,6 +71,7 @@ async def nats_node_kill(run: Run, drill: str = DRILL) -> Fault:
     victim = cluster.names.index(info.leader)
     on_victim = await clients_on(cluster, victim)
     acked0 = acknowledged(run)
+    drops0 = stack.link_drops
     f = Fault(drill, f"NATS node {info.leader} (the stream's leader) kill -9 under load, restarted once the "
                      "fleet served with reuse again", run.history.now())
     t0 = time.monotonic()
@@ -104,7 +105,8 @@ async def nats_node_kill(run: Run, drill: str = DRILL) -> Fault:
     f.retained_pct = await run.retained_pct(drill, warm)
     f.evidence.update({
         "killed": info.leader, "stream_leader": f"{info.leader}→{leaders[-1]}", "new_leader_s": round(elected_s, 1),
-        "clients_on_killed_node": on_victim, "acknowledged_while_down": acked_down,
+        "clients_on_killed_node": on_victim, "operator_link_drops": stack.link_drops - drops0,
+        "acknowledged_while_down": acked_down,
         "rejoined_current_s": round(f.ready_s, 1), "down_s": round(t1 - t0, 1)})
     assert acked_down > 0, f"{drill}: no transition was acknowledged while {info.leader} was down"
     kept_cache(f, before, await run.epochs())
