@@ -211,9 +211,12 @@ ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def attention_path() -> str:
-    """Which arithmetic attention runs here: ``compiled-<n>`` (version ``n`` of its per-row order) or
-    ``chunked`` (the padded products and key pieces of the callers' own code)."""
-    return f"compiled-{cpu_linear.ATTENTION_ARITHMETIC}" if _attention is not None else "chunked"
+    """Which arithmetic attention runs here: ``compiled-<n>`` (version ``n`` of its per-row order;
+    ``-amx`` where bfloat16 scores go through AMX tiles, other bits) or ``chunked`` (the padded
+    products and key pieces of the callers' own code)."""
+    if _attention is None:
+        return "chunked"
+    return f"compiled-{cpu_linear.ATTENTION_ARITHMETIC}" + ("-amx" if _attention.isa().endswith(" amx") else "")
 
 
 def attention_serves(q: torch.Tensor, k: torch.Tensor) -> bool:

@@ -469,6 +469,113 @@ inline void weighted_sums(const float* p, int64_t g, const T* vals, int64_t stri
     for (int64_t hh = 0; hh < g; ++hh) weighted_sum(p + hh * n, vals, stride, n, D, acc + hh * D, from);
 }
 
+#if defined(KVL_AMX)
+// Scores through AMX tiles, where bfloat16 products take them (cpu_linear.cpp's g_amx) and q and K
+// are bfloat16: sc[r * ldsc + j] = (q[r] . K[j], one float32 chain over d's pairs in order, as
+// TDPBF16PS accumulates) * scale, for rows r < R and keys j < n. K is the A operand read where it
+// lies (16 keys x 32 elements, the buffer's row stride); the rows of q (bfloat16 values widened,
+// so their top halves are exact) are packed as B's columns. A (row, head)'s score reads its own q
+// and key only, so a decode step and a prefill tile give it the same bits whatever shares the
+// tiles; they are other bits than the vector path's lane sums (attention_path names the build).
+// The keys past the last whole tile, and every tile when D is not whole 32-element chunks, go
+// through a zero-filled copy (+0 products).
+void amx_scores(const float* q, int64_t R, const bf16* K, int64_t stride, int64_t n, int64_t D, float scale,
+                float* sc, int64_t ldsc, bool prefetch) {
+  const int64_t chunks = (D + 31) / 32;
+  const bool whole = D % 32 == 0;
+  const int64_t lda = stride * static_cast<int64_t>(sizeof(bf16));
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+  _tile_loadconfig(&cfg);
+  thread_local std::vector<uint32_t> bq;
+  alignas(64) float c[2][256];
+  alignas(64) bf16 pad[16 * 32];
+  const __m512i col = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(16));
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int64_t r0 = 0; r0 < R; r0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, R - r0);
+    bq.assign(static_cast<size_t>(chunks * 256), 0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t d = 0; d < D; ++d) {
+        uint32_t bits;
+        std::memcpy(&bits, q + (r0 + r) * D + d, 4);
+        bq[static_cast<size_t>(((d / 32) * 16 + (d % 32) / 2) * 16 + r)] |= (bits >> 16) << (16 * (d & 1));
+      }
+    // C tile (keys i, rows r) -> sc[r][j0 + i] * scale, its first `keys` keys
+    auto put = [&](const float* ct, int64_t j0, int64_t keys) {
+      const __mmask16 m = static_cast<__mmask16>((1u << keys) - 1);
+      for (int64_t r = 0; r < rows; ++r)
+        _mm512_mask_storeu_ps(sc + (r0 + r) * ldsc + j0, m, _mm512_mul_ps(_mm512_i32gather_ps(col, ct + r, 4), vs));
+    };
+    int64_t j0 = 0;
+    if (whole) {
+      for (; j0 + 32 <= n; j0 += 32) {   // two key tiles in flight
+        // a decode row's keys come from memory: the next two tiles' K rows ahead (a decode step
+        // 4 % faster at 32 rows x 896 keys); a prompt tile's are in cache, read by the tiles before
+        if (prefetch)
+          for (int64_t j = j0 + 32; j < std::min<int64_t>(n, j0 + 64); ++j)
+            for (int64_t d = 0; d < D; d += 32) _mm_prefetch(reinterpret_cast<const char*>(K + j * stride + d), _MM_HINT_T0);
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t kc = 0; kc < chunks; ++kc) {
+          _tile_loadd(6, bq.data() + kc * 256, 64);
+          _tile_loadd(4, K + j0 * stride + kc * 32, lda);
+          _tile_loadd(5, K + (j0 + 16) * stride + kc * 32, lda);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 5, 6);
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        put(c[0], j0, 16);
+        put(c[1], j0 + 16, 16);
+      }
+      for (; j0 + 16 <= n; j0 += 16) {
+        _tile_zero(0);
+        for (int64_t kc = 0; kc < chunks; ++kc) {
+          _tile_loadd(6, bq.data() + kc * 256, 64);
+          _tile_loadd(4, K + j0 * stride + kc * 32, lda);
+          _tile_dpbf16ps(0, 4, 6);
+        }
+        _tile_stored(0, c[0], 64);
+        put(c[0], j0, 16);
+      }
+    }
+    for (; j0 < n; j0 += 16) {
+      const int64_t keys = std::min<int64_t>(16, n - j0);
+      _tile_zero(0);
+      for (int64_t kc = 0; kc < chunks; ++kc) {
+        const int64_t e = std::min<int64_t>(32, D - kc * 32);
+        std::fill(pad, pad + 16 * 32, bf16(0.0f));
+        for (int64_t i = 0; i < keys; ++i) std::copy(K + (j0 + i) * stride + kc * 32, K + (j0 + i) * stride + kc * 32 + e, pad + i * 32);
+        _tile_loadd(6, bq.data() + kc * 256, 64);
+        _tile_loadd(4, pad, 64);
+        _tile_dpbf16ps(0, 4, 6);
+      }
+      _tile_stored(0, c[0], 64);
+      put(c[0], j0, keys);
+    }
+  }
+  _tile_release();
+}
+#endif
+
+// The scores of R rows of q ([R][D], widened) over n keys through AMX where that is this build's
+// and this process's bfloat16 arithmetic (see amx_scores); false: the caller's vector path.
+template <typename TQ, typename T>
+inline bool amx_scores_for(const float* q, int64_t R, const T* K, int64_t stride, int64_t n, int64_t D, float scale,
+                           float* sc, int64_t ldsc, bool prefetch) {
+#if defined(KVL_AMX)
+  if constexpr (std::is_same<TQ, bf16>::value && std::is_same<T, bf16>::value) {
+    if (g_amx) {
+      amx_scores(q, R, K, stride, n, D, scale, sc, ldsc, prefetch);
+      return true;
+    }
+  }
+#endif
+  return false;
+}
+
 inline float widen(float v) { return v; }
 inline float widen(bf16 v) { return static_cast<float>(v); }
 
@@ -496,7 +603,7 @@ void attend_item(const TQ* qrow, const Segment& s, int64_t t, int64_t window, in
     for (int64_t d = 0; d < D; ++d) qf[hh * D + d] = widen(qrow[(kh * g + hh) * D + d]);
   const T* K = static_cast<const T*>(s.k) + (a - s.lo) * s.stride + kh * D;
   const T* Vv = static_cast<const T*>(s.v) + (a - s.lo) * s.stride + kh * D;
-  scores_heads(qf, g, K, s.stride, n, D, scale, sc);
+  if (!amx_scores_for<TQ, T>(qf, g, K, s.stride, n, D, scale, sc, n, true)) scores_heads(qf, g, K, s.stride, n, D, scale, sc);
   for (int64_t hh = 0; hh < g; ++hh) denom[hh] = softmax(sc + hh * n, n);
   weighted_sums(sc, g, Vv, s.stride, n, D, acc);
   for (int64_t hh = 0; hh < g; ++hh) {
@@ -534,8 +641,9 @@ void attend_tile(const TQ* const* qrows, int R, const Segment& s, const int64_t*
   const T* K = static_cast<const T*>(s.k) + (lo - s.lo) * s.stride + kh * D;
   const T* Vv = static_cast<const T*>(s.v) + (lo - s.lo) * s.stride + kh * D;
   const __m512 vs = _mm512_set1_ps(scale);
+  const bool amx = amx_scores_for<TQ, T>(qf, 4 * g, K, s.stride, n, D, scale, sc, n, false);   // every row and head at once
   for (int64_t hh = 0; hh < g; ++hh) {
-    int64_t j = 0;
+    int64_t j = amx ? n : 0;
     for (; j + 4 <= n; j += 4) {
       __m512 acc[16];
       for (int e = 0; e < 16; ++e) acc[e] = _mm512_setzero_ps();

@@ -214,13 +214,17 @@ def test_attention_failing_its_floor_does_not_turn_the_compiled_product_off(monk
 @pytest.mark.skipif(not inv.linear_path().endswith("-amx"), reason="no AMX tiles on this CPU (or not granted)")
 def test_amx_bfloat16_is_its_own_arithmetic_and_kvl_cpu_amx_0_turns_it_off() -> None:
     """Where AMX serves bfloat16, its bits differ from VDPBF16PS's (one chain over K against 16
-    lane sums), so the path is in the fingerprint; ``KVL_CPU_AMX=0`` keeps the vector path."""
+    lane sums), the products' and attention's scores', so both paths are in the fingerprint;
+    ``KVL_CPU_AMX=0`` keeps the vector paths."""
     code = ("import hashlib, torch, kernels.invariant as inv\n"      # rounded to 8 bits, the two differ
             "g = torch.Generator().manual_seed(1)\n"                    # in ~1 of 6,000 elements: many
             "w, x = torch.randn(1024, 1536, generator=g).bfloat16(), torch.randn(256, 1536, generator=g).bfloat16()\n"
             "y = inv._kernel.linear(x, w, 0)\n"
-            "print(inv.linear_path(), inv._kernel.isa().split(', ')[1], hashlib.sha256(y.view(torch.int16).numpy()).hexdigest())")
+            "q, k = torch.randn(200, 9, 64, generator=g).bfloat16(), torch.randn(200, 3, 64, generator=g).bfloat16()\n"
+            "a = inv.attention(q, [(k, k)], [0, 200], torch.arange(200), [0], 0, 0.125)\n"
+            "print(inv.linear_path(), inv._kernel.isa().split(', ')[1], hashlib.sha256(y.view(torch.int16).numpy()).hexdigest(),"
+            " inv.attention_path(), hashlib.sha256(a.numpy()).hexdigest())")
     on, off = _run(code).split(), _run(code, KVL_CPU_AMX="0").split()
-    assert on[0].endswith("-amx") and " ".join(on[1:3]) == "bfloat16 amx"
-    assert not off[0].endswith("-amx") and off[1:3] != on[1:3]
-    assert off[3] != on[3]                              # other bits: never the same cache
+    assert on[0].endswith("-amx") and " ".join(on[1:3]) == "bfloat16 amx" and on[4].endswith("-amx")
+    assert not off[0].endswith("-amx") and off[1:3] != on[1:3] and not off[4].endswith("-amx")
+    assert off[3] != on[3] and off[5] != on[5]          # other bits: never the same cache
