@@ -484,14 +484,11 @@ void amx_scores(const float* q, int64_t R, const bf16* K, int64_t stride, int64_
   const int64_t chunks = (D + 31) / 32;
   const bool whole = D % 32 == 0;
   const int64_t lda = stride * static_cast<int64_t>(sizeof(bf16));
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
-  _tile_loadconfig(&cfg);
+  configure_tiles();
   thread_local std::vector<uint32_t> bq;
   alignas(64) float c[2][256];
   alignas(64) bf16 pad[16 * 32];
-  const __m512i col = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                         _mm512_set1_epi32(16));
+  const __m512i col = column_offsets();
   const __m512 vs = _mm512_set1_ps(scale);
   for (int64_t r0 = 0; r0 < R; r0 += 16) {
     const int64_t rows = std::min<int64_t>(16, R - r0);

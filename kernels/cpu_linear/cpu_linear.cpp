@@ -435,8 +435,8 @@ std::shared_ptr<Pool> pool() {
 // never depend on the row count, the tile or the thread (tests/kernels/test_cpu_linear.py).
 // They are other bits than VDPBF16PS's (one chain over K, not 16 lane sums), so every bfloat16
 // product of a process takes this path once the kernel grants the tile state, and isa() says so
-// (it is in the compute fingerprint: caches of the two never meet). 920 GFLOP/s at 512 rows in
-// an earlier experiment against the 182 of VDPBF16PS tiles.
+// (it is in the compute fingerprint: caches of the two never meet). SmolLM2's products at 512
+// rows: ~1,000 GFLOP/s against ~150 through VDPBF16PS tiles (docs/BENCHMARKS.md, runs L and M).
 #define KVL_AMX 1
 
 bool request_amx() {
@@ -453,6 +453,23 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+
+// This thread's 8 tiles, every one 16 rows x 64 bytes (the one shape both kernels use); a caller
+// ends with _tile_release(), so a context switch outside a kernel saves no tile state.
+inline void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Gather offsets of a 16 x 16 float tile's column: element i at 16 * i.
+inline __m512i column_offsets() {
+  return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                            _mm512_set1_epi32(16));
+}
 
 // Tiles 0-3: C (NA x NB of them, float32 16 x 16); 4-5: A (weights); 6-7: B (x, packed).
 // NB == 1: the A tiles alternate between 4 and 5 (each used once per chunk).
@@ -517,9 +534,7 @@ std::vector<uint32_t> amx_pack(const bf16* x, int64_t M, int64_t K, int64_t chun
 // Column mm of a C tile (its 16 weight rows, stride 16 floats) as the first rs outputs of one row
 // of y: rounded as c10::BFloat16(float) rounds (to nearest even; NaN -> 0x7FC0), 16 at a time.
 inline void store_column(const float* c, int rs, bf16* y) {
-  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                         _mm512_set1_epi32(16));
-  const __m512 v = _mm512_i32gather_ps(idx, c, 4);
+  const __m512 v = _mm512_i32gather_ps(column_offsets(), c, 4);
   const __m512i u = _mm512_castps_si512(v);
   const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
                                         _mm512_set1_epi32(0x7FFF));
@@ -531,9 +546,7 @@ inline void store_column(const float* c, int rs, bf16* y) {
 // Weight rows [r0, r1) (r0 a multiple of 16) for every row of x: y[m, n] for n in [r0, r1).
 void amx_rows(const uint32_t* xp, int64_t M, int64_t K, int64_t chunks, int64_t xblocks, const bf16* w,
               int64_t N, bf16* y, int64_t r0, int64_t r1) {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
-  _tile_loadconfig(&cfg);
+  configure_tiles();
   const int nb = M > 16 ? 2 : 1;
   const int group = nb == 2 ? 2 : 4;                     // weight-row tiles per kernel call
   alignas(64) float out[4 * 256];
@@ -606,10 +619,6 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t threads) {
   const bool alone = threads == 1 || M * N * K < (int64_t{1} << 18);
   std::shared_ptr<Pool> p = alone ? nullptr : pool();
   const int64_t T = p ? p->size() : 1;
-  // ~4 blocks per thread (balance), of 8..64 columns (a block's weights stay in cache while
-  // the row tiles pass over them). The split changes who computes a column, never how.
-  const int64_t nb = std::min<int64_t>(64, std::max<int64_t>(8, (N / (4 * T) + 7) / 8 * 8));
-  const int64_t blocks = (N + nb - 1) / nb;
 #if defined(KVL_AMX)
   if (g_amx && x.scalar_type() == at::kBFloat16) {
     const int64_t chunks = (K + 31) / 32, xblocks = (M + 15) / 16;
@@ -625,6 +634,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t threads) {
     return y;
   }
 #endif
+  // ~4 blocks per thread (balance), of 8..64 columns (a block's weights stay in cache while
+  // the row tiles pass over them). The split changes who computes a column, never how.
+  const int64_t nb = std::min<int64_t>(64, std::max<int64_t>(8, (N / (4 * T) + 7) / 8 * 8));
+  const int64_t blocks = (N + nb - 1) / nb;
   auto go = [&](auto* xp, auto* wp, auto* yp) {
     auto fn = [&](int64_t b) { column_block(xp, wp, yp, M, K, N, b * nb, std::min(N, (b + 1) * nb)); };
     if (p) p->run(blocks, fn);
