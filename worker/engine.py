@@ -59,7 +59,7 @@ from worker.shard_links import ShardLink, ShardLinks
 from worker.cache.manager import CacheValidationError, Result, Session
 from worker.settings import size_pools, worker_id
 from worker.startup_checks import check_memory, measure
-from worker.stepper import Stepper, largest_forward, resolve_lanes
+from worker.stepper import ModelExecutor, Stepper, largest_forward, resolve_lanes
 from worker.supervisor import SPILL_BATCH, Supervisor
 
 T = TypeVar("T")
@@ -173,7 +173,7 @@ class Engine:
                                               resend_ms=cfg.worker.outbox_resend_ms, metrics=self.metrics,
                                               batch=cfg.worker.publish_batch)
                           if client is not None else None)
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="kvl-model")
+        self._compute = ModelExecutor("kvl-model")
         failures = model.check_invariance(self.block_size, self.cache_dtype, reuse=True,
                                           max_rows=largest_forward(cfg.service.max_batch_tokens, self.block_size))
         if failures:

@@ -3,12 +3,20 @@
 Both callers — the serving scheduler (``worker.scheduler``, HTTP requests) and
 :meth:`worker.engine.Engine.generate` (tests, benchmarks, the debug subject) — run
 :func:`generate`, so greedy and sampled requests mean the same thing everywhere.
+
+After its first token a request's decode loop is data, a :class:`DecodeRun` the stepper
+advances on the model thread (sample, decide the end, feed the token to the next forward); the
+event loop only hears each token (``on_token``), and a caller that wants no more sets
+``stopped``. A request with a grammar keeps the loop on the event loop (its masks come from
+the grammar workers there).
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -214,6 +222,96 @@ class Generated:
     first_token_at: float
 
 
+class DecodeRun:
+    """One request's decode loop as data, for the stepper (:meth:`worker.stepper.Stepper.start`).
+
+    The model thread calls :meth:`after` with each forward's logits: the token the forward fed
+    joins the session's reply (``fed``: what the state holds), the sampler picks the next one,
+    and the run ends at a stop token, a complete grammar or ``max_tokens`` — or continues,
+    feeding that token to the next forward. The event loop calls :meth:`flush` after every
+    forward: the tokens sampled since go to ``on_token``; one that returns True stops the run
+    (``stopped``, read by the model thread before it forms the next batch, so at most the tokens
+    of the forward in flight are computed past it, and never delivered). :attr:`done` resolves
+    once the stepper has let go of the state (after that nothing touches it)."""
+
+    decode = True
+
+    def __init__(self, s: Session, sampler: Sampler, first: int, *, max_tokens: int,
+                 stop_token_ids: Collection[int], keep_logits: bool,
+                 on_token: Callable[[int, TokenLogprobs | None], bool] | None) -> None:
+        self.state, self.order, self.fed = s.state, s.order, s.fed
+        self.sampler = sampler
+        #: The token the next forward feeds (sampled, delivered, not yet in the state).
+        self.token = first
+        self.max_tokens = max_tokens
+        self.stop_token_ids = stop_token_ids
+        self.on_token = on_token
+        #: Tokens sampled (the first on the event loop, before the run).
+        self.sampled = 1
+        #: The logits each token after the first was sampled from (``keep_logits``).
+        self.kept: list[torch.Tensor] | None = [] if keep_logits else None
+        #: Set on the event loop: no more tokens.
+        self.stopped = False
+        #: Tokens delivered to ``on_token`` (the reply after the first token).
+        self.tokens: list[int] = []
+        self.finish = "length"
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._out: deque[tuple[int, TokenLogprobs | None]] = deque()
+        self._error: BaseException | None = None
+        self._ended = False
+        self._heard_stop = False
+
+    # on the model thread
+    def after(self, r) -> bool:
+        self.fed.append(self.token)             # the forward just run holds it now
+        if self.stopped:
+            return False
+        logits = r.logits
+        if self.kept is not None:
+            self.kept.append(logits.detach().cpu().clone())
+        tok = self.sampler.pick(logits)
+        self.sampled += 1
+        self._out.append((tok, self.sampler.last))
+        if tok in self.stop_token_ids or self.sampler.finished:
+            self.finish = "stop"
+            return False
+        if self.sampled >= self.max_tokens:
+            return False
+        self.token = tok
+        return True
+
+    def fail(self, err: BaseException) -> None:
+        self._error = err
+
+    def retire(self) -> None:
+        self._ended = True
+
+    # on the event loop
+    def flush(self) -> None:
+        ended = self._ended                # NOTE: read first: tokens are queued before the end is set
+        while self._out:
+            tok, lp = self._out.popleft()
+            if self.stopped:
+                continue                    # computed past the caller's stop: never delivered
+            self.tokens.append(tok)
+            if self.on_token is not None and self.on_token(tok, lp):
+                self.stopped = self._heard_stop = True
+        if not ended or self.done.done():
+            return
+        if self._heard_stop or self.stopped:
+            self.finish = "stop"
+        if self._error is not None:
+            self.done.set_exception(self._error)
+        else:
+            self.done.set_result(None)
+
+
+def runs_on_model_thread(sampling: SamplingParams) -> bool:
+    """Whether a request's decode loop can be a :class:`DecodeRun`: not with a grammar (its
+    masks come from the grammar workers, through the event loop)."""
+    return sampling.grammar is None
+
+
 async def generate(s: Session, sampling: SamplingParams, *, max_tokens: int,
                    stop_token_ids: Collection[int] = (), keep_logits: bool = False,
                    on_token: Callable[[int, TokenLogprobs | None], bool] | None = None,
@@ -243,9 +341,17 @@ async def generate(s: Session, sampling: SamplingParams, *, max_tokens: int,
             if len(out) >= max_tokens:
                 finish = "length"
                 break
+            if runs_on_model_thread(sampling):
+                run = DecodeRun(s, sampler, tok, max_tokens=max_tokens, stop_token_ids=stop_token_ids,
+                                keep_logits=keep_logits, on_token=on_token)
+                await s.decode_run(run)
+                out += run.tokens
+                kept += run.kept or []
+                finish = run.finish
+                break
             logits = await s.decode(tok)
         sp.set_attributes({"kvl.completion_tokens": len(out), "kvl.finish_reason": finish})
     return Generated(out, finish, torch.stack(kept) if kept else None, first_at)
 
 
-__all__ = ["Generated", "Sampler", "SamplingParams", "TokenLogprobs", "draw", "generate", "nucleus"]
+__all__ = ["DecodeRun", "Generated", "Sampler", "SamplingParams", "TokenLogprobs", "draw", "generate", "nucleus"]

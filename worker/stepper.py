@@ -1,9 +1,11 @@
 """The model's step loop: every forward runs the next tokens of every request that is ready.
 
 Continuous batching with chunked prefill. Requests do not call the model; they hand the
-stepper a *step* — "my next decode token" or "more of my prompt" — and await its result.
-Whenever the model thread is free, the stepper forms one batch from the waiting steps, within
-a budget of ``service.max_batch_tokens`` tokens:
+stepper their work as data and await its result: a *run* — a whole prompt
+(:class:`PrefillRun`) or a whole decode loop (``worker.generation.DecodeRun``) — or a one-shot
+*step* ("my next decode token", "one more piece of my prompt"). Whenever the model thread is
+free, the stepper forms one batch from the runs and the waiting steps, within a budget of
+``service.max_batch_tokens`` tokens:
 
 1. every waiting decode step (one token each), in (priority, arrival) order;
 2. then prompts, in (priority, arrival) order, each given as many whole blocks as the budget
@@ -19,6 +21,15 @@ first token), and a long prompt no longer blocks decodes for its whole length. T
 bounds what a decoding request waits between tokens (a forward's time grows with its rows)
 without shrinking the forwards that hold prompts only — a burst of arrivals still shares large
 forwards.
+
+The driver (:meth:`Stepper._drive`) runs on the model thread: form, forward, advance each run
+(a prompt's next piece is planned at the next forming; a decode run samples its next token and
+feeds it to the next forward), post what came out to the event loop in one call — and again at
+once while the batch held runs only. So a serving request never waits for the event loop
+between two forwards. After a forward that answered one-shot steps it hands the thread back
+(their requests hand in their next steps on the event loop first, ``GATHER_TURNS``), as it does
+when another job waits for the model thread (:class:`ModelExecutor`: a state to build, a fork,
+an export), which so waits one forward at most.
 
 Exactness: the batch is ONE :meth:`HybridAttentionLM.forward_batch`, whose ops are
 batch-invariant (``kernels.invariant``): each request's rows are the bits it would get alone,
@@ -54,7 +65,9 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -143,6 +156,87 @@ class _Step:
     fut: asyncio.Future = None  # type: ignore[assignment]
     ids: list[int] = field(default_factory=list)
     export: list[int] = field(default_factory=list)
+    #: A run (:class:`PrefillRun`, ``worker.generation.DecodeRun``): the entry stays for the next
+    #: forward until the run says it is done; None: a one-shot step (``fut`` is its answer).
+    run: object = None
+
+
+class ModelExecutor(ThreadPoolExecutor):
+    """The model thread (one worker), counting the jobs queued on it: the stepper's driver runs
+    forward after forward on this thread and hands it back to a queued job (a state to build, a
+    fork, an export) after the forward it is in, so such a job waits one forward, as before."""
+
+    def __init__(self, thread_name_prefix: str = "kvl-model") -> None:
+        super().__init__(1, thread_name_prefix=thread_name_prefix)
+        self._queued = 0
+        self._count = threading.Lock()
+
+    def submit(self, fn, /, *args, **kwargs):
+        with self._count:
+            self._queued += 1
+
+        def job():
+            with self._count:
+                self._queued -= 1
+            return fn(*args, **kwargs)
+        return super().submit(job)
+
+    def queued(self) -> int:
+        """Jobs submitted and not yet started."""
+        return self._queued
+
+
+class PrefillRun:
+    """A prompt run as data: the stepper plans its next piece at every forward (``plan``, as for a
+    prefill step) until ``finished()``, on the model thread, without the request's coroutine
+    between pieces. Each piece's result reaches ``on_piece`` on the event loop (its exports are
+    committed there while the next forward runs); :attr:`done` resolves with the last piece's."""
+
+    decode = False
+
+    def __init__(self, state, plan, finished: Callable[[], bool], order: tuple, embeds=None,
+                 on_piece: Callable[[StepResult], None] | None = None) -> None:
+        self.state, self.plan, self.finished, self.order, self.embeds = state, plan, finished, order, embeds
+        self.on_piece = on_piece
+        #: Set on the event loop: run no more pieces (the request was cancelled).
+        self.stopped = False
+        self.done: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
+        self.pieces = 0
+        self._out: deque[StepResult] = deque()
+        self._last: StepResult | None = None
+        self._error: BaseException | None = None
+        self._ended = False
+
+    # on the model thread
+    def after(self, r: StepResult) -> bool:
+        self._out.append(r)
+        if not self.finished():
+            return True
+        self._last = r
+        return False
+
+    def fail(self, err: BaseException) -> None:
+        self._error = err
+
+    def retire(self) -> None:
+        self._ended = True
+
+    # on the event loop
+    def flush(self) -> None:
+        ended = self._ended                # NOTE: read first: pieces are queued before the end is set
+        while self._out:
+            r = self._out.popleft()
+            self.pieces += 1
+            if self.on_piece is not None:
+                self.on_piece(r)
+        if not ended or self.done.done():
+            return
+        if self._error is not None:
+            self.done.set_exception(self._error)
+        elif self._last is not None:
+            self.done.set_result(self._last)
+        else:
+            self.done.cancel()              # stopped before its last piece
 
 
 class Stepper:
@@ -191,7 +285,12 @@ class Stepper:
         self.checks = 0
         self.check_failures = 0
         self._waiting: list[_Step] = []
+        #: Runs' entries (they stay from forward to forward until their run is done).
+        self._runs: list[_Step] = []
+        #: Guards ``_waiting`` and ``_runs``: the event loop adds to them, the model thread forms batches.
+        self._lock = threading.Lock()
         self._task: asyncio.Task | None = None
+        self._loop_ref: asyncio.AbstractEventLoop | None = None
         #: Counters for tests and benchmarks: forwards run, rows and requests in them.
         self.forwards = 0
         self.rows = 0
@@ -245,10 +344,22 @@ class Stepper:
         ``embeds`` (``PromptEmbeds``) gives the piece the vectors of the image rows it runs."""
         return self._submit(_Step(state, order, False, plan=plan, embeds=embeds))
 
-    def _submit(self, step: _Step) -> asyncio.Future[StepResult]:
+    def start(self, run) -> None:
+        """Take a run (:class:`PrefillRun`, ``worker.generation.DecodeRun``): from the next forward on,
+        every forward advances it on the model thread, until it ends or ``run.stopped`` is set;
+        what it produces reaches the event loop through ``run.flush()``."""
+        self._submit(_Step(run.state, run.order, run.decode, plan=getattr(run, "plan", None),
+                           embeds=getattr(run, "embeds", None), run=run))
+
+    def _submit(self, step: _Step) -> asyncio.Future[StepResult] | None:
         loop = asyncio.get_running_loop()
-        step.fut = loop.create_future()
-        self._waiting.append(step)
+        self._loop_ref = loop
+        with self._lock:
+            if step.run is None:
+                step.fut = loop.create_future()
+                self._waiting.append(step)
+            else:
+                self._runs.append(step)
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._loop(), name="kvl-stepper")
         return step.fut
@@ -256,66 +367,167 @@ class Stepper:
     # --- the loop ----------------------------------------------------------------------------
 
     async def _loop(self) -> None:
+        """Hands the model thread to :meth:`_drive` while there is work. The gather turns let
+        requests woken by the last forward's one-shot steps hand in their next steps first."""
         loop = asyncio.get_running_loop()
         while True:
             for _ in range(GATHER_TURNS):
                 await asyncio.sleep(0)
-            self._waiting = [s for s in self._waiting if not s.fut.done()]   # cancelled meanwhile
-            if not self._waiting:
-                self._decode_only_at = None     # idle time is no step
-                return
-            batch = self._form()
-            t0 = time.perf_counter()
-            if self._decode_only_at is not None:
-                step = t0 - self._decode_only_at
-                self.decode_step_s = step if self.decode_step_s is None else 0.7 * self.decode_step_s + 0.3 * step
-                row = step / self._decode_only_rows
-                self.decode_row_s = row if self.decode_row_s is None else 0.7 * self.decode_row_s + 0.3 * row
-            self._decode_only_at = t0 if all(s.decode for s in batch) else None
-            self._decode_only_rows = len(batch)
-            prompts = self._decode_only_at is None      # the forward carries prompt rows
-            if prompts:
-                self._prompt_since = t0
+            with self._lock:
+                if not self._waiting and not self._runs:
+                    self._decode_only_at = None     # idle time is no step
+                    return
             try:
-                results = await loop.run_in_executor(self.executor, self._run, batch)
-            except BaseException as e:  # noqa: BLE001 - every request of the batch hears of it
-                for s in batch:
-                    if not s.fut.done():
-                        s.fut.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
-                if not isinstance(e, Exception):
-                    raise
-                if isinstance(e, FusedMismatch) and self.on_mismatch is not None:
-                    self.on_mismatch(str(e))
-                continue
-            finally:
-                if prompts:
-                    self._prompt_since, self._prompt_ended = None, time.perf_counter()
-            dt = time.perf_counter() - t0
-            if self.metrics is not None:
-                self.metrics.observe_step(len(batch), sum(r.tokens for r in results if isinstance(r, StepResult)), dt)
-            prompt_rows = sum(len(s.ids) for s in batch if not s.decode)
-            if prompt_rows:
-                # NOTE: decays by forwards: the last ~10 dominate
-                self._prefill_rows = 0.8 * self._prefill_rows + prompt_rows
-                self._prefill_time = 0.8 * self._prefill_time + dt
+                await loop.run_in_executor(self.executor, self._drive)
+            except BaseException as e:  # noqa: BLE001 - nothing may wait for a driver that died
+                log.error("stepper_failed", error=repr(e))
+                with self._lock:
+                    every, self._waiting, self._runs = self._waiting + self._runs, [], []
+                self._fail(every, e if isinstance(e, Exception) else RuntimeError(repr(e)))
+                raise
+
+    def _fail(self, steps: list[_Step], err: Exception) -> None:
+        """Every one of ``steps`` fails with ``err`` (its runs end)."""
+        for s in steps:
+            if s.run is not None:
+                s.run.fail(err)
+                s.run.retire()
+        with self._lock:
+            self._runs = [s for s in self._runs if s not in steps]
+        self._post([(s, err) for s in steps])
+
+    def _drive(self) -> None:
+        """On the model thread: form a batch, run it, advance its runs, post what it produced to the
+        event loop — and again at once while the batch held runs only. It hands the thread back
+        after a forward that answered one-shot steps (their requests hand in their next steps on
+        the event loop first), when another job waits for the thread, or when nothing is left.
+
+        So a decoding request never waits for the event loop between two tokens: under load
+        that loop is busy streaming, parsing and restoring, and each forward used to wait for it."""
+        while True:
+            with self._lock:
+                self._waiting = [s for s in self._waiting if not s.fut.done()]   # cancelled meanwhile
+                stopped = [s for s in self._runs if s.run.stopped]
+                for s in stopped:
+                    self._runs.remove(s)
+                    s.run.retire()
+                batch = self._form()
+            if stopped:
+                self._post([(s, None) for s in stopped])
+            if not batch:
+                return
+            results = self._step(batch)
+            posts: list[tuple[_Step, StepResult | Exception | None]] = []
+            ended: list[_Step] = []
             for s, r in zip(batch, results):
-                if s.fut.done():
+                if s.run is None:
+                    posts.append((s, r))
                     continue
-                if isinstance(r, Exception):
-                    s.fut.set_exception(r)
-                else:
-                    s.fut.set_result(r)
-            if self.on_step is not None:
-                self.on_step()
+                try:
+                    if isinstance(r, Exception):
+                        s.run.fail(r)
+                        keep = False
+                    else:
+                        keep = s.run.after(r)
+                except Exception as e:  # noqa: BLE001 - a run's own failure (its sampling) ends it alone
+                    s.run.fail(e)
+                    keep = False
+                if not keep:
+                    s.run.retire()
+                    ended.append(s)
+                posts.append((s, None))
+            if ended:
+                with self._lock:
+                    self._runs = [s for s in self._runs if s not in ended]
+            self._post(posts)
+            if any(s.run is None for s in batch) or self._others_queued():
+                return
+
+    def _others_queued(self) -> bool:
+        queued = getattr(self.executor, "queued", None)
+        return bool(queued is not None and queued())
+
+    def _post(self, posts: list) -> None:
+        """Hand a forward's answers to the event loop in one call: one-shot steps' futures, runs'
+        flushes, then ``on_step``."""
+        loop = self._loop_ref
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._deliver, posts)
+        except RuntimeError:        # the loop closed meanwhile (shutdown): nobody waits any more
+            pass
+
+    def _deliver(self, posts: list) -> None:
+        for s, r in posts:
+            if s.run is not None:
+                s.run.flush()
+            elif s.fut.done():
+                continue
+            elif isinstance(r, Exception):
+                s.fut.set_exception(r)
+            else:
+                s.fut.set_result(r)
+        if self.on_step is not None:
+            self.on_step()
+
+    def _step(self, batch: list[_Step]) -> list[StepResult | Exception]:
+        """One forward of ``batch`` with its bookkeeping (timings, the prefill rate, metrics); an
+        error of the forward itself becomes every step's answer."""
+        t0 = time.perf_counter()
+        if self._decode_only_at is not None:
+            step = t0 - self._decode_only_at
+            self.decode_step_s = step if self.decode_step_s is None else 0.7 * self.decode_step_s + 0.3 * step
+            row = step / self._decode_only_rows
+            self.decode_row_s = row if self.decode_row_s is None else 0.7 * self.decode_row_s + 0.3 * row
+        self._decode_only_at = t0 if all(s.decode for s in batch) else None
+        self._decode_only_rows = len(batch)
+        prompts = self._decode_only_at is None      # the forward carries prompt rows
+        if prompts:
+            self._prompt_since = t0
+        try:
+            results = self._run(batch)
+        except BaseException as e:  # noqa: BLE001 - every request of the batch hears of it
+            err = e if isinstance(e, Exception) else RuntimeError(repr(e))
+            if isinstance(e, FusedMismatch) and self.on_mismatch is not None:
+                self._call_soon(self.on_mismatch, str(e))
+            if not isinstance(e, Exception):
+                self._fail(batch, err)
+                raise
+            return [err] * len(batch)
+        finally:
+            if prompts:
+                self._prompt_since, self._prompt_ended = None, time.perf_counter()
+        dt = time.perf_counter() - t0
+        if self.metrics is not None:
+            self.metrics.observe_step(len(batch), sum(r.tokens for r in results if isinstance(r, StepResult)), dt)
+        prompt_rows = sum(len(s.ids) for s in batch if not s.decode)
+        if prompt_rows:
+            # NOTE: decays by forwards: the last ~10 dominate
+            self._prefill_rows = 0.8 * self._prefill_rows + prompt_rows
+            self._prefill_time = 0.8 * self._prefill_time + dt
+        return results
+
+    def _call_soon(self, fn, *args) -> None:
+        loop = self._loop_ref
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:
+                pass
 
     def _form(self) -> list[_Step]:
-        """Pick this forward's steps and decide each prompt's piece (see the module docstring)."""
-        waiting = sorted(self._waiting, key=lambda s: (not s.decode, s.order))
+        """Pick this forward's steps and decide each prompt's piece (see the module docstring).
+        Runs the caller's lock held; one-shot steps picked leave ``_waiting``, runs stay."""
+        waiting = sorted(self._waiting + self._runs, key=lambda s: (not s.decode, s.order))
+        if not waiting:
+            return []
         if not self.fused:
             pick = waiting[0]
-            self._waiting.remove(pick)
+            if pick.run is None:
+                self._waiting.remove(pick)
             if pick.decode:
-                pick.ids = [pick.token]
+                pick.ids = [pick.run.token if pick.run is not None else pick.token]
             else:
                 pick.ids, pick.export = pick.plan(None)
             return [pick]
@@ -327,7 +539,7 @@ class Stepper:
             if s.decode:
                 if budget < 1 and batch:
                     continue
-                s.ids = [s.token]
+                s.ids = [s.run.token if s.run is not None else s.token]
                 decoding = True
             else:
                 allowed = budget if batch else largest_forward(budget, self.block_size)
@@ -341,7 +553,8 @@ class Stepper:
             budget -= len(s.ids)
             batch.append(s)
         for s in batch:
-            self._waiting.remove(s)
+            if s.run is None:
+                self._waiting.remove(s)
         return batch
 
     def _run(self, batch: list[_Step]) -> list[StepResult | Exception]:

@@ -160,6 +160,7 @@ class LeaseHolder:
     async def _close(self, release_later: bool) -> None:
         ports = self.ports
         settled = True
+        await self._quiesce()               # a run cancelled twice may still hold the state
         with tracing.span("worker.commit") as sp:
             self._commit_pending()
             self._release_reservations()    # a request that ended before its restore

@@ -3,9 +3,9 @@
 A :class:`Session` is what the serving layer drives step by step::
 
     s = await engine.open(tokens, tenant=..., max_new_tokens=...)   # lease + hit validation + restore
-    while not await s.prefill_step(): ...                            # one piece per call (the stepper sizes it)
-    logits = s.logits                                                 # of the last prompt token
-    logits = await s.decode(token)                                    # one decode step
+    logits = await s.prefill_rest()                                   # the prompt as one stepper run
+    await s.decode_run(run)                                           # the decode loop as one run
+    logits = await s.decode(token)                                    # (or one decode step at a time)
     result = await s.close()                                          # commits settled, leases released
 
 :func:`worker.generation.generate` is that loop with sampling (the serving scheduler and
@@ -75,6 +75,7 @@ from worker.cache.leases import LeaseHolder, _Lease
 from worker.cache.planner import BlockMeta, Need, best_boundary, grid_floor, map_reads, needs, resume_cap
 from worker.cache.store import Reservation, as_bytes
 from worker.model.vision import PromptEmbeds, encode_images
+from worker.stepper import PrefillRun, StepResult
 
 if TYPE_CHECKING:
     from worker.cache.ports import CachePorts
@@ -196,6 +197,8 @@ class Session(HitFinder, LeaseHolder):
         #: and the claimed blocks whose commits it has sent.
         self._claims = False
         self._emitted: set[str] = set()
+        #: The stepper run that holds this session's state now or last (``_ride``).
+        self._run = None
 
     def _spent(self, phase: str, since: float) -> None:
         self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - since
@@ -431,16 +434,58 @@ class Session(HitFinder, LeaseHolder):
         return self.done_prefill
 
     async def prefill_rest(self) -> torch.Tensor:
-        """Run every remaining piece of the prompt; returns the last prompt token's logits."""
+        """Run every remaining piece of the prompt; returns the last prompt token's logits.
+
+        The prompt goes to the stepper as a run (``worker.stepper.PrefillRun``): it plans piece
+        after piece on the model thread, and each piece's exports are committed here, on the
+        event loop, while the next forward runs."""
         if not self.done_prefill:
             with tracing.span("worker.prefill", {"kvl.prompt_tokens": len(self.tokens),
                                                  "kvl.cached_tokens": self.prefill_pos}) as sp:
-                pieces = 1
-                while not await self.prefill_step():
-                    pieces += 1
-                sp.set_attribute("kvl.pieces", pieces)
+                t0 = time.perf_counter()
+                run = PrefillRun(self.state, self._plan, lambda: self.done_prefill, self.order, self.embeds,
+                                 on_piece=self._piece_done)
+                res = await self._ride(run)
+                self._spent("forward", t0)
+                self.logits = res.logits
+                sp.set_attribute("kvl.pieces", run.pieces)
         assert self.logits is not None
         return self.logits
+
+    def _piece_done(self, res: StepResult) -> None:
+        """A prompt piece ran: its exports join the pending commits, made now (the next piece is in
+        the model already)."""
+        for i, payload in res.payloads:
+            for form in self.writes.get(i, ()):
+                self._pending.append((self._block_meta(i, form), as_bytes(payload[form])))
+        self._commit_pending()
+
+    async def decode_run(self, run) -> None:
+        """Hand the decode loop to the stepper (``worker.generation.DecodeRun``) until it ends."""
+        if not self.done_prefill:
+            raise RuntimeError("decode before the prompt is prefilled")
+        await self._ride(run)
+
+    async def _ride(self, run):
+        """Start ``run`` on the stepper and wait for it. Cancelled, it stops the run and still waits
+        until the stepper lets go of the state (one forward at most), so nothing reads or writes
+        the state once this returns or raises; :meth:`close` waits the same way."""
+        self._run = run
+        self.ports.runner.stepper.start(run)
+        self._commit_pending()              # NOTE: overlaps the run's first forward
+        try:
+            return await asyncio.shield(run.done)
+        except asyncio.CancelledError:
+            run.stopped = True
+            await self._quiesce()
+            raise
+
+    async def _quiesce(self) -> None:
+        """Wait until no stepper run holds this session's state."""
+        run = self._run
+        if run is not None and not run.done.done():
+            run.stopped = True
+            await asyncio.wait([run.done])
 
     def _block_meta(self, i: int, form: str, checksum: str = "") -> BlockMeta:
         ports = self.ports
