@@ -9,6 +9,8 @@ Map:
 * :mod:`.events`     — the ledger's facts (``LedgerEvent``), encode/decode, ``stream_of``;
 * :mod:`.lifecycle`  — the replica state machine as a table, ``IllegalTransition``;
 * :mod:`.state`      — ``LedgerState``, ``apply``/``replay``, ``state_hash``, snapshots;
+  it re-exports :mod:`.records` (the state's records), :mod:`.indexes` (its derived
+  indexes) and :mod:`.snapshot` (the canonical hash, snapshots);
 * :mod:`.prefix`     — the longest usable prefix over a form catalogue;
 * :mod:`.commands`   — ``(state, msg, now_ms) → (reply, events)``;
 * :mod:`.invariants` — ``check_invariants(state)`` by recomputation.
