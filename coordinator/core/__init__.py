@@ -12,14 +12,16 @@ Map:
   it re-exports :mod:`.records` (the state's records), :mod:`.indexes` (its derived
   indexes) and :mod:`.snapshot` (the canonical hash, snapshots);
 * :mod:`.prefix`     — the longest usable prefix over a form catalogue;
-* :mod:`.commands`   — ``(state, msg, now_ms) → (reply, events)``;
+* :mod:`.commands`   — ``(state, msg, now_ms) → (reply, events)``; the lease commands in
+  :mod:`.leases`, a worker's transition judged in :mod:`.transitions`, what they share
+  (error replies, the live-worker check) in :mod:`.replies`;
 * :mod:`.invariants` — ``check_invariants(state)`` by recomputation.
 """
 
 from coordinator.core.commands import (
-    CoreError, ReplicaPinned, UnknownReplica, UnknownScope, UnknownWorker, acquire_lease, collect_disk,
-    drop_controls, drain_worker, evict_host, evict_replica, switch_cache, expire, heartbeat, ingest_transition, invalidate, lease_deadline, readable_locations,
-    register_worker, release_lease, renew_lease, resume, resume_worker,
+    CoreError, ReplicaPinned, UnknownReplica, UnknownScope, UnknownWorker, collect_disk,
+    drop_controls, drain_worker, evict_host, evict_replica, switch_cache, expire, heartbeat, invalidate,
+    register_worker, resume, resume_worker,
 )
 from coordinator.core.events import (
     EVENT_SCHEMA_VERSION, EVENT_TYPES, CacheSwitched, CoordinatorResumed, EventDecodeError, Invalidated, LeaseExpired,
@@ -28,12 +30,15 @@ from coordinator.core.events import (
     WorkerResumed, WorkerSuspended, decode_event, encode_event, stream_of,
 )
 from coordinator.core.invariants import check_invariants
+from coordinator.core.leases import acquire_lease, lease_deadline, release_lease, renew_lease
 from coordinator.core.lifecycle import TRANSITIONS, IllegalTransition, kind_of, step
 from coordinator.core.prefix import PrefixResult, longest_usable_prefix
+from coordinator.core.replies import readable_locations
 from coordinator.core.state import (
     CoreParams, Lease, LedgerState, Replica, ReplicaKey, ReplayError, SnapshotError, Watermark, WorkerRecord,
     apply, from_snapshot, replay, state_hash, to_snapshot,
 )
+from coordinator.core.transitions import ingest_transition
 
 __all__ = [
     # events

@@ -25,7 +25,7 @@ import msgspec
 from coordinator.core.events import TransitionRejected
 from shared.messages import ReplicaState
 
-#: (needle in the reason, kind), first match wins; the reasons are ``commands._judge``'s.
+#: (needle in the reason, kind), first match wins; the reasons are ``transitions._judge``'s.
 _KINDS = (
     ("is fenced", "fenced_epoch"),
     ("never registered", "unknown_epoch"),

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping
 
-from coordinator.core.commands import readable_locations
 from coordinator.core.prefix import longest_usable_prefix
+from coordinator.core.replies import readable_locations
 from coordinator.core.state import LedgerState
 from shared import messages as m
 
