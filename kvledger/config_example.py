@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from kvledger.config_reference import EXAMPLE, _default, _field_comments, descriptions
+from kvledger.config_reference import EXAMPLE, SECTION_MODULES, _default, _field_comments, descriptions
 from shared.config import Config
 
 WIDTH = 100
@@ -94,7 +94,7 @@ def render() -> str:
                 out.append("")
             if sub is not None:
                 doc = (sub.__doc__ or "").strip() if sub.__doc__ != msgspec.Struct.__doc__ else ""
-                lines = _comment(doc, indent) if doc and sub.__module__ == Config.__module__ else []
+                lines = _comment(doc, indent) if doc and sub.__module__ in SECTION_MODULES else []
                 out.extend(lines)
                 out.append(f"{indent}{f.name}:")
                 walk(sub, [*path, f.name], depth + 1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import sys
 import types
 import typing
@@ -24,12 +25,15 @@ from typing import Any
 
 import msgspec
 
-from shared import config as config_module
 from shared.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "kvledger.example.yaml"
 SHORT_ENV = {"database.url": "KVL_DATABASE_URL", "nats.url": "KVL_NATS_URL"}
+
+#: The modules that define the sections of :class:`shared.config.Config` (shared/config.py re-exports
+#: the others' sections): their ``#:`` comments describe the keys, their sections' docstrings head them.
+SECTION_MODULES = ("shared.config", "shared.config_types", "shared.config_worker", "shared.config_gateway")
 
 #: Descriptions for keys that have no comment in shared/config.py (or whose comment there is not
 #: a description). A test requires every key to have one.
@@ -91,8 +95,16 @@ EXTRA = {
 
 
 def _field_comments() -> dict[tuple[str, str], str]:
-    """``(class name, field) -> text`` of the ``#:`` lines just above a field in shared/config.py."""
-    source = Path(config_module.__file__).read_text()
+    """``(class name, field) -> text`` of the ``#:`` lines just above a field in shared/config.py
+    and in the modules whose sections it re-exports (:data:`SECTION_MODULES`)."""
+    out: dict[tuple[str, str], str] = {}
+    for name in SECTION_MODULES:
+        out.update(_comments_in(Path(importlib.import_module(name).__file__ or "").read_text()))
+    return out
+
+
+def _comments_in(source: str) -> dict[tuple[str, str], str]:
+    """``(class name, field) -> text`` of the ``#:`` lines just above a field in ``source``."""
     lines = source.splitlines()
     out: dict[tuple[str, str], str] = {}
     for node in ast.walk(ast.parse(source)):
