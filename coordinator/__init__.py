@@ -15,6 +15,8 @@ Map (pure core first, then the shell around it):
 * ``nats_service.py``— request/reply service, JetStream consumer, watermarks, worker calls;
 * ``runtime.py``     — the process's parts and their life cycle (leadership loop, stop);
 * ``audit.py``       — replay vs live vs workers, read-only;
-* ``admin.py``       — admin REST routes, OpenAPI, errors and auth in one place each;
+* ``admin.py``       — admin REST routes, OpenAPI, errors and auth in one place each
+  (``admin_context.py``: errors, patterns, app state; ``admin_input.py``: parameters and
+  bodies; ``admin_middleware.py``: errors as responses, the token);
 * ``app.py``         — ``create_app`` (resources in ``cleanup_ctx``) and the process entry point.
 """

@@ -1,9 +1,9 @@
 """Admin REST API: one route table drives both the router and ``/openapi.json``.
 
 Handlers parse, call, serialise. Every error becomes ``{"error": {"code", "message"}}`` in
-one place (:func:`error_middleware`): bad input is a 4xx naming what was wrong and what is
-allowed; 503 means the coordinator cannot answer right now (standby, replaying, log
-unavailable); a 500 would be a bug, never a reaction to client input.
+one place (:func:`.admin_middleware.error_middleware`): bad input is a 4xx naming what was
+wrong and what is allowed; 503 means the coordinator cannot answer right now (standby,
+replaying, log unavailable); a 500 would be a bug, never a reaction to client input.
 
 Views of the live state may include decisions whose commit is in flight (milliseconds):
 each view first waits for everything queued before it to commit, then reads.
@@ -11,216 +11,30 @@ each view first waits for everything queued before it to commit, then reads.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import hmac
-import ipaddress
 import json
-import re
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from coordinator.admin_context import (
+    CURSOR, HEX32, MAX_AFTER, MAX_PAGE, NAME, AdminContext, ApiError, Handler, _ctx, _ledger, _serving_ledger,
+)
+from coordinator.admin_input import (
+    AuditBody, CacheSwitchBody, DrainBody, InvalidateBody, _body, _decode_cursor, _encode_cursor, _int_param,
+    _sort_key, _str_param,
+)
 from coordinator.audit import run_audit
 from coordinator.controls import send_controls
-from coordinator.core import (
-    CoreError, LedgerState, UnknownReplica, UnknownWorker, drain_worker, drop_controls, invalidate, switch_cache,
-)
+from coordinator.core import LedgerState, drain_worker, drop_controls, invalidate, switch_cache
 from coordinator.core.events import replica_stream
 from coordinator.ledger import Ledger, Unavailable
 from coordinator.log.port import LogError, StoredEvent
-from coordinator.metrics import CoordinatorMetrics
 from coordinator.ui import cache_summary, status_page
 from shared.messages import Control, ReplicaState, now_ms
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-# Every pattern is checked with ``fullmatch`` and ends in ``\Z`` (Python's ``$`` also matches before a
-# final newline); /openapi.json declares the same text with JSON Schema's ``$`` (``_ecma_patterns``).
-HEX32 = re.compile(r"^[0-9a-f]{32}\Z")
-NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}\Z")
-#: A page cursor: the hex of the last key returned (any even-length hex is a valid position).
-CURSOR = re.compile(r"^(?:[0-9a-f]{2}){1,1024}\Z")
-MAX_PAGE = 1000
-MAX_AFTER = 2**62
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-
-
-def error_response(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"error": {"code": code, "message": message}}, status=status)
-
-
-# --- the app's state, as the handlers see it ---------------------------------------------------
-
-@dataclass
-class AdminContext:
-    """What the admin API needs from the running coordinator (filled in once it has started)."""
-
-    metrics: CoordinatorMetrics
-    admin_token: str = ""
-    ledger: Ledger | None = None
-    #: Tokens a reload replaced (``shared.key_rotation``): token -> monotonic deadline.
-    retired_tokens: dict[str, float] = field(default_factory=dict)
-    #: Usage shares from which the status page draws a pool amber and red.
-    ui_thresholds: dict[str, float] = field(default_factory=lambda: {"warn": 0.8, "critical": 0.95})
-    #: ``(monotonic time, counts)`` of the last tier count (see :data:`TIERS_MAX_AGE_S`).
-    tiers_memo: tuple[float, dict[str, dict[str, int]]] | None = None
-    #: ``inventory(worker_id, timeout_s)`` and ``control(worker_id, Control)`` over NATS.
-    inventory: Callable[..., Awaitable[Any]] | None = None
-    control: Callable[..., Awaitable[str]] | None = None
-
-
-ADMIN = web.AppKey("admin", AdminContext)
-LOGGER = web.AppKey("logger", Any)
-
-
-def _ctx(request: web.Request) -> AdminContext:
-    return request.app[ADMIN]
-
-
-def _ledger(request: web.Request) -> Ledger:
-    ledger = _ctx(request).ledger
-    if ledger is None:
-        raise ApiError(503, "unavailable", "the coordinator is starting")
-    return ledger
-
-
-async def _serving_ledger(request: web.Request) -> Ledger:
-    """The ledger, after everything queued so far has committed (see module docstring)."""
-    ledger = _ledger(request)
-    ledger.check_serving()
-    if (b := ledger.barrier()) is not None:
-        with contextlib.suppress(Exception):
-            await asyncio.shield(b)
-        ledger.check_serving()
-    return ledger
-
-
-# --- input -------------------------------------------------------------------------------------
-
-def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    if not re.fullmatch(r"-?[0-9]{1,20}", raw):
-        raise ApiError(400, "invalid", f"query parameter {name!r} must be an integer in [{lo}, {hi}]")
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ApiError(400, "invalid", f"query parameter {name!r} must be an integer in [{lo}, {hi}]") from None
-    if not lo <= value <= hi:
-        raise ApiError(400, "invalid", f"query parameter {name!r} must be in [{lo}, {hi}], got {value}")
-    return value
-
-
-def _str_param(request: web.Request, name: str, pattern: re.Pattern[str] | None = None,
-               allowed: list[str] | None = None) -> str | None:
-    raw = request.query.get(name)
-    if raw is None:
-        return None
-    if allowed is not None and raw not in allowed:
-        raise ApiError(400, "invalid", f"query parameter {name!r} must be one of {allowed}")
-    if pattern is not None and not pattern.fullmatch(raw):
-        raise ApiError(400, "invalid", f"query parameter {name!r} does not match {pattern.pattern}")
-    return raw
-
-
-def _sort_key(*parts: str) -> bytes:
-    """A page's sort key as bytes: UTF-8 order is code point order, and NUL sorts first, so
-    comparing these compares the tuples."""
-    return "\x00".join(parts).encode()
-
-
-def _encode_cursor(*parts: str) -> str:
-    return _sort_key(*parts).hex()
-
-
-def _decode_cursor(request: web.Request) -> bytes | None:
-    """The position after which a page starts. Any value of the declared pattern is one (a
-    cursor names a place in the order, not a row), so the schema's cursors are all accepted."""
-    raw = _str_param(request, "cursor", CURSOR)
-    return None if raw is None else bytes.fromhex(raw)
-
-
-def _integral(value: Any) -> Any:
-    """JSON Schema's ``integer`` includes ``1.0``: so does this API (msgspec alone would refuse it)."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, dict):
-        return {k: _integral(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_integral(v) for v in value]
-    return value
-
-
-async def _body(request: web.Request, schema: Any) -> Any:
-    raw = await request.read()
-    try:
-        return msgspec.convert(_integral(msgspec.json.decode(raw or b"{}")), type=schema)
-    except msgspec.ValidationError as e:
-        raise ApiError(400, "invalid", f"request body: {e}") from None
-    except msgspec.DecodeError:
-        raise ApiError(400, "invalid", "request body is not valid JSON") from None
-
-
-Hex32 = Annotated[str, msgspec.Meta(pattern=HEX32.pattern)]
-WorkerId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=NAME.pattern)]
-Reason = Annotated[str, msgspec.Meta(max_length=256)]
-
-
-class InvalidateNamespace(msgspec.Struct, tag_field="scope", tag="namespace", forbid_unknown_fields=True):
-    value: Hex32
-    reason: Reason = ""
-
-
-class InvalidateWorker(msgspec.Struct, tag_field="scope", tag="worker", forbid_unknown_fields=True):
-    value: WorkerId
-    reason: Reason = ""
-
-
-class InvalidateBlock(msgspec.Struct, tag_field="scope", tag="block", forbid_unknown_fields=True):
-    value: Hex32
-    reason: Reason = ""
-
-
-#: ``{"scope": "namespace"|"worker"|"block", "value": ..., "reason": ...}``: the value's form
-#: depends on the scope, which the schema says with one alternative per scope.
-InvalidateBody = InvalidateNamespace | InvalidateWorker | InvalidateBlock
-
-
-class DrainBody(msgspec.Struct, forbid_unknown_fields=True):
-    reason: Reason = ""
-
-
-class CacheSwitchBody(msgspec.Struct, forbid_unknown_fields=True):
-    #: "on" = reuse again, "off" = every request recomputes and nothing new is cached.
-    state: Literal["on", "off"]
-    #: One namespace (32 hex), or "" for every namespace.
-    namespace: Annotated[str, msgspec.Meta(pattern=r"^(?:[0-9a-f]{32})?\Z")] = ""
-    reason: Reason = ""
-
-
-class AuditBody(msgspec.Struct, forbid_unknown_fields=True):
-    #: Replay from an empty state (the strongest check) or from the latest snapshot.
-    replay_from: Literal["empty", "snapshot"] = "empty"
-    check_workers: bool = True
-    timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=60_000)] = 2000
-    #: Disk replicas (offload files) one live worker verifies, at most (0 = no disk check).
-    disk_checks: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 64
-    #: A difference with the workers must show again this much later to count (0 = no second look).
-    confirm_ms: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 500
 
 
 # --- serialisation ----------------------------------------------------------------------------
@@ -663,80 +477,3 @@ def _ecma_patterns(doc: Any) -> Any:
     if isinstance(doc, list):
         return [_ecma_patterns(v) for v in doc]
     return doc
-
-
-# --- middleware ---------------------------------------------------------------------------------
-
-_HTTP_CODES = {400: "invalid", 401: "unauthorized", 403: "forbidden", 404: "not_found",
-               405: "method_not_allowed", 413: "too_large"}
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The one place where errors become HTTP responses."""
-    try:
-        return await handler(request)
-    except ApiError as e:
-        return error_response(e.status, e.code, e.message)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        response = error_response(e.status, _HTTP_CODES.get(e.status, "error"), e.reason)
-        if "Allow" in e.headers:  # a 405 names the methods the path has (RFC 9110 15.5.6)
-            response.headers["Allow"] = e.headers["Allow"]
-        return response
-    except Unavailable as e:
-        return error_response(503, e.code.value, str(e))
-    except (UnknownWorker, UnknownReplica) as e:
-        return error_response(404, "not_found", str(e))
-    except CoreError as e:
-        return error_response(400, "invalid", str(e))
-    except asyncio.CancelledError:
-        raise
-    except Exception:  # noqa: BLE001 - a bug: logged with its traceback, answered without it
-        request.app[LOGGER].error("admin_request_failed", path=request.path, method=request.method, exc_info=True)
-        return error_response(500, "internal", "internal error (logged)")
-
-
-def rotate_token(ctx: AdminContext, token: str, grace_s: float, now: float | None = None) -> None:
-    """Use ``token`` from now on; the one it replaces stays valid for ``grace_s`` seconds."""
-    now = time.monotonic() if now is None else now
-    kept = {t: d for t, d in ctx.retired_tokens.items() if d > now and t != token}
-    if ctx.admin_token and ctx.admin_token != token and grace_s > 0:
-        kept[ctx.admin_token] = now + grace_s
-    ctx.admin_token, ctx.retired_tokens = token, kept
-
-
-def _token_ok(ctx: AdminContext, given: str) -> bool:
-    now = time.monotonic()
-    ok = hmac.compare_digest(given.encode(), ctx.admin_token.encode())
-    for token, deadline in ctx.retired_tokens.items():   # each compared, so the time says nothing
-        ok |= hmac.compare_digest(given.encode(), token.encode()) and deadline > now
-    return ok
-
-
-def _loopback(request: web.Request) -> bool:
-    try:
-        return ipaddress.ip_address(request.remote or "").is_loopback
-    except ValueError:
-        return False
-
-
-@web.middleware
-async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.path == "/ui" and not _ctx(request).admin_token and not _loopback(request):
-        raise ApiError(401, "unauthorized", "the status page without an admin token (coordinator.admin_token or "
-                                            "KVL_ADMIN_TOKEN) is served to loopback clients only")
-    if request.path.startswith("/v1/"):
-        token = _ctx(request).admin_token
-        if token:
-            given = request.headers.get("Authorization", "")
-            if not given.startswith("Bearer "):
-                raise ApiError(401, "unauthorized", "admin API: send 'Authorization: Bearer <token>'")
-            if not _token_ok(_ctx(request), given[7:]):
-                raise ApiError(401, "unauthorized", "admin API: wrong bearer token")
-        elif not _loopback(request):
-            raise ApiError(401, "unauthorized", "admin API without a token (coordinator.admin_token or "
-                                                "KVL_ADMIN_TOKEN) is served to loopback clients only")
-    return await handler(request)
-

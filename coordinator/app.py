@@ -19,7 +19,9 @@ from typing import Any
 
 from aiohttp import web
 
-from coordinator.admin import ADMIN, LOGGER, AdminContext, add_routes, auth_middleware, error_middleware, rotate_token
+from coordinator.admin import add_routes
+from coordinator.admin_context import ADMIN, LOGGER, AdminContext
+from coordinator.admin_middleware import auth_middleware, error_middleware, rotate_token
 from coordinator.log.leader import make_holder_id
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.nats_service import StartupError
