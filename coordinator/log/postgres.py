@@ -29,283 +29,43 @@ pool, pre-ping, lock, head, sources, stream heads, insert, commit: about ten rou
 cost more than the commit itself (docs/BENCHMARKS.md, Coordinator). Payloads are stored as
 the coordinator's own JSON text and read back as is.
 
-Driver errors are translated once, here, into :mod:`coordinator.log.port` errors; only
-errors that PostgreSQL guarantees rolled the statement back and that may pass on their
-own (serialization failure, deadlock, lock timeout) are retried.
+Driver errors are translated once (:mod:`.pg_errors`) into :mod:`coordinator.log.port`
+errors; only errors that PostgreSQL guarantees rolled the statement back and that may pass
+on their own (serialization failure, deadlock, lock timeout) are retried. The connection
+settings are in :mod:`.pg_settings`, the statements in :mod:`.pg_sql`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ssl
 import struct
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
-import sys
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
 from coordinator.log.chain import GENESIS, chain_batch
-from coordinator.log.port import (
-    LeaderInfo, LogError, LogUnavailable, NewEvent, NotLeader, Snapshot, StoredEvent, StreamConflict,
+# NOTE: the errors, the settings and the SQL live in modules of their own (pg_errors, pg_settings,
+# pg_sql); every name of theirs is re-exported here, where callers import them from.
+from coordinator.log.pg_errors import (
+    RETRYABLE_SQLSTATES, UNAVAILABLE_SQLSTATES, describe, is_retryable, is_unavailable, sqlstate, translate,
 )
-from shared.embedded import asyncpg_url
-from shared.tls import client_context
+from coordinator.log.pg_settings import PgSettings, create_engine
+from coordinator.log.pg_sql import (
+    APPEND, ARCHIVE_ANCHOR, ARCHIVED_UPTO, CHAIN_ANCHOR, CHAIN_AT, COPY_APPEND_HEADS, COPY_APPEND_LOCK, COPY_COLUMNS,
+    EVENT_COLUMNS, HEAD, LATEST_SNAPSHOT, LEADER_INFO, LEADER_STALE, READ, READ_LEADER_EPOCH, READ_PAYLOADS,
+    READ_STREAM, READ_STREAMS, RENEW_LEADERSHIP, REPLICATION_STATUS, SAVE_SNAPSHOT, SCHEMA_REVISION, SNAPSHOT_COLUMNS,
+    SNAPSHOT_EXISTS, SQLSTATE_CHAIN_ALIGN, SQLSTATE_CHAIN_HEAD, SQLSTATE_NO_LEADER_ROW, SQLSTATE_NOT_LEADER,
+    SQLSTATE_STREAM_CONFLICT, SQLSTATE_UNIQUE_VIOLATION, STREAM_PIECE_BYTES, STREAM_SNAPSHOT_BYTES, TAKE_LEADERSHIP,
+)
+from coordinator.log.port import (
+    LeaderInfo, LogError, NewEvent, NotLeader, Snapshot, StoredEvent, StreamConflict,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-#: The Alembic revision this build's statements need (a test keeps it equal to the head of
-#: ``migrations/``). NOTE: a constant, so that a coordinator's start checks the schema with one
-#: query and imports Alembic and SQLAlchemy only when it has to migrate (a third of its start).
-SCHEMA_REVISION = "0006"
-
-
-@dataclass(frozen=True, slots=True)
-class PgSettings:
-    """Connection bounds: a dead or unreachable PostgreSQL must fail calls quickly, not hang them."""
-
-    url: str
-    pool_size: int = 5
-    connect_timeout_s: float = 3.0
-    statement_timeout_s: float = 6.0
-    #: ``application_name`` of every session (a takeover terminates the old holder's sessions by it).
-    application_name: str = "kvledger"
-    #: TLS context of every connection (``shared.tls.client_context``: set when ``tls.ca_file`` is);
-    #: ``None`` = asyncpg decides (``PGSSLMODE``; default ``prefer``: try TLS, fall back to plain).
-    ssl: ssl.SSLContext | None = None
-    #: Appends of at least this many events go by COPY (:meth:`PostgresEventLog._append_copy`);
-    #: 0 = never. Below it ``kvl_append``'s single round trip is cheaper.
-    copy_min_events: int = 256
-
-    @classmethod
-    def from_config(cls, url: str, db_cfg: Any, application_name: str = "kvledger",
-                    tls: Any = None) -> "PgSettings":
-        connect = db_cfg.connect_timeout_ms / 1000
-        return cls(url=url, pool_size=db_cfg.pool_size, connect_timeout_s=connect,
-                   statement_timeout_s=max(2 * connect, 5.0), application_name=application_name[:63],
-                   ssl=client_context(tls) if tls is not None and db_cfg.tls else None,
-                   copy_min_events=db_cfg.copy_append_min_events)
-
-    @property
-    def dsn(self) -> str:
-        """The URL as asyncpg takes it (any SQLAlchemy driver suffix removed)."""
-        return _plain_dsn(self.url)
-
-    def server_settings(self) -> dict[str, str]:
-        return {
-            "application_name": self.application_name[:63],
-            "statement_timeout": str(int(self.statement_timeout_s * 1000)),
-            "lock_timeout": str(int(self.connect_timeout_s * 1000)),
-            "idle_in_transaction_session_timeout": str(int(self.statement_timeout_s * 2000)),
-        }
-
-
-def _plain_dsn(url: str) -> str:
-    for prefix in ("postgresql+asyncpg://", "postgres://"):
-        if url.startswith(prefix):
-            return "postgresql://" + url[len(prefix):]
-    return url
-
-
-def create_engine(settings: PgSettings) -> AsyncEngine:
-    """A SQLAlchemy engine (for the Alembic migrations)."""
-    from sqlalchemy.ext.asyncio import create_async_engine
-
-    return create_async_engine(
-        asyncpg_url(settings.url),
-        pool_size=settings.pool_size,
-        max_overflow=2,
-        pool_timeout=settings.connect_timeout_s,
-        pool_pre_ping=True,
-        connect_args={
-            "timeout": settings.connect_timeout_s,
-            "command_timeout": settings.statement_timeout_s,
-            "server_settings": settings.server_settings(),
-            # only when set: an explicit ssl=None would override a ?ssl= in the URL
-            **({"ssl": settings.ssl} if settings.ssl is not None else {}),
-        },
-    )
-
-
-# --- error translation ----------------------------------------------------------------
-
-#: Rolled back by PostgreSQL and likely to pass on a retry.
-RETRYABLE_SQLSTATES = frozenset({"40001", "40P01", "55P03"})
-#: The server is going away, not accepting connections, or cancelled us on a timeout.
-UNAVAILABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "53300", "57014"})
-
-
-def _sqlalchemy_error(e: BaseException, name: str) -> bool:
-    """Whether ``e`` is SQLAlchemy's ``name`` (only the migrations use SQLAlchemy: if it was never
-    imported, no error can be one of its)."""
-    exc = sys.modules.get("sqlalchemy.exc")
-    return exc is not None and isinstance(e, getattr(exc, name))
-
-
-def _root(e: BaseException) -> BaseException:
-    """The driver's own exception under SQLAlchemy's wrappers."""
-    if _sqlalchemy_error(e, "DBAPIError") and e.orig is not None:  # type: ignore[attr-defined]
-        orig: BaseException = e.orig  # type: ignore[attr-defined]
-        return orig.__cause__ if isinstance(orig.__cause__, BaseException) else orig
-    return e
-
-
-def sqlstate(e: BaseException) -> str | None:
-    """The SQLSTATE of a driver error, or of the one a translated :class:`LogError` came from."""
-    state = getattr(_root(e), "sqlstate", None)
-    if state is None and isinstance(e, LogError) and e.__cause__ is not None:
-        return sqlstate(e.__cause__)
-    return state
-
-
-def is_retryable(e: BaseException) -> bool:
-    return sqlstate(e) in RETRYABLE_SQLSTATES
-
-
-def is_unavailable(e: BaseException) -> bool:
-    # NOTE: InternalClientError is what asyncpg raises when a statement is sent on a session the
-    # server has terminated but whose end it has not processed yet ("cannot switch to state 12;
-    # another operation (2) is in progress", tests/integration/test_eventlog_postgres.py): the
-    # connection is broken, not the statement refused.
-    root = _root(e)
-    state = getattr(root, "sqlstate", None) or ""
-    return (
-        isinstance(root, (OSError, TimeoutError, asyncio.TimeoutError, asyncpg.PostgresConnectionError,
-                          asyncpg.InterfaceError, asyncpg.InternalClientError))
-        or _sqlalchemy_error(root, "TimeoutError")
-        or state.startswith("08") or state in UNAVAILABLE_SQLSTATES
-        or (_sqlalchemy_error(e, "DBAPIError") and e.connection_invalidated)  # type: ignore[attr-defined]
-    )
-
-
-def describe(e: BaseException) -> str:
-    """One readable line for operators (no SQL text, no parameters)."""
-    root = _root(e)
-    msg = str(root).splitlines()[0] if str(root) else type(root).__name__
-    state = getattr(root, "sqlstate", None)
-    return f"{type(root).__name__}{f' [{state}]' if state else ''}: {msg}"
-
-
-def translate(e: BaseException, what: str, *, committed_unknown: bool = False) -> LogError:
-    if is_unavailable(e):
-        return LogUnavailable(f"PostgreSQL unavailable during {what}: {describe(e)}",
-                              committed_unknown=committed_unknown)
-    return LogError(f"PostgreSQL refused {what}: {describe(e)}")
-
-
-# --- SQL of the append path -------------------------------------------------------------
-
-READ_LEADER_EPOCH = "SELECT leader_epoch FROM leader WHERE id = 1"
-#: The head counts archived positions (migration 0005): a log archived up to its head has no rows.
-HEAD = "SELECT coalesce((SELECT max(position) FROM events), (SELECT max(last_position) FROM log_archives), 0)"
-#: A whole append, one statement (migrations 0004, 0006): the fence, positions, stream versions,
-#: duplicate sources, the check that the batch's chain hashes link to the head; returns each
-#: event's position (NULL for a duplicate source).
-APPEND = "SELECT kvl_append($1, $2, $3, $4, $5, $6, $7, $8, $9)"
-#: An append by COPY, in its transaction: first the fence (the leader row locked ``FOR UPDATE``,
-#: its epoch returned for the caller to compare), then, in a statement of its own, the head and
-#: each given stream's current version (its floor when ``events`` holds none), as kvl_append
-#: computes them (migration 0005). NOTE: two statements, because a statement's snapshot is
-#: taken when it starts: one that waited for the lock would read the head as it was before the
-#: append it waited for committed (READ COMMITTED re-reads only the locked row).
-COPY_APPEND_LOCK = "SELECT leader_epoch FROM leader WHERE id = 1 FOR UPDATE"
-COPY_APPEND_HEADS = """
-WITH h AS (SELECT coalesce((SELECT max(position) FROM events), (SELECT max(last_position) FROM log_archives), 0)
-                  AS head)
-SELECT h.head,
-       ARRAY(SELECT coalesce((SELECT max(e.stream_version) FROM events e WHERE e.stream_id = u.s),
-                             (SELECT f.stream_version FROM log_stream_floors f WHERE f.stream_id = u.s), 0)
-             FROM unnest($1::text[]) WITH ORDINALITY AS u(s, o) ORDER BY u.o),
-       coalesce((SELECT chain_hash FROM events WHERE position = h.head),
-                (SELECT chain_hash FROM log_archives WHERE last_position = h.head))
-FROM h
-"""
-COPY_COLUMNS = ("position", "stream_id", "stream_version", "source_id", "type", "payload", "leader_epoch",
-                "chain_hash")
-SQLSTATE_UNIQUE_VIOLATION = "23505"
-#: kvl_append's own errors (migration 0004).
-SQLSTATE_NO_LEADER_ROW, SQLSTATE_NOT_LEADER, SQLSTATE_STREAM_CONFLICT = "KV001", "KV002", "KV003"
-#: kvl_append's chain errors (migration 0006): the head is not the one the batch was chained from
-#: (DETAIL ``<position>|<hex>``); the hashes do not line up with the kept events (DETAIL: the
-#: ordinals left out). Either is answered by re-chaining the batch, not by a retry as such.
-SQLSTATE_CHAIN_HEAD, SQLSTATE_CHAIN_ALIGN = "KV004", "KV005"
-#: Columns of a StoredEvent, in order.
-EVENT_COLUMNS = "position, stream_id, stream_version, type, payload, source_id, leader_epoch, recorded_at, chain_hash"
-READ = f"SELECT {EVENT_COLUMNS} FROM events WHERE position >= $1 ORDER BY position LIMIT $2"
-READ_STREAM = (f"SELECT {EVENT_COLUMNS} FROM events WHERE stream_id = $1 AND stream_version >= $2 "
-               "ORDER BY stream_version LIMIT $3")
-READ_STREAMS = f"SELECT {EVENT_COLUMNS} FROM events WHERE stream_id = ANY($1::text[]) ORDER BY position LIMIT $2"
-#: What a replay needs of each event, and nothing more. The payload comes back as bytes
-#: (``convert_to``: the stored UTF-8 as is), which the JSON decoder reads without the copy a
-#: ``str`` costs it.
-READ_PAYLOADS = ("SELECT position, convert_to(payload, 'UTF8') FROM events WHERE position >= $1 "
-                 "ORDER BY position LIMIT $2")
-#: The epoch bump and the renewal row, in one statement (one transaction). Updating ``leader``
-#: waits for an append in flight (it holds the row ``FOR UPDATE``); the renewal row is
-#: written after that (it reads ``bumped``), so an old leader's renewal is never blocked
-#: by the wait, and one that runs after the bump matches no row. An upsert, so a missing
-#: renewal row is recreated rather than leaving the new leader looking stale.
-TAKE_LEADERSHIP = """
-WITH bumped AS (
-    UPDATE leader SET leader_epoch = leader_epoch + 1, holder = $1, since = now(), renewed_at = now()
-    WHERE id = 1 RETURNING leader_epoch, holder, renewed_at
-), renewal AS (
-    INSERT INTO leader_renewal (id, leader_epoch, holder, renewed_at)
-    SELECT 1, leader_epoch, holder, renewed_at FROM bumped
-    ON CONFLICT (id) DO UPDATE
-        SET leader_epoch = excluded.leader_epoch, holder = excluded.holder, renewed_at = excluded.renewed_at
-    RETURNING leader_epoch
-)
-SELECT b.leader_epoch FROM bumped b JOIN renewal r ON r.leader_epoch = b.leader_epoch
-"""
-#: The leader's renewal: "UPDATE 1" while ``epoch`` ($1) is current, "UPDATE 0" once it was
-#: superseded. It locks only the renewal row; the check on ``leader`` is a plain read (a
-#: row locked ``FOR UPDATE`` by an append does not block it) and catches an epoch bumped
-#: by anything that did not also rewrite the renewal row (an older coordinator, a hand edit).
-RENEW_LEADERSHIP = ("UPDATE leader_renewal SET renewed_at = now() WHERE id = 1 AND leader_epoch = $1 "
-                    "AND EXISTS (SELECT 1 FROM leader WHERE id = 1 AND leader_epoch = $1)")
-#: holder, epoch, and whether the leader is stale ($1 = takeover_after_s). The renewal row
-#: counts only for the current epoch; ``leader.renewed_at`` is what a coordinator older
-#: than migration 0002 renews (``greatest`` ignores NULLs).
-#: Standbys streaming from this server and whether commits wait for one. NOTE: any role may count
-#: pg_stat_replication's rows (their details need pg_read_all_stats, which the writer lacks).
-REPLICATION_STATUS = ("SELECT (SELECT count(*) FROM pg_stat_replication)::int, "
-                      "current_setting('synchronous_standby_names') <> ''")
-
-LEADER_STALE = """
-SELECT l.holder, l.leader_epoch, coalesce(now() - greatest(l.renewed_at, r.renewed_at)
-                                          > make_interval(secs => $1), true)
-FROM leader l LEFT JOIN leader_renewal r ON r.id = 1 AND r.leader_epoch = l.leader_epoch
-WHERE l.id = 1
-"""
-#: The leader row, with the renewal time of the current epoch only (as LEADER_STALE reads it).
-LEADER_INFO = """
-SELECT l.leader_epoch, l.holder, l.since, greatest(l.renewed_at, r.renewed_at)
-FROM leader l LEFT JOIN leader_renewal r ON r.id = 1 AND r.leader_epoch = l.leader_epoch
-WHERE l.id = 1
-"""
-LATEST_SNAPSHOT = ("SELECT position, state_hash, state, leader_epoch, created_at, chain_hash FROM snapshots "
-                   "ORDER BY position DESC LIMIT 1")
-#: The snapshot a replay "from the beginning" starts at once the log has been archived.
-ARCHIVE_ANCHOR = ("SELECT a.last_position, s.state_hash, s.state, s.leader_epoch, s.created_at, s.chain_hash "
-                  "FROM log_archives a "
-                  "LEFT JOIN snapshots s ON s.position = a.last_position ORDER BY a.last_position DESC LIMIT 1")
-ARCHIVED_UPTO = "SELECT coalesce(max(last_position), 0) FROM log_archives"
-#: Where the stored chain starts: the newest archive's head (none: position 0, the genesis hash).
-CHAIN_ANCHOR = "SELECT last_position, chain_hash FROM log_archives ORDER BY last_position DESC LIMIT 1"
-#: The chain hash at a position (stored, or an archive's head).
-CHAIN_AT = ("SELECT coalesce((SELECT chain_hash FROM events WHERE position = $1), "
-            "(SELECT chain_hash FROM log_archives WHERE last_position = $1))")
-SAVE_SNAPSHOT = ("INSERT INTO snapshots (position, state_hash, state, leader_epoch, chain_hash) "
-                 "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (position) DO NOTHING")
-SNAPSHOT_EXISTS = "SELECT 1 FROM snapshots WHERE position = $1"
-SNAPSHOT_COLUMNS = ("position", "state_hash", "state", "leader_epoch", "chain_hash")
-#: Snapshots at least this large are saved by COPY, streamed in pieces of ``STREAM_PIECE_BYTES``.
-STREAM_SNAPSHOT_BYTES = 4 << 20
-STREAM_PIECE_BYTES = 1 << 20
 #: PostgreSQL's binary COPY header: signature, flags, header extension length.
 _COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack("!ii", 0, 0)
 
