@@ -11,111 +11,29 @@ received and what is accepted, instead of a confusing field error.
 
 from __future__ import annotations
 
-import enum
-import re
-import time
 from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
+# NOTE: the field types and base, the transitions and the audit's messages live in modules of
+# their own (message_base, transition_messages, audit_messages); every name of theirs is
+# re-exported here, where callers import them from, and the union below covers them all.
+from shared.audit_messages import (
+    MAX_CONTROL_BLOCKS, BlockDrop, Control, ControlAck, DiskRef, InventoryItem, InventoryReply, InventoryRequest,
+)
 from shared.forms import FormCatalogue
-from shared.ids import Generation, TenantId
+from shared.ids import TenantId
+from shared.message_base import (
+    _HEX32, _NAME_CHARS, ErrorCode, Hex32, Len32, Name, NameChars, NonNeg, Pos, ReplicaState, _hex32s, _Msg,
+    check_hex32_list, check_names, now_ms,
+)
+from shared.transition_messages import (
+    MAX_TRANSITION_BATCH, CommitWatermark, TransitionBatch, TransitionEvent, TransitionFields,
+)
 from shared.versions import SCHEMA_VERSION
-
-NonNeg = Annotated[int, msgspec.Meta(ge=0)]
-Pos = Annotated[int, msgspec.Meta(gt=0)]
-Hex32 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}\Z")]
-Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+\Z")]
-#: A :data:`Name` whose characters the message's ``__post_init__`` checks (:func:`check_names`).
-#: NOTE: msgspec's ``pattern`` cost ~0.65 µs a field here, half of a transition's decode (a
-#: transition has three names); one set check of all of a message's names costs ~0.3 µs.
-NameChars = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
-_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:-")
-
-
-#: Exactly 32 characters; the hex check is the message's ``__post_init__`` (see :func:`_hex32s`).
-Len32 = Annotated[str, msgspec.Meta(min_length=32, max_length=32)]
-
-
-def _hex32s(joined: str) -> bool:
-    """Whether ``joined`` (a concatenation of 32-character strings) is all lowercase hex.
-
-    NOTE: ``bytes.fromhex`` checks every character in C (it also skips whitespace, hence the
-    length check, and takes upper case, hence the ``lower()`` comparison): a tenth of a regex
-    per value, which is what msgspec's ``pattern`` runs.
-    """
-    try:
-        return len(bytes.fromhex(joined)) * 2 == len(joined) and joined == joined.lower()
-    except ValueError:
-        return False
-
-
-def check_hex32_list(field: str, values: list[str]) -> None:
-    """ValueError (a ValidationError when decoding) unless every value is 32 lowercase hex characters."""
-    joined = "".join(values)
-    if not (len(joined) == 32 * len(values) and _hex32s(joined)):
-        bad = next((i for i, v in enumerate(values) if not _HEX32.fullmatch(v)), None)
-        where = f"[{bad}]" if bad is not None else ""
-        raise ValueError(f"{field}{where}: expected 32 lowercase hex characters (a block hash)")
-
-
-_HEX32 = re.compile(r"[0-9a-f]{32}")
-
-
-def check_names(msg: msgspec.Struct, fields: tuple[str, ...], lists: tuple[str, ...] = ()) -> None:
-    """ValueError (a ValidationError when decoding) unless every name in ``fields`` (and in the
-    lists ``lists``) is made of :data:`Name`'s characters; their lengths are checked by the type."""
-    values = [getattr(msg, f) for f in fields]
-    for f in lists:
-        values.extend(getattr(msg, f))
-    if _NAME_CHARS.issuperset("".join(values)):
-        return
-    for f in fields + lists:
-        for v in ([getattr(msg, f)] if f in fields else getattr(msg, f)):
-            if not _NAME_CHARS.issuperset(v):
-                raise ValueError(f"{f}: {v[:40]!r} has a character outside A-Z a-z 0-9 _ . : -")
-
-
-class ReplicaState(enum.StrEnum):
-    ALLOCATED = "ALLOCATED"
-    READY = "READY"
-    EVICTED = "EVICTED"
-    INVALID = "INVALID"
-    LOST = "LOST"
-
-
-class ErrorCode(enum.StrEnum):
-    UNAVAILABLE = "unavailable"        # the log (PostgreSQL) cannot be written right now
-    OVER_CAPACITY = "over_capacity"    # pool or tenant quota full and nothing evictable
-    FENCED = "fenced"                  # the caller's epoch or the replica's generation is stale
-    INVALID = "invalid"                # the message itself is malformed or illegal
-    NOT_FOUND = "not_found"            # unknown lease, worker or block
-    NOT_LEADER = "not_leader"          # this coordinator is a standby
-    SUSPENDED = "suspended"            # the caller's epoch is suspended: resume with an inventory first
-    FORBIDDEN = "forbidden"            # the message speaks for another identity than the one it came from
-    WRONG_SHARD = "wrong_shard"        # another coordinator shard owns this chain (or it is moving): ask by the current shard map
-
-
-class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type", kw_only=True):
-    v: int = SCHEMA_VERSION
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 # --- registration and liveness -------------------------------------------------------
-
-class InventoryItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """One replica a worker holds (for the audit and for a resume)."""
-
-    block_hash: Hex32
-    form: Name
-    location: str
-    generation: NonNeg
-    state: ReplicaState
-    checksum: str = ""
-
 
 class WorkerRegister(_Msg, tag="worker.register", kw_only=True):
     worker_id: Name
@@ -399,219 +317,6 @@ class ErrorReply(_Msg, tag="error", kw_only=True):
     code: ErrorCode = ErrorCode.INVALID
     message: str = ""
     retry_after_ms: NonNeg = 0
-
-
-# --- state transitions (JetStream) ---------------------------------------------------
-
-class TransitionFields(_Msg, tag="transition", kw_only=True):
-    """A replica state change's fields, typed but not checked: what the ledger stores and folds.
-
-    NOTE: :class:`TransitionEvent`, the message a worker publishes, is this with every field's
-    bounds and characters checked. The ledger keeps the message it accepted as it is (a copy
-    into a mirror type cost a tenth of the coordinator's ingest), and a replay decodes this
-    base, trusting its own log, without the checks (they were two thirds of a replayed
-    event's decode). Both encode to the same JSON.
-    """
-
-    worker_id: str
-    epoch: int
-    seq: int
-    namespace: str
-    tenant: str = "default"
-    block_hash: str
-    parent_hash: str
-    token_start: int = 0
-    token_end: int = 0
-    form: str = "compressed"
-    #: ``gpu:<worker>``, ``host:<node>`` or ``disk`` (the "medium" of other event streams).
-    location: str = ""
-    from_state: ReplicaState | None = None
-    to_state: ReplicaState = ReplicaState.READY
-    generation: int = 0
-    checksum: str = ""
-    lease_id: str = ""
-    reason: str = ""
-    block_size: int = 16
-    model_name: str = ""
-    ts_ms: int = 0
-
-    @property
-    def source_id(self) -> str:
-        """``<worker>.<epoch>.<seq>``: the Nats-Msg-Id and the log's unique source key."""
-        return f"{self.worker_id}.{self.epoch}.{self.seq}"
-
-    def to_message(self) -> TransitionEvent:
-        """The worker's message (checked: raises ``msgspec.ValidationError`` if a field is not)."""
-        if type(self) is TransitionEvent:
-            return self
-        return msgspec.convert(msgspec.structs.asdict(self), TransitionEvent)
-
-
-class TransitionEvent(TransitionFields, tag="transition", kw_only=True):
-    """One replica state change, as a worker publishes it (and the log stores it).
-
-    A superset of the fields public KV-event streams carry (event id, tenant, medium,
-    block size, parent hash, block hashes, model name).
-    """
-
-    # NOTE: the fields whose values are bounded, with their bounds; the others are the base's.
-    #: ``worker_id``, ``tenant`` and ``form``: names (``__post_init__``).
-    worker_id: NameChars
-    epoch: Pos
-    seq: Pos
-    #: 32 lowercase hex characters, as are ``block_hash`` and ``parent_hash`` (``__post_init__``).
-    namespace: Len32
-    tenant: NameChars = TenantId("default")
-    block_hash: Len32
-    parent_hash: Len32
-    token_start: NonNeg = 0
-    token_end: NonNeg = 0
-    form: NameChars = "compressed"
-    generation: NonNeg = Generation(0)
-    block_size: Pos = 16
-    ts_ms: NonNeg = 0
-
-    def __post_init__(self) -> None:
-        # NOTE: one check of the three hashes, one of the three names (every transition the
-        # coordinator ingests passes here)
-        if not _hex32s(self.namespace + self.block_hash + self.parent_hash):
-            bad = next(f for f in ("namespace", "block_hash", "parent_hash") if not _HEX32.fullmatch(getattr(self, f)))
-            raise ValueError(f"{bad}: expected 32 lowercase hex characters")
-        if not _NAME_CHARS.issuperset(self.worker_id + self.tenant + self.form):
-            check_names(self, ("worker_id", "tenant", "form"))
-
-
-#: Most transitions one :class:`TransitionBatch` may carry (~700 bytes each: ~0.7 MB, under
-#: NATS's default 1 MB ``max_payload``).
-MAX_TRANSITION_BATCH = 1000
-
-
-class TransitionBatch(_Msg, tag="transitions", kw_only=True):
-    """Several transitions of one worker epoch in one JetStream message, in seq order.
-
-    NOTE: a JetStream publish is a broker round trip (~0.2 ms here); one message per transition
-    capped a worker near 4k transitions/s and cost the coordinator a fetch and an ack each. The
-    batch is stored or not as a whole, so the stream keeps the worker's order (the coordinator
-    judges transitions in stream order); each transition keeps its own source id, so a batch
-    stored twice (a resend after a lost broker ack) is deduplicated transition by transition.
-    """
-
-    worker_id: Name
-    epoch: Pos
-    events: Annotated[list[TransitionEvent], msgspec.Meta(min_length=1, max_length=MAX_TRANSITION_BATCH)]
-
-    def __post_init__(self) -> None:
-        prev = 0
-        for t in self.events:
-            if t.worker_id != self.worker_id or t.epoch != self.epoch:
-                raise ValueError(f"a batch of worker {self.worker_id} epoch {self.epoch} carries a transition of "
-                                 f"worker {t.worker_id} epoch {t.epoch}")
-            if t.v != self.v:
-                raise ValueError(f"a batch of schema version {self.v} carries a transition of version {t.v}")
-            if t.seq <= prev:
-                raise ValueError(f"transition seqs must increase within a batch ({t.seq} after {prev})")
-            prev = t.seq
-
-    @property
-    def source_id(self) -> str:
-        """``<worker>.<epoch>.<first seq>-<last seq>``: the batch's ``Nats-Msg-Id`` (before the nonce)."""
-        return f"{self.worker_id}.{self.epoch}.{self.events[0].seq}-{self.events[-1].seq}"
-
-
-class CommitWatermark(_Msg, tag="watermark", kw_only=True):
-    """Published by the coordinator after each commit: seqs ≤ ``seq`` of this epoch are durable.
-
-    ``refused``: seqs among them that the ledger refused and that left the worker holding bytes
-    the ledger does not list, which it drops: a copy to its host tier (the source it named is no
-    longer known, or was invalidated), or a commit of a GPU slot it filled (the lease had ended
-    first, aborting the write)."""
-
-    worker_id: Name
-    epoch: Pos
-    seq: NonNeg
-    refused: Annotated[list[NonNeg], msgspec.Meta(max_length=4096)] = []
-
-
-# --- audit and control ---------------------------------------------------------------
-
-class DiskRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """A READY disk replica (its offload file's name and the checksum recorded at commit) the
-    audit asks a worker to verify; in a reply, ``reason`` says what is wrong with it."""
-
-    block_hash: Hex32
-    form: Name
-    namespace: Hex32
-    tenant: Name
-    checksum: str = ""
-    reason: str = ""
-
-
-class InventoryRequest(_Msg, tag="inventory.request", kw_only=True):
-    """What a worker holds (for the audit). By default the reply lists ``items``; with
-    ``digests`` it carries the :func:`shared.hashing.replica_digest` of every replica held on
-    the GPU and host tier instead, in pages that fit NATS max_payload: page 0 takes the
-    inventory, later pages (same ``request_id``) come from that same inventory. A request with
-    ``disk`` refs is a disk check: the worker verifies those offload files (existence, header,
-    checksum) and the reply carries only the verdicts."""
-
-    request_id: Name = "audit"
-    digests: bool = False
-    page: NonNeg = 0
-    #: Largest ``digests`` per page, in bytes (0 = what the connection's max_payload allows).
-    page_bytes: NonNeg = 0
-    disk: list[DiskRef] = []
-
-
-class InventoryReply(_Msg, tag="inventory.reply", kw_only=True):
-    worker_id: Name
-    epoch: Pos
-    items: list[InventoryItem] = []
-    #: A digest inventory: this page's concatenated replica digests. The whole inventory is
-    #: grouped by location, in the order and counts of ``locations`` (``[location, count]``).
-    digests: bytes = b""
-    locations: list[tuple[str, NonNeg]] = []
-    page: NonNeg = 0
-    pages: Pos = 1
-    #: The last transition seq the worker had emitted when it took the inventory.
-    emitted_seq: NonNeg = 0
-    #: A disk check: whether this worker has the offload directory (configured and up), how
-    #: many files it verified, and those it could not find or that failed verification.
-    disk_tier: bool = False
-    disk_checked: NonNeg = 0
-    disk_missing: list[DiskRef] = []
-    disk_damaged: list[DiskRef] = []
-
-
-#: Most blocks one ``invalidate_blocks`` control names (an entry is ~60 bytes plus ~20 a form:
-#: far below NATS's default 1 MB payload); an invalidation of more goes in several.
-MAX_CONTROL_BLOCKS = 1024
-
-
-class BlockDrop(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """One block an ``invalidate_blocks`` control names, with what ``invalidate_block`` says of one."""
-
-    block_hash: Hex32
-    generations: dict[Name, NonNeg] | None = None
-
-
-class Control(_Msg, tag="control", kw_only=True):
-    action: Literal["evict", "drain", "invalidate_namespace", "invalidate_block", "invalidate_blocks"] = "drain"
-    namespace: str = ""
-    block_hash: str = ""
-    reason: str = ""
-    #: ``invalidate_block``: the GPU replicas of the block the decision named at this worker,
-    #: form → generation; only those are dropped (a slot refilled since, a new incarnation the
-    #: ledger lists READY, stays). None: every form's. The host tier's copies go either way.
-    generations: dict[Name, NonNeg] | None = None
-    #: ``invalidate_blocks``: several blocks at once, each as ``invalidate_block`` would name it
-    #: (what the coordinator sends: a worker invalidation of 10k blocks is 10 messages, not 10k).
-    blocks: Annotated[list[BlockDrop], msgspec.Meta(max_length=MAX_CONTROL_BLOCKS)] = []
-
-
-class ControlAck(_Msg, tag="control.ack", kw_only=True):
-    worker_id: Name
-    affected: NonNeg = 0
-
 
 # --- routing (gateway → coordinator; read-only, answered from live state) --------------
 
