@@ -12,7 +12,8 @@ Map (pure core first, then the shell around it):
   group commit, leader election with epoch fencing, migrations runner;
 * ``ledger.py``      — live state: decide → apply → append (group commit) → answer;
 * ``replay.py``      — snapshot + tail replay (restart, rebuild, audit);
-* ``nats_service.py``— request/reply service, JetStream consumer, watermarks, worker calls;
+* ``nats_service.py``— request/reply service, JetStream consumer, watermarks, worker calls
+  (the JetStream half, consumer and watermarks, in ``transition_consumer.py``);
 * ``runtime.py``     — the process's parts and their life cycle (leadership loop, stop);
 * ``audit.py``       — replay vs live vs workers, read-only;
 * ``admin.py``       — admin REST routes, OpenAPI, errors and auth in one place each

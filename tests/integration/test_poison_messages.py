@@ -11,6 +11,7 @@ import nats
 import pytest
 
 import coordinator.nats_service as nats_service
+import coordinator.transition_consumer as transition_consumer
 from coordinator.app import COORDINATOR
 from coordinator.nats_service import CONSUMER_NAME
 from shared.messages import ErrorCode, ErrorReply, RegisterReply, decode
@@ -31,7 +32,8 @@ def exploding_decode(monkeypatch: pytest.MonkeyPatch) -> None:
             raise RuntimeError("decoder bug")
         return real(data, *a, **kw)
 
-    monkeypatch.setattr(nats_service, "decode", decode_)
+    monkeypatch.setattr(nats_service, "decode", decode_)           # requests
+    monkeypatch.setattr(transition_consumer, "decode", decode_)    # transitions
 
 
 async def _until(cond, timeout_s: float = 10) -> None:  # type: ignore[no-untyped-def]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from nats.aio.msg import Msg
 
-from coordinator.nats_service import _stored_behind
+from coordinator.transition_consumer import _stored_behind
 
 
 def _delivery(pending: int) -> Msg:
