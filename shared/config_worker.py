@@ -119,6 +119,14 @@ class ServiceConfig(_Section):
     #: 2 cores: 8 decode rows 0.45x on the tiny model, 0.9x 512 wide; 1,024 prompt rows 1.6x on
     #: the tiny model; 512 rows 1.3x 512 wide). Wider models gain from fewer rows.
     lane_min_rows: Annotated[int, msgspec.Meta(ge=2, le=65536)] = 512
+    #: A request's prompt and decode loop as runs the stepper advances on the model thread
+    #: (``worker.stepper.PrefillRun``, ``worker.generation.DecodeRun``: the next piece planned and
+    #: the next token sampled there, forward after forward, the event loop only streaming), instead
+    #: of one step per forward handed in by the request's coroutine. Off by default: on SmolLM2 on
+    #: 2 cores it cut the time to first token at c = 32 by ~20 % and raised the gap between tokens
+    #: ~15 %, at 6-8 % fewer tokens/s (docs/BENCHMARKS.md, run N). Requests with a grammar always
+    #: decode step by step.
+    request_runs: bool = False
     request_timeout_ms: PosInt = 60000
     queue_size: Annotated[int, msgspec.Meta(ge=0)] = 256
     #: Most samples one request may ask for (``n``, ``best_of``): each runs as its own request

@@ -193,7 +193,7 @@ class Engine:
                                check_every=cfg.service.fused_check_every,
                                on_mismatch=lambda reason: self.supervisor.fused_mismatch(reason),
                                lanes=resolve_lanes(cfg.service.model_lanes, str(self.device)),
-                               lane_min_rows=cfg.service.lane_min_rows)
+                               lane_min_rows=cfg.service.lane_min_rows, runs=cfg.service.request_runs)
         self.metrics.model_lanes.set(self.stepper.lanes)
         self.metrics.batch_invariant.set(1 if self.stepper.fused else 0)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvl-io")

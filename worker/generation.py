@@ -7,8 +7,9 @@ Both callers — the serving scheduler (``worker.scheduler``, HTTP requests) and
 After its first token a request's decode loop is data, a :class:`DecodeRun` the stepper
 advances on the model thread (sample, decide the end, feed the token to the next forward); the
 event loop only hears each token (``on_token``), and a caller that wants no more sets
-``stopped``. A request with a grammar keeps the loop on the event loop (its masks come from
-the grammar workers there).
+``stopped`` — where ``service.request_runs`` is on. Otherwise, and for a request with a grammar
+(its masks come from the grammar workers on the event loop), the loop below samples on the
+event loop and hands in one decode step per token.
 """
 
 from __future__ import annotations
@@ -306,10 +307,11 @@ class DecodeRun:
             self.done.set_result(None)
 
 
-def runs_on_model_thread(sampling: SamplingParams) -> bool:
-    """Whether a request's decode loop can be a :class:`DecodeRun`: not with a grammar (its
-    masks come from the grammar workers, through the event loop)."""
-    return sampling.grammar is None
+def runs_on_model_thread(s: Session, sampling: SamplingParams) -> bool:
+    """Whether a request's decode loop is a :class:`DecodeRun`: where the stepper takes runs
+    (``service.request_runs``), and not with a grammar (its masks come from the grammar workers,
+    through the event loop)."""
+    return s.ports.runner.stepper.runs and sampling.grammar is None
 
 
 async def generate(s: Session, sampling: SamplingParams, *, max_tokens: int,
@@ -341,7 +343,7 @@ async def generate(s: Session, sampling: SamplingParams, *, max_tokens: int,
             if len(out) >= max_tokens:
                 finish = "length"
                 break
-            if runs_on_model_thread(sampling):
+            if runs_on_model_thread(s, sampling):
                 run = DecodeRun(s, sampler, tok, max_tokens=max_tokens, stop_token_ids=stop_token_ids,
                                 keep_logits=keep_logits, on_token=on_token)
                 await s.decode_run(run)

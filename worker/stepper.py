@@ -245,8 +245,10 @@ class Stepper:
     def __init__(self, model, executor: Executor, *, max_batch_tokens: int, block_size: int,
                  max_prompt_tokens_with_decodes: int = 0, metrics=None, check_every: int = 0,
                  on_mismatch: Callable[[str], None] | None = None, lanes: int = 1,
-                 lane_min_rows: int = 512, on_step: Callable[[], None] | None = None) -> None:
+                 lane_min_rows: int = 512, on_step: Callable[[], None] | None = None, runs: bool = True) -> None:
         self.model = model
+        #: Whether sessions hand their prompt and decode loop over as runs (``service.request_runs``).
+        self.runs = runs
         #: Called on the event loop after every forward (the scheduler re-checks admission).
         self.on_step = on_step
         #: Decaying sums of prompt rows and of the time of the forwards that carried them (decode

@@ -436,9 +436,17 @@ class Session(HitFinder, LeaseHolder):
     async def prefill_rest(self) -> torch.Tensor:
         """Run every remaining piece of the prompt; returns the last prompt token's logits.
 
-        The prompt goes to the stepper as a run (``worker.stepper.PrefillRun``): it plans piece
-        after piece on the model thread, and each piece's exports are committed here, on the
-        event loop, while the next forward runs."""
+        Where the stepper takes runs (``service.request_runs``) the prompt goes to it as one
+        (``worker.stepper.PrefillRun``): it plans piece after piece on the model thread, and each
+        piece's exports are committed here, on the event loop, while the next forward runs;
+        otherwise one :meth:`prefill_step` per piece."""
+        if not self.done_prefill and not self.ports.runner.stepper.runs:
+            with tracing.span("worker.prefill", {"kvl.prompt_tokens": len(self.tokens),
+                                                 "kvl.cached_tokens": self.prefill_pos}) as sp:
+                pieces = 1
+                while not await self.prefill_step():
+                    pieces += 1
+                sp.set_attribute("kvl.pieces", pieces)
         if not self.done_prefill:
             with tracing.span("worker.prefill", {"kvl.prompt_tokens": len(self.tokens),
                                                  "kvl.cached_tokens": self.prefill_pos}) as sp:
