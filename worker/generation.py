@@ -14,10 +14,8 @@ event loop and hands in one decode step per token.
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shared import tracing
+from worker.stepper import Run
 
 if TYPE_CHECKING:
     from worker.cache.manager import Session
@@ -223,7 +222,7 @@ class Generated:
     first_token_at: float
 
 
-class DecodeRun:
+class DecodeRun(Run):
     """One request's decode loop as data, for the stepper (:meth:`worker.stepper.Stepper.start`).
 
     The model thread calls :meth:`after` with each forward's logits: the token the forward fed
@@ -240,7 +239,8 @@ class DecodeRun:
     def __init__(self, s: Session, sampler: Sampler, first: int, *, max_tokens: int,
                  stop_token_ids: Collection[int], keep_logits: bool,
                  on_token: Callable[[int, TokenLogprobs | None], bool] | None) -> None:
-        self.state, self.order, self.fed = s.state, s.order, s.fed
+        super().__init__(s.state, s.order)
+        self.fed = s.fed
         self.sampler = sampler
         #: The token the next forward feeds (sampled, delivered, not yet in the state).
         self.token = first
@@ -251,15 +251,9 @@ class DecodeRun:
         self.sampled = 1
         #: The logits each token after the first was sampled from (``keep_logits``).
         self.kept: list[torch.Tensor] | None = [] if keep_logits else None
-        #: Set on the event loop: no more tokens.
-        self.stopped = False
         #: Tokens delivered to ``on_token`` (the reply after the first token).
         self.tokens: list[int] = []
         self.finish = "length"
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._out: deque[tuple[int, TokenLogprobs | None]] = deque()
-        self._error: BaseException | None = None
-        self._ended = False
         self._heard_stop = False
 
     # on the model thread
@@ -281,30 +275,19 @@ class DecodeRun:
         self.token = tok
         return True
 
-    def fail(self, err: BaseException) -> None:
-        self._error = err
-
-    def retire(self) -> None:
-        self._ended = True
-
     # on the event loop
-    def flush(self) -> None:
-        ended = self._ended                # NOTE: read first: tokens are queued before the end is set
-        while self._out:
-            tok, lp = self._out.popleft()
-            if self.stopped:
-                continue                    # computed past the caller's stop: never delivered
-            self.tokens.append(tok)
-            if self.on_token is not None and self.on_token(tok, lp):
-                self.stopped = self._heard_stop = True
-        if not ended or self.done.done():
-            return
+    def _hand(self, item: tuple[int, TokenLogprobs | None]) -> None:
+        if self.stopped:
+            return                          # computed past the caller's stop: never delivered
+        tok, lp = item
+        self.tokens.append(tok)
+        if self.on_token is not None and self.on_token(tok, lp):
+            self.stopped = self._heard_stop = True
+
+    def _finish(self) -> None:
         if self._heard_stop or self.stopped:
             self.finish = "stop"
-        if self._error is not None:
-            self.done.set_exception(self._error)
-        else:
-            self.done.set_result(None)
+        self.done.set_result(None)
 
 
 def runs_on_model_thread(s: Session, sampling: SamplingParams) -> bool:

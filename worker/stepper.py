@@ -3,7 +3,7 @@
 Continuous batching with chunked prefill. Requests do not call the model; they hand the
 stepper their work as data and await its result: a *run* — a whole prompt
 (:class:`PrefillRun`) or a whole decode loop (``worker.generation.DecodeRun``) — or a one-shot
-*step* ("my next decode token", "one more piece of my prompt"). Whenever the model thread is
+*step* ("my next decode token", "one more piece of my prompt"), the default. Whenever the model thread is
 free, the stepper forms one batch from the runs and the waiting steps, within a budget of
 ``service.max_batch_tokens`` tokens:
 
@@ -25,11 +25,12 @@ forwards.
 The driver (:meth:`Stepper._drive`) runs on the model thread: form, forward, advance each run
 (a prompt's next piece is planned at the next forming; a decode run samples its next token and
 feeds it to the next forward), post what came out to the event loop in one call — and again at
-once while the batch held runs only. So a serving request never waits for the event loop
-between two forwards. After a forward that answered one-shot steps it hands the thread back
-(their requests hand in their next steps on the event loop first, ``GATHER_TURNS``), as it does
-when another job waits for the model thread (:class:`ModelExecutor`: a state to build, a fork,
-an export), which so waits one forward at most.
+once while the batch held runs only. So a request handed over as runs (``service.request_runs``,
+off by default: docs/architecture.md says why) never waits for the event loop between two
+forwards. After a forward that answered one-shot steps it hands the thread back (their
+requests hand in their next steps on the event loop first, ``GATHER_TURNS``), as it does when
+another job waits for the model thread (:class:`ModelExecutor`: a state to build, a fork, an
+export), which so waits one forward at most.
 
 Exactness: the batch is ONE :meth:`HybridAttentionLM.forward_batch`, whose ops are
 batch-invariant (``kernels.invariant``): each request's rows are the bits it would get alone,
@@ -186,35 +187,24 @@ class ModelExecutor(ThreadPoolExecutor):
         return self._queued
 
 
-class PrefillRun:
-    """A prompt run as data: the stepper plans its next piece at every forward (``plan``, as for a
-    prefill step) until ``finished()``, on the model thread, without the request's coroutine
-    between pieces. Each piece's result reaches ``on_piece`` on the event loop (its exports are
-    committed there while the next forward runs); :attr:`done` resolves with the last piece's."""
+class Run:
+    """What the stepper keeps from forward to forward for one request (see the module docstring):
+    the model thread queues what each forward gave it (:meth:`after` in the subclass, then
+    :meth:`fail`, :meth:`retire` when it lets go), the event loop hands that on in order
+    (:meth:`flush`) and resolves :attr:`done` once the stepper has let go of the state."""
 
     decode = False
 
-    def __init__(self, state, plan, finished: Callable[[], bool], order: tuple, embeds=None,
-                 on_piece: Callable[[StepResult], None] | None = None) -> None:
-        self.state, self.plan, self.finished, self.order, self.embeds = state, plan, finished, order, embeds
-        self.on_piece = on_piece
-        #: Set on the event loop: run no more pieces (the request was cancelled).
+    def __init__(self, state, order: tuple) -> None:
+        self.state, self.order = state, order
+        #: Set on the event loop: no more (the caller stopped or was cancelled).
         self.stopped = False
-        self.done: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
-        self.pieces = 0
-        self._out: deque[StepResult] = deque()
-        self._last: StepResult | None = None
+        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._out: deque = deque()
         self._error: BaseException | None = None
         self._ended = False
 
     # on the model thread
-    def after(self, r: StepResult) -> bool:
-        self._out.append(r)
-        if not self.finished():
-            return True
-        self._last = r
-        return False
-
     def fail(self, err: BaseException) -> None:
         self._error = err
 
@@ -223,17 +213,50 @@ class PrefillRun:
 
     # on the event loop
     def flush(self) -> None:
-        ended = self._ended                # NOTE: read first: pieces are queued before the end is set
+        ended = self._ended                # NOTE: read first: outputs are queued before the end is set
         while self._out:
-            r = self._out.popleft()
-            self.pieces += 1
-            if self.on_piece is not None:
-                self.on_piece(r)
+            self._hand(self._out.popleft())
         if not ended or self.done.done():
             return
         if self._error is not None:
             self.done.set_exception(self._error)
-        elif self._last is not None:
+        else:
+            self._finish()
+
+    def _hand(self, item) -> None:
+        """One queued output, on the event loop."""
+
+    def _finish(self) -> None:
+        self.done.set_result(None)
+
+
+class PrefillRun(Run):
+    """A prompt run as data: the stepper plans its next piece at every forward (``plan``, as for a
+    prefill step) until ``finished()``, on the model thread, without the request's coroutine
+    between pieces. Each piece's result reaches ``on_piece`` on the event loop (its exports are
+    committed there while the next forward runs); :attr:`done` resolves with the last piece's."""
+
+    def __init__(self, state, plan, finished: Callable[[], bool], order: tuple, embeds=None,
+                 on_piece: Callable[[StepResult], None] | None = None) -> None:
+        super().__init__(state, order)
+        self.plan, self.finished, self.embeds, self.on_piece = plan, finished, embeds, on_piece
+        self.pieces = 0
+        self._last: StepResult | None = None
+
+    def after(self, r: StepResult) -> bool:
+        self._out.append(r)
+        if not self.finished():
+            return True
+        self._last = r
+        return False
+
+    def _hand(self, r: StepResult) -> None:
+        self.pieces += 1
+        if self.on_piece is not None:
+            self.on_piece(r)
+
+    def _finish(self) -> None:
+        if self._last is not None:
             self.done.set_result(self._last)
         else:
             self.done.cancel()              # stopped before its last piece
