@@ -194,8 +194,11 @@ async def test_the_gateway_asks_the_shard_that_owns_a_prompts_chain(
     configs = [fast_config(u, nats_url, subjects, shards=2, shard=k, shard_partitions=PARTITIONS, **QUIET)
                for k, u in enumerate((database_url, other_database_url))]
     per_shard = [shard_subjects(subjects.prefix, k) for k in (0, 1)]
+    # NOTE: a route hint that misses gateway.route_timeout_ms (100 ms) routes by affinity alone; on
+    # a loaded CI machine one did (route_query_failed TimeoutError), and this test is about maps
     gw = Gateway(parse_config({"nats": {"url": nats_url, "subject_prefix": subjects.prefix},
-                               "coordinator": {"shards": 2, "shard_partitions": PARTITIONS}}), None, None)  # type: ignore[arg-type]
+                               "coordinator": {"shards": 2, "shard_partitions": PARTITIONS},
+                               "gateway": {"route_timeout_ms": 5000}}), None, None)  # type: ignore[arg-type]
     nc = await nats.connect(nats_url)
     try:
         async with contextlib.AsyncExitStack() as stack:
