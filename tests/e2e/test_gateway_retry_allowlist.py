@@ -6,6 +6,7 @@ holds ``connect``, and answered 502 naming the key when it does not; a gateway w
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
 import aiohttp
@@ -43,6 +44,23 @@ async def post(http: aiohttp.ClientSession, url: str, prompt: str, key: str | No
         return r.status, await r.json(content_type=None), r.headers.get("x-kvl-worker", "")
 
 
+async def listening(http: aiohttp.ClientSession, url: str, proc: Proc, timeout_s: float = 60) -> None:
+    """Until the gateway at ``url`` answers at all (a refused connection: not started yet). One that
+    refuses every address answers 403 and is never ready, so ``wait_ready`` cannot wait for it; on a
+    loaded CI machine the first post found it not yet listening."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        assert proc.alive, proc.name
+        try:
+            async with http.get(url + "/readyz") as r:
+                await r.read()
+                return
+        except aiohttp.ClientConnectorError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
 async def metric(http: aiohttp.ClientSession, url: str, line_start: str) -> float:
     async with http.get(url + "/metrics") as r:
         text = await r.text()
@@ -61,6 +79,7 @@ async def test_a_down_worker_is_retried_as_configured_and_the_allowlist_refuses_
     async with aiohttp.ClientSession() as http:
         await wait_ready(http, url, retries, usable=2)
         await wait_ready(http, strict_url, strict, usable=2)
+        await listening(http, closed_url, closed)
 
         # outside the list: 403 before anything, with or without a key, probes included
         for key in (KEY, None, "sk-wrong"):
