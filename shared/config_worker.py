@@ -120,7 +120,7 @@ class ServiceConfig(_Section):
     #: the tiny model; 512 rows 1.3x 512 wide). Wider models gain from fewer rows.
     lane_min_rows: Annotated[int, msgspec.Meta(ge=2, le=65536)] = 512
     #: A request's prompt and decode loop as runs the stepper advances on the model thread
-    #: (``worker.stepper.PrefillRun``, ``worker.generation.DecodeRun``: the next piece planned and
+    #: (``worker.runs.PrefillRun``, ``worker.generation.DecodeRun``: the next piece planned and
     #: the next token sampled there, forward after forward, the event loop only streaming), instead
     #: of one step per forward handed in by the request's coroutine. Off by default: on SmolLM2 on
     #: 2 cores it cut the time to first token at c = 32 by ~20 % and raised the gap between tokens

@@ -59,7 +59,8 @@ from worker.shard_links import ShardLink, ShardLinks
 from worker.cache.manager import CacheValidationError, Result, Session
 from worker.settings import size_pools, worker_id
 from worker.startup_checks import check_memory, measure
-from worker.stepper import ModelExecutor, Stepper, largest_forward, resolve_lanes
+from worker.runs import ModelExecutor
+from worker.stepper import Stepper, largest_forward, resolve_lanes
 from worker.supervisor import SPILL_BATCH, Supervisor
 
 T = TypeVar("T")

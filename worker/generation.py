@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shared import tracing
-from worker.stepper import Run
+from worker.runs import Run
 
 if TYPE_CHECKING:
     from worker.cache.manager import Session

@@ -2,7 +2,7 @@
 
 Continuous batching with chunked prefill. Requests do not call the model; they hand the
 stepper their work as data and await its result: a *run* — a whole prompt
-(:class:`PrefillRun`) or a whole decode loop (``worker.generation.DecodeRun``) — or a one-shot
+(``worker.runs.PrefillRun``) or a whole decode loop (``worker.generation.DecodeRun``) — or a one-shot
 *step* ("my next decode token", "one more piece of my prompt"), the default. Whenever the model thread is
 free, the stepper forms one batch from the runs and the waiting steps, within a budget of
 ``service.max_batch_tokens`` tokens:
@@ -29,7 +29,7 @@ once while the batch held runs only. So a request handed over as runs (``service
 off by default: docs/architecture.md says why) never waits for the event loop between two
 forwards. After a forward that answered one-shot steps it hands the thread back (their
 requests hand in their next steps on the event loop first, ``GATHER_TURNS``), as it does when
-another job waits for the model thread (:class:`ModelExecutor`: a state to build, a fork, an
+another job waits for the model thread (``worker.runs.ModelExecutor``: a state to build, a fork, an
 export), which so waits one forward at most.
 
 Exactness: the batch is ONE :meth:`HybridAttentionLM.forward_batch`, whose ops are
@@ -68,7 +68,6 @@ import math
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -157,109 +156,9 @@ class _Step:
     fut: asyncio.Future = None  # type: ignore[assignment]
     ids: list[int] = field(default_factory=list)
     export: list[int] = field(default_factory=list)
-    #: A run (:class:`PrefillRun`, ``worker.generation.DecodeRun``): the entry stays for the next
+    #: A run (``worker.runs.PrefillRun``, ``worker.generation.DecodeRun``): the entry stays for the next
     #: forward until the run says it is done; None: a one-shot step (``fut`` is its answer).
     run: object = None
-
-
-class ModelExecutor(ThreadPoolExecutor):
-    """The model thread (one worker), counting the jobs queued on it: the stepper's driver runs
-    forward after forward on this thread and hands it back to a queued job (a state to build, a
-    fork, an export) after the forward it is in, so such a job waits one forward, as before."""
-
-    def __init__(self, thread_name_prefix: str = "kvl-model") -> None:
-        super().__init__(1, thread_name_prefix=thread_name_prefix)
-        self._queued = 0
-        self._count = threading.Lock()
-
-    def submit(self, fn, /, *args, **kwargs):
-        with self._count:
-            self._queued += 1
-
-        def job():
-            with self._count:
-                self._queued -= 1
-            return fn(*args, **kwargs)
-        return super().submit(job)
-
-    def queued(self) -> int:
-        """Jobs submitted and not yet started."""
-        return self._queued
-
-
-class Run:
-    """What the stepper keeps from forward to forward for one request (see the module docstring):
-    the model thread queues what each forward gave it (:meth:`after` in the subclass, then
-    :meth:`fail`, :meth:`retire` when it lets go), the event loop hands that on in order
-    (:meth:`flush`) and resolves :attr:`done` once the stepper has let go of the state."""
-
-    decode = False
-
-    def __init__(self, state, order: tuple) -> None:
-        self.state, self.order = state, order
-        #: Set on the event loop: no more (the caller stopped or was cancelled).
-        self.stopped = False
-        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._out: deque = deque()
-        self._error: BaseException | None = None
-        self._ended = False
-
-    # on the model thread
-    def fail(self, err: BaseException) -> None:
-        self._error = err
-
-    def retire(self) -> None:
-        self._ended = True
-
-    # on the event loop
-    def flush(self) -> None:
-        ended = self._ended                # NOTE: read first: outputs are queued before the end is set
-        while self._out:
-            self._hand(self._out.popleft())
-        if not ended or self.done.done():
-            return
-        if self._error is not None:
-            self.done.set_exception(self._error)
-        else:
-            self._finish()
-
-    def _hand(self, item) -> None:
-        """One queued output, on the event loop."""
-
-    def _finish(self) -> None:
-        self.done.set_result(None)
-
-
-class PrefillRun(Run):
-    """A prompt run as data: the stepper plans its next piece at every forward (``plan``, as for a
-    prefill step) until ``finished()``, on the model thread, without the request's coroutine
-    between pieces. Each piece's result reaches ``on_piece`` on the event loop (its exports are
-    committed there while the next forward runs); :attr:`done` resolves with the last piece's."""
-
-    def __init__(self, state, plan, finished: Callable[[], bool], order: tuple, embeds=None,
-                 on_piece: Callable[[StepResult], None] | None = None) -> None:
-        super().__init__(state, order)
-        self.plan, self.finished, self.embeds, self.on_piece = plan, finished, embeds, on_piece
-        self.pieces = 0
-        self._last: StepResult | None = None
-
-    def after(self, r: StepResult) -> bool:
-        self._out.append(r)
-        if not self.finished():
-            return True
-        self._last = r
-        return False
-
-    def _hand(self, r: StepResult) -> None:
-        self.pieces += 1
-        if self.on_piece is not None:
-            self.on_piece(r)
-
-    def _finish(self) -> None:
-        if self._last is not None:
-            self.done.set_result(self._last)
-        else:
-            self.done.cancel()              # stopped before its last piece
 
 
 class Stepper:
@@ -370,7 +269,7 @@ class Stepper:
         return self._submit(_Step(state, order, False, plan=plan, embeds=embeds))
 
     def start(self, run) -> None:
-        """Take a run (:class:`PrefillRun`, ``worker.generation.DecodeRun``): from the next forward on,
+        """Take a run (``worker.runs.PrefillRun``, ``worker.generation.DecodeRun``): from the next forward on,
         every forward advances it on the model thread, until it ends or ``run.stopped`` is set;
         what it produces reaches the event loop through ``run.flush()``."""
         self._submit(_Step(run.state, run.order, run.decode, plan=getattr(run, "plan", None),

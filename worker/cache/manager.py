@@ -75,7 +75,8 @@ from worker.cache.leases import LeaseHolder, _Lease
 from worker.cache.planner import BlockMeta, Need, best_boundary, grid_floor, map_reads, needs, resume_cap
 from worker.cache.store import Reservation, as_bytes
 from worker.model.vision import PromptEmbeds, encode_images
-from worker.stepper import PrefillRun, StepResult
+from worker.runs import PrefillRun
+from worker.stepper import StepResult
 
 if TYPE_CHECKING:
     from worker.cache.ports import CachePorts
@@ -437,7 +438,7 @@ class Session(HitFinder, LeaseHolder):
         """Run every remaining piece of the prompt; returns the last prompt token's logits.
 
         Where the stepper takes runs (``service.request_runs``) the prompt goes to it as one
-        (``worker.stepper.PrefillRun``): it plans piece after piece on the model thread, and each
+        (``worker.runs.PrefillRun``): it plans piece after piece on the model thread, and each
         piece's exports are committed here, on the event loop, while the next forward runs;
         otherwise one :meth:`prefill_step` per piece."""
         if not self.done_prefill and not self.ports.runner.stepper.runs:
