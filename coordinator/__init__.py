@@ -10,7 +10,8 @@ Map (pure core first, then the shell around it):
 * ``core/``          — events, the fold, the replica life cycle, decisions (no I/O);
 * ``log/``           — the event-log port, its PostgreSQL adapter and in-memory twin,
   group commit, leader election with epoch fencing, migrations runner;
-* ``ledger.py``      — live state: decide → apply → append (group commit) → answer;
+* ``ledger.py``      — live state: decide → apply → append (group commit) → answer
+  (``ledger_snapshots.py``: the freeze, snapshots; ``unavailable.py``: its error);
 * ``replay.py``      — snapshot + tail replay (restart, rebuild, audit);
 * ``nats_service.py``— request/reply service, JetStream consumer, watermarks, worker calls
   (the JetStream half, consumer and watermarks, in ``transition_consumer.py``);

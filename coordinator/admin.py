@@ -31,9 +31,10 @@ from coordinator.audit import run_audit
 from coordinator.controls import send_controls
 from coordinator.core import LedgerState, drain_worker, drop_controls, invalidate, switch_cache
 from coordinator.core.events import replica_stream
-from coordinator.ledger import Ledger, Unavailable
+from coordinator.ledger import Ledger
 from coordinator.log.port import LogError, StoredEvent
 from coordinator.ui import cache_summary, status_page
+from coordinator.unavailable import Unavailable
 from shared.messages import Control, ReplicaState, now_ms
 
 

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from coordinator.admin_context import LOGGER, AdminContext, ApiError, Handler, _ctx, error_response
 from coordinator.core import CoreError, UnknownReplica, UnknownWorker
-from coordinator.ledger import Unavailable
+from coordinator.unavailable import Unavailable
 
 
 _HTTP_CODES = {400: "invalid", 401: "unauthorized", 403: "forbidden", 404: "not_found",

@@ -20,8 +20,9 @@ is answered UNAVAILABLE, the state is rebuilt from the log (snapshot + replay), 
 then does the ledger serve again. ``NotLeader`` means another coordinator has taken over:
 the ledger stops and tells its owner to step down.
 
-Snapshots and audits *freeze* the ledger briefly: new decisions wait, queued events are
-flushed, and then the live state equals the log up to :attr:`position` exactly.
+Snapshots and audits *freeze* the ledger briefly (``coordinator.ledger_snapshots``): new
+decisions wait, queued events are flushed, and then the live state equals the log up to
+:attr:`position` exactly.
 
 Heartbeats never wait: they change nothing durable (liveness is soft state, :attr:`seen`;
 only the decisions taken from it — suspended, lost — are logged), so they are answered at
@@ -36,22 +37,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from coordinator.core import (
     EVENT_TYPES, CoreParams, LedgerState, TransitionApplied, TransitionRejected, apply, encode_event, heartbeat,
-    resume, state_hash, stream_of, to_snapshot,
+    resume, stream_of,
 )
 from coordinator.log.groupcommit import GroupCommitter, Submission
-from coordinator.log.port import EventLog, LogError, NewEvent, NotLeader, Snapshot
+from coordinator.ledger_snapshots import LedgerSnapshots
+from coordinator.log.port import EventLog, LogError, NewEvent, NotLeader
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.replay import LogCorrupt, load_state
-from coordinator.snapshot_child import ForkedSnapshot, SnapshotChildFailed, can_fork, fork_snapshot
+from coordinator.snapshot_child import can_fork
 from coordinator.core.rejections import coalesce_rejections, strands_bytes
 from coordinator.rejection_hold import RejectionHold
 from coordinator.core.route import route
+from coordinator.unavailable import Unavailable
 from shared.messages import (
     CacheCounters, ErrorCode, ErrorReply, Heartbeat, HeartbeatReply, RouteQuery, RouteReply, now_ms,
 )
@@ -66,16 +68,6 @@ Decision = Callable[[LedgerState], tuple[R, list[Any]]]
 #: ``core.rejections.strands_bytes``).
 WatermarkHook = Callable[[dict[tuple[str, int], int], dict[tuple[str, int], list[int]]], None]
 
-
-class Unavailable(Exception):
-    """The ledger cannot decide or make a decision durable right now (typed for the reply)."""
-
-    def __init__(self, message: str, code: ErrorCode = ErrorCode.UNAVAILABLE, retry_after_ms: int = 500) -> None:
-        super().__init__(message)
-        self.code = code
-        self.retry_after_ms = retry_after_ms
-
-
 #: Ledger event type → its tag (``__struct_config__`` builds a new object on every access).
 _TAGS: dict[type, str] = {t: tag for tag, t in EVENT_TYPES.items()}
 _SOURCED = (TransitionApplied, TransitionRejected)
@@ -86,7 +78,7 @@ def to_new_event(e: Any) -> NewEvent:
     return NewEvent(stream_of(e), _TAGS[t], encode_event(e), e.source_id if t in _SOURCED else None)
 
 
-class Ledger:
+class Ledger(LedgerSnapshots):
     #: standby (not leader) | recovering (replaying) | serving | degraded (rebuilding) | stopped
     status: str
 
@@ -498,14 +490,6 @@ class Ledger:
         self._since_snapshot += stored
         self._maybe_snapshot()
 
-    def _maybe_snapshot(self) -> None:
-        """Start a periodic snapshot once ``snapshot_every`` events were stored since the last
-        one started (and none is in flight)."""
-        if self._since_snapshot >= self.snapshot_every and self.serving and (
-                self._snapshotting is None or self._snapshotting.done()):
-            self._since_snapshot = 0
-            self._snapshotting = asyncio.create_task(self._periodic_snapshot(), name="snapshot")
-
     def _on_failure(self, exc: BaseException) -> None:
         if isinstance(exc, NotLeader):
             self.set_status("standby", str(exc))
@@ -544,68 +528,3 @@ class Ledger:
                 self.set_status("serving", "")
                 self.logger.info("ledger_rebuilt", position=self.position)
             return
-
-    # --- freeze: snapshots and audits see the live state equal to the log ------------------
-
-    @contextlib.asynccontextmanager
-    async def frozen(self) -> AsyncIterator[LedgerState]:
-        """No new decisions, everything queued committed; yields the live state (read it, don't keep it)."""
-        async with self._freeze_lock:
-            self.check_serving()
-            self._open.clear()
-            try:
-                if self.committer is not None:
-                    await self.committer.flush()
-                self.check_serving()
-                yield self.state
-            finally:
-                self._open.set()
-
-    async def snapshot(self) -> Snapshot:
-        """Save a snapshot of the live state at the current position (fenced by the epoch).
-
-        NOTE: decisions wait only while the state is frozen: for a ``fork()`` when a child
-        serialises it (``snapshot_fork``), for the whole hash and encoding otherwise (~0.5 s
-        with a 100k-slot worker). ``kvl_coordinator_snapshot_freeze_seconds`` shows which.
-        """
-        t0 = time.perf_counter()
-        child: ForkedSnapshot | None = None
-        async with self.frozen() as state:
-            position, epoch = self.position, self.epoch
-            if self.snapshot_fork:
-                try:
-                    child = fork_snapshot(state)
-                except OSError as e:   # no memory or processes left for a child: take it here
-                    self.logger.warning("snapshot_fork_failed", error=str(e), action="snapshotting in process")
-            if child is None:
-                hashed, data = state_hash(state), to_snapshot(state)
-        self.metrics.snapshot_freeze.labels(how="fork" if child is not None else "in_process").observe(
-            time.perf_counter() - t0)
-        if child is not None:
-            try:
-                hashed, data = await child.result(self.snapshot_timeout_s)
-            except SnapshotChildFailed as e:
-                self.metrics.snapshot_failures.inc()
-                raise Unavailable(f"snapshot not taken: {e}") from e
-        snap = Snapshot(position=position, state_hash=hashed, state=data)
-        try:
-            await self.log.save_snapshot(snap, epoch)
-        except LogError as e:
-            raise Unavailable(f"snapshot not saved: {e}") from e
-        self.metrics.snapshots.inc()
-        self.metrics.snapshot_seconds.observe(time.perf_counter() - t0)
-        await self.read_archived()
-        self.logger.info("snapshot_saved", position=snap.position, state_hash=snap.state_hash,
-                         bytes=len(snap.state), seconds=round(time.perf_counter() - t0, 3),
-                         in_child=child is not None)
-        return snap
-
-    async def _periodic_snapshot(self) -> None:
-        try:
-            await self.snapshot()
-        except Unavailable as e:
-            self.logger.warning("snapshot_skipped", reason=str(e))
-        # NOTE: events stored while this one was taken count towards the next: if they are
-        # enough already, it starts now rather than at the next commit, which may be long off
-        self._snapshotting = None
-        self._maybe_snapshot()

@@ -45,12 +45,13 @@ from coordinator.core import (
     register_worker, release_lease, renew_lease, resume_worker,
 )
 from coordinator.controls import outcome as control_outcome, send_controls
-from coordinator.ledger import Ledger, Unavailable
+from coordinator.ledger import Ledger
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.request_trace import BatchSpans
 # NOTE: CONSUMER_NAME and StartupError are imported from here by the runtime, the app and tests.
 from coordinator.stream import CONSUMER_NAME, StartupError, TransitionStream
 from coordinator.transition_consumer import TransitionConsumer, error_kind
+from coordinator.unavailable import Unavailable
 from shared.messages import (
     Control, DiskGc, ErrorCode, ErrorReply, Heartbeat, HostEvict, InventoryReply, InventoryRequest, LeaseAcquire, LeaseRelease,
     LeaseRenew, MessageError, ResumeReply, RouteQuery, RouteReply, WorkerRegister, WorkerResume, decode,

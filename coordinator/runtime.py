@@ -27,7 +27,7 @@ from nats.aio.client import Client as NatsClient
 
 from coordinator.aio import bounded
 from coordinator.core import CoreParams, expire
-from coordinator.ledger import Ledger, Unavailable
+from coordinator.ledger import Ledger
 from coordinator.log.chain_metrics import ChainHeadCollector
 from coordinator.log.leader import LeaderElection, make_holder_id
 from coordinator.log.port import LogError, LogUnavailable
@@ -35,6 +35,7 @@ from coordinator.log.postgres import PgSettings, PostgresEventLog, describe, is_
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.nats_service import NatsService, StartupError
 from coordinator.replay import LogCorrupt
+from coordinator.unavailable import Unavailable
 from shared import nats_auth
 from shared.logging import mask_credentials
 from shared.config import Config, nats_servers

@@ -13,7 +13,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from coordinator.core import TransitionRejected, ingest_transition
-from coordinator.ledger import Unavailable
+from coordinator.unavailable import Unavailable
 from coordinator.stream import CONSUMER_NAME, StartupError
 from shared.messages import CommitWatermark, MessageError, TransitionBatch, TransitionEvent, decode, encode, now_ms
 

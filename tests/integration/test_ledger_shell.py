@@ -19,11 +19,12 @@ from coordinator import snapshot_child
 from coordinator.core import (
     CoreParams, decode_event, from_snapshot, heartbeat, register_worker, replay, state_hash, to_snapshot,
 )
-from coordinator.ledger import Ledger, Unavailable
+from coordinator.ledger import Ledger
 from coordinator.log import InMemoryEventLog, LogUnavailable, NewEvent
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.replay import load_state
 from coordinator.snapshot_child import can_fork
+from coordinator.unavailable import Unavailable
 from shared.logging import get_logger
 from shared.messages import ErrorCode, Heartbeat, RegisterReply, WorkerRegister
 from tests.integration.coordinator_kit import CATALOGUE, NS
@@ -305,7 +306,7 @@ async def test_a_cancelled_snapshot_kills_and_reaps_its_child(monkeypatch: pytes
         time.sleep(30)
         return b""
     monkeypatch.setattr(snapshot_child, "to_snapshot", stuck)
-    monkeypatch.setattr("coordinator.ledger.fork_snapshot", spy)
+    monkeypatch.setattr("coordinator.ledger_snapshots.fork_snapshot", spy)
     taking = asyncio.create_task(ledger.snapshot())
     while not children:
         await asyncio.sleep(0.01)
