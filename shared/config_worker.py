@@ -122,11 +122,12 @@ class ServiceConfig(_Section):
     #: A request's prompt and decode loop as runs the stepper advances on the model thread
     #: (``worker.runs.PrefillRun``, ``worker.generation.DecodeRun``: the next piece planned and
     #: the next token sampled there, forward after forward, the event loop only streaming), instead
-    #: of one step per forward handed in by the request's coroutine. Off by default: on SmolLM2 on
-    #: 2 cores it cut the time to first token at c = 32 by ~20 % and raised the gap between tokens
-    #: ~15 %, at 6-8 % fewer tokens/s (docs/BENCHMARKS.md, run N). Requests with a grammar always
-    #: decode step by step.
-    request_runs: bool = False
+    #: of one step per forward handed in by the request's coroutine (false). On SmolLM2 on 2 cores
+    #: (docs/BENCHMARKS.md, run O) runs cut the time to first token at c = 8 by about a third,
+    #: at ~6 % fewer tokens/s and a longer gap between tokens (every forward carries the prompts'
+    #: next pieces); at c = 32 the same tokens/s with fewer requests refused. Requests with a
+    #: grammar always decode step by step.
+    request_runs: bool = True
     request_timeout_ms: PosInt = 60000
     queue_size: Annotated[int, msgspec.Meta(ge=0)] = 256
     #: Most samples one request may ask for (``n``, ``best_of``): each runs as its own request

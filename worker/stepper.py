@@ -26,7 +26,7 @@ The driver (:meth:`Stepper._drive`) runs on the model thread: form, forward, adv
 (a prompt's next piece is planned at the next forming; a decode run samples its next token and
 feeds it to the next forward), post what came out to the event loop in one call — and again at
 once while the batch held runs only. So a request handed over as runs (``service.request_runs``,
-off by default: docs/architecture.md says why) never waits for the event loop between two
+on by default: docs/architecture.md says what it trades) never waits for the event loop between two
 forwards. After a forward that answered one-shot steps it hands the thread back (their
 requests hand in their next steps on the event loop first, ``GATHER_TURNS``), as it does when
 another job waits for the model thread (``worker.runs.ModelExecutor``: a state to build, a fork, an

@@ -2,9 +2,9 @@
 (``worker.generation.DecodeRun``, ``worker.stepper``), and every bit stays what the
 step-by-step loop on the event loop gives — alone, batched, stopped or cancelled.
 
-Runs are on where ``service.request_runs`` is (off by default). The step-by-step loop is the
+Runs are on where ``service.request_runs`` is (the default). The step-by-step loop is the
 path otherwise and for a request with a grammar; here it is forced with ``runs_on_model_thread``
-patched to False, and compared with ``torch.equal``.
+patched to False or ``service.request_runs`` off, and compared with ``torch.equal``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tests.worker.conftest import prompt
 from worker.generation import SamplingParams, generate
 
 RUNS = {"service.request_runs": True}
+STEPS = {"service.request_runs": False}
 
 SAMPLINGS = [
     SamplingParams(),
@@ -44,7 +45,7 @@ async def test_runs_give_the_step_by_step_bits_alone_and_batched(make_engine, mo
         assert e.stepper.segments > e.stepper.forwards          # forwards held several runs
         monkeypatch.setattr(generation, "runs_on_model_thread", lambda s, sampling: False)
         mixed = await _many(e, prompts, sampling)               # prompts as runs, decodes step by step
-    async with make_engine(None) as e:                          # the default: steps only
+    async with make_engine(None, **STEPS) as e:                 # steps only
         assert not e.stepper.runs
         steps = await _many(e, prompts, sampling)
         assert e.stepper.segments > e.stepper.forwards
