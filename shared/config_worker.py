@@ -128,6 +128,13 @@ class ServiceConfig(_Section):
     #: next pieces); at c = 32 the same tokens/s with fewer requests refused. Requests with a
     #: grammar always decode step by step.
     request_runs: bool = True
+    #: On a CPU worker: build and restore each request's state on a thread of its own, beside the
+    #: forwards, instead of on the model thread between them (a GPU worker always uses the model
+    #: thread, its stream). On SmolLM2 on 2 cores at c = 8 (docs/BENCHMARKS.md, run O) it gave
+    #: 7.5 % more tokens/s and a 25 % shorter gap between tokens, but a 35 % longer time to first
+    #: token (a restore that shares the cores with the forward takes twice as long, and its request
+    #: waits for it); at c = 32 no difference. With cores to spare beside the forward's it only gains.
+    state_thread: bool = False
     request_timeout_ms: PosInt = 60000
     queue_size: Annotated[int, msgspec.Meta(ge=0)] = 256
     #: Most samples one request may ask for (``n``, ``best_of``): each runs as its own request

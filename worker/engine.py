@@ -198,6 +198,8 @@ class Engine:
         self.metrics.model_lanes.set(self.stepper.lanes)
         self.metrics.batch_invariant.set(1 if self.stepper.fused else 0)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvl-io")
+        self._states = (ThreadPoolExecutor(1, thread_name_prefix="kvl-states")
+                        if cfg.service.state_thread and self.device.type != "cuda" else self._compute)
         self._salts: dict[str, bytes] = {}
         self.sessions: set[Session] = set()
         self._background: set[asyncio.Task] = set()
@@ -232,7 +234,7 @@ class Engine:
                              specs=self.specs, spec_digests=self.spec_digests, stored_as=self.stored_as,
                              switches=self.switches, on_invalid=cfg.cache.on_invalid, worker_id=self.worker_id,
                              gpu=self.gpu, host_location=self.host_location),
-            knobs=self.knobs, runner=ModelPort(model, self.stepper, self._compute, self.compute, self.io),
+            knobs=self.knobs, runner=ModelPort(model, self.stepper, self.states, self.compute, self.io),
             contact=self.contact_state, leases=client, outbox=self.publisher, replicas=self.replicas,
             store=self.store, tiers=self.tiers, inflight=self.inflight, metrics=self.metrics, log=self.log,
             salt=self.salt, background=self.background, releasing=self.releasing,
@@ -308,6 +310,8 @@ class Engine:
             await link.publisher.stop()
             await link.client.close()
         self._compute.shutdown(wait=True)
+        if self._states is not self._compute:
+            self._states.shutdown(wait=True)
         self.stepper.close()
         self._io.shutdown(wait=True)
 
@@ -326,6 +330,16 @@ class Engine:
 
     async def compute(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn)
+
+    def states(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """Run ``fn`` — a request state's build and restore — where states are made, starting now.
+
+        The model thread, or with ``service.state_thread`` on a CPU a thread of its own: a restore
+        copies cached rows out of the pools into a state no forward reads yet, so it may run beside
+        the forwards instead of between them (a c = 8 level of SmolLM2 spent ~9 % of the model
+        thread's time in restores; what that trades: docs/BENCHMARKS.md, run O). Either way the
+        slots it read are checked unchanged afterwards. On a GPU the model thread (its stream)."""
+        return asyncio.get_running_loop().run_in_executor(self._states, fn)
 
     async def io(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn)

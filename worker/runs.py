@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 
 class ModelExecutor(ThreadPoolExecutor):
     """The model thread (one worker), counting the jobs queued on it: the stepper's driver runs
-    forward after forward on this thread and hands it back to a queued job (a state to build, a
-    fork, an export) after the forward it is in, so such a job waits one forward, as before."""
+    forward after forward on this thread and hands it back to a queued job (a state to build or
+    restore, a fork, an export) after the forward it is in, so such a job waits one forward, as before."""
 
     def __init__(self, thread_name_prefix: str = "kvl-model") -> None:
         super().__init__(1, thread_name_prefix=thread_name_prefix)

@@ -29,8 +29,8 @@ once while the batch held runs only. So a request handed over as runs (``service
 on by default: docs/architecture.md says what it trades) never waits for the event loop between two
 forwards. After a forward that answered one-shot steps it hands the thread back (their
 requests hand in their next steps on the event loop first, ``GATHER_TURNS``), as it does when
-another job waits for the model thread (``worker.runs.ModelExecutor``: a state to build, a fork, an
-export), which so waits one forward at most.
+another job waits for the model thread (``worker.runs.ModelExecutor``: a state to build or restore, a
+fork, an export), which so waits one forward at most.
 
 Exactness: the batch is ONE :meth:`HybridAttentionLM.forward_batch`, whose ops are
 batch-invariant (``kernels.invariant``): each request's rows are the bits it would get alone,

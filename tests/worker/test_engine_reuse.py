@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
 import torch
 
 from tests.worker.conftest import BS, prompt
@@ -19,11 +20,16 @@ def same(a, b) -> bool:
     return a.tokens == b.tokens and torch.equal(a.logits, b.logits)
 
 
-async def test_second_request_reuses_and_is_bit_identical(make_engine, reference) -> None:
+#: ``service.state_thread``: states built and restored on the model thread, or on one of their own.
+STATE_THREAD = pytest.mark.parametrize("own", [False, True], ids=["model-thread", "state-thread"])
+
+
+@STATE_THREAD
+async def test_second_request_reuses_and_is_bit_identical(make_engine, reference, own) -> None:
     toks = prompt(100, seed=1)
     cold = await reference().generate(toks, max_tokens=3)
     twin = InProcessCoordinator()
-    async with make_engine(twin) as e:
+    async with make_engine(twin, **{"service.state_thread": own}) as e:
         addresses = e.pool_addresses()
         first = await e.generate(toks, max_tokens=3)
         assert first.cached_tokens == 0 and first.fallbacks == []
@@ -158,12 +164,13 @@ async def test_step_api_matches_generate(make_engine) -> None:
         assert e.health().active_sessions == 0
 
 
-async def test_speculative_restore_is_confirmed_by_the_grant(make_engine, reference) -> None:
+@STATE_THREAD
+async def test_speculative_restore_is_confirmed_by_the_grant(make_engine, reference, own) -> None:
     """Validation and restore from the worker's own pools run while the lease is in flight;
     the result is the same as the grant-driven path, and the same as a cold run."""
     toks = prompt(90, seed=16)
     cold = await reference().generate(toks, max_tokens=2)
-    async with make_engine(InProcessCoordinator()) as e:
+    async with make_engine(InProcessCoordinator(), **{"service.state_thread": own}) as e:
         await e.generate(toks, max_tokens=1)
         fast = await e.generate(toks, max_tokens=2)
         assert "speculate" in fast.timings and fast.cached_tokens == 80
@@ -175,14 +182,16 @@ async def test_speculative_restore_is_confirmed_by_the_grant(make_engine, refere
             fast.validated + slow.validated
 
 
-async def test_a_slot_recycled_while_the_speculative_restore_reads_it_is_not_trusted(make_engine, reference) -> None:
+@STATE_THREAD
+async def test_a_slot_recycled_while_the_speculative_restore_reads_it_is_not_trusted(make_engine, reference,
+                                                                                       own) -> None:
     """The speculation validates the worker's own slots in place and the model restores from
     them. Freed meanwhile (here: the pools cleared, as a new epoch does, while the model reads),
     the slots' bytes are no longer known to be the ones validated: the speculation is dropped,
     the grant's refs are validated again (gone now: presence fails) and the prompt recomputed."""
     toks = prompt(90, seed=16)
     cold = await reference().generate(toks, max_tokens=2)
-    async with make_engine(InProcessCoordinator()) as e:
+    async with make_engine(InProcessCoordinator(), **{"service.state_thread": own}) as e:
         await e.generate(toks, max_tokens=1)
         loop = asyncio.get_running_loop()
         new_state = e.model.new_state

@@ -89,7 +89,7 @@ class HitFinder:
             return state
 
         self._speculated = spec is not None
-        self._fresh = asyncio.get_running_loop().run_in_executor(ports.runner.executor, work)
+        self._fresh = ports.runner.states(work)
 
     async def _take_state(self):
         """The state :meth:`_build_state` made; a speculative restore the model refuses falls back
@@ -371,7 +371,7 @@ class HitFinder:
             return fresh
 
         try:
-            restored = await ports.runner.compute(work)
+            restored = await ports.runner.states(work)
         except (ValueError, RuntimeError) as err:
             # Validated bytes the model still refuses (a model-side check we do not mirror):
             # never guess — start from a fresh state and recompute everything.

@@ -20,7 +20,6 @@ chain; unsharded, those are the engine's own.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Coroutine
-from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -87,8 +86,9 @@ class ModelPort:
 
     model: CausalLM
     stepper: Stepper
-    #: The model thread (request states are built and restored there).
-    executor: Executor
+    #: Builds and restores a request's state, started at once (a future): on the model thread, or
+    #: on a CPU with ``service.state_thread`` on a thread of its own (``Engine.states``).
+    states: Callable[[Callable[[], Any]], Awaitable[Any]]
     compute: Callable[[Callable[[], Any]], Awaitable[Any]]
     io: Callable[[Callable[[], Any]], Awaitable[Any]]
 
