@@ -133,7 +133,8 @@ class ServiceConfig(_Section):
     #: thread, its stream). On SmolLM2 on 2 cores at c = 8 (docs/BENCHMARKS.md, run O) it gave
     #: 7.5 % more tokens/s and a 25 % shorter gap between tokens, but a 35 % longer time to first
     #: token (a restore that shares the cores with the forward takes twice as long, and its request
-    #: waits for it); at c = 32 no difference. With cores to spare beside the forward's it only gains.
+    #: waits for it); at c = 32 no difference. Where cores sit idle beside the forward's it may gain
+    #: more (not measured: every machine here has 2).
     state_thread: bool = False
     request_timeout_ms: PosInt = 60000
     queue_size: Annotated[int, msgspec.Meta(ge=0)] = 256
