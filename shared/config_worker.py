@@ -94,12 +94,18 @@ class ServiceConfig(_Section):
     max_batch_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_BATCH_TOKENS)] = 1024
     #: Most prompt tokens a forward may carry while it also runs decode tokens (rounded to whole
     #: blocks, at least one, so prompts still advance); 0: only ``max_batch_tokens`` bounds them.
-    #: Smaller: a decoding request waits less between tokens while others' prompts run, and a
-    #: waiting prompt's first token comes later; forwards of prompts alone (a burst of arrivals)
-    #: keep the whole budget (``worker.stepper``). At 128 in the serving bench (c = 32): p99 gap
-    #: between tokens halved, time to first token doubled, ~10 % fewer tokens/s (BENCHMARKS.md).
-    #: Watch ``kvl_worker_inter_token_latency_seconds`` against ``kvl_worker_time_to_first_token_seconds``.
-    max_prompt_tokens_with_decodes: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 0
+    #: Smaller: a decoding request waits less between tokens while others' prompts run, and the
+    #: waiting prompts finish one after another, oldest first, instead of together at the end of
+    #: one large forward; forwards of prompts alone (a burst of arrivals) keep the whole budget
+    #: (``worker.stepper``). SmolLM2 on 2 cores, c = 8 chat turns: 256 cut the time to first token
+    #: by a third against no cap at the same tokens/s (docs/BENCHMARKS.md, issue 53). Watch
+    #: ``kvl_worker_inter_token_latency_seconds`` against ``kvl_worker_time_to_first_token_seconds``.
+    max_prompt_tokens_with_decodes: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 256
+    #: The cap above follows the load: it rises to this share of the prompt tokens waiting
+    #: (``worker.stepper``), so a few prompts beside decodes run in pieces and a deep backlog in
+    #: large forwards, whose decode rows cost less of the machine (a fixed 256 cost c = 32
+    #: 5-16 % of its tokens/s; 0.25 did not). 0: a fixed cap.
+    prompt_cap_backlog_share: Fraction = 0.25
     #: Every this many fused forwards, one of its requests also runs alone on a copy of its
     #: state and must give the same logits bits; a difference turns fusing off and drops the
     #: cache (``worker.stepper``). 0 turns the check off. Costs one request's forward in N.

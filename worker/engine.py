@@ -190,6 +190,7 @@ class Engine:
         self.stepper = Stepper(model, self._compute, max_batch_tokens=cfg.service.max_batch_tokens,
                                block_size=self.block_size,
                                max_prompt_tokens_with_decodes=cfg.service.max_prompt_tokens_with_decodes,
+                               prompt_cap_backlog_share=cfg.service.prompt_cap_backlog_share,
                                metrics=self.metrics,
                                check_every=cfg.service.fused_check_every,
                                on_mismatch=lambda reason: self.supervisor.fused_mismatch(reason),

@@ -99,9 +99,11 @@ class PrefillRun(Run):
     committed there while the next forward runs); :attr:`done` resolves with the last piece's."""
 
     def __init__(self, state, plan, finished: Callable[[], bool], order: tuple, embeds=None,
-                 on_piece: Callable[[StepResult], None] | None = None) -> None:
+                 on_piece: Callable[[StepResult], None] | None = None, left: Callable[[], int] | None = None) -> None:
         super().__init__(state, order)
         self.plan, self.finished, self.embeds, self.on_piece = plan, finished, embeds, on_piece
+        #: () → the prompt tokens still to run (the stepper's prompt cap follows their sum).
+        self.left = left
         self.pieces = 0
         self._last: StepResult | None = None
 

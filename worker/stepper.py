@@ -13,14 +13,20 @@ free, the stepper forms one batch from the runs and the waiting steps, within a 
    for the first prompt of a step, so a prompt always advances;
 3. in a forward that carries decode tokens, the prompts together get at most
    ``service.max_prompt_tokens_with_decodes`` tokens (0: no cap but the budget), at least one
-   block, so a prompt still advances at every step.
+   block, so a prompt still advances at every step — or, with
+   ``service.prompt_cap_backlog_share``, that share of the prompt tokens waiting where it is more:
+   the cap follows the load.
 
 So running requests keep their inter-token latency while the oldest waiting prompt takes
 most of the remaining budget (first come, first served: the order that minimises mean time to
 first token), and a long prompt no longer blocks decodes for its whole length. The cap of 3
 bounds what a decoding request waits between tokens (a forward's time grows with its rows)
 without shrinking the forwards that hold prompts only — a burst of arrivals still shares large
-forwards.
+forwards. Why a cap shortens the time to first token, too: one large forward finishes every
+prompt in it at its end, together; pieces in arrival order finish the oldest prompts first, so
+the mean wait falls. Why it follows the backlog: each forward also runs every decoding request's
+row, and under a deep backlog more, smaller forwards spend more of the machine on those rows (a
+fixed cap of 256 cost c = 32 12-16 % of its tokens/s: docs/BENCHMARKS.md).
 
 The driver (:meth:`Stepper._drive`) runs on the model thread: form, forward, advance each run
 (a prompt's next piece is planned at the next forming; a decode run samples its next token and
@@ -153,6 +159,8 @@ class _Step:
     plan: Callable[[int | None], tuple[list[int], list[int]]] | None = None
     #: prefill: the prompt's image vectors by position (``worker.model.vision.PromptEmbeds``), or None.
     embeds: object = None
+    #: prefill: () → the prompt tokens it has still to run (the backlog the cap follows), or None.
+    left: Callable[[], int] | None = None
     fut: asyncio.Future = None  # type: ignore[assignment]
     ids: list[int] = field(default_factory=list)
     export: list[int] = field(default_factory=list)
@@ -165,7 +173,7 @@ class Stepper:
     """Forms and runs batches on the model executor (see the module docstring)."""
 
     def __init__(self, model, executor: Executor, *, max_batch_tokens: int, block_size: int,
-                 max_prompt_tokens_with_decodes: int = 0, metrics=None, check_every: int = 0,
+                 max_prompt_tokens_with_decodes: int = 0, prompt_cap_backlog_share: float = 0.0, metrics=None, check_every: int = 0,
                  on_mismatch: Callable[[str], None] | None = None, lanes: int = 1,
                  lane_min_rows: int = 512, on_step: Callable[[], None] | None = None, runs: bool = True) -> None:
         self.model = model
@@ -197,6 +205,8 @@ class Stepper:
         self.max_batch_tokens = max_batch_tokens
         #: Prompt tokens a forward that also runs decode tokens may carry (0: only the budget).
         self.max_prompt_tokens_with_decodes = max_prompt_tokens_with_decodes
+        #: The cap rises to this share of the prompt tokens waiting (0: a fixed cap).
+        self.prompt_cap_backlog_share = prompt_cap_backlog_share
         self.block_size = block_size
         self.metrics = metrics
         #: Every this many fused forwards, one request also runs alone and must match (0: never).
@@ -262,18 +272,19 @@ class Stepper:
         """Queue one decode token; the future resolves with its logits."""
         return self._submit(_Step(state, order, True, token=int(token)))
 
-    def prefill(self, state, plan, order: tuple, embeds=None) -> asyncio.Future[StepResult]:
+    def prefill(self, state, plan, order: tuple, embeds=None, left=None) -> asyncio.Future[StepResult]:
         """Queue more of a prompt. ``plan(max_tokens)`` names the prompt tokens to run now
         (``max_tokens`` None = the request's own next unit) and the blocks to export after;
-        ``embeds`` (``PromptEmbeds``) gives the piece the vectors of the image rows it runs."""
-        return self._submit(_Step(state, order, False, plan=plan, embeds=embeds))
+        ``embeds`` (``PromptEmbeds``) gives the piece the vectors of the image rows it runs;
+        ``left()`` the prompt tokens still to run (None: not counted in the backlog)."""
+        return self._submit(_Step(state, order, False, plan=plan, embeds=embeds, left=left))
 
     def start(self, run) -> None:
         """Take a run (``worker.runs.PrefillRun``, ``worker.generation.DecodeRun``): from the next forward on,
         every forward advances it on the model thread, until it ends or ``run.stopped`` is set;
         what it produces reaches the event loop through ``run.flush()``."""
         self._submit(_Step(run.state, run.order, run.decode, plan=getattr(run, "plan", None),
-                           embeds=getattr(run, "embeds", None), run=run))
+                           embeds=getattr(run, "embeds", None), left=getattr(run, "left", None), run=run))
 
     def _submit(self, step: _Step) -> asyncio.Future[StepResult] | None:
         loop = asyncio.get_running_loop()
@@ -457,6 +468,9 @@ class Stepper:
             return [pick]
         budget = self.max_batch_tokens
         cap = self.max_prompt_tokens_with_decodes
+        if cap and self.prompt_cap_backlog_share:
+            backlog = sum(s.left() for s in waiting if s.left is not None and not s.decode)
+            cap = max(cap, int(backlog * self.prompt_cap_backlog_share))
         batch: list[_Step] = []
         decoding, prompt_rows = False, 0
         for s in waiting:

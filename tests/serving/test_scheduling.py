@@ -181,6 +181,35 @@ async def test_prompts_beside_decode_tokens_take_at_most_the_cap_and_alone_the_w
         pool.shutdown()
 
 
+async def test_the_cap_beside_decodes_rises_with_the_prompt_backlog() -> None:
+    """service.prompt_cap_backlog_share: beside decodes, the prompts get the larger of the cap and
+    that share of the prompt tokens waiting (here two 64-token prompts: a backlog of 128)."""
+    model = build_model(ModelConfig())
+    pool = ThreadPoolExecutor(1)
+    g = torch.Generator().manual_seed(5)
+    prompts = {name: torch.randint(0, 256, (64,), generator=g).tolist() for name in "ab"}
+    done = {name: 0 for name in prompts}
+    plan = _planner(prompts, done)
+
+    def left(name: str):
+        return lambda: len(prompts[name]) - done[name]
+
+    try:
+        for share, first_rows in ((0.25, 32), (0.5, 64), (1.0, 128)):
+            stepper = Stepper(model, pool, max_batch_tokens=1024, block_size=16, max_prompt_tokens_with_decodes=32,
+                              prompt_cap_backlog_share=share)
+            decoding = model.new_state(16, 128)
+            model.extend(torch.randint(0, 256, (5,), generator=g), decoding)
+            done.update(a=0, b=0)
+            futs = [stepper.prefill(model.new_state(16, 128), plan(n), (0, k), left=left(n)) for k, n in enumerate("ab")]
+            await stepper.decode(decoding, 7, (0, 9))
+            assert stepper.forwards == 1 and stepper.rows == 1 + first_rows
+            assert done["a"] + done["b"] == first_rows
+            await asyncio.gather(*futs)
+    finally:
+        pool.shutdown()
+
+
 async def test_admission_by_priority_then_arrival(serve) -> None:
     async with serve(**{"service.max_concurrency": 1, "service.batch_window_ms": 0}) as s:
         t = Tenant("default")

@@ -48,6 +48,10 @@ class ModelSteps:
         self.prefill_pos = end
         return self.tokens[start:end], [i for i in range(start // bs, end // bs) if i in self.writes]
 
+    def _left(self) -> int:
+        """Prompt tokens not yet run (the stepper's backlog)."""
+        return len(self.tokens) - self.prefill_pos
+
     async def prefill_step(self) -> bool:
         """Run the next piece of the prompt; True once the prompt is done (``self.logits`` is set).
 
@@ -60,7 +64,7 @@ class ModelSteps:
             return True
         ports = self.ports
         t0 = time.perf_counter()
-        fut = ports.runner.stepper.prefill(self.state, self._plan, self.order, self.embeds)
+        fut = ports.runner.stepper.prefill(self.state, self._plan, self.order, self.embeds, left=self._left)
         self._commit_pending()          # NOTE: overlaps the model call just queued
         res = await fut
         self._spent("forward", t0)
@@ -90,7 +94,7 @@ class ModelSteps:
                                                  "kvl.cached_tokens": self.prefill_pos}) as sp:
                 t0 = time.perf_counter()
                 run = PrefillRun(self.state, self._plan, lambda: self.done_prefill, self.order, self.embeds,
-                                 on_piece=self._piece_done)
+                                 on_piece=self._piece_done, left=self._left)
                 res = await self._ride(run)
                 self._spent("forward", t0)
                 self.logits = res.logits
