@@ -604,6 +604,24 @@ std::string isa() {
   return std::string(kIsa) + ", bfloat16 " + kBf16;
 }
 
+// Columns per block of a product N wide on T threads: a multiple of 8, at most 64 (a block's
+// weights stay in cache while the row tiles pass over them), at most ~N / 4T (~4 blocks per
+// thread), chosen so the thread with the most blocks has the fewest columns: 576 columns on 2
+// threads as 12 blocks of 48, not 9 of 64, where one thread would take 5 blocks and the other
+// 4 and wait (SmolLM2's o and down products, 1 / 3 of a layer's weights). The split changes
+// who computes a column, never how.
+int64_t block_columns(int64_t N, int64_t T) {
+  const int64_t most = std::min<int64_t>(64, std::max<int64_t>(8, (N / (4 * T) + 7) / 8 * 8));
+  if (T <= 1) return most;
+  int64_t best = most, cost = INT64_MAX;
+  for (int64_t nb = most; nb >= 8; nb -= 8) {
+    const int64_t blocks = (N + nb - 1) / nb;
+    const int64_t c = (blocks + T - 1) / T * nb;   // the columns of the busiest thread
+    if (c < cost) best = nb, cost = c;
+  }
+  return best;
+}
+
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t threads) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "cpu_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "cpu_linear: x [M, K], w [N, K]");
@@ -634,9 +652,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t threads) {
     return y;
   }
 #endif
-  // ~4 blocks per thread (balance), of 8..64 columns (a block's weights stay in cache while
-  // the row tiles pass over them). The split changes who computes a column, never how.
-  const int64_t nb = std::min<int64_t>(64, std::max<int64_t>(8, (N / (4 * T) + 7) / 8 * 8));
+  const int64_t nb = block_columns(N, T);
   const int64_t blocks = (N + nb - 1) / nb;
   auto go = [&](auto* xp, auto* wp, auto* yp) {
     auto fn = [&](int64_t b) { column_block(xp, wp, yp, M, K, N, b * nb, std::min(N, (b + 1) * nb)); };
