@@ -13,7 +13,6 @@ nothing from the worker (they are EVICTED in the log already), so pools may fill
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,7 +101,7 @@ class FleetWorker:
     async def _heartbeat(self, m: Membership, interval: float) -> None:
         from shared.messages import Heartbeat, HeartbeatReply
         beat = Heartbeat(worker_id=self.worker_id, epoch=m.epoch)
-        while True:
+        while not self.stopping:
             await asyncio.sleep(interval)
             try:
                 r = await self._ask(m, "heartbeat", beat, timeout=10)
@@ -177,11 +176,14 @@ class FleetWorker:
             m.refused.clear()
 
     async def stop(self) -> None:
+        """End the heartbeats (after :attr:`stopping` is set). NOTE: a cancel that lands while a
+        request's own timeout fires can come back from it as that timeout (``asyncio.wait_for``
+        before Python 3.12), which the loop counts and goes on from; it then ends at ``stopping``,
+        so the wait here is bounded rather than for ever (a driver once hung at exit so)."""
         for m in self.members:
             if m.heartbeats is not None:
                 m.heartbeats.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await m.heartbeats
+                await asyncio.wait({m.heartbeats}, timeout=15)
 
 
 __all__ = ["BLOCK", "FleetWorker", "LEASE_TTL_MS", "Membership", "Tally", "catalogue"]
