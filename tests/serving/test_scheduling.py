@@ -121,6 +121,17 @@ def _planner(prompts: dict[str, list[int]], done: dict[str, int]):
     return plan
 
 
+async def _beside_a_decode(model, stepper: Stepper, g: torch.Generator, plan, left=None) -> list:
+    """Prompts ``a`` and ``b`` queued, then one decode token; returns the prompts' futures once the
+    first forward (all three in it) has answered the decode."""
+    decoding = model.new_state(16, 128)
+    model.extend(torch.randint(0, 256, (5,), generator=g), decoding)
+    futs = [stepper.prefill(model.new_state(16, 128), plan(n), (0, k), left=left(n) if left else None)
+            for k, n in enumerate("ab")]
+    await stepper.decode(decoding, 7, (0, 9))
+    return futs
+
+
 async def test_a_step_runs_decodes_first_then_prompts_in_priority_order_within_the_budget() -> None:
     """One forward: every decode token, then the oldest (highest-priority) prompt takes whole
     blocks from what is left of service.max_batch_tokens; a prompt that no longer fits waits."""
@@ -163,11 +174,8 @@ async def test_prompts_beside_decode_tokens_take_at_most_the_cap_and_alone_the_w
     try:
         for cap, first_rows in ((32, 32), (4, 16)):
             stepper = Stepper(model, pool, max_batch_tokens=1024, block_size=16, max_prompt_tokens_with_decodes=cap)
-            decoding = model.new_state(16, 128)
-            model.extend(torch.randint(0, 256, (5,), generator=g), decoding)
             done.update(a=0, b=0)
-            futs = [stepper.prefill(model.new_state(16, 128), plan(n), (0, k)) for k, n in enumerate("ab")]
-            await stepper.decode(decoding, 7, (0, 9))
+            futs = await _beside_a_decode(model, stepper, g, plan)
             # one block for a (cap 4 rounds up to it) or 32 rows shared in arrival order; b waits
             assert stepper.forwards == 1 and stepper.rows == 1 + first_rows
             assert done == {"a": first_rows, "b": 0, "c": 0}
@@ -198,11 +206,8 @@ async def test_the_cap_beside_decodes_rises_with_the_prompt_backlog() -> None:
         for share, first_rows in ((0.25, 32), (0.5, 64), (1.0, 128)):
             stepper = Stepper(model, pool, max_batch_tokens=1024, block_size=16, max_prompt_tokens_with_decodes=32,
                               prompt_cap_backlog_share=share)
-            decoding = model.new_state(16, 128)
-            model.extend(torch.randint(0, 256, (5,), generator=g), decoding)
             done.update(a=0, b=0)
-            futs = [stepper.prefill(model.new_state(16, 128), plan(n), (0, k), left=left(n)) for k, n in enumerate("ab")]
-            await stepper.decode(decoding, 7, (0, 9))
+            futs = await _beside_a_decode(model, stepper, g, plan, left)
             assert stepper.forwards == 1 and stepper.rows == 1 + first_rows
             assert done["a"] + done["b"] == first_rows
             await asyncio.gather(*futs)
