@@ -232,7 +232,10 @@ class NatsCluster:
         """Per (stream, "") and (stream, consumer): the leaders the nodes holding it name ("" for none)."""
         seen: dict[tuple[str, str], set[str]] = {}
         for i in range(self.size):
-            for account in self.jetstream(i, consumers=True).get("account_details") or []:
+            jsz = self.jetstream(i, consumers=True)
+            # the meta group's leader too: it places and answers for the streams
+            seen.setdefault(("$meta", ""), set()).add((jsz.get("meta_cluster") or {}).get("leader") or "")
+            for account in jsz.get("account_details") or []:
                 for stream in account.get("stream_detail") or []:
                     name = stream.get("name")
                     seen.setdefault((name, ""), set()).add((stream.get("cluster") or {}).get("leader") or "")
@@ -241,12 +244,14 @@ class NatsCluster:
         return seen
 
     def wait_settled(self, timeout_s: float) -> None:
-        """Wait until every node names the same leader for each stream and consumer, twice in a row.
+        """Wait until every node names the same meta leader and the same leader for each stream and
+        consumer, four times in a row (a second).
 
         NOTE: each node having *a* leader is not enough: after a restart from the stores a group
         can elect while its third member still recovers and then elect again, and a request in
         between waits out the election (a CI run: the stream's first `stream_info` timed out right
-        after `start` returned, on a loaded machine)."""
+        after `start` returned, on a loaded machine). Two agreeing reads 0.25 s apart still let a
+        later CI run through into a re-election, hence a second of agreement."""
         deadline = time.monotonic() + timeout_s
         last: dict[tuple[str, str], set[str]] = {}
         stable = 0
@@ -254,7 +259,7 @@ class NatsCluster:
             now = self.leaders()
             agreed = all(len(v) == 1 and "" not in v for v in now.values())
             stable = stable + 1 if agreed and now == last else (1 if agreed else 0)
-            if stable >= 2:
+            if stable >= 4:
                 return
             last = now
             time.sleep(0.25)
