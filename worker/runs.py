@@ -80,6 +80,7 @@ class Run:
             self._hand(self._out.popleft())
         if not ended or self.done.done():
             return
+        self.state = None                  # the stepper let go of it: so does the run (worker.model.recycle)
         if self._error is not None:
             self.done.set_exception(self._error)
         else:

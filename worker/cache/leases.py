@@ -175,6 +175,10 @@ class LeaseHolder:
                 ports.inflight.committed(self, self._emitted)     # before the announcements' own tasks run
             sp.set_attributes({"kvl.replicas_committed": self.commits, "kvl.reply_blocks": self.reply_blocks,
                                "kvl.settled": settled})
+        # nothing reads the state past its commits: let it go now (its buffers go to the next
+        # request, worker.model.recycle), not when whatever still holds this session lets go of it
+        self.state = None
+        self._fresh = None
         if not self.leases:
             self._stop_renewing()
             return
