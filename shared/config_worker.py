@@ -241,6 +241,11 @@ class WorkerConfig(_Section):
     #: next turns). RAM is shared with every other
     #: process (other workers, the test suite's many workers); 0 = no cap.
     cpu_pool_max_bytes: Annotated[int, msgspec.Meta(ge=0)] = 2**30
+    #: On a CPU: the most bytes of ended requests' K/V buffers kept for the next requests' states
+    #: (``worker.model.recycle``), so a new state writes into pages already resident instead of
+    #: pages the kernel must fault in and zero first (SmolLM2 at c = 32: a restore ~80 ms fresh,
+    #: docs/BENCHMARKS.md). Held beside the pools; ``kvl_worker_kept_state_bytes`` shows it. 0: none.
+    kept_state_bytes: Annotated[int, msgspec.Meta(ge=0)] = 2**30
     outbox_max: PosInt = 100_000
     outbox_resend_ms: PosInt = 2000
     #: Transitions per JetStream message (a ``transitions`` batch, at most 1000); 1 sends one

@@ -49,6 +49,7 @@ from worker.generation import SamplingParams, generate
 from worker.inflight import InFlightBlocks
 from worker.metrics import WorkerMetrics
 from worker.model import CausalLM, weights_digest
+from worker.model.recycle import BufferRecycler
 from worker.model.storage import stored_precisions
 from worker.model.vision import PromptEmbeds, encode_images
 from kernels.invariant import compute_fingerprint
@@ -111,6 +112,8 @@ class Engine:
         #: The storage precision of every form (``worker.model.storage``): this engine's, passed
         #: to every layout and state it makes (other engines may share the model).
         self.cache_dtype = cfg.cache.dtype
+        if model.recycler is None and model.device.type == "cpu" and cfg.worker.kept_state_bytes:
+            model.recycler = BufferRecycler(cfg.worker.kept_state_bytes)
         self.layouts = model.form_layouts(self.block_size, self.cache_dtype)
         self.catalogue = model.declare_forms(self.block_size, self.cache_dtype)
         self.specs = {n: lay.spec for n, lay in self.layouts.items()}
@@ -135,6 +138,10 @@ class Engine:
         self.device = model.device
         self.max_context = min(cfg.service.max_context_length, model.cfg.max_position_embeddings)
         self.metrics = metrics or WorkerMetrics()
+        if (r := model.recycler) is not None:
+            self.metrics.kept_state_bytes.set_function(lambda: r.kept_bytes)
+            self.metrics.states_reused.set_function(lambda: r.reused)
+            self.metrics.states_made.set_function(lambda: r.made)
         self.client = client
         self.cache_enabled = client is not None
         self.switches = Switches.from_config(cfg.cache.hit_validation, self.catalogue)

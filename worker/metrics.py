@@ -154,6 +154,12 @@ class WorkerMetrics:
         self.batch_invariant = Gauge(p + "batch_invariant", "1 if fused forwards are exact here "
                                      "(the product probe and the whole-forward probe passed, one intra-op thread)",
                                      registry=r)
+        self.kept_state_bytes = Gauge(p + "kept_state_bytes", "Bytes of ended requests' K/V buffers kept for "
+                                      "the next requests' states (worker.kept_state_bytes)", registry=r)
+        self.states_reused = Gauge(p + "states_reused", "Request states made on a kept buffer since start "
+                                   "(against kvl_worker_states_made: made afresh)", registry=r)
+        self.states_made = Gauge(p + "states_made", "Request states whose buffers were made afresh since start",
+                                 registry=r)
         self.disowned_replicas = Counter(p + "disowned_replicas", "Replicas this worker created that the ledger "
                                          "invalidated at its request after a fused forward differed (disk copies "
                                          "included)", registry=r)

@@ -22,6 +22,7 @@ from torch import nn
 
 from kernels.invariant import PROBE_ROWS, calibrate, invariant_here, rules
 from shared.forms import FormCatalogue
+from worker.model.recycle import BufferRecycler
 from worker.model.state import Batch, CacheState, Embeds, Segment
 from worker.model.storage import CACHE_DTYPES, StorageError
 
@@ -55,6 +56,10 @@ class CausalLM(nn.Module):
         #: with different settings may share one model. The precision changes what a request
         #: computes (rows are read back as stored): it is part of the forms' specs and the namespace.
         self.cache_dtype = "auto"
+        #: Where a family's request states take their buffers and give them back when they die
+        #: (:mod:`worker.model.recycle`); ``None``, or a bound of 0, allocates every state afresh.
+        #: The worker sets it (``worker.kept_state_bytes``).
+        self.recycler: BufferRecycler | None = None
         #: The probes this model passed (:meth:`check_invariance` with ``reuse``), by everything
         #: the answer depends on in this process: see :meth:`_probe_key`.
         self._passed_probes: set[tuple] = set()

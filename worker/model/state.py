@@ -145,7 +145,11 @@ class CacheState:
         sample decodes its own copy of the state the prompt left. Every buffer is copied (the
         config and form layouts are shared, they are immutable), so the copies' steps compute
         the bits the original's would."""
-        return copy.deepcopy(self, memo={id(self.cfg): self.cfg, id(self.layouts): self.layouts})
+        memo = {id(self.cfg): self.cfg, id(self.layouts): self.layouts}
+        recycler = getattr(self, "_recycler", None)
+        if recycler is not None:    # shared, never copied (worker.model.recycle)
+            memo[id(recycler)] = recycler
+        return copy.deepcopy(self, memo=memo)
 
     def span(self, length: int) -> Span:
         """The next ``length`` positions; checks capacity."""

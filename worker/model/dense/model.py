@@ -237,7 +237,7 @@ class DenseLM(CausalLM):
     def new_state(self, block_size: int, capacity: int | None = None, *,
                   cache_dtype: str | None = None) -> DenseState:
         return DenseState(self.cfg, block_size, capacity, dtype=self.dtype, device=self.device,
-                          cache_dtype=cache_dtype or self.cache_dtype)
+                          cache_dtype=cache_dtype or self.cache_dtype, recycler=self.recycler)
 
     def form_layouts(self, block_size: int, cache_dtype: str | None = None) -> dict:
         return dense_form_layouts(self.cfg, block_size, self.dtype, cache_dtype or self.cache_dtype)

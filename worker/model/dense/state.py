@@ -20,6 +20,7 @@ import torch
 from shared.forms import FormScope, FormSpec
 from worker.model.dense.config import DenseConfig
 from worker.model.forms import FormLayout
+from worker.model.recycle import BufferRecycler
 from worker.model.state import BlockPayload, CacheState, timed
 from worker.model.storage import resolve
 
@@ -55,7 +56,7 @@ class DenseState(CacheState):
 
     def __init__(self, cfg: DenseConfig, block_size: int, capacity: int | None = None, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 cache_dtype: str = "auto") -> None:
+                 cache_dtype: str = "auto", recycler: BufferRecycler | None = None) -> None:
         capacity = cfg.max_position_embeddings if capacity is None else capacity
         self._init_positions(block_size, capacity, device)
         self.cfg = cfg
@@ -70,9 +71,20 @@ class DenseState(CacheState):
         # reset(), whose stale rows are never read either). Zeroing a SmolLM2 float32 request's
         # ~55 MB on the model thread was ~3 % of a c = 32 profile (torch's fill on pages the
         # kernel had just zeroed).
-        self._k = torch.empty(shape, dtype=self.buffer_dtype, device=self.device)
-        self._v = torch.empty(shape, dtype=self.buffer_dtype, device=self.device)
+        # (a kept buffer may be longer than capacity: rows past it are never reached)
+        self._recycler = recycler
+        if recycler is not None:
+            self._k, self._v = recycler.take(shape, self.buffer_dtype, self.device)
+        else:
+            self._k = torch.empty(shape, dtype=self.buffer_dtype, device=self.device)
+            self._v = torch.empty(shape, dtype=self.buffer_dtype, device=self.device)
         self.reset()
+
+    def __del__(self) -> None:
+        # the buffers go to the next request's state (worker.model.recycle says why that is safe)
+        r = getattr(self, "_recycler", None)
+        if r is not None:
+            r.give(self._k, self._v)
 
     def reset(self) -> None:
         """Position 0. The buffers keep stale rows, which are never read: attention reads
