@@ -81,13 +81,14 @@ def test_the_bound_drops_the_oldest_and_a_zero_bound_keeps_nothing():
     assert model.recycler.kept_bytes == 0 and model.recycler.reused == 0
 
 
-def test_new_buffers_are_as_long_as_the_longest_made_so_any_kept_one_fits():
-    assert [size_class(c) for c in (16, 256, 257, 1024, 1025)] == [256, 256, 512, 1024, 2048]
+def test_new_buffers_have_headroom_for_the_next_turn_of_a_chat():
+    assert [size_class(c) for c in (16, 256, 736, 960, 1184)] == [256, 512, 1280, 1536, 1792]
     model = _model()
     model.recycler = BufferRecycler(2**30)
-    long = model.new_state(16, 1200)
-    short = model.new_state(16, 64)
-    assert long._k.shape[1] == short._k.shape[1] == 2048
-    del long, short
-    st = model.new_state(16, 640)
-    assert model.recycler.reused == 1 and st.capacity == 640
+    first = model.new_state(16, 736)
+    assert first._k.shape[1] == 1280 and first.capacity == 736
+    del first
+    second = model.new_state(16, 960)          # the chat's next turn, longer: the same buffer
+    assert model.recycler.reused == 1 and second.capacity == 960
+    most = model.cfg.max_position_embeddings
+    assert model.new_state(16, most)._k.shape[1] == most   # never past the model's positions

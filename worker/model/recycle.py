@@ -24,16 +24,18 @@ from collections.abc import Sequence
 
 import torch
 
-#: The least capacity a buffer is made with; above it capacities are rounded up to a power of
-#: two, so that a kept buffer covers the next request of about the same length or a little
-#: longer (a chat's next turn carries the last one and a few hundred tokens more). Only the rows a
-#: state writes are ever touched, so the rounding costs address space, not resident memory.
+#: Capacities of new buffers are rounded up to a multiple of this many positions.
 GRANULE = 256
 
 
 def size_class(capacity: int) -> int:
-    """The capacity a new buffer for ``capacity`` positions is made with."""
-    return max(GRANULE, 1 << (max(1, capacity) - 1).bit_length())
+    """The capacity a new buffer for ``capacity`` positions is made with: half as long again,
+    rounded up to :data:`GRANULE`, so that a kept buffer covers the next turn of the same chat
+    (which carries the last one and a few hundred tokens more). A fresh buffer costs its whole
+    length in faulted pages (its layers lie one after another, each touched from its start), so
+    the headroom is bounded rather than rounded to the longest request seen (tried: a second
+    wave of fresh buffers twice as long, restores 200 ms each, when the chats grew past 1,024)."""
+    return -(-(capacity + capacity // 2) // GRANULE) * GRANULE
 
 
 class BufferRecycler:
@@ -42,7 +44,6 @@ class BufferRecycler:
     def __init__(self, limit_bytes: int = 0) -> None:
         self.limit_bytes = limit_bytes
         self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._longest: dict[tuple, int] = {}
         self._bytes = 0
         # NOTE: re-entrant: ``give`` runs from ``__del__``, which a garbage collection started
         # inside ``take`` on this same thread may call.
@@ -54,10 +55,11 @@ class BufferRecycler:
     def kept_bytes(self) -> int:
         return self._bytes
 
-    def take(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+             most: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A buffer pair of ``shape`` (``[layers, capacity, ...]``) or of a larger capacity: the
-        smallest kept one that covers it, else new ones (capacity rounded up by :func:`size_class`;
-        uninitialised either way)."""
+        smallest kept one that covers it, else new ones (capacity rounded up by :func:`size_class`,
+        to at most ``most`` positions; uninitialised either way)."""
         layers, cap, *rest = shape
         if self.limit_bytes > 0 and device.type == "cpu":
             with self._lock:
@@ -70,10 +72,7 @@ class BufferRecycler:
                     self._bytes -= 2 * k.nbytes
                     self.reused += 1
                     return k, v
-                # every new buffer as long as the longest made so far: any kept one then covers
-                # any request up to that length, so after the first requests nothing is made afresh
-                key = (layers, *rest, dtype)
-                cap = self._longest[key] = max(size_class(cap), self._longest.get(key, 0))
+                cap = max(cap, min(size_class(cap), most or size_class(cap)))
         self.made += 1
         full = (layers, cap, *rest)
         return (torch.empty(full, dtype=dtype, device=device), torch.empty(full, dtype=dtype, device=device))

@@ -74,7 +74,7 @@ class DenseState(CacheState):
         # (a kept buffer may be longer than capacity: rows past it are never reached)
         self._recycler = recycler
         if recycler is not None:
-            self._k, self._v = recycler.take(shape, self.buffer_dtype, self.device)
+            self._k, self._v = recycler.take(shape, self.buffer_dtype, self.device, cfg.max_position_embeddings)
         else:
             self._k = torch.empty(shape, dtype=self.buffer_dtype, device=self.device)
             self._v = torch.empty(shape, dtype=self.buffer_dtype, device=self.device)
