@@ -72,7 +72,7 @@ class BufferRecycler:
                     self._bytes -= 2 * k.nbytes
                     self.reused += 1
                     return k, v
-                cap = max(cap, min(size_class(cap), most or size_class(cap)))
+                cap = max(cap, min(size_class(cap), most)) if most else size_class(cap)
         self.made += 1
         full = (layers, cap, *rest)
         return (torch.empty(full, dtype=dtype, device=device), torch.empty(full, dtype=dtype, device=device))
@@ -91,11 +91,6 @@ class BufferRecycler:
             while self._bytes > self.limit_bytes:
                 old_k, _ = self._kept.pop(0)
                 self._bytes -= 2 * old_k.nbytes
-
-    def clear(self) -> None:
-        with self._lock:
-            self._kept.clear()
-            self._bytes = 0
 
 
 def _storage_users(t: torch.Tensor) -> int:
