@@ -246,6 +246,13 @@ class WorkerConfig(_Section):
     #: pages the kernel must fault in and zero first (SmolLM2 at c = 32: a restore ~80 ms fresh,
     #: docs/BENCHMARKS.md). Held beside the pools; ``kvl_worker_kept_state_bytes`` shows it. 0: none.
     kept_state_bytes: Annotated[int, msgspec.Meta(ge=0)] = 2**30
+    #: CPython's switch interval in the worker process (``sys.setswitchinterval``), in ms. The model
+    #: thread calls torch from Python and takes the GIL back after every call; while the event loop
+    #: runs Python (requests, templates, detokenising) the forward waits up to this long each time.
+    #: SmolLM2, a fused decode of 8 beside a loop running Python without pause: 26x slower at 5 ms
+    #: (CPython's default), 3.8x at 0.5; beside a loop busy 20 % of the time 1.65x against 1.44x,
+    #: the loop keeping 87-100 % of its own work (``python -m bench.model_thread``, docs/BENCHMARKS.md).
+    gil_switch_interval_ms: Annotated[float, msgspec.Meta(ge=0.05, le=100.0)] = 0.5
     outbox_max: PosInt = 100_000
     outbox_resend_ms: PosInt = 2000
     #: Transitions per JetStream message (a ``transitions`` batch, at most 1000); 1 sends one

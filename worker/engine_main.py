@@ -189,11 +189,18 @@ class DebugService:
                 await asyncio.wait_for(self._nc.drain(), 2)
 
 
+def set_switch_interval(cfg: Config) -> None:
+    """``worker.gil_switch_interval_ms`` as this process's switch interval: how long the model thread may
+    wait for the GIL behind the event loop's Python each time a torch call returns."""
+    sys.setswitchinterval(cfg.worker.gil_switch_interval_ms / 1000)
+
+
 async def serve(cfg: Config, reload: Callable[[], Config] | None = None, config_path: str | None = None) -> int:
     if not cfg.nats.url:
         print("kvledger worker: config key nats.url is required (the coordinator's NATS server)", file=sys.stderr)
         return 2
     torch.set_num_threads(int(os.environ.get("KVL_TORCH_THREADS", "1")))
+    set_switch_interval(cfg)
     try:
         # The checkpoint's text side first: a bad template or generation config refuses in
         # milliseconds, not after the weights have been read and hashed.
@@ -279,6 +286,7 @@ async def serve(cfg: Config, reload: Callable[[], Config] | None = None, config_
     gc.collect()
     gc.freeze()
     log.info("worker_started", worker_id=engine.worker_id, namespace=engine.namespace, pools=engine.slots,
+             gil_switch_interval_ms=round(sys.getswitchinterval() * 1000, 3),
              device=str(engine.device))
     print(f"kvledger worker {engine.worker_id} running", flush=True)
     await stop.wait()

@@ -263,3 +263,20 @@ async def test_the_debug_subjects_are_off_unless_enabled(cluster) -> None:
     for what in ("generate", "health", "metrics", "flush"):
         with pytest.raises(nats.errors.NoRespondersError):
             await cluster.debug("wd", what, {"tokens": [1] * 20, "max_tokens": 1}, timeout=2)
+
+
+async def test_the_worker_process_takes_its_switch_interval_from_the_config(cluster) -> None:
+    import re
+
+    cluster.start_coordinator()
+    p = cluster.start_worker("ws", worker={"gil_switch_interval_ms": 0.25})
+    await cluster.wait_coordinator()
+    for _ in range(600):
+        if "worker_started" in p.tail(200):
+            break
+        assert p.alive, p.tail()
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError(f"ws did not start\n{p.tail()}")
+    line = next(x for x in p.tail(200).splitlines() if "worker_started" in x)
+    assert re.search(r"gil_switch_interval_ms\W+0\.25\b", line), line
