@@ -1,4 +1,4 @@
-"""What a busy event loop costs the model thread, and what ``worker.gil_switch_interval_ms`` buys.
+"""What a busy event loop costs the model thread at each switch interval (``worker.gil_switch_interval_ms``).
 
 The worker runs forwards on one thread and its event loop (HTTP, NATS, chat templates,
 detokenising, JSON) on another, in one process. The model thread calls torch from Python, and

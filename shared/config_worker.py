@@ -246,13 +246,15 @@ class WorkerConfig(_Section):
     #: pages the kernel must fault in and zero first (SmolLM2 at c = 32: a restore ~80 ms fresh,
     #: docs/BENCHMARKS.md). Held beside the pools; ``kvl_worker_kept_state_bytes`` shows it. 0: none.
     kept_state_bytes: Annotated[int, msgspec.Meta(ge=0)] = 2**30
-    #: CPython's switch interval in the worker process (``sys.setswitchinterval``), in ms. The model
-    #: thread calls torch from Python and takes the GIL back after every call; while the event loop
-    #: runs Python (requests, templates, detokenising) the forward waits up to this long each time.
-    #: SmolLM2, a fused decode of 8 beside a loop running Python without pause: 26x slower at 5 ms
-    #: (CPython's default), 3.8x at 0.5; beside a loop busy 20 % of the time 1.65x against 1.44x,
-    #: the loop keeping 87-100 % of its own work (``python -m bench.model_thread``, docs/BENCHMARKS.md).
-    gil_switch_interval_ms: Annotated[float, msgspec.Meta(ge=0.05, le=100.0)] = 0.5
+    #: CPython's switch interval in the worker process (``sys.setswitchinterval``), in ms: how long a
+    #: thread that wants the GIL waits before the holder is made to let go. The model thread takes
+    #: the GIL back after every torch call, so Python on the event loop delays forwards by up to
+    #: this much each time — but every forced switch also costs a wait for the other thread to be
+    #: scheduled. Measured on 2 cores (docs/BENCHMARKS.md, run S): SmolLM2 at c = 1 served with a
+    #: 0.5 ms interval had a 45 % longer gap between tokens than at 5 ms; 20 ms was level with 5;
+    #: beside a loop running Python without pause a fused forward took 26x its time at 5 ms, 3.8x
+    #: at 0.5 (``python -m bench.model_thread``). The default stays CPython's.
+    gil_switch_interval_ms: Annotated[float, msgspec.Meta(ge=0.05, le=100.0)] = 5.0
     outbox_max: PosInt = 100_000
     outbox_resend_ms: PosInt = 2000
     #: Transitions per JetStream message (a ``transitions`` batch, at most 1000); 1 sends one

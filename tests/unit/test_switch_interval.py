@@ -16,7 +16,7 @@ def test_the_worker_sets_the_switch_interval_it_is_given() -> None:
         set_switch_interval(parse_config({"worker": {"gil_switch_interval_ms": 0.25}}))
         assert sys.getswitchinterval() == pytest.approx(0.00025)
         set_switch_interval(parse_config({}))
-        assert sys.getswitchinterval() == pytest.approx(0.0005)   # the default: a tenth of CPython's
+        assert sys.getswitchinterval() == pytest.approx(0.005)   # the default: CPython's
     finally:
         sys.setswitchinterval(before)
 
