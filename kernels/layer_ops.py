@@ -100,6 +100,11 @@ def path() -> str:
     return f"compiled, {_lanes} lanes" if _lanes else f"reference: {off_reason}"
 
 
+def paths_token() -> tuple:
+    """What decides :func:`compiled_for`'s answer besides its operands (see ``kernels.invariant.paths_token``)."""
+    return _probed, _lanes, id(_ops)
+
+
 def compiled_for(x: torch.Tensor, *others: torch.Tensor):
     """The compiled module and ATen's sum width, where the compiled ops serve ``x`` and ``others``
     (CPU, one dtype, no autograd); else None — for a caller fusing several of them into one call
