@@ -20,6 +20,10 @@ leaves out the lease round trip (the coordinator's durable append, not worker wo
 ``overhead_pct_vs_bare``
 compares warm TTFTs with the bare model instead (noisier: two separate runs).
 
+``kv_copies_per_cached_token`` (issue 53, item 4: 1.0): one more warm request, 8 tokens long, whose
+cache is weighed while it runs — its blocks' pool slots plus its own state's buffers (the most
+``kvl_worker_state_bytes`` rose while it ran) over the bytes of its blocks' forms.
+
 Reloads: the cached prefix's blocks (every form) are put in a host tier and in offload
 files, then reloaded through the engine's own path (tier read, full validation including
 the checksum, install into a pool slot) and compared with a raw read of the same bytes
@@ -346,6 +350,31 @@ def reload_bench(engine: Any, hashes: list[str], n_blocks: int, tmp: Path, reps:
     return out
 
 
+async def _kv_copies(engine: Any, tokens: list[int], cached: int, decode: int = 8) -> dict[str, Any]:
+    """``kv_copies_per_cached_token`` (issue 53's item 4 goal: 1.0) of one warm request: the bytes its
+    cache takes while it runs — its blocks' slots in the pools, and its own state's buffers (the
+    largest ``live_state_bytes`` seen while it runs, less what was alive before) — over the bytes of
+    those blocks' forms. While K/V live in per-request buffers beside the pools, a cached token is
+    held twice (more with a kept buffer's headroom)."""
+    from worker.model.state import live_state_bytes
+
+    before = live_state_bytes()
+    peak = before
+    task = asyncio.ensure_future(engine.generate(tokens, max_tokens=decode))
+    while not task.done():
+        peak = max(peak, live_state_bytes())
+        await asyncio.sleep(0.002)
+    r = await task
+    assert r.cached_tokens == cached, (r.cached_tokens, cached)
+    await engine.flush()
+    hashes = _hashes(engine, tokens)
+    pooled = sum(p.spec.bytes_per_block for f, p in engine.store.pools.pools.items()
+                 for h in hashes if engine.store.lookup(f, h) is not None)
+    state = peak - before
+    return {"kv_pool_bytes_per_request": pooled, "kv_state_bytes_per_request": state,
+            "kv_copies_per_cached_token": round((pooled + state) / pooled, 3) if pooled else None}
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from shared.config import parse_config
     from shared.embedded import free_port, start_services
@@ -466,6 +495,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             _log(f"rep {rep + 1}/{cold_reps}: cold e2e {cold_e2e[-1] * 1000:.0f} ms, warm e2e "
                  f"{warm_e2e[-1] * 1000:.0f} ms")
         await engine.flush()
+        copies = await _kv_copies(engine, prefix + fresh(N - P), P)
 
         med = statistics.median
         c_e, c_b, w_e, w_b = med(cold_e2e), med(cold_bare), med(warm_e2e), med(warm_bare)
@@ -487,6 +517,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "overhead_pct_vs_bare": round(100 * (w_e - w_b) / w_e, 2),
             "warm_phase_ms": {k: round(1000 * med([p.get(k, 0.0) for p in phases]), 3) for k in keys},
             "warm_bit_identical": bool(identical),
+            **copies,
             "reregistrations": engine.epoch - first.epoch,
             "rewarms": rewarms,
         }

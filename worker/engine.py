@@ -50,6 +50,7 @@ from worker.inflight import InFlightBlocks
 from worker.metrics import WorkerMetrics
 from worker.model import CausalLM, weights_digest
 from worker.model.recycle import BufferRecycler
+from worker.model.state import live_state_bytes
 from worker.model.storage import stored_precisions
 from worker.model.vision import PromptEmbeds, encode_images
 from kernels.invariant import compute_fingerprint
@@ -138,6 +139,7 @@ class Engine:
         self.device = model.device
         self.max_context = min(cfg.service.max_context_length, model.cfg.max_position_embeddings)
         self.metrics = metrics or WorkerMetrics()
+        self.metrics.state_bytes.set_function(live_state_bytes)
         if (r := model.recycler) is not None:
             self.metrics.kept_state_bytes.set_function(lambda: r.kept_bytes)
             self.metrics.states_reused.set_function(lambda: r.reused)

@@ -154,6 +154,9 @@ class WorkerMetrics:
         self.batch_invariant = Gauge(p + "batch_invariant", "1 if fused forwards are exact here "
                                      "(the product probe and the whole-forward probe passed, one intra-op thread)",
                                      registry=r)
+        self.state_bytes = Gauge(p + "state_bytes", "Bytes of the live request states' buffers (each running "
+                                 "request's K/V and the rest of its per-request state; ended ones' kept buffers: "
+                                 "kvl_worker_kept_state_bytes)", registry=r)
         self.kept_state_bytes = Gauge(p + "kept_state_bytes", "Bytes of ended requests' K/V buffers kept for "
                                       "the next requests' states (worker.kept_state_bytes)", registry=r)
         self.states_reused = Gauge(p + "states_reused", "Request states made on a kept buffer since start "

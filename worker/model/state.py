@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +115,33 @@ class Batch:
         return int(self.positions.shape[0])
 
 
+#: Every request state alive in this process (made by a family's constructor or by :meth:`CacheState.fork`),
+#: for :func:`live_state_bytes`; a state leaves it when it is collected.
+_live: weakref.WeakSet[CacheState] = weakref.WeakSet()
+
+
+def live_state_bytes() -> int:
+    """Bytes of the buffers every live request state holds (``kvl_worker_state_bytes``)."""
+    for _ in range(3):
+        try:
+            return sum(s.buffer_bytes for s in list(_live))
+        except RuntimeError:   # the set changed while it was copied (a state made or collected on another thread)
+            continue
+    return 0
+
+
+def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """The tensors in ``value``, looking into lists, tuples and dicts a few levels down."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 4 and isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v, depth + 1)
+    elif depth < 4 and isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v, depth + 1)
+
+
 class CacheState:
     """What every family's per-request state shares: the position, spans and their commit,
     which blocks are exportable, and the spec check of a payload offered to ``restore``.
@@ -130,6 +158,17 @@ class CacheState:
             raise ValueError(f"capacity {capacity} must be a positive multiple of block_size {block_size}")
         self.block_size, self.capacity = block_size, capacity
         self.device = torch.device(device)
+        _live.add(self)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the storage this state's tensors hold (each storage once, whole: a kept buffer
+        longer than the capacity counts in full) — what one request's state costs in memory."""
+        seen: dict[int, int] = {}
+        for t in _tensors(vars(self)):
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values())
 
     def _reset_positions(self) -> None:
         self.pos = 0
@@ -149,7 +188,9 @@ class CacheState:
         recycler = getattr(self, "_recycler", None)
         if recycler is not None:    # shared, never copied (worker.model.recycle)
             memo[id(recycler)] = recycler
-        return copy.deepcopy(self, memo=memo)
+        twin = copy.deepcopy(self, memo=memo)
+        _live.add(twin)
+        return twin
 
     def span(self, length: int) -> Span:
         """The next ``length`` positions; checks capacity."""
