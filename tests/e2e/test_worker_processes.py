@@ -245,21 +245,24 @@ async def test_a_worker_whose_fused_forwards_differ_disowns_its_disk_copies(clus
     assert not r1["reloaded"].get("disk") and r1["cached_tokens"] == 0, r1["cached_tokens"]
 
 
-async def test_the_debug_subjects_are_off_unless_enabled(cluster) -> None:
-    import asyncio
+async def started(p, name: str) -> str:
+    """Wait (up to 60 s) for worker process ``p`` to log ``worker_started``; returns that line."""
+    for _ in range(600):
+        line = next((x for x in p.tail(200).splitlines() if "worker_started" in x), None)
+        if line is not None:
+            return line
+        assert p.alive, p.tail()
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{name} did not start\n{p.tail()}")
 
+
+async def test_the_debug_subjects_are_off_unless_enabled(cluster) -> None:
     import nats.errors
 
     cluster.start_coordinator()
     p = cluster.start_worker("wd", worker={"debug_subjects": False})
     await cluster.wait_coordinator()
-    for _ in range(600):
-        if "worker_started" in p.tail(200):
-            break
-        assert p.alive, p.tail()
-        await asyncio.sleep(0.1)
-    else:
-        raise AssertionError(f"wd did not start\n{p.tail()}")
+    await started(p, "wd")
     for what in ("generate", "health", "metrics", "flush"):
         with pytest.raises(nats.errors.NoRespondersError):
             await cluster.debug("wd", what, {"tokens": [1] * 20, "max_tokens": 1}, timeout=2)
@@ -271,12 +274,5 @@ async def test_the_worker_process_takes_its_switch_interval_from_the_config(clus
     cluster.start_coordinator()
     p = cluster.start_worker("ws", worker={"gil_switch_interval_ms": 0.25})
     await cluster.wait_coordinator()
-    for _ in range(600):
-        if "worker_started" in p.tail(200):
-            break
-        assert p.alive, p.tail()
-        await asyncio.sleep(0.1)
-    else:
-        raise AssertionError(f"ws did not start\n{p.tail()}")
-    line = next(x for x in p.tail(200).splitlines() if "worker_started" in x)
+    line = await started(p, "ws")
     assert re.search(r"gil_switch_interval_ms\W+0\.25\b", line), line
