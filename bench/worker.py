@@ -22,7 +22,7 @@ compares warm TTFTs with the bare model instead (noisier: two separate runs).
 
 ``kv_copies_per_cached_token`` (issue 53, item 4: 1.0): one more warm request, 8 tokens long, whose
 cache is weighed while it runs — its blocks' pool slots plus its own state's buffers (the most
-``kvl_worker_state_bytes`` rose while it ran) over the bytes of its blocks' forms.
+bytes seen at once in states made while it ran) over the bytes of its blocks' forms.
 
 Reloads: the cached prefix's blocks (every form) are put in a host tier and in offload
 files, then reloaded through the engine's own path (tier read, full validation including
@@ -352,25 +352,25 @@ def reload_bench(engine: Any, hashes: list[str], n_blocks: int, tmp: Path, reps:
 
 async def _kv_copies(engine: Any, tokens: list[int], cached: int, decode: int = 8) -> dict[str, Any]:
     """``kv_copies_per_cached_token`` (issue 53's item 4 goal: 1.0) of one warm request: the bytes its
-    cache takes while it runs — its blocks' slots in the pools, and its own state's buffers (the
-    largest ``live_state_bytes`` seen while it runs, less what was alive before) — over the bytes of
-    those blocks' forms. While K/V live in per-request buffers beside the pools, a cached token is
-    held twice (more with a kept buffer's headroom)."""
-    from worker.model.state import live_state_bytes
+    cache takes while it runs — its blocks' slots in the pools, and its own state's buffers (the most
+    bytes seen at once in states made since it started; not a difference of totals, since earlier
+    requests' states may be collected meanwhile) — over the bytes of those blocks' forms. While K/V
+    live in per-request buffers beside the pools, a cached token is held twice (more with a kept
+    buffer's headroom)."""
+    from worker.model.state import live_states
 
-    before = live_state_bytes()
-    peak = before
+    before = {id(s) for s in live_states()}
+    state = 0
     task = asyncio.ensure_future(engine.generate(tokens, max_tokens=decode))
     while not task.done():
-        peak = max(peak, live_state_bytes())
-        await asyncio.sleep(0.002)
+        state = max(state, sum(s.buffer_bytes for s in live_states() if id(s) not in before))
+        await asyncio.sleep(0.001)
     r = await task
     assert r.cached_tokens == cached, (r.cached_tokens, cached)
     await engine.flush()
     hashes = _hashes(engine, tokens)
     pooled = sum(p.spec.bytes_per_block for f, p in engine.store.pools.pools.items()
                  for h in hashes if engine.store.lookup(f, h) is not None)
-    state = peak - before
     return {"kv_pool_bytes_per_request": pooled, "kv_state_bytes_per_request": state,
             "kv_copies_per_cached_token": round((pooled + state) / pooled, 3) if pooled else None}
 

@@ -120,14 +120,19 @@ class Batch:
 _live: weakref.WeakSet[CacheState] = weakref.WeakSet()
 
 
-def live_state_bytes() -> int:
-    """Bytes of the buffers every live request state holds (``kvl_worker_state_bytes``)."""
+def live_states() -> list[CacheState]:
+    """Every request state alive in this process now."""
     for _ in range(3):
         try:
-            return sum(s.buffer_bytes for s in list(_live))
+            return list(_live)
         except RuntimeError:   # the set changed while it was copied (a state made or collected on another thread)
             continue
-    return 0
+    return []
+
+
+def live_state_bytes() -> int:
+    """Bytes of the buffers every live request state holds (``kvl_worker_state_bytes``)."""
+    return sum(s.buffer_bytes for s in live_states())
 
 
 def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
