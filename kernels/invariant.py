@@ -247,15 +247,21 @@ def attention(q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], boun
 
 def attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buffers: list[tuple[torch.Tensor, torch.Tensor]],
                      layer: int, starts: list[int], bounds: list[int], positions: torch.Tensor, key_lo: list[int],
-                     window: int, scale: float) -> torch.Tensor:
+                     window: int, scale: float, prefixes: list[torch.Tensor] | None = None,
+                     block_size: int = 0) -> torch.Tensor:
     """:func:`attention` for segments whose K/V live in per-request buffers ``[layers, capacity, kvh, D]``
     (``buffers[s]``, K and V): segment ``s``'s new rows ``k``/``v`` ``[bounds[s], bounds[s + 1])`` are
     written at ``layer``, positions ``starts[s]`` on, then its queries read that layer's keys from
     ``key_lo[s]`` in place. The same bytes written and the same arithmetic as a write per segment
-    then :func:`attention`, in one call per layer."""
+    then :func:`attention`, in one call per layer.
+
+    ``prefixes[s]`` (int64 ``[layers, nb, 2]``, or empty): segment ``s``'s first ``nb`` blocks of
+    ``block_size`` positions are read where a cache holds them, not from its buffers — block ``b``'s
+    K and V rows of layer ``l`` at the addresses ``[l, b]`` (``DenseState.prefix_table``); the same
+    bits as with those rows in the buffers."""
     return _attention.attention_cached(q.detach(), k.detach(), v.detach(), [b[0] for b in buffers],
                                        [b[1] for b in buffers], layer, starts, bounds, positions, key_lo,
-                                       window, scale)
+                                       window, scale, 0, prefixes or [], block_size)
 
 
 def bmm_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_cached", &attention_cached, "attention() over per-request K/V buffers, the new rows written "
         "into them first (cpu_attention.cpp)", py::arg("q"), py::arg("k"), py::arg("v"), py::arg("kbufs"),
         py::arg("vbufs"), py::arg("layer"), py::arg("start"), py::arg("rows"), py::arg("pos"), py::arg("key_lo"),
-        py::arg("window"), py::arg("scale"), py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>());
+        py::arg("window"), py::arg("scale"), py::arg("threads") = 0,
+        py::arg("prefixes") = std::vector<torch::Tensor>{}, py::arg("block_size") = 0,
+        py::call_guard<py::gil_scoped_release>());
   m.def("dense_layer", &dense_layer, "one dense decoder layer on the in-place attention path, the Python "
         "modules' ops in their order (cpu_layer.cpp)", py::call_guard<py::gil_scoped_release>());
   m.def("cast_rms_norm", &cast_rms_norm, "CastRMSNorm with torch's bits (cpu_layer.cpp); lanes: ATen's float vector width",

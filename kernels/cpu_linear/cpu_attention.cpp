@@ -229,13 +229,16 @@ inline void pv_rows64(const float* const* p, const T* vals, int64_t stride, int6
 }
 // acc[d] = sum over j in order of p[j] * vals[j][d] (one multiply-add per element and key: FMA with
 // AVX-512/AVX2, a multiply then an add otherwise — the same for every element of a machine).
-// (Elements from d_from on.)
+// (Elements from d_from on; carry: the sums go on from acc's values, the keys before these —
+// an earlier key run of a paged segment — having been summed into it in order.)
 template <typename T>
 inline void weighted_sum(const float* p, const T* vals, int64_t stride, int64_t n, int64_t D, float* acc,
-                         int64_t d_from = 0) {
+                         int64_t d_from = 0, bool carry = false) {
   for (int64_t d0 = d_from; d0 < D; d0 += 64) {
     if (D - d0 >= 64) {                 // 4 whole chunks: in registers (pv_row64)
       V r[4] = {vzero(), vzero(), vzero(), vzero()};
+      if (carry)
+        for (int c = 0; c < 4; ++c) r[c] = vload(acc + d0 + 16 * c);
       pv_row64(p, vals + d0, stride, 0, n, r);
       for (int c = 0; c < 4; ++c) {
         alignas(64) float tmp[16];
@@ -246,7 +249,11 @@ inline void weighted_sum(const float* p, const T* vals, int64_t stride, int64_t 
     }
     const int chunks = static_cast<int>(std::min<int64_t>(4, (D - d0 + 15) / 16));
     V4 a;
-    for (int c = 0; c < 4; ++c) a.v[c] = vzero();
+    for (int c = 0; c < 4; ++c) {
+      const int64_t left = D - d0 - 16 * c;
+      a.v[c] = !carry || left <= 0 ? vzero()
+               : left >= 16 ? vload(acc + d0 + 16 * c) : vload_part(acc + d0 + 16 * c, static_cast<int>(left));
+    }
     for (int64_t j = 0; j < n; ++j) {
       const T* vj = vals + j * stride + d0;
       const V pj = vbroadcast(p[j]);
@@ -269,14 +276,15 @@ inline void weighted_sum(const float* p, const T* vals, int64_t stride, int64_t 
 // (one head over 64 elements had 8, each waiting 4 cycles on the one before), each key's V chunk
 // loaded once for the G heads. Per element the same FMA over the keys in order.
 template <typename T, int G>
-inline void pv_heads32(const float* p, int64_t n, const T* vals, int64_t stride, float* acc, int64_t D) {
+inline void pv_heads32(const float* p, int64_t ldp, int64_t n, const T* vals, int64_t stride, float* acc, int64_t D,
+                       bool carry) {
   __m256 a[G][4];
   for (int h = 0; h < G; ++h)
-    for (int c = 0; c < 4; ++c) a[h][c] = _mm256_setzero_ps();
+    for (int c = 0; c < 4; ++c) a[h][c] = carry ? _mm256_loadu_ps(acc + h * D + 8 * c) : _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const T* vj = vals + j * stride;
     __m256 b[G];
-    for (int h = 0; h < G; ++h) b[h] = _mm256_set1_ps(p[h * n + j]);
+    for (int h = 0; h < G; ++h) b[h] = _mm256_set1_ps(p[h * ldp + j]);
     for (int c = 0; c < 4; ++c) {
       __m256 v = load8(vj + 8 * c);
       if constexpr (G > 1) pin8(v);
@@ -398,12 +406,13 @@ inline void scores_heads16(const float* q, const T* K, int64_t stride, int64_t n
 // AVX-512: G (<= 4) heads of one kv head over 64 elements at once: pv_rows64 with the heads as
 // its rows (each key's V chunks loaded once for the G heads, 4G chains where one head had 4).
 template <typename T, int G>
-inline void pv_heads64(const float* p, int64_t n, const T* vals, int64_t stride, float* acc, int64_t D) {
+inline void pv_heads64(const float* p, int64_t ldp, int64_t n, const T* vals, int64_t stride, float* acc, int64_t D,
+                       bool carry) {
   const float* ph[G];
   V a[G][4];
   for (int h = 0; h < G; ++h) {
-    ph[h] = p + h * n;
-    for (int c = 0; c < 4; ++c) a[h][c] = vzero();
+    ph[h] = p + h * ldp;
+    for (int c = 0; c < 4; ++c) a[h][c] = carry ? vload(acc + h * D + 16 * c) : vzero();
   }
   pv_rows64<T, G>(ph, vals, stride, 0, n, a);
   for (int h = 0; h < G; ++h)
@@ -414,59 +423,60 @@ inline void pv_heads64(const float* p, int64_t n, const T* vals, int64_t stride,
 // scores for g heads (q [g][D]) over n keys into sc [g][n].
 template <typename T>
 inline void scores_heads(const float* q, int64_t g, const T* K, int64_t stride, int64_t n, int64_t D, float scale,
-                         float* sc) {
+                         float* sc, int64_t ldsc) {
 #if defined(KVL_HALVES)
   for (int64_t h0 = 0; h0 < g; h0 += 3)
     switch (std::min<int64_t>(3, g - h0)) {
-      case 1: scores_heads4<T, 1>(q + h0 * D, K, stride, n, D, scale, sc + h0 * n, n); break;
-      case 2: scores_heads4<T, 2>(q + h0 * D, K, stride, n, D, scale, sc + h0 * n, n); break;
-      default: scores_heads4<T, 3>(q + h0 * D, K, stride, n, D, scale, sc + h0 * n, n); break;
+      case 1: scores_heads4<T, 1>(q + h0 * D, K, stride, n, D, scale, sc + h0 * ldsc, ldsc); break;
+      case 2: scores_heads4<T, 2>(q + h0 * D, K, stride, n, D, scale, sc + h0 * ldsc, ldsc); break;
+      default: scores_heads4<T, 3>(q + h0 * D, K, stride, n, D, scale, sc + h0 * ldsc, ldsc); break;
     }
 #elif defined(KVL_HSUM16)
   for (int64_t h0 = 0; h0 < g; h0 += 4)
     switch (std::min<int64_t>(4, g - h0)) {
-      case 1: scores_heads16<T, 1>(q + h0 * D, K, stride, n, D, scale, sc + h0 * n, n); break;
-      case 2: scores_heads16<T, 2>(q + h0 * D, K, stride, n, D, scale, sc + h0 * n, n); break;
-      case 3: scores_heads16<T, 3>(q + h0 * D, K, stride, n, D, scale, sc + h0 * n, n); break;
-      default: scores_heads16<T, 4>(q + h0 * D, K, stride, n, D, scale, sc + h0 * n, n); break;
+      case 1: scores_heads16<T, 1>(q + h0 * D, K, stride, n, D, scale, sc + h0 * ldsc, ldsc); break;
+      case 2: scores_heads16<T, 2>(q + h0 * D, K, stride, n, D, scale, sc + h0 * ldsc, ldsc); break;
+      case 3: scores_heads16<T, 3>(q + h0 * D, K, stride, n, D, scale, sc + h0 * ldsc, ldsc); break;
+      default: scores_heads16<T, 4>(q + h0 * D, K, stride, n, D, scale, sc + h0 * ldsc, ldsc); break;
     }
 #else
-  for (int64_t hh = 0; hh < g; ++hh) scores(q + hh * D, K, stride, n, D, scale, sc + hh * n);
+  for (int64_t hh = 0; hh < g; ++hh) scores(q + hh * D, K, stride, n, D, scale, sc + hh * ldsc);
 #endif
 }
 
-// weighted_sum for g heads (p [g][n]) into acc [g][D].
+// weighted_sum for g heads (p [g][ldp], its first n) into acc [g][D] (carry: on from acc's sums).
 template <typename T>
-inline void weighted_sums(const float* p, int64_t g, const T* vals, int64_t stride, int64_t n, int64_t D, float* acc) {
+inline void weighted_sums(const float* p, int64_t ldp, int64_t g, const T* vals, int64_t stride, int64_t n, int64_t D,
+                          float* acc, bool carry) {
   int64_t from = 0;
 #if defined(KVL_HALVES)
   from = D / 32 * 32;
   for (int64_t d0 = 0; d0 < from; d0 += 32)
     for (int64_t h0 = 0; h0 < g; h0 += 3) {
-      const float* ph = p + h0 * n;
+      const float* ph = p + h0 * ldp;
       float* out = acc + h0 * D + d0;
       switch (std::min<int64_t>(3, g - h0)) {
-        case 1: pv_heads32<T, 1>(ph, n, vals + d0, stride, out, D); break;
-        case 2: pv_heads32<T, 2>(ph, n, vals + d0, stride, out, D); break;
-        default: pv_heads32<T, 3>(ph, n, vals + d0, stride, out, D); break;
+        case 1: pv_heads32<T, 1>(ph, ldp, n, vals + d0, stride, out, D, carry); break;
+        case 2: pv_heads32<T, 2>(ph, ldp, n, vals + d0, stride, out, D, carry); break;
+        default: pv_heads32<T, 3>(ph, ldp, n, vals + d0, stride, out, D, carry); break;
       }
     }
 #elif defined(KVL_HSUM16)
   from = D / 64 * 64;
   for (int64_t d0 = 0; d0 < from; d0 += 64)
     for (int64_t h0 = 0; h0 < g; h0 += 4) {
-      const float* ph = p + h0 * n;
+      const float* ph = p + h0 * ldp;
       float* out = acc + h0 * D + d0;
       switch (std::min<int64_t>(4, g - h0)) {
-        case 1: pv_heads64<T, 1>(ph, n, vals + d0, stride, out, D); break;
-        case 2: pv_heads64<T, 2>(ph, n, vals + d0, stride, out, D); break;
-        case 3: pv_heads64<T, 3>(ph, n, vals + d0, stride, out, D); break;
-        default: pv_heads64<T, 4>(ph, n, vals + d0, stride, out, D); break;
+        case 1: pv_heads64<T, 1>(ph, ldp, n, vals + d0, stride, out, D, carry); break;
+        case 2: pv_heads64<T, 2>(ph, ldp, n, vals + d0, stride, out, D, carry); break;
+        case 3: pv_heads64<T, 3>(ph, ldp, n, vals + d0, stride, out, D, carry); break;
+        default: pv_heads64<T, 4>(ph, ldp, n, vals + d0, stride, out, D, carry); break;
       }
     }
 #endif
   if (from < D)
-    for (int64_t hh = 0; hh < g; ++hh) weighted_sum(p + hh * n, vals, stride, n, D, acc + hh * D, from);
+    for (int64_t hh = 0; hh < g; ++hh) weighted_sum(p + hh * ldp, vals, stride, n, D, acc + hh * D, from, carry);
 }
 
 #if defined(KVL_AMX)
@@ -576,11 +586,23 @@ inline bool amx_scores_for(const float* q, int64_t R, const T* K, int64_t stride
 inline float widen(float v) { return v; }
 inline float widen(bf16 v) { return static_cast<float>(v); }
 
+// A run of a paged segment's keys: positions lo .. lo + len - 1, consecutive in memory.
+struct Run {
+  const void* k;
+  const void* v;
+  int64_t lo, len;
+};
+
 struct Segment {
   const void* k;
   const void* v;
   int64_t stride;   // elements between consecutive positions
   int64_t lo, len;  // absolute position of row 0, rows held
+  // Paged (non-empty): the keys lie in these runs, in order, covering lo .. lo + len - 1 (k and v
+  // unused): the blocks of a cached prefix read in place from the cache's pool slots, then the
+  // request's own buffer. A key's score and its term of the weighted sum are the contiguous
+  // layout's (per key, the same instructions; the sums carried from run to run in key order).
+  std::vector<Run> runs;
 };
 
 // One work item: query row r, kv head kh, its g query heads. out: [H, D] of row r.
@@ -598,11 +620,34 @@ void attend_item(const TQ* qrow, const Segment& s, int64_t t, int64_t window, in
   denom.resize(static_cast<size_t>(g));
   for (int64_t hh = 0; hh < g; ++hh)
     for (int64_t d = 0; d < D; ++d) qf[hh * D + d] = widen(qrow[(kh * g + hh) * D + d]);
-  const T* K = static_cast<const T*>(s.k) + (a - s.lo) * s.stride + kh * D;
-  const T* Vv = static_cast<const T*>(s.v) + (a - s.lo) * s.stride + kh * D;
-  if (!amx_scores_for<TQ, T>(qf, g, K, s.stride, n, D, scale, sc, n, true)) scores_heads(qf, g, K, s.stride, n, D, scale, sc);
-  for (int64_t hh = 0; hh < g; ++hh) denom[hh] = softmax(sc + hh * n, n);
-  weighted_sums(sc, g, Vv, s.stride, n, D, acc);
+  if (s.runs.empty()) {
+    const T* K = static_cast<const T*>(s.k) + (a - s.lo) * s.stride + kh * D;
+    const T* Vv = static_cast<const T*>(s.v) + (a - s.lo) * s.stride + kh * D;
+    if (!amx_scores_for<TQ, T>(qf, g, K, s.stride, n, D, scale, sc, n, true)) scores_heads(qf, g, K, s.stride, n, D, scale, sc, n);
+    for (int64_t hh = 0; hh < g; ++hh) denom[hh] = softmax(sc + hh * n, n);
+    weighted_sums(sc, n, g, Vv, s.stride, n, D, acc, false);
+  } else {
+    // each run's part of the keys a .. t: its scores into their columns, then (after the one
+    // softmax over all of them) its terms added to the sums in key order
+    auto each = [&](auto f) {
+      for (const Run& r : s.runs) {
+        const int64_t j0 = std::max(a, r.lo), j1 = std::min(t + 1, r.lo + r.len);
+        if (j0 < j1) f(r, j0, j1);
+      }
+    };
+    each([&](const Run& r, int64_t j0, int64_t j1) {
+      const T* K = static_cast<const T*>(r.k) + (j0 - r.lo) * s.stride + kh * D;
+      if (!amx_scores_for<TQ, T>(qf, g, K, s.stride, j1 - j0, D, scale, sc + (j0 - a), n, true))
+        scores_heads(qf, g, K, s.stride, j1 - j0, D, scale, sc + (j0 - a), n);
+    });
+    for (int64_t hh = 0; hh < g; ++hh) denom[hh] = softmax(sc + hh * n, n);
+    bool carry = false;
+    each([&](const Run& r, int64_t j0, int64_t j1) {
+      const T* Vv = static_cast<const T*>(r.v) + (j0 - r.lo) * s.stride + kh * D;
+      weighted_sums(sc + (j0 - a), n, g, Vv, s.stride, j1 - j0, D, acc, carry);
+      carry = true;
+    });
+  }
   for (int64_t hh = 0; hh < g; ++hh) {
     float* dst = out + (kh * g + hh) * D;
     for (int64_t d = 0; d < D; ++d) dst[d] = acc[hh * D + d] / denom[hh];
@@ -788,6 +833,10 @@ torch::Tensor attend_segments(const torch::Tensor& q, const std::vector<Segment>
     const int R = static_cast<int>(std::min<int64_t>(4, rows[seg_of[r0] + 1] - r0));
     if (R == 1) return one_row(r0, kh);   // a decode row: no company to share loads with (a tile would score it 4 times)
     const Segment& s = segs[seg_of[r0]];
+    if (!s.runs.empty()) {                // paged: row by row (the tile's loads assume one run; same bits)
+      for (int i = 0; i < R; ++i) one_row(r0 + i, kh);
+      return;
+    }
     float* outs[4];
     for (int i = 0; i < R; ++i) outs[i] = O + (r0 + i) * H * D;
     typed([&](auto tq, auto tk) {
@@ -842,7 +891,7 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> keys, std::v
     kvh = s == 0 ? k.size(1) : kvh;
     TORCH_CHECK(k.size(1) == kvh && kvh > 0 && H % kvh == 0, "cpu_attention: H a multiple of the kv heads");
     TORCH_CHECK(rows[s] <= rows[s + 1], "cpu_attention: row bounds in order");
-    segs[s] = {k.data_ptr(), v.data_ptr(), k.stride(0), key_lo[s], k.size(0)};
+    segs[s] = {k.data_ptr(), v.data_ptr(), k.stride(0), key_lo[s], k.size(0), {}};
   }
   return attend_segments(q, segs, S > 0 ? kvh : 1, wide, rows, pos, window, scale, threads);
 }
@@ -853,16 +902,23 @@ torch::Tensor attention(torch::Tensor q, std::vector<torch::Tensor> keys, std::v
 // does), then its queries read that layer's positions key_lo[s] .. start[s] + its row count - 1
 // in place. One call per layer for the whole batch, where a Python loop over the segments cost
 // ~30 us each per layer; the arithmetic is attention()'s own.
+// prefixes[s] (int64 [layers, nb, 2], or empty): segment s's positions 0 .. nb * block_size - 1 lie
+// in cached blocks read in place (worker.model.dense.state.DenseState.prefix_table): block b's K
+// and V rows of layer l at the addresses [l, b, 0] and [l, b, 1], block_size rows each, a row
+// apart as in the buffers; its buffers hold the positions from nb * block_size on (new rows are
+// never written into a cached block).
 torch::Tensor attention_cached(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> kbufs,
                                std::vector<torch::Tensor> vbufs, int64_t layer, std::vector<int64_t> start,
                                std::vector<int64_t> rows, torch::Tensor pos, std::vector<int64_t> key_lo,
-                               int64_t window, double scale, int64_t threads) {
+                               int64_t window, double scale, int64_t threads,
+                               std::vector<torch::Tensor> prefixes, int64_t block_size) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3, "cpu_attention: q [N, H, D] on the CPU");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "cpu_attention: float32 or bfloat16");
   const int64_t S = static_cast<int64_t>(kbufs.size());
   TORCH_CHECK(static_cast<int64_t>(vbufs.size()) == S && static_cast<int64_t>(start.size()) == S &&
-              static_cast<int64_t>(key_lo.size()) == S && static_cast<int64_t>(rows.size()) == S + 1,
-              "cpu_attention: one buffer pair, start and key_lo per segment, S+1 row bounds");
+              static_cast<int64_t>(key_lo.size()) == S && static_cast<int64_t>(rows.size()) == S + 1 &&
+              (prefixes.empty() || static_cast<int64_t>(prefixes.size()) == S),
+              "cpu_attention: one buffer pair, start and key_lo (and prefix table) per segment, S+1 row bounds");
   q = q.contiguous();
   pos = pos.to(at::kLong).contiguous();
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
@@ -897,7 +953,26 @@ torch::Tensor attention_cached(torch::Tensor q, torch::Tensor k, torch::Tensor v
       std::memcpy(kl + (start[s] + i) * row * esize, ks + (rows[s] + i) * k.stride(0) * esize, row * esize);
       std::memcpy(vl + (start[s] + i) * row * esize, vs + (rows[s] + i) * v.stride(0) * esize, row * esize);
     }
-    segs[s] = {kl + key_lo[s] * row * esize, vl + key_lo[s] * row * esize, row, key_lo[s], start[s] + n - key_lo[s]};
+    const int64_t end = start[s] + n;
+    segs[s] = {kl + key_lo[s] * row * esize, vl + key_lo[s] * row * esize, row, key_lo[s], end - key_lo[s], {}};
+    const torch::Tensor* tab = prefixes.empty() || prefixes[s].numel() == 0 ? nullptr : &prefixes[s];
+    if (tab != nullptr) {
+      TORCH_CHECK(tab->dim() == 3 && tab->size(2) == 2 && tab->scalar_type() == at::kLong && tab->is_contiguous() &&
+                  tab->size(0) == kb.size(0) && block_size > 0,
+                  "cpu_attention: a prefix table is int64 [layers, blocks, 2], contiguous, one row per layer");
+      const int64_t nb = tab->size(1), cached = nb * block_size;
+      TORCH_CHECK(start[s] >= cached && cached <= kb.size(1),
+                  "cpu_attention: new rows written into a cached block (start ", start[s], " < ", cached, ")");
+      if (key_lo[s] < cached) {
+        const int64_t* at = tab->data_ptr<int64_t>() + layer * nb * 2;
+        auto& runs = segs[s].runs;
+        runs.reserve(static_cast<size_t>(nb + 1));
+        for (int64_t b = key_lo[s] / block_size; b < nb; ++b)
+          runs.push_back({reinterpret_cast<const void*>(at[2 * b]), reinterpret_cast<const void*>(at[2 * b + 1]),
+                          b * block_size, block_size});
+        if (end > cached) runs.push_back({kl + cached * row * esize, vl + cached * row * esize, cached, end - cached});
+      }
+    }
   }
   return attend_segments(q, segs, kvh, dt == at::kFloat, rows, pos, window, scale, threads);
 }

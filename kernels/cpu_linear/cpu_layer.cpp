@@ -257,7 +257,7 @@ torch::Tensor dense_layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor ln2,
                           std::optional<torch::Tensor> b_down, std::vector<torch::Tensor> kbufs,
                           std::vector<torch::Tensor> vbufs, int64_t layer, std::vector<int64_t> starts,
                           std::vector<int64_t> rows, torch::Tensor pos, std::vector<int64_t> key_lo, int64_t window,
-                          double scale) {
+                          double scale, std::vector<torch::Tensor> prefixes, int64_t block_size) {
   const int64_t N = x.size(0), H = heads, kvh = kv_heads, D = head_dim;
   TORCH_CHECK(x.dim() == 2 && w_qkv.size(0) == (H + 2 * kvh) * D, "dense_layer: x [N, hidden], w_qkv [(H + 2 kvh) D, hidden]");
   auto h = cast_rms_norm(x, ln1, eps, lanes);
@@ -270,7 +270,8 @@ torch::Tensor dense_layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor ln2,
   }
   q = rope(q, cos, sin);
   k = rope(k, cos, sin);
-  auto o = attention_cached(q, k, v, kbufs, vbufs, layer, starts, rows, pos, key_lo, window, scale, 0);
+  auto o = attention_cached(q, k, v, kbufs, vbufs, layer, starts, rows, pos, key_lo, window, scale, 0, prefixes,
+                            block_size);
   x = add_rows(x, product(o.to(q.scalar_type()).reshape({N, -1}), w_o, b_o));
   auto gu = product(cast_rms_norm(x, ln2, eps, lanes), w_gate_up, b_gate_up);
   const int64_t I = w_down.size(1);

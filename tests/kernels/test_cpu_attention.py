@@ -156,3 +156,66 @@ def test_attention_over_buffers_refuses_rows_past_a_buffer():
     q, new = torch.zeros(1, 1, 8), torch.zeros(1, 1, 8)
     with pytest.raises(RuntimeError, match="outside its buffers"):
         inv.attention_cached(q, new, new, [(k, v)], 0, [16], [0, 1], torch.tensor([16]), [0], 0, 1.0)
+
+
+def _pool_prefix(bufs, nbs, bs, g):
+    """Each request's first ``nbs[s]`` blocks copied into scattered slots of one pool laid out as the
+    dense ``kv`` form (``[slots, layers, 2, bs, kvh, D]``, the other slots random), and its buffers' rows
+    there overwritten with NaN (a read of them would show); returns the pool and the prefix tables."""
+    layers, _, kvh, D = bufs[0][0].shape
+    slots = sum(nbs) + 3
+    pool = torch.randn(slots, layers, 2, bs, kvh, D, generator=g).to(bufs[0][0].dtype)
+    free = iter(torch.randperm(slots, generator=g).tolist())
+    tables = []
+    for (k, v), nb in zip(bufs, nbs):
+        tab = torch.empty(layers, nb, 2, dtype=torch.long) if nb else torch.empty(0, dtype=torch.long)
+        for b in range(nb):
+            i = next(free)
+            pool[i, :, 0] = k[:, b * bs:(b + 1) * bs]
+            pool[i, :, 1] = v[:, b * bs:(b + 1) * bs]
+            for layer in range(layers):
+                tab[layer, b, 0] = pool[i, layer, 0].data_ptr()
+                tab[layer, b, 1] = pool[i, layer, 1].data_ptr()
+        k[:, :nb * bs] = float("nan")
+        v[:, :nb * bs] = float("nan")
+        tables.append(tab)
+    return pool, tables
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("shape", [(6, 2, 24, 8), (9, 3, 64, 16), (3, 1, 40, 5)])
+def test_attention_over_cached_blocks_read_in_place_gives_the_buffers_bits(dtype, window, shape):
+    """A paged prefix (``prefixes``): each request's first blocks read from scattered pool slots, its
+    buffers' rows there NaN (never read), gives exactly the bits of the same rows held in its
+    buffers — decode rows, prompt pieces, a request with no cached block beside paged ones, a window
+    that starts inside or past the cached blocks; odd head dims, a block size not a power of two."""
+    H, kvh, D, bs = shape
+    layers, cap = 3, 96
+    g = torch.Generator().manual_seed(7)
+    lengths = [40, 61, 7, 48]          # rows each request held before this forward
+    news = [1, 5, 1, 3]
+    nbs = [n0 // bs for n0 in lengths[:3]] + [0]
+    bufs = [tuple(torch.randn(layers, cap, kvh, D, generator=g).to(dtype) for _ in range(2)) for _ in lengths]
+    flat = [tuple(t.clone() for t in b) for b in bufs]
+    N = sum(news)
+    q = torch.randn(N, H, D, generator=g).to(dtype)
+    k_new, v_new = (torch.randn(N, kvh, D, generator=g).to(dtype) for _ in range(2))
+    bounds = [0, *torch.tensor(news).cumsum(0).tolist()]
+    positions = torch.cat([torch.arange(n0, n0 + n) for n0, n in zip(lengths, news)])
+    los = [max(0, n0 - window + 1) if window else 0 for n0 in lengths]
+    layer = 2
+    want = inv.attention_cached(q, k_new, v_new, flat, layer, lengths, bounds, positions, los, window, 0.2)
+    assert not want.isnan().any()
+    _pool, tables = _pool_prefix(bufs, nbs, bs, g)
+    got = inv.attention_cached(q, k_new, v_new, bufs, layer, lengths, bounds, positions, los, window, 0.2, tables, bs)
+    assert torch.equal(got, want)
+    for s, n0 in enumerate(lengths):      # the new rows landed in the buffers, past the cached blocks
+        assert torch.equal(bufs[s][0][layer, n0:n0 + news[s]], k_new[bounds[s]:bounds[s + 1]])
+
+def test_attention_over_cached_blocks_refuses_a_write_into_a_cached_block():
+    k, v = torch.zeros(2, 32, 1, 8), torch.zeros(2, 32, 1, 8)
+    q, new = torch.zeros(1, 1, 8), torch.zeros(1, 1, 8)
+    tab = torch.zeros(2, 2, 2, dtype=torch.long)      # two cached blocks of 8: positions 0 .. 15
+    with pytest.raises(RuntimeError, match="written into a cached block"):
+        inv.attention_cached(q, new, new, [(k, v)], 0, [12], [0, 1], torch.tensor([12]), [0], 0, 1.0, [tab], 8)
