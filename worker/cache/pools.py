@@ -9,10 +9,18 @@ CUDA graphs may hold the storage address for the worker's lifetime.
 The generation of a slot is bumped on every (re)allocation. A read lease carries the
 generation the coordinator recorded at commit; the worker checks it before a kernel reads
 the slot, so a slot recycled in between can never be mistaken for the leased block.
+
+A running request whose state reads cached blocks in place (``worker.model.dense.state``)
+*pins* their slots (:meth:`FormPool.pin`, at the generation it validated). A pinned slot that
+is freed — evicted, fenced, dropped with its epoch — leaves the slot table at once, so no
+lookup finds it again, but its storage is not handed out until the last reader unpins it:
+the bytes a request validated are the bytes it reads until it ends. Pins are taken and let go
+on the model thread and on the event loop, so they, ``free`` and ``allocate`` hold one lock.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +60,10 @@ class FormPool:
     #: The storage's address and whether it is host memory, read once (it never moves).
     base: int = field(init=False, repr=False)
     on_host: bool = field(init=False, repr=False)
+    #: Readers per pinned slot; freed slots waiting for their last reader (see the module docstring).
+    _pins: dict[int, int] = field(init=False, repr=False)
+    _deferred: set[int] = field(init=False, repr=False)
+    _lock: threading.Lock = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         pin = self.device.type == "cpu" and torch.cuda.is_available()
@@ -65,6 +77,9 @@ class FormPool:
         self._raws = [None] * self.slots
         self.base = self.storage.data_ptr()
         self.on_host = self.storage.device.type == "cpu"
+        self._pins = {}
+        self._deferred = set()
+        self._lock = threading.Lock()
 
     @property
     def name(self) -> str:
@@ -81,9 +96,11 @@ class FormPool:
         """Take a free slot for ``block_hash``; returns (slot, new generation)."""
         if block_hash in self.by_hash:
             raise ValueError(f"block {block_hash[:12]}… already has a slot in pool {self.name}")
-        if not self._free:
-            raise PoolExhausted(f"pool {self.name}: all {self.slots} slots in use")
-        slot = self._free.pop()
+        with self._lock:
+            if not self._free:
+                waiting = f" ({len(self._deferred)} freed, still read by running requests)" if self._deferred else ""
+                raise PoolExhausted(f"pool {self.name}: all {self.slots} slots in use{waiting}")
+            slot = self._free.pop()
         self.generations[slot] += 1
         gen = self.generations[slot]
         self.table[slot] = SlotInfo(block_hash, gen)
@@ -128,15 +145,82 @@ class FormPool:
         return m
 
     def free(self, slot: int) -> None:
-        info = self.table.pop(slot, None)
-        if info is None:
-            return
-        self.by_hash.pop(info.block_hash, None)
-        self._free.append(slot)
+        with self._lock:
+            info = self.table.pop(slot, None)
+            if info is None:
+                return
+            self.by_hash.pop(info.block_hash, None)
+            if slot in self._pins:
+                self._deferred.add(slot)    # handed out when its last reader unpins it
+            else:
+                self._free.append(slot)
+
+    def pin(self, slot: int, generation: int) -> bool:
+        """Hold ``slot`` for a reader while it still holds ``generation`` (not freed or taken again
+        since the reader validated it); False, and nothing held, if it does not."""
+        with self._lock:
+            info = self.table.get(slot)
+            if info is None or info.generation != generation:
+                return False
+            self._pins[slot] = self._pins.get(slot, 0) + 1
+            return True
+
+    def hold(self, slot: int, generation: int) -> SlotHold | None:
+        """:meth:`pin` as a :class:`SlotHold`; None when the slot no longer holds ``generation``."""
+        return SlotHold(self, slot) if self.pin(slot, generation) else None
+
+    def _add_reader(self, slot: int) -> None:
+        with self._lock:
+            assert slot in self._pins, "another reader of a slot nobody holds"
+            self._pins[slot] += 1
+
+    def unpin(self, slot: int) -> None:
+        """One reader of ``slot`` is done; a freed slot goes back to the free list with its last."""
+        with self._lock:
+            n = self._pins.get(slot, 0) - 1
+            if n > 0:
+                self._pins[slot] = n
+                return
+            self._pins.pop(slot, None)
+            if slot in self._deferred:
+                self._deferred.discard(slot)
+                self._free.append(slot)
+
+    def pinned(self, slot: int) -> bool:
+        return slot in self._pins
+
+    @property
+    def pinned_slots(self) -> int:
+        """Slots running requests read in place now (freed ones waiting for them included)."""
+        return len(self._pins)
 
     def lookup(self, block_hash: str) -> tuple[int, SlotInfo] | None:
         slot = self.by_hash.get(block_hash)
         return None if slot is None else (slot, self.table[slot])
+
+
+class SlotHold:
+    """One reader's pin on one slot (:meth:`FormPool.pin`): :meth:`release` lets go (once, from any
+    thread); :meth:`share` is another reader of the same bytes (a forked request state), which
+    needs no new check: the slot cannot have been taken again while this hold stands."""
+
+    __slots__ = ("_pool", "slot", "_held")
+
+    def __init__(self, pool: FormPool, slot: int) -> None:
+        self._pool, self.slot, self._held = pool, slot, True
+
+    def share(self) -> SlotHold:
+        assert self._held, "a released hold cannot be shared"
+        self._pool._add_reader(self.slot)
+        return SlotHold(self._pool, self.slot)
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._pool.unpin(self.slot)
+
+    def __del__(self) -> None:
+        self.release()
 
 
 def slots_per_form(catalogue: FormCatalogue, pool_bytes: int, reserve_ratio: float,

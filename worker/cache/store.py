@@ -24,7 +24,7 @@ import torch
 from shared.forms import FormCatalogue
 from shared.hashing import checksum
 from worker.cache.planner import BlockMeta, Observed
-from worker.cache.pools import PoolExhausted, PoolSet
+from worker.cache.pools import PoolExhausted, PoolSet, SlotHold
 from worker.cache.segments import ALIGN
 
 
@@ -170,6 +170,15 @@ class CacheStore:
         info = self.pools[read.form].table.get(read.slot)
         return info is not None and info.generation == read.generation
 
+    def hold(self, read: SlotRead | Reservation) -> SlotHold | None:
+        """Pin the slot a request state reads in place for as long as the state reads it
+        (:class:`worker.cache.pools.SlotHold`), if it still holds what was read; else None."""
+        return self.pools[read.form].hold(read.slot, read.generation)
+
+    def pinned_slots(self) -> int:
+        """Slots running requests read in place now, over every form."""
+        return sum(p.pinned_slots for p in self.pools.pools.values())
+
     def ready_counts(self) -> dict[str, int]:
         return {f: sum(1 for i in p.table.values() if i.ready) for f, p in self.pools.pools.items()}
 
@@ -296,13 +305,15 @@ class CacheStore:
     def coldest_metas(self, form: str, n: int, want: Callable[[BlockMeta], bool]) -> list[BlockMeta]:
         """The ``n`` least recently used READY blocks of ``form`` that ``want`` accepts (untouched)."""
         out: list[BlockMeta] = []
-        table = self.pools[form].table
+        pool = self.pools[form]
+        table = pool.table
         for slot in self._lru[form]:
             if len(out) >= n:
                 break
             meta = self._meta.get((form, slot))
             info = table.get(slot)
-            if meta is not None and info is not None and info.ready and want(meta):
+            # NOTE: not a slot a running request reads in place: freeing it would free no memory
+            if meta is not None and info is not None and info.ready and not pool.pinned(slot) and want(meta):
                 out.append(meta)
         return out
 
