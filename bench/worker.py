@@ -20,6 +20,10 @@ leaves out the lease round trip (the coordinator's durable append, not worker wo
 ``overhead_pct_vs_bare``
 compares warm TTFTs with the bare model instead (noisier: two separate runs).
 
+``restored_in_place_share``: of the blocks warm requests resumed from, the share their states read
+where the pool holds them (``--restore in_place``, ``cache.restore_in_place``: the dense family's
+states) rather than copied (``--restore copy``, and every other family).
+
 ``kv_copies_per_cached_token`` (issue 53, item 4: 1.0): one more warm request, 8 tokens long, whose
 cache is weighed while it runs — its blocks' pool slots plus its own state's buffers (the most
 bytes seen at once in states made while it ran) over the bytes of its blocks' forms.
@@ -375,6 +379,13 @@ async def _kv_copies(engine: Any, tokens: list[int], cached: int, decode: int = 
             "kv_copies_per_cached_token": round((pooled + state) / pooled, 3) if pooled else None}
 
 
+def _in_place_share(engine: Any) -> float:
+    """Of the blocks warm requests resumed from, the share their states read in place (not copied)."""
+    m = engine.metrics
+    done = {how: m.value("kvl_worker_restored_blocks_total", {"how": how}) for how in ("in_place", "copied")}
+    return done["in_place"] / max(1.0, done["in_place"] + done["copied"])
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from shared.config import parse_config
     from shared.embedded import free_port, start_services
@@ -411,7 +422,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await _wait_ready(port, coord)
         bs = 16
         cfg = parse_config({**base, "cache": {"block_size": bs, "chunk_blocks": 1, "host_tier_bytes": 0,
-                                              "offload_dir": ""},
+                                              "offload_dir": "", "restore_in_place": args.restore == "in_place"},
                             "worker": {"worker_id": "bench", "pool_bytes": args.pool_mb * 2**20}})
         model = _model(args)
         client = NatsCoordinatorClient(nats_url, subjects, timeout_s=cfg.nats.request_timeout_ms / 1000)
@@ -518,6 +529,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "warm_phase_ms": {k: round(1000 * med([p.get(k, 0.0) for p in phases]), 3) for k in keys},
             "warm_bit_identical": bool(identical),
             **copies,
+            # cache.restore_in_place: the share of restored blocks read where the pool holds them
+            "restore": args.restore,
+            "restored_in_place_share": round(_in_place_share(engine), 3),
             "reregistrations": engine.epoch - first.epoch,
             "rewarms": rewarms,
         }
@@ -572,6 +586,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "prompts real text through its tokenizer")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                     help="the compute dtype, as worker.dtype (default auto: the checkpoint's own, float32 tiny)")
+    ap.add_argument("--restore", default="in_place", choices=("in_place", "copy"),
+                    help="how a warm request's state takes its validated blocks: read where the pool holds "
+                         "them (cache.restore_in_place, the default) or copied into its buffers")
     ap.add_argument("--database-url", default=os.environ.get("KVL_DATABASE_URL", ""))
     ap.add_argument("--nats-url", default=os.environ.get("KVL_NATS_URL", ""))
     args = ap.parse_args(argv)

@@ -75,6 +75,12 @@ class CacheConfig(_Section):
     #: exactly what a cold run computes. With invariant ops (the default here) prompts are cut
     #: by ``service.max_batch_tokens`` and a resume may start at any block.
     chunk_blocks: PosInt = 1
+    #: A validated hit is read where the pool holds it, not copied into the request's state: each
+    #: restored block's slot is pinned while the request runs (freed only after it ends, if evicted
+    #: meanwhile), and attention reads the block in place. Where the model cannot (another family,
+    #: stored rows rounded from the compute dtype, no compiled attention) blocks are copied as with
+    #: ``false``. Watch ``kvl_worker_pinned_slots``: slots running requests read now.
+    restore_in_place: bool = True
 
 
 #: The largest ``service.max_batch_tokens`` accepted (benches that sweep it use the same bound).

@@ -150,7 +150,8 @@ class Engine:
         #: What the start-up self-check found (``worker.selfcheck``; None before start).
         self.checked: SelfCheck | None = None
         #: speculate, settle_timeout_s, prefix_wait_s (``cache.prefix_wait_ms``): read at each use.
-        self.knobs = CacheKnobs(prefix_wait_s=cfg.cache.prefix_wait_ms / 1000)
+        self.knobs = CacheKnobs(prefix_wait_s=cfg.cache.prefix_wait_ms / 1000,
+                                restore_in_place=cfg.cache.restore_in_place)
         #: Prompt blocks live requests will commit (``worker.inflight``).
         self.inflight = InFlightBlocks()
         #: The pools' size and what it holds (``worker.settings.size_pools``; None without a cache).
@@ -167,6 +168,8 @@ class Engine:
                 self.log.warning("host_tier_exceeds_memory", fix=warning)
         # NOTE: static topology — the pools are allocated here, once, and never again.
         self.store = CacheStore(self.catalogue, self.slots, self.device) if self.cache_enabled else None
+        if self.store is not None:
+            self.metrics.pinned_slots.set_function(self.store.pinned_slots)
         self.tiers = Tiers(cfg.cache.host_tier_bytes if self.cache_enabled else 0,
                            cfg.cache.offload_dir if self.cache_enabled else None,
                            host_pins=lambda: self.replicas.host_pins(),

@@ -65,6 +65,11 @@ class WorkerMetrics:
         self.restore_seconds = Histogram(
             p + "restore_seconds", "Time one request's state took to take in a form's validated blocks at its "
             "resume point (on a GPU: to issue the copies)", ["form"], buckets=_FAST, registry=r)
+        self.restored_blocks = Counter(p + "restored_blocks", "Blocks requests resumed from, by how their state "
+                                       "took them: read where the pool holds them (in_place) or copied "
+                                       "(cache.restore_in_place)", ["how"], registry=r)
+        self.pinned_slots = Gauge(p + "pinned_slots", "Pool slots running requests read in place now (freed ones "
+                                  "among them are handed out when those requests end)", registry=r)
         self.offload_failures = Counter(p + "offload_failures", "Offload writes that failed", ["tier", "reason"],
                                         registry=r)
         self.reload_failures = Counter(p + "reload_failures", "Reloads that failed or failed verification",

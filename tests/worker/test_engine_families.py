@@ -60,6 +60,13 @@ async def test_resume_at_every_block_boundary_is_bit_identical(checkpoints, tmp_
             assert warm.cached_tokens == b * BS, (b, warm.cached_tokens, warm.fallbacks)
             assert same(warm, await cold.generate(probe, max_tokens=3)), b
         assert engine.metrics.value("kvl_worker_batch_invariant") == 1
+        in_place = engine.metrics.value("kvl_worker_restored_blocks_total", {"how": "in_place"})
+        copied = engine.metrics.value("kvl_worker_restored_blocks_total", {"how": "copied"})
+        assert in_place + copied == sum(range(1, 7))
+        # the dense family reads a hit where the pool holds it wherever the compiled attention serves
+        # its dtype; the others copy (their states have no prefix table yet)
+        assert (in_place > 0) == (family in ("llama", "qwen2", "qwen3") and dtype != "float16"), (in_place, copied)
+        assert engine.metrics.value("kvl_worker_pinned_slots") == 0      # every hold let go with its request
     finally:
         await engine.stop()
         await cold.stop()

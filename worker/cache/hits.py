@@ -15,7 +15,9 @@ counters). Two paths lead to a restored state:
 
 Either way a slot read in place must be unchanged once the restore is done
 (``CacheStore.unchanged``); if it is not, or the model refuses the bytes, the request
-recomputes the whole prompt — never a guess.
+recomputes the whole prompt — never a guess. A state that reads restored blocks where they lie
+(the dense family, ``DenseState.reads_in_place``) copies nothing: it pins each validated slot
+for its whole life (``CacheStore.hold``), so the unchanged check also covers every later read.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ class HitFinder:
             state = ports.runner.model.new_state(bs, cap, cache_dtype=ports.ctx.cache_dtype)
             if blocks is not None:
                 timer = FormTimer()
-                state.restore(blocks, spec.p, timer=timer)
+                state.restore(blocks, spec.p, timer=timer, **self._holds(state, spec.found))
                 timer.observe(ports.metrics.restore_seconds)
             return state
 
@@ -123,6 +125,7 @@ class HitFinder:
             self.found.update(spec.found)
             self.state = state
             self.resume_blocks = spec.p
+            self._count_restored(state, spec.p)
         # else: the model refused the restore; _take_state fell back to recomputing everything
         return True
 
@@ -295,6 +298,27 @@ class HitFinder:
         self._spent("validate", t_start)
         return failed
 
+    def _holds(self, state, found: dict[Need, _Found]) -> dict:
+        """``restore``'s ``hold`` for a state that reads restored blocks in place: pins the pool slot
+        a validated payload lies in (None for a private copy, or a slot taken again since)."""
+        if not getattr(state, "reads_in_place", False) or not self.ports.knobs.restore_in_place:
+            return {}
+        store = self.ports.store
+
+        def hold(i: int, form: str):
+            f = found.get((i, form))
+            return None if f is None or f.slot is None else store.hold(f.slot)
+
+        return {"hold": hold}
+
+    def _count_restored(self, state, p: int) -> None:
+        in_place = getattr(state, "cached_in_place", 0)
+        m = self.ports.metrics.restored_blocks
+        if in_place:
+            m.labels(how="in_place").inc(in_place)
+        if p > in_place:
+            m.labels(how="copied").inc(p - in_place)
+
     def _slots_unchanged(self, want: list[Need], found: dict[Need, _Found] | None = None) -> bool:
         """Whether every slot the restore of ``want`` read in place still holds what it read."""
         found = self.found if found is None else found
@@ -366,7 +390,7 @@ class HitFinder:
 
         def work():
             timer = FormTimer()
-            fresh.restore(blocks, p, timer=timer)
+            fresh.restore(blocks, p, timer=timer, **self._holds(fresh, self.found))
             timer.observe(ports.metrics.restore_seconds)
             return fresh
 
@@ -393,6 +417,7 @@ class HitFinder:
         self.state = restored
         self._spent("restore", t0)
         self.resume_blocks = p
+        self._count_restored(restored, p)
         # Reloaded replicas become GPU replicas where the lease granted the slot (committed
         # off the TTFT path, see _commit_pending).
         granted = self.main.write if self.main is not None else {}

@@ -78,6 +78,8 @@ class CacheKnobs:
     settle_timeout_s: float = 2.0
     #: How long a request waits without progress for blocks another request here computes.
     prefix_wait_s: float = 0.0
+    #: Restored blocks read where the pool holds them (``cache.restore_in_place``).
+    restore_in_place: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,14 +38,18 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return rope(x, cos, sin)
 
 
-def _in_place(batch: Batch, dtype: torch.dtype) -> tuple[list, list[int], list[int]] | None:
-    """The batch's K/V buffers, span starts and row bounds, where every request's state keeps
-    its rows in ``dtype`` in place (``DenseState.buffers_for``); else None. Once per forward."""
+def _in_place(batch: Batch, dtype: torch.dtype) -> tuple[list, list[int], list[int], list[torch.Tensor], int] | None:
+    """The batch's K/V buffers, span starts, row bounds, each request's table of restored blocks read
+    where the cache holds them (``DenseState.prefix_table``) and the block size, where every
+    request's state keeps its rows in ``dtype`` in place (``DenseState.buffers_for``); else None.
+    Once per forward."""
     key = ("dense_in_place", dtype)
     if key not in batch.memo:
-        bufs = [getattr(g.state, "buffers_for", _none)(dtype) for g in batch.segments]
+        segs = batch.segments
+        bufs = [getattr(g.state, "buffers_for", _none)(dtype) for g in segs]
         batch.memo[key] = None if any(b is None for b in bufs) else (
-            bufs, [g.span.start for g in batch.segments], [g.rows.start for g in batch.segments] + [batch.rows])
+            bufs, [g.span.start for g in segs], [g.rows.start for g in segs] + [batch.rows],
+            [g.state.prefix_table() for g in segs], segs[0].state.block_size)
     return batch.memo[key]
 
 
@@ -61,7 +65,7 @@ def _in_place_lists(batch: Batch, dtype: torch.dtype, window: int) -> tuple | No
         plan = _in_place(batch, dtype)
         batch.memo[key] = None if plan is None else (
             [b[0] for b in plan[0]], [b[1] for b in plan[0]], plan[1], plan[2],
-            [max(0, g.span.start - window + 1) if window else 0 for g in batch.segments])
+            [max(0, g.span.start - window + 1) if window else 0 for g in batch.segments], plan[3], plan[4])
     return batch.memo[key]
 
 
@@ -136,7 +140,7 @@ class DenseAttention(nn.Module):
             if plan is not None:
                 # every request's new rows written into its buffers and attended there, in one call
                 o = attention_cached(q, k, v, plan[0], self.layer, plan[1], plan[2], batch.positions, los,
-                                     self.window, self.scale)
+                                     self.window, self.scale, plan[3], plan[4])
                 return self.o_proj(o.to(q.dtype).reshape(N, -1))
         for seg in segs:
             seg.state.write(self.layer, seg.span.start, k[seg.rows], v[seg.rows])
@@ -223,7 +227,7 @@ class DenseLayer(nn.Module):
         return ops.dense_layer(
             x, ln1w, ln2w, eps, lanes, qkv_w, qkv_b, qn_w, kn_w, qk_eps, cos, sin, attn.heads, attn.kv_heads,
             attn.head_dim, o_w, o_b, gu_w, gu_b, down_w, down_b, plan[0], plan[1], attn.layer, plan[2], plan[3],
-            batch.positions, plan[4], attn.window, attn.scale)
+            batch.positions, plan[4], attn.window, attn.scale, plan[5], plan[6])
 
     def _key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
         """Everything :meth:`_checked` decides by besides this layer's parameters."""
