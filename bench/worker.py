@@ -21,8 +21,8 @@ leaves out the lease round trip (the coordinator's durable append, not worker wo
 compares warm TTFTs with the bare model instead (noisier: two separate runs).
 
 ``restored_in_place_share``: of the blocks warm requests resumed from, the share their states read
-where the pool holds them (``--restore in_place``, ``cache.restore_in_place``: the dense family's
-states) rather than copied (``--restore copy``, and every other family).
+where the pool holds them rather than copied (``--restore``, as ``cache.restore_in_place``; only
+the dense family's states read in place).
 
 ``kv_copies_per_cached_token`` (issue 53, item 4: 1.0): one more warm request, 8 tokens long, whose
 cache is weighed while it runs — its blocks' pool slots plus its own state's buffers (the most
@@ -422,7 +422,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await _wait_ready(port, coord)
         bs = 16
         cfg = parse_config({**base, "cache": {"block_size": bs, "chunk_blocks": 1, "host_tier_bytes": 0,
-                                              "offload_dir": "", "restore_in_place": args.restore == "in_place"},
+                                              "offload_dir": "", "restore_in_place": args.restore},
                             "worker": {"worker_id": "bench", "pool_bytes": args.pool_mb * 2**20}})
         model = _model(args)
         client = NatsCoordinatorClient(nats_url, subjects, timeout_s=cfg.nats.request_timeout_ms / 1000)
@@ -586,9 +586,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "prompts real text through its tokenizer")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                     help="the compute dtype, as worker.dtype (default auto: the checkpoint's own, float32 tiny)")
-    ap.add_argument("--restore", default="in_place", choices=("in_place", "copy"),
-                    help="how a warm request's state takes its validated blocks: read where the pool holds "
-                         "them (cache.restore_in_place, the default) or copied into its buffers")
+    ap.add_argument("--restore", default="auto", choices=("auto", "always", "never"),
+                    help="cache.restore_in_place: when a warm request's state reads its validated blocks where "
+                         "the pool holds them instead of copying them (default auto)")
     ap.add_argument("--database-url", default=os.environ.get("KVL_DATABASE_URL", ""))
     ap.add_argument("--nats-url", default=os.environ.get("KVL_NATS_URL", ""))
     args = ap.parse_args(argv)

@@ -75,12 +75,15 @@ class CacheConfig(_Section):
     #: exactly what a cold run computes. With invariant ops (the default here) prompts are cut
     #: by ``service.max_batch_tokens`` and a resume may start at any block.
     chunk_blocks: PosInt = 1
-    #: A validated hit is read where the pool holds it, not copied into the request's state: each
-    #: restored block's slot is pinned while the request runs (freed only after it ends, if evicted
-    #: meanwhile), and attention reads the block in place. Where the model cannot (another family,
-    #: stored rows rounded from the compute dtype, no compiled attention) blocks are copied as with
-    #: ``false``. Watch ``kvl_worker_pinned_slots``: slots running requests read now.
-    restore_in_place: bool = True
+    #: How a request's state takes a validated hit: ``always`` reads each block where the pool holds
+    #: it — its slot pinned while the request runs (freed only after it ends, if evicted meanwhile),
+    #: attention reading the blocks in place — instead of copying it; ``never`` copies; ``auto``
+    #: reads in place when the state's buffers are new (a copy would first have the kernel fault in
+    #: and zero every page it writes: ~80 ms a restore under load) and copies into buffers kept from
+    #: an ended request (resident: a copy is cheap, and attention over one buffer is ~20 % faster than
+    #: over 16-token blocks). Another family, rows stored rounded from the compute dtype, or no
+    #: compiled attention: copied. Watch ``kvl_worker_restored_blocks_total`` and ``kvl_worker_pinned_slots``.
+    restore_in_place: Literal["auto", "always", "never"] = "auto"
 
 
 #: The largest ``service.max_batch_tokens`` accepted (benches that sweep it use the same bound).

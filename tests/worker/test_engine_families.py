@@ -46,7 +46,8 @@ async def test_resume_at_every_block_boundary_is_bit_identical(checkpoints, tmp_
     toks = torch.randint(0, model.cfg.vocab_size, (6 * BS + 5,), generator=torch.Generator().manual_seed(9)).tolist()
     cold = Engine(model, config(tmp_path / "cold"), None)
     twin = InProcessCoordinator()
-    engine = Engine(model, config(tmp_path), twin)
+    # every hit read where the pool holds it (the dense family), not only those into new buffers
+    engine = Engine(model, config(tmp_path, **{"cache.restore_in_place": "always"}), twin)
     await engine.start()
     try:
         assert engine.catalogue.names == FORMS.get(family, ("kv",))

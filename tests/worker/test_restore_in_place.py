@@ -153,3 +153,34 @@ def test_a_slot_taken_again_before_the_hold_is_copied_not_read_in_place():
     state.restore([BlockPayload({KV: data.view(layout.dtype).reshape(layout.shape)}, {KV: layout.spec})], 1,
                   hold=lambda i, form: store.hold(read))
     assert state.cached_in_place == 0 and store.pinned_slots() == 0
+
+
+@pytest.mark.parametrize("kept_bytes,how,in_place", [(0, "auto", True), (2**30, "auto", False),
+                                                     (2**30, "always", True), (0, "never", False)])
+async def test_auto_reads_in_place_into_new_buffers_and_copies_into_kept_ones(tmp_path, kept_bytes, how, in_place):
+    """``cache.restore_in_place``: ``auto`` reads a hit in place when the state's buffers are new
+    (a copy would fault their pages in) and copies into buffers an ended request left (resident);
+    the output is the same bits either way."""
+    from tests.twin import InProcessCoordinator
+    from tests.worker.conftest import config
+    from worker.engine import Engine
+
+    model = _model()
+    toks = torch.randint(0, 200, (4 * BS + 3,), generator=torch.Generator().manual_seed(2)).tolist()
+    cold = Engine(_model(), config(tmp_path / "cold"), None)      # the same weights, a recycler of its own
+    engine = Engine(model, config(tmp_path, **{"cache.restore_in_place": how, "worker.kept_state_bytes": kept_bytes}),
+                    InProcessCoordinator())
+    await engine.start()
+    try:
+        await engine.generate(toks, max_tokens=2)
+        warm = await engine.generate(toks[:3 * BS] + [5, 6, 7], max_tokens=2)
+        assert warm.cached_tokens == 3 * BS
+        want = await cold.generate(toks[:3 * BS] + [5, 6, 7], max_tokens=2)
+        assert warm.tokens == want.tokens and torch.equal(warm.logits, want.logits)
+        m = engine.metrics
+        got = {h: m.value("kvl_worker_restored_blocks_total", {"how": h}) for h in ("in_place", "copied")}
+        assert got["in_place" if in_place else "copied"] == 3, got
+        assert m.value("kvl_worker_pinned_slots") == 0
+    finally:
+        await engine.stop()
+        await cold.stop()

@@ -16,8 +16,9 @@ counters). Two paths lead to a restored state:
 Either way a slot read in place must be unchanged once the restore is done
 (``CacheStore.unchanged``); if it is not, or the model refuses the bytes, the request
 recomputes the whole prompt — never a guess. A state that reads restored blocks where they lie
-(the dense family, ``DenseState.reads_in_place``) copies nothing: it pins each validated slot
-for its whole life (``CacheStore.hold``), so the unchanged check also covers every later read.
+(the dense family, ``DenseState.reads_in_place``; ``cache.restore_in_place``) copies nothing:
+it pins each validated slot for its whole life (``CacheStore.hold``), so the unchanged check also
+covers every later read.
 """
 
 from __future__ import annotations
@@ -301,7 +302,9 @@ class HitFinder:
     def _holds(self, state, found: dict[Need, _Found]) -> dict:
         """``restore``'s ``hold`` for a state that reads restored blocks in place: pins the pool slot
         a validated payload lies in (None for a private copy, or a slot taken again since)."""
-        if not getattr(state, "reads_in_place", False) or not self.ports.knobs.restore_in_place:
+        how = self.ports.knobs.restore_in_place
+        if (not getattr(state, "reads_in_place", False) or how == "never"
+                or (how == "auto" and getattr(state, "buffers_resident", False))):
             return {}
         store = self.ports.store
 

@@ -78,8 +78,8 @@ class CacheKnobs:
     settle_timeout_s: float = 2.0
     #: How long a request waits without progress for blocks another request here computes.
     prefix_wait_s: float = 0.0
-    #: Restored blocks read where the pool holds them (``cache.restore_in_place``).
-    restore_in_place: bool = True
+    #: When restored blocks are read where the pool holds them (``cache.restore_in_place``).
+    restore_in_place: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,10 +56,11 @@ class BufferRecycler:
         return self._bytes
 
     def take(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
-             most: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             most: int | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """A buffer pair of ``shape`` (``[layers, capacity, ...]``) or of a larger capacity: the
         smallest kept one that covers it, else new ones (capacity rounded up by :func:`size_class`,
-        to at most ``most`` positions; uninitialised either way)."""
+        to at most ``most`` positions; uninitialised either way), and whether it was kept (its pages
+        resident: a new one's are faulted in and zeroed by the kernel as they are first written)."""
         layers, cap, *rest = shape
         if self.limit_bytes > 0 and device.type == "cpu":
             with self._lock:
@@ -71,11 +72,11 @@ class BufferRecycler:
                     k, v = self._kept.pop(best)
                     self._bytes -= 2 * k.nbytes
                     self.reused += 1
-                    return k, v
+                    return k, v, True
                 cap = max(cap, min(size_class(cap), most)) if most else size_class(cap)
         self.made += 1
         full = (layers, cap, *rest)
-        return (torch.empty(full, dtype=dtype, device=device), torch.empty(full, dtype=dtype, device=device))
+        return torch.empty(full, dtype=dtype, device=device), torch.empty(full, dtype=dtype, device=device), False
 
     def give(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep a dead state's buffers, unless a view of either is still alive or they exceed the bound."""

@@ -107,8 +107,11 @@ class DenseState(CacheState):
         # kernel had just zeroed).
         # (a kept buffer may be longer than capacity: rows past it are never reached)
         self._recycler = recycler
+        #: Whether the buffers were kept from an ended request (pages resident) rather than made.
+        self.buffers_resident = False
         if recycler is not None:
-            self._k, self._v = recycler.take(shape, self.buffer_dtype, self.device, cfg.max_position_embeddings)
+            self._k, self._v, self.buffers_resident = recycler.take(shape, self.buffer_dtype, self.device,
+                                                                    cfg.max_position_embeddings)
         else:
             self._k = torch.empty(shape, dtype=self.buffer_dtype, device=self.device)
             self._v = torch.empty(shape, dtype=self.buffer_dtype, device=self.device)
