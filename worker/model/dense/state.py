@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from kernels import invariant
-
 from shared.forms import FormScope, FormSpec
 from worker.model.dense.config import DenseConfig
 from worker.model.forms import FormLayout
