@@ -202,7 +202,10 @@ class Stack:
         # NOTE: a bound and small segments, so the disk GC (and its DiskGc requests) runs in every drill
         doc["cache"] = {"chunk_blocks": 1, "offload_dir": str(self.offload_dir), "host_tier_bytes": 0,
                         "offload_dir_bytes": OFFLOAD_DIR_BYTES, "offload_segment_bytes": 2**19,
-                        "dtype": os.environ.get("KVL_DRILL_CACHE_DTYPE", "auto"), **spec.cache}
+                        "dtype": os.environ.get("KVL_DRILL_CACHE_DTYPE", "auto"),
+                        # always: every hit a dense checkpoint's workers take is read in place (pins held
+                        # through every fault); the default as configured otherwise
+                        "restore_in_place": os.environ.get("KVL_DRILL_RESTORE_IN_PLACE", "auto"), **spec.cache}
         doc["worker"] = {"worker_id": wid, "host": "127.0.0.1", "port": self.ports[wid], "pool_bytes": 4 * 2**20,
                          "outbox_resend_ms": 500, "debug_subjects": True,
                          "model_dir": os.environ.get("KVL_DRILL_MODEL_DIR", ""), **spec.worker}

@@ -29,7 +29,8 @@ below is one real run, written by the run itself (`KVL_WRITE_RELIABILITY=1`).
   directory (`wa` straight to disk, `wb` through a small host tier), `wp` with a 2-slot `tail`
   pool, `wr` the untouched retention witness — the tiny seeded model on CPU
   (`KVL_DRILL_MODEL_DIR=DIR` runs the same drills on a checkpoint directory instead, e.g. a
-  Llama as transformers saves it; `wp` then gets a whole pool of 2 blocks). Each process is its
+  Llama as transformers saves it; `wp` then gets a whole pool of 2 blocks;
+  `KVL_DRILL_RESTORE_IN_PLACE=always` makes such a model's workers read every hit in place). Each process is its
   own NATS user confined to its own subjects (as `kvledger up` runs them); the witness listens as
   `observer`, the debug channel asks as `operator`, and a forgery is sent as the worker it names.
 * **Load**: multi-turn conversations, each turn = previous prompt + previous answer + new
